@@ -1,0 +1,164 @@
+#include "common/kv_cache.h"
+
+#include <sys/mman.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
+namespace pdserve {
+namespace {
+
+class HostRegion final : public KvRegion {
+ public:
+  HostRegion(void* data, size_t size) : data_(data), size_(size) {}
+  ~HostRegion() override { std::free(data_); }
+  void* data() override { return data_; }
+  size_t size() const override { return size_; }
+
+ private:
+  void* data_;
+  size_t size_;
+};
+
+constexpr size_t kHugePage = 2u << 20;
+
+}  // namespace
+
+int64_t KvCacheSpec::BytesPerPosition() const {
+  return 2LL * num_layers * num_kv_heads * head_dim * static_cast<int64_t>(DTypeSize(dtype));
+}
+
+int64_t KvCacheSpec::LayerBlockBytes() const {
+  return 2LL * num_kv_heads * block_size * head_dim * static_cast<int64_t>(DTypeSize(dtype));
+}
+
+int64_t KvCacheSpec::TotalBytes() const {
+  return LayerBlockBytes() * num_blocks * num_layers;
+}
+
+absl::Status KvCacheSpec::Validate() const {
+  if (num_layers <= 0 || num_kv_heads <= 0 || head_dim <= 0) {
+    return absl::InvalidArgumentError("KV cache: layers, KV heads and head_dim must be positive");
+  }
+  if (block_size <= 0 || block_size > 256) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("KV cache: block size must be in [1, 256], got ", block_size));
+  }
+  if (num_blocks <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("KV cache: number of blocks must be positive, got ", num_blocks));
+  }
+  if (dtype != DType::kF32 && dtype != DType::kBF16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("KV cache: dtype ", DTypeName(dtype), " is not supported (f32, bf16)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<KvRegion>> HostKvRegionAllocator::Allocate(size_t bytes) {
+  const size_t rounded = (bytes + kHugePage - 1) / kHugePage * kHugePage;
+  void* p = std::aligned_alloc(kHugePage, rounded);
+  if (p == nullptr) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("KV cache: cannot allocate ", rounded, " bytes of host memory"));
+  }
+  madvise(p, rounded, MADV_HUGEPAGE);
+  std::memset(p, 0, rounded);
+  return std::unique_ptr<KvRegion>(new HostRegion(p, rounded));
+}
+
+absl::StatusOr<std::unique_ptr<BlockPool>> BlockPool::Create(const KvCacheSpec& spec,
+                                                             KvRegionAllocator* allocator) {
+  if (absl::Status s = spec.Validate(); !s.ok()) return s;
+  HostKvRegionAllocator host;
+  if (allocator == nullptr) allocator = &host;
+  absl::StatusOr<std::unique_ptr<KvRegion>> region =
+      allocator->Allocate(static_cast<size_t>(spec.TotalBytes()));
+  if (!region.ok()) return region.status();
+  if ((*region)->size() < static_cast<size_t>(spec.TotalBytes())) {
+    return absl::InternalError("KV cache: allocator returned a region smaller than asked");
+  }
+  return std::unique_ptr<BlockPool>(new BlockPool(spec, *std::move(region)));
+}
+
+BlockPool::BlockPool(const KvCacheSpec& spec, std::unique_ptr<KvRegion> region)
+    : spec_(spec), region_(std::move(region)), ref_counts_(spec.num_blocks, 0) {
+  free_.reserve(spec.num_blocks);
+  for (int32_t b = spec.num_blocks - 1; b >= 0; --b) free_.push_back(BlockId{b});
+}
+
+absl::StatusOr<std::vector<BlockId>> BlockPool::Allocate(int32_t n) {
+  if (n < 0) return absl::InvalidArgumentError("KV cache: negative block count");
+  if (n > num_free()) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("KV block pool exhausted: ", n, " blocks requested, ", num_free(),
+                     " free of ", spec_.num_blocks));
+  }
+  std::vector<BlockId> out;
+  out.reserve(n);
+  for (int32_t i = 0; i < n; ++i) {
+    BlockId b = free_.back();
+    free_.pop_back();
+    ref_counts_[b.value] = 1;
+    out.push_back(b);
+  }
+  return out;
+}
+
+void BlockPool::AddRef(BlockId b) { ++ref_counts_[b.value]; }
+
+void BlockPool::Release(BlockId b) {
+  if (--ref_counts_[b.value] == 0) free_.push_back(b);
+}
+
+kernels::KvLayerView BlockPool::LayerView(int32_t layer) {
+  const int64_t elem = static_cast<int64_t>(DTypeSize(spec_.dtype));
+  const int64_t block_elems = spec_.LayerBlockBytes() / elem;
+  char* base = static_cast<char*>(region_->data()) +
+               static_cast<int64_t>(layer) * spec_.num_blocks * spec_.LayerBlockBytes();
+  return kernels::KvLayerView{
+      .base = base,
+      .dtype = spec_.dtype,
+      .block_stride = block_elems,
+      .head_stride = static_cast<int64_t>(spec_.block_size) * spec_.head_dim,
+      .v_offset = block_elems / 2,
+      .block_size = spec_.block_size,
+  };
+}
+
+void* BlockPool::BlockData(int32_t layer, BlockId block) {
+  return static_cast<char*>(region_->data()) +
+         (static_cast<int64_t>(layer) * spec_.num_blocks + block.value) * spec_.LayerBlockBytes();
+}
+
+absl::Status SequenceKv::Reserve(BlockPool& pool, int32_t positions) {
+  const int32_t bs = pool.spec().block_size;
+  const int32_t need = (positions + bs - 1) / bs - static_cast<int32_t>(block_table_.size());
+  if (need <= 0) return absl::OkStatus();
+  absl::StatusOr<std::vector<BlockId>> blocks = pool.Allocate(need);
+  if (!blocks.ok()) return blocks.status();
+  for (BlockId b : *blocks) block_table_.push_back(b.value);
+  return absl::OkStatus();
+}
+
+void SequenceKv::Release(BlockPool& pool) {
+  for (int32_t b : block_table_) pool.Release(BlockId{b});
+  block_table_.clear();
+  num_positions_ = 0;
+}
+
+KvMemoryReport ReportMemory(const BlockPool& pool, absl::Span<const SequenceKv* const> sequences) {
+  KvMemoryReport r;
+  const KvCacheSpec& spec = pool.spec();
+  for (const SequenceKv* s : sequences) r.logical_bytes += s->num_positions() * spec.BytesPerPosition();
+  r.blocks_used = pool.num_used();
+  r.blocks_free = pool.num_free();
+  r.physical_bytes = r.blocks_used * spec.LayerBlockBytes() * spec.num_layers;
+  return r;
+}
+
+}  // namespace pdserve

@@ -1,0 +1,155 @@
+// The paged KV cache: a pool of fixed-size blocks carved from one contiguous
+// region, per-sequence block tables, reference counts and a free list.
+//
+// Layout of the region (the KV handoff ships it as is):
+//   layer l, physical block b starts at  (l * num_blocks + b) * LayerBlockBytes()
+//   inside a block:  [K | V] x [num_kv_heads] x [block_size slots] x [head_dim]
+// so one layer's blocks are contiguous (streamable layer by layer) and one KV
+// head's slots within a block are contiguous (read once per GQA group).
+//
+// Sizes (DESIGN.md fact 4): c_kv = 2 * L * N_kv * H * p_kv bytes per position.
+// Logical bytes = sum over sequences of positions * c_kv; physical bytes =
+// whole blocks held (including the unused tail slots of partial blocks).
+//
+// Thread safety: not thread-safe; one owner (the engine's step loop) drives it.
+#ifndef PDSERVE_COMMON_KV_CACHE_H_
+#define PDSERVE_COMMON_KV_CACHE_H_
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "common/dtype.h"
+#include "kernels/backend.h"
+
+namespace pdserve {
+
+struct BlockId {
+  int32_t value = -1;
+  friend bool operator==(BlockId a, BlockId b) { return a.value == b.value; }
+};
+
+struct KvCacheSpec {
+  int32_t num_layers = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+  int32_t block_size = 16;  // Positions per block.
+  DType dtype = DType::kF32;  // kF32 or kBF16.
+  int32_t num_blocks = 0;
+
+  // c_kv: bytes of one position across all layers, K and V.
+  int64_t BytesPerPosition() const;
+  // One block of one layer.
+  int64_t LayerBlockBytes() const;
+  int64_t TotalBytes() const;
+  absl::Status Validate() const;
+};
+
+// Memory the pool lives in. The KV handoff supplies an allocator that
+// registers the region with UCX; the default uses aligned host memory.
+class KvRegion {
+ public:
+  virtual ~KvRegion() = default;
+  virtual void* data() = 0;
+  virtual size_t size() const = 0;
+};
+
+class KvRegionAllocator {
+ public:
+  virtual ~KvRegionAllocator() = default;
+  // RESOURCE_EXHAUSTED when the memory cannot be had.
+  virtual absl::StatusOr<std::unique_ptr<KvRegion>> Allocate(size_t bytes) = 0;
+};
+
+// Zeroed, 2 MiB-aligned host memory.
+class HostKvRegionAllocator final : public KvRegionAllocator {
+ public:
+  absl::StatusOr<std::unique_ptr<KvRegion>> Allocate(size_t bytes) override;
+};
+
+struct KvMemoryReport {
+  int64_t logical_bytes = 0;   // sum positions * c_kv
+  int64_t physical_bytes = 0;  // blocks held * block bytes (all layers)
+  int64_t blocks_used = 0;
+  int64_t blocks_free = 0;
+};
+
+class BlockPool {
+ public:
+  // Allocates the region through `allocator` (a HostKvRegionAllocator when
+  // null). Errors: invalid spec, allocation failure.
+  static absl::StatusOr<std::unique_ptr<BlockPool>> Create(const KvCacheSpec& spec,
+                                                           KvRegionAllocator* allocator = nullptr);
+
+  const KvCacheSpec& spec() const { return spec_; }
+  KvRegion& region() { return *region_; }
+
+  // Takes `n` free blocks (reference count 1 each), all or nothing.
+  // RESOURCE_EXHAUSTED (naming the counts) when fewer are free.
+  absl::StatusOr<std::vector<BlockId>> Allocate(int32_t n);
+  // REQUIRES: the block is held (count > 0).
+  void AddRef(BlockId b);
+  // Drops one reference; the block returns to the free list at zero.
+  // REQUIRES: the block is held.
+  void Release(BlockId b);
+
+  int32_t RefCount(BlockId b) const { return ref_counts_[b.value]; }
+  int32_t num_free() const { return static_cast<int32_t>(free_.size()); }
+  int32_t num_used() const { return spec_.num_blocks - num_free(); }
+
+  // The KV of `layer` as the backend reads it.
+  kernels::KvLayerView LayerView(int32_t layer);
+  // Start of (layer, block) in the region.
+  void* BlockData(int32_t layer, BlockId block);
+
+ private:
+  BlockPool(const KvCacheSpec& spec, std::unique_ptr<KvRegion> region);
+
+  KvCacheSpec spec_;
+  std::unique_ptr<KvRegion> region_;
+  std::vector<int32_t> ref_counts_;
+  std::vector<BlockId> free_;  // LIFO: recently freed blocks are warm in cache.
+};
+
+// The KV of one sequence: its block table and how many positions are filled.
+// Moves only; release it with Release() before destruction (blocks are
+// owned by the pool, not freed by the destructor).
+class SequenceKv {
+ public:
+  SequenceKv() = default;
+  SequenceKv(SequenceKv&&) = default;
+  SequenceKv& operator=(SequenceKv&&) = default;
+
+  int32_t num_positions() const { return num_positions_; }
+  const std::vector<int32_t>& block_table() const { return block_table_; }
+  int32_t capacity(int32_t block_size) const {
+    return static_cast<int32_t>(block_table_.size()) * block_size;
+  }
+
+  // Makes room for `positions` in total, allocating blocks on demand.
+  // RESOURCE_EXHAUSTED from the pool leaves the sequence unchanged.
+  absl::Status Reserve(BlockPool& pool, int32_t positions);
+  // Records that positions [num_positions, n) now hold KV.
+  // REQUIRES: n <= capacity.
+  void SetNumPositions(int32_t n) { num_positions_ = n; }
+  // Appends a block the caller already holds a reference for (prefix sharing).
+  void AppendBlock(BlockId b) { block_table_.push_back(b.value); }
+  // For tests and the handoff: replace the table wholesale.
+  std::vector<int32_t>& mutable_block_table() { return block_table_; }
+
+  // Drops this sequence's references and empties it.
+  void Release(BlockPool& pool);
+
+ private:
+  std::vector<int32_t> block_table_;
+  int32_t num_positions_ = 0;
+};
+
+// Logical vs physical bytes of `sequences` in `pool`.
+KvMemoryReport ReportMemory(const BlockPool& pool, absl::Span<const SequenceKv* const> sequences);
+
+}  // namespace pdserve
+
+#endif  // PDSERVE_COMMON_KV_CACHE_H_

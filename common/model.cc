@@ -1,0 +1,350 @@
+#include "common/model.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "common/checkpoint.h"
+
+namespace pdserve {
+
+struct Model::Layer {
+  std::vector<float> input_norm;
+  std::vector<float> post_norm;
+  std::vector<float> qkv_bias;  // Empty unless the architecture has q/k/v biases.
+  std::unique_ptr<kernels::LinearWeight> qkv;      // [Qd + 2 KVd, D]
+  std::unique_ptr<kernels::LinearWeight> o;        // [D, Qd]
+  std::unique_ptr<kernels::LinearWeight> gate_up;  // [2F, D]: gate rows then up rows
+  std::unique_ptr<kernels::LinearWeight> down;     // [D, F]
+};
+
+namespace {
+
+std::vector<float> ToF32(const TensorView& t) {
+  std::vector<float> out(static_cast<size_t>(t.NumElements()));
+  ConvertToF32(t.dtype, t.data, out.size(), out.data());
+  return out;
+}
+
+kernels::MatrixPart Part(const TensorView& t) { return {t.dtype, t.data, t.shape[0]}; }
+
+template <typename T>
+void Grow(std::vector<T>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+}
+
+}  // namespace
+
+Model::Model(ModelConfig config, kernels::Backend* backend)
+    : config_(std::move(config)), backend_(backend), rope_(config_) {}
+
+Model::~Model() = default;
+
+absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& model_dir,
+                                                   const ModelOptions& options,
+                                                   kernels::Backend* backend) {
+  absl::StatusOr<ModelConfig> config = LoadModelConfig(model_dir);
+  if (!config.ok()) return config.status();
+  const int64_t g = config->GroupSize();
+  if (g > 64 || g * config->head_dim > 8192) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        model_dir, "/config.json: ", g, " query heads per KV head of dim ", config->head_dim,
+        " exceed the attention kernel's limits (64 heads, 8192 values)"));
+  }
+  absl::StatusOr<std::unique_ptr<Checkpoint>> ckpt = Checkpoint::Open(model_dir);
+  if (!ckpt.ok()) return ckpt.status();
+
+  DType storage = DType::kF32;
+  if (options.weight_dtype.has_value()) {
+    storage = *options.weight_dtype;
+    if (storage != DType::kF32 && storage != DType::kBF16) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("weights cannot be held as ", DTypeName(storage), " (f32 or bf16)"));
+    }
+  } else if ((*ckpt)->Has("model.embed_tokens.weight")) {
+    absl::StatusOr<const TensorView*> probe =
+        (*ckpt)->Take("model.embed_tokens.weight", {config->vocab_size, config->hidden_size});
+    if (!probe.ok()) return probe.status();
+    if ((*probe)->dtype == DType::kBF16) storage = DType::kBF16;
+  }
+  auto model = std::unique_ptr<Model>(new Model(*std::move(config), backend));
+  if (absl::Status s = model->LoadWeights(**ckpt, storage); !s.ok()) return s;
+  return model;
+}
+
+absl::Status Model::LoadWeights(Checkpoint& ckpt, DType storage) {
+  weight_dtype_ = storage;
+  const ModelConfig& c = config_;
+  const int64_t D = c.hidden_size, F = c.intermediate_size;
+  const int64_t Qd = c.QDim(), KVd = c.KvDim();
+
+  absl::StatusOr<const TensorView*> embed = ckpt.Take("model.embed_tokens.weight", {c.vocab_size, D});
+  if (!embed.ok()) return embed.status();
+  const size_t embed_elems = static_cast<size_t>(c.vocab_size * D);
+  if (storage == DType::kBF16) {
+    embed_bf16_.resize(embed_elems);
+    if ((*embed)->dtype == DType::kBF16) {
+      std::memcpy(embed_bf16_.data(), (*embed)->data, embed_elems * 2);
+    } else {
+      std::vector<float> f = ToF32(**embed);
+      for (size_t i = 0; i < embed_elems; ++i) embed_bf16_[i] = F32ToBf16(f[i]);
+    }
+  } else {
+    embed_f32_ = ToF32(**embed);
+  }
+
+  layers_.resize(c.num_layers);
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    Layer& layer = layers_[l];
+    const std::string p = absl::StrCat("model.layers.", l, ".");
+    auto take = [&](const std::string& name, std::vector<int64_t> shape) {
+      return ckpt.Take(p + name, shape);
+    };
+    auto in_norm = take("input_layernorm.weight", {D});
+    auto post_norm = take("post_attention_layernorm.weight", {D});
+    auto q = take("self_attn.q_proj.weight", {Qd, D});
+    auto k = take("self_attn.k_proj.weight", {KVd, D});
+    auto v = take("self_attn.v_proj.weight", {KVd, D});
+    auto o = take("self_attn.o_proj.weight", {D, Qd});
+    auto gate = take("mlp.gate_proj.weight", {F, D});
+    auto up = take("mlp.up_proj.weight", {F, D});
+    auto down = take("mlp.down_proj.weight", {D, F});
+    for (const auto* t : {&in_norm, &post_norm, &q, &k, &v, &o, &gate, &up, &down}) {
+      if (!t->ok()) return t->status();
+    }
+    layer.input_norm = ToF32(**in_norm);
+    layer.post_norm = ToF32(**post_norm);
+    if (c.qkv_bias) {
+      auto qb = take("self_attn.q_proj.bias", {Qd});
+      auto kb = take("self_attn.k_proj.bias", {KVd});
+      auto vb = take("self_attn.v_proj.bias", {KVd});
+      for (const auto* t : {&qb, &kb, &vb}) {
+        if (!t->ok()) return t->status();
+      }
+      for (const auto* t : {&qb, &kb, &vb}) {
+        std::vector<float> b = ToF32(***t);
+        layer.qkv_bias.insert(layer.qkv_bias.end(), b.begin(), b.end());
+      }
+    }
+    // Older checkpoints carry a RoPE buffer; it is recomputed, not loaded.
+    if (ckpt.Has(p + "self_attn.rotary_emb.inv_freq")) ckpt.Ignore(p + "self_attn.rotary_emb.inv_freq");
+
+    const kernels::MatrixPart qkv_parts[] = {Part(**q), Part(**k), Part(**v)};
+    const kernels::MatrixPart gu_parts[] = {Part(**gate), Part(**up)};
+    const kernels::MatrixPart o_part[] = {Part(**o)};
+    const kernels::MatrixPart down_part[] = {Part(**down)};
+    auto qkv_w = backend_->PackLinear(qkv_parts, D, storage);
+    auto o_w = backend_->PackLinear(o_part, Qd, storage);
+    auto gu_w = backend_->PackLinear(gu_parts, D, storage);
+    auto down_w = backend_->PackLinear(down_part, F, storage);
+    for (const auto* t : {&qkv_w, &o_w, &gu_w, &down_w}) {
+      if (!t->ok()) return t->status();
+    }
+    layer.qkv = *std::move(qkv_w);
+    layer.o = *std::move(o_w);
+    layer.gate_up = *std::move(gu_w);
+    layer.down = *std::move(down_w);
+  }
+
+  auto norm = ckpt.Take("model.norm.weight", {D});
+  if (!norm.ok()) return norm.status();
+  final_norm_ = ToF32(**norm);
+
+  const TensorView* head = *embed;
+  if (!c.tie_word_embeddings) {
+    auto lm = ckpt.Take("lm_head.weight", {c.vocab_size, D});
+    if (!lm.ok()) return lm.status();
+    head = *lm;
+  } else if (ckpt.Has("lm_head.weight")) {
+    ckpt.Ignore("lm_head.weight");  // A tied copy; the embedding is used.
+  }
+  const kernels::MatrixPart head_part[] = {Part(*head)};
+  auto head_w = backend_->PackLinear(head_part, D, storage);
+  if (!head_w.ok()) return head_w.status();
+  lm_head_ = *std::move(head_w);
+  return ckpt.CheckAllTaken();
+}
+
+size_t Model::WeightBytes() const {
+  size_t n = embed_f32_.size() * 4 + embed_bf16_.size() * 2 + lm_head_->bytes() +
+             final_norm_.size() * 4;
+  for (const Layer& l : layers_) {
+    n += l.qkv->bytes() + l.o->bytes() + l.gate_up->bytes() + l.down->bytes() +
+         (l.input_norm.size() + l.post_norm.size() + l.qkv_bias.size()) * 4;
+  }
+  return n;
+}
+
+size_t Model::WeightBytesPerStep() const {
+  size_t n = lm_head_->bytes() + final_norm_.size() * 4 +
+             static_cast<size_t>(config_.hidden_size) * DTypeSize(weight_dtype_);
+  for (const Layer& l : layers_) {
+    n += l.qkv->bytes() + l.o->bytes() + l.gate_up->bytes() + l.down->bytes() +
+         (l.input_norm.size() + l.post_norm.size() + l.qkv_bias.size()) * 4;
+  }
+  return n;
+}
+
+KvCacheSpec Model::MakeKvSpec(DType kv_dtype, int32_t block_size, int32_t num_blocks) const {
+  KvCacheSpec s;
+  s.num_layers = static_cast<int32_t>(config_.num_layers);
+  s.num_kv_heads = static_cast<int32_t>(config_.num_kv_heads);
+  s.head_dim = static_cast<int32_t>(config_.head_dim);
+  s.block_size = block_size;
+  s.dtype = kv_dtype;
+  s.num_blocks = num_blocks;
+  return s;
+}
+
+absl::StatusOr<ForwardResult> Model::Forward(BlockPool& pool,
+                                             absl::Span<const ForwardSequence> batch) {
+  const ModelConfig& c = config_;
+  const KvCacheSpec& spec = pool.spec();
+  if (spec.num_layers != c.num_layers || spec.num_kv_heads != c.num_kv_heads ||
+      spec.head_dim != c.head_dim) {
+    return absl::InvalidArgumentError("KV pool spec does not match the model");
+  }
+  // Validate everything before touching the cache.
+  int64_t T = 0;
+  int32_t max_end = 0;
+  for (size_t s = 0; s < batch.size(); ++s) {
+    const ForwardSequence& seq = batch[s];
+    if (seq.kv == nullptr || seq.tokens.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("sequence ", s, " of the batch has no tokens"));
+    }
+    for (int32_t t : seq.tokens) {
+      if (t < 0 || t >= c.vocab_size) {
+        return absl::InvalidArgumentError(absl::StrCat("token id ", t, " in sequence ", s,
+                                                       " is outside the vocabulary [0, ",
+                                                       c.vocab_size, ")"));
+      }
+    }
+    const int64_t end = static_cast<int64_t>(seq.kv->num_positions()) + seq.tokens.size();
+    if (end > c.max_position_embeddings) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "sequence ", s, " would reach ", end, " positions, past max_position_embeddings ",
+          c.max_position_embeddings));
+    }
+    T += static_cast<int64_t>(seq.tokens.size());
+    max_end = std::max<int32_t>(max_end, static_cast<int32_t>(end));
+  }
+  // Reserve all blocks first; roll back on failure so nothing is half-done.
+  std::vector<size_t> old_blocks(batch.size());
+  for (size_t s = 0; s < batch.size(); ++s) {
+    SequenceKv& kv = *batch[s].kv;
+    old_blocks[s] = kv.block_table().size();
+    absl::Status st = kv.Reserve(pool, kv.num_positions() + static_cast<int32_t>(batch[s].tokens.size()));
+    if (!st.ok()) {
+      for (size_t r = 0; r <= s; ++r) {
+        auto& table = batch[r].kv->mutable_block_table();
+        while (table.size() > old_blocks[r]) {
+          pool.Release(BlockId{table.back()});
+          table.pop_back();
+        }
+      }
+      return st;
+    }
+  }
+  rope_.EnsurePositions(max_end);
+
+  const int64_t D = c.hidden_size, F = c.intermediate_size;
+  const int64_t Qd = c.QDim(), KVd = c.KvDim();
+  const int32_t H = static_cast<int32_t>(c.head_dim);
+  const int32_t bs = spec.block_size;
+  Grow(x_, T * D);
+  Grow(xn_, T * D);
+  Grow(qkv_, T * (Qd + 2 * KVd));
+  Grow(q_, T * Qd);
+  Grow(k_, T * KVd);
+  Grow(v_, T * KVd);
+  Grow(attn_, T * Qd);
+  Grow(gate_up_, T * 2 * F);
+  Grow(act_, T * F);
+
+  std::vector<int32_t> positions(T), blocks(T), slots(T);
+  std::vector<kernels::AttentionSequence> attn_seqs(batch.size());
+  std::vector<int64_t> logit_rows;
+  ForwardResult result;
+  result.vocab_size = c.vocab_size;
+  int64_t row = 0;
+  for (size_t s = 0; s < batch.size(); ++s) {
+    const ForwardSequence& seq = batch[s];
+    const int32_t s0 = seq.kv->num_positions();
+    const int32_t m = static_cast<int32_t>(seq.tokens.size());
+    attn_seqs[s] = {absl::MakeConstSpan(seq.kv->block_table()), s0, m, static_cast<int32_t>(row)};
+    result.first_row.push_back(static_cast<int32_t>(logit_rows.size()));
+    for (int32_t i = 0; i < m; ++i, ++row) {
+      const int32_t pos = s0 + i;
+      positions[row] = pos;
+      blocks[row] = seq.kv->block_table()[pos / bs];
+      slots[row] = pos % bs;
+      const int32_t tok = seq.tokens[i];
+      float* xr = x_.data() + row * D;
+      if (weight_dtype_ == DType::kBF16) {
+        for (int64_t d = 0; d < D; ++d) xr[d] = Bf16ToF32(embed_bf16_[tok * D + d]);
+      } else {
+        std::memcpy(xr, embed_f32_.data() + tok * D, D * sizeof(float));
+      }
+      if (seq.logits == LogitsMode::kAll || (seq.logits == LogitsMode::kLast && i == m - 1)) {
+        logit_rows.push_back(row);
+      }
+    }
+    result.num_rows.push_back(static_cast<int32_t>(logit_rows.size()) - result.first_row.back());
+  }
+
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(H)));
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    const Layer& layer = layers_[l];
+    backend_->RmsNorm(x_.data(), layer.input_norm.data(), T, D, eps, xn_.data());
+    backend_->Linear(*layer.qkv, xn_.data(), T,
+                     layer.qkv_bias.empty() ? nullptr : layer.qkv_bias.data(), qkv_.data(), false);
+    const int64_t ld = Qd + 2 * KVd;
+    for (int64_t r = 0; r < T; ++r) {
+      const float* src = qkv_.data() + r * ld;
+      std::memcpy(q_.data() + r * Qd, src, Qd * sizeof(float));
+      std::memcpy(k_.data() + r * KVd, src + Qd, KVd * sizeof(float));
+      std::memcpy(v_.data() + r * KVd, src + Qd + KVd, KVd * sizeof(float));
+    }
+    backend_->Rope(q_.data(), T, static_cast<int32_t>(c.num_heads), H, positions.data(), rope_.cos(),
+                   rope_.sin());
+    backend_->Rope(k_.data(), T, static_cast<int32_t>(c.num_kv_heads), H, positions.data(),
+                   rope_.cos(), rope_.sin());
+    const kernels::KvLayerView kv = pool.LayerView(static_cast<int32_t>(l));
+    backend_->WriteKv(kv, static_cast<int32_t>(c.num_kv_heads), H, k_.data(), v_.data(), T,
+                      blocks.data(), slots.data());
+    backend_->Attention(kernels::AttentionBatch{
+        .q = q_.data(),
+        .out = attn_.data(),
+        .sequences = attn_seqs,
+        .kv = kv,
+        .num_heads = static_cast<int32_t>(c.num_heads),
+        .num_kv_heads = static_cast<int32_t>(c.num_kv_heads),
+        .head_dim = H,
+        .scale = scale,
+    });
+    backend_->Linear(*layer.o, attn_.data(), T, nullptr, x_.data(), /*accumulate=*/true);
+    backend_->RmsNorm(x_.data(), layer.post_norm.data(), T, D, eps, xn_.data());
+    backend_->Linear(*layer.gate_up, xn_.data(), T, nullptr, gate_up_.data(), false);
+    backend_->SiluMul(gate_up_.data(), T, F, act_.data());
+    backend_->Linear(*layer.down, act_.data(), T, nullptr, x_.data(), /*accumulate=*/true);
+  }
+  for (size_t s = 0; s < batch.size(); ++s) {
+    SequenceKv& kv = *batch[s].kv;
+    kv.SetNumPositions(kv.num_positions() + static_cast<int32_t>(batch[s].tokens.size()));
+  }
+
+  const int64_t R = static_cast<int64_t>(logit_rows.size());
+  result.logits.resize(R * c.vocab_size);
+  if (R > 0) {
+    for (int64_t i = 0; i < R; ++i) {
+      std::memcpy(xn_.data() + i * D, x_.data() + logit_rows[i] * D, D * sizeof(float));
+    }
+    backend_->RmsNorm(xn_.data(), final_norm_.data(), R, D, eps, xn_.data());
+    backend_->Linear(*lm_head_, xn_.data(), R, nullptr, result.logits.data(), false);
+  }
+  return result;
+}
+
+}  // namespace pdserve

@@ -1,0 +1,106 @@
+// A loaded Llama-family model and its forward pass over the paged KV cache.
+//
+// Forward runs a batch of sequences; sequence b brings S0_b = kv->num_positions()
+// cached positions and m_b >= 1 new tokens. The new rows' queries attend to
+// all S0_b cached positions plus the new positions at or before their own
+// (DESIGN.md fact 1): full prefill (S0 = 0), chunked prefill, prefix hits and
+// decode (m = 1) are this one code path. New K/V are appended to the cache.
+//
+// Semantics match Hugging Face: RMSNorm in F32 then times the weight; RoPE
+// with rotate_half pairing and absolute positions; SwiGLU down(silu(gate) * up);
+// Qwen2 q/k/v biases; GQA with query head h reading KV head h / g.
+//
+// Thread safety: Forward is single-caller (it reuses scratch buffers); the
+// backend parallelises inside.
+#ifndef PDSERVE_COMMON_MODEL_H_
+#define PDSERVE_COMMON_MODEL_H_
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "common/kv_cache.h"
+#include "common/model_config.h"
+#include "common/rope.h"
+#include "kernels/backend.h"
+
+namespace pdserve {
+
+struct ModelOptions {
+  // In-memory weight format (kF32 or kBF16). Unset: BF16 for BF16
+  // checkpoints, F32 otherwise.
+  std::optional<DType> weight_dtype;
+};
+
+enum class LogitsMode { kNone, kLast, kAll };
+
+struct ForwardSequence {
+  SequenceKv* kv = nullptr;              // Grows by tokens.size() positions.
+  absl::Span<const int32_t> tokens;      // m >= 1 new token ids.
+  LogitsMode logits = LogitsMode::kLast;
+};
+
+struct ForwardResult {
+  int64_t vocab_size = 0;
+  std::vector<float> logits;        // [rows, vocab]
+  std::vector<int32_t> first_row;   // Per sequence: its first row in logits.
+  std::vector<int32_t> num_rows;    // Per sequence: rows it asked for.
+
+  absl::Span<const float> Row(int64_t row) const {
+    return absl::MakeConstSpan(logits.data() + row * vocab_size, vocab_size);
+  }
+  // The logits of sequence s's last requested row.
+  absl::Span<const float> Last(size_t s) const { return Row(first_row[s] + num_rows[s] - 1); }
+};
+
+class Model {
+ public:
+  // Loads DIR/config.json (+ generation_config.json) and the safetensors
+  // weights, packing them for `backend` (which must outlive the model).
+  static absl::StatusOr<std::unique_ptr<Model>> Load(const std::string& model_dir,
+                                                     const ModelOptions& options,
+                                                     kernels::Backend* backend);
+  ~Model();
+
+  const ModelConfig& config() const { return config_; }
+  DType weight_dtype() const { return weight_dtype_; }
+  // Bytes of all weights as held in memory.
+  size_t WeightBytes() const;
+  // Bytes one decode step reads for the weights (every matrix once, one
+  // embedding row).
+  size_t WeightBytesPerStep() const;
+
+  // A KV cache spec matching this model.
+  KvCacheSpec MakeKvSpec(DType kv_dtype, int32_t block_size, int32_t num_blocks) const;
+
+  // Runs the batch. Reserves blocks for the new positions first (a
+  // RESOURCE_EXHAUSTED from the pool is returned before any compute).
+  // Errors: INVALID_ARGUMENT for empty token lists, ids outside the
+  // vocabulary, positions past max_position_embeddings, a pool whose spec
+  // does not match the model.
+  absl::StatusOr<ForwardResult> Forward(BlockPool& pool, absl::Span<const ForwardSequence> batch);
+
+ private:
+  struct Layer;
+  Model(ModelConfig config, kernels::Backend* backend);
+  absl::Status LoadWeights(class Checkpoint& ckpt, DType storage);
+
+  ModelConfig config_;
+  kernels::Backend* backend_;
+  DType weight_dtype_ = DType::kF32;
+  std::vector<Layer> layers_;
+  std::vector<uint16_t> embed_bf16_;  // [vocab, hidden] when weights are BF16
+  std::vector<float> embed_f32_;      // [vocab, hidden] when weights are F32
+  std::vector<float> final_norm_;
+  std::unique_ptr<kernels::LinearWeight> lm_head_;
+  RopeTable rope_;
+  // Scratch reused across calls.
+  std::vector<float> x_, xn_, qkv_, q_, k_, v_, attn_, gate_up_, act_;
+};
+
+}  // namespace pdserve
+
+#endif  // PDSERVE_COMMON_MODEL_H_

@@ -1,0 +1,116 @@
+// The compute backend interface: the operators the model forward is written
+// against, once, for every device. kernels/cpu/ implements it always; a CUDA
+// backend implements it where nvcc is found.
+//
+// Buffers passed to a backend live in that backend's memory (host memory for
+// the CPU backend). Activations are F32. Weights are packed once into the
+// backend's own layout by PackLinear.
+//
+// Thread safety: a Backend is driven by one thread at a time; it may use its
+// own worker threads inside each call.
+#ifndef PDSERVE_KERNELS_BACKEND_H_
+#define PDSERVE_KERNELS_BACKEND_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "common/dtype.h"
+
+namespace pdserve::kernels {
+
+// Rows of a weight matrix as they come from a checkpoint: `rows` x K
+// elements of `dtype`, row-major.
+struct MatrixPart {
+  DType dtype;
+  const void* data;
+  int64_t rows;
+};
+
+// A linear layer's weight W[N, K] in the backend's layout.
+class LinearWeight {
+ public:
+  virtual ~LinearWeight() = default;
+  virtual int64_t n() const = 0;
+  virtual int64_t k() const = 0;
+  virtual DType dtype() const = 0;
+  // Bytes held (what one pass over the weight reads).
+  virtual size_t bytes() const = 0;
+};
+
+// The KV of one layer in the paged pool (see common/kv_cache.h):
+// block b's K for KV head h, slot s is at
+//   base + (b * block_stride + h * head_stride + s * head_dim) elements,
+// its V at the same place + v_offset elements.
+struct KvLayerView {
+  void* base;
+  DType dtype;  // kF32 or kBF16.
+  int64_t block_stride;
+  int64_t head_stride;
+  int64_t v_offset;
+  int32_t block_size;
+};
+
+struct AttentionSequence {
+  absl::Span<const int32_t> block_table;
+  int32_t num_cached;  // S0: positions already in the cache before this call.
+  int32_t num_new;     // m: new positions (their K/V are already written).
+  int32_t row_offset;  // First row of this sequence in q / out.
+};
+
+// Queries of new positions attend, per sequence, to every cached position and
+// to the new positions at or before their own (the rectangular causal mask).
+struct AttentionBatch {
+  const float* q;  // [rows, num_heads, head_dim], RoPE applied
+  float* out;      // [rows, num_heads, head_dim]
+  absl::Span<const AttentionSequence> sequences;
+  KvLayerView kv;
+  int32_t num_heads;
+  int32_t num_kv_heads;
+  int32_t head_dim;
+  float scale;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  // "cpu/avx512", "cpu/scalar", ...
+  virtual std::string Name() const = 0;
+
+  // Concatenates `parts` along the output dimension (N = sum of rows) into
+  // one weight of `storage` type (kF32 or kBF16; F16 sources are converted).
+  virtual absl::StatusOr<std::unique_ptr<LinearWeight>> PackLinear(
+      absl::Span<const MatrixPart> parts, int64_t k, DType storage) = 0;
+
+  // y[m, N] = x[m, K] W^T (+ bias[N]); with accumulate, y += instead.
+  virtual void Linear(const LinearWeight& w, const float* x, int64_t m, const float* bias,
+                      float* y, bool accumulate) = 0;
+
+  // y[i, :] = x[i, :] / sqrt(mean(x[i, :]^2) + eps) * weight, in F32.
+  virtual void RmsNorm(const float* x, const float* weight, int64_t m, int64_t d, float eps,
+                       float* y) = 0;
+
+  // Rotates each head of x[rows, heads, head_dim] by its row's absolute
+  // position (HF rotate_half pairing: i with i + head_dim/2). cos/sin are
+  // [max_positions, head_dim/2].
+  virtual void Rope(float* x, int64_t rows, int32_t heads, int32_t head_dim,
+                    const int32_t* positions, const float* cos, const float* sin) = 0;
+
+  // out[i, :] = silu(gate_up[i, :f]) * gate_up[i, f:2f].
+  virtual void SiluMul(const float* gate_up, int64_t m, int64_t f, float* out) = 0;
+
+  // Writes rows of k/v ([rows, num_kv_heads, head_dim]) into the cache:
+  // row r goes to physical block blocks[r], slot slots[r].
+  virtual void WriteKv(const KvLayerView& kv, int32_t num_kv_heads, int32_t head_dim,
+                       const float* k, const float* v, int64_t rows, const int32_t* blocks,
+                       const int32_t* slots) = 0;
+
+  virtual void Attention(const AttentionBatch& batch) = 0;
+};
+
+}  // namespace pdserve::kernels
+
+#endif  // PDSERVE_KERNELS_BACKEND_H_

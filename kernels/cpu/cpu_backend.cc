@@ -1,0 +1,233 @@
+#include "kernels/cpu/cpu_backend.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
+namespace pdserve::kernels::cpu {
+namespace {
+
+// Panel-packed weights (see kernel_args.h), 64-byte aligned.
+class PackedLinear final : public LinearWeight {
+ public:
+  PackedLinear(int64_t n, int64_t k, DType dtype)
+      : n_(n), k_(k), dtype_(dtype), num_panels_((n + kPanelWidth - 1) / kPanelWidth) {
+    bytes_ = static_cast<size_t>(num_panels_ * kPanelWidth * k) * DTypeSize(dtype);
+    const size_t alloc = (bytes_ + 63) / 64 * 64;
+    data_ = static_cast<char*>(std::aligned_alloc(64, alloc == 0 ? 64 : alloc));
+    std::memset(data_, 0, alloc);
+  }
+  ~PackedLinear() override { std::free(data_); }
+
+  int64_t n() const override { return n_; }
+  int64_t k() const override { return k_; }
+  DType dtype() const override { return dtype_; }
+  size_t bytes() const override { return bytes_; }
+  int64_t num_panels() const { return num_panels_; }
+  char* data() const { return data_; }
+
+ private:
+  int64_t n_, k_;
+  DType dtype_;
+  int64_t num_panels_;
+  size_t bytes_;
+  char* data_;
+};
+
+ElemType ToElem(DType t) { return t == DType::kF32 ? ElemType::kF32 : ElemType::kBF16; }
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(const CpuBackendOptions& options) {
+  Isa isa;
+  if (options.isa.has_value()) {
+    if (!IsaSupported(*options.isa)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("ISA ", IsaName(*options.isa), " is not supported by this CPU"));
+    }
+    isa = *options.isa;
+  } else {
+    absl::StatusOr<Isa> selected = SelectIsa();
+    if (!selected.ok()) return selected.status();
+    isa = *selected;
+  }
+  if (options.num_threads < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("threads must be at least 1, got ", options.num_threads));
+  }
+  return std::unique_ptr<CpuBackend>(new CpuBackend(isa, options.num_threads));
+}
+
+CpuBackend::CpuBackend(Isa isa, int num_threads)
+    : isa_(isa), table_(GetKernelTable(isa)), pool_(num_threads) {}
+
+std::string CpuBackend::Name() const { return absl::StrCat("cpu/", table_.name); }
+
+absl::StatusOr<std::unique_ptr<LinearWeight>> CpuBackend::PackLinear(
+    absl::Span<const MatrixPart> parts, int64_t k, DType storage) {
+  if (storage != DType::kF32 && storage != DType::kBF16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("weights cannot be stored as ", DTypeName(storage)));
+  }
+  int64_t n = 0;
+  for (const MatrixPart& p : parts) n += p.rows;
+  auto w = std::make_unique<PackedLinear>(n, k, storage);
+  std::vector<float> row(static_cast<size_t>(k));
+  int64_t out_row = 0;
+  for (const MatrixPart& p : parts) {
+    const size_t in_row_bytes = static_cast<size_t>(k) * DTypeSize(p.dtype);
+    for (int64_t r = 0; r < p.rows; ++r, ++out_row) {
+      ConvertToF32(p.dtype, static_cast<const char*>(p.data) + r * in_row_bytes,
+                   static_cast<size_t>(k), row.data());
+      const int64_t panel = out_row / kPanelWidth;
+      const int64_t j = out_row % kPanelWidth;
+      const int64_t base = panel * k * kPanelWidth + j;
+      if (storage == DType::kF32) {
+        float* dst = reinterpret_cast<float*>(w->data());
+        for (int64_t c = 0; c < k; ++c) dst[base + c * kPanelWidth] = row[c];
+      } else {
+        uint16_t* dst = reinterpret_cast<uint16_t*>(w->data());
+        for (int64_t c = 0; c < k; ++c) dst[base + c * kPanelWidth] = F32ToBf16(row[c]);
+      }
+    }
+  }
+  return std::unique_ptr<LinearWeight>(std::move(w));
+}
+
+void CpuBackend::Linear(const LinearWeight& w, const float* x, int64_t m, const float* bias,
+                        float* y, bool accumulate) {
+  const auto& pw = static_cast<const PackedLinear&>(w);
+  LinearArgs args{.x = x,
+                  .ldx = pw.k(),
+                  .m = m,
+                  .k = pw.k(),
+                  .n = pw.n(),
+                  .panels = pw.data(),
+                  .w_type = ToElem(pw.dtype()),
+                  .bias = bias,
+                  .y = y,
+                  .ldy = pw.n(),
+                  .accumulate = accumulate};
+  // Split whole panels, in pairs so the two-panel micro-tile stays whole.
+  const int64_t pairs = (pw.num_panels() + 1) / 2;
+  pool_.ParallelFor(pairs, [&](int64_t b, int64_t e, int) {
+    table_.linear(args, 2 * b, std::min(2 * e, pw.num_panels()));
+  });
+}
+
+void CpuBackend::RmsNorm(const float* x, const float* weight, int64_t m, int64_t d, float eps,
+                         float* y) {
+  for (int64_t i = 0; i < m; ++i) {
+    const float* xi = x + i * d;
+    double ss = 0.0;
+    for (int64_t j = 0; j < d; ++j) ss += static_cast<double>(xi[j]) * xi[j];
+    const float inv = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(d) + eps));
+    float* yi = y + i * d;
+    for (int64_t j = 0; j < d; ++j) yi[j] = xi[j] * inv * weight[j];
+  }
+}
+
+void CpuBackend::Rope(float* x, int64_t rows, int32_t heads, int32_t head_dim,
+                      const int32_t* positions, const float* cos, const float* sin) {
+  const int32_t half = head_dim / 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* c = cos + static_cast<int64_t>(positions[r]) * half;
+    const float* s = sin + static_cast<int64_t>(positions[r]) * half;
+    for (int32_t h = 0; h < heads; ++h) {
+      float* v = x + (r * heads + h) * head_dim;
+      for (int32_t i = 0; i < half; ++i) {
+        const float a = v[i];
+        const float b = v[i + half];
+        v[i] = a * c[i] - b * s[i];
+        v[i + half] = b * c[i] + a * s[i];
+      }
+    }
+  }
+}
+
+void CpuBackend::SiluMul(const float* gate_up, int64_t m, int64_t f, float* out) {
+  pool_.ParallelFor(m, [&](int64_t b, int64_t e, int) {
+    for (int64_t i = b; i < e; ++i) {
+      table_.silu_mul(gate_up + i * 2 * f, gate_up + i * 2 * f + f, out + i * f, f);
+    }
+  });
+}
+
+void CpuBackend::WriteKv(const KvLayerView& kv, int32_t num_kv_heads, int32_t head_dim,
+                         const float* k, const float* v, int64_t rows, const int32_t* blocks,
+                         const int32_t* slots) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int32_t h = 0; h < num_kv_heads; ++h) {
+      const int64_t off = blocks[r] * kv.block_stride + h * kv.head_stride +
+                          static_cast<int64_t>(slots[r]) * head_dim;
+      const float* ks = k + (r * num_kv_heads + h) * head_dim;
+      const float* vs = v + (r * num_kv_heads + h) * head_dim;
+      if (kv.dtype == DType::kF32) {
+        float* base = static_cast<float*>(kv.base);
+        std::memcpy(base + off, ks, head_dim * sizeof(float));
+        std::memcpy(base + off + kv.v_offset, vs, head_dim * sizeof(float));
+      } else {
+        uint16_t* base = static_cast<uint16_t*>(kv.base);
+        for (int32_t i = 0; i < head_dim; ++i) {
+          base[off + i] = F32ToBf16(ks[i]);
+          base[off + kv.v_offset + i] = F32ToBf16(vs[i]);
+        }
+      }
+    }
+  }
+}
+
+void CpuBackend::Attention(const AttentionBatch& batch) {
+  std::vector<AttentionSeq> seqs;
+  seqs.reserve(batch.sequences.size());
+  // Work items: (sequence, KV head, row range); each is costed by the keys
+  // its rows read, then split into equal-cost contiguous shares.
+  std::vector<AttentionItem> items;
+  std::vector<double> cost;
+  constexpr int32_t kRowsPerItem = 16;
+  for (size_t s = 0; s < batch.sequences.size(); ++s) {
+    const AttentionSequence& in = batch.sequences[s];
+    seqs.push_back({in.block_table.data(), in.num_cached, in.num_new, in.row_offset});
+    for (int32_t h = 0; h < batch.num_kv_heads; ++h) {
+      for (int32_t r = 0; r < in.num_new; r += kRowsPerItem) {
+        const int32_t e = std::min(in.num_new, r + kRowsPerItem);
+        items.push_back({static_cast<int32_t>(s), h, r, e});
+        cost.push_back(static_cast<double>(e - r) * (in.num_cached + (r + e) / 2.0 + 1));
+      }
+    }
+  }
+  AttentionArgs args{.q = batch.q,
+                     .out = batch.out,
+                     .seqs = seqs.data(),
+                     .kv = batch.kv.base,
+                     .kv_type = ToElem(batch.kv.dtype),
+                     .block_stride = batch.kv.block_stride,
+                     .head_stride = batch.kv.head_stride,
+                     .v_offset = batch.kv.v_offset,
+                     .block_size = batch.kv.block_size,
+                     .num_heads = batch.num_heads,
+                     .num_kv_heads = batch.num_kv_heads,
+                     .head_dim = batch.head_dim,
+                     .scale = batch.scale};
+  const int nt = pool_.num_threads();
+  std::vector<int64_t> bounds(nt + 1, static_cast<int64_t>(items.size()));
+  bounds[0] = 0;
+  double total = 0;
+  for (double c : cost) total += c;
+  double acc = 0;
+  int t = 1;
+  for (size_t i = 0; i < items.size() && t < nt; ++i) {
+    acc += cost[i];
+    while (t < nt && acc >= total * t / nt) bounds[t++] = static_cast<int64_t>(i + 1);
+  }
+  pool_.ParallelRanges(bounds, [&](int64_t b, int64_t e, int) {
+    table_.attention(args, items.data() + b, e - b);
+  });
+}
+
+}  // namespace pdserve::kernels::cpu

@@ -1,0 +1,54 @@
+// The CPU backend: per-ISA SIMD kernels (chosen at run time, see isa.h) run on
+// a persistent thread pool.
+#ifndef PDSERVE_KERNELS_CPU_CPU_BACKEND_H_
+#define PDSERVE_KERNELS_CPU_CPU_BACKEND_H_
+
+#include <memory>
+#include <optional>
+
+#include "absl/status/statusor.h"
+#include "kernels/backend.h"
+#include "kernels/cpu/isa.h"
+#include "kernels/cpu/thread_pool.h"
+
+namespace pdserve::kernels::cpu {
+
+struct CpuBackendOptions {
+  int num_threads = 1;
+  // Unset: SelectIsa() (PDSERVE_ISA or the best supported).
+  std::optional<Isa> isa;
+};
+
+class CpuBackend final : public Backend {
+ public:
+  // Errors: the requested ISA is not supported by this CPU.
+  static absl::StatusOr<std::unique_ptr<CpuBackend>> Create(const CpuBackendOptions& options);
+
+  std::string Name() const override;
+  Isa isa() const { return isa_; }
+  int num_threads() const { return pool_.num_threads(); }
+
+  absl::StatusOr<std::unique_ptr<LinearWeight>> PackLinear(absl::Span<const MatrixPart> parts,
+                                                           int64_t k, DType storage) override;
+  void Linear(const LinearWeight& w, const float* x, int64_t m, const float* bias, float* y,
+              bool accumulate) override;
+  void RmsNorm(const float* x, const float* weight, int64_t m, int64_t d, float eps,
+               float* y) override;
+  void Rope(float* x, int64_t rows, int32_t heads, int32_t head_dim, const int32_t* positions,
+            const float* cos, const float* sin) override;
+  void SiluMul(const float* gate_up, int64_t m, int64_t f, float* out) override;
+  void WriteKv(const KvLayerView& kv, int32_t num_kv_heads, int32_t head_dim, const float* k,
+               const float* v, int64_t rows, const int32_t* blocks, const int32_t* slots) override;
+  void Attention(const AttentionBatch& batch) override;
+
+ private:
+  CpuBackend(Isa isa, int num_threads);
+
+  const Isa isa_;
+  const KernelTable& table_;
+  ThreadPool pool_;
+};
+
+}  // namespace pdserve::kernels::cpu
+
+#endif  // PDSERVE_KERNELS_CPU_CPU_BACKEND_H_

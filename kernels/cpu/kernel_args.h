@@ -1,0 +1,82 @@
+// Plain argument structs shared by the per-ISA CPU kernel translation units.
+// This header holds data only (no inline code), so the per-ISA units, which
+// are compiled with different -m flags, cannot collide on shared symbols.
+#ifndef PDSERVE_KERNELS_CPU_KERNEL_ARGS_H_
+#define PDSERVE_KERNELS_CPU_KERNEL_ARGS_H_
+
+#include <cstdint>
+
+namespace pdserve::kernels::cpu {
+
+// Weights of a linear layer W[N, K] re-laid out in panels of kPanelWidth
+// output rows: panels[p][k][j] = W[p * kPanelWidth + j, k], rows past N are
+// zero. Element type F32 or BF16 (bits in uint16_t).
+inline constexpr int kPanelWidth = 16;
+
+enum class ElemType : int32_t { kF32 = 0, kBF16 = 1 };
+
+struct LinearArgs {
+  const float* x;      // [M, K], row stride ldx
+  int64_t ldx;
+  int64_t m;
+  int64_t k;
+  int64_t n;           // Valid output columns.
+  const void* panels;  // [ceil(N/16), K, 16] of w_type
+  ElemType w_type;
+  const float* bias;   // [N] or nullptr
+  float* y;            // [M, N], row stride ldy
+  int64_t ldy;
+  bool accumulate;     // y += x W^T (+ bias) instead of y = ...
+};
+
+// One sequence of an attention batch: `num_new` query rows (positions
+// num_cached .. num_cached + num_new - 1) attend to positions 0 .. own
+// position, all of which are already in the paged cache.
+struct AttentionSeq {
+  const int32_t* block_table;  // Physical block of each logical block.
+  int32_t num_cached;
+  int32_t num_new;
+  int32_t row_offset;  // First row of this sequence in q / out.
+};
+
+// A unit of parallel work: rows [row_begin, row_end) of one sequence, for the
+// query heads of one KV head.
+struct AttentionItem {
+  int32_t seq;
+  int32_t kv_head;
+  int32_t row_begin;
+  int32_t row_end;
+};
+
+struct AttentionArgs {
+  const float* q;  // [T, num_heads, head_dim]
+  float* out;      // [T, num_heads, head_dim]
+  const AttentionSeq* seqs;
+  // KV of one layer: block b's K for kv head h, slot s starts at
+  //   kv + b * block_stride + h * head_stride + s * head_dim;
+  // its V at the same place + v_offset. Element type kv_type.
+  const void* kv;
+  ElemType kv_type;
+  int64_t block_stride;  // In elements.
+  int64_t head_stride;   // In elements.
+  int64_t v_offset;      // In elements.
+  int32_t block_size;
+  int32_t num_heads;
+  int32_t num_kv_heads;
+  int32_t head_dim;
+  float scale;
+};
+
+// Function table of one instruction-set path.
+struct KernelTable {
+  const char* name;
+  // Computes output panels [panel_begin, panel_end).
+  void (*linear)(const LinearArgs& args, int64_t panel_begin, int64_t panel_end);
+  void (*attention)(const AttentionArgs& args, const AttentionItem* items, int64_t num_items);
+  // out[i] = silu(gate[i]) * up[i] for i < n.
+  void (*silu_mul)(const float* gate, const float* up, float* out, int64_t n);
+};
+
+}  // namespace pdserve::kernels::cpu
+
+#endif  // PDSERVE_KERNELS_CPU_KERNEL_ARGS_H_

@@ -1,0 +1,47 @@
+#include "tools/pdctl/engine_setup.h"
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
+namespace pdserve::pdctl {
+
+absl::StatusOr<Engine> MakeEngine(const EngineOptions& o) {
+  Engine e;
+  kernels::cpu::CpuBackendOptions bo;
+  bo.num_threads = o.threads;
+  if (!o.isa.empty()) {
+    absl::StatusOr<kernels::cpu::Isa> isa = kernels::cpu::ParseIsa(o.isa);
+    if (!isa.ok()) return isa.status();
+    bo.isa = *isa;
+  }
+  absl::StatusOr<std::unique_ptr<kernels::cpu::CpuBackend>> backend =
+      kernels::cpu::CpuBackend::Create(bo);
+  if (!backend.ok()) return backend.status();
+  e.backend = *std::move(backend);
+
+  ModelOptions mo;
+  if (!o.weights.empty()) {
+    absl::StatusOr<DType> w = ParseDType(o.weights);
+    if (!w.ok()) return absl::InvalidArgumentError(absl::StrCat("--weights: ", w.status().message()));
+    mo.weight_dtype = *w;
+  }
+  absl::StatusOr<std::unique_ptr<Model>> model = Model::Load(o.model_dir, mo, e.backend.get());
+  if (!model.ok()) return model.status();
+  e.model = *std::move(model);
+
+  DType kv = e.model->weight_dtype();
+  if (!o.kv.empty()) {
+    absl::StatusOr<DType> k = ParseDType(o.kv);
+    if (!k.ok()) return absl::InvalidArgumentError(absl::StrCat("--kv: ", k.status().message()));
+    kv = *k;
+  }
+  if (o.block_size <= 0) return absl::InvalidArgumentError("--block-size must be positive");
+  const int64_t blocks = (o.kv_positions + o.block_size - 1) / o.block_size;
+  absl::StatusOr<std::unique_ptr<BlockPool>> pool = BlockPool::Create(
+      e.model->MakeKvSpec(kv, o.block_size, static_cast<int32_t>(blocks)));
+  if (!pool.ok()) return pool.status();
+  e.pool = *std::move(pool);
+  return e;
+}
+
+}  // namespace pdserve::pdctl

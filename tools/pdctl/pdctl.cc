@@ -1,0 +1,141 @@
+// pdctl: the project's command-line tool.
+//
+//   pdctl logits   --model DIR --token-ids 1,2,3 [--all-positions]
+//                  [--weights f32|bf16] [--kv f32|bf16] [--threads N]
+//   pdctl generate --model DIR --prompt-ids 1,2,3 --max-tokens N
+//
+// Run `pdctl help` for the list.
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/status/status.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "tools/pdctl/commands.h"
+
+ABSL_FLAG(std::string, model, "", "Hugging Face model directory");
+ABSL_FLAG(std::string, token_ids, "", "comma-separated token ids (logits)");
+ABSL_FLAG(std::string, prompt_ids, "", "comma-separated prompt token ids (generate)");
+ABSL_FLAG(bool, all_positions, false, "logits: print every position, not only the last");
+ABSL_FLAG(std::string, weights, "", "in-memory weight format: f32 or bf16 (default: as stored)");
+ABSL_FLAG(std::string, kv, "", "KV cache format: f32 or bf16 (default: the weight format)");
+ABSL_FLAG(int, threads, 1, "compute threads");
+ABSL_FLAG(std::string, isa, "", "CPU kernel path: scalar, avx2 or avx512 (default: best)");
+ABSL_FLAG(int, max_tokens, 16, "generate: tokens to generate");
+ABSL_FLAG(int, block_size, 16, "KV block size in positions");
+
+namespace pdserve::pdctl {
+namespace {
+
+absl::StatusOr<std::vector<int32_t>> ParseIds(const std::string& flag, const std::string& text) {
+  std::vector<int32_t> ids;
+  if (text.empty()) return absl::InvalidArgumentError(absl::StrCat("--", flag, " is required"));
+  for (absl::string_view part : absl::StrSplit(text, ',')) {
+    int32_t v;
+    if (!absl::SimpleAtoi(part, &v) || v < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", flag, ": '", part, "' is not a non-negative integer"));
+    }
+    ids.push_back(v);
+  }
+  return ids;
+}
+
+EngineOptions EngineFlags() {
+  EngineOptions o;
+  o.model_dir = absl::GetFlag(FLAGS_model);
+  o.weights = absl::GetFlag(FLAGS_weights);
+  o.kv = absl::GetFlag(FLAGS_kv);
+  o.isa = absl::GetFlag(FLAGS_isa);
+  o.threads = absl::GetFlag(FLAGS_threads);
+  o.block_size = absl::GetFlag(FLAGS_block_size);
+  return o;
+}
+
+absl::Status RequireModel() {
+  if (absl::GetFlag(FLAGS_model).empty()) return absl::InvalidArgumentError("--model is required");
+  return absl::OkStatus();
+}
+
+absl::Status RunLogits() {
+  if (absl::Status s = RequireModel(); !s.ok()) return s;
+  absl::StatusOr<std::vector<int32_t>> ids = ParseIds("token-ids", absl::GetFlag(FLAGS_token_ids));
+  if (!ids.ok()) return ids.status();
+  EngineOptions o = EngineFlags();
+  o.kv_positions = static_cast<int64_t>(ids->size());
+  return PrintLogits(o, *ids, absl::GetFlag(FLAGS_all_positions));
+}
+
+absl::Status RunGenerate() {
+  if (absl::Status s = RequireModel(); !s.ok()) return s;
+  absl::StatusOr<std::vector<int32_t>> ids =
+      ParseIds("prompt-ids", absl::GetFlag(FLAGS_prompt_ids));
+  if (!ids.ok()) return ids.status();
+  const int max_tokens = absl::GetFlag(FLAGS_max_tokens);
+  if (max_tokens < 1) return absl::InvalidArgumentError("--max-tokens must be at least 1");
+  EngineOptions o = EngineFlags();
+  o.kv_positions = static_cast<int64_t>(ids->size()) + max_tokens;
+  return GenerateGreedy(o, *ids, max_tokens);
+}
+
+constexpr char kUsage[] =
+    "pdctl COMMAND [flags]\n"
+    "commands:\n"
+    "  logits    print logits (one JSON array per position) for --token-ids\n"
+    "  generate  greedy generation from --prompt-ids, prints the generated ids\n"
+    "  help      this text; `pdctl COMMAND --help` lists the flags\n";
+
+}  // namespace
+}  // namespace pdserve::pdctl
+
+int main(int argc, char** argv) {
+  using namespace pdserve::pdctl;
+  absl::SetProgramUsageMessage(kUsage);
+  if (argc < 2 || std::strcmp(argv[1], "help") == 0 || std::strcmp(argv[1], "--help") == 0) {
+    std::fputs(kUsage, argc < 2 ? stderr : stdout);
+    return argc < 2 ? 2 : 0;
+  }
+  const std::string command = argv[1];
+  // Flags come after the command; abseil parses them with argv[0] kept.
+  // Flags are spelled with dashes (--token-ids); abseil names them with
+  // underscores, so the name part of each flag is translated.
+  std::vector<std::string> storage;
+  storage.reserve(argc);
+  for (int i = 2; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a.rfind("--", 0) == 0) {
+      const size_t end = std::min(a.find('='), a.size());
+      std::replace(a.begin() + 2, a.begin() + static_cast<std::ptrdiff_t>(end), '-', '_');
+    }
+    storage.push_back(std::move(a));
+  }
+  std::vector<char*> args;
+  args.push_back(argv[0]);
+  for (std::string& a : storage) args.push_back(a.data());
+  std::vector<char*> rest = absl::ParseCommandLine(static_cast<int>(args.size()), args.data());
+  if (rest.size() > 1) {
+    std::fprintf(stderr, "pdctl %s: unexpected argument '%s'\n", command.c_str(), rest[1]);
+    return 2;
+  }
+  absl::Status status;
+  if (command == "logits") {
+    status = RunLogits();
+  } else if (command == "generate") {
+    status = RunGenerate();
+  } else {
+    std::fprintf(stderr, "pdctl: unknown command '%s'\n%s", command.c_str(), kUsage);
+    return 2;
+  }
+  if (!status.ok()) {
+    std::fprintf(stderr, "pdctl %s: %s\n", command.c_str(), std::string(status.message()).c_str());
+    return 1;
+  }
+  return 0;
+}

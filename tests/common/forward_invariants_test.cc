@@ -1,0 +1,287 @@
+// The invariants of DESIGN.md facts 1, 2, 5 and 7, on every CPU kernel path,
+// each with a negative control: a deliberately wrong variant shown to fail
+// the same comparison.
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/model.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "tests/support/isa_printer.h"
+#include "tests/support/random_model.h"
+#include "tests/support/reference_forward.h"
+
+namespace pdserve {
+namespace {
+
+using kernels::cpu::Isa;
+using Logits = std::vector<std::vector<float>>;
+
+double MaxAbs(const Logits& a) {
+  double m = 0;
+  for (const auto& r : a) {
+    for (float v : r) m = std::max(m, static_cast<double>(std::abs(v)));
+  }
+  return m;
+}
+
+double MaxDiff(const Logits& a, const Logits& b) {
+  EXPECT_EQ(a.size(), b.size());
+  double m = 0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
+    for (size_t j = 0; j < a[i].size(); ++j) {
+      m = std::max(m, static_cast<double>(std::abs(a[i][j] - b[i][j])));
+    }
+  }
+  return m;
+}
+
+double MaxDiff(const Logits& a, const std::vector<std::vector<double>>& b) {
+  double m = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    for (size_t j = 0; j < a[i].size(); ++j) m = std::max(m, std::abs(a[i][j] - b[i][j]));
+  }
+  return m;
+}
+
+void AppendRows(const ForwardResult& r, size_t seq, Logits& out) {
+  for (int32_t i = 0; i < r.num_rows[seq]; ++i) {
+    absl::Span<const float> row = r.Row(r.first_row[seq] + i);
+    out.emplace_back(row.begin(), row.end());
+  }
+}
+
+class InvariantsTest : public ::testing::TestWithParam<Isa> {
+ protected:
+  void Load(const testing::RandomModelSpec& spec, DType kv = DType::kF32, int block_size = 16) {
+    dir_ = testing::MakeTempDir("inv");
+    ASSERT_TRUE(testing::WriteRandomModel(dir_, spec).ok());
+    auto backend = kernels::cpu::CpuBackend::Create({.num_threads = 2, .isa = GetParam()});
+    ASSERT_TRUE(backend.ok()) << backend.status();
+    backend_ = *std::move(backend);
+    auto model = Model::Load(dir_, {}, backend_.get());
+    ASSERT_TRUE(model.ok()) << model.status();
+    model_ = *std::move(model);
+    auto pool = BlockPool::Create(model_->MakeKvSpec(kv, block_size, 256));
+    ASSERT_TRUE(pool.ok()) << pool.status();
+    pool_ = *std::move(pool);
+  }
+
+  // Logits of every position, feeding `tokens` in chunks of `chunk`.
+  Logits Chunked(const std::vector<int32_t>& tokens, size_t chunk, SequenceKv* keep = nullptr) {
+    SequenceKv local;
+    SequenceKv& seq = keep != nullptr ? *keep : local;
+    Logits out;
+    for (size_t b = 0; b < tokens.size(); b += chunk) {
+      const size_t n = std::min(chunk, tokens.size() - b);
+      ForwardSequence fs{&seq, absl::MakeConstSpan(tokens.data() + b, n), LogitsMode::kAll};
+      auto r = model_->Forward(*pool_, {&fs, 1});
+      EXPECT_TRUE(r.ok()) << r.status();
+      if (!r.ok()) break;
+      AppendRows(*r, 0, out);
+    }
+    if (keep == nullptr) seq.Release(*pool_);
+    return out;
+  }
+
+  std::vector<int32_t> Tokens(size_t n, uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    std::vector<int32_t> t(n);
+    for (auto& x : t) x = static_cast<int32_t>(rng() % model_->config().vocab_size);
+    return t;
+  }
+
+  std::string dir_;
+  std::unique_ptr<kernels::cpu::CpuBackend> backend_;
+  std::unique_ptr<Model> model_;
+  std::unique_ptr<BlockPool> pool_;
+};
+
+// Fact 1: full prefill == any chunking == token-by-token decode.
+TEST_P(InvariantsTest, ChunkedPrefillEqualsFullPrefillEqualsDecode) {
+  Load({});
+  const std::vector<int32_t> tokens = Tokens(70, 7);
+  const Logits full = Chunked(tokens, tokens.size());
+  const double tol = 1e-5 * MaxAbs(full);
+  for (size_t chunk : {1, 7, 16, 33}) {
+    EXPECT_LE(MaxDiff(Chunked(tokens, chunk), full), tol) << "chunk " << chunk;
+  }
+  EXPECT_EQ(pool_->num_used(), 0);
+}
+
+// Fact 2, negative control: a chunk run without the KV of earlier chunks
+// (as if chunks could be computed independently and glued) is wrong.
+TEST_P(InvariantsTest, NegativeControlChunkWithoutHistoryDiffers) {
+  Load({});
+  const std::vector<int32_t> tokens = Tokens(40, 8);
+  const Logits full = Chunked(tokens, tokens.size());
+  Logits glued = Chunked({tokens.begin(), tokens.begin() + 20}, 20);
+  const Logits second = Chunked({tokens.begin() + 20, tokens.end()}, 20);
+  glued.insert(glued.end(), second.begin(), second.end());
+  EXPECT_GT(MaxDiff(glued, full), 1e-2 * MaxAbs(full));
+}
+
+// RoPE uses absolute positions: the engine matches the naive reference, and
+// the reference with positions restarted per chunk does not.
+TEST_P(InvariantsTest, AbsoluteRopePositionsAndNegativeControl) {
+  Load({});
+  const std::vector<int32_t> tokens = Tokens(48, 9);
+  const Logits chunked = Chunked(tokens, 16);
+  auto ref = testing::ReferenceLogits(dir_, tokens);
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  EXPECT_LE(MaxDiff(chunked, *ref), 1e-4 * MaxAbs(chunked));
+  auto restarted = testing::ReferenceLogits(dir_, tokens, {.rope_restart_every = 16});
+  ASSERT_TRUE(restarted.ok());
+  EXPECT_GT(MaxDiff(chunked, *restarted), 1e-2 * MaxAbs(chunked));
+}
+
+// Fact 7: KV in scattered physical blocks == contiguous blocks; negative
+// control: a block table with two entries swapped changes the result.
+TEST_P(InvariantsTest, ScatteredBlocksEqualContiguous) {
+  Load({}, DType::kF32, 4);
+  const std::vector<int32_t> tokens = Tokens(37, 10);
+  const Logits contiguous = Chunked(tokens, 37);
+  // Scatter the free list: take every block, give them back shuffled.
+  auto all = pool_->Allocate(pool_->num_free());
+  ASSERT_TRUE(all.ok());
+  std::shuffle(all->begin(), all->end(), std::mt19937(3));
+  for (BlockId b : *all) pool_->Release(b);
+  SequenceKv seq;
+  const Logits scattered = Chunked(tokens, 5, &seq);
+  bool monotone = std::is_sorted(seq.block_table().begin(), seq.block_table().end());
+  EXPECT_FALSE(monotone) << "blocks were not scattered";
+  EXPECT_LE(MaxDiff(scattered, contiguous), 1e-5 * MaxAbs(contiguous));
+
+  // Decode one more token with the right table, then with a corrupted one
+  // (a history block read twice and another never: attention is invariant
+  // to the order of keys, so a mere swap would go unnoticed).
+  const int32_t next = 5;
+  ForwardSequence good{&seq, absl::MakeConstSpan(&next, 1), LogitsMode::kLast};
+  auto g = model_->Forward(*pool_, {&good, 1});
+  ASSERT_TRUE(g.ok());
+  const std::vector<float> right(g->Last(0).begin(), g->Last(0).end());
+  seq.SetNumPositions(seq.num_positions() - 1);
+  const int32_t saved = seq.mutable_block_table()[3];
+  seq.mutable_block_table()[3] = seq.mutable_block_table()[1];
+  auto b = model_->Forward(*pool_, {&good, 1});
+  ASSERT_TRUE(b.ok());
+  seq.mutable_block_table()[3] = saved;
+  const std::vector<float> wrong(b->Last(0).begin(), b->Last(0).end());
+  EXPECT_GT(MaxDiff({wrong}, {right}), 1e-2 * MaxAbs({right}));
+  seq.Release(*pool_);
+}
+
+// A batch of sequences with different cached and new lengths == each alone;
+// negative control: the same batch with two sequences' KV swapped differs.
+TEST_P(InvariantsTest, BatchEqualsEachAlone) {
+  Load({});
+  const std::vector<std::vector<int32_t>> prompts = {Tokens(5, 1), Tokens(23, 2), Tokens(40, 3)};
+  const std::vector<std::vector<int32_t>> next = {Tokens(1, 4), Tokens(9, 5), Tokens(17, 6)};
+  std::vector<Logits> alone(3);
+  for (int i = 0; i < 3; ++i) {
+    std::vector<int32_t> all = prompts[i];
+    all.insert(all.end(), next[i].begin(), next[i].end());
+    Logits l = Chunked(all, all.size());
+    alone[i].assign(l.begin() + prompts[i].size(), l.end());
+  }
+  for (bool swap : {false, true}) {
+    std::vector<SequenceKv> kv(3);
+    for (int i = 0; i < 3; ++i) {
+      ForwardSequence fs{&kv[i], prompts[i], LogitsMode::kNone};
+      ASSERT_TRUE(model_->Forward(*pool_, {&fs, 1}).ok());
+    }
+    std::vector<ForwardSequence> batch;
+    for (int i = 0; i < 3; ++i) batch.push_back({&kv[i], next[i], LogitsMode::kAll});
+    if (swap) std::swap(batch[1].kv, batch[2].kv);
+    auto r = model_->Forward(*pool_, batch);
+    ASSERT_TRUE(r.ok()) << r.status();
+    double worst = 0, scale = 0;
+    for (int i = 0; i < 3; ++i) {
+      Logits got;
+      AppendRows(*r, i, got);
+      worst = std::max(worst, MaxDiff(got, alone[i]));
+      scale = std::max(scale, MaxAbs(alone[i]));
+    }
+    if (swap) {
+      EXPECT_GT(worst, 1e-2 * scale);
+    } else {
+      EXPECT_LE(worst, 1e-5 * scale);
+    }
+    for (auto& s : kv) s.Release(*pool_);
+  }
+  EXPECT_EQ(pool_->num_used(), 0);
+}
+
+// Fact 5: GQA with g = 1, 2, 4, 8 matches the naive reference (which expands
+// nothing either); negative control: mapping query head h to KV head h % N_kv
+// instead of h / g is detected (only meaningful for 1 < g < heads).
+TEST_P(InvariantsTest, GroupedQueryAttention) {
+  for (int64_t kv_heads : {8, 4, 2, 1}) {
+    SCOPED_TRACE(::testing::Message() << "kv heads " << kv_heads);
+    testing::RandomModelSpec spec;
+    spec.num_heads = 8;
+    spec.num_kv_heads = kv_heads;
+    spec.seed = 100 + kv_heads;
+    Load(spec);
+    const std::vector<int32_t> tokens = Tokens(30, 11);
+    const Logits got = Chunked(tokens, 11);
+    auto ref = testing::ReferenceLogits(dir_, tokens);
+    ASSERT_TRUE(ref.ok());
+    EXPECT_LE(MaxDiff(got, *ref), 1e-4 * MaxAbs(got));
+    if (kv_heads == 2 || kv_heads == 4) {
+      auto wrong = testing::ReferenceLogits(dir_, tokens, {.wrong_gqa_mapping = true});
+      ASSERT_TRUE(wrong.ok());
+      EXPECT_GT(MaxDiff(got, *wrong), 1e-2 * MaxAbs(got));
+    }
+  }
+}
+
+// BF16 KV: the chunking invariant still holds exactly (a position's bytes
+// do not depend on how it was written).
+TEST_P(InvariantsTest, ChunkingInvariantWithBf16Kv) {
+  Load({}, DType::kBF16, 16);
+  const std::vector<int32_t> tokens = Tokens(50, 12);
+  const Logits full = Chunked(tokens, tokens.size());
+  for (size_t chunk : {1, 7, 16, 33}) {
+    EXPECT_LE(MaxDiff(Chunked(tokens, chunk), full), 1e-5 * MaxAbs(full)) << "chunk " << chunk;
+  }
+}
+
+// Running out of blocks is a status, and leaves the pool as it was.
+TEST_P(InvariantsTest, PoolExhaustionIsAStatus) {
+  Load({}, DType::kF32, 16);
+  SequenceKv seq;
+  const std::vector<int32_t> tokens = Tokens(256 * 16 + 1, 13);
+  ForwardSequence fs{&seq, tokens, LogitsMode::kLast};
+  auto r = model_->Forward(*pool_, {&fs, 1});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);  // Past max positions.
+  const std::vector<int32_t> fits = Tokens(300, 14);
+  std::vector<SequenceKv> seqs(20);
+  int ok = 0;
+  absl::Status last;
+  for (auto& s : seqs) {
+    ForwardSequence f{&s, fits, LogitsMode::kNone};
+    auto res = model_->Forward(*pool_, {&f, 1});
+    if (res.ok()) {
+      ++ok;
+    } else {
+      last = res.status();
+      EXPECT_TRUE(s.block_table().empty());
+      break;
+    }
+  }
+  EXPECT_EQ(last.code(), absl::StatusCode::kResourceExhausted) << last;
+  EXPECT_EQ(ok, 256 / 19);
+  for (auto& s : seqs) s.Release(*pool_);
+  EXPECT_EQ(pool_->num_used(), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(AllIsas, InvariantsTest,
+                         ::testing::ValuesIn(kernels::cpu::SupportedIsas()),
+                         [](const auto& info) { return std::string(kernels::cpu::IsaName(info.param)); });
+
+}  // namespace
+}  // namespace pdserve

@@ -1,0 +1,108 @@
+// The engine's logits against an independent reference: PyTorch float64
+// logits committed by tests/fixtures/reference_logits.py for small random
+// models (tests/fixtures/make_models.py), on every CPU kernel path.
+#include <cmath>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "common/model.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "nlohmann/json.hpp"
+
+namespace pdserve {
+namespace {
+
+using kernels::cpu::Isa;
+
+struct GoldenCase {
+  std::string model;
+  Isa isa;
+  DType weights;
+  DType kv;
+  int block_size;
+};
+
+std::string Name(const ::testing::TestParamInfo<GoldenCase>& info) {
+  const GoldenCase& c = info.param;
+  return c.model + "_" + std::string(kernels::cpu::IsaName(c.isa)) + "_w" +
+         std::string(DTypeName(c.weights)) + "_kv" + std::string(DTypeName(c.kv)) + "_bs" +
+         std::to_string(c.block_size);
+}
+
+std::vector<GoldenCase> Cases() {
+  const std::vector<std::string> models = {
+      "llama_tied_f32",    "llama_untied_bf16", "qwen2_bias_f16",     "mistral_f32",
+      "llama3_rope_f32",   "llama_headdim_f32", "llama_sharded_bf16", "llama_gqa1_f32"};
+  std::vector<GoldenCase> out;
+  for (Isa isa : kernels::cpu::SupportedIsas()) {
+    for (const std::string& m : models) {
+      out.push_back({m, isa, DType::kF32, DType::kF32, 16});
+    }
+    // BF16 checkpoints held as BF16 are exact, so the F32 tolerance applies.
+    out.push_back({"llama_untied_bf16", isa, DType::kBF16, DType::kF32, 16});
+    out.push_back({"llama_sharded_bf16", isa, DType::kBF16, DType::kF32, 5});
+    // BF16 KV rounds K and V: a looser tolerance.
+    out.push_back({"llama_tied_f32", isa, DType::kF32, DType::kBF16, 16});
+    out.push_back({"mistral_f32", isa, DType::kF32, DType::kBF16, 7});
+  }
+  return out;
+}
+
+void PrintTo(const GoldenCase& c, std::ostream* os) {
+  *os << c.model << " " << kernels::cpu::IsaName(c.isa) << " weights " << DTypeName(c.weights)
+      << " kv " << DTypeName(c.kv) << " block " << c.block_size;
+}
+
+class GoldenLogitsTest : public ::testing::TestWithParam<GoldenCase> {};
+
+TEST_P(GoldenLogitsTest, MatchesReference) {
+  const GoldenCase& gc = GetParam();
+  const std::string dir = std::string(PDSERVE_SOURCE_DIR) + "/tests/fixtures/models/" + gc.model;
+  auto backend = kernels::cpu::CpuBackend::Create({.num_threads = 2, .isa = gc.isa});
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  auto model = Model::Load(dir, {.weight_dtype = gc.weights}, backend->get());
+  ASSERT_TRUE(model.ok()) << model.status();
+  auto pool = BlockPool::Create((*model)->MakeKvSpec(gc.kv, gc.block_size, 64));
+  ASSERT_TRUE(pool.ok()) << pool.status();
+
+  std::ifstream f(dir + "/reference_logits.json");
+  ASSERT_TRUE(f) << dir;
+  const nlohmann::json ref = nlohmann::json::parse(f);
+  const bool exact_storage = gc.kv == DType::kF32;
+  for (const auto& c : ref["cases"]) {
+    const std::vector<int32_t> ids = c["token_ids"].get<std::vector<int32_t>>();
+    const auto expected = c["logits"].get<std::vector<std::vector<double>>>();
+    SequenceKv seq;
+    ForwardSequence fs{&seq, ids, LogitsMode::kAll};
+    auto r = (*model)->Forward(**pool, {&fs, 1});
+    ASSERT_TRUE(r.ok()) << r.status();
+    ASSERT_EQ(r->num_rows[0], static_cast<int32_t>(ids.size()));
+    double max_abs = 0;
+    for (const auto& row : expected) {
+      for (double v : row) max_abs = std::max(max_abs, std::abs(v));
+    }
+    const double tol = (exact_storage ? 1e-4 : 3e-2) * max_abs;
+    for (size_t p = 0; p < ids.size(); ++p) {
+      absl::Span<const float> got = r->Row(r->first_row[0] + static_cast<int64_t>(p));
+      ASSERT_EQ(got.size(), expected[p].size());
+      double worst = 0;
+      size_t arg_got = 0, arg_want = 0;
+      for (size_t v = 0; v < got.size(); ++v) {
+        worst = std::max(worst, std::abs(got[v] - expected[p][v]));
+        if (got[v] > got[arg_got]) arg_got = v;
+        if (expected[p][v] > expected[p][arg_want]) arg_want = v;
+      }
+      EXPECT_LE(worst, tol) << "position " << p << " of " << ids.size();
+      if (exact_storage) EXPECT_EQ(arg_got, arg_want) << "argmax at position " << p;
+    }
+    seq.Release(**pool);
+  }
+  EXPECT_EQ((*pool)->num_used(), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, GoldenLogitsTest, ::testing::ValuesIn(Cases()), Name);
+
+}  // namespace
+}  // namespace pdserve

@@ -1,0 +1,195 @@
+// Every CPU kernel path (forced through the dispatch) against naive double
+// precision references, with odd sizes and unaligned tails.
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "tests/support/isa_printer.h"
+
+namespace pdserve::kernels::cpu {
+namespace {
+
+class CpuKernelsTest : public ::testing::TestWithParam<Isa> {
+ protected:
+  void SetUp() override {
+    auto b = CpuBackend::Create({.num_threads = 2, .isa = GetParam()});
+    ASSERT_TRUE(b.ok()) << b.status();
+    backend_ = *std::move(b);
+  }
+  std::vector<float> Random(size_t n, float scale = 1.0f) {
+    std::normal_distribution<float> d(0.0f, scale);
+    std::vector<float> v(n);
+    for (float& x : v) x = d(rng_);
+    return v;
+  }
+  std::unique_ptr<CpuBackend> backend_;
+  std::mt19937 rng_{42};
+};
+
+TEST_P(CpuKernelsTest, LinearMatchesReference) {
+  for (DType wt : {DType::kF32, DType::kBF16}) {
+    for (int64_t m : {1, 2, 5, 12, 13, 29}) {
+      for (int64_t n : {1, 15, 16, 17, 33, 50, 64}) {
+        for (int64_t k : {1, 3, 17, 64}) {
+          for (bool accumulate : {false, true}) {
+            SCOPED_TRACE(::testing::Message() << "w=" << DTypeName(wt) << " m=" << m << " n=" << n
+                                              << " k=" << k << " acc=" << accumulate);
+            std::vector<float> w = Random(n * k), x = Random(m * k), bias = Random(n);
+            // Split W into two parts to exercise concatenation.
+            const int64_t n1 = n / 3;
+            const MatrixPart parts[] = {{DType::kF32, w.data(), n1},
+                                        {DType::kF32, w.data() + n1 * k, n - n1}};
+            auto packed = backend_->PackLinear(parts, k, wt);
+            ASSERT_TRUE(packed.ok());
+            std::vector<float> y = Random(m * n);
+            const std::vector<float> y0 = y;
+            backend_->Linear(**packed, x.data(), m, bias.data(), y.data(), accumulate);
+            for (int64_t i = 0; i < m; ++i) {
+              for (int64_t j = 0; j < n; ++j) {
+                double want = bias[j] + (accumulate ? y0[i * n + j] : 0.0);
+                double mag = std::abs(bias[j]);
+                for (int64_t c = 0; c < k; ++c) {
+                  const float wv = wt == DType::kF32 ? w[j * k + c] : Bf16ToF32(F32ToBf16(w[j * k + c]));
+                  want += static_cast<double>(x[i * k + c]) * wv;
+                  mag += std::abs(x[i * k + c] * wv);
+                }
+                ASSERT_NEAR(y[i * n + j], want, 1e-5 * (mag + 1)) << i << "," << j;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_P(CpuKernelsTest, SiluMulMatchesReference) {
+  for (int64_t f : {1, 7, 16, 33, 100}) {
+    const int64_t m = 3;
+    std::vector<float> gu = Random(m * 2 * f, 4.0f), out(m * f);
+    backend_->SiluMul(gu.data(), m, f, out.data());
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t j = 0; j < f; ++j) {
+        const double g = gu[i * 2 * f + j], u = gu[i * 2 * f + f + j];
+        const double want = g / (1 + std::exp(-g)) * u;
+        ASSERT_NEAR(out[i * f + j], want, 1e-6 * (std::abs(want) + 1e-3)) << f;
+      }
+    }
+  }
+}
+
+struct AttnShape {
+  int32_t heads, kv_heads, head_dim, block_size;
+  DType kv_type;
+};
+
+TEST_P(CpuKernelsTest, PagedAttentionMatchesReference) {
+  const AttnShape shapes[] = {{4, 2, 8, 16, DType::kF32},  {6, 2, 12, 5, DType::kF32},
+                              {8, 1, 64, 16, DType::kBF16}, {3, 3, 80, 1, DType::kF32},
+                              {5, 1, 20, 7, DType::kBF16},  {12, 4, 64, 16, DType::kF32}};
+  for (const AttnShape& s : shapes) {
+    SCOPED_TRACE(::testing::Message() << "heads " << s.heads << "/" << s.kv_heads << " dim "
+                                      << s.head_dim << " bs " << s.block_size);
+    // Two sequences: (S0=0, m=9) and (S0=21, m=3); one (S0=40, m=1) decode.
+    const int32_t cached[] = {0, 21, 40};
+    const int32_t fresh[] = {9, 3, 1};
+    const int32_t num_blocks = 128;
+    const int64_t block_elems = 2LL * s.kv_heads * s.block_size * s.head_dim;
+    std::vector<float> kvf(num_blocks * block_elems, 0.0f);
+    std::vector<uint16_t> kvh(num_blocks * block_elems, 0);
+    std::vector<std::vector<int32_t>> tables(3);
+    std::vector<int32_t> perm(num_blocks);
+    for (int32_t i = 0; i < num_blocks; ++i) perm[i] = (i * 37 + 11) % num_blocks;
+    int32_t next_block = 0;
+    int32_t rows = 0;
+    std::vector<AttentionSequence> seqs;
+    // Logical K/V per sequence for the reference: [pos][kv_head][dim].
+    std::vector<std::vector<float>> K(3), Vv(3);
+    for (int q = 0; q < 3; ++q) {
+      const int32_t total = cached[q] + fresh[q];
+      const int32_t nb = (total + s.block_size - 1) / s.block_size;
+      for (int32_t b = 0; b < nb; ++b) tables[q].push_back(perm[next_block++]);
+      K[q] = Random(static_cast<size_t>(total) * s.kv_heads * s.head_dim);
+      Vv[q] = Random(static_cast<size_t>(total) * s.kv_heads * s.head_dim);
+      for (int32_t p = 0; p < total; ++p) {
+        for (int32_t h = 0; h < s.kv_heads; ++h) {
+          for (int32_t d = 0; d < s.head_dim; ++d) {
+            const int64_t off = tables[q][p / s.block_size] * block_elems +
+                                (h * s.block_size + p % s.block_size) * s.head_dim + d;
+            const int64_t src = (static_cast<int64_t>(p) * s.kv_heads + h) * s.head_dim + d;
+            if (s.kv_type == DType::kBF16) {
+              kvh[off] = F32ToBf16(K[q][src]);
+              kvh[off + block_elems / 2] = F32ToBf16(Vv[q][src]);
+              K[q][src] = Bf16ToF32(kvh[off]);
+              Vv[q][src] = Bf16ToF32(kvh[off + block_elems / 2]);
+            } else {
+              kvf[off] = K[q][src];
+              kvf[off + block_elems / 2] = Vv[q][src];
+            }
+          }
+        }
+      }
+      seqs.push_back({tables[q], cached[q], fresh[q], rows});
+      rows += fresh[q];
+    }
+    std::vector<float> qv = Random(static_cast<size_t>(rows) * s.heads * s.head_dim);
+    std::vector<float> out(qv.size(), -1.0f);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim));
+    KvLayerView view{.base = s.kv_type == DType::kF32 ? static_cast<void*>(kvf.data()) : kvh.data(),
+                     .dtype = s.kv_type,
+                     .block_stride = block_elems,
+                     .head_stride = static_cast<int64_t>(s.block_size) * s.head_dim,
+                     .v_offset = block_elems / 2,
+                     .block_size = s.block_size};
+    backend_->Attention({.q = qv.data(), .out = out.data(), .sequences = seqs, .kv = view,
+                         .num_heads = s.heads, .num_kv_heads = s.kv_heads,
+                         .head_dim = s.head_dim, .scale = scale});
+    const int32_t g = s.heads / s.kv_heads;
+    for (int q = 0; q < 3; ++q) {
+      for (int32_t i = 0; i < fresh[q]; ++i) {
+        const int32_t row = seqs[q].row_offset + i;
+        const int32_t pos = cached[q] + i;
+        for (int32_t h = 0; h < s.heads; ++h) {
+          const int32_t kh = h / g;
+          std::vector<double> w(pos + 1);
+          double mx = -1e300;
+          for (int32_t j = 0; j <= pos; ++j) {
+            double dot = 0;
+            for (int32_t d = 0; d < s.head_dim; ++d) {
+              dot += static_cast<double>(qv[(row * s.heads + h) * s.head_dim + d]) *
+                     K[q][(static_cast<int64_t>(j) * s.kv_heads + kh) * s.head_dim + d];
+            }
+            w[j] = dot * scale;
+            mx = std::max(mx, w[j]);
+          }
+          double sum = 0;
+          for (double& e : w) sum += (e = std::exp(e - mx));
+          for (int32_t d = 0; d < s.head_dim; ++d) {
+            double want = 0;
+            for (int32_t j = 0; j <= pos; ++j) {
+              want += w[j] / sum * Vv[q][(static_cast<int64_t>(j) * s.kv_heads + kh) * s.head_dim + d];
+            }
+            ASSERT_NEAR(out[(row * s.heads + h) * s.head_dim + d], want, 2e-5)
+                << "seq " << q << " row " << i << " head " << h << " dim " << d;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(IsaTest, EnvironmentOverrideIsValidated) {
+  EXPECT_TRUE(ParseIsa("avx512").ok());
+  EXPECT_EQ(ParseIsa("neon").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(IsaSupported(Isa::kScalar));
+  ASSERT_FALSE(SupportedIsas().empty());
+  EXPECT_EQ(SupportedIsas().front(), Isa::kScalar);
+}
+
+INSTANTIATE_TEST_SUITE_P(AllIsas, CpuKernelsTest, ::testing::ValuesIn(SupportedIsas()),
+                         [](const auto& info) { return std::string(IsaName(info.param)); });
+
+}  // namespace
+}  // namespace pdserve::kernels::cpu

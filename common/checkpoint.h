@@ -22,9 +22,10 @@ namespace pdserve {
 class Checkpoint {
  public:
   // Errors name the directory, file and tensor: NOT_FOUND when neither
-  // model.safetensors nor model.safetensors.index.json exists; INVALID_ARGUMENT
-  // for malformed files, an index naming a missing shard or tensor, or a
-  // tensor present in two files.
+  // model.safetensors nor model.safetensors.index.json exists, or when the
+  // index names a shard file that does not exist; INVALID_ARGUMENT for
+  // malformed files, an index listing a tensor its shard lacks, or a tensor
+  // present in two files.
   static absl::StatusOr<std::unique_ptr<Checkpoint>> Open(const std::string& model_dir);
 
   // The tensor `name` with exactly `shape`. Errors: missing tensor, wrong

@@ -22,8 +22,10 @@ class Reader {
     return absl::InvalidArgumentError(absl::StrCat(source_, ": field '", field, "': ", what));
   }
 
-  // A required (or defaulted) positive integer.
-  absl::StatusOr<int64_t> PositiveInt(absl::string_view field, std::optional<int64_t> def) const {
+  // A required (or defaulted) positive integer, at most `max` (sizes are
+  // bounded so that every derived product fits in 64 bits).
+  absl::StatusOr<int64_t> PositiveInt(absl::string_view field, std::optional<int64_t> def,
+                                      int64_t max = int64_t{1} << 24) const {
     auto it = j_.find(field);
     if (it == j_.end() || it->is_null()) {
       if (def) return *def;
@@ -32,6 +34,7 @@ class Reader {
     if (!it->is_number_integer()) return Error(field, "must be an integer");
     const int64_t v = it->get<int64_t>();
     if (v <= 0) return Error(field, absl::StrCat("must be positive, got ", v));
+    if (v > max) return Error(field, absl::StrCat(v, " exceeds the supported maximum ", max));
     return v;
   }
 
@@ -129,15 +132,15 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text, absl::
   }
 
   PD_ASSIGN(c.vocab_size, r.PositiveInt("vocab_size", std::nullopt));
-  PD_ASSIGN(c.hidden_size, r.PositiveInt("hidden_size", std::nullopt));
-  PD_ASSIGN(c.intermediate_size, r.PositiveInt("intermediate_size", std::nullopt));
-  PD_ASSIGN(c.num_layers, r.PositiveInt("num_hidden_layers", std::nullopt));
-  PD_ASSIGN(c.num_heads, r.PositiveInt("num_attention_heads", std::nullopt));
-  PD_ASSIGN(c.num_kv_heads, r.PositiveInt("num_key_value_heads", c.num_heads));
+  PD_ASSIGN(c.hidden_size, r.PositiveInt("hidden_size", std::nullopt, int64_t{1} << 20));
+  PD_ASSIGN(c.intermediate_size, r.PositiveInt("intermediate_size", std::nullopt, int64_t{1} << 22));
+  PD_ASSIGN(c.num_layers, r.PositiveInt("num_hidden_layers", std::nullopt, 4096));
+  PD_ASSIGN(c.num_heads, r.PositiveInt("num_attention_heads", std::nullopt, 4096));
+  PD_ASSIGN(c.num_kv_heads, r.PositiveInt("num_key_value_heads", c.num_heads, 4096));
   if (c.hidden_size % c.num_heads != 0 && r.Find("head_dim") == nullptr) {
     return r.Error("head_dim", "missing and hidden_size is not a multiple of num_attention_heads");
   }
-  PD_ASSIGN(c.head_dim, r.PositiveInt("head_dim", c.hidden_size / c.num_heads));
+  PD_ASSIGN(c.head_dim, r.PositiveInt("head_dim", c.hidden_size / c.num_heads, 4096));
   PD_ASSIGN(c.max_position_embeddings, r.PositiveInt("max_position_embeddings", 4096));
   PD_ASSIGN(c.rms_norm_eps, r.PositiveNumber("rms_norm_eps", 1e-6));
   PD_ASSIGN(c.rope_theta, r.PositiveNumber("rope_theta", 10000.0));

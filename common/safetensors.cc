@@ -39,6 +39,8 @@ absl::string_view SafetensorsName(DType t) {
       return "F16";
     case DType::kBF16:
       return "BF16";
+    case DType::kI8:
+      return "I8";
   }
   return "?";
 }
@@ -46,6 +48,10 @@ absl::string_view SafetensorsName(DType t) {
 }  // namespace
 
 int64_t TensorView::NumElements() const {
+  // Parse guarantees the product fits unless a dimension is zero.
+  for (int64_t d : shape) {
+    if (d == 0) return 0;
+  }
   int64_t n = 1;
   for (int64_t d : shape) n *= d;
   return n;
@@ -114,7 +120,7 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Parse(absl::st
   if (!j.is_object()) return fail("header is not a JSON object");
 
   auto file = std::unique_ptr<SafetensorsFile>(new SafetensorsFile());
-  file->path_ = std::move(display_name);
+  file->path_ = display_name;
   for (auto it = j.begin(); it != j.end(); ++it) {
     const std::string& name = it.key();
     if (name == "__metadata__") continue;

@@ -1,0 +1,1 @@
+pdserve_test(loader_errors_test SOURCES loader_errors_test.cc LIBS pdserve_model pdserve_kernels_cpu)

@@ -15,6 +15,8 @@ absl::string_view DTypeName(DType t) {
       return "f16";
     case DType::kBF16:
       return "bf16";
+    case DType::kI8:
+      return "int8";
   }
   return "?";
 }
@@ -23,8 +25,9 @@ absl::StatusOr<DType> ParseDType(absl::string_view name) {
   if (name == "f32") return DType::kF32;
   if (name == "f16") return DType::kF16;
   if (name == "bf16") return DType::kBF16;
+  if (name == "int8") return DType::kI8;
   return absl::InvalidArgumentError(
-      absl::StrCat("unknown dtype '", name, "' (expected f32, f16 or bf16)"));
+      absl::StrCat("unknown dtype '", name, "' (expected f32, f16, bf16 or int8)"));
 }
 
 float F16ToF32(uint16_t h) {
@@ -63,6 +66,11 @@ void ConvertToF32(DType src_type, const void* src, size_t n, float* dst) {
     case DType::kF16: {
       const auto* s = static_cast<const uint16_t*>(src);
       for (size_t i = 0; i < n; ++i) dst[i] = F16ToF32(s[i]);
+      return;
+    }
+    case DType::kI8: {
+      const auto* s = static_cast<const int8_t*>(src);
+      for (size_t i = 0; i < n; ++i) dst[i] = s[i];
       return;
     }
   }

@@ -14,15 +14,20 @@
 
 namespace pdserve {
 
-enum class DType : uint8_t { kF32, kF16, kBF16 };
+// kI8 is symmetric int8 with scales held elsewhere (per output channel for
+// weights, per (position, KV head) for the KV cache); checkpoints never hold it.
+enum class DType : uint8_t { kF32, kF16, kBF16, kI8 };
 
 // Bytes per element.
-constexpr size_t DTypeSize(DType t) { return t == DType::kF32 ? 4 : 2; }
+constexpr size_t DTypeSize(DType t) {
+  return t == DType::kF32 ? 4 : t == DType::kI8 ? 1 : 2;
+}
 
-// Lower-case name used on command lines and in logs: "f32", "f16", "bf16".
+// Lower-case name used on command lines and in logs: "f32", "f16", "bf16",
+// "int8".
 absl::string_view DTypeName(DType t);
 
-// Parses "f32" | "f16" | "bf16" (the command-line spelling).
+// Parses "f32" | "f16" | "bf16" | "int8" (the command-line spelling).
 absl::StatusOr<DType> ParseDType(absl::string_view name);
 
 // BF16 -> F32 is exact (the BF16 bits are the high half of the F32).
@@ -42,6 +47,7 @@ inline uint16_t F32ToBf16(float f) {
 float F16ToF32(uint16_t h);
 
 // Converts `n` elements of type `src_type` at `src` to F32 at `dst`.
+// REQUIRES: src_type is not kI8 (it has no scale here).
 void ConvertToF32(DType src_type, const void* src, size_t n, float* dst);
 
 }  // namespace pdserve

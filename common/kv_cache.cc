@@ -29,11 +29,12 @@ constexpr size_t kHugePage = 2u << 20;
 }  // namespace
 
 int64_t KvCacheSpec::BytesPerPosition() const {
-  return 2LL * num_layers * num_kv_heads * head_dim * static_cast<int64_t>(DTypeSize(dtype));
+  return 2LL * num_layers * num_kv_heads * (head_dim * static_cast<int64_t>(DTypeSize(dtype)) +
+                                             (dtype == DType::kI8 ? 4 : 0));
 }
 
 int64_t KvCacheSpec::LayerBlockBytes() const {
-  return 2LL * num_kv_heads * block_size * head_dim * static_cast<int64_t>(DTypeSize(dtype));
+  return BytesPerPosition() / num_layers * block_size;
 }
 
 int64_t KvCacheSpec::TotalBytes() const {
@@ -52,9 +53,9 @@ absl::Status KvCacheSpec::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("KV cache: number of blocks must be positive, got ", num_blocks));
   }
-  if (dtype != DType::kF32 && dtype != DType::kBF16) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("KV cache: dtype ", DTypeName(dtype), " is not supported (f32, bf16)"));
+  if (dtype != DType::kF32 && dtype != DType::kBF16 && dtype != DType::kI8) {
+    return absl::InvalidArgumentError(absl::StrCat("KV cache: dtype ", DTypeName(dtype),
+                                                   " is not supported (f32, bf16, int8)"));
   }
   return absl::OkStatus();
 }
@@ -117,16 +118,17 @@ void BlockPool::Release(BlockId b) {
 
 kernels::KvLayerView BlockPool::LayerView(int32_t layer) {
   const int64_t elem = static_cast<int64_t>(DTypeSize(spec_.dtype));
-  const int64_t block_elems = spec_.LayerBlockBytes() / elem;
+  const int64_t half_elems = static_cast<int64_t>(spec_.num_kv_heads) * spec_.block_size * spec_.head_dim;
   char* base = static_cast<char*>(region_->data()) +
                static_cast<int64_t>(layer) * spec_.num_blocks * spec_.LayerBlockBytes();
   return kernels::KvLayerView{
       .base = base,
       .dtype = spec_.dtype,
-      .block_stride = block_elems,
+      .block_stride = spec_.LayerBlockBytes() / elem,
       .head_stride = static_cast<int64_t>(spec_.block_size) * spec_.head_dim,
-      .v_offset = block_elems / 2,
+      .v_offset = half_elems,
       .block_size = spec_.block_size,
+      .scale_offset = spec_.dtype == DType::kI8 ? 2 * half_elems : 0,
   };
 }
 

@@ -4,10 +4,14 @@
 // Layout of the region (the KV handoff ships it as is):
 //   layer l, physical block b starts at  (l * num_blocks + b) * LayerBlockBytes()
 //   inside a block:  [K | V] x [num_kv_heads] x [block_size slots] x [head_dim]
+//   and, for int8 KV, then F32 scales [K | V] x [num_kv_heads] x [block_size]:
+//   one per (position, KV head), so a position's bytes never depend on its
+//   neighbours or on the order of writes.
 // so one layer's blocks are contiguous (streamable layer by layer) and one KV
 // head's slots within a block are contiguous (read once per GQA group).
 //
-// Sizes (DESIGN.md fact 4): c_kv = 2 * L * N_kv * H * p_kv bytes per position.
+// Sizes (DESIGN.md fact 4): c_kv = 2 * L * N_kv * H * p_kv bytes per position
+// (+ 2 * L * N_kv * 4 bytes of scales for int8).
 // Logical bytes = sum over sequences of positions * c_kv; physical bytes =
 // whole blocks held (including the unused tail slots of partial blocks).
 //
@@ -36,10 +40,10 @@ struct KvCacheSpec {
   int32_t num_kv_heads = 0;
   int32_t head_dim = 0;
   int32_t block_size = 16;  // Positions per block.
-  DType dtype = DType::kF32;  // kF32 or kBF16.
+  DType dtype = DType::kF32;  // kF32, kBF16 or kI8.
   int32_t num_blocks = 0;
 
-  // c_kv: bytes of one position across all layers, K and V.
+  // c_kv: bytes of one position across all layers, K and V (scales included).
   int64_t BytesPerPosition() const;
   // One block of one layer.
   int64_t LayerBlockBytes() const;

@@ -1,5 +1,6 @@
 #include "common/model.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -58,9 +59,9 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& model_dir,
   DType storage = DType::kF32;
   if (options.weight_dtype.has_value()) {
     storage = *options.weight_dtype;
-    if (storage != DType::kF32 && storage != DType::kBF16) {
+    if (storage != DType::kF32 && storage != DType::kBF16 && storage != DType::kI8) {
       return absl::InvalidArgumentError(
-          absl::StrCat("weights cannot be held as ", DTypeName(storage), " (f32 or bf16)"));
+          absl::StrCat("weights cannot be held as ", DTypeName(storage), " (f32, bf16 or int8)"));
     }
   } else if ((*ckpt)->Has("model.embed_tokens.weight")) {
     absl::StatusOr<const TensorView*> probe =
@@ -89,6 +90,21 @@ absl::Status Model::LoadWeights(Checkpoint& ckpt, DType storage) {
     } else {
       std::vector<float> f = ToF32(**embed);
       for (size_t i = 0; i < embed_elems; ++i) embed_bf16_[i] = F32ToBf16(f[i]);
+    }
+  } else if (storage == DType::kI8) {
+    // One scale per token row, like the per-output-channel weight scales.
+    const std::vector<float> f = ToF32(**embed);
+    embed_i8_.resize(embed_elems);
+    embed_scale_.resize(c.vocab_size);
+    for (int64_t t = 0; t < c.vocab_size; ++t) {
+      float amax = 0;
+      for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::abs(f[t * D + d]));
+      embed_scale_[t] = amax / 127.0f;
+      const float inv = amax > 0 ? 127.0f / amax : 0.0f;
+      for (int64_t d = 0; d < D; ++d) {
+        embed_i8_[t * D + d] =
+            static_cast<int8_t>(std::clamp(std::nearbyint(f[t * D + d] * inv), -127.0f, 127.0f));
+      }
     }
   } else {
     embed_f32_ = ToF32(**embed);
@@ -167,8 +183,8 @@ absl::Status Model::LoadWeights(Checkpoint& ckpt, DType storage) {
 }
 
 size_t Model::WeightBytes() const {
-  size_t n = embed_f32_.size() * 4 + embed_bf16_.size() * 2 + lm_head_->bytes() +
-             final_norm_.size() * 4;
+  size_t n = embed_f32_.size() * 4 + embed_bf16_.size() * 2 + embed_i8_.size() +
+             embed_scale_.size() * 4 + lm_head_->bytes() + final_norm_.size() * 4;
   for (const Layer& l : layers_) {
     n += l.qkv->bytes() + l.o->bytes() + l.gate_up->bytes() + l.down->bytes() +
          (l.input_norm.size() + l.post_norm.size() + l.qkv_bias.size()) * 4;
@@ -283,6 +299,8 @@ absl::StatusOr<ForwardResult> Model::Forward(BlockPool& pool,
       float* xr = x_.data() + row * D;
       if (weight_dtype_ == DType::kBF16) {
         for (int64_t d = 0; d < D; ++d) xr[d] = Bf16ToF32(embed_bf16_[tok * D + d]);
+      } else if (weight_dtype_ == DType::kI8) {
+        for (int64_t d = 0; d < D; ++d) xr[d] = embed_i8_[tok * D + d] * embed_scale_[tok];
       } else {
         std::memcpy(xr, embed_f32_.data() + tok * D, D * sizeof(float));
       }

@@ -30,7 +30,8 @@
 namespace pdserve {
 
 struct ModelOptions {
-  // In-memory weight format (kF32 or kBF16). Unset: BF16 for BF16
+  // In-memory weight format: kF32, kBF16, or kI8 (weight-only int8 with one
+  // scale per output channel, made at load time). Unset: BF16 for BF16
   // checkpoints, F32 otherwise.
   std::optional<DType> weight_dtype;
 };
@@ -94,6 +95,8 @@ class Model {
   std::vector<Layer> layers_;
   std::vector<uint16_t> embed_bf16_;  // [vocab, hidden] when weights are BF16
   std::vector<float> embed_f32_;      // [vocab, hidden] when weights are F32
+  std::vector<int8_t> embed_i8_;      // [vocab, hidden] when weights are int8
+  std::vector<float> embed_scale_;    // [vocab]: one scale per int8 row
   std::vector<float> final_norm_;
   std::unique_ptr<kernels::LinearWeight> lm_head_;
   RopeTable rope_;

@@ -43,14 +43,17 @@ class LinearWeight {
 // The KV of one layer in the paged pool (see common/kv_cache.h):
 // block b's K for KV head h, slot s is at
 //   base + (b * block_stride + h * head_stride + s * head_dim) elements,
-// its V at the same place + v_offset elements.
+// its V at the same place + v_offset elements. For kI8, each block also
+// holds F32 scales [K|V][num_kv_heads][block_size] starting scale_offset
+// bytes after the block's start: one scale per (position, KV head).
 struct KvLayerView {
   void* base;
-  DType dtype;  // kF32 or kBF16.
+  DType dtype;  // kF32, kBF16 or kI8.
   int64_t block_stride;
   int64_t head_stride;
   int64_t v_offset;
   int32_t block_size;
+  int64_t scale_offset = 0;
 };
 
 struct AttentionSequence {
@@ -81,7 +84,9 @@ class Backend {
   virtual std::string Name() const = 0;
 
   // Concatenates `parts` along the output dimension (N = sum of rows) into
-  // one weight of `storage` type (kF32 or kBF16; F16 sources are converted).
+  // one weight of `storage` type: kF32, kBF16, or kI8 (symmetric, one scale
+  // max|row| / 127 per output row, made here).
+  // REQUIRES: parts are F32, F16 or BF16.
   virtual absl::StatusOr<std::unique_ptr<LinearWeight>> PackLinear(
       absl::Span<const MatrixPart> parts, int64_t k, DType storage) = 0;
 

@@ -1,6 +1,8 @@
 #include "kernels/cpu/cpu_backend.h"
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -21,6 +23,10 @@ class PackedLinear final : public LinearWeight {
     const size_t alloc = (bytes_ + 63) / 64 * 64;
     data_ = static_cast<char*>(std::aligned_alloc(64, alloc == 0 ? 64 : alloc));
     std::memset(data_, 0, alloc);
+    if (dtype == DType::kI8) {
+      scales_.assign(num_panels_ * kPanelWidth, 0.0f);
+      bytes_ += scales_.size() * sizeof(float);
+    }
   }
   ~PackedLinear() override { std::free(data_); }
 
@@ -30,8 +36,12 @@ class PackedLinear final : public LinearWeight {
   size_t bytes() const override { return bytes_; }
   int64_t num_panels() const { return num_panels_; }
   char* data() const { return data_; }
+  // kI8: one scale per output row (padded to whole panels).
+  std::vector<float>& scales() { return scales_; }
+  const float* scales_or_null() const { return scales_.empty() ? nullptr : scales_.data(); }
 
  private:
+  std::vector<float> scales_;
   int64_t n_, k_;
   DType dtype_;
   int64_t num_panels_;
@@ -39,7 +49,23 @@ class PackedLinear final : public LinearWeight {
   char* data_;
 };
 
-ElemType ToElem(DType t) { return t == DType::kF32 ? ElemType::kF32 : ElemType::kBF16; }
+ElemType ToElem(DType t) {
+  return t == DType::kF32 ? ElemType::kF32 : t == DType::kI8 ? ElemType::kI8 : ElemType::kBF16;
+}
+
+// Symmetric int8 of x with one scale: q = round(x / scale), scale =
+// max|x| / 127 (0 for an all-zero x). Returns the scale.
+float QuantizeI8(const float* x, int64_t n, int8_t* q, int64_t q_stride) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::abs(x[i]));
+  const float scale = amax / 127.0f;
+  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = std::nearbyint(x[i] * inv);
+    q[i * q_stride] = static_cast<int8_t>(std::clamp(v, -127.0f, 127.0f));
+  }
+  return scale;
+}
 
 }  // namespace
 
@@ -70,12 +96,15 @@ std::string CpuBackend::Name() const { return absl::StrCat("cpu/", table_.name);
 
 absl::StatusOr<std::unique_ptr<LinearWeight>> CpuBackend::PackLinear(
     absl::Span<const MatrixPart> parts, int64_t k, DType storage) {
-  if (storage != DType::kF32 && storage != DType::kBF16) {
+  if (storage != DType::kF32 && storage != DType::kBF16 && storage != DType::kI8) {
     return absl::InvalidArgumentError(
         absl::StrCat("weights cannot be stored as ", DTypeName(storage)));
   }
   int64_t n = 0;
-  for (const MatrixPart& p : parts) n += p.rows;
+  for (const MatrixPart& p : parts) {
+    if (p.dtype == DType::kI8) return absl::InvalidArgumentError("int8 sources are not supported");
+    n += p.rows;
+  }
   auto w = std::make_unique<PackedLinear>(n, k, storage);
   std::vector<float> row(static_cast<size_t>(k));
   int64_t out_row = 0;
@@ -90,6 +119,9 @@ absl::StatusOr<std::unique_ptr<LinearWeight>> CpuBackend::PackLinear(
       if (storage == DType::kF32) {
         float* dst = reinterpret_cast<float*>(w->data());
         for (int64_t c = 0; c < k; ++c) dst[base + c * kPanelWidth] = row[c];
+      } else if (storage == DType::kI8) {
+        int8_t* dst = reinterpret_cast<int8_t*>(w->data());
+        w->scales()[out_row] = QuantizeI8(row.data(), k, dst + base, kPanelWidth);
       } else {
         uint16_t* dst = reinterpret_cast<uint16_t*>(w->data());
         for (int64_t c = 0; c < k; ++c) dst[base + c * kPanelWidth] = F32ToBf16(row[c]);
@@ -109,13 +141,14 @@ void CpuBackend::Linear(const LinearWeight& w, const float* x, int64_t m, const 
                   .n = pw.n(),
                   .panels = pw.data(),
                   .w_type = ToElem(pw.dtype()),
+                  .w_scales = pw.scales_or_null(),
                   .bias = bias,
                   .y = y,
                   .ldy = pw.n(),
                   .accumulate = accumulate};
   // Split whole panels, in pairs so the two-panel micro-tile stays whole.
   const int64_t pairs = (pw.num_panels() + 1) / 2;
-  pool_.ParallelFor(pairs, [&](int64_t b, int64_t e, int) {
+  pool_.ParallelFor(pairs, [&](int64_t b, int64_t e) {
     table_.linear(args, 2 * b, std::min(2 * e, pw.num_panels()));
   });
 }
@@ -151,7 +184,7 @@ void CpuBackend::Rope(float* x, int64_t rows, int32_t heads, int32_t head_dim,
 }
 
 void CpuBackend::SiluMul(const float* gate_up, int64_t m, int64_t f, float* out) {
-  pool_.ParallelFor(m, [&](int64_t b, int64_t e, int) {
+  pool_.ParallelFor(m, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       table_.silu_mul(gate_up + i * 2 * f, gate_up + i * 2 * f + f, out + i * f, f);
     }
@@ -171,6 +204,13 @@ void CpuBackend::WriteKv(const KvLayerView& kv, int32_t num_kv_heads, int32_t he
         float* base = static_cast<float*>(kv.base);
         std::memcpy(base + off, ks, head_dim * sizeof(float));
         std::memcpy(base + off + kv.v_offset, vs, head_dim * sizeof(float));
+      } else if (kv.dtype == DType::kI8) {
+        int8_t* base = static_cast<int8_t*>(kv.base);
+        float* scales = reinterpret_cast<float*>(base + blocks[r] * kv.block_stride + kv.scale_offset);
+        const int64_t si = static_cast<int64_t>(h) * kv.block_size + slots[r];
+        scales[si] = QuantizeI8(ks, head_dim, base + off, 1);
+        scales[si + static_cast<int64_t>(num_kv_heads) * kv.block_size] =
+            QuantizeI8(vs, head_dim, base + off + kv.v_offset, 1);
       } else {
         uint16_t* base = static_cast<uint16_t*>(kv.base);
         for (int32_t i = 0; i < head_dim; ++i) {
@@ -209,25 +249,82 @@ void CpuBackend::Attention(const AttentionBatch& batch) {
                      .block_stride = batch.kv.block_stride,
                      .head_stride = batch.kv.head_stride,
                      .v_offset = batch.kv.v_offset,
+                     .scale_offset = batch.kv.scale_offset,
                      .block_size = batch.kv.block_size,
                      .num_heads = batch.num_heads,
                      .num_kv_heads = batch.num_kv_heads,
                      .head_dim = batch.head_dim,
                      .scale = batch.scale};
-  const int nt = pool_.num_threads();
-  std::vector<int64_t> bounds(nt + 1, static_cast<int64_t>(items.size()));
-  bounds[0] = 0;
+  // Chunks of about equal cost, several per thread, claimed dynamically.
+  const int nc = 4 * pool_.num_threads();
+  std::vector<int64_t> bounds = {0};
   double total = 0;
   for (double c : cost) total += c;
   double acc = 0;
-  int t = 1;
-  for (size_t i = 0; i < items.size() && t < nt; ++i) {
+  for (size_t i = 0; i < items.size(); ++i) {
     acc += cost[i];
-    while (t < nt && acc >= total * t / nt) bounds[t++] = static_cast<int64_t>(i + 1);
+    if (acc >= total * static_cast<double>(bounds.size()) / nc || i + 1 == items.size()) {
+      bounds.push_back(static_cast<int64_t>(i + 1));
+    }
   }
-  pool_.ParallelRanges(bounds, [&](int64_t b, int64_t e, int) {
+  pool_.ParallelChunks(bounds, [&](int64_t b, int64_t e) {
     table_.attention(args, items.data() + b, e - b);
   });
+}
+
+namespace {
+double Seconds(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+}  // namespace
+
+double CpuBackend::MeasurePeakFlops() {
+  constexpr int64_t kIters = 2'000'000;
+  std::vector<double> rates;
+  for (int rep = 0; rep < 5; ++rep) {
+    std::vector<double> flops(pool_.num_threads(), 0.0);
+    const auto t0 = std::chrono::steady_clock::now();
+    pool_.ParallelFor(
+        pool_.num_threads(),
+        [&](int64_t b, int64_t e) {
+          for (int64_t t = b; t < e; ++t) {
+            flops[t] = table_.fma_peak_loop(isa_ == Isa::kScalar ? kIters / 4 : kIters);
+          }
+        },
+        1);
+    const auto t1 = std::chrono::steady_clock::now();
+    double total = 0;
+    for (double f : flops) total += f;
+    rates.push_back(total / Seconds(t0, t1));
+  }
+  return Median(rates);
+}
+
+double CpuBackend::MeasureReadBandwidth(size_t bytes) {
+  const int64_t n = std::max<int64_t>(1024, static_cast<int64_t>(bytes / sizeof(float)) / 1024 * 1024);
+  float* buf = static_cast<float*>(std::aligned_alloc(64, n * sizeof(float)));
+  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(i & 7);
+  // Enough passes for ~20 ms per measurement even when the buffer is cached.
+  const int passes = static_cast<int>(std::max<int64_t>(1, (int64_t{256} << 20) / (n * 4)));
+  std::vector<double> rates;
+  std::atomic<float> sink{0};
+  for (int rep = 0; rep < 7; ++rep) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int p = 0; p < passes; ++p) {
+      pool_.ParallelFor(n / 1024, [&](int64_t b, int64_t e) {
+        sink.store(sink.load(std::memory_order_relaxed) + table_.read_sum(buf + b * 1024, (e - b) * 1024),
+                   std::memory_order_relaxed);
+      });
+    }
+    const auto t1 = std::chrono::steady_clock::now();
+    if (rep > 0) rates.push_back(static_cast<double>(n) * 4 * passes / Seconds(t0, t1));
+  }
+  std::free(buf);
+  return Median(rates);
 }
 
 }  // namespace pdserve::kernels::cpu

@@ -41,6 +41,14 @@ class CpuBackend final : public Backend {
                const float* v, int64_t rows, const int32_t* blocks, const int32_t* slots) override;
   void Attention(const AttentionBatch& batch) override;
 
+  // Machine limits on this backend's instruction path and threads, for
+  // benchmarks (median of several runs each):
+  // multiply-add peak in FLOP/s;
+  double MeasurePeakFlops();
+  // read bandwidth in bytes/s over a buffer of `bytes` (so a working set that
+  // fits in cache is judged against cache, not DRAM).
+  double MeasureReadBandwidth(size_t bytes);
+
  private:
   CpuBackend(Isa isa, int num_threads);
 

@@ -10,10 +10,11 @@ namespace pdserve::kernels::cpu {
 
 // Weights of a linear layer W[N, K] re-laid out in panels of kPanelWidth
 // output rows: panels[p][k][j] = W[p * kPanelWidth + j, k], rows past N are
-// zero. Element type F32 or BF16 (bits in uint16_t).
+// zero. Element type F32, BF16 (bits in uint16_t) or I8 (symmetric, with one
+// F32 scale per output row).
 inline constexpr int kPanelWidth = 16;
 
-enum class ElemType : int32_t { kF32 = 0, kBF16 = 1 };
+enum class ElemType : int32_t { kF32 = 0, kBF16 = 1, kI8 = 2 };
 
 struct LinearArgs {
   const float* x;      // [M, K], row stride ldx
@@ -23,6 +24,7 @@ struct LinearArgs {
   int64_t n;           // Valid output columns.
   const void* panels;  // [ceil(N/16), K, 16] of w_type
   ElemType w_type;
+  const float* w_scales;  // kI8: [ceil(N/16) * 16] per output row; else nullptr
   const float* bias;   // [N] or nullptr
   float* y;            // [M, N], row stride ldy
   int64_t ldy;
@@ -54,12 +56,15 @@ struct AttentionArgs {
   const AttentionSeq* seqs;
   // KV of one layer: block b's K for kv head h, slot s starts at
   //   kv + b * block_stride + h * head_stride + s * head_dim;
-  // its V at the same place + v_offset. Element type kv_type.
+  // its V at the same place + v_offset. Element type kv_type. For kI8, the
+  // block's F32 scales ([K|V][num_kv_heads][block_size]) start scale_offset
+  // bytes after the block's start.
   const void* kv;
   ElemType kv_type;
   int64_t block_stride;  // In elements.
   int64_t head_stride;   // In elements.
   int64_t v_offset;      // In elements.
+  int64_t scale_offset;  // In bytes; kI8 only.
   int32_t block_size;
   int32_t num_heads;
   int32_t num_kv_heads;
@@ -75,6 +80,12 @@ struct KernelTable {
   void (*attention)(const AttentionArgs& args, const AttentionItem* items, int64_t num_items);
   // out[i] = silu(gate[i]) * up[i] for i < n.
   void (*silu_mul)(const float* gate, const float* up, float* out, int64_t n);
+  // Machine-limit probes for benchmarks, on this path's instructions:
+  // `iters` rounds of independent multiply-adds; returns the FLOPs done.
+  double (*fma_peak_loop)(int64_t iters);
+  // Reads n floats (n a multiple of 64) as fast as possible; returns a sum so
+  // the reads cannot be elided.
+  float (*read_sum)(const float* p, int64_t n);
 };
 
 }  // namespace pdserve::kernels::cpu

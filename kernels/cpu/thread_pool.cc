@@ -1,75 +1,111 @@
 #include "kernels/cpu/thread_pool.h"
 
 #include <immintrin.h>
+#include <sched.h>
+
+#include <chrono>
 
 namespace pdserve::kernels::cpu {
 namespace {
-// About 50-100 microseconds of spinning before a worker blocks.
-constexpr int kSpinIterations = 20000;
+// How long an idle worker spins before it blocks: a forward step issues
+// dozens of parallel operators a few microseconds apart, and waking a blocked
+// thread costs tens of microseconds or more (much more in a VM).
+constexpr auto kSpinTime = std::chrono::milliseconds(5);
 }  // namespace
 
 ThreadPool::ThreadPool(int num_threads) : num_threads_(num_threads < 1 ? 1 : num_threads) {
-  for (int i = 1; i < num_threads_; ++i) workers_.emplace_back([this, i] { WorkerLoop(i); });
+  for (int i = 1; i < num_threads_; ++i) workers_.emplace_back([this] { WorkerLoop(); });
 }
 
 ThreadPool::~ThreadPool() {
   {
     absl::MutexLock lock(&mu_);
     stop_.store(true, std::memory_order_release);
-    ++sleep_epoch_;
+    ++sleep_job_;
   }
   for (auto& t : workers_) t.join();
 }
 
-void ThreadPool::WorkerLoop(int index) {
-  uint64_t seen = 0;
+void ThreadPool::RunChunks(uint32_t job) {
+  uint64_t v = next_.load(std::memory_order_acquire);
   while (true) {
-    uint64_t e = epoch_.load(std::memory_order_acquire);
-    for (int spin = 0; e == seen && spin < kSpinIterations; ++spin) {
-      _mm_pause();
-      e = epoch_.load(std::memory_order_acquire);
+    if (static_cast<uint32_t>(v >> 32) != job || static_cast<uint32_t>(v) >= num_chunks_) return;
+    if (!next_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel)) continue;
+    // The job cannot retire before this claimed chunk is done, so its body
+    // and bounds stay valid here.
+    const uint32_t c = static_cast<uint32_t>(v);
+    const std::vector<int64_t>& b = *bounds_;
+    if (b[c] < b[c + 1]) (*body_)(b[c], b[c + 1]);
+    done_.fetch_add(1, std::memory_order_acq_rel);
+    v = next_.load(std::memory_order_acquire);
+  }
+}
+
+void ThreadPool::WorkerLoop() {
+  uint32_t seen = 0;
+  while (true) {
+    uint32_t j = job_.load(std::memory_order_acquire);
+    if (j == seen) {
+      const auto deadline = std::chrono::steady_clock::now() + kSpinTime;
+      while (j == seen && !stop_.load(std::memory_order_relaxed)) {
+        for (int i = 0; i < 64 && j == seen; ++i) {
+          _mm_pause();
+          j = job_.load(std::memory_order_acquire);
+        }
+        if (j == seen && std::chrono::steady_clock::now() > deadline) break;
+      }
     }
-    if (e == seen) {
+    if (j == seen) {
       absl::MutexLock lock(&mu_);
       auto woken = [this, seen]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
         return stop_.load(std::memory_order_acquire) ||
-               epoch_.load(std::memory_order_acquire) != seen;
+               job_.load(std::memory_order_acquire) != seen;
       };
       mu_.Await(absl::Condition(&woken));
-      if (stop_.load(std::memory_order_acquire)) return;
-      e = epoch_.load(std::memory_order_acquire);
+      j = job_.load(std::memory_order_acquire);
     }
     if (stop_.load(std::memory_order_acquire)) return;
-    seen = e;
-    const std::vector<int64_t>& b = *bounds_;
-    if (b[index] < b[index + 1]) (*body_)(b[index], b[index + 1], index);
-    pending_.fetch_sub(1, std::memory_order_acq_rel);
+    seen = j;
+    RunChunks(j);
   }
 }
 
-void ThreadPool::ParallelRanges(const std::vector<int64_t>& bounds,
-                                const std::function<void(int64_t, int64_t, int)>& body) {
-  if (num_threads_ == 1) {
-    if (bounds[0] < bounds[1]) body(bounds[0], bounds[1], 0);
+void ThreadPool::ParallelChunks(const std::vector<int64_t>& bounds, const Body& body) {
+  const uint32_t chunks = bounds.size() < 2 ? 0 : static_cast<uint32_t>(bounds.size() - 1);
+  if (num_threads_ == 1 || chunks <= 1) {
+    for (uint32_t c = 0; c < chunks; ++c) {
+      if (bounds[c] < bounds[c + 1]) body(bounds[c], bounds[c + 1]);
+    }
     return;
   }
+  const uint32_t job = job_.load(std::memory_order_relaxed) + 1;
   body_ = &body;
   bounds_ = &bounds;
-  pending_.store(num_threads_ - 1, std::memory_order_release);
+  num_chunks_ = chunks;
+  done_.store(0, std::memory_order_relaxed);
+  next_.store(static_cast<uint64_t>(job) << 32, std::memory_order_release);
   {
-    // Taking the lock orders the epoch bump against a worker deciding to sleep.
+    // Taking the lock orders the publication against a worker deciding to
+    // sleep, and wakes sleepers.
     absl::MutexLock lock(&mu_);
-    epoch_.fetch_add(1, std::memory_order_acq_rel);
-    ++sleep_epoch_;
+    job_.store(job, std::memory_order_release);
+    ++sleep_job_;
   }
-  if (bounds[0] < bounds[1]) body(bounds[0], bounds[1], 0);
-  while (pending_.load(std::memory_order_acquire) != 0) _mm_pause();
+  RunChunks(job);
+  int spins = 0;
+  while (done_.load(std::memory_order_acquire) != chunks) {
+    _mm_pause();
+    // A worker holding the last chunk may be descheduled: let it run.
+    if (++spins % 1024 == 0) sched_yield();
+  }
 }
 
-void ThreadPool::ParallelFor(int64_t n, const std::function<void(int64_t, int64_t, int)>& body) {
-  std::vector<int64_t> bounds(num_threads_ + 1);
-  for (int t = 0; t <= num_threads_; ++t) bounds[t] = n * t / num_threads_;
-  ParallelRanges(bounds, body);
+void ThreadPool::ParallelFor(int64_t n, const Body& body, int chunks_per_thread) {
+  if (n <= 0) return;
+  const int64_t chunks = std::min<int64_t>(n, static_cast<int64_t>(num_threads_) * chunks_per_thread);
+  std::vector<int64_t> bounds(chunks + 1);
+  for (int64_t c = 0; c <= chunks; ++c) bounds[c] = n * c / chunks;
+  ParallelChunks(bounds, body);
 }
 
 }  // namespace pdserve::kernels::cpu

@@ -1,12 +1,13 @@
 // A persistent pool of worker threads for data-parallel loops.
 //
-// ParallelFor hands each of the pool's threads (the caller included) one
-// contiguous slice of [0, n). Workers spin briefly after a job before they
-// block, so the back-to-back operators of one forward step do not pay a
-// sleep/wake-up each.
+// A parallel loop is cut into chunks that the caller and the workers claim
+// dynamically, so a worker that the OS has descheduled (two vCPUs shared with
+// other processes) delays the loop by at most the chunk it holds, never by a
+// fixed share. Idle workers spin for a few milliseconds before they block, so
+// the back-to-back operators of one forward step do not pay a wake-up each.
 //
-// Thread safety: one ParallelFor at a time (callers serialise; the model
-// forward is single-caller). The body must not throw.
+// Thread safety: one loop at a time (the forward is single-caller). Bodies
+// must not throw.
 #ifndef PDSERVE_KERNELS_CPU_THREAD_POOL_H_
 #define PDSERVE_KERNELS_CPU_THREAD_POOL_H_
 
@@ -23,6 +24,8 @@ namespace pdserve::kernels::cpu {
 
 class ThreadPool {
  public:
+  using Body = std::function<void(int64_t begin, int64_t end)>;
+
   // REQUIRES: num_threads >= 1 (1 = run everything on the caller).
   explicit ThreadPool(int num_threads);
   ~ThreadPool();
@@ -31,27 +34,32 @@ class ThreadPool {
 
   int num_threads() const { return num_threads_; }
 
-  // Calls body(begin, end, thread_index) on disjoint slices covering [0, n),
-  // at most one per thread; returns when all are done.
-  void ParallelFor(int64_t n, const std::function<void(int64_t, int64_t, int)>& body);
+  // Calls body(begin, end) on disjoint chunks covering [0, n), about
+  // chunks_per_thread per thread; returns when all are done.
+  void ParallelFor(int64_t n, const Body& body, int chunks_per_thread = 4);
 
-  // Like ParallelFor but with slice boundaries given: slice t is
-  // [bounds[t], bounds[t+1]). REQUIRES: bounds.size() == num_threads() + 1.
-  void ParallelRanges(const std::vector<int64_t>& bounds,
-                      const std::function<void(int64_t, int64_t, int)>& body);
+  // Chunk c is [bounds[c], bounds[c + 1]). REQUIRES: bounds non-decreasing.
+  void ParallelChunks(const std::vector<int64_t>& bounds, const Body& body);
 
  private:
-  void WorkerLoop(int index);
+  void WorkerLoop();
+  // Claims and runs chunks of job `job` until none is left.
+  void RunChunks(uint32_t job);
 
   const int num_threads_;
   std::vector<std::thread> workers_;
-  const std::function<void(int64_t, int64_t, int)>* body_ = nullptr;
+
+  // The current job. `next_` packs (job id << 32 | next chunk index), so a
+  // late worker can never claim a chunk of a job other than the one it saw.
+  const Body* body_ = nullptr;
   const std::vector<int64_t>* bounds_ = nullptr;
-  std::atomic<uint64_t> epoch_{0};
-  std::atomic<int> pending_{0};
+  uint32_t num_chunks_ = 0;
+  std::atomic<uint64_t> next_{0};
+  std::atomic<uint32_t> done_{0};
+  std::atomic<uint32_t> job_{0};
   std::atomic<bool> stop_{false};
   absl::Mutex mu_;
-  uint64_t sleep_epoch_ ABSL_GUARDED_BY(mu_) = 0;
+  uint32_t sleep_job_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace pdserve::kernels::cpu

@@ -2,6 +2,7 @@
 // each with a negative control: a deliberately wrong variant shown to fail
 // the same comparison.
 #include <algorithm>
+#include <cstring>
 #include <cmath>
 #include <random>
 #include <string>
@@ -11,7 +12,7 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "tests/support/isa_printer.h"
-#include "tests/support/random_model.h"
+#include "common/synthetic_model.h"
 #include "tests/support/reference_forward.h"
 
 namespace pdserve {
@@ -56,9 +57,9 @@ void AppendRows(const ForwardResult& r, size_t seq, Logits& out) {
 
 class InvariantsTest : public ::testing::TestWithParam<Isa> {
  protected:
-  void Load(const testing::RandomModelSpec& spec, DType kv = DType::kF32, int block_size = 16) {
-    dir_ = testing::MakeTempDir("inv");
-    ASSERT_TRUE(testing::WriteRandomModel(dir_, spec).ok());
+  void Load(const RandomModelSpec& spec, DType kv = DType::kF32, int block_size = 16) {
+    dir_ = MakeTempDir("inv");
+    ASSERT_TRUE(WriteRandomModel(dir_, spec).ok());
     auto backend = kernels::cpu::CpuBackend::Create({.num_threads = 2, .isa = GetParam()});
     ASSERT_TRUE(backend.ok()) << backend.status();
     backend_ = *std::move(backend);
@@ -221,7 +222,7 @@ TEST_P(InvariantsTest, BatchEqualsEachAlone) {
 TEST_P(InvariantsTest, GroupedQueryAttention) {
   for (int64_t kv_heads : {8, 4, 2, 1}) {
     SCOPED_TRACE(::testing::Message() << "kv heads " << kv_heads);
-    testing::RandomModelSpec spec;
+    RandomModelSpec spec;
     spec.num_heads = 8;
     spec.num_kv_heads = kv_heads;
     spec.seed = 100 + kv_heads;
@@ -239,14 +240,31 @@ TEST_P(InvariantsTest, GroupedQueryAttention) {
   }
 }
 
-// BF16 KV: the chunking invariant still holds exactly (a position's bytes
-// do not depend on how it was written).
-TEST_P(InvariantsTest, ChunkingInvariantWithBf16Kv) {
-  Load({}, DType::kBF16, 16);
-  const std::vector<int32_t> tokens = Tokens(50, 12);
-  const Logits full = Chunked(tokens, tokens.size());
-  for (size_t chunk : {1, 7, 16, 33}) {
-    EXPECT_LE(MaxDiff(Chunked(tokens, chunk), full), 1e-5 * MaxAbs(full)) << "chunk " << chunk;
+// BF16 and int8 KV: the chunking invariant still holds (a position's bytes
+// do not depend on how it was written: int8 scales are per position and KV
+// head), and the KV bytes themselves are identical however the prompt was cut.
+TEST_P(InvariantsTest, ChunkingInvariantWithReducedPrecisionKv) {
+  for (DType kv : {DType::kBF16, DType::kI8}) {
+    SCOPED_TRACE(DTypeName(kv));
+    Load({}, kv, 16);
+    const std::vector<int32_t> tokens = Tokens(50, 12);
+    SequenceKv whole;
+    const Logits full = Chunked(tokens, tokens.size(), &whole);
+    for (size_t chunk : {1, 7, 16, 33}) {
+      SequenceKv cut;
+      EXPECT_LE(MaxDiff(Chunked(tokens, chunk, &cut), full), 1e-5 * MaxAbs(full)) << "chunk " << chunk;
+      const int64_t bytes = pool_->spec().LayerBlockBytes();
+      for (int32_t l = 0; l < pool_->spec().num_layers; ++l) {
+        for (size_t b = 0; b + 1 < whole.block_table().size(); ++b) {  // Full blocks.
+          EXPECT_EQ(std::memcmp(pool_->BlockData(l, BlockId{whole.block_table()[b]}),
+                                pool_->BlockData(l, BlockId{cut.block_table()[b]}), bytes),
+                    0)
+              << "layer " << l << " block " << b << " chunk " << chunk;
+        }
+      }
+      cut.Release(*pool_);
+    }
+    whole.Release(*pool_);
   }
 }
 

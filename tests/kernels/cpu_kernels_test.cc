@@ -29,7 +29,7 @@ class CpuKernelsTest : public ::testing::TestWithParam<Isa> {
 };
 
 TEST_P(CpuKernelsTest, LinearMatchesReference) {
-  for (DType wt : {DType::kF32, DType::kBF16}) {
+  for (DType wt : {DType::kF32, DType::kBF16, DType::kI8}) {
     for (int64_t m : {1, 2, 5, 12, 13, 29}) {
       for (int64_t n : {1, 15, 16, 17, 33, 50, 64}) {
         for (int64_t k : {1, 3, 17, 64}) {
@@ -46,16 +46,30 @@ TEST_P(CpuKernelsTest, LinearMatchesReference) {
             std::vector<float> y = Random(m * n);
             const std::vector<float> y0 = y;
             backend_->Linear(**packed, x.data(), m, bias.data(), y.data(), accumulate);
+            // The int8 reference quantizes each output row as documented.
+            std::vector<float> wq = w;
+            if (wt == DType::kI8) {
+              for (int64_t j = 0; j < n; ++j) {
+                float amax = 0;
+                for (int64_t c = 0; c < k; ++c) amax = std::max(amax, std::abs(w[j * k + c]));
+                for (int64_t c = 0; c < k; ++c) {
+                  wq[j * k + c] = std::nearbyint(w[j * k + c] * (127.0f / amax)) * (amax / 127.0f);
+                }
+              }
+            }
             for (int64_t i = 0; i < m; ++i) {
               for (int64_t j = 0; j < n; ++j) {
                 double want = bias[j] + (accumulate ? y0[i * n + j] : 0.0);
                 double mag = std::abs(bias[j]);
                 for (int64_t c = 0; c < k; ++c) {
-                  const float wv = wt == DType::kF32 ? w[j * k + c] : Bf16ToF32(F32ToBf16(w[j * k + c]));
+                  const float wv = wt == DType::kF32   ? w[j * k + c]
+                                   : wt == DType::kBF16 ? Bf16ToF32(F32ToBf16(w[j * k + c]))
+                                                        : wq[j * k + c];
                   want += static_cast<double>(x[i * k + c]) * wv;
                   mag += std::abs(x[i * k + c] * wv);
                 }
-                ASSERT_NEAR(y[i * n + j], want, 1e-5 * (mag + 1)) << i << "," << j;
+                ASSERT_NEAR(y[i * n + j], want, (wt == DType::kI8 ? 1e-4 : 1e-5) * (mag + 1))
+                    << i << "," << j;
               }
             }
           }
@@ -88,7 +102,8 @@ struct AttnShape {
 TEST_P(CpuKernelsTest, PagedAttentionMatchesReference) {
   const AttnShape shapes[] = {{4, 2, 8, 16, DType::kF32},  {6, 2, 12, 5, DType::kF32},
                               {8, 1, 64, 16, DType::kBF16}, {3, 3, 80, 1, DType::kF32},
-                              {5, 1, 20, 7, DType::kBF16},  {12, 4, 64, 16, DType::kF32}};
+                              {5, 1, 20, 7, DType::kBF16},  {12, 4, 64, 16, DType::kF32},
+                              {8, 2, 64, 16, DType::kI8},   {6, 3, 20, 5, DType::kI8}};
   for (const AttnShape& s : shapes) {
     SCOPED_TRACE(::testing::Message() << "heads " << s.heads << "/" << s.kv_heads << " dim "
                                       << s.head_dim << " bs " << s.block_size);
@@ -96,9 +111,14 @@ TEST_P(CpuKernelsTest, PagedAttentionMatchesReference) {
     const int32_t cached[] = {0, 21, 40};
     const int32_t fresh[] = {9, 3, 1};
     const int32_t num_blocks = 128;
-    const int64_t block_elems = 2LL * s.kv_heads * s.block_size * s.head_dim;
+    const int64_t half = static_cast<int64_t>(s.kv_heads) * s.block_size * s.head_dim;
+    // int8 blocks carry [K|V][kv_heads][block_size] F32 scales after the data.
+    const int64_t scale_offset = 2 * half;
+    const int64_t block_elems =
+        s.kv_type == DType::kI8 ? 2 * half + 2LL * s.kv_heads * s.block_size * 4 : 2 * half;
     std::vector<float> kvf(num_blocks * block_elems, 0.0f);
     std::vector<uint16_t> kvh(num_blocks * block_elems, 0);
+    std::vector<int8_t> kvq(num_blocks * block_elems, 0);
     std::vector<std::vector<int32_t>> tables(3);
     std::vector<int32_t> perm(num_blocks);
     for (int32_t i = 0; i < num_blocks; ++i) perm[i] = (i * 37 + 11) % num_blocks;
@@ -115,18 +135,37 @@ TEST_P(CpuKernelsTest, PagedAttentionMatchesReference) {
       Vv[q] = Random(static_cast<size_t>(total) * s.kv_heads * s.head_dim);
       for (int32_t p = 0; p < total; ++p) {
         for (int32_t h = 0; h < s.kv_heads; ++h) {
+          const int64_t block = tables[q][p / s.block_size];
+          const int64_t slot = p % s.block_size;
+          const int64_t src0 = (static_cast<int64_t>(p) * s.kv_heads + h) * s.head_dim;
+          if (s.kv_type == DType::kI8) {
+            // Quantize with one scale per (position, head), as WriteKv does.
+            float* scales = reinterpret_cast<float*>(kvq.data() + block * block_elems + scale_offset);
+            for (int kv = 0; kv < 2; ++kv) {
+              std::vector<float>& src = kv == 0 ? K[q] : Vv[q];
+              float amax = 0;
+              for (int32_t d = 0; d < s.head_dim; ++d) amax = std::max(amax, std::abs(src[src0 + d]));
+              const float sc = amax / 127.0f;
+              scales[kv * s.kv_heads * s.block_size + h * s.block_size + slot] = sc;
+              for (int32_t d = 0; d < s.head_dim; ++d) {
+                const int8_t v = static_cast<int8_t>(std::nearbyint(src[src0 + d] * (127.0f / amax)));
+                kvq[block * block_elems + kv * half + (h * s.block_size + slot) * s.head_dim + d] = v;
+                src[src0 + d] = v * sc;
+              }
+            }
+            continue;
+          }
           for (int32_t d = 0; d < s.head_dim; ++d) {
-            const int64_t off = tables[q][p / s.block_size] * block_elems +
-                                (h * s.block_size + p % s.block_size) * s.head_dim + d;
-            const int64_t src = (static_cast<int64_t>(p) * s.kv_heads + h) * s.head_dim + d;
+            const int64_t off = block * block_elems + (h * s.block_size + slot) * s.head_dim + d;
+            const int64_t src = src0 + d;
             if (s.kv_type == DType::kBF16) {
               kvh[off] = F32ToBf16(K[q][src]);
-              kvh[off + block_elems / 2] = F32ToBf16(Vv[q][src]);
+              kvh[off + half] = F32ToBf16(Vv[q][src]);
               K[q][src] = Bf16ToF32(kvh[off]);
-              Vv[q][src] = Bf16ToF32(kvh[off + block_elems / 2]);
+              Vv[q][src] = Bf16ToF32(kvh[off + half]);
             } else {
               kvf[off] = K[q][src];
-              kvf[off + block_elems / 2] = Vv[q][src];
+              kvf[off + half] = Vv[q][src];
             }
           }
         }
@@ -137,12 +176,16 @@ TEST_P(CpuKernelsTest, PagedAttentionMatchesReference) {
     std::vector<float> qv = Random(static_cast<size_t>(rows) * s.heads * s.head_dim);
     std::vector<float> out(qv.size(), -1.0f);
     const float scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim));
-    KvLayerView view{.base = s.kv_type == DType::kF32 ? static_cast<void*>(kvf.data()) : kvh.data(),
+    void* base = s.kv_type == DType::kF32    ? static_cast<void*>(kvf.data())
+                 : s.kv_type == DType::kBF16 ? static_cast<void*>(kvh.data())
+                                             : static_cast<void*>(kvq.data());
+    KvLayerView view{.base = base,
                      .dtype = s.kv_type,
                      .block_stride = block_elems,
                      .head_stride = static_cast<int64_t>(s.block_size) * s.head_dim,
-                     .v_offset = block_elems / 2,
-                     .block_size = s.block_size};
+                     .v_offset = half,
+                     .block_size = s.block_size,
+                     .scale_offset = s.kv_type == DType::kI8 ? scale_offset : 0};
     backend_->Attention({.q = qv.data(), .out = out.data(), .sequences = seqs, .kv = view,
                          .num_heads = s.heads, .num_kv_heads = s.kv_heads,
                          .head_dim = s.head_dim, .scale = scale});

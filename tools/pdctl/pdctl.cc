@@ -18,6 +18,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/synthetic_model.h"
+#include "tools/pdctl/bench_engine.h"
 #include "tools/pdctl/commands.h"
 
 ABSL_FLAG(std::string, model, "", "Hugging Face model directory");
@@ -30,6 +32,15 @@ ABSL_FLAG(int, threads, 1, "compute threads");
 ABSL_FLAG(std::string, isa, "", "CPU kernel path: scalar, avx2 or avx512 (default: best)");
 ABSL_FLAG(int, max_tokens, 16, "generate: tokens to generate");
 ABSL_FLAG(int, block_size, 16, "KV block size in positions");
+ABSL_FLAG(std::string, out, "", "make-model: output directory");
+ABSL_FLAG(std::string, shape, "125m", "make-model: 125m (the benchmark shape) or tiny");
+ABSL_FLAG(std::string, dtype, "bf16", "make-model: file dtype, f32 or bf16");
+ABSL_FLAG(uint64_t, seed, 1, "make-model: random seed");
+ABSL_FLAG(std::string, prefill, "128,512,2048", "bench-engine: prompt lengths");
+ABSL_FLAG(std::string, decode_batch, "1,8,32", "bench-engine: decode batch sizes");
+ABSL_FLAG(std::string, decode_history, "128,512,4096", "bench-engine: decode history lengths");
+ABSL_FLAG(int, steps, 16, "bench-engine: timed decode steps per scenario");
+ABSL_FLAG(bool, json, false, "print JSON instead of a table");
 
 namespace pdserve::pdctl {
 namespace {
@@ -85,11 +96,67 @@ absl::Status RunGenerate() {
   return GenerateGreedy(o, *ids, max_tokens);
 }
 
+absl::StatusOr<std::vector<int>> ParseInts(const std::string& flag, const std::string& text) {
+  std::vector<int> out;
+  if (text.empty()) return out;
+  for (absl::string_view part : absl::StrSplit(text, ',')) {
+    int v;
+    if (!absl::SimpleAtoi(part, &v) || v <= 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", flag, ": '", part, "' is not a positive integer"));
+    }
+    out.push_back(v);
+  }
+  return out;
+}
+
+absl::Status RunMakeModel() {
+  const std::string out = absl::GetFlag(FLAGS_out);
+  if (out.empty()) return absl::InvalidArgumentError("--out is required");
+  RandomModelSpec spec;
+  const std::string shape = absl::GetFlag(FLAGS_shape);
+  if (shape == "125m") {
+    spec = Llama125MSpec();
+  } else if (shape != "tiny") {
+    return absl::InvalidArgumentError(absl::StrCat("--shape: unknown shape '", shape, "' (125m, tiny)"));
+  }
+  absl::StatusOr<DType> dtype = ParseDType(absl::GetFlag(FLAGS_dtype));
+  if (!dtype.ok() || *dtype == DType::kF16) {
+    return absl::InvalidArgumentError("--dtype must be f32 or bf16");
+  }
+  spec.dtype = *dtype;
+  spec.seed = absl::GetFlag(FLAGS_seed);
+  if (absl::Status s = WriteRandomModel(out, spec); !s.ok()) return s;
+  std::printf("wrote %s (%s, random weights)\n", out.c_str(), shape.c_str());
+  return absl::OkStatus();
+}
+
+absl::Status RunBenchEngineCommand() {
+  if (absl::Status s = RequireModel(); !s.ok()) return s;
+  BenchEngineOptions o;
+  o.engine = EngineFlags();
+  auto prefill = ParseInts("prefill", absl::GetFlag(FLAGS_prefill));
+  auto batches = ParseInts("decode-batch", absl::GetFlag(FLAGS_decode_batch));
+  auto histories = ParseInts("decode-history", absl::GetFlag(FLAGS_decode_history));
+  for (const auto* p : {&prefill, &batches, &histories}) {
+    if (!p->ok()) return p->status();
+  }
+  o.prefill_lengths = *prefill;
+  o.decode_batches = *batches;
+  o.decode_histories = *histories;
+  o.decode_steps = absl::GetFlag(FLAGS_steps);
+  if (o.decode_steps < 1) return absl::InvalidArgumentError("--steps must be at least 1");
+  o.json = absl::GetFlag(FLAGS_json);
+  return RunBenchEngine(o);
+}
+
 constexpr char kUsage[] =
     "pdctl COMMAND [flags]\n"
     "commands:\n"
     "  logits    print logits (one JSON array per position) for --token-ids\n"
     "  generate  greedy generation from --prompt-ids, prints the generated ids\n"
+    "  make-model    write a random-weight model (--shape 125m|tiny --dtype f32|bf16 --out DIR)\n"
+    "  bench-engine  prefill and decode speed beside the machine's measured limits\n"
     "  help      this text; `pdctl COMMAND --help` lists the flags\n";
 
 }  // namespace
@@ -129,6 +196,10 @@ int main(int argc, char** argv) {
     status = RunLogits();
   } else if (command == "generate") {
     status = RunGenerate();
+  } else if (command == "make-model") {
+    status = RunMakeModel();
+  } else if (command == "bench-engine") {
+    status = RunBenchEngineCommand();
   } else {
     std::fprintf(stderr, "pdctl: unknown command '%s'\n%s", command.c_str(), kUsage);
     return 2;

@@ -1,7 +1,8 @@
-// Writes small random Hugging Face model directories for tests (config.json +
-// model.safetensors), deterministically from a seed.
-#ifndef PDSERVE_TESTS_SUPPORT_RANDOM_MODEL_H_
-#define PDSERVE_TESTS_SUPPORT_RANDOM_MODEL_H_
+// Writes random-weight Hugging Face model directories (config.json +
+// model.safetensors), deterministically from a seed: small ones for tests,
+// full-size shapes for benchmarks (`pdctl make-model`).
+#ifndef PDSERVE_COMMON_SYNTHETIC_MODEL_H_
+#define PDSERVE_COMMON_SYNTHETIC_MODEL_H_
 
 #include <cstdint>
 #include <string>
@@ -9,7 +10,7 @@
 #include "absl/status/status.h"
 #include "common/dtype.h"
 
-namespace pdserve::testing {
+namespace pdserve {
 
 struct RandomModelSpec {
   std::string architecture = "LlamaForCausalLM";
@@ -29,9 +30,14 @@ struct RandomModelSpec {
 // Creates `dir` (and parents) and writes the model into it.
 absl::Status WriteRandomModel(const std::string& dir, const RandomModelSpec& spec);
 
-// A fresh, empty directory under the test temp dir, unique per call.
+// The ~125M-parameter Llama shape used by the benchmarks: 12 layers,
+// hidden 768, 12 query / 4 KV heads, FFN 2048, vocab 32000, untied.
+RandomModelSpec Llama125MSpec();
+
+// A fresh, empty directory under $TEST_TMPDIR or the system temp dir,
+// unique per call.
 std::string MakeTempDir(const std::string& tag);
 
-}  // namespace pdserve::testing
+}  // namespace pdserve
 
-#endif  // PDSERVE_TESTS_SUPPORT_RANDOM_MODEL_H_
+#endif  // PDSERVE_COMMON_SYNTHETIC_MODEL_H_

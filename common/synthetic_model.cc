@@ -1,4 +1,8 @@
-#include "tests/support/random_model.h"
+#include "common/synthetic_model.h"
+
+#include <unistd.h>
+
+#include <cstring>
 
 #include <atomic>
 #include <cmath>
@@ -11,7 +15,7 @@
 #include "common/safetensors.h"
 #include "nlohmann/json.hpp"
 
-namespace pdserve::testing {
+namespace pdserve {
 
 std::string MakeTempDir(const std::string& tag) {
   static std::atomic<int> counter{0};
@@ -22,6 +26,19 @@ std::string MakeTempDir(const std::string& tag) {
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
   return dir.string();
+}
+
+RandomModelSpec Llama125MSpec() {
+  RandomModelSpec s;
+  s.vocab_size = 32000;
+  s.hidden_size = 768;
+  s.intermediate_size = 2048;
+  s.num_layers = 12;
+  s.num_heads = 12;
+  s.num_kv_heads = 4;
+  s.head_dim = 64;
+  s.max_position_embeddings = 8192;
+  return s;
 }
 
 absl::Status WriteRandomModel(const std::string& dir, const RandomModelSpec& s) {
@@ -90,4 +107,4 @@ absl::Status WriteRandomModel(const std::string& dir, const RandomModelSpec& s) 
   return absl::OkStatus();
 }
 
-}  // namespace pdserve::testing
+}  // namespace pdserve

@@ -1,0 +1,197 @@
+#include "tools/pdctl/bench_engine.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "nlohmann/json.hpp"
+
+namespace pdserve::pdctl {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+std::vector<int32_t> RandomTokens(int n, int64_t vocab, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<int32_t> t(n);
+  for (auto& x : t) x = static_cast<int32_t>(rng() % vocab);
+  return t;
+}
+
+void Progress(const std::string& what) { std::fprintf(stderr, "bench-engine: %s\n", what.c_str()); }
+
+}  // namespace
+
+absl::Status RunBenchEngine(const BenchEngineOptions& o) {
+  // Pool sized for the largest decode scenario (+ steps) and prefill.
+  const int eo_block = o.engine.block_size;
+  int64_t positions = 0;
+  for (int b : o.decode_batches) {
+    for (int h : o.decode_histories) {
+      // B sequences plus the prefilled prototype, each with slack for the
+      // steps and a partial block.
+      positions = std::max<int64_t>(
+          positions, static_cast<int64_t>(b + 1) * (h + o.decode_steps + 2 * eo_block + 8));
+    }
+  }
+  for (int s : o.prefill_lengths) positions = std::max<int64_t>(positions, s + 2 * eo_block);
+  EngineOptions eo = o.engine;
+  eo.kv_positions = positions;
+  Progress(absl::StrCat("loading ", eo.model_dir));
+  absl::StatusOr<Engine> engine = MakeEngine(eo);
+  if (!engine.ok()) return engine.status();
+  Model& model = *engine->model;
+  BlockPool& pool = *engine->pool;
+  kernels::cpu::CpuBackend& backend = *engine->backend;
+  const ModelConfig& c = model.config();
+
+  nlohmann::ordered_json out;
+  out["model"] = eo.model_dir;
+  out["backend"] = backend.Name();
+  out["threads"] = backend.num_threads();
+  out["weights"] = std::string(DTypeName(model.weight_dtype()));
+  out["kv"] = std::string(DTypeName(pool.spec().dtype));
+  out["parameters"] = c.NumParameters();
+  out["weight_bytes"] = model.WeightBytes();
+
+  Progress("measuring the multiply-add peak");
+  const double peak = backend.MeasurePeakFlops();
+  out["peak_flops"] = peak;
+
+  const double linear_params =
+      static_cast<double>(c.NumParameters() - c.vocab_size * c.hidden_size * (c.tie_word_embeddings ? 1 : 2) -
+                          c.hidden_size);
+  nlohmann::ordered_json prefill = nlohmann::ordered_json::array();
+  for (int S : o.prefill_lengths) {
+    Progress(absl::StrCat("prefill ", S, " tokens"));
+    const std::vector<int32_t> tokens = RandomTokens(S, c.vocab_size, S);
+    std::vector<double> times;
+    const int reps = S >= 2048 ? 3 : 5;
+    for (int r = 0; r < reps; ++r) {
+      SequenceKv seq;
+      ForwardSequence fs{&seq, tokens, LogitsMode::kLast};
+      const auto t0 = Clock::now();
+      absl::StatusOr<ForwardResult> res = model.Forward(pool, {&fs, 1});
+      const auto t1 = Clock::now();
+      seq.Release(pool);
+      if (!res.ok()) return res.status();
+      times.push_back(Seconds(t0, t1));
+    }
+    const double t = Median(times);
+    const double flops = 2.0 * linear_params * S + 2.0 * c.hidden_size * c.vocab_size +
+                         4.0 * c.head_dim * c.num_heads * c.num_layers * S * (S + 1.0) / 2.0;
+    prefill.push_back({{"tokens", S},
+                       {"seconds", t},
+                       {"tokens_per_second", S / t},
+                       {"flops", flops},
+                       {"flops_per_second", flops / t},
+                       {"fraction_of_peak", flops / t / peak}});
+  }
+  out["prefill"] = prefill;
+
+  nlohmann::ordered_json decode = nlohmann::ordered_json::array();
+  const int64_t c_kv = pool.spec().BytesPerPosition();
+  for (int H : o.decode_histories) {
+    // Prefill one sequence to H positions; the others copy its blocks.
+    Progress(absl::StrCat("decode: preparing history ", H));
+    SequenceKv proto;
+    {
+      const std::vector<int32_t> tokens = RandomTokens(H, c.vocab_size, 1000 + H);
+      ForwardSequence fs{&proto, tokens, LogitsMode::kNone};
+      absl::StatusOr<ForwardResult> res = model.Forward(pool, {&fs, 1});
+      if (!res.ok()) return res.status();
+    }
+    for (int B : o.decode_batches) {
+      Progress(absl::StrCat("decode batch ", B, " at history ", H));
+      std::vector<SequenceKv> seqs(B);
+      bool ok = true;
+      for (SequenceKv& s : seqs) {
+        if (absl::Status st = s.Reserve(pool, H); !st.ok()) return st;
+        for (size_t b = 0; b < proto.block_table().size(); ++b) {
+          for (int32_t l = 0; l < pool.spec().num_layers; ++l) {
+            std::memcpy(pool.BlockData(l, BlockId{s.block_table()[b]}),
+                        pool.BlockData(l, BlockId{proto.block_table()[b]}),
+                        pool.spec().LayerBlockBytes());
+          }
+        }
+        s.SetNumPositions(H);
+      }
+      std::vector<int32_t> next(B, 1);
+      std::vector<double> times;
+      for (int step = 0; step < o.decode_steps + 2 && ok; ++step) {
+        std::vector<ForwardSequence> batch;
+        for (int b = 0; b < B; ++b) {
+          batch.push_back({&seqs[b], absl::MakeConstSpan(&next[b], 1), LogitsMode::kLast});
+        }
+        const auto t0 = Clock::now();
+        absl::StatusOr<ForwardResult> res = model.Forward(pool, batch);
+        const auto t1 = Clock::now();
+        if (!res.ok()) return res.status();
+        if (step >= 2) times.push_back(Seconds(t0, t1));
+        for (int b = 0; b < B; ++b) {
+          absl::Span<const float> l = res->Last(b);
+          next[b] = static_cast<int32_t>(std::max_element(l.begin(), l.end()) - l.begin());
+        }
+      }
+      const double t = Median(times);
+      const double mean_history = H + o.decode_steps / 2.0 + 1;
+      const double kv_bytes = B * mean_history * c_kv;
+      const double bytes = static_cast<double>(model.WeightBytesPerStep()) + kv_bytes;
+      const double bw = backend.MeasureReadBandwidth(static_cast<size_t>(bytes));
+      decode.push_back({{"batch", B},
+                        {"history", H},
+                        {"step_seconds", t},
+                        {"tokens_per_second", B / t},
+                        {"bytes_per_step", bytes},
+                        {"kv_bytes_per_step", kv_bytes},
+                        {"bytes_per_second", bytes / t},
+                        {"read_bandwidth", bw},
+                        {"fraction_of_bandwidth", bytes / t / bw}});
+      for (SequenceKv& s : seqs) s.Release(pool);
+    }
+    proto.Release(pool);
+  }
+  out["decode"] = decode;
+
+  if (o.json) {
+    std::printf("%s\n", out.dump(2).c_str());
+    return absl::OkStatus();
+  }
+  std::printf("model %s: %.1fM parameters, weights %s (%.1f MB), KV %s, %s, %d threads\n",
+              eo.model_dir.c_str(), c.NumParameters() / 1e6, DTypeName(model.weight_dtype()).data(),
+              model.WeightBytes() / 1e6, DTypeName(pool.spec().dtype).data(), backend.Name().c_str(),
+              backend.num_threads());
+  std::printf("multiply-add peak (this path, same threads): %.1f GFLOP/s\n\n", peak / 1e9);
+  std::printf("%-8s %10s %12s %14s %10s\n", "prefill", "seconds", "tokens/s", "GFLOP/s", "of peak");
+  for (const auto& p : prefill) {
+    std::printf("%-8d %10.4f %12.1f %14.1f %9.1f%%\n", p["tokens"].get<int>(),
+                p["seconds"].get<double>(), p["tokens_per_second"].get<double>(),
+                p["flops_per_second"].get<double>() / 1e9, 100 * p["fraction_of_peak"].get<double>());
+  }
+  std::printf("\n%-6s %8s %10s %10s %12s %12s %12s %9s\n", "batch", "history", "step ms", "tokens/s",
+              "MB/step", "GB/s", "limit GB/s", "of limit");
+  for (const auto& d : decode) {
+    std::printf("%-6d %8d %10.3f %10.1f %12.1f %12.1f %12.1f %8.1f%%\n", d["batch"].get<int>(),
+                d["history"].get<int>(), 1e3 * d["step_seconds"].get<double>(),
+                d["tokens_per_second"].get<double>(), d["bytes_per_step"].get<double>() / 1e6,
+                d["bytes_per_second"].get<double>() / 1e9, d["read_bandwidth"].get<double>() / 1e9,
+                100 * d["fraction_of_bandwidth"].get<double>());
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace pdserve::pdctl

@@ -1,0 +1,37 @@
+// `pdctl bench-engine`: prefill and decode speed of the in-process engine,
+// each beside the machine limit measured in the same run on the same
+// instruction path and threads (CpuBackend::MeasurePeakFlops /
+// MeasureReadBandwidth).
+//
+// Prefill: one sequence of S tokens from an empty cache; FLOPs counted as
+//   2 * (linear-layer parameters) * S + 2 * hidden * vocab (one logits row)
+//   + attention 4 * head_dim * heads * layers * S(S+1)/2.
+// Decode: B sequences, each with H cached positions, one token each per step;
+//   bytes per step = weight bytes one step reads + B * H * c_kv (the KV),
+//   judged against the read bandwidth of a buffer of that size. The other
+//   sequences' histories are copies of one prefilled sequence's KV blocks
+//   (timing does not depend on the values).
+#ifndef PDSERVE_TOOLS_PDCTL_BENCH_ENGINE_H_
+#define PDSERVE_TOOLS_PDCTL_BENCH_ENGINE_H_
+
+#include <vector>
+
+#include "absl/status/status.h"
+#include "tools/pdctl/engine_setup.h"
+
+namespace pdserve::pdctl {
+
+struct BenchEngineOptions {
+  EngineOptions engine;
+  std::vector<int> prefill_lengths = {128, 512, 2048};
+  std::vector<int> decode_batches = {1, 8, 32};
+  std::vector<int> decode_histories = {128, 512, 4096};
+  int decode_steps = 16;
+  bool json = false;
+};
+
+absl::Status RunBenchEngine(const BenchEngineOptions& options);
+
+}  // namespace pdserve::pdctl
+
+#endif  // PDSERVE_TOOLS_PDCTL_BENCH_ENGINE_H_

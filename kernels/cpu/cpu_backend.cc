@@ -276,55 +276,48 @@ namespace {
 double Seconds(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 }  // namespace
 
-double CpuBackend::MeasurePeakFlops() {
+double CpuBackend::SamplePeakFlops() {
   constexpr int64_t kIters = 2'000'000;
-  std::vector<double> rates;
-  for (int rep = 0; rep < 5; ++rep) {
-    std::vector<double> flops(pool_.num_threads(), 0.0);
-    const auto t0 = std::chrono::steady_clock::now();
-    pool_.ParallelFor(
-        pool_.num_threads(),
-        [&](int64_t b, int64_t e) {
-          for (int64_t t = b; t < e; ++t) {
-            flops[t] = table_.fma_peak_loop(isa_ == Isa::kScalar ? kIters / 4 : kIters);
-          }
-        },
-        1);
-    const auto t1 = std::chrono::steady_clock::now();
-    double total = 0;
-    for (double f : flops) total += f;
-    rates.push_back(total / Seconds(t0, t1));
-  }
-  return Median(rates);
+  std::vector<double> flops(pool_.num_threads(), 0.0);
+  const auto t0 = std::chrono::steady_clock::now();
+  pool_.ParallelFor(
+      pool_.num_threads(),
+      [&](int64_t b, int64_t e) {
+        for (int64_t t = b; t < e; ++t) {
+          flops[t] = table_.fma_peak_loop(isa_ == Isa::kScalar ? kIters / 4 : kIters);
+        }
+      },
+      1);
+  const auto t1 = std::chrono::steady_clock::now();
+  double total = 0;
+  for (double f : flops) total += f;
+  return total / Seconds(t0, t1);
 }
 
-double CpuBackend::MeasureReadBandwidth(size_t bytes) {
-  const int64_t n = std::max<int64_t>(1024, static_cast<int64_t>(bytes / sizeof(float)) / 1024 * 1024);
-  float* buf = static_cast<float*>(std::aligned_alloc(64, n * sizeof(float)));
-  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(i & 7);
-  // Enough passes for ~20 ms per measurement even when the buffer is cached.
-  const int passes = static_cast<int>(std::max<int64_t>(1, (int64_t{256} << 20) / (n * 4)));
-  std::vector<double> rates;
+CpuBackend::ReadProbe::ReadProbe(CpuBackend* backend, size_t bytes) : backend_(backend) {
+  n_ = std::max<int64_t>(1024, static_cast<int64_t>(bytes / sizeof(float)) / 1024 * 1024);
+  buf_ = static_cast<float*>(std::aligned_alloc(64, n_ * sizeof(float)));
+  for (int64_t i = 0; i < n_; ++i) buf_[i] = static_cast<float>(i & 7);
+  passes_ = static_cast<int>(std::max<int64_t>(1, (int64_t{256} << 20) / (n_ * 4)));
+  Sample();  // Warm-up: page faults, first touch of the cache hierarchy.
+}
+
+CpuBackend::ReadProbe::~ReadProbe() { std::free(buf_); }
+
+double CpuBackend::ReadProbe::Sample() {
   std::atomic<float> sink{0};
-  for (int rep = 0; rep < 7; ++rep) {
-    const auto t0 = std::chrono::steady_clock::now();
-    for (int p = 0; p < passes; ++p) {
-      pool_.ParallelFor(n / 1024, [&](int64_t b, int64_t e) {
-        sink.store(sink.load(std::memory_order_relaxed) + table_.read_sum(buf + b * 1024, (e - b) * 1024),
-                   std::memory_order_relaxed);
-      });
-    }
-    const auto t1 = std::chrono::steady_clock::now();
-    if (rep > 0) rates.push_back(static_cast<double>(n) * 4 * passes / Seconds(t0, t1));
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int p = 0; p < passes_; ++p) {
+    backend_->pool_.ParallelFor(n_ / 1024, [&](int64_t b, int64_t e) {
+      const float s = backend_->table_.read_sum(buf_ + b * 1024, (e - b) * 1024);
+      sink.store(sink.load(std::memory_order_relaxed) + s, std::memory_order_relaxed);
+    });
   }
-  std::free(buf);
-  return Median(rates);
+  const auto t1 = std::chrono::steady_clock::now();
+  sink_ += sink.load();
+  return static_cast<double>(n_) * 4 * passes_ / Seconds(t0, t1);
 }
 
 }  // namespace pdserve::kernels::cpu

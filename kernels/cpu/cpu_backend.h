@@ -42,12 +42,29 @@ class CpuBackend final : public Backend {
   void Attention(const AttentionBatch& batch) override;
 
   // Machine limits on this backend's instruction path and threads, for
-  // benchmarks (median of several runs each):
-  // multiply-add peak in FLOP/s;
-  double MeasurePeakFlops();
-  // read bandwidth in bytes/s over a buffer of `bytes` (so a working set that
-  // fits in cache is judged against cache, not DRAM).
-  double MeasureReadBandwidth(size_t bytes);
+  // benchmarks. One sample of the multiply-add rate in FLOP/s (16
+  // independent FMA chains per thread, all threads):
+  double SamplePeakFlops();
+
+  // Read bandwidth over a buffer of a given size (so a working set that fits
+  // in cache is judged against cache, not DRAM). Benchmarks interleave its
+  // samples with the work they judge, so both see the same machine noise.
+  class ReadProbe {
+   public:
+    ReadProbe(CpuBackend* backend, size_t bytes);
+    ~ReadProbe();
+    ReadProbe(const ReadProbe&) = delete;
+    ReadProbe& operator=(const ReadProbe&) = delete;
+    // One sample in bytes/s (about 20 ms of reading).
+    double Sample();
+
+   private:
+    CpuBackend* backend_;
+    float* buf_;
+    int64_t n_;
+    int passes_;
+    float sink_ = 0;
+  };
 
  private:
   CpuBackend(Isa isa, int num_threads);

@@ -1,7 +1,7 @@
 // `pdctl bench-engine`: prefill and decode speed of the in-process engine,
 // each beside the machine limit measured in the same run on the same
-// instruction path and threads (CpuBackend::MeasurePeakFlops /
-// MeasureReadBandwidth).
+// instruction path and threads (CpuBackend::SamplePeakFlops / ReadProbe),
+// sampled between the timed runs; all figures are medians.
 //
 // Prefill: one sequence of S tokens from an empty cache; FLOPs counted as
 //   2 * (linear-layer parameters) * S + 2 * hidden * vocab (one logits row)

@@ -1,5 +1,7 @@
 #include "common/checkpoint.h"
 
+#include <xxhash.h>
+
 #include <algorithm>
 
 #include "absl/status/status.h"
@@ -109,6 +111,22 @@ absl::StatusOr<const TensorView*> Checkpoint::Take(const std::string& name,
   }
   taken_.insert(name);
   return t;
+}
+
+std::string Checkpoint::Fingerprint() const {
+  std::vector<std::string> names;
+  for (const auto& [name, entry] : tensors_) names.push_back(name);
+  std::sort(names.begin(), names.end());
+  std::string out;
+  for (const std::string& name : names) {
+    const TensorView& t = *tensors_.at(name).view;
+    const size_t edge = std::min<size_t>(4096, t.num_bytes);
+    const char* data = static_cast<const char*>(t.data);
+    absl::StrAppend(&out, name, " ", static_cast<int>(t.dtype), " [", absl::StrJoin(t.shape, ","),
+                    "] ", XXH3_64bits(data, edge), " ",
+                    XXH3_64bits(data + t.num_bytes - edge, edge), "\n");
+  }
+  return out;
 }
 
 absl::Status Checkpoint::CheckAllTaken() const {

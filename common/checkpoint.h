@@ -41,6 +41,10 @@ class Checkpoint {
 
   const std::string& dir() const { return dir_; }
 
+  // A stable description of the weights: every tensor's name, dtype, shape
+  // and the XXH3-64 of its first and last 4 KiB, in name order.
+  std::string Fingerprint() const;
+
  private:
   struct Entry {
     const TensorView* view;

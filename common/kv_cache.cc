@@ -87,9 +87,29 @@ absl::StatusOr<std::unique_ptr<BlockPool>> BlockPool::Create(const KvCacheSpec& 
 }
 
 BlockPool::BlockPool(const KvCacheSpec& spec, std::unique_ptr<KvRegion> region)
-    : spec_(spec), region_(std::move(region)), ref_counts_(spec.num_blocks, 0) {
+    : spec_(spec),
+      region_(std::move(region)),
+      ref_counts_(spec.num_blocks, 0),
+      hash_of_(spec.num_blocks),
+      lru_prev_(spec.num_blocks + 1, spec.num_blocks),
+      lru_next_(spec.num_blocks + 1, spec.num_blocks) {
   free_.reserve(spec.num_blocks);
   for (int32_t b = spec.num_blocks - 1; b >= 0; --b) free_.push_back(BlockId{b});
+}
+
+void BlockPool::LruUnlink(int32_t b) {
+  lru_next_[lru_prev_[b]] = lru_next_[b];
+  lru_prev_[lru_next_[b]] = lru_prev_[b];
+  --num_evictable_;
+}
+
+void BlockPool::LruPushBack(int32_t b) {
+  const int32_t sentinel = spec_.num_blocks;
+  lru_prev_[b] = lru_prev_[sentinel];
+  lru_next_[b] = sentinel;
+  lru_next_[lru_prev_[sentinel]] = b;
+  lru_prev_[sentinel] = b;
+  ++num_evictable_;
 }
 
 absl::StatusOr<std::vector<BlockId>> BlockPool::Allocate(int32_t n) {
@@ -102,18 +122,55 @@ absl::StatusOr<std::vector<BlockId>> BlockPool::Allocate(int32_t n) {
   std::vector<BlockId> out;
   out.reserve(n);
   for (int32_t i = 0; i < n; ++i) {
-    BlockId b = free_.back();
-    free_.pop_back();
+    BlockId b;
+    if (!free_.empty()) {
+      b = free_.back();
+      free_.pop_back();
+    } else {
+      // Evict the least recently released cached block.
+      b = BlockId{lru_next_[spec_.num_blocks]};
+      LruUnlink(b.value);
+      cache_.erase(*hash_of_[b.value]);
+      hash_of_[b.value].reset();
+      ++stats_.evictions;
+    }
     ref_counts_[b.value] = 1;
     out.push_back(b);
   }
   return out;
 }
 
-void BlockPool::AddRef(BlockId b) { ++ref_counts_[b.value]; }
+void BlockPool::AddRef(BlockId b) {
+  if (ref_counts_[b.value]++ == 0) LruUnlink(b.value);  // Was cached and evictable.
+}
 
 void BlockPool::Release(BlockId b) {
-  if (--ref_counts_[b.value] == 0) free_.push_back(b);
+  if (--ref_counts_[b.value] != 0) return;
+  if (hash_of_[b.value].has_value()) {
+    LruPushBack(b.value);
+  } else {
+    free_.push_back(b);
+  }
+}
+
+std::vector<BlockId> BlockPool::AcquireCachedPrefix(absl::Span<const BlockHash> hashes) {
+  ++stats_.lookups;
+  std::vector<BlockId> out;
+  for (const BlockHash& h : hashes) {
+    auto it = cache_.find(h);
+    if (it == cache_.end()) break;
+    AddRef(BlockId{it->second});
+    out.push_back(BlockId{it->second});
+  }
+  stats_.hit_blocks += static_cast<int64_t>(out.size());
+  stats_.miss_blocks += static_cast<int64_t>(hashes.size() - out.size());
+  return out;
+}
+
+void BlockPool::MarkCached(BlockId b, const BlockHash& hash) {
+  if (hash_of_[b.value].has_value() || cache_.contains(hash)) return;
+  hash_of_[b.value] = hash;
+  cache_.emplace(hash, b.value);
 }
 
 kernels::KvLayerView BlockPool::LayerView(int32_t layer) {

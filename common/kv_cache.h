@@ -21,10 +21,13 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "common/block_hash.h"
 #include "common/dtype.h"
 #include "kernels/backend.h"
 
@@ -73,6 +76,13 @@ class HostKvRegionAllocator final : public KvRegionAllocator {
   absl::StatusOr<std::unique_ptr<KvRegion>> Allocate(size_t bytes) override;
 };
 
+struct PrefixCacheStats {
+  int64_t lookups = 0;
+  int64_t hit_blocks = 0;   // Blocks reused by lookups.
+  int64_t miss_blocks = 0;  // Full blocks looked up and not found.
+  int64_t evictions = 0;    // Cached blocks reclaimed for new allocations.
+};
+
 struct KvMemoryReport {
   int64_t logical_bytes = 0;   // sum positions * c_kv
   int64_t physical_bytes = 0;  // blocks held * block bytes (all layers)
@@ -80,6 +90,11 @@ struct KvMemoryReport {
   int64_t blocks_free = 0;
 };
 
+// Blocks are free, held (reference count > 0), or cached-and-unreferenced.
+// The prefix cache (DESIGN.md fact 6) maps full-block content hashes to
+// blocks; a cached block whose last reference is dropped stays findable
+// until the pool needs room, when the least recently released is evicted
+// (never a block that is referenced).
 class BlockPool {
  public:
   // Allocates the region through `allocator` (a HostKvRegionAllocator when
@@ -90,18 +105,33 @@ class BlockPool {
   const KvCacheSpec& spec() const { return spec_; }
   KvRegion& region() { return *region_; }
 
-  // Takes `n` free blocks (reference count 1 each), all or nothing.
-  // RESOURCE_EXHAUSTED (naming the counts) when fewer are free.
+  // Takes `n` blocks (reference count 1 each), all or nothing: free blocks
+  // first, then evicting cached unreferenced blocks, least recently used
+  // first. RESOURCE_EXHAUSTED (naming the counts) when fewer are available.
   absl::StatusOr<std::vector<BlockId>> Allocate(int32_t n);
   // REQUIRES: the block is held (count > 0).
   void AddRef(BlockId b);
-  // Drops one reference; the block returns to the free list at zero.
+  // Drops one reference. At zero the block becomes free, or, if cached,
+  // evictable (most recently used end).
   // REQUIRES: the block is held.
   void Release(BlockId b);
 
+  // The blocks of the longest prefix of `hashes` that is cached, each with a
+  // reference taken for the caller. Counts hits and misses.
+  std::vector<BlockId> AcquireCachedPrefix(absl::Span<const BlockHash> hashes);
+  // Publishes a held, fully written block under `hash`. If another block is
+  // already cached under it, nothing changes (the first copy stays).
+  void MarkCached(BlockId b, const BlockHash& hash);
+  bool IsCached(BlockId b) const { return hash_of_[b.value].has_value(); }
+
   int32_t RefCount(BlockId b) const { return ref_counts_[b.value]; }
-  int32_t num_free() const { return static_cast<int32_t>(free_.size()); }
+  // Blocks an Allocate could take now: free + evictable.
+  int32_t num_free() const { return static_cast<int32_t>(free_.size()) + num_evictable_; }
+  // Blocks referenced by some sequence.
   int32_t num_used() const { return spec_.num_blocks - num_free(); }
+  int32_t num_cached() const { return static_cast<int32_t>(cache_.size()); }
+  int32_t num_evictable() const { return num_evictable_; }
+  const PrefixCacheStats& prefix_stats() const { return stats_; }
 
   // The KV of `layer` as the backend reads it.
   kernels::KvLayerView LayerView(int32_t layer);
@@ -111,10 +141,21 @@ class BlockPool {
  private:
   BlockPool(const KvCacheSpec& spec, std::unique_ptr<KvRegion> region);
 
+  void LruUnlink(int32_t b);
+  void LruPushBack(int32_t b);
+
   KvCacheSpec spec_;
   std::unique_ptr<KvRegion> region_;
   std::vector<int32_t> ref_counts_;
   std::vector<BlockId> free_;  // LIFO: recently freed blocks are warm in cache.
+  // Prefix cache.
+  std::vector<std::optional<BlockHash>> hash_of_;
+  absl::flat_hash_map<BlockHash, int32_t> cache_;
+  // Evictable blocks (cached, unreferenced) in a doubly linked LRU list;
+  // index num_blocks is the sentinel.
+  std::vector<int32_t> lru_prev_, lru_next_;
+  int32_t num_evictable_ = 0;
+  PrefixCacheStats stats_;
 };
 
 // The KV of one sequence: its block table and how many positions are filled.

@@ -71,6 +71,10 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& model_dir,
   }
   auto model = std::unique_ptr<Model>(new Model(*std::move(config), backend));
   if (absl::Status s = model->LoadWeights(**ckpt, storage); !s.ok()) return s;
+  absl::StatusOr<std::string> config_text = ReadFileToString(model_dir + "/config.json");
+  if (!config_text.ok()) return config_text.status();
+  model->identity_ = HashBytes(absl::StrCat(*config_text, "\n", DTypeName(storage), "\n",
+                                            (*ckpt)->Fingerprint()));
   return model;
 }
 

@@ -22,6 +22,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "common/block_hash.h"
 #include "common/kv_cache.h"
 #include "common/model_config.h"
 #include "common/rope.h"
@@ -68,6 +69,10 @@ class Model {
 
   const ModelConfig& config() const { return config_; }
   DType weight_dtype() const { return weight_dtype_; }
+  // Identifies these weights as held in memory (for prefix-cache hashes):
+  // XXH3-128 over config.json, the in-memory weight format, and every
+  // tensor's name, dtype, shape and XXH3-64 of its first and last 4 KiB.
+  const ModelIdentity& identity() const { return identity_; }
   // Bytes of all weights as held in memory.
   size_t WeightBytes() const;
   // Bytes one decode step reads for the weights (every matrix once, one
@@ -92,6 +97,7 @@ class Model {
   ModelConfig config_;
   kernels::Backend* backend_;
   DType weight_dtype_ = DType::kF32;
+  ModelIdentity identity_;
   std::vector<Layer> layers_;
   std::vector<uint16_t> embed_bf16_;  // [vocab, hidden] when weights are BF16
   std::vector<float> embed_f32_;      // [vocab, hidden] when weights are F32

@@ -18,8 +18,10 @@ struct Result {
   std::string out;
 };
 
-Result RunPdctl(const std::string& args) {
-  const std::string cmd = std::string(PDCTL_BINARY) + " " + args + " 2>&1";
+// Runs pdctl; stderr is merged into the output unless `stdout_only`.
+Result RunPdctl(const std::string& args, bool stdout_only = false) {
+  const std::string cmd =
+      std::string(PDCTL_BINARY) + " " + args + (stdout_only ? " 2>/dev/null" : " 2>&1");
   FILE* p = popen(cmd.c_str(), "r");
   std::string out;
   char buf[4096];
@@ -51,18 +53,42 @@ TEST(PdctlTest, LogitsPrintsOneJsonArrayPerPosition) {
     ++pos;
   }
   EXPECT_EQ(pos, 6);
-  Result last = RunPdctl("logits --model " + kModel + " --token-ids " + id_list);
+  Result last = RunPdctl("logits --model " + kModel + " --token-ids " + id_list, true);
   ASSERT_EQ(last.exit_code, 0);
   EXPECT_EQ(std::count(last.out.begin(), last.out.end(), '\n'), 1);
 }
 
 TEST(PdctlTest, GenerateIsGreedyAndDeterministic) {
-  Result a = RunPdctl("generate --model " + kModel + " --prompt-ids 1,17,42 --max-tokens 8");
-  Result b = RunPdctl("generate --model " + kModel + " --prompt-ids 1,17,42 --max-tokens 8 --threads 2 --isa scalar");
+  Result a = RunPdctl("generate --model " + kModel + " --prompt-ids 1,17,42 --max-tokens 8", true);
+  Result b = RunPdctl(
+      "generate --model " + kModel + " --prompt-ids 1,17,42 --max-tokens 8 --threads 2 --isa scalar",
+      true);
   ASSERT_EQ(a.exit_code, 0) << a.out;
   ASSERT_EQ(b.exit_code, 0) << b.out;
   EXPECT_EQ(a.out, b.out);
   EXPECT_THAT(a.out, ::testing::MatchesRegex("[0-9]+(,[0-9]+){0,7}\n"));
+}
+
+TEST(PdctlTest, SeededSamplingRepeatsAcrossRunsAndIsas) {
+  const std::string args = "generate --model " + kModel +
+                           " --prompt-ids 1,17,42 --max-tokens 12 --temperature 0.9 --top-p 0.95"
+                           " --top-k 40 --seed 1234 --ignore-eos";
+  Result a = RunPdctl(args, true);
+  Result b = RunPdctl(args + " --isa scalar --threads 2", true);
+  ASSERT_EQ(a.exit_code, 0) << a.out;
+  EXPECT_EQ(a.out, b.out);
+  EXPECT_THAT(RunPdctl(args).out, ::testing::HasSubstr("seed=1234 finish=length tokens=12"));
+  Result other = RunPdctl("generate --model " + kModel +
+                          " --prompt-ids 1,17,42 --max-tokens 12 --temperature 0.9 --seed 99 --ignore-eos",
+                          true);
+  EXPECT_NE(a.out.substr(0, a.out.find('\n')), other.out.substr(0, other.out.find('\n')));
+  Result unseeded = RunPdctl("generate --model " + kModel + " --prompt-ids 1 --max-tokens 2 --temperature 1");
+  EXPECT_THAT(unseeded.out, ::testing::ContainsRegex("seed=[0-9]+ finish="));
+  Result lp = RunPdctl("generate --model " + kModel + " --prompt-ids 1,2 --max-tokens 2 --logprobs 3");
+  EXPECT_THAT(lp.out, ::testing::ContainsRegex("\\{\"token\":[0-9]+,\"logprob\":-?[0-9.e-]+,\"top\":\\[\\["));
+  Result bad = RunPdctl("generate --model " + kModel + " --prompt-ids 1 --top-p 0");
+  EXPECT_EQ(bad.exit_code, 1);
+  EXPECT_THAT(bad.out, ::testing::HasSubstr("'top_p'"));
 }
 
 TEST(PdctlTest, ErrorsAreClearAndNonZero) {

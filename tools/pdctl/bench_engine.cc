@@ -9,6 +9,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/block_hash.h"
+#include "common/prefix_cache.h"
 #include "nlohmann/json.hpp"
 
 namespace pdserve::pdctl {
@@ -49,6 +51,10 @@ absl::Status RunBenchEngine(const BenchEngineOptions& o) {
     }
   }
   for (int s : o.prefill_lengths) positions = std::max<int64_t>(positions, s + 2 * eo_block);
+  if (o.prefix_hit_cached > 0) {
+    positions = std::max<int64_t>(
+        positions, 2 * (o.prefix_hit_cached + o.prefix_hit_new + 2 * eo_block));
+  }
   EngineOptions eo = o.engine;
   eo.kv_positions = positions;
   Progress(absl::StrCat("loading ", eo.model_dir));
@@ -106,6 +112,54 @@ absl::Status RunBenchEngine(const BenchEngineOptions& o) {
                        {"fraction_of_peak", flops / t / peak}});
   }
   out["prefill"] = prefill;
+
+  if (o.prefix_hit_cached > 0) {
+    // A request whose first `cached` tokens hit the prefix cache: only the
+    // new tokens are projected; their queries read the cached history.
+    const int cached = o.prefix_hit_cached / eo_block * eo_block;
+    const int fresh = o.prefix_hit_new;
+    Progress(absl::StrCat("prefix hit: ", fresh, " new tokens after ", cached, " cached"));
+    const BlockHasher hasher(model.identity(), pool.spec().dtype, eo_block);
+    std::vector<int32_t> prompt = RandomTokens(cached + fresh, c.vocab_size, 77);
+    {
+      SequenceKv warm;
+      const std::vector<int32_t> prefix(prompt.begin(), prompt.begin() + cached);
+      ForwardSequence fs{&warm, prefix, LogitsMode::kNone};
+      absl::StatusOr<ForwardResult> res = model.Forward(pool, {&fs, 1});
+      if (!res.ok()) return res.status();
+      PublishFullBlocks(pool, hasher, prefix, warm);
+      warm.Release(pool);
+    }
+    std::vector<double> times, peaks;
+    int32_t reused = 0;
+    for (int r = 0; r < 5; ++r) {
+      peaks.push_back(backend.SamplePeakFlops());
+      SequenceKv seq;
+      reused = AttachCachedPrefix(pool, hasher, prompt, seq);
+      const auto t0 = Clock::now();
+      ForwardSequence fs{&seq, absl::MakeConstSpan(prompt).subspan(reused), LogitsMode::kLast};
+      absl::StatusOr<ForwardResult> res = model.Forward(pool, {&fs, 1});
+      const auto t1 = Clock::now();
+      seq.Release(pool);
+      if (!res.ok()) return res.status();
+      times.push_back(Seconds(t0, t1));
+    }
+    const int computed = cached + fresh - reused;
+    const double t = Median(times);
+    const double peak = Median(peaks);
+    // Attention: each new row i reads reused + i + 1 keys.
+    const double pairs = static_cast<double>(computed) * reused + computed * (computed + 1.0) / 2.0;
+    const double flops = 2.0 * linear_params * computed + 2.0 * c.hidden_size * c.vocab_size +
+                         4.0 * c.head_dim * c.num_heads * c.num_layers * pairs;
+    out["prefix_hit"] = {{"cached_tokens", reused},
+                         {"new_tokens", computed},
+                         {"seconds", t},
+                         {"new_tokens_per_second", computed / t},
+                         {"flops", flops},
+                         {"flops_per_second", flops / t},
+                         {"peak_flops", peak},
+                         {"fraction_of_peak", flops / t / peak}};
+  }
   out["peak_flops"] = peak_samples.empty() ? backend.SamplePeakFlops() : Median(peak_samples);
 
   nlohmann::ordered_json decode = nlohmann::ordered_json::array();
@@ -197,6 +251,14 @@ absl::Status RunBenchEngine(const BenchEngineOptions& o) {
     std::printf("%-8d %10.4f %12.1f %12.1f %12.1f %8.1f%%\n", p["tokens"].get<int>(),
                 p["seconds"].get<double>(), p["tokens_per_second"].get<double>(),
                 p["flops_per_second"].get<double>() / 1e9, p["peak_flops"].get<double>() / 1e9,
+                100 * p["fraction_of_peak"].get<double>());
+  }
+  if (out.contains("prefix_hit")) {
+    const auto& p = out["prefix_hit"];
+    std::printf("prefix hit: %d new tokens after %d cached: %.4f s, %.1f new tokens/s, %.1f GFLOP/s, "
+                "%.1f%% of peak\n",
+                p["new_tokens"].get<int>(), p["cached_tokens"].get<int>(), p["seconds"].get<double>(),
+                p["new_tokens_per_second"].get<double>(), p["flops_per_second"].get<double>() / 1e9,
                 100 * p["fraction_of_peak"].get<double>());
   }
   std::printf("\n%-6s %8s %10s %10s %12s %12s %12s %9s\n", "batch", "history", "step ms", "tokens/s",

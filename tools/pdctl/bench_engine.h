@@ -27,6 +27,10 @@ struct BenchEngineOptions {
   std::vector<int> decode_batches = {1, 8, 32};
   std::vector<int> decode_histories = {128, 512, 4096};
   int decode_steps = 16;
+  // Prefix hit: `prefix_hit_new` tokens after `prefix_hit_cached` cached
+  // (0 = skip).
+  int prefix_hit_cached = 2048;
+  int prefix_hit_new = 64;
   bool json = false;
 };
 

@@ -1,6 +1,7 @@
 #include "tools/pdctl/commands.h"
 
 #include <algorithm>
+#include <random>
 #include <cstdio>
 #include <string>
 
@@ -9,14 +10,6 @@
 
 namespace pdserve::pdctl {
 namespace {
-
-int32_t Argmax(absl::Span<const float> logits) {
-  int32_t best = 0;
-  for (int32_t i = 1; i < static_cast<int32_t>(logits.size()); ++i) {
-    if (logits[i] > logits[best]) best = i;
-  }
-  return best;
-}
 
 }  // namespace
 
@@ -45,24 +38,44 @@ absl::Status PrintLogits(const EngineOptions& options, const std::vector<int32_t
   return absl::OkStatus();
 }
 
-absl::Status GenerateGreedy(const EngineOptions& options, const std::vector<int32_t>& prompt,
-                            int max_tokens) {
+absl::Status Generate(const EngineOptions& options, const std::vector<int32_t>& prompt,
+                      SamplingParams params) {
   absl::StatusOr<Engine> engine = MakeEngine(options);
   if (!engine.ok()) return engine.status();
-  const std::vector<int32_t>& eos = engine->model->config().eos_token_ids;
+  const ModelConfig& config = engine->model->config();
+  if (absl::Status s = ValidateSamplingParams(params, config.vocab_size); !s.ok()) return s;
+  const uint64_t seed = params.seed.has_value() ? *params.seed : std::random_device{}() * 0x100000001ull;
+  const std::vector<int32_t>& eos = config.eos_token_ids;
+  PenaltyState penalties(prompt);
   SequenceKv seq;
   std::vector<int32_t> out;
+  std::vector<SampledToken> sampled;
   std::vector<int32_t> feed = prompt;
-  for (int i = 0; i < max_tokens; ++i) {
+  FinishReason finish = FinishReason::kNone;
+  while (finish == FinishReason::kNone) {
     ForwardSequence fs{&seq, feed, LogitsMode::kLast};
     absl::StatusOr<ForwardResult> r = engine->model->Forward(*engine->pool, {&fs, 1});
     if (!r.ok()) return r.status();
-    const int32_t next = Argmax(r->Last(0));
-    out.push_back(next);
-    if (std::find(eos.begin(), eos.end(), next) != eos.end()) break;
-    feed.assign(1, next);
+    // The token sampled now will sit at position seq.num_positions().
+    SampledToken t = SampleToken(r->Last(0), params, penalties, seed, seq.num_positions());
+    out.push_back(t.token);
+    penalties.AddGenerated(t.token);
+    finish = CheckFinish(params, eos, t.token, static_cast<int32_t>(out.size()));
+    feed.assign(1, t.token);
+    sampled.push_back(std::move(t));
   }
   std::printf("%s\n", absl::StrJoin(out, ",").c_str());
+  if (params.logprobs > 0) {
+    for (const SampledToken& t : sampled) {
+      std::string top;
+      for (const auto& [id, lp] : t.top_logprobs) {
+        absl::StrAppend(&top, top.empty() ? "" : ",", "[", id, ",", lp, "]");
+      }
+      std::printf("{\"token\":%d,\"logprob\":%.6g,\"top\":[%s]}\n", t.token, t.logprob, top.c_str());
+    }
+  }
+  std::fprintf(stderr, "seed=%llu finish=%s tokens=%zu\n", static_cast<unsigned long long>(seed),
+               finish == FinishReason::kStop ? "stop" : "length", out.size());
   seq.Release(*engine->pool);
   return absl::OkStatus();
 }

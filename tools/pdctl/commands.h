@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "common/sampling.h"
 #include "tools/pdctl/engine_setup.h"
 
 namespace pdserve::pdctl {
@@ -15,10 +16,12 @@ namespace pdserve::pdctl {
 absl::Status PrintLogits(const EngineOptions& options, const std::vector<int32_t>& ids,
                          bool all_positions);
 
-// Greedy decoding (argmax, ties to the lower id); prints the generated ids,
-// comma-separated, on one line. Stops early at an EOS id of the config.
-absl::Status GenerateGreedy(const EngineOptions& options, const std::vector<int32_t>& prompt,
-                            int max_tokens);
+// Generates with `params` (greedy when temperature is 0; a seed is assigned
+// when none is given). Prints the generated ids, comma-separated, on one
+// line; with logprobs, then one JSON object per token. The seed and the
+// finish reason go to stderr.
+absl::Status Generate(const EngineOptions& options, const std::vector<int32_t>& prompt,
+                      SamplingParams params);
 
 }  // namespace pdserve::pdctl
 

@@ -6,6 +6,7 @@
 //
 // Run `pdctl help` for the list.
 #include <algorithm>
+#include <optional>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -35,7 +36,19 @@ ABSL_FLAG(int, block_size, 16, "KV block size in positions");
 ABSL_FLAG(std::string, out, "", "make-model: output directory");
 ABSL_FLAG(std::string, shape, "125m", "make-model: 125m (the benchmark shape) or tiny");
 ABSL_FLAG(std::string, dtype, "bf16", "make-model: file dtype, f32 or bf16");
-ABSL_FLAG(uint64_t, seed, 1, "make-model: random seed");
+ABSL_FLAG(std::string, seed, "",
+          "generate: sampling seed (default: one is assigned and printed); make-model: weights seed (default 1)");
+ABSL_FLAG(float, temperature, 0.0f, "generate: sampling temperature (0 = greedy)");
+ABSL_FLAG(int, top_k, 0, "generate: keep the k most likely tokens (0 = all)");
+ABSL_FLAG(float, top_p, 1.0f, "generate: nucleus sampling mass");
+ABSL_FLAG(float, min_p, 0.0f, "generate: drop tokens below min_p x the best probability");
+ABSL_FLAG(float, repetition_penalty, 1.0f, "generate: repetition penalty (1 = off)");
+ABSL_FLAG(float, presence_penalty, 0.0f, "generate: presence penalty (0 = off)");
+ABSL_FLAG(std::string, stop_token_ids, "", "generate: extra comma-separated stop token ids");
+ABSL_FLAG(bool, ignore_eos, false, "generate: do not stop at the model's EOS ids");
+ABSL_FLAG(int, logprobs, 0, "generate: also print the chosen token's logprob and the top-n");
+ABSL_FLAG(std::string, prefix_hit, "2048:64",
+          "bench-engine: CACHED:NEW prefix-hit prefill scenario (empty = skip)");
 ABSL_FLAG(std::string, prefill, "128,512,2048", "bench-engine: prompt lengths");
 ABSL_FLAG(std::string, decode_batch, "1,8,32", "bench-engine: decode batch sizes");
 ABSL_FLAG(std::string, decode_history, "128,512,4096", "bench-engine: decode history lengths");
@@ -84,6 +97,16 @@ absl::Status RunLogits() {
   return PrintLogits(o, *ids, absl::GetFlag(FLAGS_all_positions));
 }
 
+absl::StatusOr<std::optional<uint64_t>> SeedFlag() {
+  const std::string s = absl::GetFlag(FLAGS_seed);
+  if (s.empty()) return std::optional<uint64_t>();
+  uint64_t v;
+  if (!absl::SimpleAtoi(s, &v)) {
+    return absl::InvalidArgumentError(absl::StrCat("--seed: '", s, "' is not a non-negative integer"));
+  }
+  return std::optional<uint64_t>(v);
+}
+
 absl::Status RunGenerate() {
   if (absl::Status s = RequireModel(); !s.ok()) return s;
   absl::StatusOr<std::vector<int32_t>> ids =
@@ -93,7 +116,26 @@ absl::Status RunGenerate() {
   if (max_tokens < 1) return absl::InvalidArgumentError("--max-tokens must be at least 1");
   EngineOptions o = EngineFlags();
   o.kv_positions = static_cast<int64_t>(ids->size()) + max_tokens;
-  return GenerateGreedy(o, *ids, max_tokens);
+  SamplingParams p;
+  p.max_tokens = max_tokens;
+  p.temperature = absl::GetFlag(FLAGS_temperature);
+  p.top_k = absl::GetFlag(FLAGS_top_k);
+  p.top_p = absl::GetFlag(FLAGS_top_p);
+  p.min_p = absl::GetFlag(FLAGS_min_p);
+  p.repetition_penalty = absl::GetFlag(FLAGS_repetition_penalty);
+  p.presence_penalty = absl::GetFlag(FLAGS_presence_penalty);
+  p.ignore_eos = absl::GetFlag(FLAGS_ignore_eos);
+  p.logprobs = absl::GetFlag(FLAGS_logprobs);
+  const std::string stops = absl::GetFlag(FLAGS_stop_token_ids);
+  if (!stops.empty()) {
+    absl::StatusOr<std::vector<int32_t>> s = ParseIds("stop-token-ids", stops);
+    if (!s.ok()) return s.status();
+    p.stop_token_ids = *s;
+  }
+  absl::StatusOr<std::optional<uint64_t>> seed = SeedFlag();
+  if (!seed.ok()) return seed.status();
+  p.seed = *seed;
+  return Generate(o, *ids, p);
 }
 
 absl::StatusOr<std::vector<int>> ParseInts(const std::string& flag, const std::string& text) {
@@ -125,7 +167,9 @@ absl::Status RunMakeModel() {
     return absl::InvalidArgumentError("--dtype must be f32 or bf16");
   }
   spec.dtype = *dtype;
-  spec.seed = absl::GetFlag(FLAGS_seed);
+  absl::StatusOr<std::optional<uint64_t>> seed = SeedFlag();
+  if (!seed.ok()) return seed.status();
+  spec.seed = seed->value_or(1);
   if (absl::Status s = WriteRandomModel(out, spec); !s.ok()) return s;
   std::printf("wrote %s (%s, random weights)\n", out.c_str(), shape.c_str());
   return absl::OkStatus();
@@ -147,6 +191,17 @@ absl::Status RunBenchEngineCommand() {
   o.decode_steps = absl::GetFlag(FLAGS_steps);
   if (o.decode_steps < 1) return absl::InvalidArgumentError("--steps must be at least 1");
   o.json = absl::GetFlag(FLAGS_json);
+  const std::string hit = absl::GetFlag(FLAGS_prefix_hit);
+  if (!hit.empty()) {
+    std::vector<std::string> parts = absl::StrSplit(hit, ':');
+    int cached = 0, fresh = 0;
+    if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &cached) ||
+        !absl::SimpleAtoi(parts[1], &fresh) || cached <= 0 || fresh <= 0) {
+      return absl::InvalidArgumentError("--prefix-hit must be CACHED:NEW, e.g. 2048:64");
+    }
+    o.prefix_hit_cached = cached;
+    o.prefix_hit_new = fresh;
+  }
   return RunBenchEngine(o);
 }
 
@@ -154,7 +209,7 @@ constexpr char kUsage[] =
     "pdctl COMMAND [flags]\n"
     "commands:\n"
     "  logits    print logits (one JSON array per position) for --token-ids\n"
-    "  generate  greedy generation from --prompt-ids, prints the generated ids\n"
+    "  generate  generation from --prompt-ids (greedy unless --temperature > 0), prints the ids\n"
     "  make-model    write a random-weight model (--shape 125m|tiny --dtype f32|bf16 --out DIR)\n"
     "  bench-engine  prefill and decode speed beside the machine's measured limits\n"
     "  help      this text; `pdctl COMMAND --help` lists the flags\n";

@@ -1,0 +1,288 @@
+#include "common/tokenizer/tokenizer.h"
+
+#include <algorithm>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/model_config.h"
+#include "common/tokenizer/unicode_util.h"
+#include "nlohmann/json.hpp"
+#include <utf8proc.h>
+
+namespace pdserve::tok {
+namespace {
+
+using nlohmann::json;
+
+bool IsWhitespace(uint32_t c) {
+  return (c >= 0x9 && c <= 0xd) || c == 0x20 || c == 0x85 || c == 0xa0 || c == 0x1680 ||
+         (c >= 0x2000 && c <= 0x200a) || c == 0x2028 || c == 0x2029 || c == 0x202f ||
+         c == 0x205f || c == 0x3000;
+}
+
+bool IsWordChar(uint32_t c) {
+  if (c == '_') return true;
+  const utf8proc_category_t cat = utf8proc_category(static_cast<utf8proc_int32_t>(c));
+  return (cat >= UTF8PROC_CATEGORY_LU && cat <= UTF8PROC_CATEGORY_LO) ||
+         (cat >= UTF8PROC_CATEGORY_ND && cat <= UTF8PROC_CATEGORY_NO);
+}
+
+// Code point ending right before byte offset `end` (0 if none).
+uint32_t CodePointBefore(absl::string_view s, size_t end) {
+  if (end == 0) return 0;
+  size_t start = end - 1;
+  while (start > 0 && (static_cast<unsigned char>(s[start]) & 0xc0) == 0x80) --start;
+  return NextCodePoint(s, start);
+}
+
+// The token text of a tokenizer_config.json entry (a string or {"content": ...}).
+std::optional<std::string> ConfigToken(const json& cfg, const char* key) {
+  auto it = cfg.find(key);
+  if (it == cfg.end()) return std::nullopt;
+  if (it->is_string()) return it->get<std::string>();
+  if (it->is_object() && it->contains("content") && (*it)["content"].is_string()) {
+    return (*it)["content"].get<std::string>();
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::string& dir) {
+  absl::StatusOr<std::string> tj = ReadFileToString(dir + "/tokenizer.json");
+  if (!tj.ok()) return tj.status();
+  absl::StatusOr<std::string> cfg = ReadFileToString(dir + "/tokenizer_config.json");
+  if (!cfg.ok() && !absl::IsNotFound(cfg.status())) return cfg.status();
+  return FromJson(*tj, cfg.ok() ? *cfg : "", dir);
+}
+
+absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(absl::string_view tokenizer_json,
+                                                                absl::string_view config_json,
+                                                                const std::string& source) {
+  auto fail = [&](const absl::Status& s) {
+    return absl::Status(s.code(), absl::StrCat(source, ": ", s.message()));
+  };
+  const json j = json::parse(tokenizer_json.begin(), tokenizer_json.end(), nullptr, false);
+  if (j.is_discarded() || !j.is_object()) {
+    return fail(absl::InvalidArgumentError("tokenizer.json is not a valid JSON object"));
+  }
+  auto tok = std::unique_ptr<Tokenizer>(new Tokenizer());
+  if (!j.contains("model")) return fail(absl::InvalidArgumentError("tokenizer.json: missing 'model'"));
+  auto model = Bpe::FromJson(j["model"]);
+  if (!model.ok()) return fail(model.status());
+  tok->model_ = *std::move(model);
+
+  if (j.contains("normalizer") && !j["normalizer"].is_null()) {
+    auto n = NormalizerFromJson(j["normalizer"], "normalizer");
+    if (!n.ok()) return fail(n.status());
+    tok->normalizer_ = *std::move(n);
+  }
+  if (j.contains("pre_tokenizer") && !j["pre_tokenizer"].is_null()) {
+    auto p = PreTokenizerFromJson(j["pre_tokenizer"], "pre_tokenizer");
+    if (!p.ok()) return fail(p.status());
+    tok->pre_tokenizer_ = *std::move(p);
+  }
+  if (j.contains("decoder") && !j["decoder"].is_null()) {
+    auto d = DecoderFromJson(j["decoder"], "decoder");
+    if (!d.ok()) return fail(d.status());
+    tok->decoder_ = *std::move(d);
+  }
+  if (j.contains("post_processor")) {
+    auto p = PostProcessorFromJson(j["post_processor"], "post_processor");
+    if (!p.ok()) return fail(p.status());
+    tok->post_ = *std::move(p);
+  }
+  if (j.contains("truncation") && !j["truncation"].is_null()) {
+    return fail(absl::InvalidArgumentError("tokenizer.json: 'truncation' is not supported"));
+  }
+  if (j.contains("padding") && !j["padding"].is_null()) {
+    return fail(absl::InvalidArgumentError("tokenizer.json: 'padding' is not supported"));
+  }
+  if (auto at = j.find("added_tokens"); at != j.end() && !at->is_null()) {
+    if (!at->is_array()) return fail(absl::InvalidArgumentError("tokenizer.json: 'added_tokens' must be a list"));
+    for (const json& a : *at) {
+      if (!a.is_object() || !a.contains("id") || !a["id"].is_number_integer() ||
+          !a.contains("content") || !a["content"].is_string() || a["content"].get<std::string>().empty()) {
+        return fail(absl::InvalidArgumentError("tokenizer.json: added_tokens entries need an id and content"));
+      }
+      AddedToken t;
+      t.id = a["id"].get<int32_t>();
+      if (t.id < 0) return fail(absl::InvalidArgumentError("tokenizer.json: negative added token id"));
+      t.content = a["content"].get<std::string>();
+      t.single_word = a.value("single_word", false);
+      t.lstrip = a.value("lstrip", false);
+      t.rstrip = a.value("rstrip", false);
+      t.normalized = a.value("normalized", false);
+      t.special = a.value("special", false);
+      tok->added_by_id_[t.id] = tok->added_.size();
+      tok->added_by_content_[t.content] = tok->added_.size();
+      tok->added_.push_back(std::move(t));
+    }
+  }
+
+  if (!config_json.empty()) {
+    const json cfg = json::parse(config_json.begin(), config_json.end(), nullptr, false);
+    if (cfg.is_discarded() || !cfg.is_object()) {
+      return fail(absl::InvalidArgumentError("tokenizer_config.json is not a valid JSON object"));
+    }
+    if (auto b = ConfigToken(cfg, "bos_token")) {
+      tok->bos_token_ = *b;
+      tok->bos_id_ = tok->TokenToId(*b);
+    }
+    if (auto e = ConfigToken(cfg, "eos_token")) {
+      tok->eos_token_ = *e;
+      tok->eos_id_ = tok->TokenToId(*e);
+    }
+    if (auto ct = cfg.find("chat_template"); ct != cfg.end()) {
+      if (ct->is_string()) {
+        tok->chat_template_ = ct->get<std::string>();
+      } else if (ct->is_array()) {
+        for (const json& t : *ct) {
+          if (t.is_object() && t.value("name", "") == "default" && t.contains("template") &&
+              t["template"].is_string()) {
+            tok->chat_template_ = t["template"].get<std::string>();
+          }
+        }
+      }
+    }
+  }
+  return tok;
+}
+
+std::vector<Tokenizer::Segment> Tokenizer::SplitAdded(std::vector<Segment> segments,
+                                                      bool normalized) const {
+  std::vector<const AddedToken*> candidates;
+  for (const AddedToken& t : added_) {
+    if (t.normalized == normalized) candidates.push_back(&t);
+  }
+  if (candidates.empty()) return segments;
+  std::sort(candidates.begin(), candidates.end(),
+            [](const AddedToken* a, const AddedToken* b) { return a->content.size() > b->content.size(); });
+  std::vector<Segment> out;
+  for (Segment& seg : segments) {
+    if (seg.token >= 0) {
+      out.push_back(std::move(seg));
+      continue;
+    }
+    const absl::string_view s = seg.text;
+    size_t emitted = 0;  // Start of the text not yet emitted.
+    size_t i = 0;
+    while (i < s.size()) {
+      const AddedToken* hit = nullptr;
+      for (const AddedToken* t : candidates) {
+        if (s.compare(i, t->content.size(), t->content) != 0) continue;
+        if (t->single_word) {
+          if (IsWordChar(CodePointBefore(s, i))) continue;
+          const size_t end = i + t->content.size();
+          size_t k = end;
+          if (end < s.size() && IsWordChar(NextCodePoint(s, k))) continue;
+        }
+        hit = t;
+        break;
+      }
+      if (hit == nullptr) {
+        i += Utf8CharLen(s, i);
+        continue;
+      }
+      size_t begin = i, end = i + hit->content.size();
+      if (hit->lstrip) {
+        while (begin > emitted) {
+          size_t start = begin - 1;
+          while (start > emitted && (static_cast<unsigned char>(s[start]) & 0xc0) == 0x80) --start;
+          size_t k = start;
+          if (!IsWhitespace(NextCodePoint(s, k))) break;
+          begin = start;
+        }
+      }
+      if (hit->rstrip) {
+        while (end < s.size()) {
+          size_t k = end;
+          if (!IsWhitespace(NextCodePoint(s, k))) break;
+          end = k;
+        }
+      }
+      if (begin > emitted) {
+        out.push_back({std::string(s.substr(emitted, begin - emitted)), -1, seg.at_start && emitted == 0});
+      }
+      out.push_back({"", hit->id, false});
+      emitted = i = end;
+    }
+    if (emitted < s.size()) {
+      out.push_back({std::string(s.substr(emitted)), -1, seg.at_start && emitted == 0});
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<int32_t>> Tokenizer::Encode(absl::string_view text,
+                                                       bool add_special_tokens) const {
+  if (Utf8Lossy(text) != text) return absl::InvalidArgumentError("text is not valid UTF-8");
+  std::vector<Segment> segments = SplitAdded({{std::string(text), -1, true}}, false);
+  if (normalizer_ != nullptr) {
+    for (Segment& s : segments) {
+      if (s.token >= 0) continue;
+      absl::StatusOr<std::string> n = normalizer_->Apply(std::move(s.text));
+      if (!n.ok()) return n.status();
+      s.text = *std::move(n);
+    }
+  }
+  segments = SplitAdded(std::move(segments), true);
+
+  std::vector<int32_t> ids;
+  if (add_special_tokens) ids = post_.prefix_ids;
+  for (Segment& s : segments) {
+    if (s.token >= 0) {
+      ids.push_back(s.token);
+      continue;
+    }
+    if (s.text.empty()) continue;
+    std::vector<Piece> pieces = {{std::move(s.text), s.at_start}};
+    if (pre_tokenizer_ != nullptr) pieces = pre_tokenizer_->Apply(std::move(pieces));
+    for (const Piece& p : pieces) model_->Tokenize(p.text, ids);
+  }
+  if (add_special_tokens) ids.insert(ids.end(), post_.suffix_ids.begin(), post_.suffix_ids.end());
+  return ids;
+}
+
+const std::string* Tokenizer::IdToToken(int32_t id) const {
+  if (auto it = added_by_id_.find(id); it != added_by_id_.end()) return &added_[it->second].content;
+  return model_->IdToToken(id);
+}
+
+std::optional<int32_t> Tokenizer::TokenToId(const std::string& token) const {
+  if (auto it = added_by_content_.find(token); it != added_by_content_.end()) {
+    return added_[it->second].id;
+  }
+  return model_->TokenToId(token);
+}
+
+bool Tokenizer::IsSpecial(int32_t id) const {
+  auto it = added_by_id_.find(id);
+  return it != added_by_id_.end() && added_[it->second].special;
+}
+
+int32_t Tokenizer::vocab_size() const {
+  int32_t n = model_->vocab_size();
+  for (const AddedToken& t : added_) n = std::max(n, t.id + 1);
+  return n;
+}
+
+absl::StatusOr<std::string> Tokenizer::Decode(absl::Span<const int32_t> ids,
+                                              bool skip_special_tokens) const {
+  std::vector<std::string> tokens;
+  tokens.reserve(ids.size());
+  for (int32_t id : ids) {
+    const std::string* t = IdToToken(id);
+    if (t == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("token id ", id, " is outside the vocabulary [0, ", vocab_size(), ")"));
+    }
+    if (skip_special_tokens && IsSpecial(id)) continue;
+    tokens.push_back(*t);
+  }
+  if (decoder_ == nullptr) return absl::StrJoin(tokens, " ");
+  return absl::StrJoin(decoder_->Apply(std::move(tokens)), "");
+}
+
+}  // namespace pdserve::tok

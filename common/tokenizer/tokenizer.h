@@ -1,0 +1,95 @@
+// A Hugging Face tokenizer loaded from tokenizer.json (+ tokenizer_config.json
+// for BOS/EOS and the chat template), producing the ids Hugging Face's own
+// implementation produces.
+//
+// Encoding follows HF's pipeline: added tokens are matched first and never
+// split (non-normalized ones on the raw text, normalized ones after the
+// normalizer), the rest is normalized, pre-tokenized and run through the
+// BPE model; with add_special_tokens, the post-processor's tokens are added.
+// Supported components: see components.h; anything else is refused by name.
+//
+// Thread safety: immutable after Load; Encode/Decode may run concurrently.
+#ifndef PDSERVE_COMMON_TOKENIZER_TOKENIZER_H_
+#define PDSERVE_COMMON_TOKENIZER_TOKENIZER_H_
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "common/tokenizer/bpe.h"
+#include "common/tokenizer/components.h"
+
+namespace pdserve::tok {
+
+struct AddedToken {
+  int32_t id = 0;
+  std::string content;
+  bool single_word = false;
+  bool lstrip = false;
+  bool rstrip = false;
+  bool normalized = false;
+  bool special = false;
+};
+
+class Tokenizer {
+ public:
+  // Reads DIR/tokenizer.json and, when present, DIR/tokenizer_config.json.
+  static absl::StatusOr<std::unique_ptr<Tokenizer>> Load(const std::string& dir);
+  // From file contents (config may be empty). `source` names them in errors.
+  static absl::StatusOr<std::unique_ptr<Tokenizer>> FromJson(absl::string_view tokenizer_json,
+                                                             absl::string_view tokenizer_config_json,
+                                                             const std::string& source);
+
+  // Errors: invalid UTF-8 input (INVALID_ARGUMENT).
+  absl::StatusOr<std::vector<int32_t>> Encode(absl::string_view text,
+                                              bool add_special_tokens = false) const;
+  // Errors: an id outside the vocabulary.
+  absl::StatusOr<std::string> Decode(absl::Span<const int32_t> ids,
+                                     bool skip_special_tokens = false) const;
+
+  // The token string of `id` (added tokens included); nullptr if unknown.
+  const std::string* IdToToken(int32_t id) const;
+  std::optional<int32_t> TokenToId(const std::string& token) const;
+  bool IsSpecial(int32_t id) const;
+  int32_t vocab_size() const;  // Highest id + 1.
+
+  std::optional<int32_t> bos_id() const { return bos_id_; }
+  std::optional<int32_t> eos_id() const { return eos_id_; }
+  const std::string& bos_token() const { return bos_token_; }
+  const std::string& eos_token() const { return eos_token_; }
+  // tokenizer_config.json's chat_template ("" when absent).
+  const std::string& chat_template() const { return chat_template_; }
+  // tokenizer_config.json's add_bos_token / add_eos_token when given.
+  const std::vector<int32_t>& prefix_ids() const { return post_.prefix_ids; }
+
+ private:
+  struct Segment {
+    std::string text;
+    int32_t token = -1;  // >= 0: an added token.
+    bool at_start = false;
+  };
+  // Splits each text segment at matches of added tokens with the given
+  // `normalized` flag (leftmost-longest; lstrip/rstrip/single_word applied).
+  std::vector<Segment> SplitAdded(std::vector<Segment> segments, bool normalized) const;
+
+  std::unique_ptr<Bpe> model_;
+  std::unique_ptr<Normalizer> normalizer_;
+  std::unique_ptr<PreTokenizer> pre_tokenizer_;
+  std::unique_ptr<Decoder> decoder_;
+  PostProcessor post_;
+  std::vector<AddedToken> added_;
+  absl::flat_hash_map<int32_t, size_t> added_by_id_;
+  absl::flat_hash_map<std::string, size_t> added_by_content_;
+  std::optional<int32_t> bos_id_, eos_id_;
+  std::string bos_token_, eos_token_, chat_template_;
+};
+
+}  // namespace pdserve::tok
+
+#endif  // PDSERVE_COMMON_TOKENIZER_TOKENIZER_H_

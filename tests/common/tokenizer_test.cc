@@ -1,0 +1,246 @@
+// Exactness against Hugging Face's own implementation: reference ids and
+// decodings made by tests/fixtures/tokenizers/make_reference.mjs with the npm
+// `tokenizers` package (HF's Rust library), on real tokenizer files.
+#include "common/tokenizer/tokenizer.h"
+
+#include "common/model_config.h"
+#include "common/tokenizer/chat_template.h"
+#include "common/tokenizer/detokenizer.h"
+#include "common/tokenizer/stop_strings.h"
+
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+
+namespace pdserve::tok {
+namespace {
+
+const std::string kDir = std::string(PDSERVE_SOURCE_DIR) + "/tests/fixtures/tokenizers/";
+
+std::vector<nlohmann::json> ReadJsonl(const std::string& path) {
+  std::ifstream f(path);
+  std::vector<nlohmann::json> out;
+  std::string line;
+  while (std::getline(f, line)) {
+    if (!line.empty()) out.push_back(nlohmann::json::parse(line));
+  }
+  return out;
+}
+
+std::string Show(const std::vector<int32_t>& v) {
+  std::string s;
+  for (int32_t x : v) s += std::to_string(x) + ",";
+  return s;
+}
+
+class ReferenceTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ReferenceTest, EncodeAndDecodeMatchHuggingFace) {
+  auto tok = Tokenizer::Load(kDir + GetParam());
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  const std::vector<nlohmann::json> cases = ReadJsonl(kDir + GetParam() + "/reference.jsonl");
+  ASSERT_GT(cases.size(), 100u);
+  int failures = 0;
+  for (const auto& c : cases) {
+    const std::string text = c["text"].get<std::string>();
+    const auto want = c["ids"].get<std::vector<int32_t>>();
+    const auto want_special = c["ids_special"].get<std::vector<int32_t>>();
+    auto got = (*tok)->Encode(text, false);
+    auto got_special = (*tok)->Encode(text, true);
+    ASSERT_TRUE(got.ok()) << got.status();
+    ASSERT_TRUE(got_special.ok());
+    if (*got != want || *got_special != want_special) {
+      if (++failures <= 5) {
+        ADD_FAILURE() << "text: " << nlohmann::json(text).dump() << "\n want: " << Show(want)
+                      << "\n  got: " << Show(*got) << "\n want+special: " << Show(want_special)
+                      << "\n  got+special: " << Show(*got_special);
+      }
+      continue;
+    }
+    auto decoded = (*tok)->Decode(want, false);
+    auto decoded_skip = (*tok)->Decode(want_special, true);
+    ASSERT_TRUE(decoded.ok());
+    ASSERT_TRUE(decoded_skip.ok());
+    if (*decoded != c["decoded"].get<std::string>() ||
+        (c.contains("decoded_skip_special") && *decoded_skip != c["decoded_skip_special"].get<std::string>())) {
+      if (++failures <= 5) {
+        ADD_FAILURE() << "decode of " << nlohmann::json(text).dump() << "\n want: "
+                      << c["decoded"].dump() << "\n  got: " << nlohmann::json(*decoded).dump()
+                      << "\n want skip: " << c.value("decoded_skip_special", nlohmann::json()).dump()
+                      << "\n  got skip: " << nlohmann::json(*decoded_skip).dump();
+      }
+    }
+  }
+  EXPECT_EQ(failures, 0) << "of " << cases.size() << " cases";
+}
+
+// Streaming equals the full decode for every prefix of every test sequence,
+// with and without prompt context. Prefixes that stop inside a character are
+// the exception: there HF's byte-fallback decode turns the whole run of byte
+// tokens (valid characters before the cut included) into U+FFFD, which a
+// stream that already showed those characters cannot take back; the whole
+// sequence is always checked.
+TEST_P(ReferenceTest, StreamingEqualsFullDecodeForEveryPrefix) {
+  auto tok = Tokenizer::Load(kDir + GetParam());
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  int checked = 0;
+  for (const auto& c : ReadJsonl(kDir + GetParam() + "/reference.jsonl")) {
+    const auto ids = c["ids_special"].get<std::vector<int32_t>>();
+    // A real prompt is the encoding of complete text, so its decode never
+    // ends inside a character: cut the context where that holds.
+    size_t cut = ids.size() / 3;
+    auto ends_clean = [&](size_t k) {
+      const std::string t = *(*tok)->Decode(absl::MakeConstSpan(ids).first(k));
+      return t.size() < 3 || t.compare(t.size() - 3, 3, "\xef\xbf\xbd") != 0;
+    };
+    while (cut > 0 && !ends_clean(cut)) --cut;
+    for (size_t context : {size_t{0}, cut}) {
+      const std::vector<int32_t> prompt(ids.begin(), ids.begin() + context);
+      const std::string prompt_text = *(*tok)->Decode(prompt);
+      IncrementalDetokenizer detok(**tok, prompt, /*skip_special_tokens=*/false);
+      std::string streamed;
+      for (size_t p = context; p < ids.size(); ++p) {
+        auto delta = detok.Add(ids[p]);
+        ASSERT_TRUE(delta.ok());
+        streamed += *delta;
+        IncrementalDetokenizer copy = detok;
+        const std::string rest = *copy.Finish();
+        const std::vector<int32_t> upto(ids.begin(), ids.begin() + p + 1);
+        const std::string full = *(*tok)->Decode(upto);
+        const bool cut_inside_char =
+            full.size() >= 3 && full.compare(full.size() - 3, 3, "\xef\xbf\xbd") == 0;
+        if (cut_inside_char && p + 1 < ids.size()) continue;
+        ASSERT_EQ(prompt_text + streamed + rest, full)
+            << "case " << nlohmann::json(c["text"]).dump() << " context " << context << " prefix " << p;
+        ++checked;
+      }
+    }
+  }
+  EXPECT_GT(checked, 1000);
+}
+
+INSTANTIATE_TEST_SUITE_P(RealTokenizers, ReferenceTest, ::testing::Values("llama3", "qwen3", "llama2"),
+                         [](const auto& info) { return info.param; });
+
+struct ChatFixture {
+  std::string tokenizer;      // Directory with tokenizer files.
+  std::string template_file;  // "" = the tokenizer_config.json chat_template.
+  std::string reference;      // Relative path of the *_reference.jsonl.
+  ChatFamily family;
+};
+
+class ChatTemplateTest : public ::testing::TestWithParam<ChatFixture> {};
+
+TEST_P(ChatTemplateTest, RendersLikeJinja) {
+  const ChatFixture& f = GetParam();
+  auto tok = Tokenizer::Load(kDir + f.tokenizer);
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  std::string tmpl = (*tok)->chat_template();
+  if (!f.template_file.empty()) tmpl = *ReadFileToString(kDir + f.template_file);
+  auto format = DetectChatFormat(tmpl);
+  ASSERT_TRUE(format.ok()) << format.status();
+  EXPECT_EQ(format->family, f.family);
+  const nlohmann::json cases = nlohmann::json::parse(*ReadFileToString(kDir + "chat_cases.json"));
+  int n = 0;
+  for (const auto& ref : ReadJsonl(kDir + f.reference)) {
+    std::vector<ChatMessage> messages;
+    for (const auto& m : cases[ref["case"].get<int>()]["messages"]) {
+      messages.push_back({m["role"].get<std::string>(), m["content"].get<std::string>()});
+    }
+    auto text = RenderChat(*format, messages, ref["add_generation_prompt"].get<bool>(),
+                           (*tok)->bos_token(), (*tok)->eos_token());
+    if (ref.contains("error")) {
+      EXPECT_FALSE(text.ok()) << "case " << ref["case"] << " should be refused";
+      continue;
+    }
+    ASSERT_TRUE(text.ok()) << text.status();
+    EXPECT_EQ(*text, ref["text"].get<std::string>()) << "case " << ref["case"];
+    if (ref.contains("ids")) {
+      EXPECT_EQ(*(*tok)->Encode(*text, false), ref["ids"].get<std::vector<int32_t>>())
+          << "case " << ref["case"];
+    }
+    ++n;
+  }
+  EXPECT_GE(n, 12);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Families, ChatTemplateTest,
+    ::testing::Values(ChatFixture{"qwen3", "", "qwen3/chat_reference.jsonl", ChatFamily::kQwen3},
+                      ChatFixture{"llama3", "", "llama3/chat_reference.jsonl", ChatFamily::kLlama3},
+                      ChatFixture{"llama2", "llama2/chat_template.jinja", "llama2/chat_reference.jsonl",
+                                  ChatFamily::kLlama2},
+                      ChatFixture{"llama2", "zephyr_template.jinja", "zephyr_chat_reference.jsonl",
+                                  ChatFamily::kZephyr}),
+    [](const auto& info) {
+      return info.param.template_file.empty() ? info.param.tokenizer
+                                              : info.param.tokenizer + "_" + std::to_string(info.index);
+    });
+
+TEST(ChatTemplateTest, UnknownTemplatesAndBadMessagesAreRefused) {
+  EXPECT_THAT(DetectChatFormat("{{ messages }}").status().message(),
+              ::testing::HasSubstr("unrecognised chat template"));
+  EXPECT_EQ(DetectChatFormat("").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(ParseChatMessages("[{\"role\": \"user\"}]").status().message(),
+              ::testing::HasSubstr("messages[0]: 'content'"));
+  EXPECT_THAT(ParseChatMessages("[{\"role\": \"user\", \"content\": \"x\", \"name\": 1}]").status().message(),
+              ::testing::HasSubstr("unknown field 'name'"));
+  EXPECT_THAT(ParseChatMessages("{}").status().message(), ::testing::HasSubstr("must be a JSON list"));
+  EXPECT_EQ(*ParseChatFamily("zephyr"), ChatFamily::kZephyr);
+  EXPECT_FALSE(ParseChatFamily("vicuna").ok());
+  auto bad_role = RenderChat({ChatFamily::kChatML}, {{"narrator", "x"}}, false, "", "");
+  EXPECT_THAT(bad_role.status().message(), ::testing::HasSubstr("messages[0]: unknown role 'narrator'"));
+}
+
+TEST(StopStringsTest, MatchesAcrossDeltasAndHoldsBackPrefixes) {
+  StopStringMatcher m({"STOP", "\n\n"});
+  EXPECT_EQ(m.Feed("Hello S").text, "Hello ");  // "S" might start STOP.
+  auto r = m.Feed("T");
+  EXPECT_EQ(r.text, "");
+  EXPECT_FALSE(r.stopped);
+  r = m.Feed("OP and more");
+  EXPECT_TRUE(r.stopped);
+  EXPECT_EQ(r.text, "");
+  EXPECT_EQ(r.matched, "STOP");
+  EXPECT_EQ(m.Feed("ignored").text, "");
+
+  StopStringMatcher n({"STOP"});
+  EXPECT_EQ(n.Feed("ST").text, "");
+  EXPECT_EQ(n.Feed("ART").text, "START");  // Not a stop after all.
+  EXPECT_EQ(n.Feed("xS").text, "x");
+  EXPECT_EQ(n.Flush(), "S");
+
+  StopStringMatcher earliest({"cd", "bcde"});
+  auto e = earliest.Feed("abcdef");
+  EXPECT_TRUE(e.stopped);
+  EXPECT_EQ(e.text, "a");
+  EXPECT_EQ(e.matched, "bcde");
+}
+
+TEST(StopStringsTest, StopStringSplitAcrossTokensIsCaughtAndNotEmitted) {
+  auto tok = Tokenizer::Load(kDir + "llama3");
+  ASSERT_TRUE(tok.ok());
+  const std::string text = "The answer is forty-two. END OF STORY and then some.";
+  const std::vector<int32_t> ids = *(*tok)->Encode(text);
+  IncrementalDetokenizer detok(**tok, {}, false);
+  StopStringMatcher stops({"OF STO"});
+  std::string out;
+  bool stopped = false;
+  for (int32_t id : ids) {
+    auto r = stops.Feed(*detok.Add(id));
+    out += r.text;
+    if (r.stopped) {
+      stopped = true;
+      break;
+    }
+  }
+  EXPECT_TRUE(stopped);
+  EXPECT_EQ(out, "The answer is forty-two. END ");
+}
+
+}  // namespace
+}  // namespace pdserve::tok

@@ -121,6 +121,18 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(absl::string_view
     }
   }
 
+  for (auto& index : tok->by_first_byte_) index.resize(256);
+  for (const AddedToken& t : tok->added_) {
+    tok->by_first_byte_[t.normalized ? 1 : 0][static_cast<unsigned char>(t.content[0])].push_back(&t);
+  }
+  for (auto& index : tok->by_first_byte_) {
+    for (auto& list : index) {
+      std::stable_sort(list.begin(), list.end(), [](const AddedToken* a, const AddedToken* b) {
+        return a->content.size() > b->content.size();
+      });
+    }
+  }
+
   if (!config_json.empty()) {
     const json cfg = json::parse(config_json.begin(), config_json.end(), nullptr, false);
     if (cfg.is_discarded() || !cfg.is_object()) {
@@ -152,13 +164,11 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(absl::string_view
 
 std::vector<Tokenizer::Segment> Tokenizer::SplitAdded(std::vector<Segment> segments,
                                                       bool normalized) const {
-  std::vector<const AddedToken*> candidates;
-  for (const AddedToken& t : added_) {
-    if (t.normalized == normalized) candidates.push_back(&t);
+  const std::vector<std::vector<const AddedToken*>>& index = by_first_byte_[normalized ? 1 : 0];
+  if (std::none_of(added_.begin(), added_.end(),
+                   [&](const AddedToken& t) { return t.normalized == normalized; })) {
+    return segments;
   }
-  if (candidates.empty()) return segments;
-  std::sort(candidates.begin(), candidates.end(),
-            [](const AddedToken* a, const AddedToken* b) { return a->content.size() > b->content.size(); });
   std::vector<Segment> out;
   for (Segment& seg : segments) {
     if (seg.token >= 0) {
@@ -170,7 +180,7 @@ std::vector<Tokenizer::Segment> Tokenizer::SplitAdded(std::vector<Segment> segme
     size_t i = 0;
     while (i < s.size()) {
       const AddedToken* hit = nullptr;
-      for (const AddedToken* t : candidates) {
+      for (const AddedToken* t : index[static_cast<unsigned char>(s[i])]) {
         if (s.compare(i, t->content.size(), t->content) != 0) continue;
         if (t->single_word) {
           if (IsWordChar(CodePointBefore(s, i))) continue;

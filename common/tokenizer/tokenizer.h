@@ -84,6 +84,8 @@ class Tokenizer {
   std::unique_ptr<Decoder> decoder_;
   PostProcessor post_;
   std::vector<AddedToken> added_;
+  // Added tokens by first byte, longest first; [0] non-normalized, [1] normalized.
+  std::vector<std::vector<const AddedToken*>> by_first_byte_[2];
   absl::flat_hash_map<int32_t, size_t> added_by_id_;
   absl::flat_hash_map<std::string, size_t> added_by_content_;
   std::optional<int32_t> bos_id_, eos_id_;

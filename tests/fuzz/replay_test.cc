@@ -17,12 +17,15 @@
 #include "absl/strings/match.h"
 #include "common/model_config.h"
 #include "common/safetensors.h"
+#include "common/tokenizer/tokenizer.h"
 #include "gtest/gtest.h"
 
 // The fuzz targets, compiled under these names for this test (see
 // CMakeLists.txt).
 extern "C" int FuzzSafetensors(const uint8_t* data, size_t size);
 extern "C" int FuzzConfig(const uint8_t* data, size_t size);
+extern "C" int FuzzTokenizerJson(const uint8_t* data, size_t size);
+extern "C" int FuzzTokenize(const uint8_t* data, size_t size);
 
 namespace pdserve {
 namespace {
@@ -98,6 +101,28 @@ TEST(FuzzCorpusReplayTest, Config) {
   }
   EXPECT_GT(valid, 0);
   EXPECT_GT(bad, 0);
+}
+
+// The tokenizer targets abort on any broken promise, so replaying is the check.
+TEST(FuzzCorpusReplayTest, TokenizerJson) {
+  const std::vector<Seed> seeds = ReadCorpus("tokenizer_json");
+  ASSERT_GE(seeds.size(), 8u);
+  for (const Seed& s : seeds) {
+    SCOPED_TRACE(s.name);
+    FuzzTokenizerJson(Data(s), s.bytes.size());
+    const bool loads = tok::Tokenizer::FromJson(s.bytes, "", "seed").ok();
+    if (absl::StartsWith(s.name, "valid_")) EXPECT_TRUE(loads);
+    if (absl::StartsWith(s.name, "bad_")) EXPECT_FALSE(loads);
+  }
+}
+
+TEST(FuzzCorpusReplayTest, Tokenize) {
+  const std::vector<Seed> seeds = ReadCorpus("tokenize");
+  ASSERT_GE(seeds.size(), 8u);
+  for (const Seed& s : seeds) {
+    SCOPED_TRACE(s.name);
+    FuzzTokenize(Data(s), s.bytes.size());
+  }
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 // pdctl as a user runs it: the real binary, its output parsed.
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -107,6 +108,50 @@ TEST(PdctlTest, ErrorsAreClearAndNonZero) {
   r = RunPdctl("frobnicate");
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_THAT(r.out, ::testing::HasSubstr("unknown command"));
+}
+
+const std::string kTok = std::string(PDSERVE_SOURCE_DIR) + "/tests/fixtures/tokenizers/";
+
+TEST(PdctlTest, TokenizeDetokenizeAndChatTemplateOnTokenizerOnlyDirectories) {
+  Result r = RunPdctl("tokenize --model " + kTok + "llama2 --text 'Hello world' --add-special-tokens", true);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_EQ(r.out, "[1,22557,1526]\n");
+  r = RunPdctl("detokenize --model " + kTok + "llama2 --ids 1,22557,1526 --skip-special-tokens", true);
+  EXPECT_EQ(r.out, "Hello world\n");
+  const std::string file = ::testing::TempDir() + "/pdctl_lines.txt";
+  {
+    std::ofstream f(file, std::ios::binary);
+    f << "a b\r\nc\n\nd";  // Split on \n only: the \r stays in line one.
+  }
+  r = RunPdctl("tokenize --model " + kTok + "qwen3 --text-file " + file + " --jsonl", true);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 4);
+  EXPECT_THAT(r.out, ::testing::HasSubstr("\n[]\n"));
+  const std::string messages = ::testing::TempDir() + "/pdctl_messages.json";
+  {
+    std::ofstream f(messages);
+    f << R"([{"role": "user", "content": "Hi"}])";
+  }
+  r = RunPdctl("chat-template --model " + kTok + "qwen3 --messages-file " + messages +
+                   " --add-generation-prompt",
+               true);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["text"], "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
+  EXPECT_EQ(j["ids"].size(), 9u);
+  r = RunPdctl("chat-template --model " + kTok + "llama2 --messages-file " + messages);
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.out, ::testing::HasSubstr("no chat_template; pass an explicit family"));
+  r = RunPdctl("chat-template --model " + kTok + "llama2 --messages-file " + messages +
+               " --chat-template-family zephyr", true);
+  EXPECT_EQ(r.exit_code, 0);
+  {
+    std::ofstream f(messages);
+    f << R"([{"role": "user"}])";
+  }
+  r = RunPdctl("chat-template --model " + kTok + "qwen3 --messages-file " + messages);
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.out, ::testing::HasSubstr("messages[0]: 'content' must be a string"));
 }
 
 TEST(PdctlTest, MakeModelWritesALoadableModel) {

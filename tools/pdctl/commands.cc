@@ -1,12 +1,15 @@
 #include "tools/pdctl/commands.h"
 
 #include <algorithm>
+#include <optional>
 #include <random>
 #include <cstdio>
 #include <string>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/tokenizer/detokenizer.h"
+#include "common/tokenizer/stop_strings.h"
 
 namespace pdserve::pdctl {
 namespace {
@@ -39,7 +42,7 @@ absl::Status PrintLogits(const EngineOptions& options, const std::vector<int32_t
 }
 
 absl::Status Generate(const EngineOptions& options, const std::vector<int32_t>& prompt,
-                      SamplingParams params) {
+                      SamplingParams params, const TextOutput& text) {
   absl::StatusOr<Engine> engine = MakeEngine(options);
   if (!engine.ok()) return engine.status();
   const ModelConfig& config = engine->model->config();
@@ -52,6 +55,12 @@ absl::Status Generate(const EngineOptions& options, const std::vector<int32_t>& 
   std::vector<SampledToken> sampled;
   std::vector<int32_t> feed = prompt;
   FinishReason finish = FinishReason::kNone;
+  std::optional<tok::IncrementalDetokenizer> detok;
+  std::optional<tok::StopStringMatcher> stops;
+  if (text.tokenizer != nullptr) {
+    detok.emplace(*text.tokenizer, prompt, /*skip_special_tokens=*/true);
+    stops.emplace(text.stop_strings);
+  }
   while (finish == FinishReason::kNone) {
     ForwardSequence fs{&seq, feed, LogitsMode::kLast};
     absl::StatusOr<ForwardResult> r = engine->model->Forward(*engine->pool, {&fs, 1});
@@ -63,8 +72,26 @@ absl::Status Generate(const EngineOptions& options, const std::vector<int32_t>& 
     finish = CheckFinish(params, eos, t.token, static_cast<int32_t>(out.size()));
     feed.assign(1, t.token);
     sampled.push_back(std::move(t));
+    if (detok.has_value()) {
+      absl::StatusOr<std::string> delta = detok->Add(out.back());
+      if (!delta.ok()) return delta.status();
+      if (finish != FinishReason::kNone) {
+        absl::StatusOr<std::string> rest = detok->Finish();
+        if (!rest.ok()) return rest.status();
+        *delta += *rest;
+      }
+      tok::StopStringMatcher::Result r = stops->Feed(*delta);
+      if (finish != FinishReason::kNone && !r.stopped) r.text += stops->Flush();
+      std::fwrite(r.text.data(), 1, r.text.size(), stdout);
+      std::fflush(stdout);
+      if (r.stopped) finish = FinishReason::kStop;
+    }
   }
-  std::printf("%s\n", absl::StrJoin(out, ",").c_str());
+  if (detok.has_value()) {
+    std::printf("\n");
+  } else {
+    std::printf("%s\n", absl::StrJoin(out, ",").c_str());
+  }
   if (params.logprobs > 0) {
     for (const SampledToken& t : sampled) {
       std::string top;

@@ -7,6 +7,7 @@
 
 #include "absl/status/status.h"
 #include "common/sampling.h"
+#include "common/tokenizer/tokenizer.h"
 #include "tools/pdctl/engine_setup.h"
 
 namespace pdserve::pdctl {
@@ -20,8 +21,14 @@ absl::Status PrintLogits(const EngineOptions& options, const std::vector<int32_t
 // when none is given). Prints the generated ids, comma-separated, on one
 // line; with logprobs, then one JSON object per token. The seed and the
 // finish reason go to stderr.
+// With a tokenizer, the text streams to stdout as it is generated (stop
+// strings end it without being printed) instead of the ids.
+struct TextOutput {
+  const tok::Tokenizer* tokenizer = nullptr;
+  std::vector<std::string> stop_strings;
+};
 absl::Status Generate(const EngineOptions& options, const std::vector<int32_t>& prompt,
-                      SamplingParams params);
+                      SamplingParams params, const TextOutput& text = {});
 
 }  // namespace pdserve::pdctl
 

@@ -22,10 +22,12 @@
 #include "common/synthetic_model.h"
 #include "tools/pdctl/bench_engine.h"
 #include "tools/pdctl/commands.h"
+#include "tools/pdctl/tokenizer_commands.h"
+#include "common/model_config.h"
 
 ABSL_FLAG(std::string, model, "", "Hugging Face model directory");
 ABSL_FLAG(std::string, token_ids, "", "comma-separated token ids (logits)");
-ABSL_FLAG(std::string, prompt_ids, "", "comma-separated prompt token ids (generate)");
+ABSL_FLAG(std::string, prompt_ids, "", "generate: comma-separated prompt token ids");
 ABSL_FLAG(bool, all_positions, false, "logits: print every position, not only the last");
 ABSL_FLAG(std::string, weights, "", "in-memory weight format: f32 or bf16 (default: as stored)");
 ABSL_FLAG(std::string, kv, "", "KV cache format: f32 or bf16 (default: the weight format)");
@@ -47,6 +49,23 @@ ABSL_FLAG(float, presence_penalty, 0.0f, "generate: presence penalty (0 = off)")
 ABSL_FLAG(std::string, stop_token_ids, "", "generate: extra comma-separated stop token ids");
 ABSL_FLAG(bool, ignore_eos, false, "generate: do not stop at the model's EOS ids");
 ABSL_FLAG(int, logprobs, 0, "generate: also print the chosen token's logprob and the top-n");
+ABSL_FLAG(std::string, text, "", "tokenize: the text");
+ABSL_FLAG(std::string, text_file, "", "tokenize: read the text from this file");
+ABSL_FLAG(bool, jsonl, false, "tokenize --text-file: one JSON array per line (split on \\n only)");
+ABSL_FLAG(bool, add_special_tokens, false, "tokenize: add BOS/EOS as the tokenizer's post-processor says");
+ABSL_FLAG(std::string, ids, "", "detokenize: comma-separated token ids");
+ABSL_FLAG(bool, skip_special_tokens, false, "detokenize: drop special tokens");
+ABSL_FLAG(std::string, messages_file, "", "chat-template: JSON list of {role, content}");
+ABSL_FLAG(bool, add_generation_prompt, false, "chat-template: end with the assistant prompt");
+ABSL_FLAG(std::string, chat_template_family, "",
+          "chat-template / generate: override the recognised family (chatml, qwen3, qwen2.5, llama3, llama2, zephyr)");
+ABSL_FLAG(std::string, prompt, "", "generate: prompt text (encoded with the tokenizer's special tokens)");
+ABSL_FLAG(std::string, chat_json, "", "generate: chat messages file, rendered with the chat template");
+ABSL_FLAG(std::vector<std::string>, stop, {}, "generate: comma-separated stop strings");
+ABSL_FLAG(std::string, corpus, "tests/fixtures/tokenizers/corpus.jsonl",
+          "bench-tokenizer: JSONL corpus of strings");
+ABSL_FLAG(std::string, reference_dir, "tests/fixtures/tokenizers",
+          "bench-tokenizer: where the npm reference is installed");
 ABSL_FLAG(std::string, prefix_hit, "2048:64",
           "bench-engine: CACHED:NEW prefix-hit prefill scenario (empty = skip)");
 ABSL_FLAG(std::string, prefill, "128,512,2048", "bench-engine: prompt lengths");
@@ -109,9 +128,34 @@ absl::StatusOr<std::optional<uint64_t>> SeedFlag() {
 
 absl::Status RunGenerate() {
   if (absl::Status s = RequireModel(); !s.ok()) return s;
-  absl::StatusOr<std::vector<int32_t>> ids =
-      ParseIds("prompt-ids", absl::GetFlag(FLAGS_prompt_ids));
+  const std::string prompt = absl::GetFlag(FLAGS_prompt);
+  const std::string chat = absl::GetFlag(FLAGS_chat_json);
+  const std::string prompt_ids = absl::GetFlag(FLAGS_prompt_ids);
+  if ((!prompt.empty()) + (!chat.empty()) + (!prompt_ids.empty()) != 1) {
+    return absl::InvalidArgumentError("give exactly one of --prompt, --chat-json, --prompt-ids");
+  }
+  TextOutput text;
+  std::unique_ptr<tok::Tokenizer> tokenizer;
+  absl::StatusOr<std::vector<int32_t>> ids;
+  if (!prompt_ids.empty()) {
+    ids = ParseIds("prompt-ids", prompt_ids);
+  } else {
+    auto t = tok::Tokenizer::Load(absl::GetFlag(FLAGS_model));
+    if (!t.ok()) return t.status();
+    tokenizer = *std::move(t);
+    if (!prompt.empty()) {
+      ids = tokenizer->Encode(prompt, /*add_special_tokens=*/true);
+    } else {
+      auto rendered = RenderChatFile(*tokenizer, chat, /*add_generation_prompt=*/true,
+                                     absl::GetFlag(FLAGS_chat_template_family));
+      if (!rendered.ok()) return rendered.status();
+      ids = tokenizer->Encode(*rendered, /*add_special_tokens=*/false);
+    }
+    text.tokenizer = tokenizer.get();
+    text.stop_strings = absl::GetFlag(FLAGS_stop);
+  }
   if (!ids.ok()) return ids.status();
+  if (ids->empty()) return absl::InvalidArgumentError("the prompt is empty");
   const int max_tokens = absl::GetFlag(FLAGS_max_tokens);
   if (max_tokens < 1) return absl::InvalidArgumentError("--max-tokens must be at least 1");
   EngineOptions o = EngineFlags();
@@ -135,7 +179,7 @@ absl::Status RunGenerate() {
   absl::StatusOr<std::optional<uint64_t>> seed = SeedFlag();
   if (!seed.ok()) return seed.status();
   p.seed = *seed;
-  return Generate(o, *ids, p);
+  return Generate(o, *ids, p, text);
 }
 
 absl::StatusOr<std::vector<int>> ParseInts(const std::string& flag, const std::string& text) {
@@ -205,11 +249,42 @@ absl::Status RunBenchEngineCommand() {
   return RunBenchEngine(o);
 }
 
+absl::Status RunTokenize() {
+  const bool special = absl::GetFlag(FLAGS_add_special_tokens);
+  const std::string file = absl::GetFlag(FLAGS_text_file);
+  if (!file.empty()) {
+    if (absl::GetFlag(FLAGS_jsonl)) return TokenizeFileJsonl(absl::GetFlag(FLAGS_model), file, special);
+    absl::StatusOr<std::string> text = ReadFileToString(file);
+    if (!text.ok()) return text.status();
+    return Tokenize(absl::GetFlag(FLAGS_model), *text, special);
+  }
+  return Tokenize(absl::GetFlag(FLAGS_model), absl::GetFlag(FLAGS_text), special);
+}
+
+absl::Status RunDetokenize() {
+  absl::StatusOr<std::vector<int32_t>> ids = ParseIds("ids", absl::GetFlag(FLAGS_ids));
+  if (!ids.ok()) return ids.status();
+  return Detokenize(absl::GetFlag(FLAGS_model), *ids, absl::GetFlag(FLAGS_skip_special_tokens));
+}
+
+absl::Status RunChatTemplate() {
+  if (absl::GetFlag(FLAGS_messages_file).empty()) {
+    return absl::InvalidArgumentError("--messages-file is required");
+  }
+  return ChatTemplate(absl::GetFlag(FLAGS_model), absl::GetFlag(FLAGS_messages_file),
+                      absl::GetFlag(FLAGS_add_generation_prompt),
+                      absl::GetFlag(FLAGS_chat_template_family));
+}
+
 constexpr char kUsage[] =
     "pdctl COMMAND [flags]\n"
     "commands:\n"
     "  logits    print logits (one JSON array per position) for --token-ids\n"
     "  generate  generation from --prompt-ids (greedy unless --temperature > 0), prints the ids\n"
+    "  tokenize      ids of --text (or --text-file [--jsonl]) as JSON [--add-special-tokens]\n"
+    "  detokenize    text of --ids [--skip-special-tokens]\n"
+    "  chat-template render --messages-file with the model's chat template, print text and ids\n"
+    "  bench-tokenizer  encode/decode MB/s beside the npm reference when installed\n"
     "  make-model    write a random-weight model (--shape 125m|tiny --dtype f32|bf16 --out DIR)\n"
     "  bench-engine  prefill and decode speed beside the machine's measured limits\n"
     "  help      this text; `pdctl COMMAND --help` lists the flags\n";
@@ -251,6 +326,15 @@ int main(int argc, char** argv) {
     status = RunLogits();
   } else if (command == "generate") {
     status = RunGenerate();
+  } else if (command == "tokenize") {
+    status = RunTokenize();
+  } else if (command == "detokenize") {
+    status = RunDetokenize();
+  } else if (command == "chat-template") {
+    status = RunChatTemplate();
+  } else if (command == "bench-tokenizer") {
+    status = BenchTokenizer(absl::GetFlag(FLAGS_model), absl::GetFlag(FLAGS_corpus),
+                            absl::GetFlag(FLAGS_reference_dir));
   } else if (command == "make-model") {
     status = RunMakeModel();
   } else if (command == "bench-engine") {

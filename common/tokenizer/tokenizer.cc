@@ -54,7 +54,31 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::string& di
   if (!tj.ok()) return tj.status();
   absl::StatusOr<std::string> cfg = ReadFileToString(dir + "/tokenizer_config.json");
   if (!cfg.ok() && !absl::IsNotFound(cfg.status())) return cfg.status();
-  return FromJson(*tj, cfg.ok() ? *cfg : "", dir);
+  auto tok = FromJson(*tj, cfg.ok() ? *cfg : "", dir);
+  if (!tok.ok()) return tok.status();
+  // special_tokens_map.json fills in BOS/EOS that tokenizer_config.json lacks.
+  absl::StatusOr<std::string> map = ReadFileToString(dir + "/special_tokens_map.json");
+  if (map.ok()) {
+    const json m = json::parse(*map, nullptr, false);
+    if (m.is_discarded() || !m.is_object()) {
+      return absl::InvalidArgumentError(absl::StrCat(dir, "/special_tokens_map.json: not a valid JSON object"));
+    }
+    if ((*tok)->bos_token_.empty()) {
+      if (auto b = ConfigToken(m, "bos_token")) {
+        (*tok)->bos_token_ = *b;
+        (*tok)->bos_id_ = (*tok)->TokenToId(*b);
+      }
+    }
+    if ((*tok)->eos_token_.empty()) {
+      if (auto e = ConfigToken(m, "eos_token")) {
+        (*tok)->eos_token_ = *e;
+        (*tok)->eos_id_ = (*tok)->TokenToId(*e);
+      }
+    }
+  } else if (!absl::IsNotFound(map.status())) {
+    return map.status();
+  }
+  return tok;
 }
 
 absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(absl::string_view tokenizer_json,

@@ -39,7 +39,8 @@ struct AddedToken {
 
 class Tokenizer {
  public:
-  // Reads DIR/tokenizer.json and, when present, DIR/tokenizer_config.json.
+  // Reads DIR/tokenizer.json and, when present, DIR/tokenizer_config.json and
+  // DIR/special_tokens_map.json (BOS/EOS the config does not name).
   static absl::StatusOr<std::unique_ptr<Tokenizer>> Load(const std::string& dir);
   // From file contents (config may be empty). `source` names them in errors.
   static absl::StatusOr<std::unique_ptr<Tokenizer>> FromJson(absl::string_view tokenizer_json,
@@ -65,7 +66,7 @@ class Tokenizer {
   const std::string& eos_token() const { return eos_token_; }
   // tokenizer_config.json's chat_template ("" when absent).
   const std::string& chat_template() const { return chat_template_; }
-  // tokenizer_config.json's add_bos_token / add_eos_token when given.
+  // Ids the post-processor puts before a sequence with add_special_tokens.
   const std::vector<int32_t>& prefix_ids() const { return post_.prefix_ids; }
 
  private:

@@ -6,6 +6,7 @@
 //
 // Run `pdctl help` for the list.
 #include <algorithm>
+#include <cstdlib>
 #include <optional>
 #include <cstdio>
 #include <cstring>
@@ -25,7 +26,8 @@
 #include "tools/pdctl/tokenizer_commands.h"
 #include "common/model_config.h"
 
-ABSL_FLAG(std::string, model, "", "Hugging Face model directory");
+ABSL_FLAG(std::string, model, "",
+          "Hugging Face model directory (default: $PDSERVE_MODEL, else the shipped deploy/models/kjv-tiny)");
 ABSL_FLAG(std::string, token_ids, "", "comma-separated token ids (logits)");
 ABSL_FLAG(std::string, prompt_ids, "", "generate: comma-separated prompt token ids");
 ABSL_FLAG(bool, all_positions, false, "logits: print every position, not only the last");
@@ -77,6 +79,16 @@ ABSL_FLAG(bool, json, false, "print JSON instead of a table");
 namespace pdserve::pdctl {
 namespace {
 
+// --model, else $PDSERVE_MODEL, else the model the repository ships.
+std::string ModelDir() {
+  std::string dir = absl::GetFlag(FLAGS_model);
+  if (dir.empty()) {
+    const char* env = std::getenv("PDSERVE_MODEL");
+    dir = env != nullptr && *env != '\0' ? env : PDSERVE_DEFAULT_MODEL_DIR;
+  }
+  return dir;
+}
+
 absl::StatusOr<std::vector<int32_t>> ParseIds(const std::string& flag, const std::string& text) {
   std::vector<int32_t> ids;
   if (text.empty()) return absl::InvalidArgumentError(absl::StrCat("--", flag, " is required"));
@@ -93,7 +105,7 @@ absl::StatusOr<std::vector<int32_t>> ParseIds(const std::string& flag, const std
 
 EngineOptions EngineFlags() {
   EngineOptions o;
-  o.model_dir = absl::GetFlag(FLAGS_model);
+  o.model_dir = ModelDir();
   o.weights = absl::GetFlag(FLAGS_weights);
   o.kv = absl::GetFlag(FLAGS_kv);
   o.isa = absl::GetFlag(FLAGS_isa);
@@ -102,13 +114,7 @@ EngineOptions EngineFlags() {
   return o;
 }
 
-absl::Status RequireModel() {
-  if (absl::GetFlag(FLAGS_model).empty()) return absl::InvalidArgumentError("--model is required");
-  return absl::OkStatus();
-}
-
 absl::Status RunLogits() {
-  if (absl::Status s = RequireModel(); !s.ok()) return s;
   absl::StatusOr<std::vector<int32_t>> ids = ParseIds("token-ids", absl::GetFlag(FLAGS_token_ids));
   if (!ids.ok()) return ids.status();
   EngineOptions o = EngineFlags();
@@ -127,7 +133,6 @@ absl::StatusOr<std::optional<uint64_t>> SeedFlag() {
 }
 
 absl::Status RunGenerate() {
-  if (absl::Status s = RequireModel(); !s.ok()) return s;
   const std::string prompt = absl::GetFlag(FLAGS_prompt);
   const std::string chat = absl::GetFlag(FLAGS_chat_json);
   const std::string prompt_ids = absl::GetFlag(FLAGS_prompt_ids);
@@ -140,7 +145,7 @@ absl::Status RunGenerate() {
   if (!prompt_ids.empty()) {
     ids = ParseIds("prompt-ids", prompt_ids);
   } else {
-    auto t = tok::Tokenizer::Load(absl::GetFlag(FLAGS_model));
+    auto t = tok::Tokenizer::Load(ModelDir());
     if (!t.ok()) return t.status();
     tokenizer = *std::move(t);
     if (!prompt.empty()) {
@@ -220,7 +225,6 @@ absl::Status RunMakeModel() {
 }
 
 absl::Status RunBenchEngineCommand() {
-  if (absl::Status s = RequireModel(); !s.ok()) return s;
   BenchEngineOptions o;
   o.engine = EngineFlags();
   auto prefill = ParseInts("prefill", absl::GetFlag(FLAGS_prefill));
@@ -253,25 +257,25 @@ absl::Status RunTokenize() {
   const bool special = absl::GetFlag(FLAGS_add_special_tokens);
   const std::string file = absl::GetFlag(FLAGS_text_file);
   if (!file.empty()) {
-    if (absl::GetFlag(FLAGS_jsonl)) return TokenizeFileJsonl(absl::GetFlag(FLAGS_model), file, special);
+    if (absl::GetFlag(FLAGS_jsonl)) return TokenizeFileJsonl(ModelDir(), file, special);
     absl::StatusOr<std::string> text = ReadFileToString(file);
     if (!text.ok()) return text.status();
-    return Tokenize(absl::GetFlag(FLAGS_model), *text, special);
+    return Tokenize(ModelDir(), *text, special);
   }
-  return Tokenize(absl::GetFlag(FLAGS_model), absl::GetFlag(FLAGS_text), special);
+  return Tokenize(ModelDir(), absl::GetFlag(FLAGS_text), special);
 }
 
 absl::Status RunDetokenize() {
   absl::StatusOr<std::vector<int32_t>> ids = ParseIds("ids", absl::GetFlag(FLAGS_ids));
   if (!ids.ok()) return ids.status();
-  return Detokenize(absl::GetFlag(FLAGS_model), *ids, absl::GetFlag(FLAGS_skip_special_tokens));
+  return Detokenize(ModelDir(), *ids, absl::GetFlag(FLAGS_skip_special_tokens));
 }
 
 absl::Status RunChatTemplate() {
   if (absl::GetFlag(FLAGS_messages_file).empty()) {
     return absl::InvalidArgumentError("--messages-file is required");
   }
-  return ChatTemplate(absl::GetFlag(FLAGS_model), absl::GetFlag(FLAGS_messages_file),
+  return ChatTemplate(ModelDir(), absl::GetFlag(FLAGS_messages_file),
                       absl::GetFlag(FLAGS_add_generation_prompt),
                       absl::GetFlag(FLAGS_chat_template_family));
 }
@@ -333,7 +337,7 @@ int main(int argc, char** argv) {
   } else if (command == "chat-template") {
     status = RunChatTemplate();
   } else if (command == "bench-tokenizer") {
-    status = BenchTokenizer(absl::GetFlag(FLAGS_model), absl::GetFlag(FLAGS_corpus),
+    status = BenchTokenizer(ModelDir(), absl::GetFlag(FLAGS_corpus),
                             absl::GetFlag(FLAGS_reference_dir));
   } else if (command == "make-model") {
     status = RunMakeModel();

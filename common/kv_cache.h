@@ -3,7 +3,9 @@
 //
 // Layout of the region (the KV handoff ships it as is):
 //   layer l, physical block b starts at  (l * num_blocks + b) * LayerBlockBytes()
-//   inside a block:  [K | V] x [num_kv_heads] x [block_size slots] x [head_dim]
+//   inside a block:  K: [num_kv_heads] x [head_dim] x [block_size slots]
+//   (transposed, so a kernel scores consecutive keys with one vector per
+//   dimension), then V: [num_kv_heads] x [block_size slots] x [head_dim],
 //   and, for int8 KV, then F32 scales [K | V] x [num_kv_heads] x [block_size]:
 //   one per (position, KV head), so a position's bytes never depend on its
 //   neighbours or on the order of writes.

@@ -40,10 +40,11 @@ class LinearWeight {
   virtual size_t bytes() const = 0;
 };
 
-// The KV of one layer in the paged pool (see common/kv_cache.h):
-// block b's K for KV head h, slot s is at
-//   base + (b * block_stride + h * head_stride + s * head_dim) elements,
-// its V at the same place + v_offset elements. For kI8, each block also
+// The KV of one layer in the paged pool (see common/kv_cache.h): block b's K
+// for KV head h is stored transposed, [head_dim][block_size], element (d, s)
+// at base + (b * block_stride + h * head_stride + d * block_size + s); its V
+// is [block_size][head_dim], element (s, d) at the same place + v_offset +
+// s * head_dim + d (all in elements). For kI8, each block also
 // holds F32 scales [K|V][num_kv_heads][block_size] starting scale_offset
 // bytes after the block's start: one scale per (position, KV head).
 struct KvLayerView {

@@ -196,26 +196,29 @@ void CpuBackend::WriteKv(const KvLayerView& kv, int32_t num_kv_heads, int32_t he
                          const int32_t* slots) {
   for (int64_t r = 0; r < rows; ++r) {
     for (int32_t h = 0; h < num_kv_heads; ++h) {
-      const int64_t off = blocks[r] * kv.block_stride + h * kv.head_stride +
-                          static_cast<int64_t>(slots[r]) * head_dim;
+      // K transposed ([dim][slot], stride block_size); V row-major.
+      const int64_t head = blocks[r] * kv.block_stride + h * kv.head_stride;
+      const int64_t k_off = head + slots[r];
+      const int64_t k_step = kv.block_size;
+      const int64_t v_off = head + kv.v_offset + static_cast<int64_t>(slots[r]) * head_dim;
       const float* ks = k + (r * num_kv_heads + h) * head_dim;
       const float* vs = v + (r * num_kv_heads + h) * head_dim;
       if (kv.dtype == DType::kF32) {
         float* base = static_cast<float*>(kv.base);
-        std::memcpy(base + off, ks, head_dim * sizeof(float));
-        std::memcpy(base + off + kv.v_offset, vs, head_dim * sizeof(float));
+        for (int32_t i = 0; i < head_dim; ++i) base[k_off + i * k_step] = ks[i];
+        std::memcpy(base + v_off, vs, head_dim * sizeof(float));
       } else if (kv.dtype == DType::kI8) {
         int8_t* base = static_cast<int8_t*>(kv.base);
         float* scales = reinterpret_cast<float*>(base + blocks[r] * kv.block_stride + kv.scale_offset);
         const int64_t si = static_cast<int64_t>(h) * kv.block_size + slots[r];
-        scales[si] = QuantizeI8(ks, head_dim, base + off, 1);
+        scales[si] = QuantizeI8(ks, head_dim, base + k_off, k_step);
         scales[si + static_cast<int64_t>(num_kv_heads) * kv.block_size] =
-            QuantizeI8(vs, head_dim, base + off + kv.v_offset, 1);
+            QuantizeI8(vs, head_dim, base + v_off, 1);
       } else {
         uint16_t* base = static_cast<uint16_t*>(kv.base);
         for (int32_t i = 0; i < head_dim; ++i) {
-          base[off + i] = F32ToBf16(ks[i]);
-          base[off + kv.v_offset + i] = F32ToBf16(vs[i]);
+          base[k_off + i * k_step] = F32ToBf16(ks[i]);
+          base[v_off + i] = F32ToBf16(vs[i]);
         }
       }
     }

@@ -54,9 +54,11 @@ struct AttentionArgs {
   const float* q;  // [T, num_heads, head_dim]
   float* out;      // [T, num_heads, head_dim]
   const AttentionSeq* seqs;
-  // KV of one layer: block b's K for kv head h, slot s starts at
-  //   kv + b * block_stride + h * head_stride + s * head_dim;
-  // its V at the same place + v_offset. Element type kv_type. For kI8, the
+  // KV of one layer: block b's K for kv head h is [head_dim][block_size]
+  // (transposed: element (d, s) at kv + b * block_stride + h * head_stride +
+  // d * block_size + s); its V is [block_size][head_dim] at the same place +
+  // v_offset (element (s, d) at ... + v_offset + s * head_dim + d).
+  // Element type kv_type. For kI8, the
   // block's F32 scales ([K|V][num_kv_heads][block_size]) start scale_offset
   // bytes after the block's start.
   const void* kv;

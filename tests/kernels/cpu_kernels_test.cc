@@ -99,6 +99,15 @@ struct AttnShape {
   DType kv_type;
 };
 
+// The documented block layout: K transposed [head][dim][slot], V [head][slot][dim].
+int64_t KOffset(const AttnShape& s, int64_t block_elems, int64_t block, int h, int64_t slot, int d) {
+  return block * block_elems + (static_cast<int64_t>(h) * s.head_dim + d) * s.block_size + slot;
+}
+int64_t VOffset(const AttnShape& s, int64_t block_elems, int64_t half, int64_t block, int h,
+                int64_t slot, int d) {
+  return block * block_elems + half + (static_cast<int64_t>(h) * s.block_size + slot) * s.head_dim + d;
+}
+
 TEST_P(CpuKernelsTest, PagedAttentionMatchesReference) {
   const AttnShape shapes[] = {{4, 2, 8, 16, DType::kF32},  {6, 2, 12, 5, DType::kF32},
                               {8, 1, 64, 16, DType::kBF16}, {3, 3, 80, 1, DType::kF32},
@@ -149,23 +158,26 @@ TEST_P(CpuKernelsTest, PagedAttentionMatchesReference) {
               scales[kv * s.kv_heads * s.block_size + h * s.block_size + slot] = sc;
               for (int32_t d = 0; d < s.head_dim; ++d) {
                 const int8_t v = static_cast<int8_t>(std::nearbyint(src[src0 + d] * (127.0f / amax)));
-                kvq[block * block_elems + kv * half + (h * s.block_size + slot) * s.head_dim + d] = v;
+                const int64_t at = kv == 0 ? KOffset(s, block_elems, block, h, slot, d)
+                                           : VOffset(s, block_elems, half, block, h, slot, d);
+                kvq[at] = v;
                 src[src0 + d] = v * sc;
               }
             }
             continue;
           }
           for (int32_t d = 0; d < s.head_dim; ++d) {
-            const int64_t off = block * block_elems + (h * s.block_size + slot) * s.head_dim + d;
+            const int64_t ko = KOffset(s, block_elems, block, h, slot, d);
+            const int64_t vo = VOffset(s, block_elems, half, block, h, slot, d);
             const int64_t src = src0 + d;
             if (s.kv_type == DType::kBF16) {
-              kvh[off] = F32ToBf16(K[q][src]);
-              kvh[off + half] = F32ToBf16(Vv[q][src]);
-              K[q][src] = Bf16ToF32(kvh[off]);
-              Vv[q][src] = Bf16ToF32(kvh[off + half]);
+              kvh[ko] = F32ToBf16(K[q][src]);
+              kvh[vo] = F32ToBf16(Vv[q][src]);
+              K[q][src] = Bf16ToF32(kvh[ko]);
+              Vv[q][src] = Bf16ToF32(kvh[vo]);
             } else {
-              kvf[off] = K[q][src];
-              kvf[off + half] = Vv[q][src];
+              kvf[ko] = K[q][src];
+              kvf[vo] = Vv[q][src];
             }
           }
         }

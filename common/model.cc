@@ -218,7 +218,8 @@ KvCacheSpec Model::MakeKvSpec(DType kv_dtype, int32_t block_size, int32_t num_bl
 }
 
 absl::StatusOr<ForwardResult> Model::Forward(BlockPool& pool,
-                                             absl::Span<const ForwardSequence> batch) {
+                                             absl::Span<const ForwardSequence> batch,
+                                             const ForwardOptions& options) {
   const ModelConfig& c = config_;
   const KvCacheSpec& spec = pool.spec();
   if (spec.num_layers != c.num_layers || spec.num_kv_heads != c.num_kv_heads ||
@@ -345,6 +346,8 @@ absl::StatusOr<ForwardResult> Model::Forward(BlockPool& pool,
         .num_kv_heads = static_cast<int32_t>(c.num_kv_heads),
         .head_dim = H,
         .scale = scale,
+        .group_shared_blocks = options.group_shared_kv,
+        .kv_bytes_read = &result.kv_bytes_read,
     });
     backend_->Linear(*layer.o, attn_.data(), T, nullptr, x_.data(), /*accumulate=*/true);
     backend_->RmsNorm(x_.data(), layer.post_norm.data(), T, D, eps, xn_.data());

@@ -45,8 +45,15 @@ struct ForwardSequence {
   LogitsMode logits = LogitsMode::kLast;
 };
 
+struct ForwardOptions {
+  // Decode batches read blocks shared by several sequences once for all of
+  // them (cascade attention); off only to measure what it saves.
+  bool group_shared_kv = true;
+};
+
 struct ForwardResult {
   int64_t vocab_size = 0;
+  int64_t kv_bytes_read = 0;        // By the attention kernels, all layers.
   std::vector<float> logits;        // [rows, vocab]
   std::vector<int32_t> first_row;   // Per sequence: its first row in logits.
   std::vector<int32_t> num_rows;    // Per sequence: rows it asked for.
@@ -87,7 +94,8 @@ class Model {
   // Errors: INVALID_ARGUMENT for empty token lists, ids outside the
   // vocabulary, positions past max_position_embeddings, a pool whose spec
   // does not match the model.
-  absl::StatusOr<ForwardResult> Forward(BlockPool& pool, absl::Span<const ForwardSequence> batch);
+  absl::StatusOr<ForwardResult> Forward(BlockPool& pool, absl::Span<const ForwardSequence> batch,
+                                        const ForwardOptions& options = {});
 
  private:
   struct Layer;

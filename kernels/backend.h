@@ -75,6 +75,11 @@ struct AttentionBatch {
   int32_t num_kv_heads;
   int32_t head_dim;
   float scale;
+  // Decode batches whose sequences share physical blocks (a common prefix)
+  // read each shared block once for all of them (DESIGN.md fact 8).
+  bool group_shared_blocks = true;
+  // When set, the KV bytes the kernels read are added here.
+  int64_t* kv_bytes_read = nullptr;
 };
 
 class Backend {

@@ -3,6 +3,7 @@
 #ifndef PDSERVE_KERNELS_CPU_CPU_BACKEND_H_
 #define PDSERVE_KERNELS_CPU_CPU_BACKEND_H_
 
+#include <atomic>
 #include <memory>
 #include <optional>
 
@@ -68,6 +69,10 @@ class CpuBackend final : public Backend {
 
  private:
   CpuBackend(Isa isa, int num_threads);
+  // Runs the grouped (cascade) kernel when `batch` is a decode batch whose
+  // sequences share blocks; returns false (having done nothing) otherwise.
+  bool AttentionGroupedIfShared(const AttentionArgs& args, const AttentionBatch& batch,
+                                std::atomic<int64_t>& bytes);
 
   const Isa isa_;
   const KernelTable& table_;

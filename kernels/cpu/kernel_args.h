@@ -74,12 +74,37 @@ struct AttentionArgs {
   float scale;
 };
 
+// Cascade (shared-prefix) attention plan for decode batches: steps in
+// logical block order, each one physical block and the queries that read it.
+struct AttentionGroupStep {
+  int32_t block;        // Physical block.
+  int32_t query_begin;  // Range in `queries`.
+  int32_t query_end;
+};
+struct AttentionGroupQuery {
+  int32_t state;    // Index into `rows` (and the kernel's state buffer).
+  int32_t visible;  // Keys of this block the query attends to.
+};
+struct AttentionGroupPlan {
+  const AttentionGroupStep* steps;
+  int64_t num_steps;
+  const AttentionGroupQuery* queries;
+  const int64_t* rows;  // Query row (in q / out) of each state.
+  int32_t num_rows;
+};
+
 // Function table of one instruction-set path.
 struct KernelTable {
   const char* name;
   // Computes output panels [panel_begin, panel_end).
   void (*linear)(const LinearArgs& args, int64_t panel_begin, int64_t panel_end);
-  void (*attention)(const AttentionArgs& args, const AttentionItem* items, int64_t num_items);
+  // Both attention kernels return the KV bytes they read (K, V and int8
+  // scales; a block read for several rows or queries at once counts once).
+  int64_t (*attention)(const AttentionArgs& args, const AttentionItem* items, int64_t num_items);
+  // One KV head of a grouped plan; `state` holds
+  // num_rows * (2 * group * head_dim + 2 * group) floats.
+  int64_t (*attention_grouped)(const AttentionArgs& args, const AttentionGroupPlan& plan,
+                               int32_t kv_head, float* state);
   // out[i] = silu(gate[i]) * up[i] for i < n.
   void (*silu_mul)(const float* gate, const float* up, float* out, int64_t n);
   // Machine-limit probes for benchmarks, on this path's instructions:

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "common/model.h"
+#include "common/prefix_cache.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "tests/support/isa_printer.h"
@@ -266,6 +267,56 @@ TEST_P(InvariantsTest, ChunkingInvariantWithReducedPrecisionKv) {
     }
     whole.Release(*pool_);
   }
+}
+
+// Fact 8: decode requests sharing prefix blocks read them once per step
+// (cascade attention), with the same logits as reading them per request.
+TEST_P(InvariantsTest, SharedPrefixDecodeReadsSharedBlocksOnce) {
+  Load({}, DType::kBF16, 16);
+  const BlockHasher hasher(model_->identity(), DType::kBF16, 16);
+  const std::vector<int32_t> prefix = Tokens(96, 20);  // 6 full shared blocks.
+  {
+    SequenceKv warm;
+    ForwardSequence fs{&warm, prefix, LogitsMode::kNone};
+    ASSERT_TRUE(model_->Forward(*pool_, {&fs, 1}).ok());
+    PublishFullBlocks(*pool_, hasher, prefix, warm);
+    warm.Release(*pool_);
+  }
+  constexpr int kRequests = 8;
+  std::vector<SequenceKv> seqs(kRequests);
+  std::vector<std::vector<int32_t>> prompts;
+  int64_t unique_positions = 96;
+  for (int r = 0; r < kRequests; ++r) {
+    std::vector<int32_t> p = prefix;
+    const std::vector<int32_t> own = Tokens(10 + r, 30 + r);
+    p.insert(p.end(), own.begin(), own.end());
+    ASSERT_EQ(AttachCachedPrefix(*pool_, hasher, p, seqs[r]), 96);
+    ForwardSequence fs{&seqs[r], absl::MakeConstSpan(p).subspan(96), LogitsMode::kNone};
+    ASSERT_TRUE(model_->Forward(*pool_, {&fs, 1}).ok());
+    unique_positions += static_cast<int64_t>(own.size()) + 1;  // + the decoded token.
+    prompts.push_back(std::move(p));
+  }
+  const int32_t next[kRequests] = {1, 2, 3, 4, 5, 6, 7, 8};
+  std::vector<ForwardResult> results;
+  for (bool group : {true, false}) {
+    std::vector<ForwardSequence> batch;
+    for (int r = 0; r < kRequests; ++r) batch.push_back({&seqs[r], absl::MakeConstSpan(&next[r], 1), LogitsMode::kLast});
+    auto res = model_->Forward(*pool_, batch, {.group_shared_kv = group});
+    ASSERT_TRUE(res.ok()) << res.status();
+    results.push_back(*std::move(res));
+    for (auto& s : seqs) s.SetNumPositions(s.num_positions() - 1);  // Same step again.
+  }
+  EXPECT_EQ(results[0].logits, results[1].logits);  // Identical arithmetic, block by block.
+  const int64_t unique_bytes = unique_positions * pool_->spec().BytesPerPosition();
+  // Grouped: every position once. Per request: the shared 96 once per request.
+  EXPECT_LE(results[0].kv_bytes_read, 1.2 * unique_bytes);
+  EXPECT_EQ(results[0].kv_bytes_read, unique_bytes);
+  EXPECT_EQ(results[1].kv_bytes_read,
+            unique_bytes + (kRequests - 1) * 96 * pool_->spec().BytesPerPosition());
+  std::printf("KV bytes per step: grouped %lld, per request %lld, unique %lld\n",
+              static_cast<long long>(results[0].kv_bytes_read),
+              static_cast<long long>(results[1].kv_bytes_read), static_cast<long long>(unique_bytes));
+  for (auto& s : seqs) s.Release(*pool_);
 }
 
 // Running out of blocks is a status, and leaves the pool as it was.

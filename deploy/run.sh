@@ -1,22 +1,34 @@
 #!/usr/bin/env bash
 # The main job. Installs and builds what is missing, then runs what pdserve
-# can run today: an in-process greedy generation on a small Llama-family
-# model that the repository makes itself (tests/fixtures/make_models.py).
-# The local router/prefill/decode cluster replaces this once it exists.
+# runs today: an in-process generation with the embedded default model
+# (deploy/models/kjv-tiny, a small Llama-architecture model the repository
+# trained itself on the King James Bible), streamed as it is produced, plus
+# a chat-template round. The local router/prefill/decode cluster replaces
+# this once it exists.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 deploy/bootstrap.sh
 BUILD_DIR=${PDSERVE_BUILD_DIR:-build}
-MODEL=${PDSERVE_MODEL:-tests/fixtures/models/llama_untied_bf16}
-PROMPT=${PDSERVE_PROMPT_IDS:-1,17,42,99,7}
+PDCTL="$BUILD_DIR/tools/pdctl/pdctl"
+MODEL=${PDSERVE_MODEL:-deploy/models/kjv-tiny}
+PROMPT=${PDSERVE_PROMPT:-"And God said, Let there be"}
+THREADS=$(nproc)
+
 echo
-echo "== pdserve: in-process generation =="
-echo "model:  $MODEL (random weights: the ids below are not text yet)"
+echo "== pdserve: in-process generation with $MODEL =="
 echo "prompt: $PROMPT"
-echo -n "generated ids: "
-"$BUILD_DIR/tools/pdctl/pdctl" generate --model "$MODEL" --prompt-ids "$PROMPT" --max-tokens 16 --threads "$(nproc)"
+echo "--------"
+printf '%s' "$PROMPT"
+"$PDCTL" generate --model "$MODEL" --prompt "$PROMPT" --max-tokens 60 \
+  --temperature 0.7 --top-p 0.9 --seed 42 --threads "$THREADS"
+echo "--------"
 echo
-echo "Logits of the last prompt position (first 8 of the vocabulary):"
-"$BUILD_DIR/tools/pdctl/pdctl" logits --model "$MODEL" --token-ids "$PROMPT" | cut -d, -f1-8 | sed 's/$/, ...]/'
+echo "== chat (ChatML template from the model's tokenizer_config.json) =="
+MESSAGES=$(mktemp)
+trap 'rm -f "$MESSAGES"' EXIT
+echo '[{"role": "user", "content": "Who was the father of Isaac?"}]' > "$MESSAGES"
+"$PDCTL" chat-template --model "$MODEL" --messages-file "$MESSAGES" --add-generation-prompt
+"$PDCTL" generate --model "$MODEL" --chat-json "$MESSAGES" --max-tokens 40 --seed 7 \
+  --temperature 0.7 --threads "$THREADS"
 echo
-echo "More: $BUILD_DIR/tools/pdctl/pdctl help"
+echo "More: $PDCTL help   (tokenize, logits, bench-engine, bench-tokenizer, ...)"

@@ -51,6 +51,11 @@ absl::Status RunBenchEngine(const BenchEngineOptions& o) {
     }
   }
   for (int s : o.prefill_lengths) positions = std::max<int64_t>(positions, s + 2 * eo_block);
+  if (o.shared_requests > 0) {
+    positions = std::max<int64_t>(
+        positions, o.shared_prefix + static_cast<int64_t>(o.shared_requests) *
+                                         (o.shared_private + o.decode_steps + 2 * eo_block + 8));
+  }
   if (o.prefix_hit_cached > 0) {
     positions = std::max<int64_t>(
         positions, 2 * (o.prefix_hit_cached + o.prefix_hit_new + 2 * eo_block));
@@ -227,6 +232,65 @@ absl::Status RunBenchEngine(const BenchEngineOptions& o) {
     proto.Release(pool);
   }
   out["decode"] = decode;
+
+  if (o.shared_requests > 0) {
+    Progress(absl::StrCat("shared-prefix decode: ", o.shared_requests, " requests sharing ",
+                          o.shared_prefix, " tokens, ", o.shared_private, " private each"));
+    const int prefix_len = o.shared_prefix / eo_block * eo_block;
+    const BlockHasher hasher(model.identity(), pool.spec().dtype, eo_block);
+    const std::vector<int32_t> prefix = RandomTokens(prefix_len, c.vocab_size, 555);
+    {
+      SequenceKv warm;
+      ForwardSequence fs{&warm, prefix, LogitsMode::kNone};
+      absl::StatusOr<ForwardResult> res = model.Forward(pool, {&fs, 1});
+      if (!res.ok()) return res.status();
+      PublishFullBlocks(pool, hasher, prefix, warm);
+      warm.Release(pool);
+    }
+    std::vector<SequenceKv> seqs(o.shared_requests);
+    int64_t unique_positions = prefix_len;
+    for (int r = 0; r < o.shared_requests; ++r) {
+      std::vector<int32_t> p = prefix;
+      const std::vector<int32_t> own = RandomTokens(o.shared_private, c.vocab_size, 600 + r);
+      p.insert(p.end(), own.begin(), own.end());
+      const int32_t reused = AttachCachedPrefix(pool, hasher, p, seqs[r]);
+      ForwardSequence fs{&seqs[r], absl::MakeConstSpan(p).subspan(reused), LogitsMode::kNone};
+      absl::StatusOr<ForwardResult> res = model.Forward(pool, {&fs, 1});
+      if (!res.ok()) return res.status();
+      unique_positions += o.shared_private + 1;
+    }
+    nlohmann::ordered_json shared = nlohmann::ordered_json::array();
+    std::vector<int32_t> next(o.shared_requests, 1);
+    for (bool group : {true, false}) {
+      std::vector<double> times;
+      int64_t bytes = 0;
+      for (int step = 0; step < o.decode_steps + 2; ++step) {
+        std::vector<ForwardSequence> batch;
+        for (int r = 0; r < o.shared_requests; ++r) {
+          batch.push_back({&seqs[r], absl::MakeConstSpan(&next[r], 1), LogitsMode::kLast});
+        }
+        const auto t0 = Clock::now();
+        absl::StatusOr<ForwardResult> res = model.Forward(pool, batch, {.group_shared_kv = group});
+        const auto t1 = Clock::now();
+        if (!res.ok()) return res.status();
+        if (step >= 2) times.push_back(Seconds(t0, t1));
+        bytes = res->kv_bytes_read;
+        // Re-run the same step (same positions), so both settings see equal histories.
+        for (SequenceKv& s : seqs) s.SetNumPositions(s.num_positions() - 1);
+      }
+      const double unique = static_cast<double>(unique_positions) * c_kv;
+      shared.push_back({{"cascade", group},
+                        {"step_seconds", Median(times)},
+                        {"kv_bytes_read_per_step", bytes},
+                        {"unique_kv_bytes", unique},
+                        {"read_over_unique", bytes / unique}});
+    }
+    for (SequenceKv& s : seqs) s.Release(pool);
+    out["shared_prefix_decode"] = {{"requests", o.shared_requests},
+                                   {"shared_tokens", prefix_len},
+                                   {"private_tokens", o.shared_private},
+                                   {"runs", shared}};
+  }
   {
     // For reference: DRAM read bandwidth on a buffer far larger than any cache.
     Progress("measuring DRAM read bandwidth (1 GiB buffer)");
@@ -269,6 +333,16 @@ absl::Status RunBenchEngine(const BenchEngineOptions& o) {
                 d["tokens_per_second"].get<double>(), d["bytes_per_step"].get<double>() / 1e6,
                 d["bytes_per_second"].get<double>() / 1e9, d["read_bandwidth"].get<double>() / 1e9,
                 100 * d["fraction_of_bandwidth"].get<double>());
+  }
+  if (out.contains("shared_prefix_decode")) {
+    const auto& sp = out["shared_prefix_decode"];
+    std::printf("\nshared-prefix decode: %d requests sharing %d tokens (same blocks), %d private each\n",
+                sp["requests"].get<int>(), sp["shared_tokens"].get<int>(), sp["private_tokens"].get<int>());
+    for (const auto& r : sp["runs"]) {
+      std::printf("  cascade %-3s step %8.3f ms   KV read/step %8.1f MB = %.2f x unique\n",
+                  r["cascade"].get<bool>() ? "on" : "off", 1e3 * r["step_seconds"].get<double>(),
+                  r["kv_bytes_read_per_step"].get<double>() / 1e6, r["read_over_unique"].get<double>());
+    }
   }
   std::printf("\nDRAM read bandwidth (1 GiB buffer, same threads): %.1f GB/s\n",
               out["dram_read_bandwidth"].get<double>() / 1e9);

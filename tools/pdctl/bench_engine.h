@@ -31,6 +31,13 @@ struct BenchEngineOptions {
   // (0 = skip).
   int prefix_hit_cached = 2048;
   int prefix_hit_new = 64;
+  // Shared-prefix decode (DESIGN.md fact 8): `shared_requests` requests whose
+  // first `shared_prefix` tokens sit in the same physical blocks, each with
+  // `shared_private` tokens of its own; decode steps with cascade attention
+  // on and off (0 requests = skip).
+  int shared_requests = 8;
+  int shared_prefix = 2048;
+  int shared_private = 64;
   bool json = false;
 };
 

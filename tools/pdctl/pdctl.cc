@@ -68,6 +68,8 @@ ABSL_FLAG(std::string, corpus, "tests/fixtures/tokenizers/corpus.jsonl",
           "bench-tokenizer: JSONL corpus of strings");
 ABSL_FLAG(std::string, reference_dir, "tests/fixtures/tokenizers",
           "bench-tokenizer: where the npm reference is installed");
+ABSL_FLAG(std::string, shared_prefix, "8:2048:64",
+          "bench-engine: REQUESTS:SHARED:PRIVATE shared-prefix decode scenario (empty = skip)");
 ABSL_FLAG(std::string, prefix_hit, "2048:64",
           "bench-engine: CACHED:NEW prefix-hit prefill scenario (empty = skip)");
 ABSL_FLAG(std::string, prefill, "128,512,2048", "bench-engine: prompt lengths");
@@ -240,6 +242,7 @@ absl::Status RunBenchEngineCommand() {
   if (o.decode_steps < 1) return absl::InvalidArgumentError("--steps must be at least 1");
   o.json = absl::GetFlag(FLAGS_json);
   const std::string hit = absl::GetFlag(FLAGS_prefix_hit);
+  o.prefix_hit_cached = 0;
   if (!hit.empty()) {
     std::vector<std::string> parts = absl::StrSplit(hit, ':');
     int cached = 0, fresh = 0;
@@ -249,6 +252,20 @@ absl::Status RunBenchEngineCommand() {
     }
     o.prefix_hit_cached = cached;
     o.prefix_hit_new = fresh;
+  }
+  const std::string shared = absl::GetFlag(FLAGS_shared_prefix);
+  o.shared_requests = 0;
+  if (!shared.empty()) {
+    std::vector<std::string> parts = absl::StrSplit(shared, ':');
+    int n = 0, pre = 0, own = 0;
+    if (parts.size() != 3 || !absl::SimpleAtoi(parts[0], &n) || !absl::SimpleAtoi(parts[1], &pre) ||
+        !absl::SimpleAtoi(parts[2], &own) || n <= 1 || pre <= 0 || own <= 0) {
+      return absl::InvalidArgumentError(
+          "--shared-prefix must be REQUESTS:SHARED:PRIVATE with at least 2 requests, e.g. 8:2048:64");
+    }
+    o.shared_requests = n;
+    o.shared_prefix = pre;
+    o.shared_private = own;
   }
   return RunBenchEngine(o);
 }

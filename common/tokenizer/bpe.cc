@@ -15,6 +15,14 @@ absl::Status Bad(const std::string& what) {
   return absl::InvalidArgumentError(absl::StrCat("tokenizer.json: model: ", what));
 }
 
+// An optional boolean field: absent or null gives `def`; other types are errors.
+absl::StatusOr<bool> OptionalBool(const nlohmann::json& m, const char* key, bool def) {
+  auto it = m.find(key);
+  if (it == m.end() || it->is_null()) return def;
+  if (!it->is_boolean()) return Bad(absl::StrCat("'", key, "' must be true or false"));
+  return it->get<bool>();
+}
+
 constexpr size_t kMaxCachedWordBytes = 256;
 constexpr size_t kMaxCacheEntries = 100000;
 
@@ -22,7 +30,9 @@ constexpr size_t kMaxCacheEntries = 100000;
 
 absl::StatusOr<std::unique_ptr<Bpe>> Bpe::FromJson(const nlohmann::json& m) {
   if (!m.is_object()) return Bad("must be an object");
-  const std::string type = m.value("type", std::string("BPE"));
+  auto type_it = m.find("type");
+  if (type_it != m.end() && !type_it->is_string()) return Bad("'type' must be a string");
+  const std::string type = type_it == m.end() ? "BPE" : type_it->get<std::string>();
   if (type != "BPE") return Bad(absl::StrCat("model type '", type, "' is not supported (BPE only)"));
   for (const char* key : {"dropout", "continuing_subword_prefix", "end_of_word_suffix"}) {
     if (m.contains(key) && !m[key].is_null() && !(m[key].is_string() && m[key].get<std::string>().empty())) {
@@ -74,9 +84,13 @@ absl::StatusOr<std::unique_ptr<Bpe>> Bpe::FromJson(const nlohmann::json& m) {
     if (it == bpe->vocab_.end()) return Bad("unk_token is not in the vocabulary");
     bpe->unk_id_ = it->second;
   }
-  bpe->byte_fallback_ = m.value("byte_fallback", false);
-  bpe->fuse_unk_ = m.value("fuse_unk", false);
-  bpe->ignore_merges_ = m.value("ignore_merges", false);
+  for (auto [key, field] : {std::pair{"byte_fallback", &bpe->byte_fallback_},
+                            std::pair{"fuse_unk", &bpe->fuse_unk_},
+                            std::pair{"ignore_merges", &bpe->ignore_merges_}}) {
+    absl::StatusOr<bool> v = OptionalBool(m, key, false);
+    if (!v.ok()) return v.status();
+    *field = *v;
+  }
   for (int b = 0; b < 256; ++b) {
     auto it = bpe->vocab_.find(absl::StrFormat("<0x%02X>", b));
     bpe->byte_ids_[b] = it == bpe->vocab_.end() ? -1 : it->second;

@@ -134,11 +134,17 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(absl::string_view
       t.id = a["id"].get<int32_t>();
       if (t.id < 0) return fail(absl::InvalidArgumentError("tokenizer.json: negative added token id"));
       t.content = a["content"].get<std::string>();
-      t.single_word = a.value("single_word", false);
-      t.lstrip = a.value("lstrip", false);
-      t.rstrip = a.value("rstrip", false);
-      t.normalized = a.value("normalized", false);
-      t.special = a.value("special", false);
+      for (auto [key, field] : {std::pair{"single_word", &t.single_word}, std::pair{"lstrip", &t.lstrip},
+                                std::pair{"rstrip", &t.rstrip}, std::pair{"normalized", &t.normalized},
+                                std::pair{"special", &t.special}}) {
+        auto it = a.find(key);
+        if (it == a.end() || it->is_null()) continue;
+        if (!it->is_boolean()) {
+          return fail(absl::InvalidArgumentError(absl::StrCat(
+              "tokenizer.json: added token '", t.content, "': '", key, "' must be true or false")));
+        }
+        *field = it->get<bool>();
+      }
       tok->added_by_id_[t.id] = tok->added_.size();
       tok->added_by_content_[t.content] = tok->added_.size();
       tok->added_.push_back(std::move(t));
@@ -175,7 +181,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(absl::string_view
         tok->chat_template_ = ct->get<std::string>();
       } else if (ct->is_array()) {
         for (const json& t : *ct) {
-          if (t.is_object() && t.value("name", "") == "default" && t.contains("template") &&
+          if (t.is_object() && t.contains("name") && t["name"].is_string() &&
+              t["name"].get<std::string>() == "default" && t.contains("template") &&
               t["template"].is_string()) {
             tok->chat_template_ = t["template"].get<std::string>();
           }

@@ -101,6 +101,7 @@ absl::Status Generate(const EngineOptions& options, const std::vector<int32_t>& 
       std::printf("{\"token\":%d,\"logprob\":%.6g,\"top\":[%s]}\n", t.token, t.logprob, top.c_str());
     }
   }
+  std::fflush(stdout);
   std::fprintf(stderr, "seed=%llu finish=%s tokens=%zu\n", static_cast<unsigned long long>(seed),
                finish == FinishReason::kStop ? "stop" : "length", out.size());
   seq.Release(*engine->pool);

@@ -25,8 +25,7 @@ std::string Trim(absl::string_view s) {
     b = i;
   }
   while (e > b) {
-    size_t start = e - 1;
-    while (start > b && (static_cast<unsigned char>(s[start]) & 0xc0) == 0x80) --start;
+    const size_t start = PrevCharStart(s, e, b);
     size_t i = start;
     if (!PyIsSpace(NextCodePoint(s, i))) break;
     e = start;

@@ -144,26 +144,19 @@ class StripNormalizer final : public Normalizer {
  public:
   StripNormalizer(bool left, bool right) : left_(left), right_(right) {}
   absl::StatusOr<std::string> Apply(std::string s) const override {
-    // Unicode whitespace, as Rust's char::is_whitespace (ASCII + common spaces).
-    auto is_ws = [](uint32_t c) {
-      return (c >= 0x9 && c <= 0xd) || c == 0x20 || c == 0x85 || c == 0xa0 || c == 0x1680 ||
-             (c >= 0x2000 && c <= 0x200a) || c == 0x2028 || c == 0x2029 || c == 0x202f ||
-             c == 0x205f || c == 0x3000;
-    };
     size_t b = 0, e = s.size();
     if (left_) {
       while (b < e) {
         size_t i = b;
-        if (!is_ws(NextCodePoint(s, i))) break;
+        if (!IsUnicodeWhitespace(NextCodePoint(s, i))) break;
         b = i;
       }
     }
     if (right_) {
       while (e > b) {
-        size_t start = e - 1;
-        while (start > b && (static_cast<unsigned char>(s[start]) & 0xc0) == 0x80) --start;
+        const size_t start = PrevCharStart(s, e, b);
         size_t i = start;
-        if (!is_ws(NextCodePoint(s, i))) break;
+        if (!IsUnicodeWhitespace(NextCodePoint(s, i))) break;
         e = start;
       }
     }

@@ -18,33 +18,37 @@ IncrementalDetokenizer::IncrementalDetokenizer(const Tokenizer& tokenizer,
       prefix_offset_(0),
       read_offset_(context.size()) {}
 
+absl::Status IncrementalDetokenizer::DecodeWindow(std::string& prefix, std::string& text) const {
+  const absl::Span<const int32_t> all(ids_);
+  absl::StatusOr<std::string> p =
+      tokenizer_.Decode(all.subspan(prefix_offset_, read_offset_ - prefix_offset_), skip_special_);
+  if (!p.ok()) return p.status();
+  absl::StatusOr<std::string> t = tokenizer_.Decode(all.subspan(prefix_offset_), skip_special_);
+  if (!t.ok()) return t.status();
+  prefix = *std::move(p);
+  text = *std::move(t);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::string> IncrementalDetokenizer::Add(int32_t id) {
   ids_.push_back(id);
-  const absl::Span<const int32_t> all(ids_);
-  absl::StatusOr<std::string> prefix =
-      tokenizer_.Decode(all.subspan(prefix_offset_, read_offset_ - prefix_offset_), skip_special_);
-  if (!prefix.ok()) return prefix.status();
-  absl::StatusOr<std::string> text = tokenizer_.Decode(all.subspan(prefix_offset_), skip_special_);
-  if (!text.ok()) return text.status();
-  if (text->size() > prefix->size() && !EndsWithReplacement(*text) &&
-      text->compare(0, prefix->size(), *prefix) == 0) {
+  std::string prefix, text;
+  if (absl::Status s = DecodeWindow(prefix, text); !s.ok()) return s;
+  if (text.size() > prefix.size() && !EndsWithReplacement(text) &&
+      text.compare(0, prefix.size(), prefix) == 0) {
     prefix_offset_ = read_offset_;
     read_offset_ = ids_.size();
-    return text->substr(prefix->size());
+    return text.substr(prefix.size());
   }
   return std::string();
 }
 
 absl::StatusOr<std::string> IncrementalDetokenizer::Finish() {
-  const absl::Span<const int32_t> all(ids_);
-  absl::StatusOr<std::string> prefix =
-      tokenizer_.Decode(all.subspan(prefix_offset_, read_offset_ - prefix_offset_), skip_special_);
-  if (!prefix.ok()) return prefix.status();
-  absl::StatusOr<std::string> text = tokenizer_.Decode(all.subspan(prefix_offset_), skip_special_);
-  if (!text.ok()) return text.status();
+  std::string prefix, text;
+  if (absl::Status s = DecodeWindow(prefix, text); !s.ok()) return s;
   prefix_offset_ = read_offset_ = ids_.size();
-  if (text->size() <= prefix->size()) return std::string();
-  return text->substr(prefix->size());
+  if (text.size() <= prefix.size()) return std::string();
+  return text.substr(prefix.size());
 }
 
 }  // namespace pdserve::tok

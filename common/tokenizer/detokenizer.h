@@ -34,6 +34,9 @@ class IncrementalDetokenizer {
   absl::StatusOr<std::string> Finish();
 
  private:
+  // Decodes the window's already-emitted part and the whole window.
+  absl::Status DecodeWindow(std::string& prefix, std::string& text) const;
+
   const Tokenizer& tokenizer_;
   bool skip_special_;
   std::vector<int32_t> ids_;

@@ -15,12 +15,6 @@ namespace {
 
 using nlohmann::json;
 
-bool IsWhitespace(uint32_t c) {
-  return (c >= 0x9 && c <= 0xd) || c == 0x20 || c == 0x85 || c == 0xa0 || c == 0x1680 ||
-         (c >= 0x2000 && c <= 0x200a) || c == 0x2028 || c == 0x2029 || c == 0x202f ||
-         c == 0x205f || c == 0x3000;
-}
-
 bool IsWordChar(uint32_t c) {
   if (c == '_') return true;
   const utf8proc_category_t cat = utf8proc_category(static_cast<utf8proc_int32_t>(c));
@@ -31,8 +25,7 @@ bool IsWordChar(uint32_t c) {
 // Code point ending right before byte offset `end` (0 if none).
 uint32_t CodePointBefore(absl::string_view s, size_t end) {
   if (end == 0) return 0;
-  size_t start = end - 1;
-  while (start > 0 && (static_cast<unsigned char>(s[start]) & 0xc0) == 0x80) --start;
+  size_t start = PrevCharStart(s, end);
   return NextCodePoint(s, start);
 }
 
@@ -229,17 +222,16 @@ std::vector<Tokenizer::Segment> Tokenizer::SplitAdded(std::vector<Segment> segme
       size_t begin = i, end = i + hit->content.size();
       if (hit->lstrip) {
         while (begin > emitted) {
-          size_t start = begin - 1;
-          while (start > emitted && (static_cast<unsigned char>(s[start]) & 0xc0) == 0x80) --start;
+          const size_t start = PrevCharStart(s, begin, emitted);
           size_t k = start;
-          if (!IsWhitespace(NextCodePoint(s, k))) break;
+          if (!IsUnicodeWhitespace(NextCodePoint(s, k))) break;
           begin = start;
         }
       }
       if (hit->rstrip) {
         while (end < s.size()) {
           size_t k = end;
-          if (!IsWhitespace(NextCodePoint(s, k))) break;
+          if (!IsUnicodeWhitespace(NextCodePoint(s, k))) break;
           end = k;
         }
       }

@@ -48,6 +48,18 @@ uint32_t NextCodePoint(absl::string_view s, size_t& i) {
   return static_cast<uint32_t>(cp);
 }
 
+size_t PrevCharStart(absl::string_view s, size_t end, size_t floor) {
+  size_t start = end - 1;
+  while (start > floor && (static_cast<unsigned char>(s[start]) & 0xc0) == 0x80) --start;
+  return start;
+}
+
+bool IsUnicodeWhitespace(uint32_t c) {
+  return (c >= 0x9 && c <= 0xd) || c == 0x20 || c == 0x85 || c == 0xa0 || c == 0x1680 ||
+         (c >= 0x2000 && c <= 0x200a) || c == 0x2028 || c == 0x2029 || c == 0x202f ||
+         c == 0x205f || c == 0x3000;
+}
+
 bool EndsWithIncompleteUtf8(absl::string_view s) {
   // Look back at most 3 bytes for a lead byte whose sequence runs past the end.
   for (size_t back = 1; back <= 3 && back <= s.size(); ++back) {

@@ -22,6 +22,12 @@ void AppendUtf8(uint32_t cp, std::string& out);
 // Decodes the code point at s[i] (U+FFFD for invalid input), advancing i.
 uint32_t NextCodePoint(absl::string_view s, size_t& i);
 
+// Start of the character that ends at byte `end` (not before `floor`).
+size_t PrevCharStart(absl::string_view s, size_t end, size_t floor = 0);
+
+// Unicode White_Space, as Rust's char::is_whitespace (what HF tokenizers use).
+bool IsUnicodeWhitespace(uint32_t cp);
+
 // Whether `s` ends in the middle of a UTF-8 sequence (an incomplete code point).
 bool EndsWithIncompleteUtf8(absl::string_view s);
 

@@ -112,3 +112,19 @@ class Tokenizer:
             else:
                 out.extend(CHAR_TO_BYTE[c] for c in s)
         return out.decode("utf-8", errors="replace")
+
+
+def read_docs(path):
+    """Chapters: blocks of lines separated by a blank line; doc text keeps the newlines."""
+    docs, cur = [], []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.rstrip("\n")
+            if line:
+                cur.append(line + "\n")
+            elif cur:
+                docs.append("".join(cur))
+                cur = []
+    if cur:
+        docs.append("".join(cur))
+    return docs

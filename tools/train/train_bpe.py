@@ -15,7 +15,7 @@ import json
 import os
 import time
 
-from bpe import PRETOKENIZE_PATTERN, SPECIAL_TOKENS, BYTE_TO_CHAR, pretokenize, to_symbols
+from bpe import PRETOKENIZE_PATTERN, SPECIAL_TOKENS, BYTE_TO_CHAR, pretokenize, read_docs, to_symbols
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -23,22 +23,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-
-
-def read_docs(path):
-    """Chapters: blocks of lines separated by a blank line; doc text keeps the newlines."""
-    docs, cur = [], []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.rstrip("\n")
-            if line:
-                cur.append(line + "\n")
-            elif cur:
-                docs.append("".join(cur))
-                cur = []
-    if cur:
-        docs.append("".join(cur))
-    return docs
 
 
 def train(word_freq, vocab_size):

@@ -31,23 +31,8 @@ import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bpe import Tokenizer  # noqa: E402
+from bpe import Tokenizer, read_docs  # noqa: E402
 from model import Config, LlamaLM  # noqa: E402
-
-
-def read_docs(path):
-    docs, cur = [], []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.rstrip("\n")
-            if line:
-                cur.append(line + "\n")
-            elif cur:
-                docs.append("".join(cur))
-                cur = []
-    if cur:
-        docs.append("".join(cur))
-    return docs
 
 
 def token_stream(tok, path, eot=0):

@@ -260,7 +260,7 @@ absl::StatusOr<std::vector<ChatMessage>> ParseChatMessages(absl::string_view jso
       }
     }
     out.push_back({role->get<std::string>(), content->get<std::string>()});
-    if (Utf8Lossy(out.back().content) != out.back().content) {
+    if (!IsValidUtf8(out.back().content)) {
       return BadMessage(i, "'content' is not valid UTF-8");
     }
   }

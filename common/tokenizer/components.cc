@@ -393,7 +393,7 @@ class ByteFallbackDecoder final : public Decoder {
     size_t pending_count = 0;
     auto flush = [&] {
       if (pending_count == 0) return;
-      if (Utf8Lossy(pending) == pending) {
+      if (IsValidUtf8(pending)) {
         out.push_back(pending);
       } else {
         for (size_t i = 0; i < pending_count; ++i) out.push_back("\xef\xbf\xbd");

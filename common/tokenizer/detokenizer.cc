@@ -18,14 +18,17 @@ IncrementalDetokenizer::IncrementalDetokenizer(const Tokenizer& tokenizer,
       prefix_offset_(0),
       read_offset_(context.size()) {}
 
-absl::Status IncrementalDetokenizer::DecodeWindow(std::string& prefix, std::string& text) const {
+absl::Status IncrementalDetokenizer::DecodeWindow(std::string& prefix, std::string& text) {
   const absl::Span<const int32_t> all(ids_);
-  absl::StatusOr<std::string> p =
-      tokenizer_.Decode(all.subspan(prefix_offset_, read_offset_ - prefix_offset_), skip_special_);
-  if (!p.ok()) return p.status();
+  if (!prefix_text_.has_value()) {
+    absl::StatusOr<std::string> p =
+        tokenizer_.Decode(all.subspan(prefix_offset_, read_offset_ - prefix_offset_), skip_special_);
+    if (!p.ok()) return p.status();
+    prefix_text_ = *std::move(p);
+  }
   absl::StatusOr<std::string> t = tokenizer_.Decode(all.subspan(prefix_offset_), skip_special_);
   if (!t.ok()) return t.status();
-  prefix = *std::move(p);
+  prefix = *prefix_text_;
   text = *std::move(t);
   return absl::OkStatus();
 }
@@ -38,6 +41,7 @@ absl::StatusOr<std::string> IncrementalDetokenizer::Add(int32_t id) {
       text.compare(0, prefix.size(), prefix) == 0) {
     prefix_offset_ = read_offset_;
     read_offset_ = ids_.size();
+    prefix_text_.reset();
     return text.substr(prefix.size());
   }
   return std::string();
@@ -47,6 +51,7 @@ absl::StatusOr<std::string> IncrementalDetokenizer::Finish() {
   std::string prefix, text;
   if (absl::Status s = DecodeWindow(prefix, text); !s.ok()) return s;
   prefix_offset_ = read_offset_ = ids_.size();
+  prefix_text_.reset();
   if (text.size() <= prefix.size()) return std::string();
   return text.substr(prefix.size());
 }

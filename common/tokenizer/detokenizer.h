@@ -9,6 +9,7 @@
 #define PDSERVE_COMMON_TOKENIZER_DETOKENIZER_H_
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -34,14 +35,16 @@ class IncrementalDetokenizer {
   absl::StatusOr<std::string> Finish();
 
  private:
-  // Decodes the window's already-emitted part and the whole window.
-  absl::Status DecodeWindow(std::string& prefix, std::string& text) const;
+  // Decodes the window's already-emitted part (cached until the offsets
+  // move) and the whole window.
+  absl::Status DecodeWindow(std::string& prefix, std::string& text);
 
   const Tokenizer& tokenizer_;
   bool skip_special_;
   std::vector<int32_t> ids_;
   size_t prefix_offset_;  // Window start.
   size_t read_offset_;    // Tokens up to here have been emitted.
+  std::optional<std::string> prefix_text_;  // Decode of [prefix_offset_, read_offset_).
 };
 
 }  // namespace pdserve::tok

@@ -250,7 +250,7 @@ std::vector<Tokenizer::Segment> Tokenizer::SplitAdded(std::vector<Segment> segme
 
 absl::StatusOr<std::vector<int32_t>> Tokenizer::Encode(absl::string_view text,
                                                        bool add_special_tokens) const {
-  if (Utf8Lossy(text) != text) return absl::InvalidArgumentError("text is not valid UTF-8");
+  if (!IsValidUtf8(text)) return absl::InvalidArgumentError("text is not valid UTF-8");
   std::vector<Segment> segments = SplitAdded({{std::string(text), -1, true}}, false);
   if (normalizer_ != nullptr) {
     for (Segment& s : segments) {

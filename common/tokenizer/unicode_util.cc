@@ -71,6 +71,18 @@ bool EndsWithIncompleteUtf8(absl::string_view s) {
   return false;
 }
 
+bool IsValidUtf8(absl::string_view s) {
+  size_t i = 0;
+  while (i < s.size()) {
+    utf8proc_int32_t cp;
+    const utf8proc_ssize_t n = utf8proc_iterate(reinterpret_cast<const utf8proc_uint8_t*>(s.data() + i),
+                                                static_cast<utf8proc_ssize_t>(s.size() - i), &cp);
+    if (n <= 0) return false;
+    i += static_cast<size_t>(n);
+  }
+  return true;
+}
+
 std::string Utf8Lossy(absl::string_view bytes) {
   std::string out;
   out.reserve(bytes.size());

@@ -31,6 +31,9 @@ bool IsUnicodeWhitespace(uint32_t cp);
 // Whether `s` ends in the middle of a UTF-8 sequence (an incomplete code point).
 bool EndsWithIncompleteUtf8(absl::string_view s);
 
+// Whether `s` is entirely valid UTF-8 (no allocation).
+bool IsValidUtf8(absl::string_view s);
+
 // Replaces every invalid UTF-8 sequence with U+FFFD (as Rust's
 // String::from_utf8_lossy does: one replacement per maximal invalid prefix).
 std::string Utf8Lossy(absl::string_view bytes);

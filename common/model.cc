@@ -348,6 +348,7 @@ absl::StatusOr<ForwardResult> Model::Forward(BlockPool& pool,
         .scale = scale,
         .group_shared_blocks = options.group_shared_kv,
         .kv_bytes_read = &result.kv_bytes_read,
+        .same_sequences_as_previous = l > 0,
     });
     backend_->Linear(*layer.o, attn_.data(), T, nullptr, x_.data(), /*accumulate=*/true);
     backend_->RmsNorm(x_.data(), layer.post_norm.data(), T, D, eps, xn_.data());

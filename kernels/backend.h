@@ -80,6 +80,10 @@ struct AttentionBatch {
   bool group_shared_blocks = true;
   // When set, the KV bytes the kernels read are added here.
   int64_t* kv_bytes_read = nullptr;
+  // The same sequences (tables, lengths, rows) and KV geometry as the
+  // previous Attention call (the next layer of one forward): the backend may
+  // reuse how it cut that call into work.
+  bool same_sequences_as_previous = false;
 };
 
 class Backend {

@@ -226,15 +226,95 @@ void CpuBackend::WriteKv(const KvLayerView& kv, int32_t num_kv_heads, int32_t he
   }
 }
 
-void CpuBackend::Attention(const AttentionBatch& batch) {
-  std::vector<AttentionSeq> seqs;
-  seqs.reserve(batch.sequences.size());
+void CpuBackend::BuildAttentionPlan(const AttentionBatch& batch) {
+  AttentionPlan& p = plan_;
+  p.seqs.clear();
+  p.items.clear();
+  p.bounds.assign(1, 0);
+  p.steps.clear();
+  p.queries.clear();
+  p.rows.clear();
   for (const AttentionSequence& in : batch.sequences) {
-    seqs.push_back({in.block_table.data(), in.num_cached, in.num_new, in.row_offset});
+    p.seqs.push_back({in.block_table.data(), in.num_cached, in.num_new, in.row_offset});
   }
+  // Cascade only for decode batches (one new row per sequence) in which some
+  // physical block serves two sequences; otherwise the per-sequence kernel,
+  // which parallelises over rows too, is the better choice.
+  const int32_t bs = batch.kv.block_size;
+  p.grouped = batch.group_shared_blocks;
+  int32_t max_blocks = 0;
+  if (p.grouped) {
+    absl::flat_hash_map<int32_t, int32_t> uses;
+    bool shared = false;
+    for (const AttentionSequence& s : batch.sequences) {
+      if (s.num_new != 1) {
+        p.grouped = false;
+        break;
+      }
+      const int32_t blocks = (s.num_cached + 1 + bs - 1) / bs;
+      max_blocks = std::max(max_blocks, blocks);
+      for (int32_t i = 0; i < blocks; ++i) shared |= ++uses[s.block_table[i]] == 2;
+    }
+    p.grouped = p.grouped && shared;
+  }
+  if (p.grouped) {
+    // Steps in logical block order; the queries of a step share its block.
+    for (const AttentionSequence& s : batch.sequences) p.rows.push_back(s.row_offset);
+    std::vector<std::pair<int32_t, AttentionGroupQuery>> level;
+    for (int32_t i = 0; i < max_blocks; ++i) {
+      level.clear();
+      for (size_t q = 0; q < batch.sequences.size(); ++q) {
+        const AttentionSequence& s = batch.sequences[q];
+        const int32_t keys = s.num_cached + 1 - i * bs;
+        if (keys <= 0) continue;
+        level.push_back({s.block_table[i], {static_cast<int32_t>(q), std::min(keys, bs)}});
+      }
+      std::stable_sort(level.begin(), level.end(),
+                       [](const auto& x, const auto& y) { return x.first < y.first; });
+      for (size_t k = 0; k < level.size();) {
+        AttentionGroupStep step{level[k].first, static_cast<int32_t>(p.queries.size()), 0};
+        for (; k < level.size() && level[k].first == step.block; ++k) p.queries.push_back(level[k].second);
+        step.query_end = static_cast<int32_t>(p.queries.size());
+        p.steps.push_back(step);
+      }
+    }
+    const int64_t group = batch.num_heads / batch.num_kv_heads;
+    p.state_per_head = static_cast<int64_t>(p.rows.size()) * (2 * group * batch.head_dim + 2 * group);
+    p.state.resize(p.state_per_head * batch.num_kv_heads);
+    return;
+  }
+  // Work items: (sequence, KV head, row range); each is costed by the keys
+  // its rows read, then cut into chunks of about equal cost.
+  std::vector<double> cost;
+  constexpr int32_t kRowsPerItem = 16;
+  for (size_t s = 0; s < batch.sequences.size(); ++s) {
+    const AttentionSequence& in = batch.sequences[s];
+    for (int32_t h = 0; h < batch.num_kv_heads; ++h) {
+      for (int32_t r = 0; r < in.num_new; r += kRowsPerItem) {
+        const int32_t e = std::min(in.num_new, r + kRowsPerItem);
+        p.items.push_back({static_cast<int32_t>(s), h, r, e});
+        cost.push_back(static_cast<double>(e - r) * (in.num_cached + (r + e) / 2.0 + 1));
+      }
+    }
+  }
+  const int nc = 4 * pool_.num_threads();
+  double total = 0;
+  for (double c : cost) total += c;
+  double acc = 0;
+  for (size_t i = 0; i < p.items.size(); ++i) {
+    acc += cost[i];
+    if (acc >= total * static_cast<double>(p.bounds.size()) / nc || i + 1 == p.items.size()) {
+      p.bounds.push_back(static_cast<int64_t>(i + 1));
+    }
+  }
+}
+
+void CpuBackend::Attention(const AttentionBatch& batch) {
+  if (!batch.same_sequences_as_previous) BuildAttentionPlan(batch);
+  const AttentionPlan& p = plan_;
   AttentionArgs args{.q = batch.q,
                      .out = batch.out,
-                     .seqs = seqs.data(),
+                     .seqs = p.seqs.data(),
                      .kv = batch.kv.base,
                      .kv_type = ToElem(batch.kv.dtype),
                      .block_stride = batch.kv.block_stride,
@@ -247,100 +327,25 @@ void CpuBackend::Attention(const AttentionBatch& batch) {
                      .head_dim = batch.head_dim,
                      .scale = batch.scale};
   std::atomic<int64_t> bytes{0};
-  if (batch.group_shared_blocks && AttentionGroupedIfShared(args, batch, bytes)) {
-    if (batch.kv_bytes_read != nullptr) *batch.kv_bytes_read += bytes.load();
-    return;
+  if (p.grouped) {
+    const AttentionGroupPlan plan{p.steps.data(), static_cast<int64_t>(p.steps.size()),
+                                  p.queries.data(), p.rows.data(), static_cast<int32_t>(p.rows.size())};
+    pool_.ParallelFor(
+        batch.num_kv_heads,
+        [&](int64_t b, int64_t e) {
+          for (int64_t h = b; h < e; ++h) {
+            bytes.fetch_add(table_.attention_grouped(args, plan, static_cast<int32_t>(h),
+                                                     plan_.state.data() + h * p.state_per_head),
+                            std::memory_order_relaxed);
+          }
+        },
+        1);
+  } else {
+    pool_.ParallelChunks(p.bounds, [&](int64_t b, int64_t e) {
+      bytes.fetch_add(table_.attention(args, p.items.data() + b, e - b), std::memory_order_relaxed);
+    });
   }
-  // Work items: (sequence, KV head, row range); each is costed by the keys
-  // its rows read, then split into chunks of about equal cost.
-  std::vector<AttentionItem> items;
-  std::vector<double> cost;
-  constexpr int32_t kRowsPerItem = 16;
-  for (size_t s = 0; s < batch.sequences.size(); ++s) {
-    const AttentionSequence& in = batch.sequences[s];
-    for (int32_t h = 0; h < batch.num_kv_heads; ++h) {
-      for (int32_t r = 0; r < in.num_new; r += kRowsPerItem) {
-        const int32_t e = std::min(in.num_new, r + kRowsPerItem);
-        items.push_back({static_cast<int32_t>(s), h, r, e});
-        cost.push_back(static_cast<double>(e - r) * (in.num_cached + (r + e) / 2.0 + 1));
-      }
-    }
-  }
-  const int nc = 4 * pool_.num_threads();
-  std::vector<int64_t> bounds = {0};
-  double total = 0;
-  for (double c : cost) total += c;
-  double acc = 0;
-  for (size_t i = 0; i < items.size(); ++i) {
-    acc += cost[i];
-    if (acc >= total * static_cast<double>(bounds.size()) / nc || i + 1 == items.size()) {
-      bounds.push_back(static_cast<int64_t>(i + 1));
-    }
-  }
-  pool_.ParallelChunks(bounds, [&](int64_t b, int64_t e) {
-    bytes.fetch_add(table_.attention(args, items.data() + b, e - b), std::memory_order_relaxed);
-  });
   if (batch.kv_bytes_read != nullptr) *batch.kv_bytes_read += bytes.load();
-}
-
-bool CpuBackend::AttentionGroupedIfShared(const AttentionArgs& args, const AttentionBatch& batch,
-                                          std::atomic<int64_t>& bytes) {
-  // Only decode batches (one new row per sequence) in which some physical
-  // block is used by two sequences: otherwise the per-sequence kernel, which
-  // parallelises over rows too, is the better choice.
-  const int32_t bs = batch.kv.block_size;
-  absl::flat_hash_map<int32_t, int32_t> uses;
-  bool shared = false;
-  for (const AttentionSequence& s : batch.sequences) {
-    if (s.num_new != 1) return false;
-    const int32_t blocks = (s.num_cached + 1 + bs - 1) / bs;
-    for (int32_t i = 0; i < blocks; ++i) shared |= ++uses[s.block_table[i]] == 2;
-  }
-  if (!shared) return false;
-
-  // Steps in logical block order; queries of one step share its physical block.
-  std::vector<AttentionGroupStep> steps;
-  std::vector<AttentionGroupQuery> queries;
-  std::vector<int64_t> rows;
-  int32_t max_blocks = 0;
-  for (const AttentionSequence& s : batch.sequences) {
-    rows.push_back(s.row_offset);
-    max_blocks = std::max(max_blocks, (s.num_cached + 1 + bs - 1) / bs);
-  }
-  std::vector<std::pair<int32_t, AttentionGroupQuery>> level;
-  for (int32_t i = 0; i < max_blocks; ++i) {
-    level.clear();
-    for (size_t q = 0; q < batch.sequences.size(); ++q) {
-      const AttentionSequence& s = batch.sequences[q];
-      const int32_t keys = s.num_cached + 1 - i * bs;
-      if (keys <= 0) continue;
-      level.push_back({s.block_table[i], {static_cast<int32_t>(q), std::min(keys, bs)}});
-    }
-    std::stable_sort(level.begin(), level.end(),
-                     [](const auto& a, const auto& b) { return a.first < b.first; });
-    for (size_t k = 0; k < level.size();) {
-      AttentionGroupStep step{level[k].first, static_cast<int32_t>(queries.size()), 0};
-      for (; k < level.size() && level[k].first == step.block; ++k) queries.push_back(level[k].second);
-      step.query_end = static_cast<int32_t>(queries.size());
-      steps.push_back(step);
-    }
-  }
-  const AttentionGroupPlan plan{steps.data(), static_cast<int64_t>(steps.size()), queries.data(),
-                                rows.data(), static_cast<int32_t>(rows.size())};
-  const int64_t group = batch.num_heads / batch.num_kv_heads;
-  const int64_t per_head = static_cast<int64_t>(rows.size()) * (2 * group * batch.head_dim + 2 * group);
-  std::vector<float> state(per_head * batch.num_kv_heads);
-  pool_.ParallelFor(
-      batch.num_kv_heads,
-      [&](int64_t b, int64_t e) {
-        for (int64_t h = b; h < e; ++h) {
-          bytes.fetch_add(table_.attention_grouped(args, plan, static_cast<int32_t>(h),
-                                                   state.data() + h * per_head),
-                          std::memory_order_relaxed);
-        }
-      },
-      1);
-  return true;
 }
 
 namespace {

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <memory>
 #include <optional>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "kernels/backend.h"
@@ -69,14 +70,27 @@ class CpuBackend final : public Backend {
 
  private:
   CpuBackend(Isa isa, int num_threads);
-  // Runs the grouped (cascade) kernel when `batch` is a decode batch whose
-  // sequences share blocks; returns false (having done nothing) otherwise.
-  bool AttentionGroupedIfShared(const AttentionArgs& args, const AttentionBatch& batch,
-                                std::atomic<int64_t>& bytes);
+  // How the attention of one batch is cut into work: the per-sequence
+  // items (and their chunk bounds), or the cascade plan when the batch is a
+  // decode batch whose sequences share blocks. Built once per forward (the
+  // first layer) and reused by the others.
+  struct AttentionPlan {
+    std::vector<AttentionSeq> seqs;
+    bool grouped = false;
+    std::vector<AttentionItem> items;
+    std::vector<int64_t> bounds;
+    std::vector<AttentionGroupStep> steps;
+    std::vector<AttentionGroupQuery> queries;
+    std::vector<int64_t> rows;
+    std::vector<float> state;  // Cascade softmax state, [kv_head][rows][...].
+    int64_t state_per_head = 0;
+  };
+  void BuildAttentionPlan(const AttentionBatch& batch);
 
   const Isa isa_;
   const KernelTable& table_;
   ThreadPool pool_;
+  AttentionPlan plan_;
 };
 
 }  // namespace pdserve::kernels::cpu

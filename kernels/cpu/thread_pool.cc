@@ -103,9 +103,9 @@ void ThreadPool::ParallelChunks(const std::vector<int64_t>& bounds, const Body& 
 void ThreadPool::ParallelFor(int64_t n, const Body& body, int chunks_per_thread) {
   if (n <= 0) return;
   const int64_t chunks = std::min<int64_t>(n, static_cast<int64_t>(num_threads_) * chunks_per_thread);
-  std::vector<int64_t> bounds(chunks + 1);
-  for (int64_t c = 0; c <= chunks; ++c) bounds[c] = n * c / chunks;
-  ParallelChunks(bounds, body);
+  for_bounds_.resize(chunks + 1);
+  for (int64_t c = 0; c <= chunks; ++c) for_bounds_[c] = n * c / chunks;
+  ParallelChunks(for_bounds_, body);
 }
 
 }  // namespace pdserve::kernels::cpu

@@ -58,6 +58,9 @@ class ThreadPool {
   std::atomic<uint32_t> done_{0};
   std::atomic<uint32_t> job_{0};
   std::atomic<bool> stop_{false};
+  // ParallelFor's chunk bounds, reused (one loop at a time) so that the
+  // dozens of loops of a forward step allocate nothing.
+  std::vector<int64_t> for_bounds_;
   absl::Mutex mu_;
   uint32_t sleep_job_ ABSL_GUARDED_BY(mu_) = 0;
 };

@@ -193,12 +193,14 @@ absl::Status RunBenchEngine(const BenchEngineOptions& o) {
         }
         s.SetNumPositions(H);
       }
-      const double mean_history = H + o.decode_steps / 2.0 + 1;
-      const double kv_bytes = B * mean_history * c_kv;
-      const double bytes = static_cast<double>(model.WeightBytesPerStep()) + kv_bytes;
-      kernels::cpu::CpuBackend::ReadProbe probe(&backend, static_cast<size_t>(bytes));
+      // The probe is sized from the expected reads; the bytes reported are
+      // the weights plus the KV bytes the attention kernels counted.
+      const double expected_kv = B * (H + o.decode_steps / 2.0 + 1) * c_kv;
+      kernels::cpu::CpuBackend::ReadProbe probe(
+          &backend, static_cast<size_t>(static_cast<double>(model.WeightBytesPerStep()) + expected_kv));
       std::vector<int32_t> next(B, 1);
       std::vector<double> times, bandwidths;
+      double counted_kv = 0;
       for (int step = 0; step < o.decode_steps + 2; ++step) {
         if (step % 4 == 2) bandwidths.push_back(probe.Sample());
         std::vector<ForwardSequence> batch;
@@ -209,7 +211,10 @@ absl::Status RunBenchEngine(const BenchEngineOptions& o) {
         absl::StatusOr<ForwardResult> res = model.Forward(pool, batch);
         const auto t1 = Clock::now();
         if (!res.ok()) return res.status();
-        if (step >= 2) times.push_back(Seconds(t0, t1));
+        if (step >= 2) {
+          times.push_back(Seconds(t0, t1));
+          counted_kv += static_cast<double>(res->kv_bytes_read);
+        }
         for (int b = 0; b < B; ++b) {
           absl::Span<const float> l = res->Last(b);
           next[b] = static_cast<int32_t>(std::max_element(l.begin(), l.end()) - l.begin());
@@ -218,6 +223,8 @@ absl::Status RunBenchEngine(const BenchEngineOptions& o) {
       bandwidths.push_back(probe.Sample());
       const double t = Median(times);
       const double bw = Median(bandwidths);
+      const double kv_bytes = counted_kv / static_cast<double>(times.size());
+      const double bytes = static_cast<double>(model.WeightBytesPerStep()) + kv_bytes;
       decode.push_back({{"batch", B},
                         {"history", H},
                         {"step_seconds", t},

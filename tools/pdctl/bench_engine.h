@@ -7,7 +7,8 @@
 //   2 * (linear-layer parameters) * S + 2 * hidden * vocab (one logits row)
 //   + attention 4 * head_dim * heads * layers * S(S+1)/2.
 // Decode: B sequences, each with H cached positions, one token each per step;
-//   bytes per step = weight bytes one step reads + B * H * c_kv (the KV),
+//   bytes per step = weight bytes one step reads + the KV bytes the attention
+//   kernels counted (about B * H * c_kv),
 //   judged against the read bandwidth of a buffer of that size. The other
 //   sequences' histories are copies of one prefilled sequence's KV blocks
 //   (timing does not depend on the values).

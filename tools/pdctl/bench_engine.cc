@@ -12,6 +12,7 @@
 #include "common/block_hash.h"
 #include "common/prefix_cache.h"
 #include "nlohmann/json.hpp"
+#include "tools/pdctl/bench_stats.h"
 
 namespace pdserve::pdctl {
 namespace {
@@ -20,11 +21,6 @@ using Clock = std::chrono::steady_clock;
 
 double Seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 std::vector<int32_t> RandomTokens(int n, int64_t vocab, uint64_t seed) {

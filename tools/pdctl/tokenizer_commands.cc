@@ -11,6 +11,7 @@
 #include "absl/strings/str_join.h"
 #include "common/model_config.h"
 #include "nlohmann/json.hpp"
+#include "tools/pdctl/bench_stats.h"
 
 namespace pdserve::pdctl {
 namespace {
@@ -18,11 +19,6 @@ namespace {
 absl::StatusOr<std::unique_ptr<tok::Tokenizer>> LoadTokenizer(const std::string& dir) {
   if (dir.empty()) return absl::InvalidArgumentError("--model is required");
   return tok::Tokenizer::Load(dir);
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 }  // namespace

@@ -306,7 +306,11 @@ TEST_P(InvariantsTest, SharedPrefixDecodeReadsSharedBlocksOnce) {
     results.push_back(*std::move(res));
     for (auto& s : seqs) s.SetNumPositions(s.num_positions() - 1);  // Same step again.
   }
-  EXPECT_EQ(results[0].logits, results[1].logits);  // Identical arithmetic, block by block.
+  // Same keys in the same order; the per-request kernel folds runs of blocks
+  // into one softmax update where the grouped one folds a block at a time,
+  // so only the rounding differs.
+  ASSERT_EQ(results[0].logits.size(), results[1].logits.size());
+  EXPECT_LE(MaxDiff(Logits{results[0].logits}, Logits{results[1].logits}), 1e-5 * MaxAbs(Logits{results[1].logits}));
   const int64_t unique_bytes = unique_positions * pool_->spec().BytesPerPosition();
   // Grouped: every position once. Per request: the shared 96 once per request.
   EXPECT_LE(results[0].kv_bytes_read, 1.2 * unique_bytes);

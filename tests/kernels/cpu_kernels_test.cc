@@ -116,10 +116,13 @@ TEST_P(CpuKernelsTest, PagedAttentionMatchesReference) {
   for (const AttnShape& s : shapes) {
     SCOPED_TRACE(::testing::Message() << "heads " << s.heads << "/" << s.kv_heads << " dim "
                                       << s.head_dim << " bs " << s.block_size);
-    // Two sequences: (S0=0, m=9) and (S0=21, m=3); one (S0=40, m=1) decode.
-    const int32_t cached[] = {0, 21, 40};
-    const int32_t fresh[] = {9, 3, 1};
-    const int32_t num_blocks = 128;
+    // Prefill chunks (S0=0, m=9) and (S0=21, m=3); decodes (S0=40, m=1) and
+    // (S0=600, m=2), whose history spans several of the kernel's softmax
+    // runs (256 keys) and, for odd block sizes, a partial last block.
+    constexpr int kSeqs = 4;
+    const int32_t cached[kSeqs] = {0, 21, 40, 600};
+    const int32_t fresh[kSeqs] = {9, 3, 1, 2};
+    const int32_t num_blocks = 1024;
     const int64_t half = static_cast<int64_t>(s.kv_heads) * s.block_size * s.head_dim;
     // int8 blocks carry [K|V][kv_heads][block_size] F32 scales after the data.
     const int64_t scale_offset = 2 * half;
@@ -128,15 +131,15 @@ TEST_P(CpuKernelsTest, PagedAttentionMatchesReference) {
     std::vector<float> kvf(num_blocks * block_elems, 0.0f);
     std::vector<uint16_t> kvh(num_blocks * block_elems, 0);
     std::vector<int8_t> kvq(num_blocks * block_elems, 0);
-    std::vector<std::vector<int32_t>> tables(3);
+    std::vector<std::vector<int32_t>> tables(kSeqs);
     std::vector<int32_t> perm(num_blocks);
     for (int32_t i = 0; i < num_blocks; ++i) perm[i] = (i * 37 + 11) % num_blocks;
     int32_t next_block = 0;
     int32_t rows = 0;
     std::vector<AttentionSequence> seqs;
     // Logical K/V per sequence for the reference: [pos][kv_head][dim].
-    std::vector<std::vector<float>> K(3), Vv(3);
-    for (int q = 0; q < 3; ++q) {
+    std::vector<std::vector<float>> K(kSeqs), Vv(kSeqs);
+    for (int q = 0; q < kSeqs; ++q) {
       const int32_t total = cached[q] + fresh[q];
       const int32_t nb = (total + s.block_size - 1) / s.block_size;
       for (int32_t b = 0; b < nb; ++b) tables[q].push_back(perm[next_block++]);
@@ -202,7 +205,7 @@ TEST_P(CpuKernelsTest, PagedAttentionMatchesReference) {
                          .num_heads = s.heads, .num_kv_heads = s.kv_heads,
                          .head_dim = s.head_dim, .scale = scale});
     const int32_t g = s.heads / s.kv_heads;
-    for (int q = 0; q < 3; ++q) {
+    for (int q = 0; q < kSeqs; ++q) {
       for (int32_t i = 0; i < fresh[q]; ++i) {
         const int32_t row = seqs[q].row_offset + i;
         const int32_t pos = cached[q] + i;

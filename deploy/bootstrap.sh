@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 PACKAGES=(
   build-essential cmake ninja-build pkg-config
   libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev
-  nlohmann-json3-dev libxxhash-dev libpcre2-dev libutf8proc-dev libopenblas-dev
+  nlohmann-json3-dev libyaml-cpp-dev libxxhash-dev libpcre2-dev libutf8proc-dev libopenblas-dev
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   libucx-dev ucx-utils
 )

@@ -23,6 +23,7 @@
 #include "common/synthetic_model.h"
 #include "tools/pdctl/bench_engine.h"
 #include "tools/pdctl/commands.h"
+#include "tools/pdctl/plan_command.h"
 #include "tools/pdctl/tokenizer_commands.h"
 #include "common/model_config.h"
 
@@ -77,6 +78,7 @@ ABSL_FLAG(std::string, decode_batch, "1,8,32", "bench-engine: decode batch sizes
 ABSL_FLAG(std::string, decode_history, "128,512,4096", "bench-engine: decode history lengths");
 ABSL_FLAG(int, steps, 16, "bench-engine: timed decode steps per scenario");
 ABSL_FLAG(bool, json, false, "print JSON instead of a table");
+ABSL_FLAG(std::string, config, "", "plan: the deployment config (.json, .yaml or .yml)");
 
 namespace pdserve::pdctl {
 namespace {
@@ -308,6 +310,7 @@ constexpr char kUsage[] =
     "  bench-tokenizer  encode/decode MB/s beside the npm reference when installed\n"
     "  make-model    write a random-weight model (--shape 125m|tiny --dtype f32|bf16 --out DIR)\n"
     "  bench-engine  prefill and decode speed beside the machine's measured limits\n"
+    "  plan          capacity model of a deployment from --config FILE [--json]\n"
     "  help      this text; `pdctl COMMAND --help` lists the flags\n";
 
 }  // namespace
@@ -360,6 +363,8 @@ int main(int argc, char** argv) {
     status = RunMakeModel();
   } else if (command == "bench-engine") {
     status = RunBenchEngineCommand();
+  } else if (command == "plan") {
+    status = RunPlan(absl::GetFlag(FLAGS_config), absl::GetFlag(FLAGS_json));
   } else {
     std::fprintf(stderr, "pdctl: unknown command '%s'\n%s", command.c_str(), kUsage);
     return 2;

@@ -1,6 +1,7 @@
 #include "common/model.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 
@@ -337,6 +338,7 @@ absl::StatusOr<ForwardResult> Model::Forward(BlockPool& pool,
     const kernels::KvLayerView kv = pool.LayerView(static_cast<int32_t>(l));
     backend_->WriteKv(kv, static_cast<int32_t>(c.num_kv_heads), H, k_.data(), v_.data(), T,
                       blocks.data(), slots.data());
+    const auto attention_start = std::chrono::steady_clock::now();
     backend_->Attention(kernels::AttentionBatch{
         .q = q_.data(),
         .out = attn_.data(),
@@ -350,6 +352,8 @@ absl::StatusOr<ForwardResult> Model::Forward(BlockPool& pool,
         .kv_bytes_read = &result.kv_bytes_read,
         .same_sequences_as_previous = l > 0,
     });
+    result.attention_seconds +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - attention_start).count();
     backend_->Linear(*layer.o, attn_.data(), T, nullptr, x_.data(), /*accumulate=*/true);
     backend_->RmsNorm(x_.data(), layer.post_norm.data(), T, D, eps, xn_.data());
     backend_->Linear(*layer.gate_up, xn_.data(), T, nullptr, gate_up_.data(), false);

@@ -54,6 +54,7 @@ struct ForwardOptions {
 struct ForwardResult {
   int64_t vocab_size = 0;
   int64_t kv_bytes_read = 0;        // By the attention kernels, all layers.
+  double attention_seconds = 0;     // Wall time inside the attention kernels.
   std::vector<float> logits;        // [rows, vocab]
   std::vector<int32_t> first_row;   // Per sequence: its first row in logits.
   std::vector<int32_t> num_rows;    // Per sequence: rows it asked for.

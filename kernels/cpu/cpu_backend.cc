@@ -11,6 +11,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/cpu/matrix_probes.h"
 
 namespace pdserve::kernels::cpu {
 namespace {
@@ -370,6 +371,28 @@ double CpuBackend::SamplePeakFlops() {
   double total = 0;
   for (double f : flops) total += f;
   return total / Seconds(t0, t1);
+}
+
+CpuBackend::MatrixPeaks CpuBackend::SampleMatrixPeaks() {
+  constexpr int64_t kIters = 2'000'000;
+  MatrixPeaks peaks;
+  for (int which = 0; which < 2; ++which) {
+    std::vector<double> flops(pool_.num_threads(), 0.0);
+    const auto t0 = std::chrono::steady_clock::now();
+    pool_.ParallelFor(
+        pool_.num_threads(),
+        [&](int64_t b, int64_t e) {
+          for (int64_t t = b; t < e; ++t) {
+            flops[t] = which == 0 ? Bf16DotPeakLoop(kIters) : Fp16FmaPeakLoop(kIters);
+          }
+        },
+        1);
+    const auto t1 = std::chrono::steady_clock::now();
+    double total = 0;
+    for (double f : flops) total += f;
+    (which == 0 ? peaks.bf16_dot : peaks.fp16_fma) = total / Seconds(t0, t1);
+  }
+  return peaks;
 }
 
 CpuBackend::ReadProbe::ReadProbe(CpuBackend* backend, size_t bytes) : backend_(backend) {

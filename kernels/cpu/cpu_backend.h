@@ -47,6 +47,13 @@ class CpuBackend final : public Backend {
   // benchmarks. One sample of the multiply-add rate in FLOP/s (16
   // independent FMA chains per thread, all threads):
   double SamplePeakFlops();
+  // The same, all threads, on the AVX-512 matrix instructions a kernel could
+  // use instead (0 where the CPU lacks them): VDPBF16PS and FP16 FMA.
+  struct MatrixPeaks {
+    double bf16_dot = 0;
+    double fp16_fma = 0;
+  };
+  MatrixPeaks SampleMatrixPeaks();
 
   // Read bandwidth over a buffer of a given size (so a working set that fits
   // in cache is judged against cache, not DRAM). Benchmarks interleave its

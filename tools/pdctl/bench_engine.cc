@@ -113,6 +113,20 @@ absl::Status RunBenchEngine(const BenchEngineOptions& o) {
                        {"fraction_of_peak", flops / t / peak}});
   }
   out["prefill"] = prefill;
+  {
+    // The other matrix instructions of this CPU, against the f32 FMA path
+    // the kernels use: a path is only worth building if its peak is higher.
+    std::vector<double> bf16, fp16;
+    for (int i = 0; i < 3; ++i) {
+      const auto p = backend.SampleMatrixPeaks();
+      bf16.push_back(p.bf16_dot);
+      fp16.push_back(p.fp16_fma);
+      peak_samples.push_back(backend.SamplePeakFlops());
+    }
+    out["matrix_peaks"] = {{"f32_fma", Median(peak_samples)},
+                           {"bf16_dot", Median(bf16)},
+                           {"fp16_fma", Median(fp16)}};
+  }
 
   if (o.prefix_hit_cached > 0) {
     // A request whose first `cached` tokens hit the prefix cache: only the
@@ -327,6 +341,18 @@ absl::Status RunBenchEngine(const BenchEngineOptions& o) {
                 p["seconds"].get<double>(), p["tokens_per_second"].get<double>(),
                 p["flops_per_second"].get<double>() / 1e9, p["peak_flops"].get<double>() / 1e9,
                 100 * p["fraction_of_peak"].get<double>());
+  }
+  {
+    const auto& mp = out["matrix_peaks"];
+    const double f32 = mp["f32_fma"].get<double>();
+    std::printf("instruction peaks, all threads: f32 FMA %.1f GFLOP/s (the kernels' path), "
+                "AVX512-BF16 dot %.1f (%.2fx), AVX512-FP16 FMA %.1f (%.2fx)\n",
+                f32 / 1e9, mp["bf16_dot"].get<double>() / 1e9, mp["bf16_dot"].get<double>() / f32,
+                mp["fp16_fma"].get<double>() / 1e9, mp["fp16_fma"].get<double>() / f32);
+    for (const auto& p : prefill) {
+      const double ceiling = p["tokens"].get<double>() * f32 / p["flops"].get<double>();
+      std::printf("  prefill %d at 100%% of the f32 FMA peak: %.0f tokens/s\n", p["tokens"].get<int>(), ceiling);
+    }
   }
   if (out.contains("prefix_hit")) {
     const auto& p = out["prefix_hit"];

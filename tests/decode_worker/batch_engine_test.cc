@@ -1,0 +1,230 @@
+// The continuous-batching engine against the one-sequence-at-a-time
+// generator on the shipped model: batching, chunked prefill, queueing,
+// preemption with recomputation, handed-off sequences and cancellation must
+// not change a single token or byte of text.
+#include "decode_worker/batch_engine.h"
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/generation.h"
+#include "common/model.h"
+#include "common/tokenizer/tokenizer.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu/cpu_backend.h"
+
+namespace pdserve {
+namespace {
+
+const std::string kModel = std::string(PDSERVE_SOURCE_DIR) + "/deploy/models/kjv-tiny";
+
+struct Output {
+  std::vector<int32_t> tokens;
+  std::string text;
+  FinishReason finish = FinishReason::kNone;
+  absl::Status status;
+};
+
+class BatchEngineTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    auto backend = kernels::cpu::CpuBackend::Create({.num_threads = 2});
+    ASSERT_TRUE(backend.ok());
+    backend_ = backend->release();
+    auto model = Model::Load(kModel, {}, backend_);
+    ASSERT_TRUE(model.ok()) << model.status();
+    model_ = model->release();
+    auto tokenizer = tok::Tokenizer::Load(kModel);
+    ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+    tokenizer_ = tokenizer->release();
+  }
+
+  std::unique_ptr<BlockPool> MakePool(int32_t blocks) {
+    auto pool = BlockPool::Create(model_->MakeKvSpec(DType::kF32, 16, blocks));
+    EXPECT_TRUE(pool.ok());
+    return *std::move(pool);
+  }
+
+  GenerationRequest Request(const std::string& text, int max_tokens, float temperature,
+                            uint64_t seed, std::vector<std::string> stops = {}) {
+    GenerationRequest r;
+    r.prompt = *tokenizer_->Encode(text);
+    r.params.temperature = temperature;
+    r.params.top_p = temperature > 0 ? 0.9f : 1.0f;
+    r.params.max_tokens = max_tokens;
+    r.params.seed = seed;
+    r.stop_strings = std::move(stops);
+    r.eos_ids = model_->config().eos_token_ids;
+    return r;
+  }
+
+  // The reference: one sequence, whole-prompt prefill, then decode.
+  Output Alone(const GenerationRequest& req) {
+    auto pool = MakePool(64);
+    Generation gen(req, tokenizer_);
+    SequenceKv kv;
+    Output out;
+    std::vector<int32_t> feed = req.prompt;
+    while (!gen.finished()) {
+      ForwardSequence fs{&kv, feed, LogitsMode::kLast};
+      auto r = model_->Forward(*pool, {&fs, 1});
+      EXPECT_TRUE(r.ok()) << r.status();
+      auto ev = gen.Accept(r->Last(0));
+      EXPECT_TRUE(ev.ok());
+      out.tokens.push_back(ev->token);
+      out.text += ev->text;
+      out.finish = ev->finish;
+      feed.assign(1, ev->token);
+    }
+    kv.Release(*pool);
+    return out;
+  }
+
+  static EventSink Collect(Output* out) {
+    return [out](const EngineEvent& e) {
+      if (!e.status.ok()) {
+        out->status = e.status;
+        return;
+      }
+      out->tokens.push_back(e.token.token);
+      out->text += e.token.text;
+      out->finish = e.token.finish;
+    };
+  }
+
+  static void RunToIdle(BatchEngine& engine) {
+    for (int i = 0; i < 100000; ++i) {
+      auto r = engine.Step();
+      ASSERT_TRUE(r.ok()) << r.status();
+      if (!*r) return;
+    }
+    FAIL() << "engine never went idle";
+  }
+
+  std::vector<GenerationRequest> Mixed() {
+    std::vector<GenerationRequest> reqs;
+    reqs.push_back(Request("In the beginning God created", 24, 0, 1));
+    reqs.push_back(Request("And the LORD said unto Moses,", 30, 0.8f, 7));
+    // Longer than one prefill chunk (the engine's budget below is 48 tokens).
+    reqs.push_back(Request("And it came to pass, when men began to multiply on the face of the earth, "
+                           "and daughters were born unto them, that the sons of God saw the daughters "
+                           "of men that they were fair; and they took them wives of all which they chose.",
+                           20, 0, 3));
+    reqs.push_back(Request("Blessed are the", 16, 1.0f, 99));
+    reqs.push_back(Request("The LORD is my shepherd;", 28, 0.7f, 5, {"LORD"}));
+    reqs.push_back(Request("Then", 12, 0, 11));
+    return reqs;
+  }
+
+  static kernels::cpu::CpuBackend* backend_;
+  static Model* model_;
+  static tok::Tokenizer* tokenizer_;
+};
+
+kernels::cpu::CpuBackend* BatchEngineTest::backend_ = nullptr;
+Model* BatchEngineTest::model_ = nullptr;
+tok::Tokenizer* BatchEngineTest::tokenizer_ = nullptr;
+
+void ExpectSame(const Output& got, const Output& want, int i) {
+  EXPECT_TRUE(got.status.ok()) << "request " << i << ": " << got.status;
+  EXPECT_EQ(got.tokens, want.tokens) << "request " << i;
+  EXPECT_EQ(got.text, want.text) << "request " << i;
+  EXPECT_EQ(got.finish, want.finish) << "request " << i;
+}
+
+TEST_F(BatchEngineTest, BatchedStreamsEqualOneAtATime) {
+  const auto reqs = Mixed();
+  auto pool = MakePool(128);
+  BatchEngine engine(*model_, *pool, {.max_batch = 4, .prefill_chunk_tokens = 48});
+  std::vector<Output> got(reqs.size());
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    engine.SubmitPrefill(i, std::make_unique<Generation>(reqs[i], tokenizer_), Collect(&got[i]));
+  }
+  RunToIdle(engine);
+  for (size_t i = 0; i < reqs.size(); ++i) ExpectSame(got[i], Alone(reqs[i]), static_cast<int>(i));
+  EXPECT_EQ(pool->num_used(), 0);
+  EXPECT_EQ(engine.stats().preemptions, 0);
+}
+
+TEST_F(BatchEngineTest, PreemptedSequencesRecomputeAndContinueUnchanged) {
+  const auto reqs = Mixed();
+  // 7 blocks of 16 positions: the longest request alone needs 6 at its end,
+  // all six together about 25.
+  auto pool = MakePool(7);
+  BatchEngine engine(*model_, *pool, {.max_batch = 6, .prefill_chunk_tokens = 48});
+  std::vector<Output> got(reqs.size());
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    engine.SubmitPrefill(i, std::make_unique<Generation>(reqs[i], tokenizer_), Collect(&got[i]));
+  }
+  RunToIdle(engine);
+  EXPECT_GT(engine.stats().preemptions, 0);
+  for (size_t i = 0; i < reqs.size(); ++i) ExpectSame(got[i], Alone(reqs[i]), static_cast<int>(i));
+  EXPECT_EQ(pool->num_used(), 0);
+}
+
+TEST_F(BatchEngineTest, HandedOffSequencesContinueFromTheirFirstToken) {
+  const auto reqs = Mixed();
+  auto pool = MakePool(128);
+  BatchEngine engine(*model_, *pool, {.max_batch = 8});
+  std::vector<Output> got(reqs.size());
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    // What a prefill worker does: prefill, sample the first token.
+    Generation prefill_side(reqs[i], tokenizer_);
+    SequenceKv kv;
+    ForwardSequence fs{&kv, reqs[i].prompt, LogitsMode::kLast};
+    auto r = model_->Forward(*pool, {&fs, 1});
+    ASSERT_TRUE(r.ok());
+    auto first = prefill_side.Accept(r->Last(0));
+    ASSERT_TRUE(first.ok());
+    // The decode side replays it and takes over the KV.
+    auto gen = std::make_unique<Generation>(reqs[i], tokenizer_);
+    auto replayed = gen->Replay(*first);
+    ASSERT_TRUE(replayed.ok());
+    EXPECT_EQ(replayed->text, first->text);
+    got[i].tokens.push_back(first->token);
+    got[i].text += first->text;
+    got[i].finish = first->finish;
+    engine.SubmitDecode(i, std::move(gen), std::move(kv), Collect(&got[i]));
+  }
+  RunToIdle(engine);
+  for (size_t i = 0; i < reqs.size(); ++i) ExpectSame(got[i], Alone(reqs[i]), static_cast<int>(i));
+  EXPECT_EQ(pool->num_used(), 0);
+}
+
+TEST_F(BatchEngineTest, CancelFreesTheKvAtOnce) {
+  auto pool = MakePool(64);
+  BatchEngine engine(*model_, *pool, {});
+  Output a, b;
+  engine.SubmitPrefill(1, std::make_unique<Generation>(Request("In the beginning", 200, 0, 1), tokenizer_),
+                       Collect(&a));
+  engine.SubmitPrefill(2, std::make_unique<Generation>(Request("And God said", 6, 0, 1), tokenizer_),
+                       Collect(&b));
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(engine.Step().ok());
+  EXPECT_GT(pool->num_used(), 0);
+  engine.Cancel(1);
+  ASSERT_TRUE(engine.Step().ok());
+  EXPECT_EQ(a.status.code(), absl::StatusCode::kCancelled);
+  const size_t a_tokens = a.tokens.size();
+  RunToIdle(engine);
+  EXPECT_EQ(a.tokens.size(), a_tokens) << "tokens after cancel";
+  EXPECT_TRUE(b.status.ok());
+  EXPECT_EQ(b.tokens.size(), 6u);
+  EXPECT_EQ(pool->num_used(), 0);
+}
+
+TEST_F(BatchEngineTest, PromptLargerThanThePoolIsRefused) {
+  auto pool = MakePool(2);  // 32 positions.
+  BatchEngine engine(*model_, *pool, {.prefill_chunk_tokens = 16});
+  Output a;
+  std::string long_text;
+  for (int i = 0; i < 12; ++i) long_text += "and the LORD said unto Moses ";
+  engine.SubmitPrefill(1, std::make_unique<Generation>(Request(long_text, 4, 0, 1), tokenizer_), Collect(&a));
+  RunToIdle(engine);
+  EXPECT_EQ(a.status.code(), absl::StatusCode::kResourceExhausted) << a.status;
+  EXPECT_EQ(pool->num_used(), 0);
+}
+
+}  // namespace
+}  // namespace pdserve

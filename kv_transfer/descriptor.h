@@ -1,0 +1,54 @@
+// The compatibility descriptor both sides of a KV handoff compare before any
+// byte moves: protocol version, model identity, layers, KV heads, head dim,
+// KV dtype, block size and layout.
+//
+// Everything must match except the block size: when the sides use different
+// block sizes, the receiver describes its layout (in the reserve answer) and
+// the sender writes in that layout (kv_transfer/layout_copy.h). A mismatch
+// that cannot be converted is refused with FAILED_PRECONDITION naming the
+// field and both values.
+//
+// Thread safety: plain values and pure functions.
+#ifndef PDSERVE_KV_TRANSFER_DESCRIPTOR_H_
+#define PDSERVE_KV_TRANSFER_DESCRIPTOR_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "common/block_hash.h"
+#include "common/dtype.h"
+#include "common/kv_cache.h"
+
+namespace pdserve::kv {
+
+inline constexpr uint32_t kKvProtocolVersion = 1;
+
+// The in-block arrangement of common/kv_cache.h: K [head][dim][slot], V
+// [head][slot][dim], then for int8 F32 scales [K|V][head][slot]. A future
+// tensor-parallel layout gets a new value.
+enum class KvLayout : uint8_t { kPagedKTransposedV1 = 1 };
+
+struct KvLayoutDescriptor {
+  uint32_t protocol_version = kKvProtocolVersion;
+  ModelIdentity model;
+  int32_t num_layers = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+  DType dtype = DType::kF32;
+  int32_t block_size = 0;
+  KvLayout layout = KvLayout::kPagedKTransposedV1;
+
+  static KvLayoutDescriptor FromSpec(const KvCacheSpec& spec, const ModelIdentity& model);
+  // The spec of a pool in this layout (num_blocks left to the caller).
+  KvCacheSpec ToSpec(int32_t num_blocks) const;
+  std::string DebugString() const;
+};
+
+// OK when a sender with `sender` can write into a receiver with `receiver`:
+// all fields equal except possibly the block size.
+absl::Status CheckCompatible(const KvLayoutDescriptor& sender, const KvLayoutDescriptor& receiver);
+
+}  // namespace pdserve::kv
+
+#endif  // PDSERVE_KV_TRANSFER_DESCRIPTOR_H_

@@ -1,0 +1,107 @@
+#include "kv_transfer/event_loop.h"
+
+#include <poll.h>
+#include <pthread.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace pdserve::kv {
+namespace {
+// After the last piece of work the loop keeps polling this long before it
+// arms and sleeps: an answer that comes back within it (a commit ack over
+// loopback) costs no wake-up. An idle loop pays it once per ticker period.
+constexpr absl::Duration kSpinAfterWork = absl::Microseconds(100);
+}  // namespace
+
+void EventLoop::Start(std::string name, Device device) {
+  wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  thread_ = std::thread([this, device = std::move(device), name = std::move(name)] {
+    pthread_setname_np(pthread_self(), name.substr(0, 15).c_str());
+    thread_id_.store(std::this_thread::get_id());
+    Run(device);
+  });
+}
+
+void EventLoop::Stop() {
+  if (!thread_.joinable()) return;
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  const uint64_t one = 1;
+  (void)!write(wake_fd_, &one, sizeof(one));
+  thread_.join();
+  close(wake_fd_);
+  wake_fd_ = -1;
+}
+
+void EventLoop::Post(std::function<void()> task) {
+  {
+    absl::MutexLock lock(&mu_);
+    tasks_.push_back(std::move(task));
+  }
+  const uint64_t one = 1;
+  (void)!write(wake_fd_, &one, sizeof(one));
+}
+
+void EventLoop::AddTicker(absl::Duration period, std::function<void()> fn) {
+  absl::MutexLock lock(&mu_);
+  tickers_.push_back({period, absl::Now() + period, std::move(fn)});
+}
+
+void EventLoop::Run(Device device) {
+  absl::Time last_work = absl::Now();
+  std::vector<std::function<void()>> batch;
+  for (;;) {
+    bool stop;
+    {
+      absl::MutexLock lock(&mu_);
+      batch.swap(tasks_);
+      stop = stop_;
+    }
+    for (auto& t : batch) t();
+    const bool ran = !batch.empty();
+    batch.clear();
+    if (stop && !ran) return;
+
+    bool worked = ran;
+    if (device.progress) worked |= device.progress();
+
+    absl::Time next_tick = absl::InfiniteFuture();
+    std::vector<std::function<void()>> due;
+    {
+      absl::MutexLock lock(&mu_);
+      const absl::Time now = absl::Now();
+      for (Ticker& t : tickers_) {
+        if (t.next <= now) {
+          due.push_back(t.fn);
+          t.next = now + t.period;
+        }
+        next_tick = std::min(next_tick, t.next);
+      }
+    }
+    for (auto& fn : due) fn();
+
+    if (worked || !due.empty()) {
+      last_work = absl::Now();
+      continue;
+    }
+    if (busy_.load() > 0 || absl::Now() - last_work < kSpinAfterWork) continue;
+    if (device.arm && !device.arm()) continue;
+    pollfd fds[2] = {{wake_fd_, POLLIN, 0}, {device.fd, POLLIN, 0}};
+    int timeout_ms = -1;
+    if (next_tick != absl::InfiniteFuture()) {
+      timeout_ms = static_cast<int>(std::max<int64_t>(
+          0, absl::ToInt64Milliseconds(next_tick - absl::Now()) + 1));
+    }
+    poll(fds, device.fd >= 0 ? 2 : 1, timeout_ms);
+    uint64_t drained;
+    (void)!read(wake_fd_, &drained, sizeof(drained));
+    last_work = absl::Now();
+  }
+}
+
+}  // namespace pdserve::kv

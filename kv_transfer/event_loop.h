@@ -1,0 +1,86 @@
+// The one thread that owns a transport (and its UCX worker): runs posted
+// tasks, progresses the device, fires tickers, and sleeps on an event fd
+// when idle.
+//
+// Idle: 100 us after its last work, while no operation is outstanding,
+// the loop arms the device (ucp_worker_arm) and blocks in poll() on the
+// device's fd and its own eventfd (posts wake it), with a timeout at the
+// next ticker; an idle loop costs a wake-up per ticker period.
+//
+// Thread safety: Post, RunSync, AddTicker, AddBusy and Stop may be called
+// from any thread; tasks, tickers and device hooks run on the loop thread.
+#ifndef PDSERVE_KV_TRANSFER_EVENT_LOOP_H_
+#define PDSERVE_KV_TRANSFER_EVENT_LOOP_H_
+
+#include <atomic>
+#include <functional>
+#include <future>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+
+namespace pdserve::kv {
+
+class EventLoop {
+ public:
+  struct Device {
+    std::function<bool()> progress;  // True when it did something.
+    std::function<bool()> arm;       // True when armed: safe to sleep on fd.
+    int fd = -1;
+  };
+
+  EventLoop() = default;
+  ~EventLoop() { Stop(); }
+  EventLoop(const EventLoop&) = delete;
+  EventLoop& operator=(const EventLoop&) = delete;
+
+  // Starts the thread. REQUIRES: called once.
+  void Start(std::string name, Device device);
+  void Start(std::string name) { Start(std::move(name), Device()); }
+  // Runs the tasks already posted, then joins. Idempotent.
+  void Stop();
+
+  void Post(std::function<void()> task);
+  // Runs `f` on the loop thread and returns its result (directly when
+  // called from the loop thread).
+  template <typename F>
+  std::invoke_result_t<F&> RunSync(F f) {
+    using R = std::invoke_result_t<F&>;
+    if (InLoop()) return f();
+    std::packaged_task<R()> task(std::move(f));
+    std::future<R> result = task.get_future();
+    Post([&task] { task(); });
+    return result.get();
+  }
+  bool InLoop() const { return std::this_thread::get_id() == thread_id_.load(); }
+
+  void AddTicker(absl::Duration period, std::function<void()> fn);
+  // Outstanding operations: while positive the loop keeps polling.
+  void AddBusy(int delta) { busy_.fetch_add(delta); }
+
+ private:
+  struct Ticker {
+    absl::Duration period;
+    absl::Time next;
+    std::function<void()> fn;
+  };
+  void Run(Device device);
+
+  absl::Mutex mu_;
+  std::vector<std::function<void()>> tasks_ ABSL_GUARDED_BY(mu_);
+  std::vector<Ticker> tickers_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  int wake_fd_ = -1;
+  std::atomic<int> busy_{0};
+  std::atomic<std::thread::id> thread_id_{};
+  std::thread thread_;
+};
+
+}  // namespace pdserve::kv
+
+#endif  // PDSERVE_KV_TRANSFER_EVENT_LOOP_H_

@@ -1,0 +1,135 @@
+// The decode side of the KV handoff: answers reservations with blocks of its
+// pool, lets the sender write them, and hands a committed sequence to its
+// owner.
+//
+// Per handoff:  reserve ─▶ active ─(commit)─▶ handed to the owner
+//                           │  ├─(sender abort, or sender dead)─▶ freed
+//                           │  └─(lease expired / Abort())─▶ quarantined
+//                           │        ─(sender AbortAck, or sender dead)─▶ freed
+// A one-sided write cannot be refused, so blocks of a handoff the receiver
+// gave up on are never handed to anyone else until the sender has
+// acknowledged (after flushing its puts) or its connection has failed.
+// The lease is renewed by every LayerSent message.
+//
+// Prefix: the receiver hashes the prompt with its own block size and
+// BlockHasher (model identity, KV dtype) and attaches the longest cached
+// full-block prefix; those positions are not sent. On commit the full
+// blocks are published to the prefix cache.
+//
+// Errors returned to the sender: FAILED_PRECONDITION for an incompatible
+// layout (naming the field), RESOURCE_EXHAUSTED for a reservation larger
+// than the free pool, NOT_FOUND for a commit of an unknown handoff id,
+// FAILED_PRECONDITION for a commit of an expired or aborted one,
+// INVALID_ARGUMENT for a commit that does not fit the reservation.
+//
+// Thread safety: protocol work runs on the transport's loop thread. The
+// pool is touched only under `pool_mu`, which the pool's other users (the
+// decode engine) must also hold. stats()/metrics() may be read from any
+// thread. The committed callback runs on the loop thread without locks.
+// Lifetime: destroy the receiver before the transport; it must outlive
+// every connection's traffic (Shutdown() stops accepting it).
+#ifndef PDSERVE_KV_TRANSFER_RECEIVER_H_
+#define PDSERVE_KV_TRANSFER_RECEIVER_H_
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "common/kv_cache.h"
+#include "kv_transfer/descriptor.h"
+#include "kv_transfer/metrics.h"
+#include "kv_transfer/transport.h"
+#include "kv_transfer/wire.h"
+
+namespace pdserve::kv {
+
+struct ReceiverOptions {
+  ModelIdentity model;
+  absl::Duration lease = absl::Seconds(5);
+  absl::Duration lease_check_period = absl::Milliseconds(20);
+  std::function<absl::Time()> clock = [] { return absl::Now(); };
+};
+
+struct CommittedSequence {
+  HandoffId id;
+  SequenceKv kv;  // Holds the reservation's block references; the owner releases them.
+  Commit state;   // Tokens, first token, sampling state, stop state.
+};
+
+class KvReceiver final : public ConnectionHandler {
+ public:
+  using CommittedCallback = std::function<void(CommittedSequence)>;
+
+  // REQUIRES: `pool` was allocated from transport->region_allocator().
+  static absl::StatusOr<std::unique_ptr<KvReceiver>> Create(Transport* transport, BlockPool* pool,
+                                                            absl::Mutex* pool_mu, ReceiverOptions options,
+                                                            CommittedCallback on_committed);
+  ~KvReceiver() override;
+
+  absl::StatusOr<int> Listen(const std::string& host, int port);
+
+  // Gives up on an active handoff (quarantines it until the sender acks).
+  void Abort(HandoffId id, absl::Status why);
+  // Runs the lease check now (tests with a fake clock); it also runs every
+  // lease_check_period.
+  void CheckLeases();
+
+  struct Stats {
+    int32_t active = 0;
+    int32_t quarantined = 0;
+    int32_t quarantined_blocks = 0;
+  };
+  Stats stats() const;
+  KvTransferStats metrics() const { return metrics_.Snapshot(); }
+  const KvLayoutDescriptor& layout() const { return layout_; }
+
+  void OnMessage(Connection& c, std::string message) override;
+  void OnDisconnected(Connection& c, absl::Status why) override;
+
+ private:
+  enum class State { kActive, kQuarantined };
+  struct Handoff {
+    Connection* conn = nullptr;
+    State state = State::kActive;
+    std::vector<int32_t> blocks;
+    int32_t held_positions = 0;
+    int32_t reserved_positions = 0;
+    absl::Time start;
+    absl::Time deadline;
+  };
+
+  KvReceiver(Transport* transport, BlockPool* pool, absl::Mutex* pool_mu, ReceiverOptions options,
+             CommittedCallback on_committed, std::string region);
+
+  void HandleReserve(Connection& c, const ReserveRequest& m);
+  void HandleCommit(Connection& c, Commit& m);
+  void HandleAbort(Connection& c, const kv::Abort& m);
+  void Free(HandoffId id);
+  void Quarantine(HandoffId id, absl::Status why);
+  void ExpireLeases();
+
+  Transport* transport_;
+  BlockPool* pool_;
+  absl::Mutex* pool_mu_;
+  ReceiverOptions options_;
+  CommittedCallback on_committed_;
+  KvLayoutDescriptor layout_;
+  std::string region_;  // Packed once.
+  KvTransferMetrics metrics_;
+  std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);  // For the ticker.
+
+  // Loop thread only, but read by stats().
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<HandoffId, Handoff> handoffs_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+};
+
+}  // namespace pdserve::kv
+
+#endif  // PDSERVE_KV_TRANSFER_RECEIVER_H_

@@ -1,0 +1,350 @@
+#include "kv_transfer/sender.h"
+
+#include <future>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "kv_transfer/layout_copy.h"
+
+namespace pdserve::kv {
+
+// Loop-thread state of one handoff; `mu` guards what callers read.
+struct Handoff::State {
+  Connection* conn = nullptr;
+  HandoffId id;
+  KvLayoutDescriptor receiver;
+  KvCacheSpec dst_spec;  // The receiver's pool.
+  std::vector<int32_t> dst_table;
+  int32_t held_positions = 0;
+  int32_t num_positions = 0;
+  std::shared_ptr<RemoteRegion> remote;
+  std::unique_ptr<KvRegion> staging;  // Receiver-layout packing, when block sizes differ.
+  int64_t packed_layer_bytes = 0;
+  absl::Time start;
+  absl::Duration lease;
+  // Loop thread only.
+  absl::Time last_renewal;
+  std::shared_ptr<std::promise<absl::Status>> commit_done, abort_done;
+  bool finished = false;  // Committed or aborted (by either side).
+
+  absl::Mutex mu;
+  absl::Status error ABSL_GUARDED_BY(mu);
+  absl::Status Error() {
+    absl::MutexLock lock(&mu);
+    return error;
+  }
+  void SetError(absl::Status s) {
+    absl::MutexLock lock(&mu);
+    if (error.ok()) error = std::move(s);
+  }
+};
+
+struct KvSender::PendingReserve {
+  Connection* conn = nullptr;
+  std::promise<absl::StatusOr<ReserveReply>> reply;
+};
+
+namespace {
+
+void Resolve(std::shared_ptr<std::promise<absl::Status>>& p, absl::Status s) {
+  if (p == nullptr) return;
+  p->set_value(std::move(s));
+  p.reset();
+}
+
+template <typename T>
+absl::StatusOr<T> Wait(std::future<T>& f, absl::Duration timeout, absl::string_view what) {
+  if (f.wait_for(absl::ToChronoNanoseconds(timeout)) != std::future_status::ready) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("KV handoff: no answer to ", what, " within ", absl::FormatDuration(timeout)));
+  }
+  return f.get();
+}
+
+}  // namespace
+
+KvSender::KvSender(Transport* transport, BlockPool* pool, SenderOptions options)
+    : transport_(transport),
+      pool_(pool),
+      options_(std::move(options)),
+      layout_(KvLayoutDescriptor::FromSpec(pool->spec(), options_.model)) {}
+
+KvSender::~KvSender() {
+  transport_->Detach(this);
+  transport_->loop().RunSync([this] {
+    for (auto& [tag, r] : reserves_) r->reply.set_value(absl::CancelledError("KV sender shut down"));
+    reserves_.clear();
+    for (auto& [key, st] : handoffs_) {
+      Resolve(st->commit_done, absl::CancelledError("KV sender shut down"));
+      Resolve(st->abort_done, absl::CancelledError("KV sender shut down"));
+    }
+    handoffs_.clear();
+    remotes_.clear();
+  });
+}
+
+absl::StatusOr<Connection*> KvSender::Connect(const std::string& host, int port) {
+  return transport_->Connect(host, port, this);
+}
+
+absl::StatusOr<std::unique_ptr<Handoff>> KvSender::Reserve(Connection* conn, ReserveArgs args) {
+  auto pending = std::make_shared<PendingReserve>();
+  pending->conn = conn;
+  auto future = pending->reply.get_future();
+  ReserveRequest req;
+  req.sender = layout_;
+  req.num_positions = args.num_positions;
+  req.margin_positions = args.margin_positions;
+  req.prompt_tokens = std::move(args.prompt_tokens);
+  const absl::Time start = absl::Now();
+  transport_->loop().Post([this, conn, pending, req = std::move(req)]() mutable {
+    if (conn->failed()) {
+      pending->reply.set_value(absl::UnavailableError(absl::StrCat("KV handoff: ", conn->name(), " is down")));
+      return;
+    }
+    req.tag = next_tag_++;
+    reserves_[req.tag] = pending;
+    conn->Send(Encode(req));
+  });
+  // The loop polls instead of sleeping while the answer is due: over
+  // loopback the answer comes back faster than two wake-ups.
+  transport_->loop().AddBusy(1);
+  absl::StatusOr<absl::StatusOr<ReserveReply>> waited = Wait(future, options_.timeout, "reserve");
+  transport_->loop().AddBusy(-1);
+  if (!waited.ok()) return waited.status();
+  if (!waited->ok()) return waited->status();
+  ReserveReply& reply = **waited;
+  if (reply.code != 0) {
+    metrics_.RecordFailure();
+    return StatusFromWire(reply.code, reply.message);
+  }
+  auto st = std::make_shared<Handoff::State>();
+  st->conn = conn;
+  st->id = reply.id;
+  st->receiver = reply.receiver;
+  st->dst_spec = reply.receiver.ToSpec(reply.num_blocks);
+  st->dst_table = std::move(reply.blocks);
+  st->held_positions = reply.held_positions;
+  st->num_positions = args.num_positions;
+  st->start = start;
+  st->lease = absl::Milliseconds(reply.lease_ms);
+  st->last_renewal = start;
+  absl::Status setup = CheckCompatible(layout_, reply.receiver);
+  if (setup.ok() && (st->dst_spec.Validate().ok() == false ||
+                     static_cast<int64_t>(st->dst_table.size()) * st->dst_spec.block_size < args.num_positions ||
+                     st->held_positions % st->dst_spec.block_size != 0)) {
+    setup = absl::InternalError("KV handoff: the receiver's reservation does not cover the request");
+  }
+  if (setup.ok() && st->receiver.block_size != layout_.block_size) {
+    st->packed_layer_bytes = PackedLayerBytes(st->dst_spec, st->held_positions, st->num_positions);
+    absl::StatusOr<std::unique_ptr<KvRegion>> staging =
+        transport_->region_allocator().Allocate(st->packed_layer_bytes * layout_.num_layers);
+    if (staging.ok()) {
+      st->staging = *std::move(staging);
+    } else {
+      setup = staging.status();
+    }
+  }
+  if (setup.ok()) {
+    setup = transport_->loop().RunSync([&]() -> absl::Status {
+      // One import per receiver region: unpacking an rkey can map the
+      // peer's segment, which costs page faults over the whole pool.
+      auto& cached = remotes_[{conn, reply.region}];
+      if (cached == nullptr) {
+        absl::StatusOr<std::shared_ptr<RemoteRegion>> remote = conn->ImportRegion(reply.region);
+        if (!remote.ok()) return remote.status();
+        cached = *std::move(remote);
+      }
+      st->remote = cached;
+      handoffs_[{conn, st->id.value}] = st;
+      return absl::OkStatus();
+    });
+  }
+  std::unique_ptr<Handoff> h(new Handoff(this, st));
+  if (!setup.ok()) {
+    (void)h->Abort(setup);
+    return setup;
+  }
+  return h;
+}
+
+void KvSender::Fail(const std::shared_ptr<Handoff::State>& st, absl::Status why) {
+  st->SetError(why);
+  Resolve(st->commit_done, why);
+  Resolve(st->abort_done, absl::OkStatus());  // Nothing left to free over a dead link.
+}
+
+void KvSender::OnMessage(Connection& c, std::string message) {
+  absl::StatusOr<Message> m = Decode(message);
+  if (!m.ok()) return;
+  if (auto* r = std::get_if<ReserveReply>(&*m)) {
+    auto it = reserves_.find(r->tag);
+    if (it == reserves_.end()) return;
+    it->second->reply.set_value(std::move(*r));
+    reserves_.erase(it);
+    return;
+  }
+  HandoffId id;
+  std::visit([&](const auto& msg) {
+    if constexpr (requires { msg.id; }) id = msg.id;
+  }, *m);
+  auto it = handoffs_.find({&c, id.value});
+  if (it == handoffs_.end()) {
+    if (std::holds_alternative<Abort>(*m)) c.Send(Encode(AbortAck{id}));
+    return;
+  }
+  std::shared_ptr<Handoff::State> st = it->second;
+  if (auto* cr = std::get_if<CommitReply>(&*m)) {
+    st->finished = true;
+    handoffs_.erase(it);
+    absl::Status s = StatusFromWire(cr->code, cr->message);
+    if (s.ok()) {
+      metrics_.RecordTransfer(absl::Now() - st->start);
+    } else {
+      metrics_.RecordFailure();
+      st->SetError(s);
+    }
+    Resolve(st->commit_done, s);
+  } else if (auto* a = std::get_if<Abort>(&*m)) {
+    // The receiver gave up (lease expired): stop, flush, acknowledge.
+    metrics_.RecordAbort();
+    if (a->code == static_cast<int32_t>(absl::StatusCode::kDeadlineExceeded)) metrics_.RecordLeaseExpired();
+    st->SetError(absl::AbortedError(absl::StrCat("KV handoff ", id.value, " aborted by ", c.name(), ": ", a->message)));
+    st->finished = true;
+    st->conn->Flush([this, st, id](absl::Status) {
+      st->conn->Send(Encode(AbortAck{id}));
+      handoffs_.erase({st->conn, id.value});
+      Resolve(st->commit_done, st->Error());
+      Resolve(st->abort_done, absl::OkStatus());
+    });
+  } else if (std::holds_alternative<AbortAck>(*m)) {
+    handoffs_.erase(it);
+    Resolve(st->abort_done, absl::OkStatus());
+  }
+}
+
+void KvSender::OnDisconnected(Connection& c, absl::Status why) {
+  const absl::Status gone = absl::UnavailableError(
+      absl::StrCat("KV handoff: receiver ", c.name(), " is gone", why.ok() ? "" : ": ", why.message()));
+  for (auto it = reserves_.begin(); it != reserves_.end();) {
+    auto cur = it++;
+    if (cur->second->conn == &c) {
+      cur->second->reply.set_value(gone);
+      reserves_.erase(cur);
+    }
+  }
+  for (auto it = remotes_.begin(); it != remotes_.end();) {
+    auto cur = it++;
+    if (cur->first.first == &c) remotes_.erase(cur);
+  }
+  for (auto it = handoffs_.begin(); it != handoffs_.end();) {
+    auto cur = it++;
+    if (cur->first.first != &c) continue;
+    std::shared_ptr<Handoff::State> st = cur->second;
+    handoffs_.erase(cur);
+    if (!st->finished) metrics_.RecordFailure();
+    Fail(st, gone);
+  }
+}
+
+Handoff::~Handoff() {
+  bool finished = sender_->transport_->loop().RunSync([st = state_] { return st->finished; });
+  if (!finished) (void)Abort(absl::CancelledError("KV handoff dropped before commit"));
+}
+
+HandoffId Handoff::id() const { return state_->id; }
+int32_t Handoff::held_positions() const { return state_->held_positions; }
+const KvLayoutDescriptor& Handoff::receiver_layout() const { return state_->receiver; }
+const std::vector<int32_t>& Handoff::receiver_blocks() const { return state_->dst_table; }
+
+absl::Status Handoff::SendLayer(int32_t layer, absl::Span<const int32_t> table) {
+  if (absl::Status s = state_->Error(); !s.ok()) return s;
+  State& st = *state_;
+  const KvCacheSpec& src = sender_->pool_->spec();
+  if (layer < 0 || layer >= src.num_layers ||
+      static_cast<int64_t>(table.size()) * src.block_size < st.num_positions) {
+    return absl::InvalidArgumentError(absl::StrCat("KV handoff: layer ", layer, " or a table of ",
+                                                   table.size(), " blocks does not fit the request"));
+  }
+  std::vector<CopyRun> runs;
+  const char* local_base;
+  if (st.staging != nullptr) {
+    const int64_t at = st.packed_layer_bytes * layer;
+    char* staging = static_cast<char*>(st.staging->data());
+    PackLayer(src, static_cast<const char*>(sender_->pool_->region().data()), table, st.dst_spec, layer,
+              st.held_positions, st.num_positions, staging + at);
+    runs = PlanPacked(st.dst_spec, st.dst_table, layer, st.held_positions, st.num_positions, at);
+    local_base = staging;
+  } else {
+    runs = PlanSameLayout(src, table, st.dst_spec, st.dst_table, layer, st.held_positions, st.num_positions);
+    local_base = static_cast<const char*>(sender_->pool_->region().data());
+  }
+  KvSender* sender = sender_;
+  sender->transport_->loop().Post([sender, st = state_, runs = std::move(runs), local_base, layer] {
+    if (st->finished || !st->Error().ok()) return;
+    // No completion per put: the flush before commit (or abort ack)
+    // covers them all, and a dead receiver shows on the connection.
+    for (const CopyRun& r : runs) {
+      st->conn->Put(local_base + r.src_offset, r.bytes, *st->remote, r.dst_offset, nullptr);
+      sender->metrics_.AddBytes(r.bytes);
+    }
+    // Renew the lease when a quarter of it has passed (not per layer: each
+    // message costs the control channel a send).
+    if (const absl::Time now = absl::Now(); now - st->last_renewal > st->lease / 4) {
+      st->last_renewal = now;
+      st->conn->Send(Encode(LayerSent{st->id, layer}));
+    }
+  });
+  return absl::OkStatus();
+}
+
+absl::Status Handoff::Commit(kv::Commit state) {
+  auto done = std::make_shared<std::promise<absl::Status>>();
+  auto future = done->get_future();
+  state.id = state_->id;
+  KvSender* sender = sender_;
+  sender->transport_->loop().Post([sender, st = state_, done, state = std::move(state)]() mutable {
+    if (absl::Status e = st->Error(); !e.ok() || st->finished) {
+      done->set_value(e.ok() ? absl::FailedPreconditionError("KV handoff already finished") : e);
+      return;
+    }
+    st->commit_done = done;
+    st->conn->Flush([st, state = std::move(state)](absl::Status s) mutable {
+      if (!s.ok()) {
+        st->SetError(absl::UnavailableError(absl::StrCat("KV handoff: flush failed: ", s.message())));
+        return Resolve(st->commit_done, st->Error());
+      }
+      if (st->commit_done == nullptr) return;  // Failed or aborted meanwhile.
+      st->conn->Send(Encode(state));
+    });
+  });
+  sender->transport_->loop().AddBusy(1);
+  absl::StatusOr<absl::Status> waited = Wait(future, sender->options_.timeout, "commit");
+  sender->transport_->loop().AddBusy(-1);
+  return waited.ok() ? *waited : waited.status();
+}
+
+absl::Status Handoff::Abort(absl::Status why) {
+  auto done = std::make_shared<std::promise<absl::Status>>();
+  auto future = done->get_future();
+  KvSender* sender = sender_;
+  sender->transport_->loop().Post([sender, st = state_, done, why] {
+    if (st->finished || st->conn->failed()) {
+      st->finished = true;
+      done->set_value(absl::OkStatus());
+      return;
+    }
+    st->finished = true;
+    st->SetError(absl::AbortedError(absl::StrCat("KV handoff aborted: ", why.message())));
+    sender->metrics_.RecordAbort();
+    sender->metrics_.RecordFailure();
+    st->abort_done = done;
+    st->conn->Flush([st, why](absl::Status) {
+      st->conn->Send(Encode(kv::Abort{st->id, static_cast<int32_t>(why.code()), std::string(why.message())}));
+    });
+  });
+  absl::StatusOr<absl::Status> waited = Wait(future, sender->options_.timeout, "abort");
+  return waited.ok() ? *waited : waited.status();
+}
+
+}  // namespace pdserve::kv

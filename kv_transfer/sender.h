@@ -1,0 +1,116 @@
+// The prefill side of the KV handoff: reserve blocks on a decode worker,
+// stream each layer's KV into them as soon as it is computed, then commit.
+//
+//   auto h = sender->Reserve(conn, {.num_positions = n, .prompt_tokens = ids});
+//   for each layer l (as the forward finishes it): h->SendLayer(l, table);
+//   h->Commit(state);          // flush, then the commit message, then its answer
+//
+// SendLayer only issues the writes (the forward goes on computing); their
+// completion is collected by Commit, which flushes and is answered only
+// after the data is visible at the receiver. Positions below
+// held_positions() (a prefix the receiver already holds) are not sent.
+// Different block sizes: the layer is packed into the receiver's layout in
+// a registered staging buffer on the caller's thread, then written
+// (layout_copy.h); same block size: blocks are written in place from the
+// pool (no copy).
+//
+// Errors: a dead receiver fails pending calls and the next SendLayer with
+// UNAVAILABLE; a receiver that aborted (lease expired) makes them return
+// ABORTED, and the sender acknowledges the abort once its outstanding
+// writes are flushed; an answer that does not come within `timeout` is
+// DEADLINE_EXCEEDED.
+//
+// Thread safety: KvSender methods from any thread; one Handoff is driven
+// by one thread at a time. The caller keeps the source blocks unchanged
+// and held until Commit or Abort returns. Destroy handoffs, then the
+// sender, then the transport.
+#ifndef PDSERVE_KV_TRANSFER_SENDER_H_
+#define PDSERVE_KV_TRANSFER_SENDER_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "common/kv_cache.h"
+#include "kv_transfer/descriptor.h"
+#include "kv_transfer/metrics.h"
+#include "kv_transfer/transport.h"
+#include "kv_transfer/wire.h"
+
+namespace pdserve::kv {
+
+struct SenderOptions {
+  ModelIdentity model;
+  absl::Duration timeout = absl::Seconds(10);
+};
+
+struct ReserveArgs {
+  int32_t num_positions = 0;     // Positions whose KV is sent (the prompt).
+  int32_t margin_positions = 0;  // Extra room for decode.
+  std::vector<int32_t> prompt_tokens = {};  // For the receiver's prefix lookup.
+};
+
+class KvSender;
+
+class Handoff {
+ public:
+  ~Handoff();  // Aborts a handoff neither committed nor aborted.
+  HandoffId id() const;
+  int32_t held_positions() const;
+  const KvLayoutDescriptor& receiver_layout() const;
+  const std::vector<int32_t>& receiver_blocks() const;
+
+  // Issues the writes of `layer` for positions [held_positions, n) from
+  // the sender's blocks `table` (n = the reserved num_positions).
+  absl::Status SendLayer(int32_t layer, absl::Span<const int32_t> table);
+  // Waits for the writes, flushes, commits; OK once the receiver accepted.
+  absl::Status Commit(kv::Commit state);
+  // Stops, flushes and tells the receiver to free the blocks.
+  absl::Status Abort(absl::Status why);
+
+ private:
+  friend class KvSender;
+  struct State;
+  Handoff(KvSender* sender, std::shared_ptr<State> state) : sender_(sender), state_(std::move(state)) {}
+  KvSender* sender_;
+  std::shared_ptr<State> state_;
+};
+
+class KvSender final : public ConnectionHandler {
+ public:
+  // REQUIRES: `pool` was allocated from transport->region_allocator().
+  KvSender(Transport* transport, BlockPool* pool, SenderOptions options);
+  ~KvSender() override;
+
+  absl::StatusOr<Connection*> Connect(const std::string& host, int port);
+  absl::StatusOr<std::unique_ptr<Handoff>> Reserve(Connection* conn, ReserveArgs args);
+  KvTransferStats metrics() const { return metrics_.Snapshot(); }
+
+  void OnMessage(Connection& c, std::string message) override;
+  void OnDisconnected(Connection& c, absl::Status why) override;
+
+ private:
+  friend class Handoff;
+  struct PendingReserve;
+  void Fail(const std::shared_ptr<Handoff::State>& st, absl::Status why);
+
+  Transport* transport_;
+  BlockPool* pool_;
+  SenderOptions options_;
+  KvLayoutDescriptor layout_;
+  KvTransferMetrics metrics_;
+  // Loop thread only.
+  uint64_t next_tag_ = 1;
+  absl::flat_hash_map<uint64_t, std::shared_ptr<PendingReserve>> reserves_;
+  absl::flat_hash_map<std::pair<Connection*, uint64_t>, std::shared_ptr<Handoff::State>> handoffs_;
+  absl::flat_hash_map<std::pair<Connection*, std::string>, std::shared_ptr<RemoteRegion>> remotes_;
+};
+
+}  // namespace pdserve::kv
+
+#endif  // PDSERVE_KV_TRANSFER_SENDER_H_

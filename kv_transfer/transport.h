@@ -1,0 +1,97 @@
+// The seam between the handoff protocol and the bytes: a Transport owns one
+// progress thread (kv_transfer/event_loop.h) and hands out Connections that
+// carry ordered control messages and one-sided writes into a peer's
+// registered KV pool. Two implementations: UCX (kv_transfer/ucx_transport.h)
+// and an in-process loopback for tests (kv_transfer/loopback_transport.h).
+//
+// Ordering contract (what the protocol relies on): a control message sent
+// after a Flush has completed is delivered after the data of every Put that
+// Flush covered is visible in the peer's memory. UCX gives this for active
+// messages on the same endpoint as the puts; the loopback copies at Put.
+//
+// Registered memory: the pool region itself (region_allocator()), so puts
+// read and write the KV blocks in place. A device-memory pool (later) can
+// keep this interface and stage through pinned host buffers from the same
+// allocator when UCX lacks CUDA support.
+//
+// Thread safety: Transport methods may be called from any thread.
+// Connection methods and every callback (DoneCallback, ConnectionHandler)
+// run on the transport's loop thread only. Connections live as long as
+// their transport.
+#ifndef PDSERVE_KV_TRANSFER_TRANSPORT_H_
+#define PDSERVE_KV_TRANSFER_TRANSPORT_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "common/kv_cache.h"
+#include "kv_transfer/event_loop.h"
+
+namespace pdserve::kv {
+
+using DoneCallback = std::function<void(absl::Status)>;
+
+// A peer's registered region, resolved for writing through one connection.
+class RemoteRegion {
+ public:
+  virtual ~RemoteRegion() = default;
+};
+
+class Connection {
+ public:
+  virtual ~Connection() = default;
+  // Queues a control message. Failures surface as OnDisconnected.
+  virtual void Send(std::string message) = 0;
+  // Resolves the descriptor the peer made with Transport::PackRegion.
+  virtual absl::StatusOr<std::shared_ptr<RemoteRegion>> ImportRegion(absl::string_view packed) = 0;
+  // Writes `bytes` at `local` to `remote` + `remote_offset`. `local` should
+  // lie in this transport's registered memory (else a slower path).
+  // done (may be null: the next Flush covers the write): OK, or
+  // UNAVAILABLE when the peer is gone.
+  virtual void Put(const void* local, int64_t bytes, RemoteRegion& remote, int64_t remote_offset,
+                   DoneCallback done) = 0;
+  // Completes when every earlier Put is visible at the peer.
+  virtual void Flush(DoneCallback done) = 0;
+  // Graceful close with a shutdown handshake; the peer sees OnDisconnected
+  // with OK.
+  virtual void Close() = 0;
+  virtual bool failed() const = 0;
+  virtual const std::string& name() const = 0;
+};
+
+class ConnectionHandler {
+ public:
+  virtual ~ConnectionHandler() = default;
+  virtual void OnMessage(Connection& c, std::string message) = 0;
+  // Once per connection: OK for a graceful close, else why it failed.
+  virtual void OnDisconnected(Connection& c, absl::Status why) = 0;
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual EventLoop& loop() = 0;
+  // Allocates pool regions (and staging buffers) in registered memory.
+  virtual KvRegionAllocator& region_allocator() = 0;
+  // Remote-access descriptor of a region from region_allocator().
+  virtual absl::StatusOr<std::string> PackRegion(KvRegion& region) = 0;
+  // Accepts connections on host:port (0 = any free port); returns the port.
+  virtual absl::StatusOr<int> Listen(const std::string& host, int port, ConnectionHandler* handler) = 0;
+  // Starts a connection; a peer that is not there shows as OnDisconnected
+  // (or a failed Put) shortly after.
+  virtual absl::StatusOr<Connection*> Connect(const std::string& host, int port,
+                                              ConnectionHandler* handler) = 0;
+  // Stops listening for `handler`, closes its connections gracefully, and
+  // guarantees no callback reaches it after returning (call it before
+  // destroying the handler).
+  virtual void Detach(ConnectionHandler* handler) = 0;
+};
+
+}  // namespace pdserve::kv
+
+#endif  // PDSERVE_KV_TRANSFER_TRANSPORT_H_

@@ -1,0 +1,421 @@
+// The handoff protocol over the in-process loopback transport: data lands
+// byte-identical, layouts are checked and converted, prefixes are not
+// re-sent, leases expire into quarantine, and errors carry the right codes.
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <thread>
+
+#include "absl/synchronization/mutex.h"
+#include "common/block_hash.h"
+#include "gtest/gtest.h"
+#include "kv_transfer/layout_copy.h"
+#include "kv_transfer/loopback_transport.h"
+#include "kv_transfer/receiver.h"
+#include "kv_transfer/sender.h"
+#include "kv_transfer/wire.h"
+
+namespace pdserve::kv {
+namespace {
+
+const ModelIdentity kModel = HashBytes("handoff-test-model");
+
+KvCacheSpec Spec(DType dtype, int32_t block_size, int32_t num_blocks, int32_t head_dim = 8) {
+  return {.num_layers = 3, .num_kv_heads = 2, .head_dim = head_dim, .block_size = block_size,
+          .dtype = dtype, .num_blocks = num_blocks};
+}
+
+void FillRandom(KvRegion& region, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  auto* p = static_cast<uint64_t*>(region.data());
+  for (size_t i = 0; i < region.size() / 8; ++i) p[i] = rng();
+}
+
+std::vector<int32_t> Tokens(int32_t n, int32_t offset = 0) {
+  std::vector<int32_t> t(n);
+  for (int32_t i = 0; i < n; ++i) t[i] = 1 + (i + offset) % 50;
+  return t;
+}
+
+// Polls `pred` for up to 5 s (for effects of messages between threads).
+template <typename P>
+bool Eventually(P pred) {
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (std::chrono::steady_clock::now() < end) {
+    if (pred()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return pred();
+}
+
+class FakeClock {
+ public:
+  absl::Time Now() {
+    absl::MutexLock lock(&mu_);
+    return now_;
+  }
+  void Advance(absl::Duration d) {
+    absl::MutexLock lock(&mu_);
+    now_ += d;
+  }
+
+ private:
+  absl::Mutex mu_;
+  absl::Time now_ = absl::FromUnixSeconds(1000);
+};
+
+// Speaks the raw protocol to the receiver.
+class RawClient : public ConnectionHandler {
+ public:
+  void OnMessage(Connection&, std::string message) override {
+    absl::MutexLock lock(&mu_);
+    messages_.push_back(*Decode(message));
+  }
+  void OnDisconnected(Connection&, absl::Status) override {}
+  template <typename T>
+  T Await() {
+    absl::MutexLock lock(&mu_);
+    mu_.AwaitWithTimeout(absl::Condition(
+                             +[](std::vector<Message>* m) {
+                               for (auto& x : *m) if (std::holds_alternative<T>(x)) return true;
+                               return false;
+                             },
+                             &messages_),
+                         absl::Seconds(5));
+    for (auto it = messages_.begin(); it != messages_.end(); ++it) {
+      if (std::holds_alternative<T>(*it)) {
+        T t = std::get<T>(*it);
+        messages_.erase(it);
+        return t;
+      }
+    }
+    ADD_FAILURE() << "no answer";
+    return T{};
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<Message> messages_ ABSL_GUARDED_BY(mu_);
+};
+
+struct Side {
+  std::unique_ptr<LoopbackTransport> transport;
+  std::unique_ptr<BlockPool> pool;
+};
+
+class HandoffTest : public ::testing::Test {
+ protected:
+  void SetUp(const KvCacheSpec& sender_spec, const KvCacheSpec& receiver_spec,
+             absl::Duration lease = absl::Seconds(30)) {
+    sender_.transport = std::make_unique<LoopbackTransport>(&net_, "prefill");
+    receiver_.transport = std::make_unique<LoopbackTransport>(&net_, "decode");
+    sender_.pool = *BlockPool::Create(sender_spec, &sender_.transport->region_allocator());
+    receiver_.pool = *BlockPool::Create(receiver_spec, &receiver_.transport->region_allocator());
+    FillRandom(sender_.pool->region(), 7);
+    ReceiverOptions ro{.model = kModel, .lease = lease,
+                       .lease_check_period = absl::Hours(1),
+                       .clock = [this] { return clock_.Now(); }};
+    receiver_obj_ = *KvReceiver::Create(receiver_.transport.get(), receiver_.pool.get(), &pool_mu_, ro,
+                                        [this](CommittedSequence s) {
+                                          absl::MutexLock lock(&committed_mu_);
+                                          committed_.push_back(std::move(s));
+                                        });
+    port_ = *receiver_obj_->Listen("127.0.0.1", 0);
+    sender_obj_ = std::make_unique<KvSender>(sender_.transport.get(), sender_.pool.get(),
+                                             SenderOptions{.model = kModel, .timeout = absl::Seconds(5)});
+    conn_ = *sender_obj_->Connect("127.0.0.1", port_);
+  }
+
+  void TearDown() override {
+    {
+      absl::MutexLock lock(&committed_mu_);
+      absl::MutexLock pool_lock(&pool_mu_);
+      for (auto& c : committed_) c.kv.Release(*receiver_.pool);
+      committed_.clear();
+    }
+    sender_obj_.reset();
+    receiver_obj_.reset();
+  }
+
+  // A sender sequence of n positions.
+  SequenceKv SenderSequence(int32_t n) {
+    SequenceKv s;
+    EXPECT_TRUE(s.Reserve(*sender_.pool, n).ok());
+    s.SetNumPositions(n);
+    return s;
+  }
+
+  kv::Commit CommitState(const std::vector<int32_t>& tokens) {
+    kv::Commit c;
+    c.num_positions = static_cast<int32_t>(tokens.size());
+    c.tokens = tokens;
+    c.first_token = 42;
+    c.first_logprob = -0.5f;
+    c.top_logprobs = {{42, -0.5f}, {7, -1.25f}};
+    c.sampling.temperature = 0.7f;
+    c.sampling.top_k = 20;
+    c.sampling.seed = 1234;
+    c.sampling.stop_token_ids = {2, 3};
+    c.seed = 1234;
+    c.generated = 1;
+    return c;
+  }
+
+  // Moves n positions; returns the committed sequence's checksums beside
+  // the sender's (grouped by 4 positions).
+  void MoveAndCheck(int32_t n, int32_t expected_held = 0) {
+    SequenceKv seq = SenderSequence(n);
+    const std::vector<int32_t> tokens = Tokens(n);
+    auto h = sender_obj_->Reserve(conn_, {.num_positions = n, .margin_positions = 3, .prompt_tokens = tokens});
+    ASSERT_TRUE(h.ok()) << h.status();
+    EXPECT_EQ((*h)->held_positions(), expected_held);
+    for (int32_t l = 0; l < sender_.pool->spec().num_layers; ++l) {
+      ASSERT_TRUE((*h)->SendLayer(l, seq.block_table()).ok());
+    }
+    ASSERT_TRUE((*h)->Commit(CommitState(tokens)).ok());
+    absl::MutexLock lock(&committed_mu_);
+    ASSERT_EQ(committed_.size(), 1u);
+    const CommittedSequence& got = committed_.back();
+    EXPECT_EQ(got.kv.num_positions(), n);
+    EXPECT_GE(got.kv.capacity(receiver_.pool->spec().block_size), n + 3);
+    EXPECT_EQ(got.state.tokens, tokens);
+    EXPECT_EQ(got.state.first_token, 42);
+    EXPECT_EQ(got.state.top_logprobs.size(), 2u);
+    EXPECT_EQ(got.state.sampling.top_k, 20);
+    EXPECT_EQ(got.state.sampling.seed, std::optional<uint64_t>(1234));
+    EXPECT_EQ(got.state.sampling.stop_token_ids, (std::vector<int32_t>{2, 3}));
+    const auto want = PositionChecksums(sender_.pool->spec(), static_cast<char*>(sender_.pool->region().data()),
+                                        seq.block_table(), expected_held, n, 4);
+    absl::MutexLock pool_lock(&pool_mu_);
+    const auto have = PositionChecksums(receiver_.pool->spec(),
+                                        static_cast<char*>(receiver_.pool->region().data()),
+                                        got.kv.block_table(), expected_held, n, 4);
+    EXPECT_EQ(want, have);
+    seq.Release(*sender_.pool);
+  }
+
+  LoopbackNetwork net_;
+  FakeClock clock_;
+  RawClient raw_;  // Outlives the transports: their connections may call it.
+  Side sender_, receiver_;
+  absl::Mutex pool_mu_;
+  absl::Mutex committed_mu_;
+  std::vector<CommittedSequence> committed_;
+  std::unique_ptr<KvReceiver> receiver_obj_;
+  std::unique_ptr<KvSender> sender_obj_;
+  Connection* conn_ = nullptr;
+  int port_ = 0;
+};
+
+class HandoffDTypeTest : public HandoffTest, public ::testing::WithParamInterface<DType> {};
+
+TEST_P(HandoffDTypeTest, SameBlockSizeLandsByteIdentical) {
+  SetUp(Spec(GetParam(), 4, 32), Spec(GetParam(), 4, 40));
+  MoveAndCheck(23);
+  EXPECT_EQ(receiver_obj_->metrics().transfers, 1);
+  EXPECT_EQ(sender_obj_->metrics().bytes, 6 * 3 * sender_.pool->spec().LayerBlockBytes());
+}
+
+TEST_P(HandoffDTypeTest, SmallerReceiverBlocksAreConverted) {
+  SetUp(Spec(GetParam(), 8, 16), Spec(GetParam(), 4, 40));
+  MoveAndCheck(21);
+}
+
+TEST_P(HandoffDTypeTest, LargerReceiverBlocksAreConverted) {
+  SetUp(Spec(GetParam(), 4, 32), Spec(GetParam(), 16, 8));
+  MoveAndCheck(37);
+}
+
+INSTANTIATE_TEST_SUITE_P(KvDTypes, HandoffDTypeTest, ::testing::Values(DType::kF32, DType::kBF16, DType::kI8),
+                         [](const auto& info) { return std::string(DTypeName(info.param)); });
+
+TEST_F(HandoffTest, IncompatibleLayoutsAreRefusedBeforeAnyByteMoves) {
+  SetUp(Spec(DType::kBF16, 4, 16, /*head_dim=*/8), Spec(DType::kBF16, 4, 16, /*head_dim=*/16));
+  auto h = sender_obj_->Reserve(conn_, {.num_positions = 5});
+  EXPECT_EQ(h.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(h.status().message().find("head dim differs (sender 8, receiver 16)"), std::string::npos)
+      << h.status();
+  EXPECT_EQ(receiver_.pool->num_free(), 16);
+  EXPECT_EQ(sender_obj_->metrics().bytes, 0);
+}
+
+TEST_F(HandoffTest, DifferentDTypeOrModelIsRefused) {
+  SetUp(Spec(DType::kBF16, 4, 16), Spec(DType::kI8, 4, 16));
+  auto h = sender_obj_->Reserve(conn_, {.num_positions = 5});
+  EXPECT_EQ(h.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(h.status().message().find("KV dtype differs (sender bf16, receiver int8)"), std::string::npos);
+  KvLayoutDescriptor a = KvLayoutDescriptor::FromSpec(Spec(DType::kF32, 4, 1), kModel);
+  KvLayoutDescriptor b = a;
+  b.model = HashBytes("other");
+  EXPECT_NE(CheckCompatible(a, b).message().find("model identity differs"), std::string::npos);
+  b = a;
+  b.protocol_version = 2;
+  EXPECT_NE(CheckCompatible(a, b).message().find("protocol version differs"), std::string::npos);
+  b = a;
+  b.block_size = 32;
+  EXPECT_TRUE(CheckCompatible(a, b).ok());
+}
+
+TEST_F(HandoffTest, PrefixTheReceiverHoldsIsNotSentAgain) {
+  SetUp(Spec(DType::kF32, 4, 32), Spec(DType::kF32, 4, 32));
+  const std::vector<int32_t> tokens = Tokens(14);
+  // The receiver already holds the first two blocks of this prompt.
+  std::vector<int32_t> held;
+  {
+    absl::MutexLock lock(&pool_mu_);
+    const BlockHasher hasher(kModel, DType::kF32, 4);
+    const auto hashes = hasher.FullBlockHashes(tokens);
+    auto blocks = *receiver_.pool->Allocate(2);
+    for (int i = 0; i < 2; ++i) {
+      receiver_.pool->MarkCached(blocks[i], hashes[i]);
+      held.push_back(blocks[i].value);
+      for (int l = 0; l < 3; ++l) {
+        std::memset(receiver_.pool->BlockData(l, blocks[i]), 0x5a, receiver_.pool->spec().LayerBlockBytes());
+      }
+      receiver_.pool->Release(blocks[i]);  // Cached, unreferenced.
+    }
+  }
+  MoveAndCheck(14, /*expected_held=*/8);
+  // Only blocks 2 and 3 of 3 layers moved; the held blocks kept their bytes.
+  EXPECT_EQ(sender_obj_->metrics().bytes, 2 * 3 * receiver_.pool->spec().LayerBlockBytes());
+  absl::MutexLock lock(&committed_mu_);
+  EXPECT_EQ(committed_[0].kv.block_table()[0], held[0]);
+  EXPECT_EQ(committed_[0].kv.block_table()[1], held[1]);
+  EXPECT_EQ(static_cast<unsigned char*>(receiver_.pool->BlockData(2, BlockId{held[1]}))[5], 0x5a);
+}
+
+TEST_F(HandoffTest, ReservationLargerThanTheFreePoolIsResourceExhausted) {
+  SetUp(Spec(DType::kF32, 4, 32), Spec(DType::kF32, 4, 8));
+  auto h = sender_obj_->Reserve(conn_, {.num_positions = 30, .margin_positions = 8});
+  EXPECT_EQ(h.status().code(), absl::StatusCode::kResourceExhausted) << h.status();
+  EXPECT_EQ(receiver_.pool->num_free(), 8);
+}
+
+TEST_F(HandoffTest, ExpiredLeaseQuarantinesUntilTheSenderAcknowledges) {
+  SetUp(Spec(DType::kF32, 4, 32), Spec(DType::kF32, 4, 10), absl::Seconds(2));
+  SequenceKv seq = SenderSequence(20);
+  auto h = sender_obj_->Reserve(conn_, {.num_positions = 20});
+  ASSERT_TRUE(h.ok()) << h.status();
+  sender_.transport->HoldPutCompletions();  // The sender is stuck mid-stream.
+  ASSERT_TRUE((*h)->SendLayer(0, seq.block_table()).ok());
+  clock_.Advance(absl::Seconds(3));
+  receiver_obj_->CheckLeases();
+  ASSERT_TRUE(Eventually([&] { return sender_obj_->metrics().aborts == 1; }));
+  EXPECT_EQ(receiver_obj_->stats().quarantined, 1);
+  EXPECT_EQ(receiver_obj_->stats().quarantined_blocks, 5);
+  EXPECT_EQ(receiver_obj_->metrics().leases_expired, 1);
+  // Not reused before the ack: a reservation that needs them is refused.
+  {
+    absl::MutexLock lock(&pool_mu_);
+    EXPECT_EQ(receiver_.pool->num_free(), 5);
+  }
+  auto other = sender_obj_->Reserve(conn_, {.num_positions = 40});
+  EXPECT_EQ(other.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ((*h)->SendLayer(1, seq.block_table()).code(), absl::StatusCode::kAborted);
+  sender_.transport->ReleasePutCompletions();  // Writes drain, flush, ack.
+  ASSERT_TRUE(Eventually([&] { return receiver_obj_->stats().quarantined == 0; }));
+  {
+    absl::MutexLock lock(&pool_mu_);
+    EXPECT_EQ(receiver_.pool->num_free(), 10);
+  }
+  EXPECT_EQ((*h)->Commit(CommitState(Tokens(20))).code(), absl::StatusCode::kAborted);
+  seq.Release(*sender_.pool);
+}
+
+TEST_F(HandoffTest, CommitForUnknownOrExpiredHandoffIsRefused) {
+  SetUp(Spec(DType::kF32, 4, 32), Spec(DType::kF32, 4, 32), absl::Seconds(2));
+  RawClient& raw = raw_;
+  Connection* c = *sender_.transport->Connect("127.0.0.1", port_, &raw);
+  auto send = [&](const Message& m) { sender_.transport->loop().RunSync([&] { c->Send(Encode(m)); }); };
+  kv::Commit commit = CommitState(Tokens(4));
+  commit.id = HandoffId{999};
+  send(commit);
+  CommitReply r = raw.Await<CommitReply>();
+  EXPECT_EQ(r.code, static_cast<int32_t>(absl::StatusCode::kNotFound));
+  EXPECT_NE(r.message.find("unknown handoff id 999"), std::string::npos);
+
+  ReserveRequest req;
+  req.tag = 1;
+  req.sender = KvLayoutDescriptor::FromSpec(Spec(DType::kF32, 4, 32), kModel);
+  req.num_positions = 4;
+  send(req);
+  ReserveReply rr = raw.Await<ReserveReply>();
+  ASSERT_EQ(rr.code, 0) << rr.message;
+  clock_.Advance(absl::Seconds(3));
+  receiver_obj_->CheckLeases();
+  Abort abort = raw.Await<Abort>();
+  EXPECT_EQ(abort.code, static_cast<int32_t>(absl::StatusCode::kDeadlineExceeded));
+  commit.id = rr.id;
+  send(commit);
+  r = raw.Await<CommitReply>();
+  EXPECT_EQ(r.code, static_cast<int32_t>(absl::StatusCode::kFailedPrecondition));
+  EXPECT_EQ(receiver_obj_->stats().quarantined, 1);
+  send(AbortAck{rr.id});
+  ASSERT_TRUE(Eventually([&] { return receiver_obj_->stats().quarantined == 0; }));
+  absl::MutexLock lock(&pool_mu_);
+  EXPECT_EQ(receiver_.pool->num_free(), 32);
+}
+
+TEST_F(HandoffTest, DeadReceiverFailsTheSenderWithUnavailable) {
+  SetUp(Spec(DType::kF32, 4, 32), Spec(DType::kF32, 4, 32));
+  SequenceKv seq = SenderSequence(12);
+  auto h = sender_obj_->Reserve(conn_, {.num_positions = 12});
+  ASSERT_TRUE(h.ok());
+  ASSERT_TRUE((*h)->SendLayer(0, seq.block_table()).ok());
+  receiver_.transport->Break();
+  EXPECT_EQ((*h)->Commit(CommitState(Tokens(12))).code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ((*h)->SendLayer(1, seq.block_table()).code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(sender_obj_->Reserve(conn_, {.num_positions = 4}).status().code(), absl::StatusCode::kUnavailable);
+  seq.Release(*sender_.pool);
+}
+
+TEST_F(HandoffTest, DeadSenderFreesItsReservation) {
+  SetUp(Spec(DType::kF32, 4, 32), Spec(DType::kF32, 4, 32));
+  SequenceKv seq = SenderSequence(12);
+  auto h = sender_obj_->Reserve(conn_, {.num_positions = 12});
+  ASSERT_TRUE(h.ok());
+  ASSERT_TRUE((*h)->SendLayer(0, seq.block_table()).ok());
+  EXPECT_EQ(receiver_obj_->stats().active, 1);
+  sender_.transport->Break();
+  ASSERT_TRUE(Eventually([&] { return receiver_obj_->stats().active == 0; }));
+  EXPECT_EQ(receiver_obj_->metrics().failures, 1);
+  absl::MutexLock lock(&pool_mu_);
+  EXPECT_EQ(receiver_.pool->num_free(), 32);
+  seq.Release(*sender_.pool);
+}
+
+TEST_F(HandoffTest, SenderAbortFreesAtOnce) {
+  SetUp(Spec(DType::kF32, 4, 32), Spec(DType::kF32, 4, 32));
+  auto h = sender_obj_->Reserve(conn_, {.num_positions = 12});
+  ASSERT_TRUE(h.ok());
+  EXPECT_TRUE((*h)->Abort(absl::CancelledError("client went away")).ok());
+  EXPECT_EQ(receiver_obj_->stats().active, 0);
+  absl::MutexLock lock(&pool_mu_);
+  EXPECT_EQ(receiver_.pool->num_free(), 32);
+}
+
+TEST(WireTest, RoundTripAndMalformed) {
+  kv::Commit c;
+  c.id = HandoffId{5};
+  c.request_id = "req-7";
+  c.num_positions = 2;
+  c.tokens = {9, 8};
+  c.sampling.seed = 77;
+  c.sampling.top_p = 0.5f;
+  std::string bytes = Encode(c);
+  auto back = Decode(bytes);
+  ASSERT_TRUE(back.ok());
+  const auto& d = std::get<kv::Commit>(*back);
+  EXPECT_EQ(d.tokens, c.tokens);
+  EXPECT_EQ(d.request_id, "req-7");
+  EXPECT_EQ(d.sampling.seed, std::optional<uint64_t>(77));
+  EXPECT_EQ(d.sampling.top_p, 0.5f);
+  for (size_t cut = 0; cut < bytes.size(); ++cut) {
+    EXPECT_FALSE(Decode(absl::string_view(bytes).substr(0, cut)).ok()) << cut;
+  }
+  EXPECT_FALSE(Decode(std::string("\x63", 1)).ok());
+}
+
+}  // namespace
+}  // namespace pdserve::kv

@@ -338,6 +338,7 @@ absl::StatusOr<ForwardResult> Model::Forward(BlockPool& pool,
     const kernels::KvLayerView kv = pool.LayerView(static_cast<int32_t>(l));
     backend_->WriteKv(kv, static_cast<int32_t>(c.num_kv_heads), H, k_.data(), v_.data(), T,
                       blocks.data(), slots.data());
+    if (options.on_layer_kv_written) options.on_layer_kv_written(static_cast<int32_t>(l));
     const auto attention_start = std::chrono::steady_clock::now();
     backend_->Attention(kernels::AttentionBatch{
         .q = q_.data(),

@@ -15,6 +15,7 @@
 #ifndef PDSERVE_COMMON_MODEL_H_
 #define PDSERVE_COMMON_MODEL_H_
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -49,6 +50,10 @@ struct ForwardOptions {
   // Decode batches read blocks shared by several sequences once for all of
   // them (cascade attention); off only to measure what it saves.
   bool group_shared_kv = true;
+  // Called after layer l's new K/V are in the cache (and before its
+  // attention), so a KV handoff can stream the layer while later layers
+  // still compute. Runs on the calling thread.
+  std::function<void(int32_t layer)> on_layer_kv_written;
 };
 
 struct ForwardResult {

@@ -151,7 +151,23 @@ absl::StatusOr<bool> BatchEngine::Step() {
                      ends ? LogitsMode::kLast : LogitsMode::kNone});
   }
   if (batch.empty()) {
-    // Nothing runs and the first waiting context does not fit in the pool.
+    // Nothing runs and the first waiting context does not fit. If later
+    // waiting sequences hold blocks (partial prefills), free them (they
+    // prefill again later) so the queue's head can go first.
+    bool freed = false;
+    for (size_t j = 1; j < waiting_.size(); ++j) {
+      Seq& w = *waiting_[j];
+      if (w.kv.block_table().empty()) continue;
+      w.kv.Release(pool_);
+      w.fed = 0;
+      freed = true;
+    }
+    if (freed) {
+      absl::MutexLock lock(&mu_);
+      ++stats_.preemptions;
+      return true;
+    }
+    // Alone in the pool and still too big.
     std::unique_ptr<Seq> s = std::move(waiting_.front());
     waiting_.pop_front();
     Finish(*s, absl::ResourceExhaustedError(absl::StrCat(

@@ -1,34 +1,44 @@
 #!/usr/bin/env bash
-# The main job. Installs and builds what is missing, then runs what pdserve
-# runs today: an in-process generation with the embedded default model
-# (deploy/models/kjv-tiny, a small Llama-architecture model the repository
-# trained itself on the King James Bible), streamed as it is produced, plus
-# a chat-template round. The local router/prefill/decode cluster replaces
-# this once it exists.
+# The main job. Installs and builds what is missing, starts a local pdserve
+# cluster on loopback — a router, a prefill worker and a decode worker, with
+# the KV cache handed from one to the other over UCX — on the embedded
+# default model (deploy/models/kjv-tiny, a small Llama-architecture model the
+# repository trained itself on the King James Bible), waits until all three
+# serve, and streams a sample generation and a chat turn through it.
+#
+# Options go to deploy/cluster.sh start: --prefill N, --decode M,
+# --colocated, --pin (prefill on core 0, decode on core 1). The cluster keeps
+# running afterwards; stop it with deploy/cluster.sh stop.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 deploy/bootstrap.sh
 BUILD_DIR=${PDSERVE_BUILD_DIR:-build}
 PDCTL="$BUILD_DIR/tools/pdctl/pdctl"
-MODEL=${PDSERVE_MODEL:-deploy/models/kjv-tiny}
 PROMPT=${PDSERVE_PROMPT:-"And God said, Let there be"}
-THREADS=$(nproc)
+STATE=${PDSERVE_CLUSTER_DIR:-/tmp/pdserve-cluster}
 
 echo
-echo "== pdserve: in-process generation with $MODEL =="
+echo "== starting a local cluster =="
+deploy/cluster.sh start "$@"
+ROUTER=$(cat "$STATE/router.address")
+"$PDCTL" status --router "$ROUTER"
+
+echo
+echo "== generation through the cluster (router $ROUTER) =="
 echo "prompt: $PROMPT"
 echo "--------"
 printf '%s' "$PROMPT"
-"$PDCTL" generate --model "$MODEL" --prompt "$PROMPT" --max-tokens 60 \
-  --temperature 0.7 --top-p 0.9 --seed 42 --threads "$THREADS"
+"$PDCTL" generate --router "$ROUTER" --prompt "$PROMPT" --max-tokens 60 --temperature 0.7 --top-p 0.9 --seed 42
 echo "--------"
 echo
-echo "== chat (ChatML template from the model's tokenizer_config.json) =="
+echo "== a chat turn (the model's ChatML template, rendered by the router) =="
 MESSAGES=$(mktemp)
 trap 'rm -f "$MESSAGES"' EXIT
 echo '[{"role": "user", "content": "Who was the father of Isaac?"}]' > "$MESSAGES"
-"$PDCTL" chat-template --model "$MODEL" --messages-file "$MESSAGES" --add-generation-prompt
-"$PDCTL" generate --model "$MODEL" --chat-json "$MESSAGES" --max-tokens 40 --seed 7 \
-  --temperature 0.7 --threads "$THREADS"
+"$PDCTL" generate --router "$ROUTER" --chat-json "$MESSAGES" --max-tokens 40 --seed 7 --temperature 0.7
 echo
-echo "More: $PDCTL help   (tokenize, logits, bench-engine, bench-tokenizer, ...)"
+echo "The cluster is still running (logs in $STATE):"
+echo "  $PDCTL generate --router $ROUTER --prompt 'In the beginning' --max-tokens 40"
+echo "  $PDCTL status --router $ROUTER"
+echo "  gRPC: pdserve.v1.Generation at $ROUTER (server reflection and grpc.health.v1 are on)"
+echo "  stop: deploy/cluster.sh stop"

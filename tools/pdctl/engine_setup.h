@@ -22,6 +22,9 @@ struct EngineOptions {
   int threads = 1;
   int block_size = 16;
   int64_t kv_positions = 0;  // Pool capacity in positions (rounded up to blocks).
+  // Where the pool's region comes from (e.g. UCX-registered memory for a
+  // KV handoff); null: ordinary host memory.
+  KvRegionAllocator* allocator = nullptr;
 };
 
 struct Engine {

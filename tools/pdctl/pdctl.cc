@@ -22,6 +22,8 @@
 #include "absl/strings/str_split.h"
 #include "common/synthetic_model.h"
 #include "tools/pdctl/bench_engine.h"
+#include "tools/pdctl/bench_kv.h"
+#include "tools/pdctl/cluster_commands.h"
 #include "tools/pdctl/commands.h"
 #include "tools/pdctl/plan_command.h"
 #include "tools/pdctl/tokenizer_commands.h"
@@ -64,6 +66,8 @@ ABSL_FLAG(std::string, chat_template_family, "",
           "chat-template / generate: override the recognised family (chatml, qwen3, qwen2.5, llama3, llama2, zephyr)");
 ABSL_FLAG(std::string, prompt, "", "generate: prompt text (encoded with the tokenizer's special tokens)");
 ABSL_FLAG(std::string, chat_json, "", "generate: chat messages file, rendered with the chat template");
+ABSL_FLAG(std::string, router, "", "generate / status / bench: a router's address (host:port) instead of in-process");
+ABSL_FLAG(double, timeout, 0, "generate --router: deadline in seconds (0: none)");
 ABSL_FLAG(std::vector<std::string>, stop, {}, "generate: comma-separated stop strings");
 ABSL_FLAG(std::string, corpus, "tests/fixtures/tokenizers/corpus.jsonl",
           "bench-tokenizer: JSONL corpus of strings");
@@ -136,6 +140,49 @@ absl::StatusOr<std::optional<uint64_t>> SeedFlag() {
   return std::optional<uint64_t>(v);
 }
 
+// `pdctl generate --router ADDR`: the same request, served by a cluster.
+absl::Status RunRemoteGenerate(const std::string& prompt, const std::string& chat, const std::string& prompt_ids) {
+  v1::GenerateRequest r;
+  if (!prompt_ids.empty()) {
+    absl::StatusOr<std::vector<int32_t>> ids = ParseIds("prompt-ids", prompt_ids);
+    if (!ids.ok()) return ids.status();
+    r.mutable_token_ids()->mutable_ids()->Assign(ids->begin(), ids->end());
+  } else if (!prompt.empty()) {
+    r.set_text(prompt);
+  } else {
+    absl::StatusOr<std::string> json = ReadFileToString(chat);
+    if (!json.ok()) return json.status();
+    auto messages = tok::ParseChatMessages(*json);
+    if (!messages.ok()) return absl::InvalidArgumentError(absl::StrCat(chat, ": ", messages.status().message()));
+    for (const auto& m : *messages) {
+      v1::ChatMessage* cm = r.mutable_chat()->add_messages();
+      cm->set_role(m.role);
+      cm->set_content(m.content);
+    }
+  }
+  r.set_max_tokens(absl::GetFlag(FLAGS_max_tokens));
+  v1::SamplingParams* s = r.mutable_sampling();
+  s->set_temperature(absl::GetFlag(FLAGS_temperature));
+  s->set_top_k(absl::GetFlag(FLAGS_top_k));
+  s->set_top_p(absl::GetFlag(FLAGS_top_p));
+  s->set_min_p(absl::GetFlag(FLAGS_min_p));
+  s->set_repetition_penalty(absl::GetFlag(FLAGS_repetition_penalty));
+  s->set_presence_penalty(absl::GetFlag(FLAGS_presence_penalty));
+  absl::StatusOr<std::optional<uint64_t>> seed = SeedFlag();
+  if (!seed.ok()) return seed.status();
+  if (seed->has_value()) s->set_seed(**seed);
+  for (const std::string& stop : absl::GetFlag(FLAGS_stop)) r.add_stop(stop);
+  const std::string stops = absl::GetFlag(FLAGS_stop_token_ids);
+  if (!stops.empty()) {
+    absl::StatusOr<std::vector<int32_t>> ids = ParseIds("stop-token-ids", stops);
+    if (!ids.ok()) return ids.status();
+    r.mutable_stop_token_ids()->Assign(ids->begin(), ids->end());
+  }
+  r.set_ignore_eos(absl::GetFlag(FLAGS_ignore_eos));
+  r.set_logprobs(absl::GetFlag(FLAGS_logprobs));
+  return RemoteGenerate(absl::GetFlag(FLAGS_router), r, !prompt_ids.empty(), absl::GetFlag(FLAGS_timeout));
+}
+
 absl::Status RunGenerate() {
   const std::string prompt = absl::GetFlag(FLAGS_prompt);
   const std::string chat = absl::GetFlag(FLAGS_chat_json);
@@ -143,6 +190,7 @@ absl::Status RunGenerate() {
   if ((!prompt.empty()) + (!chat.empty()) + (!prompt_ids.empty()) != 1) {
     return absl::InvalidArgumentError("give exactly one of --prompt, --chat-json, --prompt-ids");
   }
+  if (!absl::GetFlag(FLAGS_router).empty()) return RunRemoteGenerate(prompt, chat, prompt_ids);
   TextOutput text;
   std::unique_ptr<tok::Tokenizer> tokenizer;
   absl::StatusOr<std::vector<int32_t>> ids;
@@ -303,13 +351,16 @@ constexpr char kUsage[] =
     "pdctl COMMAND [flags]\n"
     "commands:\n"
     "  logits    print logits (one JSON array per position) for --token-ids\n"
-    "  generate  generation from --prompt-ids (greedy unless --temperature > 0), prints the ids\n"
+    "  generate  generation from --prompt, --chat-json or --prompt-ids (greedy unless --temperature > 0);\n"
+    "            in-process, or through a cluster with --router HOST:PORT\n"
+    "  status    a cluster's pools, workers and load (--router HOST:PORT)\n"
     "  tokenize      ids of --text (or --text-file [--jsonl]) as JSON [--add-special-tokens]\n"
     "  detokenize    text of --ids [--skip-special-tokens]\n"
     "  chat-template render --messages-file with the model's chat template, print text and ids\n"
     "  bench-tokenizer  encode/decode MB/s beside the npm reference when installed\n"
     "  make-model    write a random-weight model (--shape 125m|tiny --dtype f32|bf16 --out DIR)\n"
     "  bench-engine  prefill and decode speed beside the machine's measured limits\n"
+    "  bench-kv      KV handoff between two processes over UCX beside raw UCX puts [--with-prefill]\n"
     "  plan          capacity model of a deployment from --config FILE [--json]\n"
     "  help      this text; `pdctl COMMAND --help` lists the flags\n";
 
@@ -348,6 +399,10 @@ int main(int argc, char** argv) {
   absl::Status status;
   if (command == "logits") {
     status = RunLogits();
+  } else if (command == "status") {
+    status = absl::GetFlag(FLAGS_router).empty()
+                 ? absl::InvalidArgumentError("status needs --router HOST:PORT")
+                 : RemoteStatus(absl::GetFlag(FLAGS_router), absl::GetFlag(FLAGS_json));
   } else if (command == "generate") {
     status = RunGenerate();
   } else if (command == "tokenize") {
@@ -363,6 +418,14 @@ int main(int argc, char** argv) {
     status = RunMakeModel();
   } else if (command == "bench-engine") {
     status = RunBenchEngineCommand();
+  } else if (command == "bench-kv") {
+    BenchKvCommon kv;
+    kv.model_dir = absl::GetFlag(FLAGS_model);
+    if (!absl::GetFlag(FLAGS_kv).empty()) kv.kv = absl::GetFlag(FLAGS_kv);
+    kv.block_size = absl::GetFlag(FLAGS_block_size);
+    kv.threads = absl::GetFlag(FLAGS_threads);
+    kv.json = absl::GetFlag(FLAGS_json);
+    status = RunBenchKv(kv);
   } else if (command == "plan") {
     status = RunPlan(absl::GetFlag(FLAGS_config), absl::GetFlag(FLAGS_json));
   } else {

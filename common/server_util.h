@@ -1,0 +1,30 @@
+// Small pieces every pdserve server binary shares: structured log lines,
+// the ready file, loopback address checks and signal handling.
+#ifndef PDSERVE_COMMON_SERVER_UTIL_H_
+#define PDSERVE_COMMON_SERVER_UTIL_H_
+
+#include <initializer_list>
+#include <string>
+#include <utility>
+
+#include "absl/status/status.h"
+
+namespace pdserve {
+
+// One JSON object per line on stderr: {"ts":..,"level":..,"event":..,k:v..}.
+void LogEvent(const char* level, const char* event,
+              std::initializer_list<std::pair<const char*, std::string>> fields = {});
+
+// Writes `json` to `path` atomically (temp file + rename), for supervisors
+// and tests that wait for a server to be ready and need its ports.
+absl::Status WriteReadyFile(const std::string& path, const std::string& json);
+
+// Blocks SIGINT and SIGTERM in the calling thread (call first in main, so
+// every thread inherits the mask) and returns; WaitForShutdownSignal then
+// waits for one of them and returns its number.
+void BlockShutdownSignals();
+int WaitForShutdownSignal();
+
+}  // namespace pdserve
+
+#endif  // PDSERVE_COMMON_SERVER_UTIL_H_

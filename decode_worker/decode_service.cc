@@ -1,0 +1,260 @@
+#include "decode_worker/decode_service.h"
+
+#include <chrono>
+#include <cstdio>
+#include <deque>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "proto/convert.h"
+
+namespace pdserve::decode {
+namespace {
+
+using worker::v1::DecodeEvent;
+
+grpc::Status ToGrpc(const absl::Status& s) {
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+}
+
+// Events of one Decode call, filled by the engine thread.
+struct Stream {
+  absl::Mutex mu;
+  std::deque<EngineEvent> events ABSL_GUARDED_BY(mu);
+};
+
+}  // namespace
+
+DecodeService::DecodeService(Model* model, BlockPool* pool, absl::Mutex* pool_mu,
+                             const tok::Tokenizer* tokenizer, DecodeServiceOptions options)
+    : model_(model),
+      pool_(pool),
+      pool_mu_(pool_mu),
+      tokenizer_(tokenizer),
+      options_(std::move(options)),
+      engine_(*model, *pool, options_.engine) {
+  engine_thread_ = std::thread([this] { EngineLoop(); });
+}
+
+DecodeService::~DecodeService() {
+  Shutdown();
+  absl::MutexLock lock(pool_mu_);
+  absl::MutexLock h(&handoff_mu_);
+  for (auto& [id, seq] : committed_) seq.kv.Release(*pool_);
+  committed_.clear();
+}
+
+void DecodeService::Shutdown() {
+  {
+    absl::MutexLock lock(&wake_mu_);
+    if (stop_) return;
+    stop_ = true;
+  }
+  if (engine_thread_.joinable()) engine_thread_.join();
+  failed_ = true;
+}
+
+void DecodeService::Wake() {
+  absl::MutexLock lock(&wake_mu_);
+  work_ = true;
+}
+
+void DecodeService::EngineLoop() {
+  while (true) {
+    {
+      absl::MutexLock lock(&wake_mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(wake_mu_) { return work_ || stop_; };
+      wake_mu_.AwaitWithTimeout(absl::Condition(&ready), absl::Milliseconds(20));
+      if (stop_) return;
+      work_ = false;
+    }
+    while (true) {
+      absl::StatusOr<bool> stepped;
+      {
+        absl::MutexLock lock(pool_mu_);
+        stepped = engine_.Step();
+      }
+      if (!stepped.ok()) {
+        std::fprintf(stderr, "{\"level\":\"error\",\"event\":\"engine_failed\",\"error\":\"%s\"}\n",
+                     std::string(stepped.status().message()).c_str());
+        failed_ = true;
+        return;
+      }
+      if (!*stepped) break;
+      absl::MutexLock lock(&wake_mu_);
+      if (stop_) return;
+    }
+  }
+}
+
+void DecodeService::OnHandoffCommitted(const std::string& request_id, HandedOff seq) {
+  absl::MutexLock lock(&handoff_mu_);
+  auto [it, inserted] = committed_.try_emplace(request_id, std::move(seq));
+  if (!inserted) {
+    // A duplicate commit for a live id: keep the first, free this one.
+    absl::MutexLock pool_lock(pool_mu_);
+    seq.kv.Release(*pool_);
+  }
+}
+
+grpc::Status DecodeService::Decode(grpc::ServerContext* ctx, const worker::v1::DecodeRequest* req,
+                                   grpc::ServerWriter<DecodeEvent>* writer) {
+  if (failed_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "decode engine is not running");
+  const worker::v1::WorkRequest& w = req->request();
+  GenerationRequest gr = rpc::FromWork(w, model_->config().eos_token_ids);
+  if (gr.prompt.empty()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "prompt_ids: empty");
+  for (int32_t id : gr.prompt) {
+    if (id < 0 || id >= model_->config().vocab_size) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, absl::StrCat("prompt_ids: ", id, " is outside the vocabulary"));
+    }
+  }
+  if (absl::Status s = ValidateSamplingParams(gr.params, model_->config().vocab_size); !s.ok()) return ToGrpc(s);
+  if (gr.prompt.size() + gr.params.max_tokens > static_cast<size_t>(model_->config().max_position_embeddings)) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat("max_tokens: prompt (", gr.prompt.size(), ") + max_tokens (", gr.params.max_tokens,
+                                     ") exceeds the context (", model_->config().max_position_embeddings, ")"));
+  }
+  const bool logprobs = gr.params.logprobs > 0;
+  auto gen = std::make_unique<Generation>(std::move(gr), tokenizer_);
+  auto stream = std::make_shared<Stream>();
+  EventSink sink = [stream](const EngineEvent& e) {
+    absl::MutexLock lock(&stream->mu);
+    stream->events.push_back(e);
+  };
+  const uint64_t id = next_id_++;
+  const auto start = std::chrono::steady_clock::now();
+  int32_t completion_tokens = 0;
+  if (req->prefill_here()) {
+    if (!options_.allow_prefill) {
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "this decode worker does not prefill (--prefill-local)");
+    }
+    engine_.SubmitPrefill(id, std::move(gen), std::move(sink));
+  } else {
+    // Wait for the prefill worker's handoff of this request.
+    HandedOff seq;
+    {
+      absl::MutexLock lock(&handoff_mu_);
+      const std::string& rid = w.request_id();
+      auto arrived = [this, &rid]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(handoff_mu_) { return committed_.contains(rid); };
+      const absl::Time deadline = absl::Now() + absl::Seconds(options_.handoff_wait_seconds);
+      while (!arrived()) {
+        if (ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled while waiting for the KV handoff");
+        if (absl::Now() > deadline) {
+          return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                              absl::StrCat("no KV handoff for request ", rid, " within ", options_.handoff_wait_seconds, " s"));
+        }
+        handoff_mu_.AwaitWithTimeout(absl::Condition(&arrived), absl::Milliseconds(50));
+      }
+      auto node = committed_.extract(rid);
+      seq = std::move(node.mapped());
+    }
+    absl::StatusOr<TokenEvent> first = gen->Replay(seq.first);
+    completion_tokens = 1;
+    if (!first.ok() || gen->finished()) {
+      absl::MutexLock lock(pool_mu_);
+      seq.kv.Release(*pool_);
+      if (!first.ok()) return ToGrpc(first.status());
+      DecodeEvent fin;
+      fin.mutable_final()->set_finish_reason(rpc::ToProto(gen->finish()));
+      fin.mutable_final()->set_completion_tokens(completion_tokens);
+      writer->Write(fin);
+      return grpc::Status::OK;
+    }
+    engine_.SubmitDecode(id, std::move(gen), std::move(seq.kv), std::move(sink));
+  }
+  Wake();
+
+  double max_itl = 0, sum_itl = 0;
+  int32_t gaps = 0;
+  auto last = start;
+  double prefill_seconds = 0;
+  while (true) {
+    std::deque<EngineEvent> batch;
+    {
+      absl::MutexLock lock(&stream->mu);
+      auto ready = [&stream]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(stream->mu) { return !stream->events.empty(); };
+      stream->mu.AwaitWithTimeout(absl::Condition(&ready), absl::Milliseconds(100));
+      std::swap(batch, stream->events);
+    }
+    if (ctx->IsCancelled()) {
+      engine_.Cancel(id);
+      Wake();
+      return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the caller");
+    }
+    if (batch.empty()) {
+      if (failed_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "decode engine stopped");
+      continue;
+    }
+    const auto now = std::chrono::steady_clock::now();
+    DecodeEvent out;
+    v1::TokenChunk* chunk = out.mutable_chunk();
+    FinishReason finish = FinishReason::kNone;
+    absl::Status error;
+    for (const EngineEvent& e : batch) {
+      if (!e.status.ok()) {
+        error = e.status;
+        break;
+      }
+      rpc::AppendToken(e.token, logprobs, chunk);
+      ++completion_tokens;
+      if (e.token.finish != FinishReason::kNone) finish = e.token.finish;
+    }
+    if (chunk->token_ids_size() > 0) {
+      const double gap = std::chrono::duration<double>(now - last).count();
+      if (completion_tokens == chunk->token_ids_size() && req->prefill_here()) {
+        prefill_seconds = gap;  // Colocated: the first batch carries the first token.
+      } else {
+        sum_itl += gap;
+        max_itl = std::max(max_itl, gap);
+        ++gaps;
+      }
+      last = now;
+      if (!writer->Write(out)) {
+        engine_.Cancel(id);
+        Wake();
+        return grpc::Status(grpc::StatusCode::CANCELLED, "the caller went away");
+      }
+    }
+    if (!error.ok() || finish != FinishReason::kNone) {
+      DecodeEvent fin;
+      worker::v1::DecodeFinal* f = fin.mutable_final();
+      f->set_finish_reason(error.ok() ? rpc::ToProto(finish)
+                                      : (absl::IsCancelled(error) ? v1::FINISH_REASON_CANCELLED
+                                                                   : v1::FINISH_REASON_ERROR));
+      if (!error.ok()) f->set_error(std::string(error.message()));
+      f->set_completion_tokens(completion_tokens);
+      f->set_prefill_seconds(prefill_seconds);
+      f->set_mean_itl(gaps > 0 ? sum_itl / gaps : 0);
+      f->set_max_itl(max_itl);
+      writer->Write(fin);
+      return grpc::Status::OK;
+    }
+  }
+}
+
+grpc::Status DecodeService::Status(grpc::ServerContext*, const worker::v1::WorkerStatusRequest*,
+                                   worker::v1::WorkerInfo* out) {
+  const BatchEngineStats st = engine_.stats();
+  v1::WorkerStatus* s = out->mutable_status();
+  s->set_role("decode");
+  s->set_healthy(!failed_);
+  s->set_running(st.running);
+  s->set_queued(st.waiting);
+  s->set_preemptions(st.preemptions);
+  s->set_step_seconds(st.step_seconds_avg);
+  {
+    absl::MutexLock lock(pool_mu_);
+    s->set_kv_blocks_total(pool_->spec().num_blocks);
+    s->set_kv_blocks_used(pool_->num_used());
+    s->set_kv_blocks_free(pool_->num_free());
+  }
+  {
+    absl::MutexLock lock(&handoff_mu_);
+    out->set_kv_address(kv_address_);
+  }
+  out->set_context_length(static_cast<int32_t>(model_->config().max_position_embeddings));
+  return grpc::Status::OK;
+}
+
+}  // namespace pdserve::decode

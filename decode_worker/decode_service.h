@@ -1,0 +1,92 @@
+// The decode worker's gRPC service: a BatchEngine on its own thread, fed by
+// Decode calls (colocated: prefill here; disaggregated: a committed KV
+// handoff for the request), streaming each token to the caller as the
+// engine produces it.
+//
+// Thread safety: thread-safe (gRPC calls run on gRPC's threads; the engine
+// on its own).
+#ifndef PDSERVE_DECODE_WORKER_DECODE_SERVICE_H_
+#define PDSERVE_DECODE_WORKER_DECODE_SERVICE_H_
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/synchronization/mutex.h"
+#include "common/kv_cache.h"
+#include "common/model.h"
+#include "common/tokenizer/tokenizer.h"
+#include "decode_worker/batch_engine.h"
+#include "pdserve/v1/worker.grpc.pb.h"
+
+namespace pdserve::decode {
+
+struct DecodeServiceOptions {
+  BatchEngineOptions engine;
+  bool allow_prefill = true;  // Colocated requests (prefill_here) accepted.
+  // How long a Decode call waits for its handoff to be committed.
+  double handoff_wait_seconds = 30;
+};
+
+// A sequence whose KV arrived by handoff (see kv_transfer), waiting for (or
+// claimed by) its Decode call.
+struct HandedOff {
+  SequenceKv kv;
+  TokenEvent first;  // Sampled by the prefill worker.
+};
+
+class DecodeService final : public worker::v1::DecodeWorker::Service {
+ public:
+  // REQUIRES: model, pool (guarded by pool_mu wherever others touch it) and
+  // tokenizer outlive the service.
+  DecodeService(Model* model, BlockPool* pool, absl::Mutex* pool_mu, const tok::Tokenizer* tokenizer,
+                DecodeServiceOptions options);
+  ~DecodeService() override;
+
+  // A committed handoff for `request_id` (from the KV receiver's thread).
+  // If no Decode call claims it within handoff_wait_seconds its KV is freed.
+  void OnHandoffCommitted(const std::string& request_id, HandedOff seq);
+
+  grpc::Status Decode(grpc::ServerContext* ctx, const worker::v1::DecodeRequest* req,
+                      grpc::ServerWriter<worker::v1::DecodeEvent>* writer) override;
+  grpc::Status Status(grpc::ServerContext* ctx, const worker::v1::WorkerStatusRequest* req,
+                      worker::v1::WorkerInfo* out) override;
+
+  bool healthy() const { return !failed_.load(); }
+  // Where prefill workers send KV (reported by Status); set before serving.
+  void set_kv_address(std::string a) {
+    absl::MutexLock lock(&handoff_mu_);
+    kv_address_ = std::move(a);
+  }
+  // Stops the engine thread (pending calls end with UNAVAILABLE).
+  void Shutdown();
+
+ private:
+  void EngineLoop();
+  void Wake();
+
+  Model* model_;
+  BlockPool* pool_;
+  absl::Mutex* pool_mu_;
+  const tok::Tokenizer* tokenizer_;
+  const DecodeServiceOptions options_;
+  BatchEngine engine_;
+  std::atomic<uint64_t> next_id_{1};
+  std::atomic<bool> failed_{false};
+
+  absl::Mutex wake_mu_;
+  bool work_ ABSL_GUARDED_BY(wake_mu_) = false;
+  bool stop_ ABSL_GUARDED_BY(wake_mu_) = false;
+
+  absl::Mutex handoff_mu_;
+  absl::flat_hash_map<std::string, HandedOff> committed_ ABSL_GUARDED_BY(handoff_mu_);
+  std::string kv_address_ ABSL_GUARDED_BY(handoff_mu_);
+
+  std::thread engine_thread_;
+};
+
+}  // namespace pdserve::decode
+
+#endif  // PDSERVE_DECODE_WORKER_DECODE_SERVICE_H_

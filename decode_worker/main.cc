@@ -1,0 +1,137 @@
+// pdserve-decode-worker: continuous-batching decode (and, with
+// --prefill_local, colocated prefill) behind the DecodeWorker gRPC service.
+//
+//   pdserve-decode-worker --model DIR --listen 127.0.0.1:0 --ready_file F
+//
+// Flags may also come from a file: --flagfile=decode.flags.
+#include <memory>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "common/server_util.h"
+#include "common/tokenizer/tokenizer.h"
+#include "decode_worker/decode_service.h"
+#include "kv_transfer/receiver.h"
+#include "kv_transfer/ucx_transport.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "tools/pdctl/engine_setup.h"
+
+ABSL_FLAG(std::string, model, "", "model directory (Hugging Face layout)");
+ABSL_FLAG(std::string, listen, "127.0.0.1:0", "gRPC address (port 0: any free port)");
+ABSL_FLAG(std::string, ready_file, "", "write {\"grpc_port\":..} here once serving");
+ABSL_FLAG(int, threads, 1, "compute threads");
+ABSL_FLAG(std::string, weights, "", "in-memory weight format: f32, bf16 or int8 (default: as stored)");
+ABSL_FLAG(std::string, kv, "", "KV cache format (default: the weight format)");
+ABSL_FLAG(int, block_size, 16, "KV block size in positions");
+ABSL_FLAG(int, kv_positions, 16384, "KV pool size in positions");
+ABSL_FLAG(int, max_batch, 64, "most sequences decoded together");
+ABSL_FLAG(int, prefill_chunk, 256, "prompt tokens prefilled per step (colocated and recompute)");
+ABSL_FLAG(double, itl_target_ms, 0, "admit no new sequence while the step time exceeds this (0: off)");
+ABSL_FLAG(bool, prefill_local, true, "accept colocated requests (prefill here)");
+ABSL_FLAG(std::string, kv_host, "127.0.0.1", "address the KV receiver listens on (UCX)");
+ABSL_FLAG(int, kv_port, 0, "port of the KV receiver (0: any free port)");
+ABSL_FLAG(double, kv_lease_s, 5, "a KV reservation not renewed for this long is aborted");
+
+namespace {
+
+int Run() {
+  using namespace pdserve;
+  absl::StatusOr<std::unique_ptr<kv::UcxTransport>> transport = kv::UcxTransport::Create({.name = "decode"});
+  if (!transport.ok()) {
+    LogEvent("error", "ucx_failed", {{"error", std::string(transport.status().message())}});
+    return 1;
+  }
+  pdctl::EngineOptions eo;
+  eo.allocator = &(*transport)->region_allocator();
+  eo.model_dir = absl::GetFlag(FLAGS_model);
+  if (eo.model_dir.empty()) {
+    LogEvent("error", "bad_flags", {{"error", "--model is required"}});
+    return 2;
+  }
+  eo.threads = absl::GetFlag(FLAGS_threads);
+  eo.weights = absl::GetFlag(FLAGS_weights);
+  eo.kv = absl::GetFlag(FLAGS_kv);
+  eo.block_size = absl::GetFlag(FLAGS_block_size);
+  eo.kv_positions = absl::GetFlag(FLAGS_kv_positions);
+  absl::StatusOr<pdctl::Engine> engine = pdctl::MakeEngine(eo);
+  if (!engine.ok()) {
+    LogEvent("error", "load_failed", {{"error", std::string(engine.status().message())}});
+    return 1;
+  }
+  absl::StatusOr<std::unique_ptr<tok::Tokenizer>> tokenizer = tok::Tokenizer::Load(eo.model_dir);
+  if (!tokenizer.ok()) {
+    LogEvent("error", "load_failed", {{"error", std::string(tokenizer.status().message())}});
+    return 1;
+  }
+  absl::Mutex pool_mu;
+  decode::DecodeServiceOptions so;
+  so.engine.max_batch = absl::GetFlag(FLAGS_max_batch);
+  so.engine.prefill_chunk_tokens = absl::GetFlag(FLAGS_prefill_chunk);
+  so.engine.itl_target_seconds = absl::GetFlag(FLAGS_itl_target_ms) / 1e3;
+  so.allow_prefill = absl::GetFlag(FLAGS_prefill_local);
+  decode::DecodeService service(engine->model.get(), engine->pool.get(), &pool_mu, tokenizer->get(), so);
+  kv::ReceiverOptions ro;
+  ro.model = engine->model->identity();
+  ro.lease = absl::Seconds(absl::GetFlag(FLAGS_kv_lease_s));
+  absl::StatusOr<std::unique_ptr<kv::KvReceiver>> receiver = kv::KvReceiver::Create(
+      transport->get(), engine->pool.get(), &pool_mu, ro, [&service](kv::CommittedSequence c) {
+        decode::HandedOff h;
+        h.kv = std::move(c.kv);
+        h.first.token = c.state.first_token;
+        h.first.logprob = c.state.first_logprob;
+        h.first.top_logprobs = c.state.top_logprobs;
+        service.OnHandoffCommitted(c.state.request_id, std::move(h));
+      });
+  if (!receiver.ok()) {
+    LogEvent("error", "kv_receiver_failed", {{"error", std::string(receiver.status().message())}});
+    return 1;
+  }
+  absl::StatusOr<int> kv_port = (*receiver)->Listen(absl::GetFlag(FLAGS_kv_host), absl::GetFlag(FLAGS_kv_port));
+  if (!kv_port.ok()) {
+    LogEvent("error", "kv_listen_failed", {{"error", std::string(kv_port.status().message())}});
+    return 1;
+  }
+  service.set_kv_address(absl::StrCat(absl::GetFlag(FLAGS_kv_host), ":", *kv_port));
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || port == 0) {
+    LogEvent("error", "listen_failed", {{"address", absl::GetFlag(FLAGS_listen)}});
+    return 1;
+  }
+  server->GetHealthCheckService()->SetServingStatus(true);
+  LogEvent("info", "serving", {{"role", "decode"}, {"grpc_port", std::to_string(port)}, {"kv_port", std::to_string(*kv_port)},
+                               {"model", eo.model_dir}});
+  if (!absl::GetFlag(FLAGS_ready_file).empty()) {
+    absl::Status st = WriteReadyFile(absl::GetFlag(FLAGS_ready_file), absl::StrCat("{\"grpc_port\":", port, "}"));
+    if (!st.ok()) LogEvent("error", "ready_file", {{"error", std::string(st.message())}});
+  }
+  const int sig = WaitForShutdownSignal();
+  LogEvent("info", "shutting_down", {{"signal", std::to_string(sig)}});
+  server->GetHealthCheckService()->SetServingStatus(false);
+  service.Shutdown();
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  (*transport)->Detach(receiver->get());
+  receiver->reset();
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  pdserve::BlockShutdownSignals();
+  absl::SetProgramUsageMessage("pdserve decode worker: pdserve-decode-worker --model DIR [--listen ADDR]");
+  absl::ParseCommandLine(argc, argv);
+  return Run();
+}

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# A local pdserve cluster on loopback: one router, N prefill workers and M
+# decode workers, as background processes.
+#
+#   deploy/cluster.sh start [--prefill N] [--decode M] [--colocated] [--pin] [--model DIR]
+#   deploy/cluster.sh status
+#   deploy/cluster.sh stop
+#
+# State (pids, logs, ready files) lives in $PDSERVE_CLUSTER_DIR (default
+# /tmp/pdserve-cluster). --pin puts prefill workers on core 0 and decode
+# workers on core 1 (taskset), the split the benchmarks use on 2 cores.
+# Needs a build (deploy/bootstrap.sh).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BUILD_DIR=${PDSERVE_BUILD_DIR:-build}
+STATE=${PDSERVE_CLUSTER_DIR:-/tmp/pdserve-cluster}
+PDCTL="$BUILD_DIR/tools/pdctl/pdctl"
+
+die() { echo "cluster: $*" >&2; exit 1; }
+
+wait_ready() {  # file, pid, what
+  for _ in $(seq 600); do
+    [[ -s "$1" ]] && { sed -e 's/.*"grpc_port":\([0-9]*\).*/\1/' "$1"; return 0; }
+    kill -0 "$2" 2>/dev/null || { tail -n 20 "$STATE/$3.log" >&2; die "$3 exited during start-up (log: $STATE/$3.log)"; }
+    sleep 0.1
+  done
+  die "$3 not ready after 60 s (log: $STATE/$3.log)"
+}
+
+start() {
+  local prefill=1 decode=1 colocated=0 pin=0 model=${PDSERVE_MODEL:-deploy/models/kjv-tiny}
+  while (($#)); do
+    case "$1" in
+      --prefill) prefill=$2; shift 2 ;;
+      --decode) decode=$2; shift 2 ;;
+      --colocated) colocated=1; shift ;;
+      --pin) pin=1; shift ;;
+      --model) model=$2; shift 2 ;;
+      *) die "unknown option $1" ;;
+    esac
+  done
+  [[ -x "$BUILD_DIR/router/pdserve-router" ]] || die "no build in $BUILD_DIR (run deploy/bootstrap.sh)"
+  if [[ -f "$STATE/pids" ]]; then stop; fi
+  mkdir -p "$STATE"
+  rm -f "$STATE"/*.ready "$STATE"/pids
+  local threads=$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 ))
+  local decode_addrs=() prefill_addrs=()
+  for i in $(seq 0 $((decode - 1))); do
+    local pre=()
+    ((pin)) && pre=(taskset -c 1)
+    setsid "${pre[@]}" "$BUILD_DIR/decode_worker/pdserve-decode-worker" --model "$model" --threads "$threads" \
+      --ready_file "$STATE/decode$i.ready" < /dev/null > "$STATE/decode$i.log" 2>&1 &
+    echo "$!" >> "$STATE/pids"
+    decode_addrs+=("127.0.0.1:$(wait_ready "$STATE/decode$i.ready" $! decode$i)")
+  done
+  if ((!colocated)); then
+    for i in $(seq 0 $((prefill - 1))); do
+      local pre=()
+      ((pin)) && pre=(taskset -c 0)
+      setsid "${pre[@]}" "$BUILD_DIR/prefill_worker/pdserve-prefill-worker" --model "$model" --threads "$threads" \
+        --ready_file "$STATE/prefill$i.ready" < /dev/null > "$STATE/prefill$i.log" 2>&1 &
+      echo "$!" >> "$STATE/pids"
+      prefill_addrs+=("127.0.0.1:$(wait_ready "$STATE/prefill$i.ready" $! prefill$i)")
+    done
+  fi
+  local rargs=(--model "$model" --decode "$(IFS=,; echo "${decode_addrs[*]}")" --ready_file "$STATE/router.ready"
+               --listen "127.0.0.1:${PDSERVE_ROUTER_PORT:-0}")
+  if ((colocated)); then rargs+=(--colocated); else rargs+=(--prefill "$(IFS=,; echo "${prefill_addrs[*]}")"); fi
+  setsid "$BUILD_DIR/router/pdserve-router" "${rargs[@]}" < /dev/null > "$STATE/router.log" 2>&1 &
+  echo "$!" >> "$STATE/pids"
+  local port
+  port=$(wait_ready "$STATE/router.ready" $! router)
+  echo "127.0.0.1:$port" > "$STATE/router.address"
+  "$PDCTL" status --router "127.0.0.1:$port" >/dev/null || die "router not answering (log: $STATE/router.log)"
+  echo "cluster: router 127.0.0.1:$port, prefill [${prefill_addrs[*]:-}], decode [${decode_addrs[*]}] (logs in $STATE)"
+}
+
+stop() {
+  [[ -f "$STATE/pids" ]] || { echo "cluster: not running"; return 0; }
+  while read -r pid; do kill -TERM "$pid" 2>/dev/null || true; done < "$STATE/pids"
+  for _ in $(seq 50); do
+    alive=0
+    while read -r pid; do kill -0 "$pid" 2>/dev/null && alive=1; done < "$STATE/pids"
+    ((alive)) || break
+    sleep 0.1
+  done
+  while read -r pid; do kill -KILL "$pid" 2>/dev/null || true; done < "$STATE/pids"
+  rm -f "$STATE/pids" "$STATE/router.address"
+  echo "cluster: stopped"
+}
+
+case "${1:-}" in
+  start) shift; start "$@" ;;
+  stop) stop ;;
+  status)
+    [[ -f "$STATE/router.address" ]] || die "not running"
+    "$PDCTL" status --router "$(cat "$STATE/router.address")" ;;
+  *) die "usage: $0 start|status|stop" ;;
+esac

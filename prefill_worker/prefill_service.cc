@@ -1,0 +1,361 @@
+#include "prefill_worker/prefill_service.h"
+
+#include <chrono>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "common/generation.h"
+#include "common/prefix_cache.h"
+#include "common/server_util.h"
+#include "proto/convert.h"
+
+namespace pdserve::prefill {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using worker::v1::PrefillEvent;
+
+double Seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+grpc::Status ToGrpc(const absl::Status& s) {
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+}
+
+}  // namespace
+
+struct PrefillService::Job {
+  std::string request_id;
+  std::string decode_address;
+  std::unique_ptr<Generation> gen;
+  SequenceKv kv;
+  int32_t fed = 0;  // Prompt positions in kv (cached or computed).
+  std::unique_ptr<kv::Handoff> handoff;
+  Clock::time_point queued_at, started_at, first_at;
+  TokenEvent first;
+  std::atomic<bool> cancelled{false};
+  // Events for the RPC thread.
+  absl::Mutex mu;
+  std::deque<PrefillEvent> events ABSL_GUARDED_BY(mu);
+  bool done ABSL_GUARDED_BY(mu) = false;
+  absl::Status status ABSL_GUARDED_BY(mu);
+
+  void Push(PrefillEvent e) {
+    absl::MutexLock lock(&mu);
+    events.push_back(std::move(e));
+  }
+};
+
+PrefillService::PrefillService(Model* model, BlockPool* pool, absl::Mutex* pool_mu, const tok::Tokenizer* tokenizer,
+                               kv::KvSender* sender, PrefillServiceOptions options)
+    : model_(model),
+      pool_(pool),
+      pool_mu_(pool_mu),
+      tokenizer_(tokenizer),
+      sender_(sender),
+      options_(options),
+      hasher_(model->identity(), pool->spec().dtype, pool->spec().block_size) {
+  compute_thread_ = std::thread([this] { ComputeLoop(); });
+  commit_thread_ = std::thread([this] { CommitLoop(); });
+}
+
+PrefillService::~PrefillService() { Shutdown(); }
+
+void PrefillService::Shutdown() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stop_) return;
+    stop_ = true;
+  }
+  if (compute_thread_.joinable()) compute_thread_.join();
+  if (commit_thread_.joinable()) commit_thread_.join();
+  absl::MutexLock lock(&mu_);
+  for (auto& j : queue_) FinishJob(j, absl::UnavailableError("prefill worker shutting down"));
+  queue_.clear();
+}
+
+void PrefillService::FinishJob(const std::shared_ptr<Job>& job, absl::Status status) {
+  if (job->handoff != nullptr && !status.ok()) {
+    (void)job->handoff->Abort(status);
+  }
+  job->handoff.reset();
+  {
+    absl::MutexLock lock(pool_mu_);
+    job->kv.Release(*pool_);
+  }
+  absl::MutexLock lock(&job->mu);
+  job->status = std::move(status);
+  job->done = true;
+}
+
+absl::StatusOr<kv::Connection*> PrefillService::ConnectionTo(const std::string& address) {
+  auto it = connections_.find(address);
+  if (it != connections_.end() && !it->second->failed()) return it->second;
+  const size_t colon = address.rfind(':');
+  int port = 0;
+  if (colon == std::string::npos || !absl::SimpleAtoi(address.substr(colon + 1), &port)) {
+    return absl::InvalidArgumentError(absl::StrCat("decode_kv_address: '", address, "' is not host:port"));
+  }
+  absl::StatusOr<kv::Connection*> c = sender_->Connect(address.substr(0, colon), port);
+  if (!c.ok()) return c.status();
+  connections_[address] = *c;
+  return *c;
+}
+
+absl::Status PrefillService::StartHandoff(Job& job) {
+  absl::StatusOr<kv::Connection*> conn = ConnectionTo(job.decode_address);
+  if (!conn.ok()) return conn.status();
+  const GenerationRequest& r = job.gen->request();
+  kv::ReserveArgs args;
+  args.num_positions = static_cast<int32_t>(r.prompt.size());
+  args.margin_positions = r.params.max_tokens;
+  args.prompt_tokens = r.prompt;
+  absl::StatusOr<std::unique_ptr<kv::Handoff>> h = sender_->Reserve(*conn, std::move(args));
+  if (!h.ok()) return h.status();
+  job.handoff = *std::move(h);
+  return absl::OkStatus();
+}
+
+void PrefillService::ComputeLoop() {
+  std::vector<std::shared_ptr<Job>> active;  // Started, prompt not done.
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [this, &active]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stop_ || !queue_.empty() || !active.empty();
+      };
+      mu_.AwaitWithTimeout(absl::Condition(&ready), absl::Milliseconds(50));
+      if (stop_) break;
+      while (!queue_.empty() && static_cast<int32_t>(active.size()) < options_.max_batch) {
+        active.push_back(queue_.front());
+        queue_.pop_front();
+      }
+    }
+    if (active.empty()) continue;
+    // Start new jobs: prefix cache, then the reservation on the decode side.
+    std::vector<std::shared_ptr<Job>> runnable;
+    for (auto& job : active) {
+      if (job->cancelled) {
+        FinishJob(job, absl::CancelledError("cancelled"));
+        continue;
+      }
+      if (job->handoff == nullptr) {
+        job->started_at = Clock::now();
+        const std::vector<int32_t>& prompt = job->gen->request().prompt;
+        {
+          absl::MutexLock lock(pool_mu_);
+          // Never reuse the whole prompt: its last position must be computed
+          // for the first token's logits.
+          job->fed = AttachCachedPrefix(*pool_, hasher_, absl::MakeConstSpan(prompt).first(prompt.size() - 1), job->kv);
+        }
+        if (absl::Status st = StartHandoff(*job); !st.ok()) {
+          FinishJob(job, st);
+          continue;
+        }
+      }
+      runnable.push_back(job);
+    }
+    active.clear();
+    // One forward: chunks of every runnable job within the budget.
+    int32_t budget = options_.chunk_tokens;
+    std::vector<ForwardSequence> batch;
+    std::vector<std::shared_ptr<Job>> in_batch, finishing;
+    for (auto& job : runnable) {
+      const std::vector<int32_t>& prompt = job->gen->request().prompt;
+      const int32_t left = static_cast<int32_t>(prompt.size()) - job->fed;
+      const int32_t n = budget > 0 ? std::min(budget, left) : 0;
+      if (n == 0) {
+        active.push_back(job);  // Next step.
+        continue;
+      }
+      budget -= n;
+      const bool last = n == left;
+      batch.push_back({&job->kv, absl::MakeConstSpan(prompt).subspan(job->fed, n),
+                       last ? LogitsMode::kLast : LogitsMode::kNone});
+      in_batch.push_back(job);
+      if (last) finishing.push_back(job);
+    }
+    if (batch.empty()) continue;
+    ForwardOptions fo;
+    absl::Status send_status;
+    fo.on_layer_kv_written = [&finishing, &send_status](int32_t layer) {
+      for (auto& job : finishing) {
+        absl::Status st = job->handoff->SendLayer(layer, job->kv.block_table());
+        if (!st.ok() && send_status.ok()) send_status = st;
+      }
+    };
+    absl::StatusOr<ForwardResult> res;
+    {
+      absl::MutexLock lock(pool_mu_);
+      res = model_->Forward(*pool_, batch, fo);
+    }
+    const auto now = Clock::now();
+    if (!res.ok()) {
+      LogEvent("error", "prefill_failed", {{"error", std::string(res.status().message())}});
+      for (auto& job : in_batch) FinishJob(job, res.status());
+      continue;
+    }
+    for (size_t b = 0; b < in_batch.size(); ++b) {
+      Job& job = *in_batch[b];
+      job.fed += static_cast<int32_t>(batch[b].tokens.size());
+      if (batch[b].logits == LogitsMode::kNone) {
+        active.push_back(in_batch[b]);
+        continue;
+      }
+      {
+        absl::MutexLock lock(pool_mu_);
+        PublishFullBlocks(*pool_, hasher_, job.gen->request().prompt, job.kv);
+      }
+      absl::StatusOr<TokenEvent> first = job.gen->Accept(res->Last(b));
+      if (!first.ok()) {
+        FinishJob(in_batch[b], first.status());
+        continue;
+      }
+      job.first = *first;
+      job.first_at = now;
+      PrefillEvent ev;
+      worker::v1::FirstToken* f = ev.mutable_first();
+      f->mutable_token()->set_token_id(first->token);
+      f->mutable_token()->set_logprob(first->logprob);
+      for (const auto& [id, lp] : first->top_logprobs) {
+        v1::TopLogprob* t = f->mutable_token()->add_top();
+        t->set_token_id(id);
+        t->set_logprob(lp);
+      }
+      f->set_finish_reason(rpc::ToProto(first->finish));
+      f->set_queue_seconds(Seconds(job.queued_at, job.started_at));
+      f->set_prefill_seconds(Seconds(job.started_at, now));
+      job.Push(std::move(ev));
+      if (first->finish != FinishReason::kNone) {
+        FinishJob(in_batch[b], absl::OkStatus());  // Aborts the handoff: nothing to decode.
+        continue;
+      }
+      if (!send_status.ok()) {
+        FinishJob(in_batch[b], send_status);
+        continue;
+      }
+      absl::MutexLock lock(&mu_);
+      commits_.push_back(in_batch[b]);
+    }
+  }
+  for (auto& job : active) FinishJob(job, absl::UnavailableError("prefill worker shutting down"));
+}
+
+void PrefillService::CommitLoop() {
+  while (true) {
+    std::shared_ptr<Job> job;
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || !commits_.empty(); };
+      mu_.Await(absl::Condition(&ready));
+      if (commits_.empty()) return;  // Stopping.
+      job = commits_.front();
+      commits_.pop_front();
+    }
+    const GenerationRequest& r = job->gen->request();
+    kv::Commit c;
+    c.request_id = job->request_id;
+    c.num_positions = static_cast<int32_t>(r.prompt.size());
+    c.tokens = r.prompt;
+    c.first_token = job->first.token;
+    c.first_logprob = job->first.logprob;
+    c.top_logprobs = job->first.top_logprobs;
+    c.sampling = r.params;
+    c.seed = job->gen->seed();
+    c.generated = 1;
+    c.finish_reason = static_cast<uint8_t>(job->first.finish);
+    absl::Status st = job->handoff->Commit(std::move(c));
+    if (st.ok()) {
+      PrefillEvent ev;
+      ev.mutable_done()->set_handoff_seconds(Seconds(job->first_at, Clock::now()));
+      job->Push(std::move(ev));
+    }
+    FinishJob(job, st);
+  }
+}
+
+grpc::Status PrefillService::Prefill(grpc::ServerContext* ctx, const worker::v1::PrefillRequest* req,
+                                     grpc::ServerWriter<PrefillEvent>* writer) {
+  GenerationRequest gr = rpc::FromWork(req->request(), model_->config().eos_token_ids);
+  if (gr.prompt.empty()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "prompt_ids: empty");
+  for (int32_t id : gr.prompt) {
+    if (id < 0 || id >= model_->config().vocab_size) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, absl::StrCat("prompt_ids: ", id, " is outside the vocabulary"));
+    }
+  }
+  if (absl::Status s = ValidateSamplingParams(gr.params, model_->config().vocab_size); !s.ok()) return ToGrpc(s);
+  if (req->decode_kv_address().empty()) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "decode_kv_address: empty");
+  }
+  auto job = std::make_shared<Job>();
+  job->request_id = req->request().request_id();
+  job->decode_address = req->decode_kv_address();
+  const int64_t tokens = static_cast<int64_t>(gr.prompt.size());
+  job->gen = std::make_unique<Generation>(std::move(gr), tokenizer_);
+  job->queued_at = Clock::now();
+  {
+    absl::MutexLock lock(&mu_);
+    if (stop_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "prefill worker shutting down");
+    queue_.push_back(job);
+    queued_tokens_ += tokens;
+    ++in_flight_;
+  }
+  grpc::Status result = grpc::Status::OK;
+  bool first_seen = false;
+  while (true) {
+    std::deque<PrefillEvent> events;
+    bool done = false;
+    absl::Status status;
+    {
+      absl::MutexLock lock(&job->mu);
+      auto ready = [&job]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(job->mu) { return job->done || !job->events.empty(); };
+      job->mu.AwaitWithTimeout(absl::Condition(&ready), absl::Milliseconds(50));
+      std::swap(events, job->events);
+      done = job->done;
+      status = job->status;
+    }
+    for (PrefillEvent& e : events) {
+      if (e.has_first() && !first_seen) {
+        first_seen = true;
+        absl::MutexLock lock(&mu_);
+        queued_tokens_ -= tokens;
+      }
+      if (!writer->Write(e)) job->cancelled = true;
+    }
+    if (done) {
+      if (!status.ok()) result = ToGrpc(status);
+      break;
+    }
+    if (ctx->IsCancelled()) job->cancelled = true;
+  }
+  absl::MutexLock lock(&mu_);
+  if (!first_seen) queued_tokens_ -= tokens;
+  --in_flight_;
+  return result;
+}
+
+grpc::Status PrefillService::Status(grpc::ServerContext*, const worker::v1::WorkerStatusRequest*,
+                                    worker::v1::WorkerInfo* out) {
+  v1::WorkerStatus* s = out->mutable_status();
+  s->set_role("prefill");
+  {
+    absl::MutexLock lock(&mu_);
+    s->set_healthy(!stop_);
+    s->set_running(in_flight_);
+    s->set_queued(static_cast<int32_t>(queue_.size()));
+    s->set_queued_prefill_tokens(queued_tokens_);
+  }
+  {
+    absl::MutexLock lock(pool_mu_);
+    s->set_kv_blocks_total(pool_->spec().num_blocks);
+    s->set_kv_blocks_used(pool_->num_used());
+    s->set_kv_blocks_free(pool_->num_free());
+  }
+  out->set_context_length(static_cast<int32_t>(model_->config().max_position_embeddings));
+  return grpc::Status::OK;
+}
+
+}  // namespace pdserve::prefill

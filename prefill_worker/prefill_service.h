@@ -1,0 +1,88 @@
+// The prefill worker's gRPC service. One compute thread takes queued
+// requests in order and runs chunked prefill over them with a per-step
+// token budget (several prompts per forward); for each request it
+//   1. looks up its prompt in the local prefix cache,
+//   2. reserves KV blocks on the chosen decode worker (kv_transfer),
+//   3. streams every layer's KV to them from the last chunk's forward, as
+//      soon as the layer is written, while later layers still compute,
+//   4. samples the first token and sends it to the router at once (TTFT),
+//   5. commits the handoff (token ids, first token, sampling state) on a
+//      separate thread, so the next prompt's compute is not held up, and
+//      reports HandoffDone.
+// A first token that already ends the request aborts the handoff instead.
+//
+// Thread safety: thread-safe.
+#ifndef PDSERVE_PREFILL_WORKER_PREFILL_SERVICE_H_
+#define PDSERVE_PREFILL_WORKER_PREFILL_SERVICE_H_
+
+#include <atomic>
+#include <deque>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/synchronization/mutex.h"
+#include "common/block_hash.h"
+#include "common/kv_cache.h"
+#include "common/model.h"
+#include "common/tokenizer/tokenizer.h"
+#include "kv_transfer/sender.h"
+#include "pdserve/v1/worker.grpc.pb.h"
+
+namespace pdserve::prefill {
+
+struct PrefillServiceOptions {
+  int32_t chunk_tokens = 512;  // Prompt tokens per forward, across requests.
+  int32_t max_batch = 8;       // Requests per forward.
+};
+
+class PrefillService final : public worker::v1::PrefillWorker::Service {
+ public:
+  // REQUIRES: everything outlives the service; `pool` is guarded by
+  // `pool_mu` wherever others touch it.
+  PrefillService(Model* model, BlockPool* pool, absl::Mutex* pool_mu, const tok::Tokenizer* tokenizer,
+                 kv::KvSender* sender, PrefillServiceOptions options);
+  ~PrefillService() override;
+
+  grpc::Status Prefill(grpc::ServerContext* ctx, const worker::v1::PrefillRequest* req,
+                       grpc::ServerWriter<worker::v1::PrefillEvent>* writer) override;
+  grpc::Status Status(grpc::ServerContext* ctx, const worker::v1::WorkerStatusRequest* req,
+                      worker::v1::WorkerInfo* out) override;
+
+  void Shutdown();
+
+ private:
+  struct Job;
+  void ComputeLoop();
+  void CommitLoop();
+  // Connects (once per address) and reserves; errors end the job.
+  absl::Status StartHandoff(Job& job);
+  void FinishJob(const std::shared_ptr<Job>& job, absl::Status status);
+  absl::StatusOr<kv::Connection*> ConnectionTo(const std::string& address);
+
+  Model* model_;
+  BlockPool* pool_;
+  absl::Mutex* pool_mu_;
+  const tok::Tokenizer* tokenizer_;
+  kv::KvSender* sender_;
+  const PrefillServiceOptions options_;
+  const BlockHasher hasher_;
+
+  absl::Mutex mu_;
+  std::deque<std::shared_ptr<Job>> queue_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::shared_ptr<Job>> commits_ ABSL_GUARDED_BY(mu_);
+  int64_t queued_tokens_ ABSL_GUARDED_BY(mu_) = 0;
+  int32_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+
+  // Compute thread only.
+  absl::flat_hash_map<std::string, kv::Connection*> connections_;
+
+  std::thread compute_thread_;
+  std::thread commit_thread_;
+};
+
+}  // namespace pdserve::prefill
+
+#endif  // PDSERVE_PREFILL_WORKER_PREFILL_SERVICE_H_

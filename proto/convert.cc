@@ -1,0 +1,80 @@
+#include "proto/convert.h"
+
+namespace pdserve::rpc {
+
+GenerationRequest FromWork(const worker::v1::WorkRequest& w, const std::vector<int32_t>& eos_ids) {
+  GenerationRequest r;
+  r.prompt.assign(w.prompt_ids().begin(), w.prompt_ids().end());
+  SamplingParams& p = r.params;
+  p.temperature = w.temperature();
+  p.top_k = w.top_k();
+  p.top_p = w.top_p();
+  p.min_p = w.min_p();
+  p.repetition_penalty = w.repetition_penalty();
+  p.presence_penalty = w.presence_penalty();
+  p.seed = w.seed();
+  p.max_tokens = w.max_tokens();
+  p.stop_token_ids.assign(w.stop_token_ids().begin(), w.stop_token_ids().end());
+  p.ignore_eos = w.ignore_eos();
+  p.logprobs = w.logprobs();
+  r.stop_strings.assign(w.stop().begin(), w.stop().end());
+  r.eos_ids = eos_ids;
+  return r;
+}
+
+void ToWork(const GenerationRequest& r, worker::v1::WorkRequest* w) {
+  w->mutable_prompt_ids()->Assign(r.prompt.begin(), r.prompt.end());
+  const SamplingParams& p = r.params;
+  w->set_temperature(p.temperature);
+  w->set_top_k(p.top_k);
+  w->set_top_p(p.top_p);
+  w->set_min_p(p.min_p);
+  w->set_repetition_penalty(p.repetition_penalty);
+  w->set_presence_penalty(p.presence_penalty);
+  w->set_seed(p.seed.value_or(0));
+  w->set_max_tokens(p.max_tokens);
+  w->mutable_stop_token_ids()->Assign(p.stop_token_ids.begin(), p.stop_token_ids.end());
+  w->set_ignore_eos(p.ignore_eos);
+  w->set_logprobs(p.logprobs);
+  for (const std::string& s : r.stop_strings) w->add_stop(s);
+}
+
+v1::FinishReason ToProto(FinishReason f) {
+  switch (f) {
+    case FinishReason::kStop:
+      return v1::FINISH_REASON_STOP;
+    case FinishReason::kLength:
+      return v1::FINISH_REASON_LENGTH;
+    case FinishReason::kNone:
+      break;
+  }
+  return v1::FINISH_REASON_UNSPECIFIED;
+}
+
+FinishReason FromProto(v1::FinishReason f) {
+  switch (f) {
+    case v1::FINISH_REASON_STOP:
+      return FinishReason::kStop;
+    case v1::FINISH_REASON_LENGTH:
+      return FinishReason::kLength;
+    default:
+      return FinishReason::kNone;
+  }
+}
+
+void AppendToken(const TokenEvent& e, bool with_logprobs, v1::TokenChunk* chunk) {
+  chunk->add_token_ids(e.token);
+  chunk->mutable_text()->append(e.text);
+  if (with_logprobs) {
+    v1::TokenLogprob* lp = chunk->add_logprobs();
+    lp->set_token_id(e.token);
+    lp->set_logprob(e.logprob);
+    for (const auto& [id, l] : e.top_logprobs) {
+      v1::TopLogprob* t = lp->add_top();
+      t->set_token_id(id);
+      t->set_logprob(l);
+    }
+  }
+}
+
+}  // namespace pdserve::rpc

@@ -1,0 +1,29 @@
+// Conversions between the wire messages and the engine's types, shared by
+// the router and both workers so that all three read a request alike.
+#ifndef PDSERVE_PROTO_CONVERT_H_
+#define PDSERVE_PROTO_CONVERT_H_
+
+#include <vector>
+
+#include "common/generation.h"
+#include "common/sampling.h"
+#include "pdserve/v1/generation.pb.h"
+#include "pdserve/v1/worker.pb.h"
+
+namespace pdserve::rpc {
+
+// The engine's request from a resolved WorkRequest (+ the model's EOS ids).
+GenerationRequest FromWork(const worker::v1::WorkRequest& w, const std::vector<int32_t>& eos_ids);
+
+// The resolved WorkRequest for `params` (seed set) and prompt ids.
+void ToWork(const GenerationRequest& r, worker::v1::WorkRequest* w);
+
+v1::FinishReason ToProto(FinishReason f);
+FinishReason FromProto(v1::FinishReason f);
+
+// Appends one token (id, text, logprobs when `with_logprobs`) to a chunk.
+void AppendToken(const TokenEvent& e, bool with_logprobs, v1::TokenChunk* chunk);
+
+}  // namespace pdserve::rpc
+
+#endif  // PDSERVE_PROTO_CONVERT_H_

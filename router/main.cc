@@ -1,0 +1,92 @@
+// pdserve-router: the client-facing pdserve.v1.Generation service.
+//
+//   pdserve-router --model DIR --prefill 127.0.0.1:7001 --decode 127.0.0.1:7002 \
+//                  --listen 127.0.0.1:7000 [--colocated]
+//
+// Flags may also come from a file: --flagfile=router.flags.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/time.h"
+#include "common/server_util.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "router/router_service.h"
+
+ABSL_FLAG(std::string, model, "", "model directory (tokenizer, config, chat template)");
+ABSL_FLAG(std::string, model_name, "", "name clients may use (default: the directory's name)");
+ABSL_FLAG(std::string, listen, "127.0.0.1:0", "gRPC address (port 0: any free port)");
+ABSL_FLAG(std::string, ready_file, "", "write {\"grpc_port\":..} here once serving");
+ABSL_FLAG(std::vector<std::string>, prefill, {}, "prefill workers, host:port,...");
+ABSL_FLAG(std::vector<std::string>, decode, {}, "decode workers, host:port,...");
+ABSL_FLAG(bool, colocated, false, "send whole requests to decode workers (no handoff)");
+ABSL_FLAG(double, worker_wait_s, 60, "how long to wait at start for every worker to answer");
+
+namespace {
+
+int Run() {
+  using namespace pdserve;
+  router::RouterOptions o;
+  o.model_dir = absl::GetFlag(FLAGS_model);
+  if (o.model_dir.empty()) {
+    LogEvent("error", "bad_flags", {{"error", "--model is required"}});
+    return 2;
+  }
+  o.model_name = absl::GetFlag(FLAGS_model_name);
+  if (o.model_name.empty()) {
+    std::string dir = o.model_dir;
+    while (!dir.empty() && dir.back() == '/') dir.pop_back();
+    o.model_name = dir.substr(dir.find_last_of('/') + 1);
+  }
+  o.prefill_workers = absl::GetFlag(FLAGS_prefill);
+  o.decode_workers = absl::GetFlag(FLAGS_decode);
+  o.colocated = absl::GetFlag(FLAGS_colocated);
+  absl::StatusOr<std::unique_ptr<router::RouterService>> service = router::RouterService::Create(o);
+  if (!service.ok()) {
+    LogEvent("error", "start_failed", {{"error", std::string(service.status().message())}});
+    return 2;
+  }
+  if (absl::Status st = (*service)->WaitForWorkers(absl::Seconds(absl::GetFlag(FLAGS_worker_wait_s))); !st.ok()) {
+    LogEvent("error", "workers_unavailable", {{"error", std::string(st.message())}});
+    return 1;
+  }
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(service->get());
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || port == 0) {
+    LogEvent("error", "listen_failed", {{"address", absl::GetFlag(FLAGS_listen)}});
+    return 1;
+  }
+  server->GetHealthCheckService()->SetServingStatus(true);
+  LogEvent("info", "serving", {{"role", "router"}, {"grpc_port", std::to_string(port)}, {"model", o.model_name},
+                               {"colocated", o.colocated ? "true" : "false"}});
+  if (!absl::GetFlag(FLAGS_ready_file).empty()) {
+    absl::Status st = WriteReadyFile(absl::GetFlag(FLAGS_ready_file), absl::StrCat("{\"grpc_port\":", port, "}"));
+    if (!st.ok()) LogEvent("error", "ready_file", {{"error", std::string(st.message())}});
+  }
+  const int sig = WaitForShutdownSignal();
+  LogEvent("info", "shutting_down", {{"signal", std::to_string(sig)}});
+  server->GetHealthCheckService()->SetServingStatus(false);
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  pdserve::BlockShutdownSignals();
+  absl::SetProgramUsageMessage("pdserve router: pdserve-router --model DIR --decode ADDR[,..] [--prefill ADDR[,..]]");
+  absl::ParseCommandLine(argc, argv);
+  return Run();
+}

@@ -1,0 +1,440 @@
+#include "router/router_service.h"
+
+#include <chrono>
+#include <random>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "grpcpp/grpcpp.h"
+#include "proto/convert.h"
+
+namespace pdserve::router {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+grpc::Status Invalid(const absl::Status& s) {
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+}
+
+std::shared_ptr<grpc::Channel> Channel(const std::string& address) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(64 << 20);
+  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+}
+
+}  // namespace
+
+RouterService::RouterService(RouterOptions options) : options_(std::move(options)) {}
+
+absl::StatusOr<std::unique_ptr<RouterService>> RouterService::Create(RouterOptions options) {
+  if (options.decode_workers.empty()) return absl::InvalidArgumentError("--decode: no decode workers given");
+  if (!options.colocated && options.prefill_workers.empty()) {
+    return absl::InvalidArgumentError("--prefill: no prefill workers given (or pass --colocated)");
+  }
+  std::unique_ptr<RouterService> r(new RouterService(std::move(options)));
+  absl::StatusOr<ModelConfig> config = LoadModelConfig(r->options_.model_dir);
+  if (!config.ok()) return config.status();
+  r->config_ = *std::move(config);
+  absl::StatusOr<std::unique_ptr<tok::Tokenizer>> tokenizer = tok::Tokenizer::Load(r->options_.model_dir);
+  if (!tokenizer.ok()) return tokenizer.status();
+  r->tokenizer_ = *std::move(tokenizer);
+  if (!r->tokenizer_->chat_template().empty()) {
+    absl::StatusOr<tok::ChatFormat> f = tok::DetectChatFormat(r->tokenizer_->chat_template());
+    if (f.ok()) r->chat_format_ = *f;
+  }
+  for (const std::string& a : r->options_.prefill_workers) {
+    auto w = std::make_unique<Worker>();
+    w->address = a;
+    w->prefill = worker::v1::PrefillWorker::NewStub(Channel(a));
+    r->prefill_.push_back(std::move(w));
+  }
+  for (const std::string& a : r->options_.decode_workers) {
+    auto w = std::make_unique<Worker>();
+    w->address = a;
+    w->decode = worker::v1::DecodeWorker::NewStub(Channel(a));
+    r->decode_.push_back(std::move(w));
+  }
+  RouterService* raw = r.get();
+  r->watcher_ = std::thread([raw] { raw->WatchLoop(); });
+  return r;
+}
+
+RouterService::~RouterService() {
+  {
+    absl::MutexLock lock(&watch_mu_);
+    stop_ = true;
+  }
+  if (watcher_.joinable()) watcher_.join();
+}
+
+void RouterService::WatchLoop() {
+  absl::MutexLock lock(&watch_mu_);
+  auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(watch_mu_) { return stop_; };
+  while (!stop_) {
+    watch_mu_.AwaitWithTimeout(absl::Condition(&stopping), absl::Milliseconds(10));
+    for (Watch* w : watches_) {
+      if (w->server->IsCancelled()) {
+        for (grpc::ClientContext* c : w->clients) c->TryCancel();
+      }
+    }
+  }
+}
+
+absl::Status RouterService::WaitForWorkers(absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (true) {
+    std::string silent;
+    for (auto& w : prefill_) {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+      worker::v1::WorkerInfo info;
+      if (!w->prefill->Status(&ctx, {}, &info).ok()) absl::StrAppend(&silent, " ", w->address);
+    }
+    for (auto& w : decode_) {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+      worker::v1::WorkerInfo info;
+      if (!w->decode->Status(&ctx, {}, &info).ok()) {
+        absl::StrAppend(&silent, " ", w->address);
+      } else if (info.kv_address().empty() && !options_.colocated) {
+        absl::StrAppend(&silent, " ", w->address, "(no KV receiver)");
+      } else {
+        w->kv_address = info.kv_address();
+      }
+    }
+    if (silent.empty()) return absl::OkStatus();
+    if (absl::Now() > deadline) return absl::UnavailableError(absl::StrCat("workers not answering:", silent));
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+}
+
+absl::StatusOr<GenerationRequest> RouterService::Resolve(const v1::GenerateRequest& req) const {
+  if (!req.model().empty() && req.model() != options_.model_name) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("model: unknown model '", req.model(), "' (this cluster serves '", options_.model_name, "')"));
+  }
+  GenerationRequest r;
+  switch (req.prompt_case()) {
+    case v1::GenerateRequest::kText: {
+      if (req.text().empty()) return absl::InvalidArgumentError("text: the prompt is empty");
+      absl::StatusOr<std::vector<int32_t>> ids = tokenizer_->Encode(req.text(), false);
+      if (!ids.ok()) return absl::InvalidArgumentError(absl::StrCat("text: ", ids.status().message()));
+      r.prompt = *std::move(ids);
+      break;
+    }
+    case v1::GenerateRequest::kChat: {
+      if (req.chat().messages().empty()) return absl::InvalidArgumentError("chat.messages: empty");
+      if (!chat_format_.has_value()) {
+        return absl::InvalidArgumentError("chat: this model has no recognised chat template; send text or token_ids");
+      }
+      std::vector<tok::ChatMessage> messages;
+      for (const v1::ChatMessage& m : req.chat().messages()) messages.push_back({m.role(), m.content()});
+      absl::StatusOr<std::string> text = tok::RenderChat(*chat_format_, messages, /*add_generation_prompt=*/true,
+                                                         tokenizer_->bos_token(), tokenizer_->eos_token());
+      if (!text.ok()) return absl::InvalidArgumentError(absl::StrCat("chat.", text.status().message()));
+      absl::StatusOr<std::vector<int32_t>> ids = tokenizer_->Encode(*text, false);
+      if (!ids.ok()) return absl::InvalidArgumentError(absl::StrCat("chat: ", ids.status().message()));
+      r.prompt = *std::move(ids);
+      break;
+    }
+    case v1::GenerateRequest::kTokenIds: {
+      if (req.token_ids().ids().empty()) return absl::InvalidArgumentError("token_ids: the prompt is empty");
+      for (int i = 0; i < req.token_ids().ids_size(); ++i) {
+        const int32_t id = req.token_ids().ids(i);
+        if (id < 0 || id >= config_.vocab_size) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("token_ids.ids[", i, "]: ", id, " is outside the vocabulary (", config_.vocab_size, ")"));
+        }
+      }
+      r.prompt.assign(req.token_ids().ids().begin(), req.token_ids().ids().end());
+      break;
+    }
+    case v1::GenerateRequest::PROMPT_NOT_SET:
+      return absl::InvalidArgumentError("prompt: one of text, chat or token_ids is required");
+  }
+  if (r.prompt.empty()) return absl::InvalidArgumentError("prompt: it tokenizes to nothing");
+  if (req.max_tokens() < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("max_tokens: must be at least 1, got ", req.max_tokens()));
+  }
+  const int64_t context = config_.max_position_embeddings;
+  if (static_cast<int64_t>(r.prompt.size()) + req.max_tokens() > context) {
+    return absl::InvalidArgumentError(absl::StrCat("max_tokens: the prompt (", r.prompt.size(), " tokens) + max_tokens (",
+                                                   req.max_tokens(), ") exceeds the model's context (", context, ")"));
+  }
+  SamplingParams& p = r.params;
+  const v1::SamplingParams& s = req.sampling();
+  if (s.has_temperature()) p.temperature = s.temperature();
+  if (s.has_top_k()) p.top_k = s.top_k();
+  if (s.has_top_p()) p.top_p = s.top_p();
+  if (s.has_min_p()) p.min_p = s.min_p();
+  if (s.has_repetition_penalty()) p.repetition_penalty = s.repetition_penalty();
+  if (s.has_presence_penalty()) p.presence_penalty = s.presence_penalty();
+  if (s.has_seed()) p.seed = s.seed();
+  p.max_tokens = req.max_tokens();
+  p.ignore_eos = req.ignore_eos();
+  p.logprobs = req.logprobs();
+  for (int i = 0; i < req.stop_token_ids_size(); ++i) {
+    const int32_t id = req.stop_token_ids(i);
+    if (id < 0 || id >= config_.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("stop_token_ids[", i, "]: ", id, " is outside the vocabulary"));
+    }
+    p.stop_token_ids.push_back(id);
+  }
+  if (absl::Status st = ValidateSamplingParams(p, config_.vocab_size); !st.ok()) return st;
+  p.seed = ResolveSeed(p);
+  for (int i = 0; i < req.stop_size(); ++i) {
+    if (req.stop(i).empty()) return absl::InvalidArgumentError(absl::StrCat("stop[", i, "]: empty string"));
+    r.stop_strings.push_back(req.stop(i));
+  }
+  r.eos_ids = config_.eos_token_ids;
+  return r;
+}
+
+RouterService::Worker* RouterService::PickDecode() {
+  Worker* best = nullptr;
+  for (auto& w : decode_) {
+    if (best == nullptr || w->in_flight.load() < best->in_flight.load()) best = w.get();
+  }
+  return best;
+}
+
+RouterService::Worker* RouterService::PickPrefill() {
+  Worker* best = nullptr;
+  for (auto& w : prefill_) {
+    if (best == nullptr || w->queued_tokens.load() < best->queued_tokens.load()) best = w.get();
+  }
+  return best;
+}
+
+grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequest& req,
+                                const std::function<bool(const v1::GenerateResponse&)>& emit) {
+  const auto t_start = Clock::now();
+  absl::StatusOr<GenerationRequest> resolved = Resolve(req);
+  if (!resolved.ok()) return Invalid(resolved.status());
+  const GenerationRequest& gr = *resolved;
+  const std::string client_id = req.request_id();
+  const std::string internal_id =
+      absl::StrFormat("%s-%d-%d", client_id.empty() ? "req" : client_id, getpid(), next_request_++);
+  Worker* d = PickDecode();
+  if (d == nullptr) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "no decode worker");
+  const bool colocated = options_.colocated || prefill_.empty();
+  Worker* p = colocated ? nullptr : PickPrefill();
+  worker::v1::WorkRequest work;
+  rpc::ToWork(gr, &work);
+  work.set_request_id(internal_id);
+
+  grpc::ClientContext dctx, pctx;
+  if (ctx->deadline() != std::chrono::system_clock::time_point::max()) {
+    dctx.set_deadline(ctx->deadline());
+    pctx.set_deadline(ctx->deadline());
+  }
+  Watch watch{ctx, {&dctx, &pctx}};
+  {
+    absl::MutexLock lock(&watch_mu_);
+    watches_.push_back(&watch);
+  }
+  ++in_flight_;
+  d->in_flight++;
+  const int64_t prompt_tokens = static_cast<int64_t>(gr.prompt.size());
+  if (p != nullptr) {
+    p->in_flight++;
+    p->queued_tokens += prompt_tokens;
+  }
+
+  v1::GenerateResponse msg;
+  msg.set_request_id(client_id);
+  v1::Timings timings;
+  timings.set_colocated(colocated);
+  int32_t completion = 0;
+  FinishReason finish = FinishReason::kNone;
+  std::string error;
+  bool cancelled = false;
+  double max_itl = 0, sum_itl = 0;
+  int32_t gaps = 0;
+  Clock::time_point last_token = t_start;
+  bool client_gone = false;
+  auto send_chunk = [&](const v1::TokenChunk& chunk) {
+    const auto now = Clock::now();
+    if (completion == 0) {
+      timings.set_ttft(Seconds(t_start, now));
+    } else {
+      const double gap = Seconds(last_token, now);
+      sum_itl += gap;
+      max_itl = std::max(max_itl, gap);
+      ++gaps;
+    }
+    last_token = now;
+    completion += chunk.token_ids_size();
+    msg.clear_kind();
+    *msg.mutable_chunk() = chunk;
+    if (!emit(msg)) client_gone = true;
+  };
+
+  worker::v1::DecodeRequest dreq;
+  *dreq.mutable_request() = work;
+  dreq.set_prefill_here(colocated);
+  std::unique_ptr<grpc::ClientReader<worker::v1::DecodeEvent>> dreader = d->decode->Decode(&dctx, dreq);
+
+  bool decode_expected = true;
+  if (p != nullptr) {
+    worker::v1::PrefillRequest preq;
+    *preq.mutable_request() = work;
+    preq.set_decode_kv_address(d->kv_address);
+    std::unique_ptr<grpc::ClientReader<worker::v1::PrefillEvent>> preader = p->prefill->Prefill(&pctx, preq);
+    worker::v1::PrefillEvent ev;
+    bool first_seen = false;
+    Generation replay(gr, tokenizer_.get());
+    while (preader->Read(&ev)) {
+      if (ev.has_first() && !first_seen) {
+        first_seen = true;
+        p->queued_tokens -= prompt_tokens;
+        const worker::v1::FirstToken& f = ev.first();
+        TokenEvent te;
+        te.token = f.token().token_id();
+        te.logprob = f.token().logprob();
+        for (const v1::TopLogprob& t : f.token().top()) te.top_logprobs.emplace_back(t.token_id(), t.logprob());
+        absl::StatusOr<TokenEvent> text = replay.Replay(te);
+        if (!text.ok()) {
+          error = std::string(text.status().message());
+          break;
+        }
+        timings.set_queue(f.queue_seconds());
+        timings.set_prefill(f.prefill_seconds());
+        v1::TokenChunk chunk;
+        rpc::AppendToken(*text, gr.params.logprobs > 0, &chunk);
+        send_chunk(chunk);
+        if (text->finish != FinishReason::kNone) {
+          finish = text->finish;
+          decode_expected = false;
+          dctx.TryCancel();
+        }
+      } else if (ev.has_done()) {
+        timings.set_handoff(ev.done().handoff_seconds());
+      }
+    }
+    const grpc::Status ps = preader->Finish();
+    if (!first_seen) p->queued_tokens -= prompt_tokens;
+    p->in_flight--;
+    if (!ps.ok() && error.empty()) {
+      if (ps.error_code() == grpc::StatusCode::CANCELLED) {
+        cancelled = true;
+      } else {
+        error = absl::StrCat("prefill worker ", p->address, ": ", ps.error_message());
+      }
+    }
+    if (!error.empty() || cancelled) {
+      decode_expected = false;
+      dctx.TryCancel();
+    }
+  }
+
+  worker::v1::DecodeEvent dev;
+  while (dreader->Read(&dev)) {
+    if (!decode_expected) continue;
+    if (dev.has_chunk() && dev.chunk().token_ids_size() > 0) {
+      send_chunk(dev.chunk());
+      if (client_gone) dctx.TryCancel();
+    } else if (dev.has_final()) {
+      const worker::v1::DecodeFinal& f = dev.final();
+      if (f.finish_reason() == v1::FINISH_REASON_CANCELLED) {
+        cancelled = true;
+      } else if (f.finish_reason() == v1::FINISH_REASON_ERROR) {
+        error = absl::StrCat("decode worker ", d->address, ": ", f.error());
+      } else {
+        finish = rpc::FromProto(f.finish_reason());
+      }
+      if (colocated) timings.set_prefill(f.prefill_seconds());
+    }
+  }
+  const grpc::Status ds = dreader->Finish();
+  d->in_flight--;
+  --in_flight_;
+  {
+    absl::MutexLock lock(&watch_mu_);
+    watches_.erase(std::find(watches_.begin(), watches_.end(), &watch));
+  }
+  if (decode_expected && !ds.ok() && error.empty() && !cancelled) {
+    if (ds.error_code() == grpc::StatusCode::CANCELLED) {
+      cancelled = true;
+    } else {
+      error = absl::StrCat("decode worker ", d->address, ": ", ds.error_message());
+    }
+  }
+  if (ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client");
+
+  timings.set_mean_itl(gaps > 0 ? sum_itl / gaps : 0);
+  timings.set_max_itl(max_itl);
+  timings.set_total(Seconds(t_start, Clock::now()));
+  msg.clear_kind();
+  v1::GenerateFinal* fin = msg.mutable_final();
+  if (!error.empty()) {
+    fin->set_finish_reason(v1::FINISH_REASON_ERROR);
+    fin->set_error(error);
+  } else if (cancelled || finish == FinishReason::kNone) {
+    fin->set_finish_reason(v1::FINISH_REASON_CANCELLED);
+  } else {
+    fin->set_finish_reason(rpc::ToProto(finish));
+  }
+  fin->mutable_usage()->set_prompt_tokens(static_cast<int32_t>(prompt_tokens));
+  fin->mutable_usage()->set_completion_tokens(completion);
+  fin->set_seed(*gr.params.seed);
+  *fin->mutable_timings() = timings;
+  emit(msg);
+  return grpc::Status::OK;
+}
+
+grpc::Status RouterService::Generate(grpc::ServerContext* ctx, const v1::GenerateRequest* req,
+                                     grpc::ServerWriter<v1::GenerateResponse>* writer) {
+  return Run(ctx, *req, [writer](const v1::GenerateResponse& m) { return writer->Write(m); });
+}
+
+grpc::Status RouterService::Complete(grpc::ServerContext* ctx, const v1::GenerateRequest* req,
+                                     v1::CompleteResponse* out) {
+  out->set_request_id(req->request_id());
+  return Run(ctx, *req, [out](const v1::GenerateResponse& m) {
+    if (m.has_chunk()) {
+      out->mutable_token_ids()->Add(m.chunk().token_ids().begin(), m.chunk().token_ids().end());
+      out->mutable_text()->append(m.chunk().text());
+      for (const auto& lp : m.chunk().logprobs()) *out->add_logprobs() = lp;
+    } else if (m.has_final()) {
+      *out->mutable_final() = m.final();
+    }
+    return true;
+  });
+}
+
+grpc::Status RouterService::ListModels(grpc::ServerContext*, const v1::ListModelsRequest*,
+                                       v1::ListModelsResponse* out) {
+  v1::ModelInfo* m = out->add_models();
+  m->set_name(options_.model_name);
+  m->set_context_length(static_cast<int32_t>(config_.max_position_embeddings));
+  m->set_vocab_size(static_cast<int32_t>(config_.vocab_size));
+  return grpc::Status::OK;
+}
+
+grpc::Status RouterService::ClusterStatus(grpc::ServerContext*, const v1::ClusterStatusRequest*,
+                                          v1::ClusterStatusResponse* out) {
+  auto query = [](Worker& w, bool prefill, v1::WorkerStatus* s) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+    worker::v1::WorkerInfo info;
+    const grpc::Status st = prefill ? w.prefill->Status(&ctx, {}, &info) : w.decode->Status(&ctx, {}, &info);
+    if (st.ok()) *s = info.status();
+    s->set_address(w.address);
+    s->set_role(prefill ? "prefill" : "decode");
+    s->set_healthy(st.ok() && info.status().healthy());
+  };
+  for (auto& w : prefill_) query(*w, true, out->add_prefill());
+  for (auto& w : decode_) query(*w, false, out->add_decode());
+  out->set_requests_in_flight(in_flight_.load());
+  return grpc::Status::OK;
+}
+
+}  // namespace pdserve::router

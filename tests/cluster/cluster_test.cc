@@ -1,0 +1,394 @@
+// The cluster end to end: real router, prefill and decode worker processes
+// on loopback, KV over UCX. Every stream must equal the in-process engine
+// token for token and byte for byte.
+#include <signal.h>
+
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/generation.h"
+#include "common/model.h"
+#include "common/tokenizer/chat_template.h"
+#include "common/tokenizer/tokenizer.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "pdserve/v1/generation.grpc.pb.h"
+#include "tests/support/subprocess.h"
+
+namespace pdserve {
+namespace {
+
+using testing_support::Subprocess;
+
+const std::string kModel = std::string(PDSERVE_SOURCE_DIR) + "/deploy/models/kjv-tiny";
+const std::string kBin = PDSERVE_BINARY_DIR;
+
+std::string TempDir() {
+  char tmpl[] = "/tmp/pdserve-cluster-XXXXXX";
+  return mkdtemp(tmpl);
+}
+
+struct Output {
+  std::vector<int32_t> tokens;
+  std::string text;
+  v1::FinishReason finish = v1::FINISH_REASON_UNSPECIFIED;
+  grpc::Status status;
+  v1::GenerateFinal final;
+};
+
+// One router + its workers.
+class Cluster {
+ public:
+  // colocated: router --colocated, no prefill worker.
+  absl::Status Start(const std::string& dir, bool colocated, const std::vector<std::string>& decode_flags = {},
+                     const std::map<std::string, std::string>& env = {}) {
+    std::filesystem::create_directories(dir);
+    std::vector<std::string> dargs = {kBin + "/decode_worker/pdserve-decode-worker", "--model", kModel, "--ready_file",
+                                      dir + "/decode.ready", "--prefill_chunk", "32"};
+    dargs.insert(dargs.end(), decode_flags.begin(), decode_flags.end());
+    if (absl::Status s = decode_.Start(dargs, dir + "/decode.log", env); !s.ok()) return s;
+    absl::StatusOr<int> dport = decode_.WaitReady(dir + "/decode.ready", absl::Seconds(60));
+    if (!dport.ok()) return dport.status();
+    std::vector<std::string> rargs = {kBin + "/router/pdserve-router", "--model", kModel, "--ready_file",
+                                      dir + "/router.ready", "--decode", absl::StrCat("127.0.0.1:", *dport)};
+    if (colocated) {
+      rargs.push_back("--colocated");
+    } else {
+      if (absl::Status s = prefill_.Start({kBin + "/prefill_worker/pdserve-prefill-worker", "--model", kModel,
+                                           "--ready_file", dir + "/prefill.ready", "--prefill_chunk", "32"},
+                                          dir + "/prefill.log", env);
+          !s.ok()) {
+        return s;
+      }
+      absl::StatusOr<int> pport = prefill_.WaitReady(dir + "/prefill.ready", absl::Seconds(60));
+      if (!pport.ok()) return pport.status();
+      rargs.push_back("--prefill");
+      rargs.push_back(absl::StrCat("127.0.0.1:", *pport));
+    }
+    if (absl::Status s = router_.Start(rargs, dir + "/router.log", env); !s.ok()) return s;
+    absl::StatusOr<int> rport = router_.WaitReady(dir + "/router.ready", absl::Seconds(60));
+    if (!rport.ok()) return rport.status();
+    stub_ = v1::Generation::NewStub(
+        grpc::CreateChannel(absl::StrCat("127.0.0.1:", *rport), grpc::InsecureChannelCredentials()));
+    return absl::OkStatus();
+  }
+
+  Output Generate(const v1::GenerateRequest& req) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+    auto reader = stub_->Generate(&ctx, req);
+    Output out;
+    v1::GenerateResponse m;
+    while (reader->Read(&m)) {
+      if (m.has_chunk()) {
+        out.tokens.insert(out.tokens.end(), m.chunk().token_ids().begin(), m.chunk().token_ids().end());
+        out.text += m.chunk().text();
+      } else if (m.has_final()) {
+        out.final = m.final();
+        out.finish = m.final().finish_reason();
+      }
+    }
+    out.status = reader->Finish();
+    return out;
+  }
+
+  v1::ClusterStatusResponse Status() {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    v1::ClusterStatusResponse out;
+    EXPECT_TRUE(stub_->ClusterStatus(&ctx, {}, &out).ok());
+    return out;
+  }
+
+  std::string Logs() { return absl::StrCat("router:\n", router_.LogTail(), "\nprefill:\n", prefill_.LogTail(),
+                                           "\ndecode:\n", decode_.LogTail()); }
+
+  v1::Generation::Stub* stub() { return stub_.get(); }
+
+ private:
+  Subprocess decode_, prefill_, router_;
+  std::unique_ptr<v1::Generation::Stub> stub_;
+};
+
+class ClusterTest : public ::testing::Test {
+ public:
+  static void SetUpTestSuite() {
+    auto backend = kernels::cpu::CpuBackend::Create({.num_threads = 1});
+    ASSERT_TRUE(backend.ok());
+    backend_ = backend->release();
+    auto model = Model::Load(kModel, {}, backend_);
+    ASSERT_TRUE(model.ok()) << model.status();
+    model_ = model->release();
+    auto tokenizer = tok::Tokenizer::Load(kModel);
+    ASSERT_TRUE(tokenizer.ok());
+    tokenizer_ = tokenizer->release();
+    dir_ = new std::string(TempDir());
+    disagg_ = new Cluster();
+    absl::Status s = disagg_->Start(*dir_ + "/disagg", false);
+    ASSERT_TRUE(s.ok()) << s;
+    colocated_ = new Cluster();
+    s = colocated_->Start(*dir_ + "/colocated", true);
+    ASSERT_TRUE(s.ok()) << s;
+  }
+  static void TearDownTestSuite() {
+    delete disagg_;
+    delete colocated_;
+  }
+
+  // The in-process engine on the same request.
+  static Output Reference(const v1::GenerateRequest& req) {
+    GenerationRequest r;
+    if (req.has_token_ids()) {
+      r.prompt.assign(req.token_ids().ids().begin(), req.token_ids().ids().end());
+    } else if (req.has_chat()) {
+      std::vector<tok::ChatMessage> messages;
+      for (const auto& m : req.chat().messages()) messages.push_back({m.role(), m.content()});
+      const std::string text = *tok::RenderChat(*tok::DetectChatFormat(tokenizer_->chat_template()), messages, true,
+                                                tokenizer_->bos_token(), tokenizer_->eos_token());
+      r.prompt = *tokenizer_->Encode(text, false);
+    } else {
+      r.prompt = *tokenizer_->Encode(req.text(), false);
+    }
+    const v1::SamplingParams& s = req.sampling();
+    r.params.temperature = s.has_temperature() ? s.temperature() : 1.0f;
+    r.params.top_p = s.has_top_p() ? s.top_p() : 1.0f;
+    r.params.top_k = s.top_k();
+    r.params.seed = s.seed();
+    r.params.max_tokens = req.max_tokens();
+    r.stop_strings.assign(req.stop().begin(), req.stop().end());
+    r.eos_ids = model_->config().eos_token_ids;
+    auto pool = *BlockPool::Create(model_->MakeKvSpec(model_->weight_dtype(), 16, 64));
+    Generation gen(r, tokenizer_);
+    SequenceKv kv;
+    Output out;
+    std::vector<int32_t> feed = r.prompt;
+    while (!gen.finished()) {
+      ForwardSequence fs{&kv, feed, LogitsMode::kLast};
+      auto res = model_->Forward(*pool, {&fs, 1});
+      EXPECT_TRUE(res.ok());
+      auto ev = gen.Accept(res->Last(0));
+      out.tokens.push_back(ev->token);
+      out.text += ev->text;
+      out.finish = ev->finish == FinishReason::kStop ? v1::FINISH_REASON_STOP : v1::FINISH_REASON_LENGTH;
+      feed.assign(1, ev->token);
+    }
+    kv.Release(*pool);
+    return out;
+  }
+
+  static v1::GenerateRequest Text(const std::string& text, int max_tokens, float temperature, uint64_t seed) {
+    v1::GenerateRequest r;
+    r.set_text(text);
+    r.set_max_tokens(max_tokens);
+    r.mutable_sampling()->set_temperature(temperature);
+    if (temperature > 0) r.mutable_sampling()->set_top_p(0.9f);
+    r.mutable_sampling()->set_seed(seed);
+    return r;
+  }
+
+  static void ExpectSame(const Output& got, const Output& want, const std::string& what) {
+    ASSERT_TRUE(got.status.ok()) << what << ": " << got.status.error_message();
+    EXPECT_EQ(got.tokens, want.tokens) << what;
+    EXPECT_EQ(got.text, want.text) << what;
+    EXPECT_EQ(got.finish, want.finish) << what << " " << got.final.error();
+  }
+
+  static kernels::cpu::CpuBackend* backend_;
+  static Model* model_;
+  static tok::Tokenizer* tokenizer_;
+  static std::string* dir_;
+  static Cluster* disagg_;
+  static Cluster* colocated_;
+};
+
+kernels::cpu::CpuBackend* ClusterTest::backend_ = nullptr;
+Model* ClusterTest::model_ = nullptr;
+tok::Tokenizer* ClusterTest::tokenizer_ = nullptr;
+std::string* ClusterTest::dir_ = nullptr;
+Cluster* ClusterTest::disagg_ = nullptr;
+Cluster* ClusterTest::colocated_ = nullptr;
+
+const char kLong[] =
+    "And it came to pass, when men began to multiply on the face of the earth, and daughters were born unto "
+    "them, that the sons of God saw the daughters of men that they were fair; and they took them wives of all "
+    "which they chose.";
+
+std::vector<v1::GenerateRequest> Requests() {
+  std::vector<v1::GenerateRequest> reqs;
+  for (float temp : {0.0f, 0.8f}) {
+    reqs.push_back(ClusterTest::Text("In the beginning God created", 24, temp, 42));
+    reqs.push_back(ClusterTest::Text(kLong, 20, temp, 7));  // Longer than a prefill chunk (32).
+    v1::GenerateRequest ids = ClusterTest::Text("", 16, temp, 9);
+    ids.mutable_token_ids()->add_ids(5);
+    ids.mutable_token_ids()->add_ids(100);
+    ids.mutable_token_ids()->add_ids(200);
+    reqs.push_back(ids);
+  }
+  v1::GenerateRequest chat = ClusterTest::Text("", 24, 0.7f, 11);
+  v1::ChatMessage* m = chat.mutable_chat()->add_messages();
+  m->set_role("user");
+  m->set_content("Who was the father of Isaac?");
+  reqs.push_back(chat);
+  v1::GenerateRequest stop = ClusterTest::Text("The LORD is my shepherd;", 40, 0.7f, 5);
+  stop.add_stop("LORD");
+  reqs.push_back(stop);
+  return reqs;
+}
+
+TEST_F(ClusterTest, StreamsEqualTheInProcessEngine) {
+  for (const auto& req : Requests()) {
+    const Output want = Reference(req);
+    ExpectSame(disagg_->Generate(req), want, "disaggregated " + req.ShortDebugString());
+    ExpectSame(colocated_->Generate(req), want, "colocated " + req.ShortDebugString());
+  }
+}
+
+TEST_F(ClusterTest, TimingsAndUsageAreReported) {
+  const Output got = disagg_->Generate(Text("In the beginning", 8, 0, 1));
+  ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+  const v1::GenerateFinal& f = got.final;
+  EXPECT_EQ(f.usage().completion_tokens(), 8);
+  EXPECT_GT(f.usage().prompt_tokens(), 0);
+  EXPECT_EQ(f.seed(), 1u);
+  EXPECT_GT(f.timings().ttft(), 0);
+  EXPECT_GT(f.timings().prefill(), 0);
+  EXPECT_GT(f.timings().handoff(), 0);
+  EXPECT_GT(f.timings().total(), f.timings().ttft());
+  EXPECT_FALSE(f.timings().colocated());
+}
+
+TEST_F(ClusterTest, SixtyFourConcurrentStreams) {
+  std::vector<v1::GenerateRequest> reqs;
+  for (int i = 0; i < 64; ++i) {
+    reqs.push_back(Text(i % 2 == 0 ? "In the beginning God created" : kLong, 12 + i % 5, i % 3 == 0 ? 0.0f : 0.9f,
+                        1000 + i));
+  }
+  std::vector<Output> got(reqs.size());
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    threads.emplace_back([&, i] { got[i] = disagg_->Generate(reqs[i]); });
+  }
+  for (auto& t : threads) t.join();
+  for (size_t i = 0; i < reqs.size(); ++i) ExpectSame(got[i], Reference(reqs[i]), absl::StrCat("stream ", i));
+  // Everything freed on both sides.
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  v1::ClusterStatusResponse st;
+  do {
+    st = disagg_->Status();
+    if (st.decode(0).kv_blocks_used() == 0 && st.prefill(0).kv_blocks_used() == 0) break;
+    absl::SleepFor(absl::Milliseconds(50));
+  } while (absl::Now() < deadline);
+  EXPECT_EQ(st.decode(0).kv_blocks_used(), 0) << st.ShortDebugString();
+  EXPECT_EQ(st.prefill(0).kv_blocks_used(), 0) << st.ShortDebugString();
+}
+
+TEST_F(ClusterTest, CancelledStreamFreesItsKv) {
+  v1::GenerateRequest req = Text("In the beginning", 400, 0.9f, 3);
+  req.set_ignore_eos(true);
+  grpc::ClientContext ctx;
+  auto reader = disagg_->stub()->Generate(&ctx, req);
+  v1::GenerateResponse m;
+  int chunks = 0;
+  while (chunks < 5 && reader->Read(&m)) chunks += m.has_chunk();
+  ASSERT_EQ(chunks, 5);
+  EXPECT_GT(disagg_->Status().decode(0).kv_blocks_used(), 0);
+  ctx.TryCancel();
+  while (reader->Read(&m)) {
+  }
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  int used = -1;
+  while (absl::Now() < deadline) {
+    used = disagg_->Status().decode(0).kv_blocks_used();
+    if (used == 0) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_EQ(used, 0);
+}
+
+TEST_F(ClusterTest, BadInputIsRefusedNamingTheField) {
+  struct Case {
+    v1::GenerateRequest req;
+    std::string field;
+  };
+  std::vector<Case> cases;
+  cases.push_back({Text("", 4, 0, 1), "text"});
+  {
+    v1::GenerateRequest r = Text("hi", 4, 0, 1);
+    r.clear_prompt();
+    cases.push_back({r, "prompt"});
+  }
+  {
+    v1::GenerateRequest r = Text("hi", 4, 0, 1);
+    r.set_model("no-such-model");
+    cases.push_back({r, "model"});
+  }
+  cases.push_back({Text("hi", 0, 0, 1), "max_tokens"});
+  cases.push_back({Text("hi", 100000, 0, 1), "max_tokens"});
+  {
+    std::string huge;
+    for (int i = 0; i < 200; ++i) huge += "and the LORD said ";
+    cases.push_back({Text(huge, 4, 0, 1), "max_tokens"});  // Prompt over the context.
+  }
+  {
+    v1::GenerateRequest r = Text("hi", 4, 0, 1);
+    r.mutable_sampling()->set_top_p(1.5f);
+    cases.push_back({r, "top_p"});
+  }
+  {
+    v1::GenerateRequest r = Text("hi", 4, 0, 1);
+    r.mutable_sampling()->set_temperature(-1);
+    cases.push_back({r, "temperature"});
+  }
+  {
+    v1::GenerateRequest r = Text("hi", 4, 0, 1);
+    v1::ChatMessage* m = r.mutable_chat()->add_messages();
+    m->set_role("wizard");
+    m->set_content("hello");
+    cases.push_back({r, "chat"});
+  }
+  {
+    v1::GenerateRequest r = Text("hi", 4, 0, 1);
+    r.mutable_chat();
+    cases.push_back({r, "chat.messages"});
+  }
+  {
+    v1::GenerateRequest r = Text("hi", 4, 0, 1);
+    r.mutable_token_ids()->add_ids(-3);
+    cases.push_back({r, "token_ids"});
+  }
+  for (const Case& c : cases) {
+    const Output got = disagg_->Generate(c.req);
+    EXPECT_EQ(got.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << c.req.ShortDebugString();
+    EXPECT_NE(got.status.error_message().find(c.field), std::string::npos)
+        << got.status.error_message() << " should name " << c.field;
+  }
+  // Still serving.
+  const v1::GenerateRequest ok = Text("In the beginning", 6, 0, 1);
+  ExpectSame(disagg_->Generate(ok), Reference(ok), "after bad input");
+}
+
+TEST_F(ClusterTest, SmallDecodePoolPreemptsAndRecomputes) {
+  Cluster small;
+  // 12 blocks of 16 positions for 8 concurrent requests of ~40-80 positions.
+  absl::Status s = small.Start(*dir_ + "/small", true, {"--kv_positions", "192", "--max_batch", "8"});
+  ASSERT_TRUE(s.ok()) << s;
+  std::vector<v1::GenerateRequest> reqs;
+  for (int i = 0; i < 8; ++i) reqs.push_back(Text(i % 2 ? kLong : "In the beginning God created", 40, 0.8f, 50 + i));
+  std::vector<Output> got(reqs.size());
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < reqs.size(); ++i) threads.emplace_back([&, i] { got[i] = small.Generate(reqs[i]); });
+  for (auto& t : threads) t.join();
+  for (size_t i = 0; i < reqs.size(); ++i) ExpectSame(got[i], Reference(reqs[i]), absl::StrCat("stream ", i));
+  EXPECT_GT(small.Status().decode(0).preemptions(), 0) << small.Logs();
+}
+
+}  // namespace
+}  // namespace pdserve

@@ -1,0 +1,109 @@
+#include "tools/pdctl/cluster_commands.h"
+
+#include <chrono>
+#include <cstdio>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "google/protobuf/util/json_util.h"
+#include "grpcpp/grpcpp.h"
+#include "pdserve/v1/generation.grpc.pb.h"
+
+namespace pdserve::pdctl {
+namespace {
+
+absl::Status FromGrpc(const grpc::Status& s, const std::string& what) {
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), absl::StrCat(what, ": ", s.error_message()));
+}
+
+const char* FinishName(v1::FinishReason f) {
+  switch (f) {
+    case v1::FINISH_REASON_STOP:
+      return "stop";
+    case v1::FINISH_REASON_LENGTH:
+      return "length";
+    case v1::FINISH_REASON_CANCELLED:
+      return "cancelled";
+    case v1::FINISH_REASON_ERROR:
+      return "error";
+    default:
+      return "unspecified";
+  }
+}
+
+}  // namespace
+
+absl::Status RemoteGenerate(const std::string& router, const v1::GenerateRequest& request, bool print_ids,
+                            double timeout_seconds) {
+  auto stub = v1::Generation::NewStub(grpc::CreateChannel(router, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  if (timeout_seconds > 0) {
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1e3)));
+  }
+  auto reader = stub->Generate(&ctx, request);
+  v1::GenerateResponse m;
+  std::vector<int32_t> ids;
+  v1::GenerateFinal final;
+  while (reader->Read(&m)) {
+    if (m.has_chunk()) {
+      ids.insert(ids.end(), m.chunk().token_ids().begin(), m.chunk().token_ids().end());
+      if (!print_ids) {
+        std::fwrite(m.chunk().text().data(), 1, m.chunk().text().size(), stdout);
+        std::fflush(stdout);
+      }
+    } else if (m.has_final()) {
+      final = m.final();
+    }
+  }
+  const grpc::Status st = reader->Finish();
+  if (!st.ok()) return FromGrpc(st, absl::StrCat("router ", router));
+  if (print_ids) {
+    std::printf("%s\n", absl::StrJoin(ids, ",").c_str());
+  } else {
+    std::printf("\n");
+  }
+  std::fflush(stdout);
+  const v1::Timings& t = final.timings();
+  std::fprintf(stderr,
+               "seed=%llu finish=%s prompt_tokens=%d completion_tokens=%d%s%s\n"
+               "ttft=%.1fms queue=%.1fms prefill=%.1fms handoff=%.1fms itl_mean=%.2fms itl_max=%.2fms total=%.1fms%s\n",
+               static_cast<unsigned long long>(final.seed()), FinishName(final.finish_reason()),
+               final.usage().prompt_tokens(), final.usage().completion_tokens(), final.error().empty() ? "" : " error=",
+               final.error().c_str(), 1e3 * t.ttft(), 1e3 * t.queue(), 1e3 * t.prefill(), 1e3 * t.handoff(),
+               1e3 * t.mean_itl(), 1e3 * t.max_itl(), 1e3 * t.total(), t.colocated() ? " (colocated)" : "");
+  if (final.finish_reason() == v1::FINISH_REASON_ERROR) return absl::InternalError(final.error());
+  return absl::OkStatus();
+}
+
+absl::Status RemoteStatus(const std::string& router, bool json) {
+  auto stub = v1::Generation::NewStub(grpc::CreateChannel(router, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  v1::ClusterStatusResponse out;
+  const grpc::Status st = stub->ClusterStatus(&ctx, {}, &out);
+  if (!st.ok()) return FromGrpc(st, absl::StrCat("router ", router));
+  if (json) {
+    std::string text;
+    google::protobuf::util::JsonPrintOptions o;
+    o.add_whitespace = true;
+    o.always_print_primitive_fields = true;
+    (void)google::protobuf::util::MessageToJsonString(out, &text, o);
+    std::printf("%s\n", text.c_str());
+    return absl::OkStatus();
+  }
+  std::printf("requests in flight: %lld\n", static_cast<long long>(out.requests_in_flight()));
+  std::printf("%-8s %-22s %-8s %8s %7s %14s %16s %8s %9s\n", "pool", "address", "health", "running", "queued",
+              "queued tokens", "KV blocks used", "preempt", "step ms");
+  auto row = [](const v1::WorkerStatus& w) {
+    std::printf("%-8s %-22s %-8s %8d %7d %14lld %9d/%-6d %8lld %9.2f\n", w.role().c_str(), w.address().c_str(),
+                w.healthy() ? "serving" : "DOWN", w.running(), w.queued(),
+                static_cast<long long>(w.queued_prefill_tokens()), w.kv_blocks_used(), w.kv_blocks_total(),
+                static_cast<long long>(w.preemptions()), 1e3 * w.step_seconds());
+  };
+  for (const auto& w : out.prefill()) row(w);
+  for (const auto& w : out.decode()) row(w);
+  return absl::OkStatus();
+}
+
+}  // namespace pdserve::pdctl

@@ -3,7 +3,9 @@
 // token for token and byte for byte.
 #include <signal.h>
 
+#include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <string>
@@ -19,6 +21,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "nlohmann/json.hpp"
 #include "pdserve/v1/generation.grpc.pb.h"
 #include "tests/support/subprocess.h"
 
@@ -75,8 +78,8 @@ class Cluster {
     if (absl::Status s = router_.Start(rargs, dir + "/router.log", env); !s.ok()) return s;
     absl::StatusOr<int> rport = router_.WaitReady(dir + "/router.ready", absl::Seconds(60));
     if (!rport.ok()) return rport.status();
-    stub_ = v1::Generation::NewStub(
-        grpc::CreateChannel(absl::StrCat("127.0.0.1:", *rport), grpc::InsecureChannelCredentials()));
+    address_ = absl::StrCat("127.0.0.1:", *rport);
+    stub_ = v1::Generation::NewStub(grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()));
     return absl::OkStatus();
   }
 
@@ -111,8 +114,10 @@ class Cluster {
                                            "\ndecode:\n", decode_.LogTail()); }
 
   v1::Generation::Stub* stub() { return stub_.get(); }
+  const std::string& address() const { return address_; }
 
  private:
+  std::string address_;
   Subprocess decode_, prefill_, router_;
   std::unique_ptr<v1::Generation::Stub> stub_;
 };
@@ -388,6 +393,23 @@ TEST_F(ClusterTest, SmallDecodePoolPreemptsAndRecomputes) {
   for (auto& t : threads) t.join();
   for (size_t i = 0; i < reqs.size(); ++i) ExpectSame(got[i], Reference(reqs[i]), absl::StrCat("stream ", i));
   EXPECT_GT(small.Status().decode(0).preemptions(), 0) << small.Logs();
+}
+
+TEST_F(ClusterTest, ServingBenchRunsAgainstTheClusterAndTheEngine) {
+  const std::string out = *dir_ + "/bench.json";
+  const std::string cmd = absl::StrCat(kBin, "/tools/pdctl/pdctl bench --router ", disagg_->address(),
+                                       " --requests 6 --concurrency 3 --prompt-tokens 20:40 --output-tokens 8",
+                                       " --in-process-model ", kModel, " --json > ", out, " 2>/dev/null");
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  std::ifstream f(out);
+  const nlohmann::json j = nlohmann::json::parse(f, nullptr, false);
+  ASSERT_TRUE(j.is_object());
+  ASSERT_EQ(j["runs"].size(), 2u);
+  for (const auto& r : j["runs"]) {
+    EXPECT_EQ(r["failed"].get<int>(), 0) << r.dump();
+    EXPECT_GT(r["output_tokens_per_second"].get<double>(), 0);
+    EXPECT_GT(r["ttft_seconds"]["p50"].get<double>(), 0);
+  }
 }
 
 }  // namespace

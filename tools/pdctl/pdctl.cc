@@ -23,6 +23,7 @@
 #include "common/synthetic_model.h"
 #include "tools/pdctl/bench_engine.h"
 #include "tools/pdctl/bench_kv.h"
+#include "tools/pdctl/bench_serving.h"
 #include "tools/pdctl/cluster_commands.h"
 #include "tools/pdctl/commands.h"
 #include "tools/pdctl/plan_command.h"
@@ -68,6 +69,13 @@ ABSL_FLAG(std::string, prompt, "", "generate: prompt text (encoded with the toke
 ABSL_FLAG(std::string, chat_json, "", "generate: chat messages file, rendered with the chat template");
 ABSL_FLAG(std::string, router, "", "generate / status / bench: a router's address (host:port) instead of in-process");
 ABSL_FLAG(double, timeout, 0, "generate --router: deadline in seconds (0: none)");
+ABSL_FLAG(int, requests, 64, "bench: requests to send");
+ABSL_FLAG(int, concurrency, 8, "bench: requests in flight (closed loop, when --rate is 0)");
+ABSL_FLAG(double, rate, 0, "bench: Poisson arrivals per second (0: closed loop at --concurrency)");
+ABSL_FLAG(std::string, prompt_tokens, "128", "bench: prompt length, N or MIN:MAX (uniform)");
+ABSL_FLAG(std::string, output_tokens, "64", "bench: output length, N or MIN:MAX (uniform)");
+ABSL_FLAG(std::string, in_process_model, "",
+          "bench: also run the workload through the in-process engine on this model, in the same run");
 ABSL_FLAG(std::vector<std::string>, stop, {}, "generate: comma-separated stop strings");
 ABSL_FLAG(std::string, corpus, "tests/fixtures/tokenizers/corpus.jsonl",
           "bench-tokenizer: JSONL corpus of strings");
@@ -347,6 +355,35 @@ absl::Status RunChatTemplate() {
                       absl::GetFlag(FLAGS_chat_template_family));
 }
 
+absl::Status ParseRange(const std::string& flag, const std::string& text, int* lo, int* hi) {
+  std::vector<std::string> parts = absl::StrSplit(text, ':');
+  if (parts.size() > 2 || !absl::SimpleAtoi(parts[0], lo) ||
+      !absl::SimpleAtoi(parts.size() == 2 ? parts[1] : parts[0], hi)) {
+    return absl::InvalidArgumentError(absl::StrCat("--", flag, ": expected N or MIN:MAX, got '", text, "'"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RunServingBenchCommand() {
+  ServingBenchOptions o;
+  o.router = absl::GetFlag(FLAGS_router);
+  o.in_process_model = absl::GetFlag(FLAGS_in_process_model);
+  o.in_process_threads = absl::GetFlag(FLAGS_threads);
+  o.requests = absl::GetFlag(FLAGS_requests);
+  o.concurrency = absl::GetFlag(FLAGS_concurrency);
+  o.rate = absl::GetFlag(FLAGS_rate);
+  o.json = absl::GetFlag(FLAGS_json);
+  if (absl::Status s = ParseRange("prompt-tokens", absl::GetFlag(FLAGS_prompt_tokens), &o.prompt_min, &o.prompt_max);
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = ParseRange("output-tokens", absl::GetFlag(FLAGS_output_tokens), &o.output_min, &o.output_max);
+      !s.ok()) {
+    return s;
+  }
+  return RunServingBench(o);
+}
+
 constexpr char kUsage[] =
     "pdctl COMMAND [flags]\n"
     "commands:\n"
@@ -354,6 +391,8 @@ constexpr char kUsage[] =
     "  generate  generation from --prompt, --chat-json or --prompt-ids (greedy unless --temperature > 0);\n"
     "            in-process, or through a cluster with --router HOST:PORT\n"
     "  status    a cluster's pools, workers and load (--router HOST:PORT)\n"
+    "  bench     serving benchmark against a cluster (--router; --concurrency or --rate, --requests,\n"
+    "            --prompt-tokens, --output-tokens, --in-process-model DIR for the engine alone; --json)\n"
     "  tokenize      ids of --text (or --text-file [--jsonl]) as JSON [--add-special-tokens]\n"
     "  detokenize    text of --ids [--skip-special-tokens]\n"
     "  chat-template render --messages-file with the model's chat template, print text and ids\n"
@@ -399,6 +438,8 @@ int main(int argc, char** argv) {
   absl::Status status;
   if (command == "logits") {
     status = RunLogits();
+  } else if (command == "bench") {
+    status = RunServingBenchCommand();
   } else if (command == "status") {
     status = absl::GetFlag(FLAGS_router).empty()
                  ? absl::InvalidArgumentError("status needs --router HOST:PORT")

@@ -116,6 +116,21 @@ grpc::Status DecodeService::Decode(grpc::ServerContext* ctx, const worker::v1::D
                                      ") exceeds the context (", model_->config().max_position_embeddings, ")"));
   }
   const bool logprobs = gr.params.logprobs > 0;
+  if (options_.stand_in) {
+    DecodeEvent ev;
+    v1::TokenChunk* chunk = ev.mutable_chunk();
+    chunk->add_token_ids(0);
+    chunk->set_text("x");
+    for (int32_t i = 0; i < gr.params.max_tokens; ++i) {
+      chunk->set_token_ids(0, i % static_cast<int32_t>(model_->config().vocab_size));
+      if (!writer->Write(ev)) return grpc::Status(grpc::StatusCode::CANCELLED, "the caller went away");
+    }
+    DecodeEvent fin;
+    fin.mutable_final()->set_finish_reason(v1::FINISH_REASON_LENGTH);
+    fin.mutable_final()->set_completion_tokens(gr.params.max_tokens);
+    writer->Write(fin);
+    return grpc::Status::OK;
+  }
   auto gen = std::make_unique<Generation>(std::move(gr), tokenizer_);
   auto stream = std::make_shared<Stream>();
   EventSink sink = [stream](const EngineEvent& e) {

@@ -28,6 +28,9 @@ struct DecodeServiceOptions {
   bool allow_prefill = true;  // Colocated requests (prefill_here) accepted.
   // How long a Decode call waits for its handoff to be committed.
   double handoff_wait_seconds = 30;
+  // Benchmark stand-in: answer every Decode at once with max_tokens
+  // one-token chunks (no model), to measure the router's relay alone.
+  bool stand_in = false;
 };
 
 // A sequence whose KV arrived by handoff (see kv_transfer), waiting for (or

@@ -34,6 +34,7 @@ ABSL_FLAG(int, max_batch, 64, "most sequences decoded together");
 ABSL_FLAG(int, prefill_chunk, 256, "prompt tokens prefilled per step (colocated and recompute)");
 ABSL_FLAG(double, itl_target_ms, 0, "admit no new sequence while the step time exceeds this (0: off)");
 ABSL_FLAG(bool, prefill_local, true, "accept colocated requests (prefill here)");
+ABSL_FLAG(bool, stand_in, false, "benchmark stand-in: stream max_tokens dummy tokens at once, no model work");
 ABSL_FLAG(std::string, kv_host, "127.0.0.1", "address the KV receiver listens on (UCX)");
 ABSL_FLAG(int, kv_port, 0, "port of the KV receiver (0: any free port)");
 ABSL_FLAG(double, kv_lease_s, 5, "a KV reservation not renewed for this long is aborted");
@@ -75,6 +76,7 @@ int Run() {
   so.engine.prefill_chunk_tokens = absl::GetFlag(FLAGS_prefill_chunk);
   so.engine.itl_target_seconds = absl::GetFlag(FLAGS_itl_target_ms) / 1e3;
   so.allow_prefill = absl::GetFlag(FLAGS_prefill_local);
+  so.stand_in = absl::GetFlag(FLAGS_stand_in);
   decode::DecodeService service(engine->model.get(), engine->pool.get(), &pool_mu, tokenizer->get(), so);
   kv::ReceiverOptions ro;
   ro.model = engine->model->identity();

@@ -1,5 +1,6 @@
 #include "router/router_service.h"
 
+#include <algorithm>
 #include <chrono>
 #include <random>
 #include <utility>
@@ -260,6 +261,7 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
   int32_t gaps = 0;
   Clock::time_point last_token = t_start;
   bool client_gone = false;
+  std::vector<double> relay;  // Read-to-written per relayed message.
   auto send_chunk = [&](const v1::TokenChunk& chunk) {
     const auto now = Clock::now();
     if (completion == 0) {
@@ -275,6 +277,7 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
     msg.clear_kind();
     *msg.mutable_chunk() = chunk;
     if (!emit(msg)) client_gone = true;
+    relay.push_back(Seconds(now, Clock::now()));
   };
 
   worker::v1::DecodeRequest dreq;
@@ -369,6 +372,11 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
   }
   if (ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client");
 
+  if (!relay.empty()) {
+    std::sort(relay.begin(), relay.end());
+    timings.set_router_relay_p50(relay[relay.size() / 2]);
+    timings.set_router_relay_p99(relay[std::min(relay.size() - 1, static_cast<size_t>(0.99 * relay.size()))]);
+  }
   timings.set_mean_itl(gaps > 0 ? sum_itl / gaps : 0);
   timings.set_max_itl(max_itl);
   timings.set_total(Seconds(t_start, Clock::now()));

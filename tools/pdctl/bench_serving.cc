@@ -41,6 +41,7 @@ struct Sample {
   double ttft = 0, e2e = 0;
   std::vector<double> itl;  // Per token after the first.
   int32_t tokens = 0;
+  double relay_p50 = -1, relay_p99 = -1;  // Router-reported, when known.
 };
 
 double Percentile(std::vector<double> v, double p) {
@@ -94,6 +95,10 @@ class RouterTarget final : public Target {
     while (reader->Read(&m)) {
       if (m.has_chunk()) r.Chunk(m.chunk().token_ids_size(), Clock::now());
       if (m.has_final() && m.final().finish_reason() == v1::FINISH_REASON_ERROR) r.s.error = m.final().error();
+      if (m.has_final()) {
+        r.s.relay_p50 = m.final().timings().router_relay_p50();
+        r.s.relay_p99 = m.final().timings().router_relay_p99();
+      }
     }
     const grpc::Status st = reader->Finish();
     r.s.e2e = Seconds(r.sent, Clock::now());
@@ -215,7 +220,7 @@ nlohmann::ordered_json Drive(Target& target, const std::vector<Work>& work, cons
   for (auto& t : threads) t.join();
   const double wall = Seconds(start, Clock::now());
   progress.join();
-  std::vector<double> ttft, itl, e2e;
+  std::vector<double> ttft, itl, e2e, relay50, relay99;
   int64_t tokens = 0;
   int failed = 0;
   std::string first_error;
@@ -229,6 +234,10 @@ nlohmann::ordered_json Drive(Target& target, const std::vector<Work>& work, cons
     e2e.push_back(s.e2e);
     itl.insert(itl.end(), s.itl.begin(), s.itl.end());
     tokens += s.tokens;
+    if (s.relay_p50 >= 0) {
+      relay50.push_back(s.relay_p50);
+      relay99.push_back(s.relay_p99);
+    }
   }
   auto pct = [](const std::vector<double>& v) {
     return nlohmann::ordered_json{{"p50", Percentile(v, 0.5)}, {"p90", Percentile(v, 0.9)}, {"p99", Percentile(v, 0.99)}};
@@ -242,6 +251,12 @@ nlohmann::ordered_json Drive(Target& target, const std::vector<Work>& work, cons
                               {"ttft_seconds", pct(ttft)},
                               {"itl_seconds", pct(itl)},
                               {"e2e_seconds", pct(e2e)}};
+  if (!relay50.empty()) {
+    // Per request the router reports its relay p50/p99; across requests:
+    // the median of the medians and the largest p99.
+    r["router_relay_seconds"] = {{"p50", Percentile(relay50, 0.5)},
+                                 {"p99", *std::max_element(relay99.begin(), relay99.end())}};
+  }
   if (!first_error.empty()) r["first_error"] = first_error;
   return r;
 }
@@ -304,6 +319,10 @@ absl::Status RunServingBench(const ServingBenchOptions& o) {
                 r["failed"].get<int>(), r["output_tokens_per_second"].get<double>(),
                 r["requests_per_second"].get<double>(), f("ttft_seconds").c_str(), f("itl_seconds").c_str(),
                 f("e2e_seconds").c_str());
+    if (r.contains("router_relay_seconds")) {
+      std::printf("  router relay per message: p50 %.1f us, p99 %.1f us\n",
+                  1e6 * r["router_relay_seconds"]["p50"].get<double>(), 1e6 * r["router_relay_seconds"]["p99"].get<double>());
+    }
     if (r.contains("first_error")) std::printf("  first error: %s\n", r["first_error"].get<std::string>().c_str());
   }
   return absl::OkStatus();

@@ -261,6 +261,7 @@ grpc::Status DecodeService::Status(grpc::ServerContext*, const worker::v1::Worke
   {
     absl::MutexLock lock(pool_mu_);
     s->set_kv_blocks_total(pool_->spec().num_blocks);
+    s->set_kv_block_size(pool_->spec().block_size);
     s->set_kv_blocks_used(pool_->num_used());
     s->set_kv_blocks_free(pool_->num_free());
   }

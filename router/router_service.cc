@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "google/protobuf/unknown_field_set.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/convert.h"
 
@@ -64,6 +65,7 @@ absl::StatusOr<std::unique_ptr<RouterService>> RouterService::Create(RouterOptio
   }
   RouterService* raw = r.get();
   r->watcher_ = std::thread([raw] { raw->WatchLoop(); });
+  r->poller_ = std::thread([raw] { raw->PollLoop(); });
   return r;
 }
 
@@ -73,6 +75,25 @@ RouterService::~RouterService() {
     stop_ = true;
   }
   if (watcher_.joinable()) watcher_.join();
+  if (poller_.joinable()) poller_.join();
+}
+
+void RouterService::PollLoop() {
+  while (true) {
+    for (auto& w : decode_) {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+      worker::v1::WorkerInfo info;
+      const grpc::Status st = w->decode->Status(&ctx, {}, &info);
+      w->healthy = st.ok() && info.status().healthy();
+      if (st.ok()) {
+        w->free_positions = static_cast<int64_t>(info.status().kv_blocks_free()) * info.status().kv_block_size();
+      }
+    }
+    absl::MutexLock lock(&watch_mu_);
+    auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(watch_mu_) { return stop_; };
+    if (watch_mu_.AwaitWithTimeout(absl::Condition(&stopping), absl::Milliseconds(100))) return;
+  }
 }
 
 void RouterService::WatchLoop() {
@@ -120,6 +141,11 @@ absl::StatusOr<GenerationRequest> RouterService::Resolve(const v1::GenerateReque
   if (!req.model().empty() && req.model() != options_.model_name) {
     return absl::InvalidArgumentError(
         absl::StrCat("model: unknown model '", req.model(), "' (this cluster serves '", options_.model_name, "')"));
+  }
+  const google::protobuf::UnknownFieldSet& unknown = req.GetReflection()->GetUnknownFields(req);
+  if (!unknown.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown field number ", unknown.field(0).number(), " (not part of pdserve.v1.GenerateRequest)"));
   }
   GenerationRequest r;
   switch (req.prompt_case()) {
@@ -198,10 +224,19 @@ absl::StatusOr<GenerationRequest> RouterService::Resolve(const v1::GenerateReque
   return r;
 }
 
-RouterService::Worker* RouterService::PickDecode() {
+RouterService::Worker* RouterService::PickDecode(int64_t positions) {
   Worker* best = nullptr;
   for (auto& w : decode_) {
+    if (!w->healthy.load()) continue;
+    const int64_t free = w->free_positions.load();
+    if (free >= 0 && free < positions) continue;
     if (best == nullptr || w->in_flight.load() < best->in_flight.load()) best = w.get();
+  }
+  if (best != nullptr) return best;
+  // None has room now: the one with the most free KV (it queues or preempts).
+  for (auto& w : decode_) {
+    if (!w->healthy.load()) continue;
+    if (best == nullptr || w->free_positions.load() > best->free_positions.load()) best = w.get();
   }
   return best;
 }
@@ -223,8 +258,8 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
   const std::string client_id = req.request_id();
   const std::string internal_id =
       absl::StrFormat("%s-%d-%d", client_id.empty() ? "req" : client_id, getpid(), next_request_++);
-  Worker* d = PickDecode();
-  if (d == nullptr) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "no decode worker");
+  Worker* d = PickDecode(static_cast<int64_t>(gr.prompt.size()) + gr.params.max_tokens);
+  if (d == nullptr) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "no healthy decode worker");
   const bool colocated = options_.colocated || prefill_.empty();
   Worker* p = colocated ? nullptr : PickPrefill();
   worker::v1::WorkRequest work;

@@ -65,6 +65,9 @@ class RouterService final : public v1::Generation::Service {
     std::string kv_address;
     std::atomic<int32_t> in_flight{0};
     std::atomic<int64_t> queued_tokens{0};
+    // From the worker's Status, refreshed every poll period.
+    std::atomic<bool> healthy{true};
+    std::atomic<int64_t> free_positions{-1};  // -1: not known yet.
   };
   // Downstream calls of one request, cancelled with it.
   struct Watch {
@@ -79,7 +82,10 @@ class RouterService final : public v1::Generation::Service {
   // Runs the request; `emit` gets every response message (false: stop).
   grpc::Status Run(grpc::ServerContext* ctx, const v1::GenerateRequest& req,
                    const std::function<bool(const v1::GenerateResponse&)>& emit);
-  Worker* PickDecode();
+  // A healthy decode worker with free KV for `positions` (fewest in flight
+  // among them); if none has room, the one with the most free KV.
+  Worker* PickDecode(int64_t positions);
+  void PollLoop();
   Worker* PickPrefill();
   void WatchLoop();
 
@@ -96,6 +102,7 @@ class RouterService final : public v1::Generation::Service {
   std::vector<Watch*> watches_ ABSL_GUARDED_BY(watch_mu_);
   bool stop_ ABSL_GUARDED_BY(watch_mu_) = false;
   std::thread watcher_;
+  std::thread poller_;
 };
 
 }  // namespace pdserve::router

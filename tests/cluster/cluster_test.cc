@@ -318,6 +318,27 @@ TEST_F(ClusterTest, CancelledStreamFreesItsKv) {
   EXPECT_EQ(used, 0);
 }
 
+TEST_F(ClusterTest, ClientDeadlineEndsTheStreamAndFreesItsKv) {
+  v1::GenerateRequest req = Text("In the beginning", 480, 0.9f, 3);
+  req.set_ignore_eos(true);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(100));
+  auto reader = disagg_->stub()->Generate(&ctx, req);
+  v1::GenerateResponse m;
+  int tokens = 0;
+  while (reader->Read(&m)) tokens += m.has_chunk() ? m.chunk().token_ids_size() : 0;
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_LT(tokens, 480);
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  int used = -1;
+  while (absl::Now() < deadline) {
+    used = disagg_->Status().decode(0).kv_blocks_used();
+    if (used == 0) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_EQ(used, 0);
+}
+
 TEST_F(ClusterTest, BadInputIsRefusedNamingTheField) {
   struct Case {
     v1::GenerateRequest req;
@@ -368,6 +389,11 @@ TEST_F(ClusterTest, BadInputIsRefusedNamingTheField) {
     v1::GenerateRequest r = Text("hi", 4, 0, 1);
     r.mutable_token_ids()->add_ids(-3);
     cases.push_back({r, "token_ids"});
+  }
+  {
+    v1::GenerateRequest r = Text("hi", 4, 0, 1);
+    r.GetReflection()->MutableUnknownFields(&r)->AddVarint(999, 1);  // A field from a newer client.
+    cases.push_back({r, "unknown field"});
   }
   for (const Case& c : cases) {
     const Output got = disagg_->Generate(c.req);

@@ -14,6 +14,12 @@ namespace pdserve {
 
 void LogEvent(const char* level, const char* event,
               std::initializer_list<std::pair<const char*, std::string>> fields) {
+  std::vector<std::pair<std::string, std::string>> v;
+  for (const auto& [k, val] : fields) v.emplace_back(k, val);
+  LogEvent(level, event, v);
+}
+
+void LogEvent(const char* level, const char* event, const std::vector<std::pair<std::string, std::string>>& fields) {
   nlohmann::ordered_json j;
   j["ts"] = absl::FormatTime("%Y-%m-%dT%H:%M:%E6SZ", absl::Now(), absl::UTCTimeZone());
   j["level"] = level;

@@ -6,6 +6,7 @@
 #include <initializer_list>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 
@@ -14,6 +15,7 @@ namespace pdserve {
 // One JSON object per line on stderr: {"ts":..,"level":..,"event":..,k:v..}.
 void LogEvent(const char* level, const char* event,
               std::initializer_list<std::pair<const char*, std::string>> fields = {});
+void LogEvent(const char* level, const char* event, const std::vector<std::pair<std::string, std::string>>& fields);
 
 // Writes `json` to `path` atomically (temp file + rename), for supervisors
 // and tests that wait for a server to be ready and need its ports.

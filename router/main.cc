@@ -15,9 +15,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "common/server_util.h"
-#include "grpcpp/ext/proto_server_reflection_plugin.h"
-#include "grpcpp/grpcpp.h"
-#include "grpcpp/health_check_service_interface.h"
+#include "common/grpc_server.h"
 #include "router/router_service.h"
 
 ABSL_FLAG(std::string, model, "", "model directory (tokenizer, config, chat template)");
@@ -57,29 +55,12 @@ int Run() {
     LogEvent("error", "workers_unavailable", {{"error", std::string(st.message())}});
     return 1;
   }
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(service->get());
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || port == 0) {
-    LogEvent("error", "listen_failed", {{"address", absl::GetFlag(FLAGS_listen)}});
-    return 1;
-  }
-  server->GetHealthCheckService()->SetServingStatus(true);
-  LogEvent("info", "serving", {{"role", "router"}, {"grpc_port", std::to_string(port)}, {"model", o.model_name},
-                               {"colocated", o.colocated ? "true" : "false"}});
-  if (!absl::GetFlag(FLAGS_ready_file).empty()) {
-    absl::Status st = WriteReadyFile(absl::GetFlag(FLAGS_ready_file), absl::StrCat("{\"grpc_port\":", port, "}"));
-    if (!st.ok()) LogEvent("error", "ready_file", {{"error", std::string(st.message())}});
-  }
-  const int sig = WaitForShutdownSignal();
-  LogEvent("info", "shutting_down", {{"signal", std::to_string(sig)}});
-  server->GetHealthCheckService()->SetServingStatus(false);
-  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
-  return 0;
+  ServeOptions so;
+  so.address = absl::GetFlag(FLAGS_listen);
+  so.ready_file = absl::GetFlag(FLAGS_ready_file);
+  so.role = "router";
+  so.log_fields = {{"model", o.model_name}, {"colocated", o.colocated ? "true" : "false"}};
+  return ServeUntilSignal(so, {service->get()});
 }
 
 }  // namespace

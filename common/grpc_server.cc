@@ -1,0 +1,41 @@
+#include "common/grpc_server.h"
+
+#include <chrono>
+#include <memory>
+
+#include "absl/strings/str_cat.h"
+#include "common/server_util.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/health_check_service_interface.h"
+
+namespace pdserve {
+
+int ServeUntilSignal(const ServeOptions& o, std::initializer_list<grpc::Service*> services) {
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(o.address, grpc::InsecureServerCredentials(), &port);
+  for (grpc::Service* s : services) builder.RegisterService(s);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || port == 0) {
+    LogEvent("error", "listen_failed", {{"role", o.role}, {"address", o.address}});
+    return 1;
+  }
+  server->GetHealthCheckService()->SetServingStatus(true);
+  std::vector<std::pair<std::string, std::string>> fields = {{"role", o.role}, {"grpc_port", std::to_string(port)}};
+  for (const auto& [k, v] : o.log_fields) fields.emplace_back(k, v);
+  LogEvent("info", "serving", fields);
+  if (!o.ready_file.empty()) {
+    absl::Status st = WriteReadyFile(o.ready_file, absl::StrCat("{\"grpc_port\":", port, "}"));
+    if (!st.ok()) LogEvent("error", "ready_file", {{"error", std::string(st.message())}});
+  }
+  const int sig = WaitForShutdownSignal();
+  LogEvent("info", "shutting_down", {{"role", o.role}, {"signal", std::to_string(sig)}});
+  server->GetHealthCheckService()->SetServingStatus(false);
+  if (o.on_shutdown) o.on_shutdown();
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  return 0;
+}
+
+}  // namespace pdserve

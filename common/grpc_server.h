@@ -1,0 +1,34 @@
+// The serving loop every pdserve binary shares: a gRPC server with health
+// checking and reflection on one address, a "serving" log line and the
+// ready file once it listens, then SIGINT/SIGTERM to stop (health goes
+// NOT_SERVING first, then the server drains for up to two seconds).
+#ifndef PDSERVE_COMMON_GRPC_SERVER_H_
+#define PDSERVE_COMMON_GRPC_SERVER_H_
+
+#include <functional>
+#include <initializer_list>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "grpcpp/grpcpp.h"
+
+namespace pdserve {
+
+struct ServeOptions {
+  std::string address;     // host:port (port 0: any free port)
+  std::string ready_file;  // "" = none; else {"grpc_port": N} once listening
+  std::string role;        // In the log lines.
+  std::vector<std::pair<std::string, std::string>> log_fields;  // Extra "serving" fields.
+  // Runs after the signal, before the server shuts down (stop engines).
+  std::function<void()> on_shutdown;
+};
+
+// Serves `services` until SIGINT/SIGTERM (which the caller must have
+// blocked with BlockShutdownSignals first). Returns the process exit code:
+// 0 after a signal, 1 if the address could not be bound.
+int ServeUntilSignal(const ServeOptions& options, std::initializer_list<grpc::Service*> services);
+
+}  // namespace pdserve
+
+#endif  // PDSERVE_COMMON_GRPC_SERVER_H_

@@ -1,0 +1,36 @@
+#include "tools/pdctl/worker_flags.h"
+
+#include <string>
+
+#include "absl/flags/flag.h"
+
+ABSL_FLAG(std::string, model, "", "model directory (Hugging Face layout)");
+ABSL_FLAG(int, threads, 1, "compute threads");
+ABSL_FLAG(std::string, weights, "", "in-memory weight format: f32, bf16 or int8 (default: as stored)");
+ABSL_FLAG(std::string, kv, "", "KV cache format (default: the weight format)");
+ABSL_FLAG(int, block_size, 16, "KV block size in positions");
+ABSL_FLAG(int, kv_positions, 16384, "KV pool size in positions");
+
+namespace pdserve::pdctl {
+
+absl::StatusOr<WorkerEngine> LoadWorkerEngine(KvRegionAllocator* allocator) {
+  EngineOptions eo;
+  eo.model_dir = absl::GetFlag(FLAGS_model);
+  if (eo.model_dir.empty()) return absl::InvalidArgumentError("--model is required");
+  eo.threads = absl::GetFlag(FLAGS_threads);
+  eo.weights = absl::GetFlag(FLAGS_weights);
+  eo.kv = absl::GetFlag(FLAGS_kv);
+  eo.block_size = absl::GetFlag(FLAGS_block_size);
+  eo.kv_positions = absl::GetFlag(FLAGS_kv_positions);
+  eo.allocator = allocator;
+  WorkerEngine w;
+  absl::StatusOr<Engine> engine = MakeEngine(eo);
+  if (!engine.ok()) return engine.status();
+  w.engine = *std::move(engine);
+  absl::StatusOr<std::unique_ptr<tok::Tokenizer>> tokenizer = tok::Tokenizer::Load(eo.model_dir);
+  if (!tokenizer.ok()) return tokenizer.status();
+  w.tokenizer = *std::move(tokenizer);
+  return w;
+}
+
+}  // namespace pdserve::pdctl

@@ -165,7 +165,12 @@ class ClusterTest : public ::testing::Test {
     r.params.temperature = s.has_temperature() ? s.temperature() : 1.0f;
     r.params.top_p = s.has_top_p() ? s.top_p() : 1.0f;
     r.params.top_k = s.top_k();
+    r.params.min_p = s.min_p();
+    r.params.repetition_penalty = s.has_repetition_penalty() ? s.repetition_penalty() : 1.0f;
+    r.params.presence_penalty = s.presence_penalty();
     r.params.seed = s.seed();
+    r.params.stop_token_ids.assign(req.stop_token_ids().begin(), req.stop_token_ids().end());
+    r.params.ignore_eos = req.ignore_eos();
     r.params.max_tokens = req.max_tokens();
     r.stop_strings.assign(req.stop().begin(), req.stop().end());
     r.eos_ids = model_->config().eos_token_ids;
@@ -253,6 +258,14 @@ std::vector<v1::GenerateRequest> Requests() {
   m->set_role("user");
   m->set_content("Who was the father of Isaac?");
   reqs.push_back(chat);
+  v1::GenerateRequest knobs = ClusterTest::Text("And Moses said unto the LORD,", 30, 1.1f, 13);
+  knobs.mutable_sampling()->set_top_k(40);
+  knobs.mutable_sampling()->set_min_p(0.05f);
+  knobs.mutable_sampling()->set_repetition_penalty(1.3f);
+  knobs.mutable_sampling()->set_presence_penalty(0.5f);
+  knobs.add_stop_token_ids(47);
+  knobs.set_logprobs(3);
+  reqs.push_back(knobs);
   v1::GenerateRequest stop = ClusterTest::Text("The LORD is my shepherd;", 40, 0.7f, 5);
   stop.add_stop("LORD");
   reqs.push_back(stop);
@@ -265,6 +278,23 @@ TEST_F(ClusterTest, StreamsEqualTheInProcessEngine) {
     ExpectSame(disagg_->Generate(req), want, "disaggregated " + req.ShortDebugString());
     ExpectSame(colocated_->Generate(req), want, "colocated " + req.ShortDebugString());
   }
+}
+
+TEST_F(ClusterTest, CompleteAndListModels) {
+  const v1::GenerateRequest req = Text("In the beginning God created", 16, 0.8f, 21);
+  grpc::ClientContext ctx;
+  v1::CompleteResponse out;
+  ASSERT_TRUE(disagg_->stub()->Complete(&ctx, req, &out).ok());
+  const Output want = Reference(req);
+  EXPECT_EQ(std::vector<int32_t>(out.token_ids().begin(), out.token_ids().end()), want.tokens);
+  EXPECT_EQ(out.text(), want.text);
+  EXPECT_EQ(out.final().usage().completion_tokens(), static_cast<int>(want.tokens.size()));
+  grpc::ClientContext ctx2;
+  v1::ListModelsResponse models;
+  ASSERT_TRUE(disagg_->stub()->ListModels(&ctx2, {}, &models).ok());
+  ASSERT_EQ(models.models_size(), 1);
+  EXPECT_EQ(models.models(0).name(), "kjv-tiny");
+  EXPECT_EQ(models.models(0).context_length(), model_->config().max_position_embeddings);
 }
 
 TEST_F(ClusterTest, TimingsAndUsageAreReported) {

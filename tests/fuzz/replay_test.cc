@@ -20,6 +20,7 @@
 #include "common/safetensors.h"
 #include "common/tokenizer/tokenizer.h"
 #include "gtest/gtest.h"
+#include "kv_transfer/wire.h"
 
 // The fuzz targets, compiled under these names for this test (see
 // CMakeLists.txt).
@@ -27,6 +28,7 @@ extern "C" int FuzzSafetensors(const uint8_t* data, size_t size);
 extern "C" int FuzzConfig(const uint8_t* data, size_t size);
 extern "C" int FuzzTokenizerJson(const uint8_t* data, size_t size);
 extern "C" int FuzzTokenize(const uint8_t* data, size_t size);
+extern "C" int FuzzWire(const uint8_t* data, size_t size);
 
 namespace pdserve {
 namespace {
@@ -105,6 +107,10 @@ TEST(FuzzCorpusReplayTest, Config) {
 TEST(FuzzCorpusReplayTest, TokenizerJson) {
   Replay("tokenizer_json", 8, FuzzTokenizerJson,
          [](const Seed& s) { return tok::Tokenizer::FromJson(s.bytes, "", "seed").ok(); });
+}
+
+TEST(FuzzCorpusReplayTest, KvHandoffWire) {
+  Replay("wire", 8, FuzzWire, [](const Seed& s) { return kv::Decode(s.bytes).ok(); });
 }
 
 // Every tokenize seed is valid input; the target itself checks its promises.

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/server_util.h"
 #include "proto/convert.h"
 
 namespace pdserve::decode {
@@ -69,6 +70,7 @@ void DecodeService::EngineLoop() {
       if (stop_) return;
       work_ = false;
     }
+    SweepHandoffs();
     while (true) {
       absl::StatusOr<bool> stepped;
       {
@@ -90,11 +92,36 @@ void DecodeService::EngineLoop() {
 
 void DecodeService::OnHandoffCommitted(const std::string& request_id, HandedOff seq) {
   absl::MutexLock lock(&handoff_mu_);
-  auto [it, inserted] = committed_.try_emplace(request_id, std::move(seq));
-  if (!inserted) {
-    // A duplicate commit for a live id: keep the first, free this one.
+  seq.arrived = absl::Now();
+  if (claimed_.contains(request_id) || committed_.contains(request_id)) {
+    // A duplicate commit (a retried prefill): keep the first, free this one.
+    LogEvent("warning", "duplicate_handoff", {{"request_id", request_id}});
     absl::MutexLock pool_lock(pool_mu_);
     seq.kv.Release(*pool_);
+    return;
+  }
+  committed_.emplace(request_id, std::move(seq));
+}
+
+void DecodeService::SweepHandoffs() {
+  const absl::Time now = absl::Now();
+  absl::MutexLock lock(&handoff_mu_);
+  for (auto it = committed_.begin(); it != committed_.end();) {
+    if (now - it->second.arrived > absl::Seconds(options_.handoff_wait_seconds)) {
+      LogEvent("warning", "unclaimed_handoff_freed", {{"request_id", it->first}});
+      absl::MutexLock pool_lock(pool_mu_);
+      it->second.kv.Release(*pool_);
+      committed_.erase(it++);
+    } else {
+      ++it;
+    }
+  }
+  for (auto it = claimed_.begin(); it != claimed_.end();) {
+    if (now - it->second > absl::Minutes(5)) {
+      claimed_.erase(it++);
+    } else {
+      ++it;
+    }
   }
 }
 
@@ -163,6 +190,7 @@ grpc::Status DecodeService::Decode(grpc::ServerContext* ctx, const worker::v1::D
       }
       auto node = committed_.extract(rid);
       seq = std::move(node.mapped());
+      claimed_[rid] = absl::Now();
     }
     absl::StatusOr<TokenEvent> first = gen->Replay(seq.first);
     completion_tokens = 1;

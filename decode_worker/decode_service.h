@@ -15,6 +15,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "common/kv_cache.h"
 #include "common/model.h"
 #include "common/tokenizer/tokenizer.h"
@@ -38,6 +39,7 @@ struct DecodeServiceOptions {
 struct HandedOff {
   SequenceKv kv;
   TokenEvent first;  // Sampled by the prefill worker.
+  absl::Time arrived;
 };
 
 class DecodeService final : public worker::v1::DecodeWorker::Service {
@@ -85,6 +87,11 @@ class DecodeService final : public worker::v1::DecodeWorker::Service {
 
   absl::Mutex handoff_mu_;
   absl::flat_hash_map<std::string, HandedOff> committed_ ABSL_GUARDED_BY(handoff_mu_);
+  // Ids whose handoff a Decode call took, for a while: a second commit for
+  // one (a retried prefill whose first attempt had committed) is freed.
+  absl::flat_hash_map<std::string, absl::Time> claimed_ ABSL_GUARDED_BY(handoff_mu_);
+  // Frees commits no Decode call claimed in time, forgets old claims.
+  void SweepHandoffs();
   std::string kv_address_ ABSL_GUARDED_BY(handoff_mu_);
 
   std::thread engine_thread_;

@@ -27,6 +27,7 @@ ABSL_FLAG(std::string, listen, "127.0.0.1:0", "gRPC address (port 0: any free po
 ABSL_FLAG(std::string, ready_file, "", "write {\"grpc_port\":..} here once serving");
 ABSL_FLAG(int, prefill_chunk, 512, "prompt tokens per forward, across requests");
 ABSL_FLAG(int, max_batch, 8, "requests per forward");
+ABSL_FLAG(int, fault_stall_before_commit_ms, 0, "fault tests only: stall each handoff before its commit");
 
 namespace {
 
@@ -50,6 +51,7 @@ int Run() {
     prefill::PrefillServiceOptions so;
     so.chunk_tokens = absl::GetFlag(FLAGS_prefill_chunk);
     so.max_batch = absl::GetFlag(FLAGS_max_batch);
+    so.fault_stall_before_commit_ms = absl::GetFlag(FLAGS_fault_stall_before_commit_ms);
     prefill::PrefillService service(engine->model.get(), engine->pool.get(), &pool_mu, w->tokenizer.get(), &sender, so);
 
     ServeOptions serve;

@@ -6,6 +6,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/generation.h"
 #include "common/prefix_cache.h"
 #include "common/server_util.h"
@@ -254,6 +255,9 @@ void PrefillService::CommitLoop() {
       if (commits_.empty()) return;  // Stopping.
       job = commits_.front();
       commits_.pop_front();
+    }
+    if (options_.fault_stall_before_commit_ms > 0) {
+      absl::SleepFor(absl::Milliseconds(options_.fault_stall_before_commit_ms));
     }
     const GenerationRequest& r = job->gen->request();
     kv::Commit c;

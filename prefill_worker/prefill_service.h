@@ -35,6 +35,9 @@ namespace pdserve::prefill {
 struct PrefillServiceOptions {
   int32_t chunk_tokens = 512;  // Prompt tokens per forward, across requests.
   int32_t max_batch = 8;       // Requests per forward.
+  // Fault tests only: hold each handoff this long between the first token
+  // and the commit, so a test can kill the worker mid-handoff.
+  int32_t fault_stall_before_commit_ms = 0;
 };
 
 class PrefillService final : public worker::v1::PrefillWorker::Service {

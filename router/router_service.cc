@@ -10,6 +10,7 @@
 #include "absl/time/clock.h"
 #include "google/protobuf/unknown_field_set.h"
 #include "grpcpp/grpcpp.h"
+#include "common/server_util.h"
 #include "proto/convert.h"
 
 namespace pdserve::router {
@@ -80,6 +81,13 @@ RouterService::~RouterService() {
 
 void RouterService::PollLoop() {
   while (true) {
+    for (auto& w : prefill_) {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+      worker::v1::WorkerInfo info;
+      const grpc::Status st = w->prefill->Status(&ctx, {}, &info);
+      w->healthy = st.ok() && info.status().healthy();
+    }
     for (auto& w : decode_) {
       grpc::ClientContext ctx;
       ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
@@ -241,9 +249,11 @@ RouterService::Worker* RouterService::PickDecode(int64_t positions) {
   return best;
 }
 
-RouterService::Worker* RouterService::PickPrefill() {
+RouterService::Worker* RouterService::PickPrefill(const std::vector<Worker*>& exclude) {
   Worker* best = nullptr;
   for (auto& w : prefill_) {
+    if (std::find(exclude.begin(), exclude.end(), w.get()) != exclude.end()) continue;
+    if (!w->healthy.load()) continue;
     if (best == nullptr || w->queued_tokens.load() < best->queued_tokens.load()) best = w.get();
   }
   return best;
@@ -261,17 +271,15 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
   Worker* d = PickDecode(static_cast<int64_t>(gr.prompt.size()) + gr.params.max_tokens);
   if (d == nullptr) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "no healthy decode worker");
   const bool colocated = options_.colocated || prefill_.empty();
-  Worker* p = colocated ? nullptr : PickPrefill();
+  Worker* p = colocated ? nullptr : PickPrefill({});
+  if (!colocated && p == nullptr) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "no healthy prefill worker");
   worker::v1::WorkRequest work;
   rpc::ToWork(gr, &work);
   work.set_request_id(internal_id);
 
-  grpc::ClientContext dctx, pctx;
-  if (ctx->deadline() != std::chrono::system_clock::time_point::max()) {
-    dctx.set_deadline(ctx->deadline());
-    pctx.set_deadline(ctx->deadline());
-  }
-  Watch watch{ctx, {&dctx, &pctx}};
+  grpc::ClientContext dctx;
+  if (ctx->deadline() != std::chrono::system_clock::time_point::max()) dctx.set_deadline(ctx->deadline());
+  Watch watch{ctx, {&dctx}};
   {
     absl::MutexLock lock(&watch_mu_);
     watches_.push_back(&watch);
@@ -321,19 +329,48 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
   std::unique_ptr<grpc::ClientReader<worker::v1::DecodeEvent>> dreader = d->decode->Decode(&dctx, dreq);
 
   bool decode_expected = true;
-  if (p != nullptr) {
+  bool unavailable = false;  // No prefill worker could take the request.
+  std::vector<std::unique_ptr<grpc::ClientContext>> attempts;
+  std::vector<Worker*> failed_prefill;
+  bool first_sent = false;
+  int32_t first_token = -1;
+  bool handed_off = false;
+  Generation replay(gr, tokenizer_.get());
+  // A prefill worker that fails before the handoff is committed is marked
+  // down and the prefill runs again on another one; the decode worker keeps
+  // waiting for the commit under the same request id, and the dead sender's
+  // reservation is freed on its side. Sampling is keyed by (seed, position),
+  // so the retried first token is the one already sent.
+  while (p != nullptr && decode_expected && error.empty() && !cancelled) {
+    attempts.push_back(std::make_unique<grpc::ClientContext>());
+    grpc::ClientContext* pc = attempts.back().get();
+    if (ctx->deadline() != std::chrono::system_clock::time_point::max()) pc->set_deadline(ctx->deadline());
+    {
+      absl::MutexLock lock(&watch_mu_);
+      watch.clients.push_back(pc);
+    }
+    if (failed_prefill.empty() == false) {
+      p->in_flight++;
+      p->queued_tokens += prompt_tokens;
+    }
     worker::v1::PrefillRequest preq;
     *preq.mutable_request() = work;
     preq.set_decode_kv_address(d->kv_address);
-    std::unique_ptr<grpc::ClientReader<worker::v1::PrefillEvent>> preader = p->prefill->Prefill(&pctx, preq);
+    std::unique_ptr<grpc::ClientReader<worker::v1::PrefillEvent>> preader = p->prefill->Prefill(pc, preq);
     worker::v1::PrefillEvent ev;
     bool first_seen = false;
-    Generation replay(gr, tokenizer_.get());
     while (preader->Read(&ev)) {
       if (ev.has_first() && !first_seen) {
         first_seen = true;
         p->queued_tokens -= prompt_tokens;
         const worker::v1::FirstToken& f = ev.first();
+        if (first_sent) {
+          if (f.token().token_id() != first_token) {
+            error = absl::StrCat("prefill retried on ", p->address, " gave first token ", f.token().token_id(),
+                                 ", not ", first_token);
+          }
+          continue;
+        }
         TokenEvent te;
         te.token = f.token().token_id();
         te.logprob = f.token().logprob();
@@ -343,6 +380,8 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
           error = std::string(text.status().message());
           break;
         }
+        first_sent = true;
+        first_token = te.token;
         timings.set_queue(f.queue_seconds());
         timings.set_prefill(f.prefill_seconds());
         v1::TokenChunk chunk;
@@ -354,23 +393,37 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
           dctx.TryCancel();
         }
       } else if (ev.has_done()) {
+        handed_off = true;
         timings.set_handoff(ev.done().handoff_seconds());
       }
     }
     const grpc::Status ps = preader->Finish();
     if (!first_seen) p->queued_tokens -= prompt_tokens;
     p->in_flight--;
-    if (!ps.ok() && error.empty()) {
-      if (ps.error_code() == grpc::StatusCode::CANCELLED) {
-        cancelled = true;
-      } else {
-        error = absl::StrCat("prefill worker ", p->address, ": ", ps.error_message());
-      }
+    if (ps.ok() || !error.empty()) break;
+    if (ctx->IsCancelled() || ps.error_code() == grpc::StatusCode::CANCELLED) {
+      cancelled = true;
+      break;
     }
-    if (!error.empty() || cancelled) {
-      decode_expected = false;
-      dctx.TryCancel();
+    if (ps.error_code() == grpc::StatusCode::INVALID_ARGUMENT || handed_off) {
+      error = absl::StrCat("prefill worker ", p->address, ": ", ps.error_message());
+      break;
     }
+    // Retry elsewhere.
+    p->healthy = false;
+    failed_prefill.push_back(p);
+    LogEvent("warning", "prefill_retry", {{"request_id", internal_id}, {"worker", p->address},
+                                          {"error", ps.error_message()}});
+    p = PickPrefill(failed_prefill);
+    if (p == nullptr) {
+      error = absl::StrCat("no prefill worker could serve the request (last: ", failed_prefill.back()->address, ": ",
+                           ps.error_message(), ")");
+      unavailable = true;
+    }
+  }
+  if (!error.empty() || cancelled) {
+    decode_expected = false;
+    dctx.TryCancel();
   }
 
   worker::v1::DecodeEvent dev;
@@ -406,6 +459,7 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
     }
   }
   if (ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client");
+  if (unavailable && completion == 0) return grpc::Status(grpc::StatusCode::UNAVAILABLE, error);
 
   if (!relay.empty()) {
     std::sort(relay.begin(), relay.end());

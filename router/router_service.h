@@ -86,7 +86,7 @@ class RouterService final : public v1::Generation::Service {
   // among them); if none has room, the one with the most free KV.
   Worker* PickDecode(int64_t positions);
   void PollLoop();
-  Worker* PickPrefill();
+  Worker* PickPrefill(const std::vector<Worker*>& exclude);
   void WatchLoop();
 
   RouterOptions options_;

@@ -23,104 +23,13 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "nlohmann/json.hpp"
 #include "pdserve/v1/generation.grpc.pb.h"
+#include "tests/cluster/cluster_harness.h"
 #include "tests/support/subprocess.h"
 
 namespace pdserve {
 namespace {
 
 using testing_support::Subprocess;
-
-const std::string kModel = std::string(PDSERVE_SOURCE_DIR) + "/deploy/models/kjv-tiny";
-const std::string kBin = PDSERVE_BINARY_DIR;
-
-std::string TempDir() {
-  char tmpl[] = "/tmp/pdserve-cluster-XXXXXX";
-  return mkdtemp(tmpl);
-}
-
-struct Output {
-  std::vector<int32_t> tokens;
-  std::string text;
-  v1::FinishReason finish = v1::FINISH_REASON_UNSPECIFIED;
-  grpc::Status status;
-  v1::GenerateFinal final;
-};
-
-// One router + its workers.
-class Cluster {
- public:
-  // colocated: router --colocated, no prefill worker.
-  absl::Status Start(const std::string& dir, bool colocated, const std::vector<std::string>& decode_flags = {},
-                     const std::map<std::string, std::string>& env = {}) {
-    std::filesystem::create_directories(dir);
-    std::vector<std::string> dargs = {kBin + "/decode_worker/pdserve-decode-worker", "--model", kModel, "--ready_file",
-                                      dir + "/decode.ready", "--prefill_chunk", "32"};
-    dargs.insert(dargs.end(), decode_flags.begin(), decode_flags.end());
-    if (absl::Status s = decode_.Start(dargs, dir + "/decode.log", env); !s.ok()) return s;
-    absl::StatusOr<int> dport = decode_.WaitReady(dir + "/decode.ready", absl::Seconds(60));
-    if (!dport.ok()) return dport.status();
-    std::vector<std::string> rargs = {kBin + "/router/pdserve-router", "--model", kModel, "--ready_file",
-                                      dir + "/router.ready", "--decode", absl::StrCat("127.0.0.1:", *dport)};
-    if (colocated) {
-      rargs.push_back("--colocated");
-    } else {
-      if (absl::Status s = prefill_.Start({kBin + "/prefill_worker/pdserve-prefill-worker", "--model", kModel,
-                                           "--ready_file", dir + "/prefill.ready", "--prefill_chunk", "32"},
-                                          dir + "/prefill.log", env);
-          !s.ok()) {
-        return s;
-      }
-      absl::StatusOr<int> pport = prefill_.WaitReady(dir + "/prefill.ready", absl::Seconds(60));
-      if (!pport.ok()) return pport.status();
-      rargs.push_back("--prefill");
-      rargs.push_back(absl::StrCat("127.0.0.1:", *pport));
-    }
-    if (absl::Status s = router_.Start(rargs, dir + "/router.log", env); !s.ok()) return s;
-    absl::StatusOr<int> rport = router_.WaitReady(dir + "/router.ready", absl::Seconds(60));
-    if (!rport.ok()) return rport.status();
-    address_ = absl::StrCat("127.0.0.1:", *rport);
-    stub_ = v1::Generation::NewStub(grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()));
-    return absl::OkStatus();
-  }
-
-  Output Generate(const v1::GenerateRequest& req) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
-    auto reader = stub_->Generate(&ctx, req);
-    Output out;
-    v1::GenerateResponse m;
-    while (reader->Read(&m)) {
-      if (m.has_chunk()) {
-        out.tokens.insert(out.tokens.end(), m.chunk().token_ids().begin(), m.chunk().token_ids().end());
-        out.text += m.chunk().text();
-      } else if (m.has_final()) {
-        out.final = m.final();
-        out.finish = m.final().finish_reason();
-      }
-    }
-    out.status = reader->Finish();
-    return out;
-  }
-
-  v1::ClusterStatusResponse Status() {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-    v1::ClusterStatusResponse out;
-    EXPECT_TRUE(stub_->ClusterStatus(&ctx, {}, &out).ok());
-    return out;
-  }
-
-  std::string Logs() { return absl::StrCat("router:\n", router_.LogTail(), "\nprefill:\n", prefill_.LogTail(),
-                                           "\ndecode:\n", decode_.LogTail()); }
-
-  v1::Generation::Stub* stub() { return stub_.get(); }
-  const std::string& address() const { return address_; }
-
- private:
-  std::string address_;
-  Subprocess decode_, prefill_, router_;
-  std::unique_ptr<v1::Generation::Stub> stub_;
-};
 
 class ClusterTest : public ::testing::Test {
  public:

@@ -1,0 +1,133 @@
+// A cluster of real processes for tests: a decode worker, N prefill
+// workers (none when colocated) and a router, on loopback with ports from
+// their ready files, killed when the Cluster goes away.
+#ifndef PDSERVE_TESTS_CLUSTER_CLUSTER_HARNESS_H_
+#define PDSERVE_TESTS_CLUSTER_CLUSTER_HARNESS_H_
+
+#include <stdlib.h>
+
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "pdserve/v1/generation.grpc.pb.h"
+#include "tests/support/subprocess.h"
+
+namespace pdserve {
+
+using testing_support::Subprocess;
+
+inline const std::string kModel = std::string(PDSERVE_SOURCE_DIR) + "/deploy/models/kjv-tiny";
+inline const std::string kBin = PDSERVE_BINARY_DIR;
+
+inline std::string TempDir() {
+  char tmpl[] = "/tmp/pdserve-cluster-XXXXXX";
+  return mkdtemp(tmpl);
+}
+
+struct Output {
+  std::vector<int32_t> tokens;
+  std::string text;
+  v1::FinishReason finish = v1::FINISH_REASON_UNSPECIFIED;
+  grpc::Status status;
+  v1::GenerateFinal final;
+};
+
+// One router + its workers.
+class Cluster {
+ public:
+  // colocated: router --colocated, no prefill worker.
+  absl::Status Start(const std::string& dir, bool colocated, const std::vector<std::string>& decode_flags = {},
+                     const std::map<std::string, std::string>& env = {}, int num_prefill = 1,
+                     const std::vector<std::string>& prefill_flags = {}) {
+    std::filesystem::create_directories(dir);
+    std::vector<std::string> dargs = {kBin + "/decode_worker/pdserve-decode-worker", "--model", kModel, "--ready_file",
+                                      dir + "/decode.ready", "--prefill_chunk", "32"};
+    dargs.insert(dargs.end(), decode_flags.begin(), decode_flags.end());
+    if (absl::Status s = decode_.Start(dargs, dir + "/decode.log", env); !s.ok()) return s;
+    absl::StatusOr<int> dport = decode_.WaitReady(dir + "/decode.ready", absl::Seconds(60));
+    if (!dport.ok()) return dport.status();
+    std::vector<std::string> rargs = {kBin + "/router/pdserve-router", "--model", kModel, "--ready_file",
+                                      dir + "/router.ready", "--decode", absl::StrCat("127.0.0.1:", *dport)};
+    if (colocated) {
+      rargs.push_back("--colocated");
+    } else {
+      std::string list;
+      for (int i = 0; i < num_prefill; ++i) {
+        prefill_.push_back(std::make_unique<Subprocess>());
+        const std::string ready = absl::StrCat(dir, "/prefill", i, ".ready");
+        std::vector<std::string> pargs = {kBin + "/prefill_worker/pdserve-prefill-worker", "--model", kModel,
+                                          "--ready_file", ready, "--prefill_chunk", "32"};
+        pargs.insert(pargs.end(), prefill_flags.begin(), prefill_flags.end());
+        if (absl::Status s = prefill_.back()->Start(pargs, absl::StrCat(dir, "/prefill", i, ".log"), env); !s.ok()) {
+          return s;
+        }
+        absl::StatusOr<int> pport = prefill_.back()->WaitReady(ready, absl::Seconds(60));
+        if (!pport.ok()) return pport.status();
+        absl::StrAppend(&list, list.empty() ? "" : ",", "127.0.0.1:", *pport);
+      }
+      rargs.push_back("--prefill");
+      rargs.push_back(list);
+    }
+    if (absl::Status s = router_.Start(rargs, dir + "/router.log", env); !s.ok()) return s;
+    absl::StatusOr<int> rport = router_.WaitReady(dir + "/router.ready", absl::Seconds(60));
+    if (!rport.ok()) return rport.status();
+    address_ = absl::StrCat("127.0.0.1:", *rport);
+    stub_ = v1::Generation::NewStub(grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()));
+    return absl::OkStatus();
+  }
+
+  Output Generate(const v1::GenerateRequest& req) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+    auto reader = stub_->Generate(&ctx, req);
+    Output out;
+    v1::GenerateResponse m;
+    while (reader->Read(&m)) {
+      if (m.has_chunk()) {
+        out.tokens.insert(out.tokens.end(), m.chunk().token_ids().begin(), m.chunk().token_ids().end());
+        out.text += m.chunk().text();
+      } else if (m.has_final()) {
+        out.final = m.final();
+        out.finish = m.final().finish_reason();
+      }
+    }
+    out.status = reader->Finish();
+    return out;
+  }
+
+  v1::ClusterStatusResponse Status() {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    v1::ClusterStatusResponse out;
+    EXPECT_TRUE(stub_->ClusterStatus(&ctx, {}, &out).ok());
+    return out;
+  }
+
+  std::string Logs() {
+    std::string out = absl::StrCat("router:\n", router_.LogTail(), "\ndecode:\n", decode_.LogTail());
+    for (auto& p : prefill_) absl::StrAppend(&out, "\nprefill:\n", p->LogTail());
+    return out;
+  }
+  Subprocess& prefill(int i) { return *prefill_[i]; }
+  Subprocess& decode() { return decode_; }
+
+  v1::Generation::Stub* stub() { return stub_.get(); }
+  const std::string& address() const { return address_; }
+
+ private:
+  std::string address_;
+  Subprocess decode_, router_;
+  std::vector<std::unique_ptr<Subprocess>> prefill_;
+  std::unique_ptr<v1::Generation::Stub> stub_;
+};
+
+}  // namespace pdserve
+
+#endif  // PDSERVE_TESTS_CLUSTER_CLUSTER_HARNESS_H_

@@ -1,0 +1,86 @@
+// Faults with real processes: a prefill worker killed mid-handoff (the
+// router prefills again on another one and the stream is unchanged), and a
+// pool with no live worker (UNAVAILABLE within seconds, never a hang).
+#include <signal.h>
+
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+#include "tests/cluster/cluster_harness.h"
+
+namespace pdserve {
+namespace {
+
+v1::GenerateRequest Request(int max_tokens) {
+  v1::GenerateRequest r;
+  r.set_text("In the beginning God created");
+  r.set_max_tokens(max_tokens);
+  r.mutable_sampling()->set_temperature(0.8f);
+  r.mutable_sampling()->set_seed(77);
+  return r;
+}
+
+TEST(FaultTest, PrefillWorkerKilledMidHandoffIsRetriedElsewhere) {
+  const std::string dir = TempDir();
+  // The reference: the same request through an undisturbed cluster.
+  Output want;
+  {
+    Cluster calm;
+    ASSERT_TRUE(calm.Start(dir + "/calm", false).ok());
+    want = calm.Generate(Request(24));
+    ASSERT_TRUE(want.status.ok()) << want.status.error_message();
+  }
+  Cluster c;
+  // Each handoff stalls 1.5 s between the first token and the commit.
+  absl::Status s = c.Start(dir + "/faulty", false, {}, {}, /*num_prefill=*/2, {"--fault_stall_before_commit_ms", "1500"});
+  ASSERT_TRUE(s.ok()) << s;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  auto reader = c.stub()->Generate(&ctx, Request(24));
+  v1::GenerateResponse m;
+  Output got;
+  ASSERT_TRUE(reader->Read(&m));  // The first token: prefill worker 0 is now stalled before its commit.
+  ASSERT_TRUE(m.has_chunk());
+  got.tokens.assign(m.chunk().token_ids().begin(), m.chunk().token_ids().end());
+  got.text = m.chunk().text();
+  c.prefill(0).Kill();  // kill -9 mid-handoff.
+  while (reader->Read(&m)) {
+    if (m.has_chunk()) {
+      got.tokens.insert(got.tokens.end(), m.chunk().token_ids().begin(), m.chunk().token_ids().end());
+      got.text += m.chunk().text();
+    } else if (m.has_final()) {
+      got.final = m.final();
+    }
+  }
+  ASSERT_TRUE(reader->Finish().ok());
+  EXPECT_EQ(got.final.finish_reason(), v1::FINISH_REASON_LENGTH) << got.final.error() << "\n" << c.Logs();
+  EXPECT_EQ(got.tokens, want.tokens);
+  EXPECT_EQ(got.text, want.text);
+  // The dead sender's reservation was freed on the decode side.
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  int used = -1;
+  while (absl::Now() < deadline) {
+    used = c.Status().decode(0).kv_blocks_used();
+    if (used == 0) break;
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_EQ(used, 0) << c.Logs();
+}
+
+TEST(FaultTest, NoLivePrefillWorkerIsUnavailableWithinSeconds) {
+  const std::string dir = TempDir();
+  Cluster c;
+  ASSERT_TRUE(c.Start(dir + "/dead", false).ok());
+  c.prefill(0).Kill();
+  const absl::Time t0 = absl::Now();
+  const Output got = c.Generate(Request(8));
+  EXPECT_EQ(got.status.error_code(), grpc::StatusCode::UNAVAILABLE) << got.status.error_message();
+  EXPECT_FALSE(got.status.error_message().empty());
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(5));
+}
+
+}  // namespace
+}  // namespace pdserve

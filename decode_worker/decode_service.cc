@@ -158,7 +158,11 @@ grpc::Status DecodeService::Decode(grpc::ServerContext* ctx, const worker::v1::D
     writer->Write(fin);
     return grpc::Status::OK;
   }
-  auto gen = std::make_unique<Generation>(std::move(gr), tokenizer_);
+  absl::StatusOr<std::unique_ptr<Generation>> made =
+      rpc::MakeGeneration(w, model_->config().eos_token_ids, model_->config().vocab_size, tokenizer_);
+  if (!made.ok()) return ToGrpc(made.status());
+  std::unique_ptr<Generation> gen = *std::move(made);
+  if (gen->finished()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "generated_ids: already finished");
   auto stream = std::make_shared<Stream>();
   EventSink sink = [stream](const EngineEvent& e) {
     absl::MutexLock lock(&stream->mu);

@@ -32,6 +32,7 @@ struct PrefillService::Job {
   std::string request_id;
   std::string decode_address;
   std::unique_ptr<Generation> gen;
+  std::vector<int32_t> context;  // Prompt + generated_ids: what is prefilled.
   SequenceKv kv;
   int32_t fed = 0;  // Prompt positions in kv (cached or computed).
   std::unique_ptr<kv::Handoff> handoff;
@@ -111,9 +112,9 @@ absl::Status PrefillService::StartHandoff(Job& job) {
   if (!conn.ok()) return conn.status();
   const GenerationRequest& r = job.gen->request();
   kv::ReserveArgs args;
-  args.num_positions = static_cast<int32_t>(r.prompt.size());
-  args.margin_positions = r.params.max_tokens;
-  args.prompt_tokens = r.prompt;
+  args.num_positions = static_cast<int32_t>(job.context.size());
+  args.margin_positions = r.params.max_tokens - static_cast<int32_t>(job.gen->generated().size());
+  args.prompt_tokens = job.context;
   absl::StatusOr<std::unique_ptr<kv::Handoff>> h = sender_->Reserve(*conn, std::move(args));
   if (!h.ok()) return h.status();
   job.handoff = *std::move(h);
@@ -145,7 +146,7 @@ void PrefillService::ComputeLoop() {
       }
       if (job->handoff == nullptr) {
         job->started_at = Clock::now();
-        const std::vector<int32_t>& prompt = job->gen->request().prompt;
+        const std::vector<int32_t>& prompt = job->context;
         {
           absl::MutexLock lock(pool_mu_);
           // Never reuse the whole prompt: its last position must be computed
@@ -165,7 +166,7 @@ void PrefillService::ComputeLoop() {
     std::vector<ForwardSequence> batch;
     std::vector<std::shared_ptr<Job>> in_batch, finishing;
     for (auto& job : runnable) {
-      const std::vector<int32_t>& prompt = job->gen->request().prompt;
+      const std::vector<int32_t>& prompt = job->context;
       const int32_t left = static_cast<int32_t>(prompt.size()) - job->fed;
       const int32_t n = budget > 0 ? std::min(budget, left) : 0;
       if (n == 0) {
@@ -208,7 +209,7 @@ void PrefillService::ComputeLoop() {
       }
       {
         absl::MutexLock lock(pool_mu_);
-        PublishFullBlocks(*pool_, hasher_, job.gen->request().prompt, job.kv);
+        PublishFullBlocks(*pool_, hasher_, job.context, job.kv);
       }
       absl::StatusOr<TokenEvent> first = job.gen->Accept(res->Last(b));
       if (!first.ok()) {
@@ -262,14 +263,14 @@ void PrefillService::CommitLoop() {
     const GenerationRequest& r = job->gen->request();
     kv::Commit c;
     c.request_id = job->request_id;
-    c.num_positions = static_cast<int32_t>(r.prompt.size());
-    c.tokens = r.prompt;
+    c.num_positions = static_cast<int32_t>(job->context.size());
+    c.tokens = job->context;
     c.first_token = job->first.token;
     c.first_logprob = job->first.logprob;
     c.top_logprobs = job->first.top_logprobs;
     c.sampling = r.params;
     c.seed = job->gen->seed();
-    c.generated = 1;
+    c.generated = static_cast<int32_t>(job->gen->generated().size());
     c.finish_reason = static_cast<uint8_t>(job->first.finish);
     absl::Status st = job->handoff->Commit(std::move(c));
     if (st.ok()) {
@@ -297,8 +298,13 @@ grpc::Status PrefillService::Prefill(grpc::ServerContext* ctx, const worker::v1:
   auto job = std::make_shared<Job>();
   job->request_id = req->request().request_id();
   job->decode_address = req->decode_kv_address();
-  const int64_t tokens = static_cast<int64_t>(gr.prompt.size());
-  job->gen = std::make_unique<Generation>(std::move(gr), tokenizer_);
+  absl::StatusOr<std::unique_ptr<Generation>> made = rpc::MakeGeneration(
+      req->request(), model_->config().eos_token_ids, model_->config().vocab_size, tokenizer_);
+  if (!made.ok()) return ToGrpc(made.status());
+  job->gen = *std::move(made);
+  if (job->gen->finished()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "generated_ids: already finished");
+  job->context = job->gen->AllTokens();
+  const int64_t tokens = static_cast<int64_t>(job->context.size());
   job->queued_at = Clock::now();
   {
     absl::MutexLock lock(&mu_);

@@ -1,5 +1,7 @@
 #include "proto/convert.h"
 
+#include "absl/strings/str_cat.h"
+
 namespace pdserve::rpc {
 
 GenerationRequest FromWork(const worker::v1::WorkRequest& w, const std::vector<int32_t>& eos_ids) {
@@ -20,6 +22,24 @@ GenerationRequest FromWork(const worker::v1::WorkRequest& w, const std::vector<i
   r.stop_strings.assign(w.stop().begin(), w.stop().end());
   r.eos_ids = eos_ids;
   return r;
+}
+
+absl::StatusOr<std::unique_ptr<Generation>> MakeGeneration(const worker::v1::WorkRequest& w,
+                                                          const std::vector<int32_t>& eos_ids, int64_t vocab_size,
+                                                          const tok::Tokenizer* tokenizer) {
+  for (int32_t id : w.generated_ids()) {
+    if (id < 0 || id >= vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("generated_ids: ", id, " is outside the vocabulary"));
+    }
+  }
+  auto gen = std::make_unique<Generation>(FromWork(w, eos_ids), tokenizer);
+  for (int32_t id : w.generated_ids()) {
+    TokenEvent e;
+    e.token = id;
+    absl::StatusOr<TokenEvent> r = gen->Replay(e);
+    if (!r.ok()) return r.status();
+  }
+  return gen;
 }
 
 void ToWork(const GenerationRequest& r, worker::v1::WorkRequest* w) {

@@ -3,7 +3,10 @@
 #ifndef PDSERVE_PROTO_CONVERT_H_
 #define PDSERVE_PROTO_CONVERT_H_
 
+#include <memory>
 #include <vector>
+
+#include "absl/status/statusor.h"
 
 #include "common/generation.h"
 #include "common/sampling.h"
@@ -14,6 +17,12 @@ namespace pdserve::rpc {
 
 // The engine's request from a resolved WorkRequest (+ the model's EOS ids).
 GenerationRequest FromWork(const worker::v1::WorkRequest& w, const std::vector<int32_t>& eos_ids);
+
+// The request's state with its generated_ids (a migrated request) replayed,
+// ready to sample the next token. Errors: ids outside [0, vocab).
+absl::StatusOr<std::unique_ptr<Generation>> MakeGeneration(const worker::v1::WorkRequest& w,
+                                                          const std::vector<int32_t>& eos_ids, int64_t vocab_size,
+                                                          const tok::Tokenizer* tokenizer);
 
 // The resolved WorkRequest for `params` (seed set) and prompt ids.
 void ToWork(const GenerationRequest& r, worker::v1::WorkRequest* w);

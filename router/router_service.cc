@@ -232,10 +232,13 @@ absl::StatusOr<GenerationRequest> RouterService::Resolve(const v1::GenerateReque
   return r;
 }
 
-RouterService::Worker* RouterService::PickDecode(int64_t positions) {
+RouterService::Worker* RouterService::PickDecode(int64_t positions, const std::vector<Worker*>& exclude) {
+  auto usable = [&exclude](const std::unique_ptr<Worker>& w) {
+    return w->healthy.load() && std::find(exclude.begin(), exclude.end(), w.get()) == exclude.end();
+  };
   Worker* best = nullptr;
   for (auto& w : decode_) {
-    if (!w->healthy.load()) continue;
+    if (!usable(w)) continue;
     const int64_t free = w->free_positions.load();
     if (free >= 0 && free < positions) continue;
     if (best == nullptr || w->in_flight.load() < best->in_flight.load()) best = w.get();
@@ -243,7 +246,7 @@ RouterService::Worker* RouterService::PickDecode(int64_t positions) {
   if (best != nullptr) return best;
   // None has room now: the one with the most free KV (it queues or preempts).
   for (auto& w : decode_) {
-    if (!w->healthy.load()) continue;
+    if (!usable(w)) continue;
     if (best == nullptr || w->free_positions.load() > best->free_positions.load()) best = w.get();
   }
   return best;
@@ -266,31 +269,8 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
   if (!resolved.ok()) return Invalid(resolved.status());
   const GenerationRequest& gr = *resolved;
   const std::string client_id = req.request_id();
-  const std::string internal_id =
-      absl::StrFormat("%s-%d-%d", client_id.empty() ? "req" : client_id, getpid(), next_request_++);
-  Worker* d = PickDecode(static_cast<int64_t>(gr.prompt.size()) + gr.params.max_tokens);
-  if (d == nullptr) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "no healthy decode worker");
   const bool colocated = options_.colocated || prefill_.empty();
-  Worker* p = colocated ? nullptr : PickPrefill({});
-  if (!colocated && p == nullptr) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "no healthy prefill worker");
-  worker::v1::WorkRequest work;
-  rpc::ToWork(gr, &work);
-  work.set_request_id(internal_id);
-
-  grpc::ClientContext dctx;
-  if (ctx->deadline() != std::chrono::system_clock::time_point::max()) dctx.set_deadline(ctx->deadline());
-  Watch watch{ctx, {&dctx}};
-  {
-    absl::MutexLock lock(&watch_mu_);
-    watches_.push_back(&watch);
-  }
-  ++in_flight_;
-  d->in_flight++;
   const int64_t prompt_tokens = static_cast<int64_t>(gr.prompt.size());
-  if (p != nullptr) {
-    p->in_flight++;
-    p->queued_tokens += prompt_tokens;
-  }
 
   v1::GenerateResponse msg;
   msg.set_request_id(client_id);
@@ -300,11 +280,16 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
   FinishReason finish = FinishReason::kNone;
   std::string error;
   bool cancelled = false;
+  bool unavailable = false;  // No worker of a pool could take the request.
   double max_itl = 0, sum_itl = 0;
   int32_t gaps = 0;
   Clock::time_point last_token = t_start;
   bool client_gone = false;
   std::vector<double> relay;  // Read-to-written per relayed message.
+  // Every token sent to the client, and the router's own replay of them: a
+  // migrated request continues from exactly this state.
+  std::vector<int32_t> streamed;
+  Generation replay(gr, tokenizer_.get());
   auto send_chunk = [&](const v1::TokenChunk& chunk) {
     const auto now = Clock::now();
     if (completion == 0) {
@@ -323,140 +308,196 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
     relay.push_back(Seconds(now, Clock::now()));
   };
 
-  worker::v1::DecodeRequest dreq;
-  *dreq.mutable_request() = work;
-  dreq.set_prefill_here(colocated);
-  std::unique_ptr<grpc::ClientReader<worker::v1::DecodeEvent>> dreader = d->decode->Decode(&dctx, dreq);
+  Watch watch{ctx, {}};
+  {
+    absl::MutexLock lock(&watch_mu_);
+    watches_.push_back(&watch);
+  }
+  std::vector<std::unique_ptr<grpc::ClientContext>> contexts;  // Every downstream call's.
+  auto new_context = [&]() {
+    contexts.push_back(std::make_unique<grpc::ClientContext>());
+    grpc::ClientContext* c = contexts.back().get();
+    if (ctx->deadline() != std::chrono::system_clock::time_point::max()) c->set_deadline(ctx->deadline());
+    absl::MutexLock lock(&watch_mu_);
+    watch.clients.push_back(c);
+    return c;
+  };
+  ++in_flight_;
 
-  bool decode_expected = true;
-  bool unavailable = false;  // No prefill worker could take the request.
-  std::vector<std::unique_ptr<grpc::ClientContext>> attempts;
-  std::vector<Worker*> failed_prefill;
-  bool first_sent = false;
-  int32_t first_token = -1;
-  bool handed_off = false;
-  Generation replay(gr, tokenizer_.get());
-  // A prefill worker that fails before the handoff is committed is marked
-  // down and the prefill runs again on another one; the decode worker keeps
-  // waiting for the commit under the same request id, and the dead sender's
-  // reservation is freed on its side. Sampling is keyed by (seed, position),
-  // so the retried first token is the one already sent.
-  while (p != nullptr && decode_expected && error.empty() && !cancelled) {
-    attempts.push_back(std::make_unique<grpc::ClientContext>());
-    grpc::ClientContext* pc = attempts.back().get();
-    if (ctx->deadline() != std::chrono::system_clock::time_point::max()) pc->set_deadline(ctx->deadline());
-    {
-      absl::MutexLock lock(&watch_mu_);
-      watch.clients.push_back(pc);
+  // Decode attempts: the first, then one migration per decode worker that
+  // dies mid-stream. Each attempt (re)prefills prompt + streamed tokens.
+  std::vector<Worker*> failed_decode;
+  int attempt = 0;
+  while (error.empty() && !cancelled && finish == FinishReason::kNone) {
+    const std::string internal_id =
+        absl::StrFormat("%s-%d-%d", client_id.empty() ? "req" : client_id, getpid(), next_request_++);
+    Worker* d = PickDecode(prompt_tokens + gr.params.max_tokens, failed_decode);
+    if (d == nullptr) {
+      error = failed_decode.empty() ? "no healthy decode worker"
+                                    : absl::StrCat("no decode worker left to continue on (last: ",
+                                                   failed_decode.back()->address, ")");
+      unavailable = true;
+      break;
     }
-    if (failed_prefill.empty() == false) {
-      p->in_flight++;
-      p->queued_tokens += prompt_tokens;
+    if (attempt++ > 0) {
+      LogEvent("warning", "migrating", {{"request_id", internal_id}, {"to", d->address},
+                                         {"tokens_so_far", std::to_string(streamed.size())}});
     }
-    worker::v1::PrefillRequest preq;
-    *preq.mutable_request() = work;
-    preq.set_decode_kv_address(d->kv_address);
-    std::unique_ptr<grpc::ClientReader<worker::v1::PrefillEvent>> preader = p->prefill->Prefill(pc, preq);
-    worker::v1::PrefillEvent ev;
-    bool first_seen = false;
-    while (preader->Read(&ev)) {
-      if (ev.has_first() && !first_seen) {
-        first_seen = true;
-        p->queued_tokens -= prompt_tokens;
-        const worker::v1::FirstToken& f = ev.first();
-        if (first_sent) {
-          if (f.token().token_id() != first_token) {
-            error = absl::StrCat("prefill retried on ", p->address, " gave first token ", f.token().token_id(),
-                                 ", not ", first_token);
+    worker::v1::WorkRequest work;
+    rpc::ToWork(gr, &work);
+    work.set_request_id(internal_id);
+    work.mutable_generated_ids()->Assign(streamed.begin(), streamed.end());
+    d->in_flight++;
+    grpc::ClientContext* dctx = new_context();
+    worker::v1::DecodeRequest dreq;
+    *dreq.mutable_request() = work;
+    dreq.set_prefill_here(colocated);
+    std::unique_ptr<grpc::ClientReader<worker::v1::DecodeEvent>> dreader = d->decode->Decode(dctx, dreq);
+
+    bool decode_expected = true;
+    if (!colocated) {
+      // Prefill attempts: a prefill worker that fails before its handoff is
+      // committed is marked down and the prefill runs again on another; the
+      // decode worker keeps waiting under the same request id, and the dead
+      // sender's reservation is freed on its side. Sampling is keyed by
+      // (seed, position), so a retried first token is the one already sent.
+      std::vector<Worker*> failed_prefill;
+      Worker* p = PickPrefill(failed_prefill);
+      bool first_sent = false;
+      int32_t first_token = -1;
+      bool handed_off = false;
+      if (p == nullptr) {
+        error = "no healthy prefill worker";
+        unavailable = true;
+      }
+      const int64_t context_tokens = prompt_tokens + static_cast<int64_t>(streamed.size());
+      while (p != nullptr && decode_expected && error.empty() && !cancelled) {
+        p->in_flight++;
+        p->queued_tokens += context_tokens;
+        grpc::ClientContext* pc = new_context();
+        worker::v1::PrefillRequest preq;
+        *preq.mutable_request() = work;
+        preq.set_decode_kv_address(d->kv_address);
+        std::unique_ptr<grpc::ClientReader<worker::v1::PrefillEvent>> preader = p->prefill->Prefill(pc, preq);
+        worker::v1::PrefillEvent ev;
+        bool first_seen = false;
+        while (preader->Read(&ev)) {
+          if (ev.has_first() && !first_seen) {
+            first_seen = true;
+            p->queued_tokens -= context_tokens;
+            const worker::v1::FirstToken& f = ev.first();
+            if (first_sent) {
+              if (f.token().token_id() != first_token) {
+                error = absl::StrCat("prefill retried on ", p->address, " gave token ", f.token().token_id(),
+                                     ", not ", first_token);
+              }
+              continue;
+            }
+            TokenEvent te;
+            te.token = f.token().token_id();
+            te.logprob = f.token().logprob();
+            for (const v1::TopLogprob& t : f.token().top()) te.top_logprobs.emplace_back(t.token_id(), t.logprob());
+            absl::StatusOr<TokenEvent> text = replay.Replay(te);
+            if (!text.ok()) {
+              error = std::string(text.status().message());
+              break;
+            }
+            first_sent = true;
+            first_token = te.token;
+            streamed.push_back(te.token);
+            if (attempt == 1) {
+              timings.set_queue(f.queue_seconds());
+              timings.set_prefill(f.prefill_seconds());
+            }
+            v1::TokenChunk chunk;
+            rpc::AppendToken(*text, gr.params.logprobs > 0, &chunk);
+            send_chunk(chunk);
+            if (text->finish != FinishReason::kNone) {
+              finish = text->finish;
+              decode_expected = false;
+              dctx->TryCancel();
+            }
+          } else if (ev.has_done()) {
+            handed_off = true;
+            if (attempt == 1) timings.set_handoff(ev.done().handoff_seconds());
           }
-          continue;
         }
-        TokenEvent te;
-        te.token = f.token().token_id();
-        te.logprob = f.token().logprob();
-        for (const v1::TopLogprob& t : f.token().top()) te.top_logprobs.emplace_back(t.token_id(), t.logprob());
-        absl::StatusOr<TokenEvent> text = replay.Replay(te);
-        if (!text.ok()) {
-          error = std::string(text.status().message());
+        const grpc::Status ps = preader->Finish();
+        if (!first_seen) p->queued_tokens -= context_tokens;
+        p->in_flight--;
+        if (ps.ok() || !error.empty()) break;
+        if (ctx->IsCancelled() || ps.error_code() == grpc::StatusCode::CANCELLED) {
+          cancelled = true;
           break;
         }
-        first_sent = true;
-        first_token = te.token;
-        timings.set_queue(f.queue_seconds());
-        timings.set_prefill(f.prefill_seconds());
-        v1::TokenChunk chunk;
-        rpc::AppendToken(*text, gr.params.logprobs > 0, &chunk);
-        send_chunk(chunk);
-        if (text->finish != FinishReason::kNone) {
-          finish = text->finish;
-          decode_expected = false;
-          dctx.TryCancel();
+        if (ps.error_code() == grpc::StatusCode::INVALID_ARGUMENT || handed_off) {
+          error = absl::StrCat("prefill worker ", p->address, ": ", ps.error_message());
+          break;
         }
-      } else if (ev.has_done()) {
-        handed_off = true;
-        timings.set_handoff(ev.done().handoff_seconds());
+        p->healthy = false;
+        failed_prefill.push_back(p);
+        LogEvent("warning", "prefill_retry", {{"request_id", internal_id}, {"worker", p->address},
+                                              {"error", ps.error_message()}});
+        p = PickPrefill(failed_prefill);
+        if (p == nullptr) {
+          error = absl::StrCat("no prefill worker could serve the request (last: ", failed_prefill.back()->address,
+                               ": ", ps.error_message(), ")");
+          unavailable = true;
+        }
+      }
+      if (!error.empty() || cancelled) {
+        decode_expected = false;
+        dctx->TryCancel();
       }
     }
-    const grpc::Status ps = preader->Finish();
-    if (!first_seen) p->queued_tokens -= prompt_tokens;
-    p->in_flight--;
-    if (ps.ok() || !error.empty()) break;
-    if (ctx->IsCancelled() || ps.error_code() == grpc::StatusCode::CANCELLED) {
+
+    worker::v1::DecodeEvent dev;
+    bool decode_final = false;
+    while (dreader->Read(&dev)) {
+      if (!decode_expected) continue;
+      if (dev.has_chunk() && dev.chunk().token_ids_size() > 0) {
+        for (int32_t t : dev.chunk().token_ids()) {
+          TokenEvent te;
+          te.token = t;
+          (void)replay.Replay(te);  // Keeps the router's state in step for a migration.
+          streamed.push_back(t);
+        }
+        send_chunk(dev.chunk());
+        if (client_gone) dctx->TryCancel();
+      } else if (dev.has_final()) {
+        decode_final = true;
+        const worker::v1::DecodeFinal& f = dev.final();
+        if (f.finish_reason() == v1::FINISH_REASON_CANCELLED) {
+          cancelled = true;
+        } else if (f.finish_reason() == v1::FINISH_REASON_ERROR) {
+          error = absl::StrCat("decode worker ", d->address, ": ", f.error());
+        } else {
+          finish = rpc::FromProto(f.finish_reason());
+        }
+        if (colocated && attempt == 1) timings.set_prefill(f.prefill_seconds());
+      }
+    }
+    const grpc::Status ds = dreader->Finish();
+    d->in_flight--;
+    if (!decode_expected || decode_final || !error.empty() || cancelled) break;
+    if (ctx->IsCancelled() || client_gone || ds.error_code() == grpc::StatusCode::CANCELLED) {
       cancelled = true;
       break;
     }
-    if (ps.error_code() == grpc::StatusCode::INVALID_ARGUMENT || handed_off) {
-      error = absl::StrCat("prefill worker ", p->address, ": ", ps.error_message());
+    if (ds.ok() || ds.error_code() == grpc::StatusCode::INVALID_ARGUMENT) {
+      if (!ds.ok()) error = absl::StrCat("decode worker ", d->address, ": ", ds.error_message());
       break;
     }
-    // Retry elsewhere.
-    p->healthy = false;
-    failed_prefill.push_back(p);
-    LogEvent("warning", "prefill_retry", {{"request_id", internal_id}, {"worker", p->address},
-                                          {"error", ps.error_message()}});
-    p = PickPrefill(failed_prefill);
-    if (p == nullptr) {
-      error = absl::StrCat("no prefill worker could serve the request (last: ", failed_prefill.back()->address, ": ",
-                           ps.error_message(), ")");
-      unavailable = true;
-    }
+    // The decode worker failed mid-stream: migrate the sequence.
+    d->healthy = false;
+    failed_decode.push_back(d);
+    LogEvent("warning", "decode_failed", {{"request_id", internal_id}, {"worker", d->address},
+                                          {"error", ds.error_message()}});
   }
-  if (!error.empty() || cancelled) {
-    decode_expected = false;
-    dctx.TryCancel();
-  }
-
-  worker::v1::DecodeEvent dev;
-  while (dreader->Read(&dev)) {
-    if (!decode_expected) continue;
-    if (dev.has_chunk() && dev.chunk().token_ids_size() > 0) {
-      send_chunk(dev.chunk());
-      if (client_gone) dctx.TryCancel();
-    } else if (dev.has_final()) {
-      const worker::v1::DecodeFinal& f = dev.final();
-      if (f.finish_reason() == v1::FINISH_REASON_CANCELLED) {
-        cancelled = true;
-      } else if (f.finish_reason() == v1::FINISH_REASON_ERROR) {
-        error = absl::StrCat("decode worker ", d->address, ": ", f.error());
-      } else {
-        finish = rpc::FromProto(f.finish_reason());
-      }
-      if (colocated) timings.set_prefill(f.prefill_seconds());
-    }
-  }
-  const grpc::Status ds = dreader->Finish();
-  d->in_flight--;
   --in_flight_;
   {
     absl::MutexLock lock(&watch_mu_);
     watches_.erase(std::find(watches_.begin(), watches_.end(), &watch));
-  }
-  if (decode_expected && !ds.ok() && error.empty() && !cancelled) {
-    if (ds.error_code() == grpc::StatusCode::CANCELLED) {
-      cancelled = true;
-    } else {
-      error = absl::StrCat("decode worker ", d->address, ": ", ds.error_message());
-    }
   }
   if (ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client");
   if (unavailable && completion == 0) return grpc::Status(grpc::StatusCode::UNAVAILABLE, error);

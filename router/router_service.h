@@ -84,7 +84,7 @@ class RouterService final : public v1::Generation::Service {
                    const std::function<bool(const v1::GenerateResponse&)>& emit);
   // A healthy decode worker with free KV for `positions` (fewest in flight
   // among them); if none has room, the one with the most free KV.
-  Worker* PickDecode(int64_t positions);
+  Worker* PickDecode(int64_t positions, const std::vector<Worker*>& exclude);
   void PollLoop();
   Worker* PickPrefill(const std::vector<Worker*>& exclude);
   void WatchLoop();

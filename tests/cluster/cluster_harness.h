@@ -45,16 +45,24 @@ class Cluster {
   // colocated: router --colocated, no prefill worker.
   absl::Status Start(const std::string& dir, bool colocated, const std::vector<std::string>& decode_flags = {},
                      const std::map<std::string, std::string>& env = {}, int num_prefill = 1,
-                     const std::vector<std::string>& prefill_flags = {}) {
+                     const std::vector<std::string>& prefill_flags = {}, int num_decode = 1) {
     std::filesystem::create_directories(dir);
-    std::vector<std::string> dargs = {kBin + "/decode_worker/pdserve-decode-worker", "--model", kModel, "--ready_file",
-                                      dir + "/decode.ready", "--prefill_chunk", "32"};
-    dargs.insert(dargs.end(), decode_flags.begin(), decode_flags.end());
-    if (absl::Status s = decode_.Start(dargs, dir + "/decode.log", env); !s.ok()) return s;
-    absl::StatusOr<int> dport = decode_.WaitReady(dir + "/decode.ready", absl::Seconds(60));
-    if (!dport.ok()) return dport.status();
+    std::string decode_list;
+    for (int i = 0; i < num_decode; ++i) {
+      decode_.push_back(std::make_unique<Subprocess>());
+      const std::string ready = absl::StrCat(dir, "/decode", i, ".ready");
+      std::vector<std::string> dargs = {kBin + "/decode_worker/pdserve-decode-worker", "--model", kModel,
+                                        "--ready_file", ready, "--prefill_chunk", "32"};
+      dargs.insert(dargs.end(), decode_flags.begin(), decode_flags.end());
+      if (absl::Status s = decode_.back()->Start(dargs, absl::StrCat(dir, "/decode", i, ".log"), env); !s.ok()) {
+        return s;
+      }
+      absl::StatusOr<int> dport = decode_.back()->WaitReady(ready, absl::Seconds(60));
+      if (!dport.ok()) return dport.status();
+      absl::StrAppend(&decode_list, decode_list.empty() ? "" : ",", "127.0.0.1:", *dport);
+    }
     std::vector<std::string> rargs = {kBin + "/router/pdserve-router", "--model", kModel, "--ready_file",
-                                      dir + "/router.ready", "--decode", absl::StrCat("127.0.0.1:", *dport)};
+                                      dir + "/router.ready", "--decode", decode_list};
     if (colocated) {
       rargs.push_back("--colocated");
     } else {
@@ -111,19 +119,21 @@ class Cluster {
   }
 
   std::string Logs() {
-    std::string out = absl::StrCat("router:\n", router_.LogTail(), "\ndecode:\n", decode_.LogTail());
+    std::string out = absl::StrCat("router:\n", router_.LogTail());
+    for (auto& d : decode_) absl::StrAppend(&out, "\ndecode:\n", d->LogTail());
     for (auto& p : prefill_) absl::StrAppend(&out, "\nprefill:\n", p->LogTail());
     return out;
   }
   Subprocess& prefill(int i) { return *prefill_[i]; }
-  Subprocess& decode() { return decode_; }
+  Subprocess& decode(int i = 0) { return *decode_[i]; }
 
   v1::Generation::Stub* stub() { return stub_.get(); }
   const std::string& address() const { return address_; }
 
  private:
   std::string address_;
-  Subprocess decode_, router_;
+  Subprocess router_;
+  std::vector<std::unique_ptr<Subprocess>> decode_;
   std::vector<std::unique_ptr<Subprocess>> prefill_;
   std::unique_ptr<v1::Generation::Stub> stub_;
 };

@@ -70,6 +70,66 @@ TEST(FaultTest, PrefillWorkerKilledMidHandoffIsRetriedElsewhere) {
   EXPECT_EQ(used, 0) << c.Logs();
 }
 
+// Reads a stream to its end into `got`.
+void Drain(grpc::ClientReader<v1::GenerateResponse>& reader, Output& got) {
+  v1::GenerateResponse m;
+  while (reader.Read(&m)) {
+    if (m.has_chunk()) {
+      got.tokens.insert(got.tokens.end(), m.chunk().token_ids().begin(), m.chunk().token_ids().end());
+      got.text += m.chunk().text();
+    } else if (m.has_final()) {
+      got.final = m.final();
+    }
+  }
+  got.status = reader.Finish();
+}
+
+class DecodeDeathTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(DecodeDeathTest, DecodeWorkerKilledMidStreamMigrates) {
+  const bool colocated = GetParam();
+  const std::string dir = TempDir();
+  v1::GenerateRequest req = Request(480);
+  req.set_ignore_eos(true);
+  Output want;
+  {
+    Cluster calm;
+    ASSERT_TRUE(calm.Start(dir + "/calm", colocated).ok());
+    want = calm.Generate(req);
+    ASSERT_TRUE(want.status.ok()) << want.status.error_message();
+  }
+  Cluster c;
+  absl::Status s = c.Start(dir + "/faulty", colocated, {}, {}, 1, {}, /*num_decode=*/2);
+  ASSERT_TRUE(s.ok()) << s;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  auto reader = c.stub()->Generate(&ctx, req);
+  v1::GenerateResponse m;
+  Output got;
+  while (got.tokens.size() < 20 && reader->Read(&m)) {
+    if (!m.has_chunk()) continue;
+    got.tokens.insert(got.tokens.end(), m.chunk().token_ids().begin(), m.chunk().token_ids().end());
+    got.text += m.chunk().text();
+  }
+  ASSERT_GE(got.tokens.size(), 20u);
+  // kill -9 whichever decode worker holds the sequence.
+  const v1::ClusterStatusResponse st = c.Status();
+  const int victim = st.decode(0).kv_blocks_used() > 0 ? 0 : 1;
+  ASSERT_GT(st.decode(victim).kv_blocks_used(), 0) << st.ShortDebugString();
+  c.decode(victim).Kill();
+  Drain(*reader, got);
+  ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+  EXPECT_EQ(got.final.finish_reason(), v1::FINISH_REASON_LENGTH) << got.final.error() << "\n" << c.Logs();
+  EXPECT_EQ(got.tokens, want.tokens) << "a token repeated, lost or changed";
+  EXPECT_EQ(got.text, want.text);
+  EXPECT_EQ(got.final.usage().completion_tokens(), 480);
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, DecodeDeathTest, ::testing::Values(false, true),
+                         [](const ::testing::TestParamInfo<bool>& i) {
+                           return i.param ? "Colocated" : "Disaggregated";
+                         });
+
 TEST(FaultTest, NoLivePrefillWorkerIsUnavailableWithinSeconds) {
   const std::string dir = TempDir();
   Cluster c;

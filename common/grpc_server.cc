@@ -4,6 +4,7 @@
 #include <memory>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/server_util.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -33,6 +34,11 @@ int ServeUntilSignal(const ServeOptions& o, std::initializer_list<grpc::Service*
   const int sig = WaitForShutdownSignal();
   LogEvent("info", "shutting_down", {{"role", o.role}, {"signal", std::to_string(sig)}});
   server->GetHealthCheckService()->SetServingStatus(false);
+  if (o.on_drain) {
+    const absl::Time start = absl::Now();
+    o.on_drain(start + o.drain_grace);
+    LogEvent("info", "drained", {{"role", o.role}, {"seconds", std::to_string(absl::ToDoubleSeconds(absl::Now() - start))}});
+  }
   if (o.on_shutdown) o.on_shutdown();
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   return 0;

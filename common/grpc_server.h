@@ -1,7 +1,8 @@
 // The serving loop every pdserve binary shares: a gRPC server with health
 // checking and reflection on one address, a "serving" log line and the
 // ready file once it listens, then SIGINT/SIGTERM to stop (health goes
-// NOT_SERVING first, then the server drains for up to two seconds).
+// NOT_SERVING first, then the service drains within its grace period, then
+// the server stops).
 #ifndef PDSERVE_COMMON_GRPC_SERVER_H_
 #define PDSERVE_COMMON_GRPC_SERVER_H_
 
@@ -11,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 
 namespace pdserve {
@@ -20,7 +22,11 @@ struct ServeOptions {
   std::string ready_file;  // "" = none; else {"grpc_port": N} once listening
   std::string role;        // In the log lines.
   std::vector<std::pair<std::string, std::string>> log_fields;  // Extra "serving" fields.
-  // Runs after the signal, before the server shuts down (stop engines).
+  // Runs first after the signal, with health already NOT_SERVING: stop
+  // taking new work and finish what is in flight, returning by `deadline`.
+  std::function<void(absl::Time deadline)> on_drain;
+  absl::Duration drain_grace = absl::Seconds(30);
+  // Runs after the drain, before the server shuts down (stop engines).
   std::function<void()> on_shutdown;
 };
 

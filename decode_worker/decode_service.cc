@@ -125,9 +125,23 @@ void DecodeService::SweepHandoffs() {
   }
 }
 
+void DecodeService::Drain(absl::Time deadline) {
+  draining_ = true;
+  while (active_calls_.load() > 0) {
+    if (absl::Now() > deadline) evict_ = true;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+}
+
 grpc::Status DecodeService::Decode(grpc::ServerContext* ctx, const worker::v1::DecodeRequest* req,
                                    grpc::ServerWriter<DecodeEvent>* writer) {
   if (failed_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "decode engine is not running");
+  if (draining_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "decode worker is draining");
+  ++active_calls_;
+  struct Leave {
+    std::atomic<int32_t>& n;
+    ~Leave() { --n; }
+  } leave{active_calls_};
   const worker::v1::WorkRequest& w = req->request();
   GenerationRequest gr = rpc::FromWork(w, model_->config().eos_token_ids);
   if (gr.prompt.empty()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "prompt_ids: empty");
@@ -186,6 +200,7 @@ grpc::Status DecodeService::Decode(grpc::ServerContext* ctx, const worker::v1::D
       const absl::Time deadline = absl::Now() + absl::Seconds(options_.handoff_wait_seconds);
       while (!arrived()) {
         if (ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled while waiting for the KV handoff");
+        if (evict_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "decode worker drained: continue elsewhere");
         if (absl::Now() > deadline) {
           return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
                               absl::StrCat("no KV handoff for request ", rid, " within ", options_.handoff_wait_seconds, " s"));
@@ -228,6 +243,11 @@ grpc::Status DecodeService::Decode(grpc::ServerContext* ctx, const worker::v1::D
       engine_.Cancel(id);
       Wake();
       return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the caller");
+    }
+    if (evict_) {
+      engine_.Cancel(id);
+      Wake();
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "decode worker drained: continue elsewhere");
     }
     if (batch.empty()) {
       if (failed_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "decode engine stopped");
@@ -285,7 +305,7 @@ grpc::Status DecodeService::Status(grpc::ServerContext*, const worker::v1::Worke
   const BatchEngineStats st = engine_.stats();
   v1::WorkerStatus* s = out->mutable_status();
   s->set_role("decode");
-  s->set_healthy(!failed_);
+  s->set_healthy(!failed_ && !draining_);
   s->set_running(st.running);
   s->set_queued(st.waiting);
   s->set_preemptions(st.preemptions);

@@ -67,6 +67,11 @@ class DecodeService final : public worker::v1::DecodeWorker::Service {
   }
   // Stops the engine thread (pending calls end with UNAVAILABLE).
   void Shutdown();
+  // SIGTERM: new Decode calls get UNAVAILABLE (the router goes elsewhere)
+  // and Status reports not healthy; running streams finish until
+  // `deadline`, after which they end with UNAVAILABLE so the router
+  // migrates them. Returns when no stream is left.
+  void Drain(absl::Time deadline);
 
  private:
   void EngineLoop();
@@ -80,6 +85,9 @@ class DecodeService final : public worker::v1::DecodeWorker::Service {
   BatchEngine engine_;
   std::atomic<uint64_t> next_id_{1};
   std::atomic<bool> failed_{false};
+  std::atomic<bool> draining_{false};
+  std::atomic<bool> evict_{false};   // Drain deadline passed: end streams.
+  std::atomic<int32_t> active_calls_{0};
 
   absl::Mutex wake_mu_;
   bool work_ ABSL_GUARDED_BY(wake_mu_) = false;

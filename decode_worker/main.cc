@@ -30,6 +30,7 @@ ABSL_FLAG(bool, stand_in, false, "benchmark stand-in: stream max_tokens dummy to
 ABSL_FLAG(std::string, kv_host, "127.0.0.1", "address the KV receiver listens on (UCX)");
 ABSL_FLAG(int, kv_port, 0, "port of the KV receiver (0: any free port)");
 ABSL_FLAG(double, kv_lease_s, 5, "a KV reservation not renewed for this long is aborted");
+ABSL_FLAG(double, drain_grace_s, 30, "SIGTERM: seconds to finish running streams before they migrate");
 
 namespace {
 
@@ -82,6 +83,8 @@ int Run() {
   serve.ready_file = absl::GetFlag(FLAGS_ready_file);
   serve.role = "decode";
   serve.log_fields = {{"kv_port", std::to_string(*kv_port)}};
+  serve.on_drain = [&service](absl::Time deadline) { service.Drain(deadline); };
+  serve.drain_grace = absl::Seconds(absl::GetFlag(FLAGS_drain_grace_s));
   serve.on_shutdown = [&service] { service.Shutdown(); };
   const int exit_code = ServeUntilSignal(serve, {&service});
   (*transport)->Detach(receiver->get());

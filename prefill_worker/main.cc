@@ -28,6 +28,7 @@ ABSL_FLAG(std::string, ready_file, "", "write {\"grpc_port\":..} here once servi
 ABSL_FLAG(int, prefill_chunk, 512, "prompt tokens per forward, across requests");
 ABSL_FLAG(int, max_batch, 8, "requests per forward");
 ABSL_FLAG(int, fault_stall_before_commit_ms, 0, "fault tests only: stall each handoff before its commit");
+ABSL_FLAG(double, drain_grace_s, 30, "SIGTERM: seconds to finish queued requests before they go elsewhere");
 
 namespace {
 
@@ -58,6 +59,8 @@ int Run() {
     serve.address = absl::GetFlag(FLAGS_listen);
     serve.ready_file = absl::GetFlag(FLAGS_ready_file);
     serve.role = "prefill";
+    serve.on_drain = [&service](absl::Time deadline) { service.Drain(deadline); };
+    serve.drain_grace = absl::Seconds(absl::GetFlag(FLAGS_drain_grace_s));
     serve.on_shutdown = [&service] { service.Shutdown(); };
     exit_code = ServeUntilSignal(serve, {&service});
     (*transport)->Detach(&sender);

@@ -282,6 +282,20 @@ void PrefillService::CommitLoop() {
   }
 }
 
+void PrefillService::Drain(absl::Time deadline) {
+  {
+    absl::MutexLock lock(&mu_);
+    draining_ = true;
+    auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return in_flight_ == 0; };
+    mu_.AwaitWithDeadline(absl::Condition(&idle), deadline);
+    if (in_flight_ == 0) return;
+  }
+  Shutdown();  // What is left ends with UNAVAILABLE.
+  absl::MutexLock lock(&mu_);
+  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return in_flight_ == 0; };
+  mu_.AwaitWithTimeout(absl::Condition(&idle), absl::Seconds(5));
+}
+
 grpc::Status PrefillService::Prefill(grpc::ServerContext* ctx, const worker::v1::PrefillRequest* req,
                                      grpc::ServerWriter<PrefillEvent>* writer) {
   GenerationRequest gr = rpc::FromWork(req->request(), model_->config().eos_token_ids);
@@ -308,7 +322,7 @@ grpc::Status PrefillService::Prefill(grpc::ServerContext* ctx, const worker::v1:
   job->queued_at = Clock::now();
   {
     absl::MutexLock lock(&mu_);
-    if (stop_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "prefill worker shutting down");
+    if (stop_ || draining_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "prefill worker draining");
     queue_.push_back(job);
     queued_tokens_ += tokens;
     ++in_flight_;
@@ -353,7 +367,7 @@ grpc::Status PrefillService::Status(grpc::ServerContext*, const worker::v1::Work
   s->set_role("prefill");
   {
     absl::MutexLock lock(&mu_);
-    s->set_healthy(!stop_);
+    s->set_healthy(!stop_ && !draining_);
     s->set_running(in_flight_);
     s->set_queued(static_cast<int32_t>(queue_.size()));
     s->set_queued_prefill_tokens(queued_tokens_);

@@ -54,6 +54,11 @@ class PrefillService final : public worker::v1::PrefillWorker::Service {
                       worker::v1::WorkerInfo* out) override;
 
   void Shutdown();
+  // SIGTERM: new Prefill calls get UNAVAILABLE and Status reports not
+  // healthy; queued and running requests finish until `deadline`, after
+  // which the rest end with UNAVAILABLE (the router prefills them again
+  // elsewhere).
+  void Drain(absl::Time deadline);
 
  private:
   struct Job;
@@ -78,6 +83,7 @@ class PrefillService final : public worker::v1::PrefillWorker::Service {
   int64_t queued_tokens_ ABSL_GUARDED_BY(mu_) = 0;
   int32_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  bool draining_ ABSL_GUARDED_BY(mu_) = false;
 
   // Compute thread only.
   absl::flat_hash_map<std::string, kv::Connection*> connections_;

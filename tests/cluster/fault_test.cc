@@ -130,6 +130,58 @@ INSTANTIATE_TEST_SUITE_P(Modes, DecodeDeathTest, ::testing::Values(false, true),
                            return i.param ? "Colocated" : "Disaggregated";
                          });
 
+// SIGTERM to the decode worker holding a stream: with a short grace period
+// the stream migrates at the deadline; with a long one it finishes where it
+// is and the worker exits cleanly afterwards. Either way the client sees
+// the undisturbed stream, and new requests go to the other worker.
+class DrainTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(DrainTest, SigtermDrainsThenMigratesAtTheDeadline) {
+  const bool short_grace = GetParam();
+  const std::string dir = TempDir();
+  v1::GenerateRequest req = Request(480);
+  req.set_ignore_eos(true);
+  Output want;
+  {
+    Cluster calm;
+    ASSERT_TRUE(calm.Start(dir + "/calm", false).ok());
+    want = calm.Generate(req);
+    ASSERT_TRUE(want.status.ok());
+  }
+  Cluster c;
+  absl::Status s = c.Start(dir + "/drain", false, {"--drain_grace_s", short_grace ? "0.05" : "30"}, {}, 1, {}, 2);
+  ASSERT_TRUE(s.ok()) << s;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  auto reader = c.stub()->Generate(&ctx, req);
+  v1::GenerateResponse m;
+  Output got;
+  while (got.tokens.size() < 20 && reader->Read(&m)) {
+    if (!m.has_chunk()) continue;
+    got.tokens.insert(got.tokens.end(), m.chunk().token_ids().begin(), m.chunk().token_ids().end());
+    got.text += m.chunk().text();
+  }
+  const v1::ClusterStatusResponse st = c.Status();
+  const int victim = st.decode(0).kv_blocks_used() > 0 ? 0 : 1;
+  c.decode(victim).Signal(SIGTERM);
+  // A request sent during the drain is served by the other worker.
+  absl::SleepFor(absl::Milliseconds(300));
+  const Output during = c.Generate(Request(8));
+  EXPECT_TRUE(during.status.ok()) << during.status.error_message();
+  EXPECT_EQ(during.final.finish_reason(), v1::FINISH_REASON_LENGTH) << during.final.error();
+  Drain(*reader, got);
+  ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+  EXPECT_EQ(got.final.finish_reason(), v1::FINISH_REASON_LENGTH) << got.final.error() << "\n" << c.Logs();
+  EXPECT_EQ(got.tokens, want.tokens);
+  EXPECT_EQ(got.text, want.text);
+  EXPECT_EQ(c.decode(victim).Wait(absl::Seconds(10)), 0) << c.Logs();
+}
+
+INSTANTIATE_TEST_SUITE_P(Grace, DrainTest, ::testing::Values(true, false),
+                         [](const ::testing::TestParamInfo<bool>& i) {
+                           return i.param ? "ShortGraceMigrates" : "LongGraceFinishesInPlace";
+                         });
+
 TEST(FaultTest, NoLivePrefillWorkerIsUnavailableWithinSeconds) {
   const std::string dir = TempDir();
   Cluster c;

@@ -1,10 +1,12 @@
 #include "common/grpc_server.h"
 
 #include <chrono>
+#include <cstdlib>
 #include <memory>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/metrics.h"
 #include "common/server_util.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -23,12 +25,27 @@ int ServeUntilSignal(const ServeOptions& o, std::initializer_list<grpc::Service*
     LogEvent("error", "listen_failed", {{"role", o.role}, {"address", o.address}});
     return 1;
   }
+  std::unique_ptr<MetricsHttpServer> metrics_server;
+  if (o.metrics != nullptr && !o.metrics_address.empty()) {
+    const size_t colon = o.metrics_address.rfind(':');
+    const int mport = colon == std::string::npos ? 0 : std::atoi(o.metrics_address.c_str() + colon + 1);
+    absl::StatusOr<std::unique_ptr<MetricsHttpServer>> m =
+        MetricsHttpServer::Start(o.metrics_address.substr(0, colon), mport, o.metrics);
+    if (!m.ok()) {
+      LogEvent("error", "metrics_listen_failed", {{"role", o.role}, {"error", std::string(m.status().message())}});
+      return 1;
+    }
+    metrics_server = *std::move(m);
+  }
   server->GetHealthCheckService()->SetServingStatus(true);
   std::vector<std::pair<std::string, std::string>> fields = {{"role", o.role}, {"grpc_port", std::to_string(port)}};
+  if (metrics_server != nullptr) fields.emplace_back("metrics_port", std::to_string(metrics_server->port()));
   for (const auto& [k, v] : o.log_fields) fields.emplace_back(k, v);
   LogEvent("info", "serving", fields);
   if (!o.ready_file.empty()) {
-    absl::Status st = WriteReadyFile(o.ready_file, absl::StrCat("{\"grpc_port\":", port, "}"));
+    absl::Status st = WriteReadyFile(
+        o.ready_file, absl::StrCat("{\"grpc_port\":", port, ",\"metrics_port\":",
+                                   metrics_server != nullptr ? metrics_server->port() : 0, "}"));
     if (!st.ok()) LogEvent("error", "ready_file", {{"error", std::string(st.message())}});
   }
   const int sig = WaitForShutdownSignal();

@@ -21,6 +21,9 @@ struct ServeOptions {
   std::string address;     // host:port (port 0: any free port)
   std::string ready_file;  // "" = none; else {"grpc_port": N} once listening
   std::string role;        // In the log lines.
+  // Prometheus /metrics on this host:port (port 0: any free; "" = none).
+  const class MetricsRegistry* metrics = nullptr;
+  std::string metrics_address = "127.0.0.1:0";
   std::vector<std::pair<std::string, std::string>> log_fields;  // Extra "serving" fields.
   // Runs first after the signal, with health already NOT_SERVING: stop
   // taking new work and finish what is in flight, returning by `deadline`.
@@ -30,7 +33,7 @@ struct ServeOptions {
   std::function<void()> on_shutdown;
 };
 
-// Serves `services` until SIGINT/SIGTERM (which the caller must have
+// Serves `services` (and /metrics) until SIGINT/SIGTERM (which the caller must have
 // blocked with BlockShutdownSignals first). Returns the process exit code:
 // 0 after a signal, 1 if the address could not be bound.
 int ServeUntilSignal(const ServeOptions& options, std::initializer_list<grpc::Service*> services);

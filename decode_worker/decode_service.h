@@ -60,6 +60,7 @@ class DecodeService final : public worker::v1::DecodeWorker::Service {
                       worker::v1::WorkerInfo* out) override;
 
   bool healthy() const { return !failed_.load(); }
+  BatchEngineStats engine_stats() const { return engine_.stats(); }
   // Where prefill workers send KV (reported by Status); set before serving.
   void set_kv_address(std::string a) {
     absl::MutexLock lock(&handoff_mu_);

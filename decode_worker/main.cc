@@ -18,6 +18,7 @@
 #include "kv_transfer/receiver.h"
 #include "kv_transfer/ucx_transport.h"
 #include "common/grpc_server.h"
+#include "common/metrics.h"
 #include "tools/pdctl/worker_flags.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:0", "gRPC address (port 0: any free port)");
@@ -30,6 +31,7 @@ ABSL_FLAG(bool, stand_in, false, "benchmark stand-in: stream max_tokens dummy to
 ABSL_FLAG(std::string, kv_host, "127.0.0.1", "address the KV receiver listens on (UCX)");
 ABSL_FLAG(int, kv_port, 0, "port of the KV receiver (0: any free port)");
 ABSL_FLAG(double, kv_lease_s, 5, "a KV reservation not renewed for this long is aborted");
+ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:0", "Prometheus /metrics address (port 0: any free; empty: off)");
 ABSL_FLAG(double, drain_grace_s, 30, "SIGTERM: seconds to finish running streams before they migrate");
 
 namespace {
@@ -78,7 +80,42 @@ int Run() {
   }
   service.set_kv_address(absl::StrCat(absl::GetFlag(FLAGS_kv_host), ":", *kv_port));
 
+  MetricsRegistry metrics;
+  {
+    BlockPool* pool = engine->pool.get();
+    auto pool_gauge = [&pool_mu, pool](auto read) {
+      return [&pool_mu, pool, read] {
+        absl::MutexLock lock(&pool_mu);
+        return static_cast<double>(read(*pool));
+      };
+    };
+    metrics.AddGauge("pdserve_kv_blocks", "KV blocks by state.",
+                     pool_gauge([](const BlockPool& p) { return p.num_used(); }), "state=\"used\"");
+    metrics.AddGauge("pdserve_kv_blocks", "KV blocks by state.",
+                     pool_gauge([](const BlockPool& p) { return p.num_free(); }), "state=\"free\"");
+    kv::KvReceiver* r = receiver->get();
+    metrics.AddGauge("pdserve_kv_blocks", "KV blocks by state.",
+                     [r] { return static_cast<double>(r->stats().quarantined_blocks); }, "state=\"quarantined\"");
+    metrics.AddGauge("pdserve_batch_size", "Sequences decoding now.",
+                     [&service] { return static_cast<double>(service.engine_stats().running); });
+    metrics.AddGauge("pdserve_decode_queue_depth", "Sequences waiting to (re)prefill here.",
+                     [&service] { return static_cast<double>(service.engine_stats().waiting); });
+    metrics.AddGauge("pdserve_decode_step_seconds", "Decode step time (exponential average).",
+                     [&service] { return service.engine_stats().step_seconds_avg; });
+    metrics.AddCounterFunc("pdserve_preemptions_total", "Sequences preempted for recomputation.",
+                           [&service] { return static_cast<double>(service.engine_stats().preemptions); });
+    metrics.AddCounterFunc("pdserve_handoff_bytes_total", "KV bytes received by committed handoffs.",
+                           [r] { return static_cast<double>(r->metrics().bytes); });
+    metrics.AddCounterFunc("pdserve_handoff_transfers_total", "Committed handoffs.",
+                           [r] { return static_cast<double>(r->metrics().transfers); });
+    metrics.AddCounterFunc("pdserve_handoff_failures_total", "Handoffs that ended without a commit.",
+                           [r] { return static_cast<double>(r->metrics().failures); });
+    metrics.AddCounterFunc("pdserve_handoff_leases_expired_total", "KV reservations whose lease expired.",
+                           [r] { return static_cast<double>(r->metrics().leases_expired); });
+  }
   ServeOptions serve;
+  serve.metrics = &metrics;
+  serve.metrics_address = absl::GetFlag(FLAGS_metrics_listen);
   serve.address = absl::GetFlag(FLAGS_listen);
   serve.ready_file = absl::GetFlag(FLAGS_ready_file);
   serve.role = "decode";

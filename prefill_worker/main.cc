@@ -18,6 +18,7 @@
 #include "common/server_util.h"
 #include "common/tokenizer/tokenizer.h"
 #include "common/grpc_server.h"
+#include "common/metrics.h"
 #include "kv_transfer/sender.h"
 #include "kv_transfer/ucx_transport.h"
 #include "prefill_worker/prefill_service.h"
@@ -28,6 +29,7 @@ ABSL_FLAG(std::string, ready_file, "", "write {\"grpc_port\":..} here once servi
 ABSL_FLAG(int, prefill_chunk, 512, "prompt tokens per forward, across requests");
 ABSL_FLAG(int, max_batch, 8, "requests per forward");
 ABSL_FLAG(int, fault_stall_before_commit_ms, 0, "fault tests only: stall each handoff before its commit");
+ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:0", "Prometheus /metrics address (port 0: any free; empty: off)");
 ABSL_FLAG(double, drain_grace_s, 30, "SIGTERM: seconds to finish queued requests before they go elsewhere");
 
 namespace {
@@ -55,7 +57,37 @@ int Run() {
     so.fault_stall_before_commit_ms = absl::GetFlag(FLAGS_fault_stall_before_commit_ms);
     prefill::PrefillService service(engine->model.get(), engine->pool.get(), &pool_mu, w->tokenizer.get(), &sender, so);
 
+    MetricsRegistry metrics;
+    BlockPool* pool = engine->pool.get();
+    auto pool_gauge = [&pool_mu, pool](auto read) {
+      return [&pool_mu, pool, read] {
+        absl::MutexLock lock(&pool_mu);
+        return static_cast<double>(read(*pool));
+      };
+    };
+    metrics.AddGauge("pdserve_kv_blocks", "KV blocks by state.",
+                     pool_gauge([](const BlockPool& p) { return p.num_used(); }), "state=\"used\"");
+    metrics.AddGauge("pdserve_kv_blocks", "KV blocks by state.",
+                     pool_gauge([](const BlockPool& p) { return p.num_free(); }), "state=\"free\"");
+    metrics.AddCounterFunc("pdserve_prefix_cache_blocks_total", "Full prompt blocks looked up in the prefix cache.",
+                           pool_gauge([](const BlockPool& p) { return p.prefix_stats().hit_blocks; }),
+                           "result=\"hit\"");
+    metrics.AddCounterFunc("pdserve_prefix_cache_blocks_total", "Full prompt blocks looked up in the prefix cache.",
+                           pool_gauge([](const BlockPool& p) { return p.prefix_stats().miss_blocks; }),
+                           "result=\"miss\"");
+    metrics.AddGauge("pdserve_prefill_queue_depth", "Requests waiting for prefill.",
+                     [&service] { return static_cast<double>(service.stats().queued); });
+    metrics.AddGauge("pdserve_prefill_queued_tokens", "Prompt tokens waiting for prefill.",
+                     [&service] { return static_cast<double>(service.stats().queued_tokens); });
+    metrics.AddCounterFunc("pdserve_handoff_bytes_total", "KV bytes sent.",
+                           [&sender] { return static_cast<double>(sender.metrics().bytes); });
+    metrics.AddCounterFunc("pdserve_handoff_transfers_total", "Committed handoffs.",
+                           [&sender] { return static_cast<double>(sender.metrics().transfers); });
+    metrics.AddCounterFunc("pdserve_handoff_failures_total", "Handoffs that ended without a commit.",
+                           [&sender] { return static_cast<double>(sender.metrics().failures); });
     ServeOptions serve;
+    serve.metrics = &metrics;
+    serve.metrics_address = absl::GetFlag(FLAGS_metrics_listen);
     serve.address = absl::GetFlag(FLAGS_listen);
     serve.ready_file = absl::GetFlag(FLAGS_ready_file);
     serve.role = "prefill";

@@ -282,6 +282,11 @@ void PrefillService::CommitLoop() {
   }
 }
 
+PrefillService::Stats PrefillService::stats() {
+  absl::MutexLock lock(&mu_);
+  return {static_cast<int32_t>(queue_.size()), queued_tokens_, in_flight_};
+}
+
 void PrefillService::Drain(absl::Time deadline) {
   {
     absl::MutexLock lock(&mu_);

@@ -54,6 +54,12 @@ class PrefillService final : public worker::v1::PrefillWorker::Service {
                       worker::v1::WorkerInfo* out) override;
 
   void Shutdown();
+  struct Stats {
+    int32_t queued = 0;
+    int64_t queued_tokens = 0;
+    int32_t in_flight = 0;
+  };
+  Stats stats();
   // SIGTERM: new Prefill calls get UNAVAILABLE and Status reports not
   // healthy; queued and running requests finish until `deadline`, after
   // which the rest end with UNAVAILABLE (the router prefills them again

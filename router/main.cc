@@ -26,6 +26,7 @@ ABSL_FLAG(std::vector<std::string>, prefill, {}, "prefill workers, host:port,...
 ABSL_FLAG(std::vector<std::string>, decode, {}, "decode workers, host:port,...");
 ABSL_FLAG(bool, colocated, false, "send whole requests to decode workers (no handoff)");
 ABSL_FLAG(double, worker_wait_s, 60, "how long to wait at start for every worker to answer");
+ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:0", "Prometheus /metrics address (port 0: any free; empty: off)");
 
 namespace {
 
@@ -59,6 +60,8 @@ int Run() {
   so.address = absl::GetFlag(FLAGS_listen);
   so.ready_file = absl::GetFlag(FLAGS_ready_file);
   so.role = "router";
+  so.metrics = &(*service)->metrics();
+  so.metrics_address = absl::GetFlag(FLAGS_metrics_listen);
   so.log_fields = {{"model", o.model_name}, {"colocated", o.colocated ? "true" : "false"}};
   return ServeUntilSignal(so, {service->get()});
 }

@@ -34,7 +34,30 @@ std::shared_ptr<grpc::Channel> Channel(const std::string& address) {
 
 }  // namespace
 
-RouterService::RouterService(RouterOptions options) : options_(std::move(options)) {}
+RouterService::RouterService(RouterOptions options) : options_(std::move(options)) { RegisterMetrics(); }
+
+void RouterService::RegisterMetrics() {
+  for (const char* o : {"stop", "length", "cancelled", "error", "invalid", "unavailable"}) {
+    outcomes_[o] = metrics_.AddCounter("pdserve_requests_total", "Requests by how they ended.",
+                                       absl::StrCat("outcome=\"", o, "\""));
+  }
+  ttft_ = metrics_.AddHistogram("pdserve_time_to_first_token_seconds", "Router receipt to first token sent.",
+                                LatencyBuckets());
+  itl_ = metrics_.AddHistogram("pdserve_inter_token_latency_seconds", "Gap between streamed messages.",
+                               LatencyBuckets());
+  e2e_ = metrics_.AddHistogram("pdserve_request_duration_seconds", "Router receipt to final message.",
+                               LatencyBuckets());
+  queue_ = metrics_.AddHistogram("pdserve_queue_seconds", "Waiting for a prefill slot.", LatencyBuckets());
+  prefill_time_ = metrics_.AddHistogram("pdserve_prefill_seconds", "Prefill compute.", LatencyBuckets());
+  handoff_ = metrics_.AddHistogram("pdserve_handoff_seconds", "First token to KV committed on the decode worker.",
+                                   LatencyBuckets());
+  retries_ = metrics_.AddCounter("pdserve_prefill_retries_total", "Prefills run again after a worker failed.");
+  migrations_ = metrics_.AddCounter("pdserve_migrations_total", "Sequences moved off a failed decode worker.");
+  metrics_.AddGauge("pdserve_requests_in_flight", "Requests being served.",
+                    [this] { return static_cast<double>(in_flight_.load()); });
+}
+
+void RouterService::CountOutcome(const char* outcome) { outcomes_[outcome]->Add(); }
 
 absl::StatusOr<std::unique_ptr<RouterService>> RouterService::Create(RouterOptions options) {
   if (options.decode_workers.empty()) return absl::InvalidArgumentError("--decode: no decode workers given");
@@ -266,7 +289,10 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
                                 const std::function<bool(const v1::GenerateResponse&)>& emit) {
   const auto t_start = Clock::now();
   absl::StatusOr<GenerationRequest> resolved = Resolve(req);
-  if (!resolved.ok()) return Invalid(resolved.status());
+  if (!resolved.ok()) {
+    CountOutcome("invalid");
+    return Invalid(resolved.status());
+  }
   const GenerationRequest& gr = *resolved;
   const std::string client_id = req.request_id();
   const bool colocated = options_.colocated || prefill_.empty();
@@ -296,6 +322,7 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
       timings.set_ttft(Seconds(t_start, now));
     } else {
       const double gap = Seconds(last_token, now);
+      itl_->Observe(gap);
       sum_itl += gap;
       max_itl = std::max(max_itl, gap);
       ++gaps;
@@ -340,6 +367,7 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
       break;
     }
     if (attempt++ > 0) {
+      migrations_->Add();
       LogEvent("warning", "migrating", {{"request_id", internal_id}, {"to", d->address},
                                          {"tokens_so_far", std::to_string(streamed.size())}});
     }
@@ -436,6 +464,7 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
         }
         p->healthy = false;
         failed_prefill.push_back(p);
+        retries_->Add();
         LogEvent("warning", "prefill_retry", {{"request_id", internal_id}, {"worker", p->address},
                                               {"error", ps.error_message()}});
         p = PickPrefill(failed_prefill);
@@ -499,8 +528,20 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
     absl::MutexLock lock(&watch_mu_);
     watches_.erase(std::find(watches_.begin(), watches_.end(), &watch));
   }
-  if (ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client");
-  if (unavailable && completion == 0) return grpc::Status(grpc::StatusCode::UNAVAILABLE, error);
+  if (ctx->IsCancelled()) {
+    CountOutcome("cancelled");
+    return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client");
+  }
+  if (unavailable && completion == 0) {
+    CountOutcome("unavailable");
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, error);
+  }
+  if (completion > 0) ttft_->Observe(timings.ttft());
+  if (!colocated) {
+    queue_->Observe(timings.queue());
+    handoff_->Observe(timings.handoff());
+  }
+  prefill_time_->Observe(timings.prefill());
 
   if (!relay.empty()) {
     std::sort(relay.begin(), relay.end());
@@ -520,6 +561,11 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
   } else {
     fin->set_finish_reason(rpc::ToProto(finish));
   }
+  CountOutcome(!error.empty() ? "error"
+               : (cancelled || finish == FinishReason::kNone) ? "cancelled"
+               : finish == FinishReason::kStop                ? "stop"
+                                                               : "length");
+  e2e_->Observe(timings.total());
   fin->mutable_usage()->set_prompt_tokens(static_cast<int32_t>(prompt_tokens));
   fin->mutable_usage()->set_completion_tokens(completion);
   fin->set_seed(*gr.params.seed);

@@ -21,7 +21,9 @@
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/container/flat_hash_map.h"
 #include "common/generation.h"
+#include "common/metrics.h"
 #include "common/model_config.h"
 #include "common/tokenizer/chat_template.h"
 #include "common/tokenizer/tokenizer.h"
@@ -57,6 +59,8 @@ class RouterService final : public v1::Generation::Service {
   // their KV address). Errors: UNAVAILABLE naming the workers still silent.
   absl::Status WaitForWorkers(absl::Duration timeout);
 
+  const MetricsRegistry& metrics() const { return metrics_; }
+
  private:
   struct Worker {
     std::string address;
@@ -89,7 +93,20 @@ class RouterService final : public v1::Generation::Service {
   Worker* PickPrefill(const std::vector<Worker*>& exclude);
   void WatchLoop();
 
+  void RegisterMetrics();
+  void CountOutcome(const char* outcome);
+
   RouterOptions options_;
+  MetricsRegistry metrics_;
+  absl::flat_hash_map<std::string, Counter*> outcomes_;
+  Histogram* ttft_ = nullptr;
+  Histogram* itl_ = nullptr;
+  Histogram* e2e_ = nullptr;
+  Histogram* queue_ = nullptr;
+  Histogram* prefill_time_ = nullptr;
+  Histogram* handoff_ = nullptr;
+  Counter* retries_ = nullptr;
+  Counter* migrations_ = nullptr;
   ModelConfig config_;
   std::unique_ptr<tok::Tokenizer> tokenizer_;
   std::optional<tok::ChatFormat> chat_format_;

@@ -6,7 +6,13 @@
 
 #include <stdlib.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <string>
@@ -16,6 +22,7 @@
 #include "absl/time/clock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 #include "pdserve/v1/generation.grpc.pb.h"
 #include "tests/support/subprocess.h"
 
@@ -29,6 +36,35 @@ inline const std::string kBin = PDSERVE_BINARY_DIR;
 inline std::string TempDir() {
   char tmpl[] = "/tmp/pdserve-cluster-XXXXXX";
   return mkdtemp(tmpl);
+}
+
+// The "metrics_port" a server wrote in its ready file (0 if none).
+inline int MetricsPort(const std::string& ready_file) {
+  std::ifstream f(ready_file);
+  const nlohmann::json j = nlohmann::json::parse(f, nullptr, false);
+  return j.is_object() && j.contains("metrics_port") ? j["metrics_port"].get<int>() : 0;
+}
+
+// GET http://127.0.0.1:port/path; the body, or "" on any failure.
+inline std::string HttpGet(int port, const std::string& path) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return "";
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  std::string out;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+    const std::string req = "GET " + path + " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
+    if (write(fd, req.data(), req.size()) == static_cast<ssize_t>(req.size())) {
+      char buf[4096];
+      ssize_t n;
+      while ((n = read(fd, buf, sizeof(buf))) > 0) out.append(buf, n);
+    }
+  }
+  close(fd);
+  const size_t body = out.find("\r\n\r\n");
+  return body == std::string::npos ? "" : out.substr(body + 4);
 }
 
 struct Output {
@@ -87,6 +123,9 @@ class Cluster {
     absl::StatusOr<int> rport = router_.WaitReady(dir + "/router.ready", absl::Seconds(60));
     if (!rport.ok()) return rport.status();
     address_ = absl::StrCat("127.0.0.1:", *rport);
+    router_metrics_ = MetricsPort(dir + "/router.ready");
+    decode_metrics_ = MetricsPort(dir + "/decode0.ready");
+    if (!colocated) prefill_metrics_ = MetricsPort(dir + "/prefill0.ready");
     stub_ = v1::Generation::NewStub(grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()));
     return absl::OkStatus();
   }
@@ -129,9 +168,13 @@ class Cluster {
 
   v1::Generation::Stub* stub() { return stub_.get(); }
   const std::string& address() const { return address_; }
+  int router_metrics() const { return router_metrics_; }
+  int decode_metrics() const { return decode_metrics_; }
+  int prefill_metrics() const { return prefill_metrics_; }
 
  private:
   std::string address_;
+  int router_metrics_ = 0, decode_metrics_ = 0, prefill_metrics_ = 0;
   Subprocess router_;
   std::vector<std::unique_ptr<Subprocess>> decode_;
   std::vector<std::unique_ptr<Subprocess>> prefill_;

@@ -358,6 +358,38 @@ TEST_F(ClusterTest, SmallDecodePoolPreemptsAndRecomputes) {
   EXPECT_GT(small.Status().decode(0).preemptions(), 0) << small.Logs();
 }
 
+// The value of one exposition line `series value`, or -1 if absent.
+double MetricValue(const std::string& text, const std::string& series) {
+  const size_t at = text.find("\n" + series + " ");
+  if (at == std::string::npos) return -1;
+  return std::stod(text.substr(at + series.size() + 2));
+}
+
+TEST_F(ClusterTest, EveryServiceExportsPrometheusMetrics) {
+  Cluster c;
+  ASSERT_TRUE(c.Start(*dir_ + "/metrics", false).ok());
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(c.Generate(Text("In the beginning", 8, 0, 1)).status.ok());
+  ASSERT_EQ(c.Generate(Text("", 8, 0, 1)).status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  const std::string router = HttpGet(c.router_metrics(), "/metrics");
+  EXPECT_NE(router.find("# TYPE pdserve_time_to_first_token_seconds histogram"), std::string::npos) << router;
+  EXPECT_EQ(MetricValue(router, "pdserve_requests_total{outcome=\"length\"}"), 3) << router;
+  EXPECT_EQ(MetricValue(router, "pdserve_requests_total{outcome=\"invalid\"}"), 1);
+  EXPECT_EQ(MetricValue(router, "pdserve_time_to_first_token_seconds_count"), 3);
+  EXPECT_EQ(MetricValue(router, "pdserve_inter_token_latency_seconds_count") > 0, true);
+  EXPECT_EQ(MetricValue(router, "pdserve_requests_in_flight"), 0);
+  const std::string decode = HttpGet(c.decode_metrics(), "/metrics");
+  EXPECT_EQ(MetricValue(decode, "pdserve_handoff_transfers_total"), 3) << decode;
+  EXPECT_GT(MetricValue(decode, "pdserve_handoff_bytes_total"), 0);
+  EXPECT_EQ(MetricValue(decode, "pdserve_kv_blocks{state=\"used\"}"), 0);
+  EXPECT_EQ(MetricValue(decode, "pdserve_kv_blocks{state=\"quarantined\"}"), 0);
+  const std::string prefill = HttpGet(c.prefill_metrics(), "/metrics");
+  EXPECT_EQ(MetricValue(prefill, "pdserve_handoff_transfers_total"), 3) << prefill;
+  // The same prompt three times: the second and third hit the prefix cache
+  // (the prompt's full blocks, if any) — hits + misses count every lookup.
+  EXPECT_GE(MetricValue(prefill, "pdserve_prefix_cache_blocks_total{result=\"hit\"}"), 0);
+  EXPECT_EQ(HttpGet(c.router_metrics(), "/other").find("not found"), 0u);
+}
+
 TEST_F(ClusterTest, ServingBenchRunsAgainstTheClusterAndTheEngine) {
   const std::string out = *dir_ + "/bench.json";
   const std::string cmd = absl::StrCat(kBin, "/tools/pdctl/pdctl bench --router ", disagg_->address(),

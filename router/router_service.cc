@@ -117,6 +117,7 @@ void RouterService::PollLoop() {
       worker::v1::WorkerInfo info;
       const grpc::Status st = w->decode->Status(&ctx, {}, &info);
       w->healthy = st.ok() && info.status().healthy();
+      if (st.ok() && !info.kv_address().empty()) w->set_kv_address(info.kv_address());
       if (st.ok()) {
         w->free_positions = static_cast<int64_t>(info.status().kv_blocks_free()) * info.status().kv_block_size();
       }
@@ -159,7 +160,7 @@ absl::Status RouterService::WaitForWorkers(absl::Duration timeout) {
       } else if (info.kv_address().empty() && !options_.colocated) {
         absl::StrAppend(&silent, " ", w->address, "(no KV receiver)");
       } else {
-        w->kv_address = info.kv_address();
+        w->set_kv_address(info.kv_address());
       }
     }
     if (silent.empty()) return absl::OkStatus();
@@ -405,7 +406,7 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
         grpc::ClientContext* pc = new_context();
         worker::v1::PrefillRequest preq;
         *preq.mutable_request() = work;
-        preq.set_decode_kv_address(d->kv_address);
+        preq.set_decode_kv_address(d->kv_address());
         std::unique_ptr<grpc::ClientReader<worker::v1::PrefillEvent>> preader = p->prefill->Prefill(pc, preq);
         worker::v1::PrefillEvent ev;
         bool first_seen = false;

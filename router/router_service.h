@@ -66,7 +66,18 @@ class RouterService final : public v1::Generation::Service {
     std::string address;
     std::unique_ptr<worker::v1::PrefillWorker::Stub> prefill;
     std::unique_ptr<worker::v1::DecodeWorker::Stub> decode;
-    std::string kv_address;
+    // Where its KV receiver listens; it changes when the worker restarts,
+    // so the status poll refreshes it.
+    std::string kv_address() const {
+      absl::MutexLock lock(&kv_mu);
+      return kv_address_;
+    }
+    void set_kv_address(std::string a) {
+      absl::MutexLock lock(&kv_mu);
+      kv_address_ = std::move(a);
+    }
+    mutable absl::Mutex kv_mu;
+    std::string kv_address_ ABSL_GUARDED_BY(kv_mu);
     std::atomic<int32_t> in_flight{0};
     std::atomic<int64_t> queued_tokens{0};
     // From the worker's Status, refreshed every poll period.

@@ -95,6 +95,10 @@ class Cluster {
       }
       absl::StatusOr<int> dport = decode_.back()->WaitReady(ready, absl::Seconds(60));
       if (!dport.ok()) return dport.status();
+      decode_args_.push_back(dargs);
+      decode_ports_.push_back(*dport);
+      decode_env_ = env;
+      dir_ = dir;
       absl::StrAppend(&decode_list, decode_list.empty() ? "" : ",", "127.0.0.1:", *dport);
     }
     std::vector<std::string> rargs = {kBin + "/router/pdserve-router", "--model", kModel, "--ready_file",
@@ -165,6 +169,22 @@ class Cluster {
   }
   Subprocess& prefill(int i) { return *prefill_[i]; }
   Subprocess& decode(int i = 0) { return *decode_[i]; }
+  // Kills decode worker i and starts it again on the same gRPC port (its
+  // KV receiver gets a new one).
+  absl::Status RestartDecode(int i) {
+    decode_[i]->Kill();
+    std::vector<std::string> args = decode_args_[i];
+    args.push_back("--listen");
+    args.push_back(absl::StrCat("127.0.0.1:", decode_ports_[i]));
+    const std::string ready = absl::StrCat(dir_, "/decode", i, ".ready");
+    std::filesystem::remove(ready);
+    decode_[i] = std::make_unique<Subprocess>();
+    if (absl::Status s = decode_[i]->Start(args, absl::StrCat(dir_, "/decode", i, ".restart.log"), decode_env_);
+        !s.ok()) {
+      return s;
+    }
+    return decode_[i]->WaitReady(ready, absl::Seconds(60)).status();
+  }
 
   v1::Generation::Stub* stub() { return stub_.get(); }
   const std::string& address() const { return address_; }
@@ -174,6 +194,10 @@ class Cluster {
 
  private:
   std::string address_;
+  std::string dir_;
+  std::vector<std::vector<std::string>> decode_args_;
+  std::vector<int> decode_ports_;
+  std::map<std::string, std::string> decode_env_;
   int router_metrics_ = 0, decode_metrics_ = 0, prefill_metrics_ = 0;
   Subprocess router_;
   std::vector<std::unique_ptr<Subprocess>> decode_;

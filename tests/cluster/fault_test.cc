@@ -182,6 +182,26 @@ INSTANTIATE_TEST_SUITE_P(Grace, DrainTest, ::testing::Values(true, false),
                            return i.param ? "ShortGraceMigrates" : "LongGraceFinishesInPlace";
                          });
 
+TEST(FaultTest, RestartedDecodeWorkerServesAgain) {
+  const std::string dir = TempDir();
+  Cluster c;
+  ASSERT_TRUE(c.Start(dir + "/restart", false).ok());
+  const Output before = c.Generate(Request(12));
+  ASSERT_TRUE(before.status.ok());
+  absl::Status s = c.RestartDecode(0);
+  ASSERT_TRUE(s.ok()) << s;
+  // The router notices it within a poll period and learns its new KV port.
+  Output after;
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  do {
+    absl::SleepFor(absl::Milliseconds(200));
+    after = c.Generate(Request(12));
+  } while (!(after.status.ok() && after.final.finish_reason() == v1::FINISH_REASON_LENGTH) && absl::Now() < deadline);
+  ASSERT_TRUE(after.status.ok()) << after.status.error_message() << "\n" << c.Logs();
+  EXPECT_EQ(after.final.finish_reason(), v1::FINISH_REASON_LENGTH) << after.final.error();
+  EXPECT_EQ(after.tokens, before.tokens);
+}
+
 TEST(FaultTest, NoLivePrefillWorkerIsUnavailableWithinSeconds) {
   const std::string dir = TempDir();
   Cluster c;

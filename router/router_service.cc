@@ -392,6 +392,7 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
       // (seed, position), so a retried first token is the one already sent.
       std::vector<Worker*> failed_prefill;
       Worker* p = PickPrefill(failed_prefill);
+      bool decode_side_failed = false;
       bool first_sent = false;
       int32_t first_token = -1;
       bool handed_off = false;
@@ -463,6 +464,20 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
           error = absl::StrCat("prefill worker ", p->address, ": ", ps.error_message());
           break;
         }
+        {
+          // A prefill worker that still answers failed because of the
+          // decode side (its reservation or transfer): move the sequence to
+          // another decode worker instead of retrying the same handoff.
+          grpc::ClientContext sc;
+          sc.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(300));
+          worker::v1::WorkerInfo info;
+          if (p->prefill->Status(&sc, {}, &info).ok() && info.status().healthy()) {
+            decode_side_failed = true;
+            LogEvent("warning", "handoff_failed", {{"request_id", internal_id}, {"prefill", p->address},
+                                                   {"decode", d->address}, {"error", ps.error_message()}});
+            break;
+          }
+        }
         p->healthy = false;
         failed_prefill.push_back(p);
         retries_->Add();
@@ -478,6 +493,17 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
       if (!error.empty() || cancelled) {
         decode_expected = false;
         dctx->TryCancel();
+      }
+      if (decode_side_failed && error.empty() && !cancelled) {
+        dctx->TryCancel();
+        worker::v1::DecodeEvent ignored;
+        while (dreader->Read(&ignored)) {
+        }
+        (void)dreader->Finish();
+        d->in_flight--;
+        d->healthy = false;
+        failed_decode.push_back(d);
+        continue;  // Migrate: prefill again toward another decode worker.
       }
     }
 

@@ -182,6 +182,38 @@ INSTANTIATE_TEST_SUITE_P(Grace, DrainTest, ::testing::Values(true, false),
                            return i.param ? "ShortGraceMigrates" : "LongGraceFinishesInPlace";
                          });
 
+TEST(FaultTest, DecodeWorkerKilledDuringTheHandoffMigrates) {
+  const std::string dir = TempDir();
+  Output want;
+  {
+    Cluster calm;
+    ASSERT_TRUE(calm.Start(dir + "/calm", false).ok());
+    want = calm.Generate(Request(24));
+    ASSERT_TRUE(want.status.ok());
+  }
+  Cluster c;
+  // The prefill worker holds each handoff 1 s before committing.
+  absl::Status s = c.Start(dir + "/faulty", false, {}, {}, 1, {"--fault_stall_before_commit_ms", "1000"}, 2);
+  ASSERT_TRUE(s.ok()) << s;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  auto reader = c.stub()->Generate(&ctx, Request(24));
+  v1::GenerateResponse m;
+  Output got;
+  ASSERT_TRUE(reader->Read(&m));  // First token; the handoff is pending.
+  got.tokens.assign(m.chunk().token_ids().begin(), m.chunk().token_ids().end());
+  got.text = m.chunk().text();
+  const v1::ClusterStatusResponse st = c.Status();
+  const int victim = st.decode(0).kv_blocks_used() > 0 ? 0 : 1;
+  ASSERT_GT(st.decode(victim).kv_blocks_used(), 0) << st.ShortDebugString();
+  c.decode(victim).Kill();
+  Drain(*reader, got);
+  ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+  EXPECT_EQ(got.final.finish_reason(), v1::FINISH_REASON_LENGTH) << got.final.error() << "\n" << c.Logs();
+  EXPECT_EQ(got.tokens, want.tokens);
+  EXPECT_EQ(got.text, want.text);
+}
+
 TEST(FaultTest, RestartedDecodeWorkerServesAgain) {
   const std::string dir = TempDir();
   Cluster c;

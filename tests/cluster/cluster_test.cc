@@ -368,7 +368,9 @@ double MetricValue(const std::string& text, const std::string& series) {
 TEST_F(ClusterTest, EveryServiceExportsPrometheusMetrics) {
   Cluster c;
   ASSERT_TRUE(c.Start(*dir_ + "/metrics", false).ok());
-  for (int i = 0; i < 3; ++i) ASSERT_TRUE(c.Generate(Text("In the beginning", 8, 0, 1)).status.ok());
+  // The same long prompt three times: the second and third find its full
+  // blocks in the prefill worker's prefix cache.
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(c.Generate(Text(kLong, 8, 0, 1)).status.ok());
   ASSERT_EQ(c.Generate(Text("", 8, 0, 1)).status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   const std::string router = HttpGet(c.router_metrics(), "/metrics");
   EXPECT_NE(router.find("# TYPE pdserve_time_to_first_token_seconds histogram"), std::string::npos) << router;
@@ -384,9 +386,10 @@ TEST_F(ClusterTest, EveryServiceExportsPrometheusMetrics) {
   EXPECT_EQ(MetricValue(decode, "pdserve_kv_blocks{state=\"quarantined\"}"), 0);
   const std::string prefill = HttpGet(c.prefill_metrics(), "/metrics");
   EXPECT_EQ(MetricValue(prefill, "pdserve_handoff_transfers_total"), 3) << prefill;
-  // The same prompt three times: the second and third hit the prefix cache
-  // (the prompt's full blocks, if any) — hits + misses count every lookup.
-  EXPECT_GE(MetricValue(prefill, "pdserve_prefix_cache_blocks_total{result=\"hit\"}"), 0);
+  const double hits = MetricValue(prefill, "pdserve_prefix_cache_blocks_total{result=\"hit\"}");
+  const double misses = MetricValue(prefill, "pdserve_prefix_cache_blocks_total{result=\"miss\"}");
+  EXPECT_GT(misses, 0) << prefill;  // The first request's blocks.
+  EXPECT_EQ(hits, 2 * misses) << prefill;  // Found again by the other two.
   EXPECT_EQ(HttpGet(c.router_metrics(), "/other").find("not found"), 0u);
 }
 

@@ -205,6 +205,18 @@ class Cluster {
   std::unique_ptr<v1::Generation::Stub> stub_;
 };
 
+// The decode worker's used KV blocks once they stop changing (up to `wait`).
+inline int DecodeKvUsedAfterSettling(Cluster& c, absl::Duration wait = absl::Seconds(5)) {
+  const absl::Time deadline = absl::Now() + wait;
+  int used = -1;
+  while (absl::Now() < deadline) {
+    used = c.Status().decode(0).kv_blocks_used();
+    if (used == 0) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return used;
+}
+
 }  // namespace pdserve
 
 #endif  // PDSERVE_TESTS_CLUSTER_CLUSTER_HARNESS_H_

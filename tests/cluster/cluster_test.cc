@@ -134,18 +134,6 @@ std::string* ClusterTest::dir_ = nullptr;
 Cluster* ClusterTest::disagg_ = nullptr;
 Cluster* ClusterTest::colocated_ = nullptr;
 
-// The decode worker's used KV blocks once they stop changing (up to 5 s).
-int DecodeKvUsedAfterSettling(Cluster& c) {
-  const absl::Time deadline = absl::Now() + absl::Seconds(5);
-  int used = -1;
-  while (absl::Now() < deadline) {
-    used = c.Status().decode(0).kv_blocks_used();
-    if (used == 0) break;
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  return used;
-}
-
 const char kLong[] =
     "And it came to pass, when men began to multiply on the face of the earth, and daughters were born unto "
     "them, that the sons of God saw the daughters of men that they were fair; and they took them wives of all "

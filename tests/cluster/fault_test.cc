@@ -23,53 +23,6 @@ v1::GenerateRequest Request(int max_tokens) {
   return r;
 }
 
-TEST(FaultTest, PrefillWorkerKilledMidHandoffIsRetriedElsewhere) {
-  const std::string dir = TempDir();
-  // The reference: the same request through an undisturbed cluster.
-  Output want;
-  {
-    Cluster calm;
-    ASSERT_TRUE(calm.Start(dir + "/calm", false).ok());
-    want = calm.Generate(Request(24));
-    ASSERT_TRUE(want.status.ok()) << want.status.error_message();
-  }
-  Cluster c;
-  // Each handoff stalls 1.5 s between the first token and the commit.
-  absl::Status s = c.Start(dir + "/faulty", false, {}, {}, /*num_prefill=*/2, {"--fault_stall_before_commit_ms", "1500"});
-  ASSERT_TRUE(s.ok()) << s;
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-  auto reader = c.stub()->Generate(&ctx, Request(24));
-  v1::GenerateResponse m;
-  Output got;
-  ASSERT_TRUE(reader->Read(&m));  // The first token: prefill worker 0 is now stalled before its commit.
-  ASSERT_TRUE(m.has_chunk());
-  got.tokens.assign(m.chunk().token_ids().begin(), m.chunk().token_ids().end());
-  got.text = m.chunk().text();
-  c.prefill(0).Kill();  // kill -9 mid-handoff.
-  while (reader->Read(&m)) {
-    if (m.has_chunk()) {
-      got.tokens.insert(got.tokens.end(), m.chunk().token_ids().begin(), m.chunk().token_ids().end());
-      got.text += m.chunk().text();
-    } else if (m.has_final()) {
-      got.final = m.final();
-    }
-  }
-  ASSERT_TRUE(reader->Finish().ok());
-  EXPECT_EQ(got.final.finish_reason(), v1::FINISH_REASON_LENGTH) << got.final.error() << "\n" << c.Logs();
-  EXPECT_EQ(got.tokens, want.tokens);
-  EXPECT_EQ(got.text, want.text);
-  // The dead sender's reservation was freed on the decode side.
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  int used = -1;
-  while (absl::Now() < deadline) {
-    used = c.Status().decode(0).kv_blocks_used();
-    if (used == 0) break;
-    absl::SleepFor(absl::Milliseconds(50));
-  }
-  EXPECT_EQ(used, 0) << c.Logs();
-}
-
 // Reads a stream to its end into `got`.
 void Drain(grpc::ClientReader<v1::GenerateResponse>& reader, Output& got) {
   v1::GenerateResponse m;
@@ -84,6 +37,67 @@ void Drain(grpc::ClientReader<v1::GenerateResponse>& reader, Output& got) {
   got.status = reader.Finish();
 }
 
+// The request through an undisturbed cluster of the same shape: what the
+// faulty run must reproduce.
+Output Undisturbed(const std::string& dir, bool colocated, const v1::GenerateRequest& req) {
+  Cluster calm;
+  const absl::Status s = calm.Start(dir + "/calm", colocated);
+  EXPECT_TRUE(s.ok()) << s;
+  Output want = calm.Generate(req);
+  EXPECT_TRUE(want.status.ok()) << want.status.error_message();
+  return want;
+}
+
+// Reads chunks into `got` until it holds at least `n` tokens (or the stream ends).
+void ReadAtLeast(grpc::ClientReader<v1::GenerateResponse>& reader, size_t n, Output& got) {
+  v1::GenerateResponse m;
+  while (got.tokens.size() < n && reader.Read(&m)) {
+    if (!m.has_chunk()) continue;
+    got.tokens.insert(got.tokens.end(), m.chunk().token_ids().begin(), m.chunk().token_ids().end());
+    got.text += m.chunk().text();
+  }
+}
+
+// The decode worker whose pool holds the (only) running sequence.
+int DecodeHoldingTheSequence(Cluster& c) {
+  const v1::ClusterStatusResponse st = c.Status();
+  const int victim = st.decode(0).kv_blocks_used() > 0 ? 0 : 1;
+  EXPECT_GT(st.decode(victim).kv_blocks_used(), 0) << st.ShortDebugString();
+  return victim;
+}
+
+void ExpectUndisturbed(const Output& got, const Output& want, Cluster& c) {
+  ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+  EXPECT_EQ(got.final.finish_reason(), v1::FINISH_REASON_LENGTH) << got.final.error() << "\n" << c.Logs();
+  EXPECT_EQ(got.tokens, want.tokens) << "a token repeated, lost or changed";
+  EXPECT_EQ(got.text, want.text);
+}
+
+std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> Open(Cluster& c, grpc::ClientContext& ctx,
+                                                               const v1::GenerateRequest& req) {
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  return c.stub()->Generate(&ctx, req);
+}
+
+TEST(FaultTest, PrefillWorkerKilledMidHandoffIsRetriedElsewhere) {
+  const std::string dir = TempDir();
+  const Output want = Undisturbed(dir, false, Request(24));
+  Cluster c;
+  // Each handoff stalls 1.5 s between the first token and the commit.
+  absl::Status s = c.Start(dir + "/faulty", false, {}, {}, /*num_prefill=*/2, {"--fault_stall_before_commit_ms", "1500"});
+  ASSERT_TRUE(s.ok()) << s;
+  grpc::ClientContext ctx;
+  auto reader = Open(c, ctx, Request(24));
+  Output got;
+  ReadAtLeast(*reader, 1, got);  // The first token: prefill worker 0 is now stalled before its commit.
+  ASSERT_EQ(got.tokens.size(), 1u);
+  c.prefill(0).Kill();  // kill -9 mid-handoff.
+  Drain(*reader, got);
+  ExpectUndisturbed(got, want, c);
+  // The dead sender's reservation was freed on the decode side.
+  EXPECT_EQ(DecodeKvUsedAfterSettling(c, absl::Seconds(10)), 0) << c.Logs();
+}
+
 class DecodeDeathTest : public ::testing::TestWithParam<bool> {};
 
 TEST_P(DecodeDeathTest, DecodeWorkerKilledMidStreamMigrates) {
@@ -91,37 +105,18 @@ TEST_P(DecodeDeathTest, DecodeWorkerKilledMidStreamMigrates) {
   const std::string dir = TempDir();
   v1::GenerateRequest req = Request(480);
   req.set_ignore_eos(true);
-  Output want;
-  {
-    Cluster calm;
-    ASSERT_TRUE(calm.Start(dir + "/calm", colocated).ok());
-    want = calm.Generate(req);
-    ASSERT_TRUE(want.status.ok()) << want.status.error_message();
-  }
+  const Output want = Undisturbed(dir, colocated, req);
   Cluster c;
   absl::Status s = c.Start(dir + "/faulty", colocated, {}, {}, 1, {}, /*num_decode=*/2);
   ASSERT_TRUE(s.ok()) << s;
   grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-  auto reader = c.stub()->Generate(&ctx, req);
-  v1::GenerateResponse m;
+  auto reader = Open(c, ctx, req);
   Output got;
-  while (got.tokens.size() < 20 && reader->Read(&m)) {
-    if (!m.has_chunk()) continue;
-    got.tokens.insert(got.tokens.end(), m.chunk().token_ids().begin(), m.chunk().token_ids().end());
-    got.text += m.chunk().text();
-  }
+  ReadAtLeast(*reader, 20, got);
   ASSERT_GE(got.tokens.size(), 20u);
-  // kill -9 whichever decode worker holds the sequence.
-  const v1::ClusterStatusResponse st = c.Status();
-  const int victim = st.decode(0).kv_blocks_used() > 0 ? 0 : 1;
-  ASSERT_GT(st.decode(victim).kv_blocks_used(), 0) << st.ShortDebugString();
-  c.decode(victim).Kill();
+  c.decode(DecodeHoldingTheSequence(c)).Kill();  // kill -9 mid-stream.
   Drain(*reader, got);
-  ASSERT_TRUE(got.status.ok()) << got.status.error_message();
-  EXPECT_EQ(got.final.finish_reason(), v1::FINISH_REASON_LENGTH) << got.final.error() << "\n" << c.Logs();
-  EXPECT_EQ(got.tokens, want.tokens) << "a token repeated, lost or changed";
-  EXPECT_EQ(got.text, want.text);
+  ExpectUndisturbed(got, want, c);
   EXPECT_EQ(got.final.usage().completion_tokens(), 480);
 }
 
@@ -141,28 +136,15 @@ TEST_P(DrainTest, SigtermDrainsThenMigratesAtTheDeadline) {
   const std::string dir = TempDir();
   v1::GenerateRequest req = Request(480);
   req.set_ignore_eos(true);
-  Output want;
-  {
-    Cluster calm;
-    ASSERT_TRUE(calm.Start(dir + "/calm", false).ok());
-    want = calm.Generate(req);
-    ASSERT_TRUE(want.status.ok());
-  }
+  const Output want = Undisturbed(dir, false, req);
   Cluster c;
   absl::Status s = c.Start(dir + "/drain", false, {"--drain_grace_s", short_grace ? "0.05" : "30"}, {}, 1, {}, 2);
   ASSERT_TRUE(s.ok()) << s;
   grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-  auto reader = c.stub()->Generate(&ctx, req);
-  v1::GenerateResponse m;
+  auto reader = Open(c, ctx, req);
   Output got;
-  while (got.tokens.size() < 20 && reader->Read(&m)) {
-    if (!m.has_chunk()) continue;
-    got.tokens.insert(got.tokens.end(), m.chunk().token_ids().begin(), m.chunk().token_ids().end());
-    got.text += m.chunk().text();
-  }
-  const v1::ClusterStatusResponse st = c.Status();
-  const int victim = st.decode(0).kv_blocks_used() > 0 ? 0 : 1;
+  ReadAtLeast(*reader, 20, got);
+  const int victim = DecodeHoldingTheSequence(c);
   c.decode(victim).Signal(SIGTERM);
   // A request sent during the drain is served by the other worker.
   absl::SleepFor(absl::Milliseconds(300));
@@ -170,10 +152,7 @@ TEST_P(DrainTest, SigtermDrainsThenMigratesAtTheDeadline) {
   EXPECT_TRUE(during.status.ok()) << during.status.error_message();
   EXPECT_EQ(during.final.finish_reason(), v1::FINISH_REASON_LENGTH) << during.final.error();
   Drain(*reader, got);
-  ASSERT_TRUE(got.status.ok()) << got.status.error_message();
-  EXPECT_EQ(got.final.finish_reason(), v1::FINISH_REASON_LENGTH) << got.final.error() << "\n" << c.Logs();
-  EXPECT_EQ(got.tokens, want.tokens);
-  EXPECT_EQ(got.text, want.text);
+  ExpectUndisturbed(got, want, c);
   EXPECT_EQ(c.decode(victim).Wait(absl::Seconds(10)), 0) << c.Logs();
 }
 
@@ -184,34 +163,19 @@ INSTANTIATE_TEST_SUITE_P(Grace, DrainTest, ::testing::Values(true, false),
 
 TEST(FaultTest, DecodeWorkerKilledDuringTheHandoffMigrates) {
   const std::string dir = TempDir();
-  Output want;
-  {
-    Cluster calm;
-    ASSERT_TRUE(calm.Start(dir + "/calm", false).ok());
-    want = calm.Generate(Request(24));
-    ASSERT_TRUE(want.status.ok());
-  }
+  const Output want = Undisturbed(dir, false, Request(24));
   Cluster c;
   // The prefill worker holds each handoff 1 s before committing.
   absl::Status s = c.Start(dir + "/faulty", false, {}, {}, 1, {"--fault_stall_before_commit_ms", "1000"}, 2);
   ASSERT_TRUE(s.ok()) << s;
   grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-  auto reader = c.stub()->Generate(&ctx, Request(24));
-  v1::GenerateResponse m;
+  auto reader = Open(c, ctx, Request(24));
   Output got;
-  ASSERT_TRUE(reader->Read(&m));  // First token; the handoff is pending.
-  got.tokens.assign(m.chunk().token_ids().begin(), m.chunk().token_ids().end());
-  got.text = m.chunk().text();
-  const v1::ClusterStatusResponse st = c.Status();
-  const int victim = st.decode(0).kv_blocks_used() > 0 ? 0 : 1;
-  ASSERT_GT(st.decode(victim).kv_blocks_used(), 0) << st.ShortDebugString();
-  c.decode(victim).Kill();
+  ReadAtLeast(*reader, 1, got);  // First token; the handoff is pending.
+  ASSERT_EQ(got.tokens.size(), 1u);
+  c.decode(DecodeHoldingTheSequence(c)).Kill();
   Drain(*reader, got);
-  ASSERT_TRUE(got.status.ok()) << got.status.error_message();
-  EXPECT_EQ(got.final.finish_reason(), v1::FINISH_REASON_LENGTH) << got.final.error() << "\n" << c.Logs();
-  EXPECT_EQ(got.tokens, want.tokens);
-  EXPECT_EQ(got.text, want.text);
+  ExpectUndisturbed(got, want, c);
 }
 
 TEST(FaultTest, RestartedDecodeWorkerServesAgain) {

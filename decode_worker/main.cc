@@ -38,16 +38,11 @@ namespace {
 
 int Run() {
   using namespace pdserve;
-  absl::StatusOr<std::unique_ptr<kv::UcxTransport>> transport = kv::UcxTransport::Create({.name = "decode"});
-  if (!transport.ok()) {
-    LogEvent("error", "ucx_failed", {{"error", std::string(transport.status().message())}});
-    return 1;
-  }
-  absl::StatusOr<pdctl::WorkerEngine> w = pdctl::LoadWorkerEngine(&(*transport)->region_allocator());
-  if (!w.ok()) {
-    LogEvent("error", "load_failed", {{"error", std::string(w.status().message())}});
-    return absl::IsInvalidArgument(w.status()) ? 2 : 1;
-  }
+  int start_code = 0;
+  absl::StatusOr<pdctl::WorkerRuntime> rt = pdctl::StartWorkerRuntime("decode", &start_code);
+  if (!rt.ok()) return start_code;
+  kv::UcxTransport* transport = rt->transport.get();
+  pdctl::WorkerEngine* w = &rt->engine;
   pdctl::Engine* engine = &w->engine;
   absl::Mutex pool_mu;
   decode::DecodeServiceOptions so;
@@ -61,7 +56,7 @@ int Run() {
   ro.model = engine->model->identity();
   ro.lease = absl::Seconds(absl::GetFlag(FLAGS_kv_lease_s));
   absl::StatusOr<std::unique_ptr<kv::KvReceiver>> receiver = kv::KvReceiver::Create(
-      transport->get(), engine->pool.get(), &pool_mu, ro, [&service](kv::CommittedSequence c) {
+      transport, engine->pool.get(), &pool_mu, ro, [&service](kv::CommittedSequence c) {
         decode::HandedOff h;
         h.kv = std::move(c.kv);
         h.first.token = c.state.first_token;
@@ -82,17 +77,7 @@ int Run() {
 
   MetricsRegistry metrics;
   {
-    BlockPool* pool = engine->pool.get();
-    auto pool_gauge = [&pool_mu, pool](auto read) {
-      return [&pool_mu, pool, read] {
-        absl::MutexLock lock(&pool_mu);
-        return static_cast<double>(read(*pool));
-      };
-    };
-    metrics.AddGauge("pdserve_kv_blocks", "KV blocks by state.",
-                     pool_gauge([](const BlockPool& p) { return p.num_used(); }), "state=\"used\"");
-    metrics.AddGauge("pdserve_kv_blocks", "KV blocks by state.",
-                     pool_gauge([](const BlockPool& p) { return p.num_free(); }), "state=\"free\"");
+    pdctl::AddKvPoolMetrics(metrics, engine->pool.get(), &pool_mu);
     kv::KvReceiver* r = receiver->get();
     metrics.AddGauge("pdserve_kv_blocks", "KV blocks by state.",
                      [r] { return static_cast<double>(r->stats().quarantined_blocks); }, "state=\"quarantined\"");
@@ -124,7 +109,7 @@ int Run() {
   serve.drain_grace = absl::Seconds(absl::GetFlag(FLAGS_drain_grace_s));
   serve.on_shutdown = [&service] { service.Shutdown(); };
   const int exit_code = ServeUntilSignal(serve, {&service});
-  (*transport)->Detach(receiver->get());
+  transport->Detach(receiver->get());
   receiver->reset();
   return exit_code;
 }

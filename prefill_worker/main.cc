@@ -36,20 +36,15 @@ namespace {
 
 int Run() {
   using namespace pdserve;
-  absl::StatusOr<std::unique_ptr<kv::UcxTransport>> transport = kv::UcxTransport::Create({.name = "prefill"});
-  if (!transport.ok()) {
-    LogEvent("error", "ucx_failed", {{"error", std::string(transport.status().message())}});
-    return 1;
-  }
-  absl::StatusOr<pdctl::WorkerEngine> w = pdctl::LoadWorkerEngine(&(*transport)->region_allocator());
-  if (!w.ok()) {
-    LogEvent("error", "load_failed", {{"error", std::string(w.status().message())}});
-    return absl::IsInvalidArgument(w.status()) ? 2 : 1;
-  }
+  int start_code = 0;
+  absl::StatusOr<pdctl::WorkerRuntime> rt = pdctl::StartWorkerRuntime("prefill", &start_code);
+  if (!rt.ok()) return start_code;
+  kv::UcxTransport* transport = rt->transport.get();
+  pdctl::WorkerEngine* w = &rt->engine;
   pdctl::Engine* engine = &w->engine;
   int exit_code = 0;
   {
-    kv::KvSender sender(transport->get(), engine->pool.get(), {.model = engine->model->identity()});
+    kv::KvSender sender(transport, engine->pool.get(), {.model = engine->model->identity()});
     absl::Mutex pool_mu;
     prefill::PrefillServiceOptions so;
     so.chunk_tokens = absl::GetFlag(FLAGS_prefill_chunk);
@@ -58,6 +53,7 @@ int Run() {
     prefill::PrefillService service(engine->model.get(), engine->pool.get(), &pool_mu, w->tokenizer.get(), &sender, so);
 
     MetricsRegistry metrics;
+    pdctl::AddKvPoolMetrics(metrics, engine->pool.get(), &pool_mu);
     BlockPool* pool = engine->pool.get();
     auto pool_gauge = [&pool_mu, pool](auto read) {
       return [&pool_mu, pool, read] {
@@ -65,10 +61,6 @@ int Run() {
         return static_cast<double>(read(*pool));
       };
     };
-    metrics.AddGauge("pdserve_kv_blocks", "KV blocks by state.",
-                     pool_gauge([](const BlockPool& p) { return p.num_used(); }), "state=\"used\"");
-    metrics.AddGauge("pdserve_kv_blocks", "KV blocks by state.",
-                     pool_gauge([](const BlockPool& p) { return p.num_free(); }), "state=\"free\"");
     metrics.AddCounterFunc("pdserve_prefix_cache_blocks_total", "Full prompt blocks looked up in the prefix cache.",
                            pool_gauge([](const BlockPool& p) { return p.prefix_stats().hit_blocks; }),
                            "result=\"hit\"");
@@ -95,7 +87,7 @@ int Run() {
     serve.drain_grace = absl::Seconds(absl::GetFlag(FLAGS_drain_grace_s));
     serve.on_shutdown = [&service] { service.Shutdown(); };
     exit_code = ServeUntilSignal(serve, {&service});
-    (*transport)->Detach(&sender);
+    transport->Detach(&sender);
   }
   return exit_code;
 }

@@ -3,6 +3,7 @@
 #include <string>
 
 #include "absl/flags/flag.h"
+#include "common/server_util.h"
 
 ABSL_FLAG(std::string, model, "", "model directory (Hugging Face layout)");
 ABSL_FLAG(int, threads, 1, "compute threads");
@@ -12,6 +13,8 @@ ABSL_FLAG(int, block_size, 16, "KV block size in positions");
 ABSL_FLAG(int, kv_positions, 16384, "KV pool size in positions");
 
 namespace pdserve::pdctl {
+
+namespace {
 
 absl::StatusOr<WorkerEngine> LoadWorkerEngine(KvRegionAllocator* allocator) {
   EngineOptions eo;
@@ -31,6 +34,38 @@ absl::StatusOr<WorkerEngine> LoadWorkerEngine(KvRegionAllocator* allocator) {
   if (!tokenizer.ok()) return tokenizer.status();
   w.tokenizer = *std::move(tokenizer);
   return w;
+}
+
+}  // namespace
+
+absl::StatusOr<WorkerRuntime> StartWorkerRuntime(const std::string& name, int* exit_code) {
+  WorkerRuntime rt;
+  absl::StatusOr<std::unique_ptr<kv::UcxTransport>> transport = kv::UcxTransport::Create({.name = name});
+  if (!transport.ok()) {
+    LogEvent("error", "ucx_failed", {{"error", std::string(transport.status().message())}});
+    *exit_code = 1;
+    return transport.status();
+  }
+  rt.transport = *std::move(transport);
+  absl::StatusOr<WorkerEngine> w = LoadWorkerEngine(&rt.transport->region_allocator());
+  if (!w.ok()) {
+    LogEvent("error", "load_failed", {{"error", std::string(w.status().message())}});
+    *exit_code = absl::IsInvalidArgument(w.status()) ? 2 : 1;
+    return w.status();
+  }
+  rt.engine = *std::move(w);
+  return rt;
+}
+
+void AddKvPoolMetrics(MetricsRegistry& metrics, const BlockPool* pool, absl::Mutex* pool_mu) {
+  auto read = [pool, pool_mu](int32_t (BlockPool::*count)() const) {
+    return [pool, pool_mu, count] {
+      absl::MutexLock lock(pool_mu);
+      return static_cast<double>((pool->*count)());
+    };
+  };
+  metrics.AddGauge("pdserve_kv_blocks", "KV blocks by state.", read(&BlockPool::num_used), "state=\"used\"");
+  metrics.AddGauge("pdserve_kv_blocks", "KV blocks by state.", read(&BlockPool::num_free), "state=\"free\"");
 }
 
 }  // namespace pdserve::pdctl

@@ -7,7 +7,10 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "common/metrics.h"
 #include "common/tokenizer/tokenizer.h"
+#include "kv_transfer/ucx_transport.h"
 #include "tools/pdctl/engine_setup.h"
 
 namespace pdserve::pdctl {
@@ -17,9 +20,20 @@ struct WorkerEngine {
   std::unique_ptr<tok::Tokenizer> tokenizer;
 };
 
-// Loads what the flags name, with the pool's region from `allocator`.
-// Errors: INVALID_ARGUMENT without --model; load errors as they come.
-absl::StatusOr<WorkerEngine> LoadWorkerEngine(KvRegionAllocator* allocator);
+// What both workers run on: a UCX transport (its thread and registered
+// memory), then the engine whose KV pool lives in that memory. Members are
+// destroyed engine first, transport last, as the pool requires.
+struct WorkerRuntime {
+  std::unique_ptr<kv::UcxTransport> transport;
+  WorkerEngine engine;
+};
+
+// Starts the transport and loads what the flags name, logging any error.
+// Returns the process exit code on failure (2 for bad flags, 1 otherwise).
+absl::StatusOr<WorkerRuntime> StartWorkerRuntime(const std::string& name, int* exit_code);
+
+// The pool's gauges, read under `pool_mu`: pdserve_kv_blocks{state=used|free}.
+void AddKvPoolMetrics(MetricsRegistry& metrics, const BlockPool* pool, absl::Mutex* pool_mu);
 
 }  // namespace pdserve::pdctl
 

@@ -210,7 +210,6 @@ absl::StatusOr<bool> BatchEngine::Step() {
   running_ = std::move(still);
   // Prefill chunks: the ones that completed their context sample their
   // next token and join the running set.
-  std::vector<std::unique_ptr<Seq>> joined;
   for (size_t j = 0; j < chunk.size(); ++j) {
     Seq& s = *waiting_[j];
     s.fed += chunk[j];

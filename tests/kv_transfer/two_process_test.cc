@@ -2,6 +2,7 @@
 // receive and send modes): shared memory (UCX_TLS=sm,tcp,self) and TCP
 // (UCX_TLS=tcp), then across two network namespaces joined by a veth pair.
 // Every wait is bounded; children are killed when a test ends.
+#include <algorithm>
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -252,12 +253,18 @@ int64_t CpuTicks(pid_t pid) {
 TEST_P(TwoProcessTest, IdleReceiverSleepsOnTheWorkerEventFd) {
   Child receiver(Cmd("receive", {"--dtype=bf16", "--block-size=16"}), tls());
   ASSERT_TRUE(receiver.ReadJson().contains("port"));
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // Past start-up.
-  const int64_t before = CpuTicks(receiver.pid());
-  std::this_thread::sleep_for(std::chrono::seconds(2));
-  const int64_t used = CpuTicks(receiver.pid()) - before;
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // Past start-up.
+  // Up to three 2 s windows: start-up can run late when the suite loads the
+  // machine, but a receiver that spins exceeds the limit in every window.
   const long hz = sysconf(_SC_CLK_TCK);
-  EXPECT_LE(used, 2 * hz * 2 / 100) << used << " ticks in 2 s: over 2% of a core";
+  int64_t least = -1;
+  for (int window = 0; window < 3 && !(least >= 0 && least <= 2 * hz * 2 / 100); ++window) {
+    const int64_t before = CpuTicks(receiver.pid());
+    std::this_thread::sleep_for(std::chrono::seconds(2));
+    const int64_t used = CpuTicks(receiver.pid()) - before;
+    least = least < 0 ? used : std::min(least, used);
+  }
+  EXPECT_LE(least, 2 * hz * 2 / 100) << least << " ticks in the quietest 2 s: over 2% of a core";
 }
 
 INSTANTIATE_TEST_SUITE_P(Ucx, TwoProcessTest, ::testing::Values("sm,tcp,self", "tcp"),

@@ -30,6 +30,7 @@ ABSL_FLAG(int, prefill_chunk, 512, "prompt tokens per forward, across requests")
 ABSL_FLAG(int, max_batch, 8, "requests per forward");
 ABSL_FLAG(int, fault_stall_before_commit_ms, 0, "fault tests only: stall each handoff before its commit");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:0", "Prometheus /metrics address (port 0: any free; empty: off)");
+ABSL_FLAG(double, kv_timeout_s, 10, "a KV handoff whose receiver does not answer within this fails (the router retries it)");
 ABSL_FLAG(double, drain_grace_s, 30, "SIGTERM: seconds to finish queued requests before they go elsewhere");
 
 namespace {
@@ -44,7 +45,7 @@ int Run() {
   pdctl::Engine* engine = &w->engine;
   int exit_code = 0;
   {
-    kv::KvSender sender(transport, engine->pool.get(), {.model = engine->model->identity()});
+    kv::KvSender sender(transport, engine->pool.get(), {.model = engine->model->identity(), .timeout = absl::Seconds(absl::GetFlag(FLAGS_kv_timeout_s))});
     absl::Mutex pool_mu;
     prefill::PrefillServiceOptions so;
     so.chunk_tokens = absl::GetFlag(FLAGS_prefill_chunk);

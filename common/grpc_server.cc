@@ -3,8 +3,10 @@
 #include <chrono>
 #include <cstdlib>
 #include <memory>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "common/metrics.h"
 #include "common/server_util.h"
@@ -48,7 +50,25 @@ int ServeUntilSignal(const ServeOptions& o, std::initializer_list<grpc::Service*
                                    metrics_server != nullptr ? metrics_server->port() : 0, "}"));
     if (!st.ok()) LogEvent("error", "ready_file", {{"error", std::string(st.message())}});
   }
+  absl::Notification stop_health;
+  std::thread health_thread;
+  if (o.health) {
+    health_thread = std::thread([&] {
+      std::string last;
+      do {
+        const std::string why = o.health();
+        if (why != last) {
+          server->GetHealthCheckService()->SetServingStatus(why.empty());
+          LogEvent(why.empty() ? "info" : "warning", "health_changed",
+                   {{"role", o.role}, {"serving", why.empty() ? "true" : "false"}, {"reason", why}});
+          last = why;
+        }
+      } while (!stop_health.WaitForNotificationWithTimeout(o.health_period));
+    });
+  }
   const int sig = WaitForShutdownSignal();
+  stop_health.Notify();
+  if (health_thread.joinable()) health_thread.join();
   LogEvent("info", "shutting_down", {{"role", o.role}, {"signal", std::to_string(sig)}});
   server->GetHealthCheckService()->SetServingStatus(false);
   if (o.on_drain) {

@@ -29,6 +29,10 @@ struct ServeOptions {
   // taking new work and finish what is in flight, returning by `deadline`.
   std::function<void(absl::Time deadline)> on_drain;
   absl::Duration drain_grace = absl::Seconds(30);
+  // Judged every health_period while serving: "" = SERVING, else why not
+  // (gRPC health goes NOT_SERVING and the change is logged). None: SERVING.
+  std::function<std::string()> health;
+  absl::Duration health_period = absl::Milliseconds(200);
   // Runs after the drain, before the server shuts down (stop engines).
   std::function<void()> on_shutdown;
 };

@@ -4,6 +4,7 @@
 
 #include <cstdio>
 #include <fstream>
+#include <random>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -59,6 +60,14 @@ int WaitForShutdownSignal() {
   int sig = 0;
   sigwait(&set, &sig);
   return sig;
+}
+
+uint64_t ProcessInstanceId() {
+  static const uint64_t id = [] {
+    std::random_device rd;
+    return (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  }();
+  return id;
 }
 
 }  // namespace pdserve

@@ -3,6 +3,7 @@
 #ifndef PDSERVE_COMMON_SERVER_UTIL_H_
 #define PDSERVE_COMMON_SERVER_UTIL_H_
 
+#include <cstdint>
 #include <initializer_list>
 #include <string>
 #include <utility>
@@ -26,6 +27,10 @@ absl::Status WriteReadyFile(const std::string& path, const std::string& json);
 // waits for one of them and returns its number.
 void BlockShutdownSignals();
 int WaitForShutdownSignal();
+
+// A random number drawn once per process: tells a restarted server from
+// the one that ran at the same address before.
+uint64_t ProcessInstanceId();
 
 }  // namespace pdserve
 

@@ -125,6 +125,14 @@ void DecodeService::SweepHandoffs() {
   }
 }
 
+bool DecodeService::idle() {
+  if (active_calls_.load() > 0) return false;
+  const BatchEngineStats st = engine_.stats();
+  if (st.running > 0 || st.waiting > 0) return false;
+  absl::MutexLock lock(&handoff_mu_);
+  return committed_.empty();
+}
+
 void DecodeService::Drain(absl::Time deadline) {
   draining_ = true;
   while (active_calls_.load() > 0) {
@@ -305,7 +313,7 @@ grpc::Status DecodeService::Status(grpc::ServerContext*, const worker::v1::Worke
   const BatchEngineStats st = engine_.stats();
   v1::WorkerStatus* s = out->mutable_status();
   s->set_role("decode");
-  s->set_healthy(!failed_ && !draining_);
+  out->set_instance_id(ProcessInstanceId());
   s->set_running(st.running);
   s->set_queued(st.waiting);
   s->set_preemptions(st.preemptions);
@@ -320,6 +328,9 @@ grpc::Status DecodeService::Status(grpc::ServerContext*, const worker::v1::Worke
   {
     absl::MutexLock lock(&handoff_mu_);
     out->set_kv_address(kv_address_);
+    std::string why = failed_ ? "decode engine is not running" : draining_ ? "draining" : unhealthy_reason_;
+    s->set_healthy(why.empty());
+    out->set_unhealthy_reason(std::move(why));
   }
   out->set_context_length(static_cast<int32_t>(model_->config().max_position_embeddings));
   return grpc::Status::OK;

@@ -60,6 +60,14 @@ class DecodeService final : public worker::v1::DecodeWorker::Service {
                       worker::v1::WorkerInfo* out) override;
 
   bool healthy() const { return !failed_.load(); }
+  bool draining() const { return draining_.load(); }
+  // No Decode call, running or waiting sequence, or unclaimed handoff.
+  bool idle();
+  // The worker's health verdict ("" = serving), reported by Status.
+  void set_unhealthy_reason(std::string why) {
+    absl::MutexLock lock(&handoff_mu_);
+    unhealthy_reason_ = std::move(why);
+  }
   BatchEngineStats engine_stats() const { return engine_.stats(); }
   // Where prefill workers send KV (reported by Status); set before serving.
   void set_kv_address(std::string a) {
@@ -102,6 +110,7 @@ class DecodeService final : public worker::v1::DecodeWorker::Service {
   // Frees commits no Decode call claimed in time, forgets old claims.
   void SweepHandoffs();
   std::string kv_address_ ABSL_GUARDED_BY(handoff_mu_);
+  std::string unhealthy_reason_ ABSL_GUARDED_BY(handoff_mu_);
 
   std::thread engine_thread_;
 };

@@ -105,7 +105,18 @@ int Run() {
   serve.ready_file = absl::GetFlag(FLAGS_ready_file);
   serve.role = "decode";
   serve.log_fields = {{"kv_port", std::to_string(*kv_port)}};
-  serve.on_drain = [&service](absl::Time deadline) { service.Drain(deadline); };
+  kv::KvReceiver* r = receiver->get();
+  serve.on_drain = [&service, r](absl::Time deadline) {
+    r->StopAccepting();
+    service.Drain(deadline);
+  };
+  serve.health = pdctl::WorkerHealthCheck(
+      *rt, &pool_mu, [&service] { return service.draining(); },
+      [&service, r] {
+        const kv::KvReceiver::Stats rs = r->stats();
+        return rs.active == 0 && rs.quarantined == 0 && service.idle();
+      },
+      [&service](std::string why) { service.set_unhealthy_reason(std::move(why)); });
   serve.drain_grace = absl::Seconds(absl::GetFlag(FLAGS_drain_grace_s));
   serve.on_shutdown = [&service] { service.Shutdown(); };
   const int exit_code = ServeUntilSignal(serve, {&service});

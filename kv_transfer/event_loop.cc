@@ -56,6 +56,7 @@ void EventLoop::Run(Device device) {
   absl::Time last_work = absl::Now();
   std::vector<std::function<void()>> batch;
   for (;;) {
+    last_beat_ns_.store(absl::ToUnixNanos(absl::Now()), std::memory_order_relaxed);
     bool stop;
     {
       absl::MutexLock lock(&mu_);

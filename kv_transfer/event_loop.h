@@ -22,6 +22,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 
 namespace pdserve::kv {
@@ -60,6 +61,9 @@ class EventLoop {
   bool InLoop() const { return std::this_thread::get_id() == thread_id_.load(); }
 
   void AddTicker(absl::Duration period, std::function<void()> fn);
+  // When the loop last went round (it goes round at least once per ticker
+  // period): a loop stuck in a task or in the device shows an old time.
+  absl::Time last_beat() const { return absl::FromUnixNanos(last_beat_ns_.load(std::memory_order_relaxed)); }
   // Outstanding operations: while positive the loop keeps polling.
   void AddBusy(int delta) { busy_.fetch_add(delta); }
 
@@ -77,6 +81,7 @@ class EventLoop {
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   int wake_fd_ = -1;
   std::atomic<int> busy_{0};
+  std::atomic<int64_t> last_beat_ns_{absl::ToUnixNanos(absl::Now())};
   std::atomic<std::thread::id> thread_id_{};
   std::thread thread_;
 };

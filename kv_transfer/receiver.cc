@@ -107,6 +107,9 @@ void KvReceiver::HandleReserve(Connection& c, const ReserveRequest& m) {
     reply.message = std::string(s.message());
     c.Send(Encode(reply));
   };
+  if (!accepting_.load()) {
+    return refuse(absl::UnavailableError("KV handoff: reservation refused: the decode worker is draining"));
+  }
   if (absl::Status s = CheckCompatible(m.sender, layout_); !s.ok()) return refuse(s);
   if (m.num_positions <= 0 || m.margin_positions < 0 ||
       static_cast<int32_t>(m.prompt_tokens.size()) > m.num_positions) {

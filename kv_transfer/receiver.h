@@ -16,7 +16,7 @@
 // full-block prefix; those positions are not sent. On commit the full
 // blocks are published to the prefix cache.
 //
-// Errors returned to the sender: FAILED_PRECONDITION for an incompatible
+// Errors returned to the sender: UNAVAILABLE while draining, FAILED_PRECONDITION for an incompatible
 // layout (naming the field), RESOURCE_EXHAUSTED for a reservation larger
 // than the free pool, NOT_FOUND for a commit of an unknown handoff id,
 // FAILED_PRECONDITION for a commit of an expired or aborted one,
@@ -31,6 +31,7 @@
 #ifndef PDSERVE_KV_TRANSFER_RECEIVER_H_
 #define PDSERVE_KV_TRANSFER_RECEIVER_H_
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <string>
@@ -73,6 +74,10 @@ class KvReceiver final : public ConnectionHandler {
   ~KvReceiver() override;
 
   absl::StatusOr<int> Listen(const std::string& host, int port);
+
+  // Draining: every later reservation is refused with UNAVAILABLE (the
+  // sender's request goes to another decode worker); open handoffs finish.
+  void StopAccepting() { accepting_.store(false); }
 
   // Gives up on an active handoff (quarantines it until the sender acks).
   void Abort(HandoffId id, absl::Status why);
@@ -123,6 +128,7 @@ class KvReceiver final : public ConnectionHandler {
   std::string region_;  // Packed once.
   KvTransferMetrics metrics_;
   std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);  // For the ticker.
+  std::atomic<bool> accepting_{true};
 
   // Loop thread only, but read by stats().
   mutable absl::Mutex mu_;

@@ -85,6 +85,9 @@ int Run() {
     serve.ready_file = absl::GetFlag(FLAGS_ready_file);
     serve.role = "prefill";
     serve.on_drain = [&service](absl::Time deadline) { service.Drain(deadline); };
+    serve.health = pdctl::WorkerHealthCheck(
+        *rt, &pool_mu, [&service] { return service.draining(); }, [&service] { return service.idle(); },
+        [&service](std::string why) { service.set_unhealthy_reason(std::move(why)); });
     serve.drain_grace = absl::Seconds(absl::GetFlag(FLAGS_drain_grace_s));
     serve.on_shutdown = [&service] { service.Shutdown(); };
     exit_code = ServeUntilSignal(serve, {&service});

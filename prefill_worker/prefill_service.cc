@@ -287,6 +287,16 @@ PrefillService::Stats PrefillService::stats() {
   return {static_cast<int32_t>(queue_.size()), queued_tokens_, in_flight_};
 }
 
+bool PrefillService::draining() {
+  absl::MutexLock lock(&mu_);
+  return draining_;
+}
+
+bool PrefillService::idle() {
+  absl::MutexLock lock(&mu_);
+  return in_flight_ == 0 && queue_.empty() && commits_.empty();
+}
+
 void PrefillService::Drain(absl::Time deadline) {
   {
     absl::MutexLock lock(&mu_);
@@ -372,7 +382,10 @@ grpc::Status PrefillService::Status(grpc::ServerContext*, const worker::v1::Work
   s->set_role("prefill");
   {
     absl::MutexLock lock(&mu_);
-    s->set_healthy(!stop_ && !draining_);
+    std::string why = stop_ ? "stopped" : draining_ ? "draining" : unhealthy_reason_;
+    s->set_healthy(why.empty());
+    out->set_unhealthy_reason(std::move(why));
+    out->set_instance_id(ProcessInstanceId());
     s->set_running(in_flight_);
     s->set_queued(static_cast<int32_t>(queue_.size()));
     s->set_queued_prefill_tokens(queued_tokens_);

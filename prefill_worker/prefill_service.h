@@ -60,6 +60,14 @@ class PrefillService final : public worker::v1::PrefillWorker::Service {
     int32_t in_flight = 0;
   };
   Stats stats();
+  bool draining();
+  // No request queued, prefilling or handing off.
+  bool idle();
+  // The worker's health verdict ("" = serving), reported by Status.
+  void set_unhealthy_reason(std::string why) {
+    absl::MutexLock lock(&mu_);
+    unhealthy_reason_ = std::move(why);
+  }
   // SIGTERM: new Prefill calls get UNAVAILABLE and Status reports not
   // healthy; queued and running requests finish until `deadline`, after
   // which the rest end with UNAVAILABLE (the router prefills them again
@@ -90,6 +98,7 @@ class PrefillService final : public worker::v1::PrefillWorker::Service {
   int32_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
+  std::string unhealthy_reason_ ABSL_GUARDED_BY(mu_);
 
   // Compute thread only.
   absl::flat_hash_map<std::string, kv::Connection*> connections_;

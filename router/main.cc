@@ -1,7 +1,9 @@
 // pdserve-router: the client-facing pdserve.v1.Generation service.
 //
-//   pdserve-router --model DIR --prefill 127.0.0.1:7001 --decode 127.0.0.1:7002 \
+//   pdserve-router --model DIR --prefill 127.0.0.1:7001 --decode 127.0.0.1:7002
 //                  --listen 127.0.0.1:7000 [--colocated]
+//   pdserve-router --model DIR --prefill dns:///prefill.pdserve:7001
+//                  --decode dns://10.0.0.10/decode.pdserve:7002
 //
 // Flags may also come from a file: --flagfile=router.flags.
 #include <memory>
@@ -22,8 +24,12 @@ ABSL_FLAG(std::string, model, "", "model directory (tokenizer, config, chat temp
 ABSL_FLAG(std::string, model_name, "", "name clients may use (default: the directory's name)");
 ABSL_FLAG(std::string, listen, "127.0.0.1:0", "gRPC address (port 0: any free port)");
 ABSL_FLAG(std::string, ready_file, "", "write {\"grpc_port\":..} here once serving");
-ABSL_FLAG(std::vector<std::string>, prefill, {}, "prefill workers, host:port,...");
-ABSL_FLAG(std::vector<std::string>, decode, {}, "decode workers, host:port,...");
+ABSL_FLAG(std::vector<std::string>, prefill, {},
+          "prefill workers: host:port, dns:///name:port or dns://SERVER[:PORT]/name:port (every address), comma-separated");
+ABSL_FLAG(std::vector<std::string>, decode, {}, "decode workers, as --prefill");
+ABSL_FLAG(double, resolve_interval_s, 5, "how often DNS worker targets are resolved again");
+ABSL_FLAG(double, max_backoff_s, 2, "a worker that fails is probed again after 0.1 s, doubling up to this");
+ABSL_FLAG(double, pick_wait_s, 3, "how long a request waits for a usable worker before UNAVAILABLE");
 ABSL_FLAG(bool, colocated, false, "send whole requests to decode workers (no handoff)");
 ABSL_FLAG(double, worker_wait_s, 60, "how long to wait at start for every worker to answer");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:0", "Prometheus /metrics address (port 0: any free; empty: off)");
@@ -47,6 +53,9 @@ int Run() {
   o.prefill_workers = absl::GetFlag(FLAGS_prefill);
   o.decode_workers = absl::GetFlag(FLAGS_decode);
   o.colocated = absl::GetFlag(FLAGS_colocated);
+  o.resolve_interval = absl::Seconds(absl::GetFlag(FLAGS_resolve_interval_s));
+  o.max_backoff = absl::Seconds(absl::GetFlag(FLAGS_max_backoff_s));
+  o.pick_wait = absl::Seconds(absl::GetFlag(FLAGS_pick_wait_s));
   absl::StatusOr<std::unique_ptr<router::RouterService>> service = router::RouterService::Create(o);
   if (!service.ok()) {
     LogEvent("error", "start_failed", {{"error", std::string(service.status().message())}});

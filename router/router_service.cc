@@ -75,21 +75,18 @@ absl::StatusOr<std::unique_ptr<RouterService>> RouterService::Create(RouterOptio
     absl::StatusOr<tok::ChatFormat> f = tok::DetectChatFormat(r->tokenizer_->chat_template());
     if (f.ok()) r->chat_format_ = *f;
   }
-  for (const std::string& a : r->options_.prefill_workers) {
-    auto w = std::make_unique<Worker>();
-    w->address = a;
-    w->prefill = worker::v1::PrefillWorker::NewStub(Channel(a));
-    r->prefill_.push_back(std::move(w));
+  for (const std::string& spec : r->options_.prefill_workers) {
+    absl::StatusOr<WorkerTarget> t = ParseWorkerTarget(spec);
+    if (!t.ok()) return absl::InvalidArgumentError(absl::StrCat("--prefill: ", t.status().message()));
+    r->prefill_targets_.push_back(*std::move(t));
   }
-  for (const std::string& a : r->options_.decode_workers) {
-    auto w = std::make_unique<Worker>();
-    w->address = a;
-    w->decode = worker::v1::DecodeWorker::NewStub(Channel(a));
-    r->decode_.push_back(std::move(w));
+  for (const std::string& spec : r->options_.decode_workers) {
+    absl::StatusOr<WorkerTarget> t = ParseWorkerTarget(spec);
+    if (!t.ok()) return absl::InvalidArgumentError(absl::StrCat("--decode: ", t.status().message()));
+    r->decode_targets_.push_back(*std::move(t));
   }
   RouterService* raw = r.get();
   r->watcher_ = std::thread([raw] { raw->WatchLoop(); });
-  r->poller_ = std::thread([raw] { raw->PollLoop(); });
   return r;
 }
 
@@ -102,29 +99,129 @@ RouterService::~RouterService() {
   if (poller_.joinable()) poller_.join();
 }
 
-void RouterService::PollLoop() {
-  while (true) {
-    for (auto& w : prefill_) {
-      grpc::ClientContext ctx;
-      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
-      worker::v1::WorkerInfo info;
-      const grpc::Status st = w->prefill->Status(&ctx, {}, &info);
-      w->healthy = st.ok() && info.status().healthy();
+std::vector<RouterService::WorkerPtr> RouterService::Snapshot(bool prefill) {
+  absl::MutexLock lock(&workers_mu_);
+  return prefill ? prefill_ : decode_;
+}
+
+void RouterService::Discover() {
+  for (const bool prefill : {true, false}) {
+    std::vector<std::string> addresses;
+    for (const WorkerTarget& t : prefill ? prefill_targets_ : decode_targets_) {
+      absl::StatusOr<std::vector<std::string>> got = ResolveWorkerTarget(t, options_.resolve_timeout);
+      if (got.ok()) {
+        resolved_[t.spec] = *std::move(got);
+      } else {
+        LogEvent("warning", "resolve_failed", {{"target", t.spec}, {"error", std::string(got.status().message())}});
+      }
+      const std::vector<std::string>& now = resolved_[t.spec];
+      addresses.insert(addresses.end(), now.begin(), now.end());
     }
-    for (auto& w : decode_) {
-      grpc::ClientContext ctx;
-      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
-      worker::v1::WorkerInfo info;
-      const grpc::Status st = w->decode->Status(&ctx, {}, &info);
-      w->healthy = st.ok() && info.status().healthy();
-      if (st.ok() && !info.kv_address().empty()) w->set_kv_address(info.kv_address());
-      if (st.ok()) {
-        w->free_positions = static_cast<int64_t>(info.status().kv_blocks_free()) * info.status().kv_block_size();
+    absl::MutexLock lock(&workers_mu_);
+    std::vector<WorkerPtr>& pool = prefill ? prefill_ : decode_;
+    for (auto it = pool.begin(); it != pool.end();) {
+      if (std::find(addresses.begin(), addresses.end(), (*it)->address) == addresses.end()) {
+        (*it)->removed = true;
+        LogEvent("info", "worker_removed", {{"role", prefill ? "prefill" : "decode"}, {"address", (*it)->address}});
+        it = pool.erase(it);
+      } else {
+        ++it;
       }
     }
+    for (const std::string& a : addresses) {
+      if (std::any_of(pool.begin(), pool.end(), [&a](const WorkerPtr& w) { return w->address == a; })) continue;
+      auto w = std::make_shared<Worker>();
+      w->address = a;
+      w->prefill_role = prefill;
+      if (prefill) {
+        w->prefill = worker::v1::PrefillWorker::NewStub(Channel(a));
+      } else {
+        w->decode = worker::v1::DecodeWorker::NewStub(Channel(a));
+      }
+      LogEvent("info", "worker_added", {{"role", prefill ? "prefill" : "decode"}, {"address", a}});
+      pool.push_back(std::move(w));
+    }
+  }
+}
+
+void RouterService::ProbeDue(bool force_all) {
+  struct Probe {
+    WorkerPtr worker;
+    grpc::ClientContext ctx;
+    worker::v1::WorkerStatusRequest req;
+    worker::v1::WorkerInfo info;
+    grpc::Status status;
+  };
+  const absl::Time now = absl::Now();
+  std::vector<std::unique_ptr<Probe>> probes;
+  for (const bool prefill : {true, false}) {
+    for (WorkerPtr& w : Snapshot(prefill)) {
+      if (!force_all && now < w->next_probe) continue;
+      auto p = std::make_unique<Probe>();
+      p->worker = w;
+      p->ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+      probes.push_back(std::move(p));
+    }
+  }
+  absl::Mutex mu;
+  size_t done = 0;
+  for (auto& p : probes) {
+    Probe* raw = p.get();
+    auto on_done = [raw, &mu, &done](grpc::Status st) {
+      absl::MutexLock lock(&mu);
+      raw->status = std::move(st);
+      ++done;
+    };
+    if (raw->worker->prefill_role) {
+      raw->worker->prefill->async()->Status(&raw->ctx, &raw->req, &raw->info, on_done);
+    } else {
+      raw->worker->decode->async()->Status(&raw->ctx, &raw->req, &raw->info, on_done);
+    }
+  }
+  {
+    absl::MutexLock lock(&mu);
+    auto all_done = [&done, n = probes.size()] { return done == n; };
+    mu.Await(absl::Condition(&all_done));
+  }
+  for (auto& p : probes) {
+    Worker& w = *p->worker;
+    const char* role = w.prefill_role ? "prefill" : "decode";
+    const bool answered = p->status.ok();
+    const bool healthy = answered && p->info.status().healthy();
+    const std::string reason = answered ? p->info.unhealthy_reason() : p->status.error_message();
+    if (answered) {
+      const uint64_t before = w.instance.exchange(p->info.instance_id());
+      if (before != 0 && before != p->info.instance_id()) {
+        LogEvent("info", "worker_restarted", {{"role", role}, {"address", w.address}});
+      }
+      if (!p->info.kv_address().empty()) w.set_kv_address(p->info.kv_address());
+      w.free_positions = static_cast<int64_t>(p->info.status().kv_blocks_free()) * p->info.status().kv_block_size();
+      w.failures = 0;
+      w.next_probe = now + options_.probe_period;
+    } else {
+      ++w.failures;
+      w.next_probe = now + std::min(options_.max_backoff, options_.probe_period * (1 << std::min(w.failures - 1, 10)));
+    }
+    const bool was = w.healthy.exchange(healthy);
+    if (was != healthy || (!healthy && reason != w.last_reason)) {
+      LogEvent(healthy ? "info" : "warning", healthy ? "worker_admitted" : "worker_ejected",
+               {{"role", role}, {"address", w.address}, {"reason", reason},
+                {"retry_in_ms", std::to_string(absl::ToInt64Milliseconds(w.next_probe - now))}});
+    }
+    w.last_reason = healthy ? "" : reason;
+  }
+}
+
+void RouterService::PollLoop() {
+  while (true) {
+    if (absl::Now() >= next_resolve_) {
+      Discover();
+      next_resolve_ = absl::Now() + options_.resolve_interval;
+    }
+    ProbeDue(/*force_all=*/false);
     absl::MutexLock lock(&watch_mu_);
     auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(watch_mu_) { return stop_; };
-    if (watch_mu_.AwaitWithTimeout(absl::Condition(&stopping), absl::Milliseconds(100))) return;
+    if (watch_mu_.AwaitWithTimeout(absl::Condition(&stopping), absl::Milliseconds(20))) return;
   }
 }
 
@@ -143,30 +240,41 @@ void RouterService::WatchLoop() {
 
 absl::Status RouterService::WaitForWorkers(absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;
+  std::optional<absl::Time> pools_served_since;
+  absl::Status result;
   while (true) {
+    Discover();
+    ProbeDue(/*force_all=*/true);
     std::string silent;
-    for (auto& w : prefill_) {
-      grpc::ClientContext ctx;
-      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
-      worker::v1::WorkerInfo info;
-      if (!w->prefill->Status(&ctx, {}, &info).ok()) absl::StrAppend(&silent, " ", w->address);
-    }
-    for (auto& w : decode_) {
-      grpc::ClientContext ctx;
-      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
-      worker::v1::WorkerInfo info;
-      if (!w->decode->Status(&ctx, {}, &info).ok()) {
-        absl::StrAppend(&silent, " ", w->address);
-      } else if (info.kv_address().empty() && !options_.colocated) {
-        absl::StrAppend(&silent, " ", w->address, "(no KV receiver)");
-      } else {
-        w->set_kv_address(info.kv_address());
+    std::string empty_pool;
+    for (const bool prefill : {true, false}) {
+      if (prefill && options_.colocated) continue;
+      bool any = false;
+      for (const WorkerPtr& w : Snapshot(prefill)) {
+        const bool ready = w->healthy.load() && (prefill || options_.colocated || !w->kv_address().empty());
+        any |= ready;
+        if (!ready) absl::StrAppend(&silent, " ", w->address, w->last_reason.empty() ? "" : absl::StrCat(" (", w->last_reason, ")"));
       }
+      if (!any) absl::StrAppend(&empty_pool, empty_pool.empty() ? "" : " and ", prefill ? "prefill" : "decode");
     }
-    if (silent.empty()) return absl::OkStatus();
-    if (absl::Now() > deadline) return absl::UnavailableError(absl::StrCat("workers not answering:", silent));
+    if (empty_pool.empty() && !pools_served_since.has_value()) pools_served_since = absl::Now();
+    if (silent.empty()) break;
+    if (empty_pool.empty() && absl::Now() - *pools_served_since > absl::Seconds(2)) {
+      LogEvent("warning", "workers_not_ready", {{"workers", silent}});
+      break;
+    }
+    if (absl::Now() > deadline) {
+      if (!empty_pool.empty()) {
+        return absl::UnavailableError(absl::StrCat("no live ", empty_pool, " worker; not answering:", silent));
+      }
+      break;
+    }
     absl::SleepFor(absl::Milliseconds(100));
   }
+  next_resolve_ = absl::Now() + options_.resolve_interval;
+  RouterService* raw = this;
+  if (!poller_.joinable()) poller_ = std::thread([raw] { raw->PollLoop(); });
+  return absl::OkStatus();
 }
 
 absl::StatusOr<GenerationRequest> RouterService::Resolve(const v1::GenerateRequest& req) const {
@@ -256,34 +364,51 @@ absl::StatusOr<GenerationRequest> RouterService::Resolve(const v1::GenerateReque
   return r;
 }
 
-RouterService::Worker* RouterService::PickDecode(int64_t positions, const std::vector<Worker*>& exclude) {
-  auto usable = [&exclude](const std::unique_ptr<Worker>& w) {
-    return w->healthy.load() && std::find(exclude.begin(), exclude.end(), w.get()) == exclude.end();
+bool RouterService::Excluded(const Worker& w, const std::vector<Failed>& exclude) {
+  return std::any_of(exclude.begin(), exclude.end(),
+                     [&w](const Failed& f) { return f.worker == &w && f.instance == w.instance.load(); });
+}
+
+RouterService::WorkerPtr RouterService::PickDecode(int64_t positions, const std::vector<Failed>& exclude) {
+  const std::vector<WorkerPtr> pool = Snapshot(false);
+  auto usable = [&exclude](const WorkerPtr& w) {
+    return w->healthy.load() && (w->decode != nullptr) && !Excluded(*w, exclude);
   };
-  Worker* best = nullptr;
-  for (auto& w : decode_) {
+  WorkerPtr best;
+  for (const WorkerPtr& w : pool) {
     if (!usable(w)) continue;
     const int64_t free = w->free_positions.load();
     if (free >= 0 && free < positions) continue;
-    if (best == nullptr || w->in_flight.load() < best->in_flight.load()) best = w.get();
+    if (best == nullptr || w->in_flight.load() < best->in_flight.load()) best = w;
   }
   if (best != nullptr) return best;
   // None has room now: the one with the most free KV (it queues or preempts).
-  for (auto& w : decode_) {
+  for (const WorkerPtr& w : pool) {
     if (!usable(w)) continue;
-    if (best == nullptr || w->free_positions.load() > best->free_positions.load()) best = w.get();
+    if (best == nullptr || w->free_positions.load() > best->free_positions.load()) best = w;
   }
   return best;
 }
 
-RouterService::Worker* RouterService::PickPrefill(const std::vector<Worker*>& exclude) {
-  Worker* best = nullptr;
-  for (auto& w : prefill_) {
-    if (std::find(exclude.begin(), exclude.end(), w.get()) != exclude.end()) continue;
-    if (!w->healthy.load()) continue;
-    if (best == nullptr || w->queued_tokens.load() < best->queued_tokens.load()) best = w.get();
+RouterService::WorkerPtr RouterService::PickPrefill(const std::vector<Failed>& exclude) {
+  WorkerPtr best;
+  for (const WorkerPtr& w : Snapshot(true)) {
+    if (!w->healthy.load() || Excluded(*w, exclude)) continue;
+    if (best == nullptr || w->queued_tokens.load() < best->queued_tokens.load()) best = w;
   }
   return best;
+}
+
+RouterService::WorkerPtr RouterService::PickWaiting(grpc::ServerContext* ctx, const std::function<WorkerPtr()>& pick) {
+  absl::Time until = absl::Now() + options_.pick_wait;
+  if (ctx->deadline() != std::chrono::system_clock::time_point::max()) {
+    until = std::min(until, absl::FromChrono(ctx->deadline()));
+  }
+  while (true) {
+    if (WorkerPtr w = pick(); w != nullptr) return w;
+    if (ctx->IsCancelled() || absl::Now() >= until) return nullptr;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
 }
 
 grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequest& req,
@@ -296,7 +421,7 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
   }
   const GenerationRequest& gr = *resolved;
   const std::string client_id = req.request_id();
-  const bool colocated = options_.colocated || prefill_.empty();
+  const bool colocated = options_.colocated || prefill_targets_.empty();
   const int64_t prompt_tokens = static_cast<int64_t>(gr.prompt.size());
 
   v1::GenerateResponse msg;
@@ -354,16 +479,17 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
 
   // Decode attempts: the first, then one migration per decode worker that
   // dies mid-stream. Each attempt (re)prefills prompt + streamed tokens.
-  std::vector<Worker*> failed_decode;
+  std::vector<Failed> failed_decode;
   int attempt = 0;
   while (error.empty() && !cancelled && finish == FinishReason::kNone) {
     const std::string internal_id =
         absl::StrFormat("%s-%d-%d", client_id.empty() ? "req" : client_id, getpid(), next_request_++);
-    Worker* d = PickDecode(prompt_tokens + gr.params.max_tokens, failed_decode);
+    const WorkerPtr d =
+        PickWaiting(ctx, [&] { return PickDecode(prompt_tokens + gr.params.max_tokens, failed_decode); });
     if (d == nullptr) {
       error = failed_decode.empty() ? "no healthy decode worker"
                                     : absl::StrCat("no decode worker left to continue on (last: ",
-                                                   failed_decode.back()->address, ")");
+                                                   failed_decode.back().address, ")");
       unavailable = true;
       break;
     }
@@ -390,8 +516,8 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
       // decode worker keeps waiting under the same request id, and the dead
       // sender's reservation is freed on its side. Sampling is keyed by
       // (seed, position), so a retried first token is the one already sent.
-      std::vector<Worker*> failed_prefill;
-      Worker* p = PickPrefill(failed_prefill);
+      std::vector<Failed> failed_prefill;
+      WorkerPtr p = PickWaiting(ctx, [&] { return PickPrefill(failed_prefill); });
       bool decode_side_failed = false;
       bool first_sent = false;
       int32_t first_token = -1;
@@ -479,13 +605,13 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
           }
         }
         p->healthy = false;
-        failed_prefill.push_back(p);
+        failed_prefill.push_back({p.get(), p->instance.load(), p->address});
         retries_->Add();
         LogEvent("warning", "prefill_retry", {{"request_id", internal_id}, {"worker", p->address},
                                               {"error", ps.error_message()}});
-        p = PickPrefill(failed_prefill);
+        p = PickWaiting(ctx, [&] { return PickPrefill(failed_prefill); });
         if (p == nullptr) {
-          error = absl::StrCat("no prefill worker could serve the request (last: ", failed_prefill.back()->address,
+          error = absl::StrCat("no prefill worker could serve the request (last: ", failed_prefill.back().address,
                                ": ", ps.error_message(), ")");
           unavailable = true;
         }
@@ -502,7 +628,7 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
         (void)dreader->Finish();
         d->in_flight--;
         d->healthy = false;
-        failed_decode.push_back(d);
+        failed_decode.push_back({d.get(), d->instance.load(), d->address});
         continue;  // Migrate: prefill again toward another decode worker.
       }
     }
@@ -546,7 +672,7 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
     }
     // The decode worker failed mid-stream: migrate the sequence.
     d->healthy = false;
-    failed_decode.push_back(d);
+    failed_decode.push_back({d.get(), d->instance.load(), d->address});
     LogEvent("warning", "decode_failed", {{"request_id", internal_id}, {"worker", d->address},
                                           {"error", ds.error_message()}});
   }
@@ -641,9 +767,10 @@ grpc::Status RouterService::ClusterStatus(grpc::ServerContext*, const v1::Cluste
     s->set_address(w.address);
     s->set_role(prefill ? "prefill" : "decode");
     s->set_healthy(st.ok() && info.status().healthy());
+    s->set_unhealthy_reason(st.ok() ? info.unhealthy_reason() : st.error_message());
   };
-  for (auto& w : prefill_) query(*w, true, out->add_prefill());
-  for (auto& w : decode_) query(*w, false, out->add_decode());
+  for (const WorkerPtr& w : Snapshot(true)) query(*w, true, out->add_prefill());
+  for (const WorkerPtr& w : Snapshot(false)) query(*w, false, out->add_decode());
   out->set_requests_in_flight(in_flight_.load());
   return grpc::Status::OK;
 }

@@ -14,6 +14,7 @@
 #define PDSERVE_ROUTER_ROUTER_SERVICE_H_
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -27,6 +28,7 @@
 #include "common/model_config.h"
 #include "common/tokenizer/chat_template.h"
 #include "common/tokenizer/tokenizer.h"
+#include "router/discovery.h"
 #include "pdserve/v1/generation.grpc.pb.h"
 #include "pdserve/v1/worker.grpc.pb.h"
 
@@ -35,10 +37,22 @@ namespace pdserve::router {
 struct RouterOptions {
   std::string model_dir;
   std::string model_name;  // Reported by ListModels; requests may name it.
-  std::vector<std::string> prefill_workers;  // host:port
+  // Worker targets (see router/discovery.h): host:port, or a DNS name whose
+  // addresses are the pool (dns:///name:port, dns://SERVER/name:port),
+  // resolved again every resolve_interval.
+  std::vector<std::string> prefill_workers;
   std::vector<std::string> decode_workers;
   // Send whole requests to decode workers (no prefill pool, no handoff).
   bool colocated = false;
+  absl::Duration resolve_interval = absl::Seconds(5);
+  absl::Duration resolve_timeout = absl::Seconds(2);
+  // Status probes of each worker; one that fails is retried with
+  // exponential backoff from probe_period up to max_backoff.
+  absl::Duration probe_period = absl::Milliseconds(100);
+  absl::Duration max_backoff = absl::Seconds(2);
+  // How long a request waits for a pool with no usable worker before it
+  // ends with UNAVAILABLE (capped by the client's deadline).
+  absl::Duration pick_wait = absl::Seconds(3);
 };
 
 class RouterService final : public v1::Generation::Service {
@@ -55,8 +69,10 @@ class RouterService final : public v1::Generation::Service {
   grpc::Status ClusterStatus(grpc::ServerContext* ctx, const v1::ClusterStatusRequest* req,
                              v1::ClusterStatusResponse* out) override;
 
-  // Waits until every worker answers Status (decode workers also report
-  // their KV address). Errors: UNAVAILABLE naming the workers still silent.
+  // Resolves the targets and probes the workers until every one answers
+  // (decode workers also report their KV address), or, once each pool has
+  // one that does, for at most two more seconds. Errors: UNAVAILABLE naming
+  // the pool with no live worker and the silent addresses.
   absl::Status WaitForWorkers(absl::Duration timeout);
 
   const MetricsRegistry& metrics() const { return metrics_; }
@@ -64,6 +80,7 @@ class RouterService final : public v1::Generation::Service {
  private:
   struct Worker {
     std::string address;
+    bool prefill_role = false;
     std::unique_ptr<worker::v1::PrefillWorker::Stub> prefill;
     std::unique_ptr<worker::v1::DecodeWorker::Stub> decode;
     // Where its KV receiver listens; it changes when the worker restarts,
@@ -81,8 +98,27 @@ class RouterService final : public v1::Generation::Service {
     std::atomic<int32_t> in_flight{0};
     std::atomic<int64_t> queued_tokens{0};
     // From the worker's Status, refreshed every poll period.
-    std::atomic<bool> healthy{true};
+    // False until the first probe answers healthy.
+    std::atomic<bool> healthy{false};
     std::atomic<int64_t> free_positions{-1};  // -1: not known yet.
+    // The worker process's instance id (0: never answered); a new one means
+    // it restarted.
+    std::atomic<uint64_t> instance{0};
+    // No longer named by its target (DNS): picked no more; requests that
+    // hold it finish.
+    std::atomic<bool> removed{false};
+    // Poller thread only.
+    int failures = 0;
+    absl::Time next_probe = absl::InfinitePast();
+    std::string last_reason;
+  };
+  using WorkerPtr = std::shared_ptr<Worker>;
+  // A worker a request gave up on, in the incarnation it failed in: once it
+  // restarts (a new instance id) the request may use it again.
+  struct Failed {
+    const Worker* worker;  // Compared, never followed: it may be gone.
+    uint64_t instance;
+    std::string address;
   };
   // Downstream calls of one request, cancelled with it.
   struct Watch {
@@ -99,9 +135,20 @@ class RouterService final : public v1::Generation::Service {
                    const std::function<bool(const v1::GenerateResponse&)>& emit);
   // A healthy decode worker with free KV for `positions` (fewest in flight
   // among them); if none has room, the one with the most free KV.
-  Worker* PickDecode(int64_t positions, const std::vector<Worker*>& exclude);
+  WorkerPtr PickDecode(int64_t positions, const std::vector<Failed>& exclude);
+  WorkerPtr PickPrefill(const std::vector<Failed>& exclude);
+  // Pick, waiting up to pick_wait (and the client's deadline) while the
+  // pool has no usable worker; null if none came or the client went away.
+  WorkerPtr PickWaiting(grpc::ServerContext* ctx, const std::function<WorkerPtr()>& pick);
+  static bool Excluded(const Worker& w, const std::vector<Failed>& exclude);
+  std::vector<WorkerPtr> Snapshot(bool prefill);
+  // Resolves every target of both pools; adds new addresses, removes gone
+  // ones. A target that fails to resolve keeps its previous addresses.
+  void Discover();
+  // One round of Status probes (those due), concurrently; updates health,
+  // KV address, free KV and instance, with backoff for failures.
+  void ProbeDue(bool force_all);
   void PollLoop();
-  Worker* PickPrefill(const std::vector<Worker*>& exclude);
   void WatchLoop();
 
   void RegisterMetrics();
@@ -121,8 +168,14 @@ class RouterService final : public v1::Generation::Service {
   ModelConfig config_;
   std::unique_ptr<tok::Tokenizer> tokenizer_;
   std::optional<tok::ChatFormat> chat_format_;
-  std::vector<std::unique_ptr<Worker>> prefill_;
-  std::vector<std::unique_ptr<Worker>> decode_;
+  std::vector<WorkerTarget> prefill_targets_;
+  std::vector<WorkerTarget> decode_targets_;
+  absl::Mutex workers_mu_;
+  std::vector<WorkerPtr> prefill_ ABSL_GUARDED_BY(workers_mu_);
+  std::vector<WorkerPtr> decode_ ABSL_GUARDED_BY(workers_mu_);
+  // Per target, its addresses at the last successful resolve (poller only).
+  absl::flat_hash_map<std::string, std::vector<std::string>> resolved_;
+  absl::Time next_resolve_ = absl::InfinitePast();
   std::atomic<int64_t> in_flight_{0};
   std::atomic<uint64_t> next_request_{1};
 

@@ -1,8 +1,13 @@
 #include "tools/pdctl/worker_flags.h"
 
+#include <memory>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/time/clock.h"
+#include "common/health.h"
 #include "common/server_util.h"
 
 ABSL_FLAG(std::string, model, "", "model directory (Hugging Face layout)");
@@ -11,6 +16,11 @@ ABSL_FLAG(std::string, weights, "", "in-memory weight format: f32, bf16 or int8 
 ABSL_FLAG(std::string, kv, "", "KV cache format (default: the weight format)");
 ABSL_FLAG(int, block_size, 16, "KV block size in positions");
 ABSL_FLAG(int, kv_positions, 16384, "KV pool size in positions");
+
+ABSL_FLAG(double, leak_grace_s, 10, "NOT_SERVING once KV blocks stay in use this long with no request holding them");
+ABSL_FLAG(double, wedge_after_s, 5, "NOT_SERVING once the KV transport's event loop has not run for this long");
+ABSL_FLAG(int, fault_leak_kv_blocks, 0, "fault tests only: take this many KV blocks at start and never free them");
+ABSL_FLAG(double, fault_wedge_kv_after_s, 0, "fault tests only: block the KV transport's loop this long after start (0: never)");
 
 namespace pdserve::pdctl {
 
@@ -54,6 +64,23 @@ absl::StatusOr<WorkerRuntime> StartWorkerRuntime(const std::string& name, int* e
     return w.status();
   }
   rt.engine = *std::move(w);
+  // The loop goes round at least this often even when idle, so the health
+  // check can tell a quiet transport from a wedged one.
+  rt.transport->loop().AddTicker(absl::Milliseconds(250), [] {});
+  if (const int n = absl::GetFlag(FLAGS_fault_leak_kv_blocks); n > 0) {
+    absl::StatusOr<std::vector<BlockId>> leaked = rt.engine.engine.pool->Allocate(n);
+    LogEvent("warning", "fault_leak_kv_blocks", {{"blocks", std::to_string(n)}, {"ok", leaked.ok() ? "true" : "false"}});
+  }
+  if (const double s = absl::GetFlag(FLAGS_fault_wedge_kv_after_s); s > 0) {
+    kv::EventLoop* loop = &rt.transport->loop();
+    std::thread([loop, s] {
+      absl::SleepFor(absl::Seconds(s));
+      LogEvent("warning", "fault_wedge_kv_loop");
+      loop->Post([] {
+        for (;;) absl::SleepFor(absl::Hours(1));
+      });
+    }).detach();
+  }
   return rt;
 }
 
@@ -66,6 +93,30 @@ void AddKvPoolMetrics(MetricsRegistry& metrics, const BlockPool* pool, absl::Mut
   };
   metrics.AddGauge("pdserve_kv_blocks", "KV blocks by state.", read(&BlockPool::num_used), "state=\"used\"");
   metrics.AddGauge("pdserve_kv_blocks", "KV blocks by state.", read(&BlockPool::num_free), "state=\"free\"");
+}
+
+std::function<std::string()> WorkerHealthCheck(WorkerRuntime& rt, absl::Mutex* pool_mu,
+                                               std::function<bool()> draining, std::function<bool()> idle,
+                                               std::function<void(std::string)> publish) {
+  auto judge = std::make_shared<HealthJudge>(HealthOptions{
+      .leak_grace = absl::Seconds(absl::GetFlag(FLAGS_leak_grace_s)),
+      .wedge_after = absl::Seconds(absl::GetFlag(FLAGS_wedge_after_s))});
+  const BlockPool* pool = rt.engine.engine.pool.get();
+  kv::EventLoop* loop = &rt.transport->loop();
+  return [=] {
+    HealthInputs in;
+    in.draining = draining();
+    in.idle = idle();
+    {
+      absl::MutexLock lock(pool_mu);
+      in.kv_blocks_used = pool->num_used();
+    }
+    in.idle = in.idle && idle();  // Still idle after the count: the blocks are nobody's.
+    in.transport_beat = loop->last_beat();
+    std::string why = judge->Judge(in, absl::Now());
+    publish(why);
+    return why;
+  };
 }
 
 }  // namespace pdserve::pdctl

@@ -4,7 +4,9 @@
 #ifndef PDSERVE_TOOLS_PDCTL_WORKER_FLAGS_H_
 #define PDSERVE_TOOLS_PDCTL_WORKER_FLAGS_H_
 
+#include <functional>
 #include <memory>
+#include <string>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -31,6 +33,13 @@ struct WorkerRuntime {
 // Starts the transport and loads what the flags name, logging any error.
 // Returns the process exit code on failure (2 for bad flags, 1 otherwise).
 absl::StatusOr<WorkerRuntime> StartWorkerRuntime(const std::string& name, int* exit_code);
+
+// The worker's health check for ServeOptions::health: judges draining,
+// KV leaks (--leak_grace_s) and a wedged transport (--wedge_after_s) from
+// what the service reports, and publishes the verdict to it (for Status).
+std::function<std::string()> WorkerHealthCheck(WorkerRuntime& rt, absl::Mutex* pool_mu,
+                                               std::function<bool()> draining, std::function<bool()> idle,
+                                               std::function<void(std::string)> publish);
 
 // The pool's gauges, read under `pool_mu`: pdserve_kv_blocks{state=used|free}.
 void AddKvPoolMetrics(MetricsRegistry& metrics, const BlockPool* pool, absl::Mutex* pool_mu);

@@ -48,8 +48,13 @@ void EventLoop::Post(std::function<void()> task) {
 }
 
 void EventLoop::AddTicker(absl::Duration period, std::function<void()> fn) {
-  absl::MutexLock lock(&mu_);
-  tickers_.push_back({period, absl::Now() + period, std::move(fn)});
+  {
+    absl::MutexLock lock(&mu_);
+    tickers_.push_back({period, absl::Now() + period, std::move(fn)});
+  }
+  // A loop asleep with no timeout must learn of the new deadline.
+  const uint64_t one = 1;
+  if (wake_fd_ >= 0) (void)!write(wake_fd_, &one, sizeof(one));
 }
 
 void EventLoop::Run(Device device) {

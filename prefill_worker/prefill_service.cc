@@ -73,6 +73,10 @@ void PrefillService::Shutdown() {
     stop_ = true;
   }
   if (compute_thread_.joinable()) compute_thread_.join();
+  {
+    absl::MutexLock lock(&mu_);
+    commits_closed_ = true;
+  }
   if (commit_thread_.joinable()) commit_thread_.join();
   absl::MutexLock lock(&mu_);
   for (auto& j : queue_) FinishJob(j, absl::UnavailableError("prefill worker shutting down"));
@@ -124,18 +128,20 @@ absl::Status PrefillService::StartHandoff(Job& job) {
 void PrefillService::ComputeLoop() {
   std::vector<std::shared_ptr<Job>> active;  // Started, prompt not done.
   while (true) {
+    bool stopping = false;
     {
       absl::MutexLock lock(&mu_);
       auto ready = [this, &active]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
         return stop_ || !queue_.empty() || !active.empty();
       };
       mu_.AwaitWithTimeout(absl::Condition(&ready), absl::Milliseconds(50));
-      if (stop_) break;
-      while (!queue_.empty() && static_cast<int32_t>(active.size()) < options_.max_batch) {
+      stopping = stop_;
+      while (!stopping && !queue_.empty() && static_cast<int32_t>(active.size()) < options_.max_batch) {
         active.push_back(queue_.front());
         queue_.pop_front();
       }
     }
+    if (stopping) break;
     if (active.empty()) continue;
     // Start new jobs: prefix cache, then the reservation on the decode side.
     std::vector<std::shared_ptr<Job>> runnable;
@@ -189,6 +195,7 @@ void PrefillService::ComputeLoop() {
         if (!st.ok() && send_status.ok()) send_status = st;
       }
     };
+    if (options_.fault_stall_prefill_ms > 0) absl::SleepFor(absl::Milliseconds(options_.fault_stall_prefill_ms));
     absl::StatusOr<ForwardResult> res;
     {
       absl::MutexLock lock(pool_mu_);
@@ -251,9 +258,10 @@ void PrefillService::CommitLoop() {
     std::shared_ptr<Job> job;
     {
       absl::MutexLock lock(&mu_);
-      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || !commits_.empty(); };
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return commits_closed_ || !commits_.empty(); };
       mu_.Await(absl::Condition(&ready));
-      if (commits_.empty()) return;  // Stopping.
+      // Stopping: the compute thread has ended, and what it sent is still committed.
+      if (commits_.empty()) return;
       job = commits_.front();
       commits_.pop_front();
     }

@@ -38,6 +38,9 @@ struct PrefillServiceOptions {
   // Fault tests only: hold each handoff this long between the first token
   // and the commit, so a test can kill the worker mid-handoff.
   int32_t fault_stall_before_commit_ms = 0;
+  // Fault tests only: each forward waits this long first (a kill then
+  // lands mid-prefill, after the decode side's reservation).
+  int32_t fault_stall_prefill_ms = 0;
 };
 
 class PrefillService final : public worker::v1::PrefillWorker::Service {
@@ -98,6 +101,7 @@ class PrefillService final : public worker::v1::PrefillWorker::Service {
   int32_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
+  bool commits_closed_ ABSL_GUARDED_BY(mu_) = false;  // No more will come.
   std::string unhealthy_reason_ ABSL_GUARDED_BY(mu_);
 
   // Compute thread only.

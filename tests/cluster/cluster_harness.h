@@ -78,6 +78,9 @@ struct Output {
 // One router + its workers.
 class Cluster {
  public:
+  // Flags for one decode worker only (by index), set before Start.
+  std::map<int, std::vector<std::string>> extra_decode_flags;
+
   // colocated: router --colocated, no prefill worker.
   absl::Status Start(const std::string& dir, bool colocated, const std::vector<std::string>& decode_flags = {},
                      const std::map<std::string, std::string>& env = {}, int num_prefill = 1,
@@ -90,6 +93,9 @@ class Cluster {
       std::vector<std::string> dargs = {kBin + "/decode_worker/pdserve-decode-worker", "--model", kModel,
                                         "--ready_file", ready, "--prefill_chunk", "32"};
       dargs.insert(dargs.end(), decode_flags.begin(), decode_flags.end());
+      if (auto it = extra_decode_flags.find(i); it != extra_decode_flags.end()) {
+        dargs.insert(dargs.end(), it->second.begin(), it->second.end());
+      }
       if (absl::Status s = decode_.back()->Start(dargs, absl::StrCat(dir, "/decode", i, ".log"), env); !s.ok()) {
         return s;
       }
@@ -213,6 +219,22 @@ inline int DecodeKvUsedAfterSettling(Cluster& c, absl::Duration wait = absl::Sec
     used = c.Status().decode(0).kv_blocks_used();
     if (used == 0) break;
     absl::SleepFor(absl::Milliseconds(20));
+  }
+  return used;
+}
+
+// The KV blocks in use on every worker, summed, once that reaches 0 or
+// stops changing for `wait` (the survivors of a fault must hold none).
+inline int AllKvUsedAfterSettling(Cluster& c, absl::Duration wait = absl::Seconds(10)) {
+  const absl::Time deadline = absl::Now() + wait;
+  int used = -1;
+  while (absl::Now() < deadline) {
+    const v1::ClusterStatusResponse st = c.Status();
+    used = 0;
+    for (const v1::WorkerStatus& w : st.prefill()) used += w.kv_blocks_used();
+    for (const v1::WorkerStatus& w : st.decode()) used += w.kv_blocks_used();
+    if (used == 0) break;
+    absl::SleepFor(absl::Milliseconds(50));
   }
   return used;
 }

@@ -1,0 +1,336 @@
+// Operating the cluster with real processes: prefill workers killed or
+// drained mid-prefill, workers whose health check fails (a KV leak, a
+// wedged transport) ejected, and a decode pool behind a DNS name that grows
+// and shrinks under load without a router restart.
+#include <signal.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "gtest/gtest.h"
+#include "tests/cluster/cluster_harness.h"
+#include "tests/support/dnsmasq.h"
+
+namespace pdserve {
+namespace {
+
+v1::GenerateRequest Request(int max_tokens) {
+  v1::GenerateRequest r;
+  r.set_text("In the beginning God created");
+  r.set_max_tokens(max_tokens);
+  r.mutable_sampling()->set_temperature(0.8f);
+  r.mutable_sampling()->set_seed(77);
+  return r;
+}
+
+Output Undisturbed(const std::string& dir, const v1::GenerateRequest& req) {
+  Cluster calm;
+  const absl::Status s = calm.Start(dir + "/calm", false);
+  EXPECT_TRUE(s.ok()) << s;
+  Output want = calm.Generate(req);
+  EXPECT_TRUE(want.status.ok()) << want.status.error_message();
+  return want;
+}
+
+void ReadAll(grpc::ClientReader<v1::GenerateResponse>& reader, Output& got) {
+  v1::GenerateResponse m;
+  while (reader.Read(&m)) {
+    if (m.has_chunk()) {
+      got.tokens.insert(got.tokens.end(), m.chunk().token_ids().begin(), m.chunk().token_ids().end());
+      got.text += m.chunk().text();
+    } else if (m.has_final()) {
+      got.final = m.final();
+      got.finish = m.final().finish_reason();
+    }
+  }
+  got.status = reader.Finish();
+}
+
+void ExpectUndisturbed(const Output& got, const Output& want, Cluster& c) {
+  ASSERT_TRUE(got.status.ok()) << got.status.error_message() << "\n" << c.Logs();
+  EXPECT_EQ(got.final.finish_reason(), v1::FINISH_REASON_LENGTH) << got.final.error() << "\n" << c.Logs();
+  EXPECT_EQ(got.tokens, want.tokens) << "a token repeated, lost or changed";
+  EXPECT_EQ(got.text, want.text);
+}
+
+// grpc.health.v1.Health/Check for the whole server (an empty request): the
+// answer's status field, 1 SERVING or 2 NOT_SERVING; -1 if the call failed.
+int GrpcHealth(const std::string& address) {
+  grpc::GenericStub stub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  grpc::Slice empty("");
+  grpc::ByteBuffer request(&empty, 1);
+  grpc::ByteBuffer response;
+  absl::Notification done;
+  grpc::Status status;
+  stub.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &response,
+                 [&](grpc::Status s) {
+                   status = std::move(s);
+                   done.Notify();
+                 });
+  done.WaitForNotification();
+  if (!status.ok()) return -1;
+  std::vector<grpc::Slice> slices;
+  if (!response.Dump(&slices).ok()) return -1;
+  std::string bytes;
+  for (const grpc::Slice& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  // Field 1, varint: tag 0x08 then the value (absent: 0, UNKNOWN).
+  return bytes.size() == 2 && bytes[0] == 0x08 ? bytes[1] : (bytes.empty() ? 0 : -1);
+}
+
+// The value of an unlabelled sample `name` in a Prometheus text page (-1 if absent).
+double MetricValue(const std::string& page, const std::string& name) {
+  for (absl::string_view line : absl::StrSplit(page, '\n')) {
+    if (!absl::ConsumePrefix(&line, name) || !absl::ConsumePrefix(&line, " ")) continue;
+    double v;
+    if (absl::SimpleAtod(line, &v)) return v;
+  }
+  return -1;
+}
+
+// A prefill worker killed while it computes (its reservation on the decode
+// side already made): the router prefills again on the other one.
+TEST(OperationsTest, PrefillWorkerKilledMidPrefillIsRetriedElsewhere) {
+  const std::string dir = TempDir();
+  const Output want = Undisturbed(dir, Request(24));
+  Cluster c;
+  // Every forward waits 1.5 s first: the kill lands inside the prefill.
+  absl::Status s = c.Start(dir + "/faulty", false, {}, {}, /*num_prefill=*/2, {"--fault_stall_prefill_ms", "1500"});
+  ASSERT_TRUE(s.ok()) << s;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  auto reader = c.stub()->Generate(&ctx, Request(24));
+  absl::SleepFor(absl::Milliseconds(600));
+  const v1::ClusterStatusResponse st = c.Status();
+  const int victim = st.prefill(0).running() > 0 ? 0 : 1;
+  ASSERT_GT(st.prefill(victim).running(), 0) << st.ShortDebugString();
+  c.prefill(victim).Kill();
+  Output got;
+  ReadAll(*reader, got);
+  ExpectUndisturbed(got, want, c);
+  EXPECT_EQ(AllKvUsedAfterSettling(c), 0) << c.Status().ShortDebugString() << "\n" << c.Logs();
+}
+
+// SIGTERM to a prefill worker with a request inside its prefill: with a
+// long grace period the request finishes there and the worker exits
+// cleanly; with a short one the rest goes to the other prefill worker.
+// Either way the stream is the undisturbed one and no KV is left behind.
+class PrefillDrainTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(PrefillDrainTest, SigtermFinishesOrHandsOverTheRequest) {
+  const bool short_grace = GetParam();
+  const std::string dir = TempDir();
+  const Output want = Undisturbed(dir, Request(24));
+  Cluster c;
+  absl::Status s = c.Start(dir + "/drain", false, {}, {}, 2,
+                           {"--fault_stall_prefill_ms", "1000", "--drain_grace_s", short_grace ? "0.1" : "30"});
+  ASSERT_TRUE(s.ok()) << s;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  auto reader = c.stub()->Generate(&ctx, Request(24));
+  absl::SleepFor(absl::Milliseconds(400));
+  const v1::ClusterStatusResponse st = c.Status();
+  const int victim = st.prefill(0).running() > 0 ? 0 : 1;
+  ASSERT_GT(st.prefill(victim).running(), 0) << st.ShortDebugString();
+  c.prefill(victim).Signal(SIGTERM);
+  Output got;
+  ReadAll(*reader, got);
+  ExpectUndisturbed(got, want, c);
+  EXPECT_EQ(c.prefill(victim).Wait(absl::Seconds(10)), 0) << c.Logs();
+  // New work goes to the survivor.
+  const Output after = c.Generate(Request(8));
+  EXPECT_TRUE(after.status.ok()) << after.status.error_message();
+  EXPECT_EQ(after.final.finish_reason(), v1::FINISH_REASON_LENGTH) << after.final.error();
+  EXPECT_EQ(AllKvUsedAfterSettling(c), 0) << c.Status().ShortDebugString();
+}
+
+INSTANTIATE_TEST_SUITE_P(Grace, PrefillDrainTest, ::testing::Values(true, false),
+                         [](const ::testing::TestParamInfo<bool>& i) {
+                           return i.param ? "ShortGraceHandsOver" : "LongGraceFinishesInPlace";
+                         });
+
+// A decode worker whose health check fails is NOT_SERVING (gRPC health and
+// the Status RPC, with the reason) and the router sends its work elsewhere.
+struct SickWorker {
+  const char* name;
+  std::vector<std::string> flags;
+  const char* reason;
+};
+
+class UnhealthyWorkerTest : public ::testing::TestWithParam<SickWorker> {};
+
+TEST_P(UnhealthyWorkerTest, IsNotServingAndGetsNoWork) {
+  const std::string dir = TempDir();
+  Cluster c;
+  c.extra_decode_flags[0] = GetParam().flags;
+  absl::Status s = c.Start(dir + "/sick", false, {}, {}, 1, {}, /*num_decode=*/2);
+  ASSERT_TRUE(s.ok()) << s;
+  const std::string sick = c.Status().decode(0).address();
+  v1::WorkerStatus status;
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  do {
+    absl::SleepFor(absl::Milliseconds(100));
+    status = c.Status().decode(0);
+  } while (status.healthy() && absl::Now() < deadline);
+  EXPECT_FALSE(status.healthy()) << status.ShortDebugString();
+  EXPECT_NE(status.unhealthy_reason().find(GetParam().reason), std::string::npos) << status.ShortDebugString();
+  EXPECT_EQ(GrpcHealth(sick), 2) << "gRPC health should be NOT_SERVING";
+  EXPECT_EQ(GrpcHealth(c.Status().decode(1).address()), 1);
+  absl::SleepFor(absl::Milliseconds(300));  // The router's probe has seen it.
+  for (int i = 0; i < 4; ++i) {
+    const Output got = c.Generate(Request(8));
+    ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+    EXPECT_EQ(got.final.finish_reason(), v1::FINISH_REASON_LENGTH) << got.final.error() << "\n" << c.Logs();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Faults, UnhealthyWorkerTest,
+    ::testing::Values(SickWorker{"KvLeak", {"--fault_leak_kv_blocks", "3", "--leak_grace_s", "0.5"}, "KV pool leak: 3"},
+                      SickWorker{"WedgedTransport",
+                                 {"--fault_wedge_kv_after_s", "0.5", "--wedge_after_s", "1"},
+                                 "wedged"}),
+    [](const ::testing::TestParamInfo<SickWorker>& i) { return std::string(i.param.name); });
+
+// A port free on both addresses (the pods of a headless Service share one).
+int PortFreeOn(const std::vector<std::string>& ips) {
+  for (int attempt = 0; attempt < 20; ++attempt) {
+    int port = 0;
+    bool ok = true;
+    for (const std::string& ip : ips) {
+      const int fd = socket(AF_INET, SOCK_STREAM, 0);
+      sockaddr_in a{};
+      a.sin_family = AF_INET;
+      a.sin_port = htons(static_cast<uint16_t>(port));
+      inet_pton(AF_INET, ip.c_str(), &a.sin_addr);
+      socklen_t len = sizeof(a);
+      ok = bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+           getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
+      port = ntohs(a.sin_port);
+      close(fd);
+      if (!ok) break;
+    }
+    if (ok) return port;
+  }
+  return 0;
+}
+
+// Decode workers behind a DNS name: one added to the name takes load, one
+// removed and sent SIGTERM drains, with requests flowing all along and none
+// failing, and the router never restarted.
+TEST(OperationsTest, DecodePoolScalesBehindADnsName) {
+  if (!testing_support::DnsmasqAvailable()) GTEST_SKIP() << "dnsmasq not installed (deploy/bootstrap.sh installs it)";
+  const std::string dir = TempDir();
+  testing_support::Dnsmasq dns;
+  ASSERT_TRUE(dns.Start(dir).ok());
+  const int port = PortFreeOn({"127.0.0.2", "127.0.0.3"});
+  ASSERT_GT(port, 0);
+  const std::string name = "decode.pdserve.test";
+  auto start_decode = [&](Subprocess& p, const std::string& ip) -> absl::Status {
+    const std::string ready = absl::StrCat(dir, "/decode-", ip, ".ready");
+    absl::Status s = p.Start({kBin + "/decode_worker/pdserve-decode-worker", "--model", kModel, "--ready_file", ready,
+                              "--listen", absl::StrCat(ip, ":", port), "--drain_grace_s", "5"},
+                             absl::StrCat(dir, "/decode-", ip, ".log"));
+    if (!s.ok()) return s;
+    return p.WaitReady(ready, absl::Seconds(60)).status();
+  };
+  Subprocess d1, d2, prefill, router;
+  ASSERT_TRUE(start_decode(d1, "127.0.0.2").ok()) << d1.LogTail();
+  ASSERT_TRUE(dns.SetHosts({{name, {"127.0.0.2"}}}).ok());
+  ASSERT_TRUE(prefill
+                  .Start({kBin + "/prefill_worker/pdserve-prefill-worker", "--model", kModel, "--ready_file",
+                          dir + "/prefill.ready"},
+                         dir + "/prefill.log")
+                  .ok());
+  absl::StatusOr<int> pport = prefill.WaitReady(dir + "/prefill.ready", absl::Seconds(60));
+  ASSERT_TRUE(pport.ok()) << pport.status();
+  ASSERT_TRUE(router
+                  .Start({kBin + "/router/pdserve-router", "--model", kModel, "--ready_file", dir + "/router.ready",
+                          "--prefill", absl::StrCat("127.0.0.1:", *pport), "--decode",
+                          absl::StrCat("dns://", dns.server(), "/", name, ":", port), "--resolve_interval_s", "0.2"},
+                         dir + "/router.log")
+                  .ok());
+  absl::StatusOr<int> rport = router.WaitReady(dir + "/router.ready", absl::Seconds(60));
+  ASSERT_TRUE(rport.ok()) << rport.status();
+  auto stub = v1::Generation::NewStub(
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", *rport), grpc::InsecureChannelCredentials()));
+  auto logs = [&] {
+    return absl::StrCat("router:\n", router.LogTail(), "\nd1:\n", d1.LogTail(), "\nd2:\n", d2.LogTail());
+  };
+
+  // Steady load: two clients, one request after another.
+  std::atomic<bool> stop{false};
+  std::atomic<int> completed{0};
+  absl::Mutex mu;
+  std::vector<std::string> failures;
+  std::vector<std::thread> clients;
+  for (int i = 0; i < 2; ++i) {
+    clients.emplace_back([&] {
+      while (!stop) {
+        grpc::ClientContext ctx;
+        ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+        v1::CompleteResponse out;
+        const grpc::Status st = stub->Complete(&ctx, Request(16), &out);
+        if (st.ok() && out.final().finish_reason() == v1::FINISH_REASON_LENGTH) {
+          ++completed;
+        } else {
+          absl::MutexLock lock(&mu);
+          failures.push_back(st.ok() ? out.final().error() : st.error_message());
+        }
+      }
+    });
+  }
+  auto wait_completed = [&](int more) {
+    const int target = completed + more;
+    const absl::Time deadline = absl::Now() + absl::Seconds(20);
+    while (completed < target && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(20));
+  };
+  wait_completed(5);
+
+  // Scale out: the second worker joins the name and takes work.
+  ASSERT_TRUE(start_decode(d2, "127.0.0.3").ok()) << d2.LogTail();
+  ASSERT_TRUE(dns.SetHosts({{name, {"127.0.0.2", "127.0.0.3"}}}).ok());
+  const int d2_metrics = MetricsPort(dir + "/decode-127.0.0.3.ready");
+  double d2_served = 0;
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while ((d2_served = MetricValue(HttpGet(d2_metrics, "/metrics"), "pdserve_handoff_transfers_total")) < 3 &&
+         absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_GE(d2_served, 3) << "the added worker took no load\n" << logs();
+
+  // Scale in: the first leaves the name and gets SIGTERM, as a pod deletion does.
+  ASSERT_TRUE(dns.SetHosts({{name, {"127.0.0.3"}}}).ok());
+  d1.Signal(SIGTERM);
+  EXPECT_EQ(d1.Wait(absl::Seconds(15)), 0) << logs();
+  wait_completed(5);
+  stop = true;
+  for (std::thread& t : clients) t.join();
+  EXPECT_GT(completed, 10);
+  absl::MutexLock lock(&mu);
+  EXPECT_TRUE(failures.empty()) << failures.size() << " requests failed, first: " << failures.front() << "\n"
+                                << logs();
+  grpc::ClientContext sctx;
+  v1::ClusterStatusResponse st;
+  ASSERT_TRUE(stub->ClusterStatus(&sctx, {}, &st).ok());
+  ASSERT_EQ(st.decode_size(), 1) << st.ShortDebugString();
+  EXPECT_EQ(st.decode(0).address(), absl::StrCat("127.0.0.3:", port));
+}
+
+}  // namespace
+}  // namespace pdserve

@@ -55,6 +55,21 @@ void RouterService::RegisterMetrics() {
   migrations_ = metrics_.AddCounter("pdserve_migrations_total", "Sequences moved off a failed decode worker.");
   metrics_.AddGauge("pdserve_requests_in_flight", "Requests being served.",
                     [this] { return static_cast<double>(in_flight_.load()); });
+  for (const bool prefill : {true, false}) {
+    for (const bool healthy : {true, false}) {
+      metrics_.AddGauge(
+          "pdserve_workers", "Workers known to the router, by role and whether they serve now.",
+          [this, prefill, healthy] {
+            int n = 0;
+            for (const WorkerPtr& w : Snapshot(prefill)) n += w->healthy.load() == healthy ? 1 : 0;
+            return static_cast<double>(n);
+          },
+          absl::StrCat("role=\"", prefill ? "prefill" : "decode", "\",state=\"", healthy ? "serving" : "ejected", "\""));
+    }
+    ejections_[prefill] = metrics_.AddCounter("pdserve_worker_ejections_total",
+                                              "Times a worker stopped serving in the router's view.",
+                                              absl::StrCat("role=\"", prefill ? "prefill" : "decode", "\""));
+  }
 }
 
 void RouterService::CountOutcome(const char* outcome) { outcomes_[outcome]->Add(); }
@@ -203,6 +218,7 @@ void RouterService::ProbeDue(bool force_all) {
       w.next_probe = now + std::min(options_.max_backoff, options_.probe_period * (1 << std::min(w.failures - 1, 10)));
     }
     const bool was = w.healthy.exchange(healthy);
+    if (was && !healthy) ejections_[w.prefill_role]->Add();
     if (was != healthy || (!healthy && reason != w.last_reason)) {
       LogEvent(healthy ? "info" : "warning", healthy ? "worker_admitted" : "worker_ejected",
                {{"role", role}, {"address", w.address}, {"reason", reason},

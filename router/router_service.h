@@ -165,6 +165,7 @@ class RouterService final : public v1::Generation::Service {
   Histogram* handoff_ = nullptr;
   Counter* retries_ = nullptr;
   Counter* migrations_ = nullptr;
+  Counter* ejections_[2] = {nullptr, nullptr};  // By prefill_role.
   ModelConfig config_;
   std::unique_ptr<tok::Tokenizer> tokenizer_;
   std::optional<tok::ChatFormat> chat_format_;

@@ -500,6 +500,12 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
   while (error.empty() && !cancelled && finish == FinishReason::kNone) {
     const std::string internal_id =
         absl::StrFormat("%s-%d-%d", client_id.empty() ? "req" : client_id, getpid(), next_request_++);
+    if (replay.finished()) {
+      // Every token was streamed before the worker failed (its final
+      // message was lost): the request is complete.
+      finish = replay.finish();
+      break;
+    }
     const WorkerPtr d =
         PickWaiting(ctx, [&] { return PickDecode(prompt_tokens + gr.params.max_tokens, failed_decode); });
     if (d == nullptr) {
@@ -597,12 +603,14 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
         const grpc::Status ps = preader->Finish();
         if (!first_seen) p->queued_tokens -= context_tokens;
         p->in_flight--;
-        if (ps.ok() || !error.empty()) break;
+        // After `done` the KV is committed on the decode worker, which
+        // carries the request on: a prefill worker dying now costs nothing.
+        if (ps.ok() || !error.empty() || handed_off) break;
         if (ctx->IsCancelled() || ps.error_code() == grpc::StatusCode::CANCELLED) {
           cancelled = true;
           break;
         }
-        if (ps.error_code() == grpc::StatusCode::INVALID_ARGUMENT || handed_off) {
+        if (ps.error_code() == grpc::StatusCode::INVALID_ARGUMENT) {
           error = absl::StrCat("prefill worker ", p->address, ": ", ps.error_message());
           break;
         }

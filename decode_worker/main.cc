@@ -31,6 +31,9 @@ ABSL_FLAG(bool, stand_in, false, "benchmark stand-in: stream max_tokens dummy to
 ABSL_FLAG(std::string, kv_host, "127.0.0.1", "address the KV receiver listens on (UCX)");
 ABSL_FLAG(int, kv_port, 0, "port of the KV receiver (0: any free port)");
 ABSL_FLAG(double, kv_lease_s, 5, "a KV reservation not renewed for this long is aborted");
+ABSL_FLAG(double, kv_quarantine_s, 30,
+          "an aborted reservation whose sender neither acknowledges nor disconnects within this is freed "
+          "(its connection is dropped)");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:0", "Prometheus /metrics address (port 0: any free; empty: off)");
 ABSL_FLAG(double, drain_grace_s, 30, "SIGTERM: seconds to finish running streams before they migrate");
 
@@ -55,6 +58,7 @@ int Run() {
   kv::ReceiverOptions ro;
   ro.model = engine->model->identity();
   ro.lease = absl::Seconds(absl::GetFlag(FLAGS_kv_lease_s));
+  ro.quarantine_timeout = absl::Seconds(absl::GetFlag(FLAGS_kv_quarantine_s));
   absl::StatusOr<std::unique_ptr<kv::KvReceiver>> receiver = kv::KvReceiver::Create(
       transport, engine->pool.get(), &pool_mu, ro, [&service](kv::CommittedSequence c) {
         decode::HandedOff h;

@@ -55,6 +55,14 @@ class LoopbackTransport::Conn final : public Connection {
   }
   bool failed() const override { return failed_; }
   const std::string& name() const override { return name_; }
+  void Fail(absl::Status why) override {
+    if (failed_) return;
+    Disconnect(why.ok() ? absl::UnavailableError("failed") : why);
+    failed_ = true;
+    if (std::shared_ptr<Conn> peer = peer_.lock()) {
+      peer->owner_->loop_.Post([peer] { peer->Disconnect(absl::UnavailableError("connection reset by peer")); });
+    }
+  }
 
   // On the owner's loop.
   void Disconnect(absl::Status why) {

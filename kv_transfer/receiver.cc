@@ -249,6 +249,7 @@ void KvReceiver::Quarantine(HandoffId id, absl::Status why) {
     auto it = handoffs_.find(id);
     if (it == handoffs_.end() || it->second.state != State::kActive) return;
     it->second.state = State::kQuarantined;
+    it->second.deadline = options_.clock() + options_.quarantine_timeout;
     metrics_.AddQuarantined(static_cast<int64_t>(it->second.blocks.size()));
     metrics_.RecordFailure();
     metrics_.RecordAbort();
@@ -263,12 +264,21 @@ void KvReceiver::Quarantine(HandoffId id, absl::Status why) {
 
 void KvReceiver::ExpireLeases() {
   std::vector<HandoffId> expired;
+  std::vector<Connection*> silent;  // Quarantined past the timeout.
   {
     absl::MutexLock lock(&mu_);
     const absl::Time now = options_.clock();
     for (const auto& [id, h] : handoffs_) {
-      if (h.state == State::kActive && h.deadline < now) expired.push_back(id);
+      if (h.deadline >= now) continue;
+      if (h.state == State::kActive) {
+        expired.push_back(id);
+      } else if (std::find(silent.begin(), silent.end(), h.conn) == silent.end()) {
+        silent.push_back(h.conn);
+      }
     }
+  }
+  for (Connection* c : silent) {
+    c->Fail(absl::DeadlineExceededError("the sender neither acknowledged an abort nor disconnected"));
   }
   for (HandoffId id : expired) {
     metrics_.RecordLeaseExpired();

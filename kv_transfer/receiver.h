@@ -54,6 +54,10 @@ struct ReceiverOptions {
   ModelIdentity model;
   absl::Duration lease = absl::Seconds(5);
   absl::Duration lease_check_period = absl::Milliseconds(20);
+  // A quarantined handoff whose sender neither acknowledges the abort nor
+  // disconnects within this (a cut link: TCP may take many minutes to
+  // notice) has its connection failed, which frees every handoff on it.
+  absl::Duration quarantine_timeout = absl::Seconds(30);
   std::function<absl::Time()> clock = [] { return absl::Now(); };
 };
 
@@ -106,7 +110,7 @@ class KvReceiver final : public ConnectionHandler {
     int32_t held_positions = 0;
     int32_t reserved_positions = 0;
     absl::Time start;
-    absl::Time deadline;
+    absl::Time deadline;  // Active: the lease; quarantined: when to give up on the sender.
   };
 
   KvReceiver(Transport* transport, BlockPool* pool, absl::Mutex* pool_mu, ReceiverOptions options,

@@ -52,6 +52,13 @@ void Resolve(std::shared_ptr<std::promise<absl::Status>>& p, absl::Status s) {
   p.reset();
 }
 
+// A receiver that did not answer in time is treated as gone: its
+// connection is failed, so the writes still outstanding on it end (instead
+// of keeping the loop polling) and the next handoff to it reconnects.
+void FailSilent(Transport* transport, Connection* conn, const absl::Status& why) {
+  transport->loop().Post([conn, why] { conn->Fail(why); });
+}
+
 template <typename T>
 absl::StatusOr<T> Wait(std::future<T>& f, absl::Duration timeout, absl::string_view what) {
   if (f.wait_for(absl::ToChronoNanoseconds(timeout)) != std::future_status::ready) {
@@ -111,7 +118,10 @@ absl::StatusOr<std::unique_ptr<Handoff>> KvSender::Reserve(Connection* conn, Res
   transport_->loop().AddBusy(1);
   absl::StatusOr<absl::StatusOr<ReserveReply>> waited = Wait(future, options_.timeout, "reserve");
   transport_->loop().AddBusy(-1);
-  if (!waited.ok()) return waited.status();
+  if (!waited.ok()) {
+    FailSilent(transport_, conn, waited.status());
+    return waited.status();
+  }
   if (!waited->ok()) return waited->status();
   ReserveReply& reply = **waited;
   if (reply.code != 0) {
@@ -321,6 +331,7 @@ absl::Status Handoff::Commit(kv::Commit state) {
   sender->transport_->loop().AddBusy(1);
   absl::StatusOr<absl::Status> waited = Wait(future, sender->options_.timeout, "commit");
   sender->transport_->loop().AddBusy(-1);
+  if (!waited.ok()) FailSilent(sender->transport_, state_->conn, waited.status());
   return waited.ok() ? *waited : waited.status();
 }
 
@@ -344,6 +355,7 @@ absl::Status Handoff::Abort(absl::Status why) {
     });
   });
   absl::StatusOr<absl::Status> waited = Wait(future, sender->options_.timeout, "abort");
+  if (!waited.ok()) FailSilent(sender->transport_, state_->conn, waited.status());
   return waited.ok() ? *waited : waited.status();
 }
 

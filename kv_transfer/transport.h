@@ -60,6 +60,11 @@ class Connection {
   // Graceful close with a shutdown handshake; the peer sees OnDisconnected
   // with OK.
   virtual void Close() = 0;
+  // Gives up on the peer at once (a peer that stopped answering): every
+  // outstanding operation completes with an error, this side's handler
+  // sees OnDisconnected(why), nothing more is delivered either way, and
+  // failed() is true from here on.
+  virtual void Fail(absl::Status why) = 0;
   virtual bool failed() const = 0;
   virtual const std::string& name() const = 0;
 };

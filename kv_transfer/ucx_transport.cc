@@ -343,6 +343,15 @@ class UcxTransport::Conn final : public Connection {
     Close();
   }
 
+  void Fail(absl::Status why) override {
+    if (state_ == State::kFailed) return;
+    const bool report = state_ == State::kOpen;
+    state_ = State::kFailed;
+    error_ = absl::UnavailableError(absl::StrCat("connection ", name_, ": ", why.message()));
+    if (report && handler_ != nullptr) handler_->OnDisconnected(*this, error_);
+    CloseEp(UCP_EP_CLOSE_FLAG_FORCE);
+  }
+
   void OnError(ucs_status_t s) {
     if (state_ == State::kFailed) return;
     const bool report = state_ == State::kOpen;

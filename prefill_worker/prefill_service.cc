@@ -4,6 +4,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -112,17 +113,30 @@ absl::StatusOr<kv::Connection*> PrefillService::ConnectionTo(const std::string& 
 }
 
 absl::Status PrefillService::StartHandoff(Job& job) {
-  absl::StatusOr<kv::Connection*> conn = ConnectionTo(job.decode_address);
-  if (!conn.ok()) return conn.status();
   const GenerationRequest& r = job.gen->request();
-  kv::ReserveArgs args;
-  args.num_positions = static_cast<int32_t>(job.context.size());
-  args.margin_positions = r.params.max_tokens - static_cast<int32_t>(job.gen->generated().size());
-  args.prompt_tokens = job.context;
-  absl::StatusOr<std::unique_ptr<kv::Handoff>> h = sender_->Reserve(*conn, std::move(args));
-  if (!h.ok()) return h.status();
-  job.handoff = *std::move(h);
-  return absl::OkStatus();
+  for (int attempt = 0;; ++attempt) {
+    const bool cached = connections_.contains(job.decode_address);
+    absl::StatusOr<kv::Connection*> conn = ConnectionTo(job.decode_address);
+    if (!conn.ok()) return conn.status();
+    kv::ReserveArgs args;
+    args.num_positions = static_cast<int32_t>(job.context.size());
+    args.margin_positions = r.params.max_tokens - static_cast<int32_t>(job.gen->generated().size());
+    args.prompt_tokens = job.context;
+    absl::StatusOr<std::unique_ptr<kv::Handoff>> h = sender_->Reserve(*conn, std::move(args));
+    if (h.ok()) {
+      job.handoff = *std::move(h);
+      return absl::OkStatus();
+    }
+    // A kept connection whose receiver went away (and perhaps came back at
+    // the same address) fails on first use: connect once more before
+    // reporting the decode side as failed.
+    if (attempt == 0 && cached && absl::IsUnavailable(h.status()) &&
+        !absl::StrContains(h.status().message(), "draining")) {
+      connections_.erase(job.decode_address);
+      continue;
+    }
+    return h.status();
+  }
 }
 
 void PrefillService::ComputeLoop() {

@@ -18,6 +18,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// Decode attempts per request (the first and its migrations).
+constexpr int kMaxDecodeAttempts = 8;
+
 double Seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
@@ -506,8 +509,14 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
       finish = replay.finish();
       break;
     }
-    const WorkerPtr d =
-        PickWaiting(ctx, [&] { return PickDecode(prompt_tokens + gr.params.max_tokens, failed_decode); });
+    const WorkerPtr d = PickWaiting(ctx, [&] {
+      WorkerPtr w = PickDecode(prompt_tokens + gr.params.max_tokens, failed_decode);
+      // Every serving worker has failed this request once. A handoff can
+      // fail for reasons that pass (a worker restarted in between, a stale
+      // connection), so they are tried again, up to a bound.
+      if (w == nullptr && attempt < kMaxDecodeAttempts) w = PickDecode(prompt_tokens + gr.params.max_tokens, {});
+      return w;
+    });
     if (d == nullptr) {
       error = failed_decode.empty() ? "no healthy decode worker"
                                     : absl::StrCat("no decode worker left to continue on (last: ",

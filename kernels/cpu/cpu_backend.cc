@@ -273,7 +273,7 @@ void CpuBackend::BuildAttentionPlan(const AttentionBatch& batch) {
       std::stable_sort(level.begin(), level.end(),
                        [](const auto& x, const auto& y) { return x.first < y.first; });
       for (size_t k = 0; k < level.size();) {
-        AttentionGroupStep step{level[k].first, static_cast<int32_t>(p.queries.size()), 0};
+        AttentionGroupStep step{level[k].first, static_cast<int32_t>(p.queries.size()), 0, i};
         for (; k < level.size() && level[k].first == step.block; ++k) p.queries.push_back(level[k].second);
         step.query_end = static_cast<int32_t>(p.queries.size());
         p.steps.push_back(step);

@@ -77,12 +77,13 @@ struct AttentionArgs {
 // Cascade (shared-prefix) attention plan for decode batches: steps in
 // logical block order, each one physical block and the queries that read it.
 struct AttentionGroupStep {
-  int32_t block;        // Physical block.
-  int32_t query_begin;  // Range in `queries`.
+  int32_t block;          // Physical block.
+  int32_t query_begin;    // Range in `queries`.
   int32_t query_end;
+  int32_t logical_block;  // Its index in the block tables of its queries.
 };
 struct AttentionGroupQuery {
-  int32_t state;    // Index into `rows` (and the kernel's state buffer).
+  int32_t state;    // Index into `rows` and AttentionArgs::seqs (the kernel's state).
   int32_t visible;  // Keys of this block the query attends to.
 };
 struct AttentionGroupPlan {

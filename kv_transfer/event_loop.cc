@@ -14,6 +14,12 @@ namespace {
 // arms and sleeps: an answer that comes back within it (a commit ack over
 // loopback) costs no wake-up. An idle loop pays it once per ticker period.
 constexpr absl::Duration kSpinAfterWork = absl::Microseconds(100);
+// Outstanding operations keep the loop polling, but once nothing at all has
+// happened for this long (a peer that stopped answering, a transport whose
+// fd stays busy) it waits on its fds for up to kStalledWait per round
+// instead of spinning a core until the operations fail.
+constexpr absl::Duration kSpinWhileStalled = absl::Milliseconds(10);
+constexpr int kStalledWaitMs = 1;
 }  // namespace
 
 void EventLoop::Start(std::string name, Device device) {
@@ -91,19 +97,26 @@ void EventLoop::Run(Device device) {
     }
     for (auto& fn : due) fn();
 
-    if (worked || !due.empty()) {
-      last_work = absl::Now();
+    if (worked) last_work = absl::Now();
+    if (worked || !due.empty()) continue;  // Tickers alone are not progress.
+    pollfd fds[2] = {{wake_fd_, POLLIN, 0}, {device.fd, POLLIN, 0}};
+    const int nfds = device.fd >= 0 ? 2 : 1;
+    const absl::Duration quiet = absl::Now() - last_work;
+    const bool stalled = quiet > kSpinWhileStalled;
+    if (busy_.load() > 0 || quiet < kSpinAfterWork || (device.arm && !device.arm())) {
+      if (stalled) {
+        poll(fds, nfds, kStalledWaitMs);
+        uint64_t drained;
+        (void)!read(wake_fd_, &drained, sizeof(drained));
+      }
       continue;
     }
-    if (busy_.load() > 0 || absl::Now() - last_work < kSpinAfterWork) continue;
-    if (device.arm && !device.arm()) continue;
-    pollfd fds[2] = {{wake_fd_, POLLIN, 0}, {device.fd, POLLIN, 0}};
     int timeout_ms = -1;
     if (next_tick != absl::InfiniteFuture()) {
       timeout_ms = static_cast<int>(std::max<int64_t>(
           0, absl::ToInt64Milliseconds(next_tick - absl::Now()) + 1));
     }
-    poll(fds, device.fd >= 0 ? 2 : 1, timeout_ms);
+    poll(fds, nfds, timeout_ms);
     uint64_t drained;
     (void)!read(wake_fd_, &drained, sizeof(drained));
     last_work = absl::Now();

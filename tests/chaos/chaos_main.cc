@@ -45,6 +45,7 @@
 #include "pdserve/v1/generation.grpc.pb.h"
 #include "tests/chaos/fleet.h"
 #include "tests/chaos/verdict.h"
+#include "tests/support/http_get.h"
 
 ABSL_FLAG(double, duration_s, 60, "length of the chaos phase (seconds)");
 ABSL_FLAG(int, clients, 4, "concurrent client threads");
@@ -141,28 +142,6 @@ Observed Generate(v1::Generation::Stub& stub, const v1::GenerateRequest& req, ab
   }
   out.status = reader->Finish();
   return out;
-}
-
-// GET http://127.0.0.1:port/path: the body, or "" on any failure.
-std::string HttpGet(int port, const std::string& path) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return "";
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  std::string response;
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
-    const std::string req = absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
-    if (write(fd, req.data(), req.size()) == static_cast<ssize_t>(req.size())) {
-      char buf[4096];
-      ssize_t n;
-      while ((n = read(fd, buf, sizeof(buf))) > 0) response.append(buf, n);
-    }
-  }
-  close(fd);
-  const size_t body = response.find("\r\n\r\n");
-  return body == std::string::npos ? "" : response.substr(body + 4);
 }
 
 // Series (name plus labels, as exposed) → value, for names starting with `prefix`.
@@ -512,7 +491,7 @@ int Run() {
   Say(absl::StrCat("load stopped after ", absl::FormatDuration(absl::Now() - chaos_start)));
 
   const Settled settled = Settle(*stub, absl::Seconds(absl::GetFlag(FLAGS_settle_s)));
-  const std::string metrics = HttpGet(fleet.router_metrics_port(), "/metrics");
+  const std::string metrics = testing_support::HttpGet(fleet.router_metrics_port(), "/metrics");
   const Ledger::Totals t = ledger.totals();
 
   absl::PrintF("\n==== pdserve-chaos summary (seed %d)\n", seed);

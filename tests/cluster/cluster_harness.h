@@ -24,6 +24,7 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "pdserve/v1/generation.grpc.pb.h"
+#include "tests/support/http_get.h"
 #include "tests/support/subprocess.h"
 
 namespace pdserve {
@@ -45,27 +46,7 @@ inline int MetricsPort(const std::string& ready_file) {
   return j.is_object() && j.contains("metrics_port") ? j["metrics_port"].get<int>() : 0;
 }
 
-// GET http://127.0.0.1:port/path; the body, or "" on any failure.
-inline std::string HttpGet(int port, const std::string& path) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return "";
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  std::string out;
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
-    const std::string req = "GET " + path + " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
-    if (write(fd, req.data(), req.size()) == static_cast<ssize_t>(req.size())) {
-      char buf[4096];
-      ssize_t n;
-      while ((n = read(fd, buf, sizeof(buf))) > 0) out.append(buf, n);
-    }
-  }
-  close(fd);
-  const size_t body = out.find("\r\n\r\n");
-  return body == std::string::npos ? "" : out.substr(body + 4);
-}
+using testing_support::HttpGet;
 
 struct Output {
   std::vector<int32_t> tokens;
@@ -221,6 +202,59 @@ inline int DecodeKvUsedAfterSettling(Cluster& c, absl::Duration wait = absl::Sec
     absl::SleepFor(absl::Milliseconds(20));
   }
   return used;
+}
+
+// The fault tests' request: seeded sampling, so every run gives the same tokens.
+inline v1::GenerateRequest SeededRequest(int max_tokens) {
+  v1::GenerateRequest r;
+  r.set_text("In the beginning God created");
+  r.set_max_tokens(max_tokens);
+  r.mutable_sampling()->set_temperature(0.8f);
+  r.mutable_sampling()->set_seed(77);
+  return r;
+}
+
+// Reads a stream to its end into `got`.
+inline void ReadToEnd(grpc::ClientReader<v1::GenerateResponse>& reader, Output& got) {
+  v1::GenerateResponse m;
+  while (reader.Read(&m)) {
+    if (m.has_chunk()) {
+      got.tokens.insert(got.tokens.end(), m.chunk().token_ids().begin(), m.chunk().token_ids().end());
+      got.text += m.chunk().text();
+    } else if (m.has_final()) {
+      got.final = m.final();
+      got.finish = m.final().finish_reason();
+    }
+  }
+  got.status = reader.Finish();
+}
+
+// Reads chunks into `got` until it holds at least `n` tokens (or the stream ends).
+inline void ReadAtLeast(grpc::ClientReader<v1::GenerateResponse>& reader, size_t n, Output& got) {
+  v1::GenerateResponse m;
+  while (got.tokens.size() < n && reader.Read(&m)) {
+    if (!m.has_chunk()) continue;
+    got.tokens.insert(got.tokens.end(), m.chunk().token_ids().begin(), m.chunk().token_ids().end());
+    got.text += m.chunk().text();
+  }
+}
+
+// The request through an undisturbed cluster of the same shape: what a
+// faulty run must reproduce.
+inline Output Undisturbed(const std::string& dir, bool colocated, const v1::GenerateRequest& req) {
+  Cluster calm;
+  const absl::Status s = calm.Start(dir + "/calm", colocated);
+  EXPECT_TRUE(s.ok()) << s;
+  Output want = calm.Generate(req);
+  EXPECT_TRUE(want.status.ok()) << want.status.error_message();
+  return want;
+}
+
+inline void ExpectUndisturbed(const Output& got, const Output& want, Cluster& c) {
+  ASSERT_TRUE(got.status.ok()) << got.status.error_message() << "\n" << c.Logs();
+  EXPECT_EQ(got.final.finish_reason(), v1::FINISH_REASON_LENGTH) << got.final.error() << "\n" << c.Logs();
+  EXPECT_EQ(got.tokens, want.tokens) << "a token repeated, lost or changed";
+  EXPECT_EQ(got.text, want.text);
 }
 
 // The KV blocks in use on every worker, summed, once that reaches 0 or

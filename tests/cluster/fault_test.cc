@@ -14,63 +14,12 @@
 namespace pdserve {
 namespace {
 
-v1::GenerateRequest Request(int max_tokens) {
-  v1::GenerateRequest r;
-  r.set_text("In the beginning God created");
-  r.set_max_tokens(max_tokens);
-  r.mutable_sampling()->set_temperature(0.8f);
-  r.mutable_sampling()->set_seed(77);
-  return r;
-}
-
-// Reads a stream to its end into `got`.
-void Drain(grpc::ClientReader<v1::GenerateResponse>& reader, Output& got) {
-  v1::GenerateResponse m;
-  while (reader.Read(&m)) {
-    if (m.has_chunk()) {
-      got.tokens.insert(got.tokens.end(), m.chunk().token_ids().begin(), m.chunk().token_ids().end());
-      got.text += m.chunk().text();
-    } else if (m.has_final()) {
-      got.final = m.final();
-    }
-  }
-  got.status = reader.Finish();
-}
-
-// The request through an undisturbed cluster of the same shape: what the
-// faulty run must reproduce.
-Output Undisturbed(const std::string& dir, bool colocated, const v1::GenerateRequest& req) {
-  Cluster calm;
-  const absl::Status s = calm.Start(dir + "/calm", colocated);
-  EXPECT_TRUE(s.ok()) << s;
-  Output want = calm.Generate(req);
-  EXPECT_TRUE(want.status.ok()) << want.status.error_message();
-  return want;
-}
-
-// Reads chunks into `got` until it holds at least `n` tokens (or the stream ends).
-void ReadAtLeast(grpc::ClientReader<v1::GenerateResponse>& reader, size_t n, Output& got) {
-  v1::GenerateResponse m;
-  while (got.tokens.size() < n && reader.Read(&m)) {
-    if (!m.has_chunk()) continue;
-    got.tokens.insert(got.tokens.end(), m.chunk().token_ids().begin(), m.chunk().token_ids().end());
-    got.text += m.chunk().text();
-  }
-}
-
 // The decode worker whose pool holds the (only) running sequence.
 int DecodeHoldingTheSequence(Cluster& c) {
   const v1::ClusterStatusResponse st = c.Status();
   const int victim = st.decode(0).kv_blocks_used() > 0 ? 0 : 1;
   EXPECT_GT(st.decode(victim).kv_blocks_used(), 0) << st.ShortDebugString();
   return victim;
-}
-
-void ExpectUndisturbed(const Output& got, const Output& want, Cluster& c) {
-  ASSERT_TRUE(got.status.ok()) << got.status.error_message();
-  EXPECT_EQ(got.final.finish_reason(), v1::FINISH_REASON_LENGTH) << got.final.error() << "\n" << c.Logs();
-  EXPECT_EQ(got.tokens, want.tokens) << "a token repeated, lost or changed";
-  EXPECT_EQ(got.text, want.text);
 }
 
 std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> Open(Cluster& c, grpc::ClientContext& ctx,
@@ -81,18 +30,18 @@ std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> Open(Cluster& c, grpc:
 
 TEST(FaultTest, PrefillWorkerKilledMidHandoffIsRetriedElsewhere) {
   const std::string dir = TempDir();
-  const Output want = Undisturbed(dir, false, Request(24));
+  const Output want = Undisturbed(dir, false, SeededRequest(24));
   Cluster c;
   // Each handoff stalls 1.5 s between the first token and the commit.
   absl::Status s = c.Start(dir + "/faulty", false, {}, {}, /*num_prefill=*/2, {"--fault_stall_before_commit_ms", "1500"});
   ASSERT_TRUE(s.ok()) << s;
   grpc::ClientContext ctx;
-  auto reader = Open(c, ctx, Request(24));
+  auto reader = Open(c, ctx, SeededRequest(24));
   Output got;
   ReadAtLeast(*reader, 1, got);  // The first token: prefill worker 0 is now stalled before its commit.
   ASSERT_EQ(got.tokens.size(), 1u);
   c.prefill(0).Kill();  // kill -9 mid-handoff.
-  Drain(*reader, got);
+  ReadToEnd(*reader, got);
   ExpectUndisturbed(got, want, c);
   // The dead sender's reservation was freed on the decode side.
   EXPECT_EQ(DecodeKvUsedAfterSettling(c, absl::Seconds(10)), 0) << c.Logs();
@@ -103,7 +52,7 @@ class DecodeDeathTest : public ::testing::TestWithParam<bool> {};
 TEST_P(DecodeDeathTest, DecodeWorkerKilledMidStreamMigrates) {
   const bool colocated = GetParam();
   const std::string dir = TempDir();
-  v1::GenerateRequest req = Request(480);
+  v1::GenerateRequest req = SeededRequest(480);
   req.set_ignore_eos(true);
   const Output want = Undisturbed(dir, colocated, req);
   Cluster c;
@@ -115,7 +64,7 @@ TEST_P(DecodeDeathTest, DecodeWorkerKilledMidStreamMigrates) {
   ReadAtLeast(*reader, 20, got);
   ASSERT_GE(got.tokens.size(), 20u);
   c.decode(DecodeHoldingTheSequence(c)).Kill();  // kill -9 mid-stream.
-  Drain(*reader, got);
+  ReadToEnd(*reader, got);
   ExpectUndisturbed(got, want, c);
   EXPECT_EQ(got.final.usage().completion_tokens(), 480);
 }
@@ -134,7 +83,7 @@ class DrainTest : public ::testing::TestWithParam<bool> {};
 TEST_P(DrainTest, SigtermDrainsThenMigratesAtTheDeadline) {
   const bool short_grace = GetParam();
   const std::string dir = TempDir();
-  v1::GenerateRequest req = Request(480);
+  v1::GenerateRequest req = SeededRequest(480);
   req.set_ignore_eos(true);
   const Output want = Undisturbed(dir, false, req);
   Cluster c;
@@ -148,10 +97,10 @@ TEST_P(DrainTest, SigtermDrainsThenMigratesAtTheDeadline) {
   c.decode(victim).Signal(SIGTERM);
   // A request sent during the drain is served by the other worker.
   absl::SleepFor(absl::Milliseconds(300));
-  const Output during = c.Generate(Request(8));
+  const Output during = c.Generate(SeededRequest(8));
   EXPECT_TRUE(during.status.ok()) << during.status.error_message();
   EXPECT_EQ(during.final.finish_reason(), v1::FINISH_REASON_LENGTH) << during.final.error();
-  Drain(*reader, got);
+  ReadToEnd(*reader, got);
   ExpectUndisturbed(got, want, c);
   EXPECT_EQ(c.decode(victim).Wait(absl::Seconds(10)), 0) << c.Logs();
 }
@@ -163,18 +112,18 @@ INSTANTIATE_TEST_SUITE_P(Grace, DrainTest, ::testing::Values(true, false),
 
 TEST(FaultTest, DecodeWorkerKilledDuringTheHandoffMigrates) {
   const std::string dir = TempDir();
-  const Output want = Undisturbed(dir, false, Request(24));
+  const Output want = Undisturbed(dir, false, SeededRequest(24));
   Cluster c;
   // The prefill worker holds each handoff 1 s before committing.
   absl::Status s = c.Start(dir + "/faulty", false, {}, {}, 1, {"--fault_stall_before_commit_ms", "1000"}, 2);
   ASSERT_TRUE(s.ok()) << s;
   grpc::ClientContext ctx;
-  auto reader = Open(c, ctx, Request(24));
+  auto reader = Open(c, ctx, SeededRequest(24));
   Output got;
   ReadAtLeast(*reader, 1, got);  // First token; the handoff is pending.
   ASSERT_EQ(got.tokens.size(), 1u);
   c.decode(DecodeHoldingTheSequence(c)).Kill();
-  Drain(*reader, got);
+  ReadToEnd(*reader, got);
   ExpectUndisturbed(got, want, c);
 }
 
@@ -182,7 +131,7 @@ TEST(FaultTest, RestartedDecodeWorkerServesAgain) {
   const std::string dir = TempDir();
   Cluster c;
   ASSERT_TRUE(c.Start(dir + "/restart", false).ok());
-  const Output before = c.Generate(Request(12));
+  const Output before = c.Generate(SeededRequest(12));
   ASSERT_TRUE(before.status.ok());
   absl::Status s = c.RestartDecode(0);
   ASSERT_TRUE(s.ok()) << s;
@@ -191,7 +140,7 @@ TEST(FaultTest, RestartedDecodeWorkerServesAgain) {
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
   do {
     absl::SleepFor(absl::Milliseconds(200));
-    after = c.Generate(Request(12));
+    after = c.Generate(SeededRequest(12));
   } while (!(after.status.ok() && after.final.finish_reason() == v1::FINISH_REASON_LENGTH) && absl::Now() < deadline);
   ASSERT_TRUE(after.status.ok()) << after.status.error_message() << "\n" << c.Logs();
   EXPECT_EQ(after.final.finish_reason(), v1::FINISH_REASON_LENGTH) << after.final.error();
@@ -204,7 +153,7 @@ TEST(FaultTest, NoLivePrefillWorkerIsUnavailableWithinSeconds) {
   ASSERT_TRUE(c.Start(dir + "/dead", false).ok());
   c.prefill(0).Kill();
   const absl::Time t0 = absl::Now();
-  const Output got = c.Generate(Request(8));
+  const Output got = c.Generate(SeededRequest(8));
   EXPECT_EQ(got.status.error_code(), grpc::StatusCode::UNAVAILABLE) << got.status.error_message();
   EXPECT_FALSE(got.status.error_message().empty());
   EXPECT_LT(absl::Now() - t0, absl::Seconds(5));

@@ -28,45 +28,6 @@
 namespace pdserve {
 namespace {
 
-v1::GenerateRequest Request(int max_tokens) {
-  v1::GenerateRequest r;
-  r.set_text("In the beginning God created");
-  r.set_max_tokens(max_tokens);
-  r.mutable_sampling()->set_temperature(0.8f);
-  r.mutable_sampling()->set_seed(77);
-  return r;
-}
-
-Output Undisturbed(const std::string& dir, const v1::GenerateRequest& req) {
-  Cluster calm;
-  const absl::Status s = calm.Start(dir + "/calm", false);
-  EXPECT_TRUE(s.ok()) << s;
-  Output want = calm.Generate(req);
-  EXPECT_TRUE(want.status.ok()) << want.status.error_message();
-  return want;
-}
-
-void ReadAll(grpc::ClientReader<v1::GenerateResponse>& reader, Output& got) {
-  v1::GenerateResponse m;
-  while (reader.Read(&m)) {
-    if (m.has_chunk()) {
-      got.tokens.insert(got.tokens.end(), m.chunk().token_ids().begin(), m.chunk().token_ids().end());
-      got.text += m.chunk().text();
-    } else if (m.has_final()) {
-      got.final = m.final();
-      got.finish = m.final().finish_reason();
-    }
-  }
-  got.status = reader.Finish();
-}
-
-void ExpectUndisturbed(const Output& got, const Output& want, Cluster& c) {
-  ASSERT_TRUE(got.status.ok()) << got.status.error_message() << "\n" << c.Logs();
-  EXPECT_EQ(got.final.finish_reason(), v1::FINISH_REASON_LENGTH) << got.final.error() << "\n" << c.Logs();
-  EXPECT_EQ(got.tokens, want.tokens) << "a token repeated, lost or changed";
-  EXPECT_EQ(got.text, want.text);
-}
-
 // grpc.health.v1.Health/Check for the whole server (an empty request): the
 // answer's status field, 1 SERVING or 2 NOT_SERVING; -1 if the call failed.
 int GrpcHealth(const std::string& address) {
@@ -107,21 +68,21 @@ double MetricValue(const std::string& page, const std::string& name) {
 // side already made): the router prefills again on the other one.
 TEST(OperationsTest, PrefillWorkerKilledMidPrefillIsRetriedElsewhere) {
   const std::string dir = TempDir();
-  const Output want = Undisturbed(dir, Request(24));
+  const Output want = Undisturbed(dir, false, SeededRequest(24));
   Cluster c;
   // Every forward waits 1.5 s first: the kill lands inside the prefill.
   absl::Status s = c.Start(dir + "/faulty", false, {}, {}, /*num_prefill=*/2, {"--fault_stall_prefill_ms", "1500"});
   ASSERT_TRUE(s.ok()) << s;
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-  auto reader = c.stub()->Generate(&ctx, Request(24));
+  auto reader = c.stub()->Generate(&ctx, SeededRequest(24));
   absl::SleepFor(absl::Milliseconds(600));
   const v1::ClusterStatusResponse st = c.Status();
   const int victim = st.prefill(0).running() > 0 ? 0 : 1;
   ASSERT_GT(st.prefill(victim).running(), 0) << st.ShortDebugString();
   c.prefill(victim).Kill();
   Output got;
-  ReadAll(*reader, got);
+  ReadToEnd(*reader, got);
   ExpectUndisturbed(got, want, c);
   EXPECT_EQ(AllKvUsedAfterSettling(c), 0) << c.Status().ShortDebugString() << "\n" << c.Logs();
 }
@@ -135,25 +96,25 @@ class PrefillDrainTest : public ::testing::TestWithParam<bool> {};
 TEST_P(PrefillDrainTest, SigtermFinishesOrHandsOverTheRequest) {
   const bool short_grace = GetParam();
   const std::string dir = TempDir();
-  const Output want = Undisturbed(dir, Request(24));
+  const Output want = Undisturbed(dir, false, SeededRequest(24));
   Cluster c;
   absl::Status s = c.Start(dir + "/drain", false, {}, {}, 2,
                            {"--fault_stall_prefill_ms", "1000", "--drain_grace_s", short_grace ? "0.1" : "30"});
   ASSERT_TRUE(s.ok()) << s;
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-  auto reader = c.stub()->Generate(&ctx, Request(24));
+  auto reader = c.stub()->Generate(&ctx, SeededRequest(24));
   absl::SleepFor(absl::Milliseconds(400));
   const v1::ClusterStatusResponse st = c.Status();
   const int victim = st.prefill(0).running() > 0 ? 0 : 1;
   ASSERT_GT(st.prefill(victim).running(), 0) << st.ShortDebugString();
   c.prefill(victim).Signal(SIGTERM);
   Output got;
-  ReadAll(*reader, got);
+  ReadToEnd(*reader, got);
   ExpectUndisturbed(got, want, c);
   EXPECT_EQ(c.prefill(victim).Wait(absl::Seconds(10)), 0) << c.Logs();
   // New work goes to the survivor.
-  const Output after = c.Generate(Request(8));
+  const Output after = c.Generate(SeededRequest(8));
   EXPECT_TRUE(after.status.ok()) << after.status.error_message();
   EXPECT_EQ(after.final.finish_reason(), v1::FINISH_REASON_LENGTH) << after.final.error();
   EXPECT_EQ(AllKvUsedAfterSettling(c), 0) << c.Status().ShortDebugString();
@@ -193,7 +154,7 @@ TEST_P(UnhealthyWorkerTest, IsNotServingAndGetsNoWork) {
   EXPECT_EQ(GrpcHealth(c.Status().decode(1).address()), 1);
   absl::SleepFor(absl::Milliseconds(300));  // The router's probe has seen it.
   for (int i = 0; i < 4; ++i) {
-    const Output got = c.Generate(Request(8));
+    const Output got = c.Generate(SeededRequest(8));
     ASSERT_TRUE(got.status.ok()) << got.status.error_message();
     EXPECT_EQ(got.final.finish_reason(), v1::FINISH_REASON_LENGTH) << got.final.error() << "\n" << c.Logs();
   }
@@ -285,7 +246,7 @@ TEST(OperationsTest, DecodePoolScalesBehindADnsName) {
         grpc::ClientContext ctx;
         ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
         v1::CompleteResponse out;
-        const grpc::Status st = stub->Complete(&ctx, Request(16), &out);
+        const grpc::Status st = stub->Complete(&ctx, SeededRequest(16), &out);
         if (st.ok() && out.final().finish_reason() == v1::FINISH_REASON_LENGTH) {
           ++completed;
         } else {

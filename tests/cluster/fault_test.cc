@@ -147,17 +147,30 @@ TEST(FaultTest, RestartedDecodeWorkerServesAgain) {
   EXPECT_EQ(after.tokens, before.tokens);
 }
 
-TEST(FaultTest, NoLivePrefillWorkerIsUnavailableWithinSeconds) {
+// A pool with no live worker: the request waits briefly for one to come
+// back, then ends with UNAVAILABLE and a message (the contract: within 5 s).
+class DeadPoolTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(DeadPoolTest, IsUnavailableWithinSeconds) {
+  const bool prefill_pool = GetParam();
   const std::string dir = TempDir();
   Cluster c;
   ASSERT_TRUE(c.Start(dir + "/dead", false).ok());
-  c.prefill(0).Kill();
+  if (prefill_pool) {
+    c.prefill(0).Kill();
+  } else {
+    c.decode(0).Kill();
+  }
   const absl::Time t0 = absl::Now();
   const Output got = c.Generate(SeededRequest(8));
   EXPECT_EQ(got.status.error_code(), grpc::StatusCode::UNAVAILABLE) << got.status.error_message();
-  EXPECT_FALSE(got.status.error_message().empty());
+  EXPECT_NE(got.status.error_message().find(prefill_pool ? "prefill" : "decode"), std::string::npos)
+      << got.status.error_message();
   EXPECT_LT(absl::Now() - t0, absl::Seconds(5));
 }
+
+INSTANTIATE_TEST_SUITE_P(Pools, DeadPoolTest, ::testing::Values(true, false),
+                         [](const ::testing::TestParamInfo<bool>& i) { return i.param ? "Prefill" : "Decode"; });
 
 }  // namespace
 }  // namespace pdserve

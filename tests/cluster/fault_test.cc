@@ -44,7 +44,7 @@ TEST(FaultTest, PrefillWorkerKilledMidHandoffIsRetriedElsewhere) {
   ReadToEnd(*reader, got);
   ExpectUndisturbed(got, want, c);
   // The dead sender's reservation was freed on the decode side.
-  EXPECT_EQ(DecodeKvUsedAfterSettling(c, absl::Seconds(10)), 0) << c.Logs();
+  EXPECT_EQ(AllKvUsedAfterSettling(c), 0) << c.Status().ShortDebugString() << "\n" << c.Logs();
 }
 
 class DecodeDeathTest : public ::testing::TestWithParam<bool> {};
@@ -66,6 +66,8 @@ TEST_P(DecodeDeathTest, DecodeWorkerKilledMidStreamMigrates) {
   c.decode(DecodeHoldingTheSequence(c)).Kill();  // kill -9 mid-stream.
   ReadToEnd(*reader, got);
   ExpectUndisturbed(got, want, c);
+  // The survivors hold no KV blocks once the stream is over.
+  EXPECT_EQ(AllKvUsedAfterSettling(c), 0) << c.Status().ShortDebugString() << "\n" << c.Logs();
   EXPECT_EQ(got.final.usage().completion_tokens(), 480);
 }
 
@@ -102,6 +104,8 @@ TEST_P(DrainTest, SigtermDrainsThenMigratesAtTheDeadline) {
   EXPECT_EQ(during.final.finish_reason(), v1::FINISH_REASON_LENGTH) << during.final.error();
   ReadToEnd(*reader, got);
   ExpectUndisturbed(got, want, c);
+  // The survivors hold no KV blocks once the stream is over.
+  EXPECT_EQ(AllKvUsedAfterSettling(c), 0) << c.Status().ShortDebugString() << "\n" << c.Logs();
   EXPECT_EQ(c.decode(victim).Wait(absl::Seconds(10)), 0) << c.Logs();
 }
 
@@ -125,6 +129,8 @@ TEST(FaultTest, DecodeWorkerKilledDuringTheHandoffMigrates) {
   c.decode(DecodeHoldingTheSequence(c)).Kill();
   ReadToEnd(*reader, got);
   ExpectUndisturbed(got, want, c);
+  // The survivors hold no KV blocks once the stream is over.
+  EXPECT_EQ(AllKvUsedAfterSettling(c), 0) << c.Status().ShortDebugString() << "\n" << c.Logs();
 }
 
 TEST(FaultTest, RestartedDecodeWorkerServesAgain) {

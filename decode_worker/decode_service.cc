@@ -76,6 +76,7 @@ void DecodeService::EngineLoop() {
       {
         absl::MutexLock lock(pool_mu_);
         stepped = engine_.Step();
+        counters_.Publish();
       }
       if (!stepped.ok()) {
         std::fprintf(stderr, "{\"level\":\"error\",\"event\":\"engine_failed\",\"error\":\"%s\"}\n",
@@ -319,11 +320,11 @@ grpc::Status DecodeService::Status(grpc::ServerContext*, const worker::v1::Worke
   s->set_preemptions(st.preemptions);
   s->set_step_seconds(st.step_seconds_avg);
   {
-    absl::MutexLock lock(pool_mu_);
-    s->set_kv_blocks_total(pool_->spec().num_blocks);
-    s->set_kv_block_size(pool_->spec().block_size);
-    s->set_kv_blocks_used(pool_->num_used());
-    s->set_kv_blocks_free(pool_->num_free());
+    const PoolCounters::Counts k = counters_.Read();  // Never waits behind a forward.
+    s->set_kv_blocks_total(k.total);
+    s->set_kv_block_size(k.block_size);
+    s->set_kv_blocks_used(k.used);
+    s->set_kv_blocks_free(k.free);
   }
   {
     absl::MutexLock lock(&handoff_mu_);

@@ -18,6 +18,7 @@
 #include "absl/time/time.h"
 #include "common/kv_cache.h"
 #include "common/model.h"
+#include "common/pool_counters.h"
 #include "common/tokenizer/tokenizer.h"
 #include "decode_worker/batch_engine.h"
 #include "pdserve/v1/worker.grpc.pb.h"
@@ -76,6 +77,8 @@ class DecodeService final : public worker::v1::DecodeWorker::Service {
   }
   // Stops the engine thread (pending calls end with UNAVAILABLE).
   void Shutdown();
+  // The pool's counts without waiting behind a forward (health, metrics).
+  PoolCounters& pool_counters() { return counters_; }
   // SIGTERM: new Decode calls get UNAVAILABLE (the router goes elsewhere)
   // and Status reports not healthy; running streams finish until
   // `deadline`, after which they end with UNAVAILABLE so the router
@@ -89,6 +92,7 @@ class DecodeService final : public worker::v1::DecodeWorker::Service {
   Model* model_;
   BlockPool* pool_;
   absl::Mutex* pool_mu_;
+  PoolCounters counters_{pool_, pool_mu_};
   const tok::Tokenizer* tokenizer_;
   const DecodeServiceOptions options_;
   BatchEngine engine_;

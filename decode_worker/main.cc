@@ -81,7 +81,7 @@ int Run() {
 
   MetricsRegistry metrics;
   {
-    pdctl::AddKvPoolMetrics(metrics, engine->pool.get(), &pool_mu);
+    pdctl::AddKvPoolMetrics(metrics, &service.pool_counters());
     kv::KvReceiver* r = receiver->get();
     metrics.AddGauge("pdserve_kv_blocks", "KV blocks by state.",
                      [r] { return static_cast<double>(r->stats().quarantined_blocks); }, "state=\"quarantined\"");
@@ -115,7 +115,7 @@ int Run() {
     service.Drain(deadline);
   };
   serve.health = pdctl::WorkerHealthCheck(
-      *rt, &pool_mu, [&service] { return service.draining(); },
+      *rt, &service.pool_counters(), [&service] { return service.draining(); },
       [&service, r] {
         const kv::KvReceiver::Stats rs = r->stats();
         return rs.active == 0 && rs.quarantined == 0 && service.idle();

@@ -56,7 +56,7 @@ int Run() {
     prefill::PrefillService service(engine->model.get(), engine->pool.get(), &pool_mu, w->tokenizer.get(), &sender, so);
 
     MetricsRegistry metrics;
-    pdctl::AddKvPoolMetrics(metrics, engine->pool.get(), &pool_mu);
+    pdctl::AddKvPoolMetrics(metrics, &service.pool_counters());
     BlockPool* pool = engine->pool.get();
     auto pool_gauge = [&pool_mu, pool](auto read) {
       return [&pool_mu, pool, read] {
@@ -88,7 +88,8 @@ int Run() {
     serve.role = "prefill";
     serve.on_drain = [&service](absl::Time deadline) { service.Drain(deadline); };
     serve.health = pdctl::WorkerHealthCheck(
-        *rt, &pool_mu, [&service] { return service.draining(); }, [&service] { return service.idle(); },
+        *rt, &service.pool_counters(), [&service] { return service.draining(); },
+        [&service] { return service.idle(); },
         [&service](std::string why) { service.set_unhealthy_reason(std::move(why)); });
     serve.drain_grace = absl::Seconds(absl::GetFlag(FLAGS_drain_grace_s));
     serve.on_shutdown = [&service] { service.Shutdown(); };

@@ -214,6 +214,7 @@ void PrefillService::ComputeLoop() {
     {
       absl::MutexLock lock(pool_mu_);
       res = model_->Forward(*pool_, batch, fo);
+      counters_.Publish();
     }
     const auto now = Clock::now();
     if (!res.ok()) {
@@ -413,11 +414,11 @@ grpc::Status PrefillService::Status(grpc::ServerContext*, const worker::v1::Work
     s->set_queued_prefill_tokens(queued_tokens_);
   }
   {
-    absl::MutexLock lock(pool_mu_);
-    s->set_kv_blocks_total(pool_->spec().num_blocks);
-    s->set_kv_block_size(pool_->spec().block_size);
-    s->set_kv_blocks_used(pool_->num_used());
-    s->set_kv_blocks_free(pool_->num_free());
+    const PoolCounters::Counts k = counters_.Read();  // Never waits behind a forward.
+    s->set_kv_blocks_total(k.total);
+    s->set_kv_block_size(k.block_size);
+    s->set_kv_blocks_used(k.used);
+    s->set_kv_blocks_free(k.free);
   }
   out->set_context_length(static_cast<int32_t>(model_->config().max_position_embeddings));
   return grpc::Status::OK;

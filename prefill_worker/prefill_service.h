@@ -26,6 +26,7 @@
 #include "common/block_hash.h"
 #include "common/kv_cache.h"
 #include "common/model.h"
+#include "common/pool_counters.h"
 #include "common/tokenizer/tokenizer.h"
 #include "kv_transfer/sender.h"
 #include "pdserve/v1/worker.grpc.pb.h"
@@ -57,6 +58,8 @@ class PrefillService final : public worker::v1::PrefillWorker::Service {
                       worker::v1::WorkerInfo* out) override;
 
   void Shutdown();
+  // The pool's counts without waiting behind a forward (health, metrics).
+  PoolCounters& pool_counters() { return counters_; }
   struct Stats {
     int32_t queued = 0;
     int64_t queued_tokens = 0;
@@ -89,6 +92,7 @@ class PrefillService final : public worker::v1::PrefillWorker::Service {
   Model* model_;
   BlockPool* pool_;
   absl::Mutex* pool_mu_;
+  PoolCounters counters_{pool_, pool_mu_};
   const tok::Tokenizer* tokenizer_;
   kv::KvSender* sender_;
   const PrefillServiceOptions options_;

@@ -8,6 +8,7 @@
 #include "absl/flags/flag.h"
 #include "absl/time/clock.h"
 #include "common/health.h"
+#include "common/pool_counters.h"
 #include "common/server_util.h"
 
 ABSL_FLAG(std::string, model, "", "model directory (Hugging Face layout)");
@@ -84,33 +85,26 @@ absl::StatusOr<WorkerRuntime> StartWorkerRuntime(const std::string& name, int* e
   return rt;
 }
 
-void AddKvPoolMetrics(MetricsRegistry& metrics, const BlockPool* pool, absl::Mutex* pool_mu) {
-  auto read = [pool, pool_mu](int32_t (BlockPool::*count)() const) {
-    return [pool, pool_mu, count] {
-      absl::MutexLock lock(pool_mu);
-      return static_cast<double>((pool->*count)());
-    };
-  };
-  metrics.AddGauge("pdserve_kv_blocks", "KV blocks by state.", read(&BlockPool::num_used), "state=\"used\"");
-  metrics.AddGauge("pdserve_kv_blocks", "KV blocks by state.", read(&BlockPool::num_free), "state=\"free\"");
+void AddKvPoolMetrics(MetricsRegistry& metrics, PoolCounters* counters) {
+  // A scrape during a forward reports the counts from before it.
+  metrics.AddGauge("pdserve_kv_blocks", "KV blocks by state.",
+                   [counters] { return static_cast<double>(counters->Read().used); }, "state=\"used\"");
+  metrics.AddGauge("pdserve_kv_blocks", "KV blocks by state.",
+                   [counters] { return static_cast<double>(counters->Read().free); }, "state=\"free\"");
 }
 
-std::function<std::string()> WorkerHealthCheck(WorkerRuntime& rt, absl::Mutex* pool_mu,
+std::function<std::string()> WorkerHealthCheck(WorkerRuntime& rt, PoolCounters* counters,
                                                std::function<bool()> draining, std::function<bool()> idle,
                                                std::function<void(std::string)> publish) {
   auto judge = std::make_shared<HealthJudge>(HealthOptions{
       .leak_grace = absl::Seconds(absl::GetFlag(FLAGS_leak_grace_s)),
       .wedge_after = absl::Seconds(absl::GetFlag(FLAGS_wedge_after_s))});
-  const BlockPool* pool = rt.engine.engine.pool.get();
   kv::EventLoop* loop = &rt.transport->loop();
   return [=] {
     HealthInputs in;
     in.draining = draining();
     in.idle = idle();
-    {
-      absl::MutexLock lock(pool_mu);
-      in.kv_blocks_used = pool->num_used();
-    }
+    in.kv_blocks_used = counters->Read().used;
     in.idle = in.idle && idle();  // Still idle after the count: the blocks are nobody's.
     in.transport_beat = loop->last_beat();
     std::string why = judge->Judge(in, absl::Now());

@@ -11,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "common/metrics.h"
+#include "common/pool_counters.h"
 #include "common/tokenizer/tokenizer.h"
 #include "kv_transfer/ucx_transport.h"
 #include "tools/pdctl/engine_setup.h"
@@ -37,12 +38,12 @@ absl::StatusOr<WorkerRuntime> StartWorkerRuntime(const std::string& name, int* e
 // The worker's health check for ServeOptions::health: judges draining,
 // KV leaks (--leak_grace_s) and a wedged transport (--wedge_after_s) from
 // what the service reports, and publishes the verdict to it (for Status).
-std::function<std::string()> WorkerHealthCheck(WorkerRuntime& rt, absl::Mutex* pool_mu,
+std::function<std::string()> WorkerHealthCheck(WorkerRuntime& rt, PoolCounters* counters,
                                                std::function<bool()> draining, std::function<bool()> idle,
                                                std::function<void(std::string)> publish);
 
-// The pool's gauges, read under `pool_mu`: pdserve_kv_blocks{state=used|free}.
-void AddKvPoolMetrics(MetricsRegistry& metrics, const BlockPool* pool, absl::Mutex* pool_mu);
+// The pool's gauges pdserve_kv_blocks{state=used|free}, from `counters`.
+void AddKvPoolMetrics(MetricsRegistry& metrics, PoolCounters* counters);
 
 }  // namespace pdserve::pdctl
 

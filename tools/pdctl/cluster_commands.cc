@@ -100,6 +100,9 @@ absl::Status RemoteStatus(const std::string& router, bool json) {
                 w.healthy() ? "serving" : "DOWN", w.running(), w.queued(),
                 static_cast<long long>(w.queued_prefill_tokens()), w.kv_blocks_used(), w.kv_blocks_total(),
                 static_cast<long long>(w.preemptions()), 1e3 * w.step_seconds());
+    if (!w.healthy() && !w.unhealthy_reason().empty()) {
+      std::printf("         not serving: %s\n", w.unhealthy_reason().c_str());
+    }
   };
   for (const auto& w : out.prefill()) row(w);
   for (const auto& w : out.decode()) row(w);

@@ -43,6 +43,7 @@
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 #include "pdserve/v1/generation.grpc.pb.h"
+#include "common/server_util.h"
 #include "tests/chaos/fleet.h"
 #include "tests/chaos/verdict.h"
 #include "tests/support/http_get.h"
@@ -391,22 +392,13 @@ std::string ProgressLine(const Ledger::Totals& t) {
 
 // SIGINT / SIGTERM (blocked in every thread) end the chaos phase early.
 void WatchSignals(absl::Notification* interrupted) {
-  sigset_t set;
-  sigemptyset(&set);
-  sigaddset(&set, SIGINT);
-  sigaddset(&set, SIGTERM);
-  int sig = 0;
-  sigwait(&set, &sig);
+  const int sig = WaitForShutdownSignal();
   Say(absl::StrCat("signal ", sig, ": ending the chaos phase"));
   interrupted->Notify();
 }
 
 int Run() {
-  sigset_t set;
-  sigemptyset(&set);
-  sigaddset(&set, SIGINT);
-  sigaddset(&set, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  BlockShutdownSignals();
   absl::Notification interrupted;
   std::thread(WatchSignals, &interrupted).detach();
 

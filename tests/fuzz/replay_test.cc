@@ -21,6 +21,7 @@
 #include "common/tokenizer/tokenizer.h"
 #include "gtest/gtest.h"
 #include "kv_transfer/wire.h"
+#include "tools/pdctl/bench_trace.h"
 
 // The fuzz targets, compiled under these names for this test (see
 // CMakeLists.txt).
@@ -29,6 +30,7 @@ extern "C" int FuzzConfig(const uint8_t* data, size_t size);
 extern "C" int FuzzTokenizerJson(const uint8_t* data, size_t size);
 extern "C" int FuzzTokenize(const uint8_t* data, size_t size);
 extern "C" int FuzzWire(const uint8_t* data, size_t size);
+extern "C" int FuzzBenchTrace(const uint8_t* data, size_t size);
 
 namespace pdserve {
 namespace {
@@ -111,6 +113,11 @@ TEST(FuzzCorpusReplayTest, TokenizerJson) {
 
 TEST(FuzzCorpusReplayTest, KvHandoffWire) {
   Replay("wire", 8, FuzzWire, [](const Seed& s) { return kv::Decode(s.bytes).ok(); });
+}
+
+TEST(FuzzCorpusReplayTest, BenchTraceJsonl) {
+  Replay("bench_trace", 8, FuzzBenchTrace,
+         [](const Seed& s) { return pdctl::ParseTraceJsonl(s.bytes, s.name).ok(); });
 }
 
 // Every tokenize seed is valid input; the target itself checks its promises.

@@ -110,6 +110,28 @@ TEST(PdctlTest, ErrorsAreClearAndNonZero) {
   EXPECT_THAT(r.out, ::testing::HasSubstr("unknown command"));
 }
 
+TEST(PdctlTest, BenchSweepFlagErrorsNameTheFlagBeforeAnyRequest) {
+  // Nothing listens on port 1: every case must fail before the router is asked.
+  const std::string bench = "bench --router 127.0.0.1:1 ";
+  Result r = RunPdctl(bench + "--rates 4,x");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.out, ::testing::HasSubstr("--rates: 'x' is not a positive number"));
+  r = RunPdctl(bench + "--rates 4 --rate 2");
+  EXPECT_THAT(r.out, ::testing::HasSubstr("give --rate or --rates, not both"));
+  r = RunPdctl(bench + "--shared-prefix 4");
+  EXPECT_THAT(r.out, ::testing::HasSubstr("--shared-prefix: bench expects GROUPS:PREFIX_TOKENS"));
+  const std::string trace = ::testing::TempDir() + "/pdctl_bench_trace.jsonl";
+  {
+    std::ofstream f(trace);
+    f << "{\"prompt_tokens\": 8, \"output_tokens\": 2}\n{\"prompt_tokens\": 8}\n";
+  }
+  r = RunPdctl(bench + "--trace " + trace);
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.out, ::testing::HasSubstr(trace + " line 2: 'output_tokens' is missing"));
+  r = RunPdctl(bench + "--trace " + trace + " --shared-prefix 2:8");
+  EXPECT_THAT(r.out, ::testing::HasSubstr("--trace and --shared-prefix do not go together"));
+}
+
 const std::string kTok = std::string(PDSERVE_SOURCE_DIR) + "/tests/fixtures/tokenizers/";
 
 TEST(PdctlTest, TokenizeDetokenizeAndChatTemplateOnTokenizerOnlyDirectories) {

@@ -1,22 +1,27 @@
 #include "tools/pdctl/bench_serving.h"
 
-#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <fstream>
 #include <memory>
-#include <mutex>
-#include <random>
 #include <thread>
 #include <vector>
 
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "common/generation.h"
 #include "decode_worker/batch_engine.h"
 #include "grpcpp/grpcpp.h"
 #include "nlohmann/json.hpp"
 #include "pdserve/v1/generation.grpc.pb.h"
+#include "tools/pdctl/bench_results.h"
+#include "tools/pdctl/bench_svg.h"
+#include "tools/pdctl/bench_trace.h"
+#include "tools/pdctl/bench_workload.h"
 #include "tools/pdctl/engine_setup.h"
 
 namespace pdserve::pdctl {
@@ -28,34 +33,11 @@ double Seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
 
-struct Work {
-  std::vector<int32_t> prompt;
-  int32_t max_tokens = 0;
-  double arrival = 0;  // Seconds after the start (rate mode).
-};
-
-// What one request saw, on the client's clock.
-struct Sample {
-  bool ok = false;
-  std::string error;
-  double ttft = 0, e2e = 0;
-  std::vector<double> itl;  // Per token after the first.
-  int32_t tokens = 0;
-  double relay_p50 = -1, relay_p99 = -1;  // Router-reported, when known.
-};
-
-double Percentile(std::vector<double> v, double p) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t i = static_cast<size_t>(p * (v.size() - 1) + 0.5);
-  return v[std::min(i, v.size() - 1)];
-}
-
 // Records chunk arrivals: a chunk of n tokens after a gap g counts as n
 // inter-token gaps of g / n.
 struct Recorder {
   Clock::time_point sent, last;
-  Sample s;
+  RequestResult s;
   void Chunk(int n, Clock::time_point now) {
     if (n <= 0) return;
     if (s.tokens == 0) {
@@ -68,19 +50,30 @@ struct Recorder {
     s.tokens += n;
     last = now;
   }
+  // Settles the outcome once the stream has ended.
+  void Finish(bool rejected, int32_t max_tokens) {
+    if (rejected) {
+      s.outcome = RequestOutcome::kRejected;
+    } else if (s.error.empty() && s.tokens == max_tokens) {
+      s.outcome = RequestOutcome::kCompleted;
+    } else {
+      s.outcome = RequestOutcome::kFailed;
+      if (s.error.empty()) s.error = absl::StrCat("the stream ended after ", s.tokens, " of ", max_tokens, " tokens");
+    }
+  }
 };
 
 class Target {
  public:
   virtual ~Target() = default;
-  virtual Sample Run(const Work& w) = 0;
+  virtual RequestResult Run(const WorkloadRequest& w) = 0;
 };
 
 class RouterTarget final : public Target {
  public:
   explicit RouterTarget(const std::string& address)
       : stub_(v1::Generation::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()))) {}
-  Sample Run(const Work& w) override {
+  RequestResult Run(const WorkloadRequest& w) override {
     v1::GenerateRequest req;
     req.mutable_token_ids()->mutable_ids()->Assign(w.prompt.begin(), w.prompt.end());
     req.set_max_tokens(w.max_tokens);
@@ -103,7 +96,7 @@ class RouterTarget final : public Target {
     const grpc::Status st = reader->Finish();
     r.s.e2e = Seconds(r.sent, Clock::now());
     if (!st.ok()) r.s.error = st.error_message();
-    r.s.ok = r.s.error.empty() && r.s.tokens == w.max_tokens;
+    r.Finish(st.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED, w.max_tokens);
     return std::move(r.s);
   }
   int32_t VocabSize() {
@@ -134,7 +127,7 @@ class InProcessTarget final : public Target {
     stop_ = true;
     loop_.join();
   }
-  Sample Run(const Work& w) override {
+  RequestResult Run(const WorkloadRequest& w) override {
     GenerationRequest gr;
     gr.prompt = w.prompt;
     gr.params.temperature = 0;
@@ -145,6 +138,7 @@ class InProcessTarget final : public Target {
       absl::Mutex mu;
       Recorder r;
       bool done = false;
+      bool rejected = false;
     };
     auto sh = std::make_shared<Shared>();
     sh->r.sent = Clock::now();
@@ -153,6 +147,7 @@ class InProcessTarget final : public Target {
                              absl::MutexLock lock(&sh->mu);
                              if (!e.status.ok()) {
                                sh->r.s.error = std::string(e.status.message());
+                               sh->rejected = absl::IsResourceExhausted(e.status);
                                sh->done = true;
                                return;
                              }
@@ -162,7 +157,7 @@ class InProcessTarget final : public Target {
     absl::MutexLock lock(&sh->mu);
     sh->mu.Await(absl::Condition(&sh->done));
     sh->r.s.e2e = Seconds(sh->r.sent, Clock::now());
-    sh->r.s.ok = sh->r.s.error.empty();
+    sh->r.Finish(sh->rejected, w.max_tokens);
     return sh->r.s;
   }
 
@@ -183,9 +178,11 @@ class InProcessTarget final : public Target {
   std::thread loop_;
 };
 
-nlohmann::ordered_json Drive(Target& target, const std::vector<Work>& work, const ServingBenchOptions& o,
-                             const std::string& name) {
-  std::vector<Sample> samples(work.size());
+// One run of `work` against `target`: open loop at `arrivals` (seconds after
+// the start), or closed loop at `concurrency` when arrivals is empty.
+BenchRow Drive(Target& target, const std::vector<WorkloadRequest>& work, const std::vector<double>& arrivals,
+               int concurrency, const LatencyTargets& targets, const std::string& name) {
+  std::vector<RequestResult> results(work.size());
   std::atomic<size_t> next{0};
   std::atomic<int> done{0};
   const auto start = Clock::now();
@@ -197,21 +194,21 @@ nlohmann::ordered_json Drive(Target& target, const std::vector<Work>& work, cons
                    Seconds(start, Clock::now()));
     }
   });
-  if (o.rate > 0) {
+  if (!arrivals.empty()) {
     // Open loop: one thread per request, started at its arrival time.
     for (size_t i = 0; i < work.size(); ++i) {
-      const auto at = start + std::chrono::microseconds(static_cast<int64_t>(work[i].arrival * 1e6));
+      const auto at = start + std::chrono::microseconds(static_cast<int64_t>(arrivals[i] * 1e6));
       std::this_thread::sleep_until(at);
       threads.emplace_back([&, i] {
-        samples[i] = target.Run(work[i]);
+        results[i] = target.Run(work[i]);
         ++done;
       });
     }
   } else {
-    for (int c = 0; c < o.concurrency; ++c) {
+    for (int c = 0; c < concurrency; ++c) {
       threads.emplace_back([&] {
         for (size_t i = next++; i < work.size(); i = next++) {
-          samples[i] = target.Run(work[i]);
+          results[i] = target.Run(work[i]);
           ++done;
         }
       });
@@ -220,86 +217,43 @@ nlohmann::ordered_json Drive(Target& target, const std::vector<Work>& work, cons
   for (auto& t : threads) t.join();
   const double wall = Seconds(start, Clock::now());
   progress.join();
-  std::vector<double> ttft, itl, e2e, relay50, relay99;
-  int64_t tokens = 0;
-  int failed = 0;
-  std::string first_error;
-  for (const Sample& s : samples) {
-    if (!s.ok) {
-      ++failed;
-      if (first_error.empty()) first_error = s.error;
-      continue;
-    }
-    ttft.push_back(s.ttft);
-    e2e.push_back(s.e2e);
-    itl.insert(itl.end(), s.itl.begin(), s.itl.end());
-    tokens += s.tokens;
-    if (s.relay_p50 >= 0) {
-      relay50.push_back(s.relay_p50);
-      relay99.push_back(s.relay_p99);
-    }
-  }
-  auto pct = [](const std::vector<double>& v) {
-    return nlohmann::ordered_json{{"p50", Percentile(v, 0.5)}, {"p90", Percentile(v, 0.9)}, {"p99", Percentile(v, 0.99)}};
-  };
-  nlohmann::ordered_json r = {{"target", name},
-                              {"requests", work.size()},
-                              {"failed", failed},
-                              {"wall_seconds", wall},
-                              {"output_tokens_per_second", tokens / wall},
-                              {"requests_per_second", (work.size() - failed) / wall},
-                              {"ttft_seconds", pct(ttft)},
-                              {"itl_seconds", pct(itl)},
-                              {"e2e_seconds", pct(e2e)}};
-  if (!relay50.empty()) {
-    // Per request the router reports its relay p50/p99; across requests:
-    // the median of the medians and the largest p99.
-    r["router_relay_seconds"] = {{"p50", Percentile(relay50, 0.5)},
-                                 {"p99", *std::max_element(relay99.begin(), relay99.end())}};
-  }
-  if (!first_error.empty()) r["first_error"] = first_error;
-  return r;
+  return Summarize(results, wall, targets);
 }
 
-}  // namespace
+nlohmann::ordered_json Percentiles(const Distribution& d) {
+  return {{"p50", d.p50}, {"p90", d.p90}, {"p99", d.p99}};
+}
 
-absl::Status RunServingBench(const ServingBenchOptions& o) {
-  if (o.router.empty()) return absl::InvalidArgumentError("bench needs --router HOST:PORT");
-  if (o.requests < 1) return absl::InvalidArgumentError("--requests must be at least 1");
-  if (o.rate <= 0 && o.concurrency < 1) return absl::InvalidArgumentError("--concurrency must be at least 1");
-  if (o.prompt_min < 1 || o.prompt_max < o.prompt_min) return absl::InvalidArgumentError("--prompt-len: need 1 <= min <= max");
-  if (o.output_min < 1 || o.output_max < o.output_min) return absl::InvalidArgumentError("--output-len: need 1 <= min <= max");
-  RouterTarget router(o.router);
-  const int32_t vocab = router.VocabSize();
-  if (vocab <= 0) return absl::UnavailableError(absl::StrCat("router ", o.router, ": ListModels failed"));
-  std::mt19937_64 rng(o.seed);
-  std::vector<Work> work(o.requests);
-  double t = 0;
-  std::exponential_distribution<double> gap(o.rate > 0 ? o.rate : 1.0);
-  for (Work& w : work) {
-    const int n = std::uniform_int_distribution<int>(o.prompt_min, o.prompt_max)(rng);
-    for (int i = 0; i < n; ++i) w.prompt.push_back(static_cast<int32_t>(rng() % vocab));
-    w.max_tokens = std::uniform_int_distribution<int>(o.output_min, o.output_max)(rng);
-    if (o.rate > 0) {
-      w.arrival = t;
-      t += gap(rng);
-    }
-  }
-  nlohmann::ordered_json out;
-  out["workload"] = {{"requests", o.requests},        {"concurrency", o.rate > 0 ? 0 : o.concurrency},
-                     {"rate", o.rate},                {"prompt_tokens", {o.prompt_min, o.prompt_max}},
-                     {"output_tokens", {o.output_min, o.output_max}}};
+std::string Millis(const Distribution& d) {
+  return absl::StrFormat("%.2f/%.2f/%.2f", 1e3 * d.p50, 1e3 * d.p90, 1e3 * d.p99);
+}
+
+// The single-run report, as pdctl has always printed it (a "rejected" count
+// and line appear only when the server rejected requests).
+void PrintSingleRun(const ServingBenchOptions& o, const std::vector<BenchRow>& rows) {
   nlohmann::ordered_json runs = nlohmann::ordered_json::array();
-  runs.push_back(Drive(router, work, o, "cluster"));
-  if (!o.in_process_model.empty()) {
-    absl::StatusOr<std::unique_ptr<InProcessTarget>> ip = InProcessTarget::Create(o.in_process_model, o.in_process_threads);
-    if (!ip.ok()) return ip.status();
-    runs.push_back(Drive(**ip, work, o, "in-process"));
+  for (const BenchRow& row : rows) {
+    nlohmann::ordered_json r = {{"target", row.target}, {"requests", row.requests}, {"failed", row.failed}};
+    if (row.rejected > 0) r["rejected"] = row.rejected;
+    r["wall_seconds"] = row.wall_seconds;
+    r["output_tokens_per_second"] = row.tokens_per_second;
+    r["requests_per_second"] = row.requests_per_second;
+    r["ttft_seconds"] = Percentiles(row.ttft);
+    r["itl_seconds"] = Percentiles(row.itl);
+    r["e2e_seconds"] = Percentiles(row.e2e);
+    const nlohmann::ordered_json full = RowJson(row);
+    if (full.contains("router_relay_seconds")) r["router_relay_seconds"] = full["router_relay_seconds"];
+    if (!row.first_error.empty()) r["first_error"] = row.first_error;
+    runs.push_back(std::move(r));
   }
-  out["runs"] = runs;
   if (o.json) {
+    nlohmann::ordered_json out;
+    out["workload"] = {{"requests", o.requests},        {"concurrency", o.rate > 0 ? 0 : o.concurrency},
+                       {"rate", o.rate},                {"prompt_tokens", {o.prompt_min, o.prompt_max}},
+                       {"output_tokens", {o.output_min, o.output_max}}};
+    out["runs"] = runs;
     std::printf("%s\n", out.dump(2).c_str());
-    return absl::OkStatus();
+    return;
   }
   std::printf("%d requests, %s, prompt %d-%d tokens, output %d-%d tokens\n", o.requests,
               o.rate > 0 ? absl::StrCat("Poisson ", o.rate, " req/s").c_str()
@@ -307,24 +261,174 @@ absl::Status RunServingBench(const ServingBenchOptions& o) {
               o.prompt_min, o.prompt_max, o.output_min, o.output_max);
   std::printf("%-11s %6s %9s %9s   %-26s %-26s %-26s\n", "target", "failed", "tok/s", "req/s", "TTFT ms p50/p90/p99",
               "ITL ms p50/p90/p99", "E2E ms p50/p90/p99");
-  for (const auto& r : runs) {
-    auto f = [&](const char* k) {
-      const auto& p = r[k];
-      char buf[64];
-      std::snprintf(buf, sizeof(buf), "%.2f/%.2f/%.2f", 1e3 * p["p50"].get<double>(), 1e3 * p["p90"].get<double>(),
-                    1e3 * p["p99"].get<double>());
-      return std::string(buf);
-    };
-    std::printf("%-11s %6d %9.1f %9.2f   %-26s %-26s %-26s\n", r["target"].get<std::string>().c_str(),
-                r["failed"].get<int>(), r["output_tokens_per_second"].get<double>(),
-                r["requests_per_second"].get<double>(), f("ttft_seconds").c_str(), f("itl_seconds").c_str(),
-                f("e2e_seconds").c_str());
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const BenchRow& row = rows[i];
+    const nlohmann::ordered_json& r = runs[i];
+    std::printf("%-11s %6d %9.1f %9.2f   %-26s %-26s %-26s\n", row.target.c_str(), row.failed, row.tokens_per_second,
+                row.requests_per_second, Millis(row.ttft).c_str(), Millis(row.itl).c_str(), Millis(row.e2e).c_str());
     if (r.contains("router_relay_seconds")) {
       std::printf("  router relay per message: p50 %.1f us, p99 %.1f us\n",
                   1e6 * r["router_relay_seconds"]["p50"].get<double>(), 1e6 * r["router_relay_seconds"]["p99"].get<double>());
     }
-    if (r.contains("first_error")) std::printf("  first error: %s\n", r["first_error"].get<std::string>().c_str());
+    if (row.rejected > 0) std::printf("  rejected (RESOURCE_EXHAUSTED): %d\n", row.rejected);
+    if (!row.first_error.empty()) std::printf("  first error: %s\n", row.first_error.c_str());
   }
+}
+
+std::string RangeText(int lo, int hi) { return lo == hi ? absl::StrCat(lo) : absl::StrCat(lo, "-", hi); }
+
+// One line saying what was sent, for the table and the picture's title.
+std::string WorkloadText(const ServingBenchOptions& o, size_t requests) {
+  std::string load = o.rates.empty() ? (o.rate > 0 ? absl::StrCat("Poisson ", o.rate, " req/s")
+                                                   : absl::StrCat("concurrency ", o.concurrency))
+                                     : absl::StrCat("Poisson ", absl::StrJoin(o.rates, ", "), " req/s");
+  std::string lengths;
+  if (!o.trace_file.empty()) {
+    lengths = absl::StrCat("lengths from ", o.trace_file);
+  } else if (o.shared_prefix_groups > 0) {
+    lengths = absl::StrCat(o.shared_prefix_groups, " groups sharing ", o.shared_prefix_tokens,
+                           "-token prefixes, then ", RangeText(o.prompt_min, o.prompt_max), " tokens each, output ",
+                           RangeText(o.output_min, o.output_max), " tokens");
+  } else {
+    lengths = absl::StrCat("prompt ", RangeText(o.prompt_min, o.prompt_max), " tokens, output ",
+                           RangeText(o.output_min, o.output_max), " tokens");
+  }
+  return absl::StrCat(requests, " requests per row, ", load, ", ", lengths);
+}
+
+std::string TargetsText(const LatencyTargets& t) {
+  if (!t.any()) return "good = every completed request (no --ttft-target-ms or --itl-target-ms)";
+  std::vector<std::string> parts;
+  if (t.ttft > 0) parts.push_back(absl::StrCat("TTFT <= ", 1e3 * t.ttft, " ms"));
+  if (t.itl > 0) parts.push_back(absl::StrCat("its own p99 ITL <= ", 1e3 * t.itl, " ms"));
+  return absl::StrCat("good = completed with ", absl::StrJoin(parts, " and "));
+}
+
+void PrintRows(const ServingBenchOptions& o, const std::vector<BenchRow>& rows, const LatencyTargets& targets,
+               size_t requests) {
+  if (o.json) {
+    nlohmann::ordered_json out;
+    nlohmann::ordered_json workload = {{"requests", requests}};
+    if (!o.rates.empty()) {
+      workload["rates"] = o.rates;
+    } else if (o.rate > 0) {
+      workload["rates"] = {o.rate};
+    } else {
+      workload["concurrency"] = o.concurrency;
+    }
+    if (!o.trace_file.empty()) {
+      workload["trace"] = o.trace_file;
+    } else {
+      workload["prompt_tokens"] = {o.prompt_min, o.prompt_max};
+      workload["output_tokens"] = {o.output_min, o.output_max};
+      if (o.shared_prefix_groups > 0) {
+        workload["shared_prefix"] = {{"groups", o.shared_prefix_groups}, {"prefix_tokens", o.shared_prefix_tokens}};
+      }
+    }
+    workload["seed"] = o.seed;
+    out["workload"] = workload;
+    out["targets"] = {{"ttft_ms", o.ttft_target_ms}, {"itl_ms", o.itl_target_ms}, {"itl_statistic", "per-request p99"}};
+    nlohmann::ordered_json json_rows = nlohmann::ordered_json::array();
+    for (const BenchRow& row : rows) json_rows.push_back(RowJson(row));
+    out["rows"] = json_rows;
+    std::printf("%s\n", out.dump(2).c_str());
+    return;
+  }
+  std::printf("%s\n%s\n", WorkloadText(o, requests).c_str(), TargetsText(targets).c_str());
+  std::printf("%-11s %7s %5s %5s %5s %9s %8s %10s %9s   %-24s %-24s %-24s\n", "target", "rate", "done", "rej", "fail",
+              "tok/s", "req/s", "good tok/s", "good req/s", "TTFT ms p50/p90/p99", "ITL ms p50/p90/p99",
+              "E2E ms p50/p90/p99");
+  for (const BenchRow& row : rows) {
+    const std::string rate = row.rate > 0 ? absl::StrCat(row.rate) : absl::StrCat("c=", row.concurrency);
+    std::printf("%-11s %7s %5d %5d %5d %9.1f %8.2f %10.1f %9.2f   %-24s %-24s %-24s\n", row.target.c_str(),
+                rate.c_str(), row.completed, row.rejected, row.failed, row.tokens_per_second, row.requests_per_second,
+                row.good_tokens_per_second, row.good_requests_per_second, Millis(row.ttft).c_str(),
+                Millis(row.itl).c_str(), Millis(row.e2e).c_str());
+    if (!row.first_error.empty()) std::printf("  first error: %s\n", row.first_error.c_str());
+  }
+}
+
+absl::Status WriteFile(const std::string& path, const std::string& text) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f << text;
+  f.close();
+  if (!f) return absl::PermissionDeniedError(absl::StrCat(path, ": cannot write the picture"));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status RunServingBench(const ServingBenchOptions& o) {
+  if (o.router.empty()) return absl::InvalidArgumentError("bench needs --router HOST:PORT");
+  if (o.requests < 1) return absl::InvalidArgumentError("--requests must be at least 1");
+  if (!o.rates.empty() && o.rate > 0) return absl::InvalidArgumentError("give --rate or --rates, not both");
+  for (double r : o.rates) {
+    if (!(r > 0)) return absl::InvalidArgumentError(absl::StrCat("--rates: ", r, " is not a positive rate"));
+  }
+  const bool open_loop = o.rate > 0 || !o.rates.empty();
+  if (!open_loop && o.concurrency < 1) return absl::InvalidArgumentError("--concurrency must be at least 1");
+  if (o.prompt_min < 1 || o.prompt_max < o.prompt_min) return absl::InvalidArgumentError("--prompt-len: need 1 <= min <= max");
+  if (o.output_min < 1 || o.output_max < o.output_min) return absl::InvalidArgumentError("--output-len: need 1 <= min <= max");
+  if (o.ttft_target_ms < 0 || o.itl_target_ms < 0) {
+    return absl::InvalidArgumentError("--ttft-target-ms and --itl-target-ms must not be negative");
+  }
+  if (!o.trace_file.empty() && o.shared_prefix_groups > 0) {
+    return absl::InvalidArgumentError("--trace and --shared-prefix do not go together (the trace names its groups)");
+  }
+  WorkloadOptions wo;
+  wo.requests = o.requests;
+  wo.prompt_min = o.prompt_min;
+  wo.prompt_max = o.prompt_max;
+  wo.output_min = o.output_min;
+  wo.output_max = o.output_max;
+  wo.shared_prefix_groups = o.shared_prefix_groups;
+  wo.shared_prefix_tokens = o.shared_prefix_tokens;
+  wo.draw_gaps = open_loop;
+  wo.seed = o.seed;
+  if (!o.trace_file.empty()) {
+    absl::StatusOr<std::vector<TraceEntry>> trace = ReadTraceFile(o.trace_file);
+    if (!trace.ok()) return trace.status();
+    wo.trace = *std::move(trace);
+  }
+  RouterTarget router(o.router);
+  wo.vocab_size = router.VocabSize();
+  if (wo.vocab_size <= 0) return absl::UnavailableError(absl::StrCat("router ", o.router, ": ListModels failed"));
+  absl::StatusOr<std::vector<WorkloadRequest>> work = MakeWorkload(wo);
+  if (!work.ok()) return work.status();
+  const LatencyTargets targets{o.ttft_target_ms / 1e3, o.itl_target_ms / 1e3};
+  const bool per_row = o.PerRowReport();
+  const std::vector<double> rates = !o.rates.empty() ? o.rates : std::vector<double>{o.rate};
+  std::unique_ptr<InProcessTarget> in_process;
+  std::vector<BenchRow> rows;
+  for (double rate : rates) {
+    const std::vector<double> arrivals = rate > 0 ? ArrivalTimes(*work, rate) : std::vector<double>{};
+    for (const bool cluster : {true, false}) {
+      const std::string name = cluster ? "cluster" : "in-process";
+      if (!cluster && o.in_process_model.empty()) continue;
+      if (!cluster && in_process == nullptr) {
+        absl::StatusOr<std::unique_ptr<InProcessTarget>> ip =
+            InProcessTarget::Create(o.in_process_model, o.in_process_threads);
+        if (!ip.ok()) return ip.status();
+        in_process = *std::move(ip);
+      }
+      Target& target = cluster ? static_cast<Target&>(router) : *in_process;
+      const std::string progress_name = per_row && rate > 0 ? absl::StrCat(name, " ", rate, " req/s") : name;
+      BenchRow row = Drive(target, *work, arrivals, o.concurrency, targets, progress_name);
+      row.target = name;
+      row.rate = rate;
+      row.concurrency = rate > 0 ? 0 : o.concurrency;
+      rows.push_back(std::move(row));
+    }
+  }
+  if (!per_row) {
+    PrintSingleRun(o, rows);
+    return absl::OkStatus();
+  }
+  if (!o.svg_file.empty()) {
+    const std::string title = absl::StrCat("pdctl bench: ", WorkloadText(o, work->size()));
+    if (absl::Status s = WriteFile(o.svg_file, RenderBenchSvg(rows, title)); !s.ok()) return s;
+  }
+  PrintRows(o, rows, targets, work->size());
   return absl::OkStatus();
 }
 

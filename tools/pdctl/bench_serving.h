@@ -2,11 +2,19 @@
 // cluster, optionally beside the in-process engine on the same workload in
 // the same run (--in-process-model DIR), so the cluster's overheads are
 // measured against what the engine alone does.
+//
+// Sweeps and SLOs: --rates runs the workload once per Poisson rate (the same
+// requests each time, arrivals scaled), lengths may come from a trace or a
+// shared-prefix recipe (bench_workload.h), requests are judged against TTFT
+// and ITL targets for goodput (bench_results.h), and --svg draws the rows
+// (bench_svg.h). With none of those options the report is the single-run
+// table or JSON it always was.
 #ifndef PDSERVE_TOOLS_PDCTL_BENCH_SERVING_H_
 #define PDSERVE_TOOLS_PDCTL_BENCH_SERVING_H_
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 
@@ -23,6 +31,16 @@ struct ServingBenchOptions {
   int output_min = 64, output_max = 64;
   uint64_t seed = 1;
   bool json = false;
+  // Sweep and SLO options; any of them selects the per-row report.
+  std::vector<double> rates;  // Poisson rates, one row each (REQUIRES: > 0).
+  std::string trace_file;     // JSONL lengths (bench_trace.h), "" = random.
+  int shared_prefix_groups = 0, shared_prefix_tokens = 0;  // 0 groups = off.
+  double ttft_target_ms = 0, itl_target_ms = 0;            // 0 = no target.
+  std::string svg_file;       // Where to write the picture ("" = none).
+  bool PerRowReport() const {
+    return !rates.empty() || !trace_file.empty() || shared_prefix_groups > 0 || ttft_target_ms > 0 ||
+           itl_target_ms > 0 || !svg_file.empty();
+  }
 };
 
 absl::Status RunServingBench(const ServingBenchOptions& options);

@@ -6,6 +6,7 @@
 //
 // Run `pdctl help` for the list.
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <optional>
 #include <cstdio>
@@ -74,6 +75,15 @@ ABSL_FLAG(int, concurrency, 8, "bench: requests in flight (closed loop, when --r
 ABSL_FLAG(double, rate, 0, "bench: Poisson arrivals per second (0: closed loop at --concurrency)");
 ABSL_FLAG(std::string, prompt_tokens, "128", "bench: prompt length, N or MIN:MAX (uniform)");
 ABSL_FLAG(std::string, output_tokens, "64", "bench: output length, N or MIN:MAX (uniform)");
+ABSL_FLAG(std::string, rates, "",
+          "bench: comma-separated Poisson rates (req/s), the same requests once per rate, a row each");
+ABSL_FLAG(std::string, trace, "",
+          "bench: JSONL of request lengths, one {\"prompt_tokens\", \"output_tokens\"[, \"prefix_group\", "
+          "\"prefix_tokens\"]} a line (instead of --requests, --prompt-tokens, --output-tokens)");
+ABSL_FLAG(double, ttft_target_ms, 0, "bench: goodput counts requests with TTFT at most this (0: no target)");
+ABSL_FLAG(double, itl_target_ms, 0,
+          "bench: goodput counts requests whose own p99 inter-token latency is at most this (0: no target)");
+ABSL_FLAG(std::string, svg, "", "bench: write latency CDFs and throughput/goodput against rate to this SVG file");
 ABSL_FLAG(std::string, in_process_model, "",
           "bench: also run the workload through the in-process engine on this model, in the same run");
 ABSL_FLAG(std::vector<std::string>, stop, {}, "generate: comma-separated stop strings");
@@ -82,7 +92,9 @@ ABSL_FLAG(std::string, corpus, "tests/fixtures/tokenizers/corpus.jsonl",
 ABSL_FLAG(std::string, reference_dir, "tests/fixtures/tokenizers",
           "bench-tokenizer: where the npm reference is installed");
 ABSL_FLAG(std::string, shared_prefix, "8:2048:64",
-          "bench-engine: REQUESTS:SHARED:PRIVATE shared-prefix decode scenario (empty = skip)");
+          "bench-engine: REQUESTS:SHARED:PRIVATE shared-prefix decode scenario (empty = skip); "
+          "bench: GROUPS:PREFIX_TOKENS, requests in interleaved groups sharing a prefix of that many tokens, "
+          "each then adding --prompt-tokens of its own (default for bench: no shared prefixes)");
 ABSL_FLAG(std::string, prefix_hit, "2048:64",
           "bench-engine: CACHED:NEW prefix-hit prefill scenario (empty = skip)");
 ABSL_FLAG(std::string, prefill, "128,512,2048", "bench-engine: prompt lengths");
@@ -381,6 +393,32 @@ absl::Status RunServingBenchCommand() {
       !s.ok()) {
     return s;
   }
+  const std::string rates = absl::GetFlag(FLAGS_rates);
+  if (!rates.empty()) {
+    for (absl::string_view part : absl::StrSplit(rates, ',')) {
+      double r = 0;
+      if (!absl::SimpleAtod(part, &r) || !(r > 0) || !std::isfinite(r)) {
+        return absl::InvalidArgumentError(absl::StrCat("--rates: '", part, "' is not a positive number"));
+      }
+      o.rates.push_back(r);
+    }
+  }
+  o.trace_file = absl::GetFlag(FLAGS_trace);
+  o.ttft_target_ms = absl::GetFlag(FLAGS_ttft_target_ms);
+  o.itl_target_ms = absl::GetFlag(FLAGS_itl_target_ms);
+  o.svg_file = absl::GetFlag(FLAGS_svg);
+  // --shared-prefix is shared with bench-engine, whose default means "not
+  // given" here.
+  const std::string shared = absl::GetFlag(FLAGS_shared_prefix);
+  if (!shared.empty() && shared != absl::GetFlagReflectionHandle(FLAGS_shared_prefix).DefaultValue()) {
+    std::vector<std::string> parts = absl::StrSplit(shared, ':');
+    if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &o.shared_prefix_groups) ||
+        !absl::SimpleAtoi(parts[1], &o.shared_prefix_tokens) || o.shared_prefix_groups < 1 ||
+        o.shared_prefix_tokens < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--shared-prefix: bench expects GROUPS:PREFIX_TOKENS, both at least 1, got '", shared, "'"));
+    }
+  }
   return RunServingBench(o);
 }
 
@@ -392,7 +430,9 @@ constexpr char kUsage[] =
     "            in-process, or through a cluster with --router HOST:PORT\n"
     "  status    a cluster's pools, workers and load (--router HOST:PORT)\n"
     "  bench     serving benchmark against a cluster (--router; --concurrency or --rate, --requests,\n"
-    "            --prompt-tokens, --output-tokens, --in-process-model DIR for the engine alone; --json)\n"
+    "            --prompt-tokens, --output-tokens, --in-process-model DIR for the engine alone; --json);\n"
+    "            sweeps and SLOs: --rates 2,4,8 --trace FILE.jsonl --shared-prefix GROUPS:PREFIX_TOKENS\n"
+    "            --ttft-target-ms --itl-target-ms (goodput) --svg FILE\n"
     "  tokenize      ids of --text (or --text-file [--jsonl]) as JSON [--add-special-tokens]\n"
     "  detokenize    text of --ids [--skip-special-tokens]\n"
     "  chat-template render --messages-file with the model's chat template, print text and ids\n"

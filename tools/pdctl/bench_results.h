@@ -1,0 +1,82 @@
+// What `pdctl bench` measured: each request's result on the client's clock,
+// whether it met the latency targets (goodput), and one row's summary per
+// (target, rate). Pure functions; thread-safe.
+#ifndef PDSERVE_TOOLS_PDCTL_BENCH_RESULTS_H_
+#define PDSERVE_TOOLS_PDCTL_BENCH_RESULTS_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "nlohmann/json.hpp"
+
+namespace pdserve::pdctl {
+
+enum class RequestOutcome {
+  kCompleted,  // Every requested token arrived.
+  kRejected,   // Ended with RESOURCE_EXHAUSTED: the server turned it away.
+  kFailed,     // Any other error, or fewer tokens than asked for.
+};
+
+struct RequestResult {
+  RequestOutcome outcome = RequestOutcome::kFailed;
+  std::string error;
+  double ttft = 0, e2e = 0;  // Seconds.
+  std::vector<double> itl;   // Seconds, one per token after the first.
+  int32_t tokens = 0;
+  double relay_p50 = -1, relay_p99 = -1;  // Router-reported, when known.
+};
+
+// Latency targets (seconds; 0 = no target on that measure).
+struct LatencyTargets {
+  double ttft = 0;
+  double itl = 0;
+  bool any() const { return ttft > 0 || itl > 0; }
+};
+
+// The nearest-rank percentile (index round(p * (n - 1)) of the sorted
+// values); 0 for no values. p in [0, 1].
+double Percentile(std::vector<double> values, double p);
+
+// A request is good when it completed, its TTFT <= targets.ttft and the
+// 99th percentile of its own inter-token gaps (Percentile above, so the
+// largest gap for requests of up to 51 tokens) <= targets.itl. A request of
+// one token has no gaps and passes the ITL target.
+bool MeetsTargets(const RequestResult& r, const LatencyTargets& targets);
+
+struct Distribution {
+  std::vector<double> sorted;  // Seconds, ascending.
+  double p50 = 0, p90 = 0, p99 = 0;
+};
+
+// One (target, rate) run of the workload.
+struct BenchRow {
+  std::string target;   // "cluster" or "in-process".
+  double rate = 0;      // Offered Poisson rate (req/s); 0 = closed loop.
+  int concurrency = 0;  // Closed loop only.
+  int requests = 0, completed = 0, rejected = 0, failed = 0;
+  int good = 0;  // Completed and within the targets.
+  double wall_seconds = 0;
+  int64_t tokens = 0, good_tokens = 0;                              // Output tokens of completed / good requests.
+  double requests_per_second = 0, tokens_per_second = 0;            // Throughput.
+  double good_requests_per_second = 0, good_tokens_per_second = 0;  // Goodput.
+  Distribution ttft, itl, e2e;                                      // Over completed requests (ITL: every gap).
+  std::vector<double> relay_p50, relay_p99;                         // Router-reported, per request.
+  std::string first_error;
+  std::string Label() const;  // "cluster 4 req/s", "in-process c=8".
+};
+
+// Summarises `results` of one run that took `wall_seconds`.
+BenchRow Summarize(const std::vector<RequestResult>& results, double wall_seconds, const LatencyTargets& targets);
+
+// A row of `pdctl bench --json` for sweeps (latencies in seconds):
+// {target, rate, concurrency?, requests, completed, rejected, failed,
+//  wall_seconds, throughput {requests_per_second, output_tokens_per_second},
+//  goodput {good_requests, requests_per_second, output_tokens_per_second},
+//  ttft_seconds / itl_seconds / e2e_seconds {p50, p90, p99},
+//  router_relay_seconds?, first_error?}.
+nlohmann::ordered_json RowJson(const BenchRow& row);
+
+}  // namespace pdserve::pdctl
+
+#endif  // PDSERVE_TOOLS_PDCTL_BENCH_RESULTS_H_

@@ -233,8 +233,11 @@ absl::StatusOr<bool> BatchEngine::Step() {
     waiting_.pop_front();
     if (!s->gen->finished() && s->kv.num_positions() > 0) running_.push_back(std::move(s));
   }
+  double history = 0;
+  for (const auto& s : running_) history += s->kv.num_positions();
   absl::MutexLock lock(&mu_);
   ++stats_.steps;
+  stats_.mean_history = running_.empty() ? 0 : history / static_cast<double>(running_.size());
   stats_.running = static_cast<int32_t>(running_.size());
   stats_.waiting = static_cast<int32_t>(waiting_.size());
   stats_.step_seconds_avg = step_avg_;

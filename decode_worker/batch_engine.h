@@ -60,6 +60,7 @@ struct BatchEngineStats {
   int32_t running = 0;
   int32_t waiting = 0;
   double step_seconds_avg = 0;  // Exponential average.
+  double mean_history = 0;      // Mean positions per running sequence, last step.
 };
 
 class BatchEngine {

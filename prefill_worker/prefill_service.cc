@@ -417,6 +417,7 @@ grpc::Status PrefillService::Status(grpc::ServerContext*, const worker::v1::Work
     const PoolCounters::Counts k = counters_.Read();  // Never waits behind a forward.
     s->set_kv_blocks_total(k.total);
     s->set_kv_block_size(k.block_size);
+    s->set_kv_bytes_per_position(pool_->spec().BytesPerPosition());
     s->set_kv_blocks_used(k.used);
     s->set_kv_blocks_free(k.free);
   }

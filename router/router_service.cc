@@ -16,12 +16,12 @@
 namespace pdserve::router {
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using SteadyClock = std::chrono::steady_clock;
 
 // Decode attempts per request (the first and its migrations).
 constexpr int kMaxDecodeAttempts = 8;
 
-double Seconds(Clock::time_point a, Clock::time_point b) {
+double Seconds(SteadyClock::time_point a, SteadyClock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
 
@@ -140,6 +140,7 @@ void RouterService::Discover() {
     for (auto it = pool.begin(); it != pool.end();) {
       if (std::find(addresses.begin(), addresses.end(), (*it)->address) == addresses.end()) {
         (*it)->removed = true;
+        measured_.ForgetWorker((*it)->address);
         LogEvent("info", "worker_removed", {{"role", prefill ? "prefill" : "decode"}, {"address", (*it)->address}});
         it = pool.erase(it);
       } else {
@@ -213,7 +214,13 @@ void RouterService::ProbeDue(bool force_all) {
         LogEvent("info", "worker_restarted", {{"role", role}, {"address", w.address}});
       }
       if (!p->info.kv_address().empty()) w.set_kv_address(p->info.kv_address());
-      w.free_positions = static_cast<int64_t>(p->info.status().kv_blocks_free()) * p->info.status().kv_block_size();
+      const v1::WorkerStatus& ws = p->info.status();
+      w.free_positions = static_cast<int64_t>(ws.kv_blocks_free()) * ws.kv_block_size();
+      w.kv_bytes_per_position = ws.kv_bytes_per_position();
+      w.max_batch = ws.max_batch();
+      if (!w.prefill_role && ws.running() > 0 && ws.step_seconds() > 0) {
+        measured_.RecordDecodeStep(w.address, ws.running(), ws.mean_history_tokens(), ws.step_seconds());
+      }
       w.failures = 0;
       w.next_probe = now + options_.probe_period;
     } else {
@@ -432,13 +439,14 @@ RouterService::WorkerPtr RouterService::PickWaiting(grpc::ServerContext* ctx, co
 
 grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequest& req,
                                 const std::function<bool(const v1::GenerateResponse&)>& emit) {
-  const auto t_start = Clock::now();
+  const auto t_start = SteadyClock::now();
   absl::StatusOr<GenerationRequest> resolved = Resolve(req);
   if (!resolved.ok()) {
     CountOutcome("invalid");
     return Invalid(resolved.status());
   }
   const GenerationRequest& gr = *resolved;
+  measured_.RecordArrival();
   const std::string client_id = req.request_id();
   const bool colocated = options_.colocated || prefill_targets_.empty();
   const int64_t prompt_tokens = static_cast<int64_t>(gr.prompt.size());
@@ -454,7 +462,7 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
   bool unavailable = false;  // No worker of a pool could take the request.
   double max_itl = 0, sum_itl = 0;
   int32_t gaps = 0;
-  Clock::time_point last_token = t_start;
+  SteadyClock::time_point last_token = t_start;
   bool client_gone = false;
   std::vector<double> relay;  // Read-to-written per relayed message.
   // Every token sent to the client, and the router's own replay of them: a
@@ -462,7 +470,7 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
   std::vector<int32_t> streamed;
   Generation replay(gr, tokenizer_.get());
   auto send_chunk = [&](const v1::TokenChunk& chunk) {
-    const auto now = Clock::now();
+    const auto now = SteadyClock::now();
     if (completion == 0) {
       timings.set_ttft(Seconds(t_start, now));
     } else {
@@ -477,7 +485,7 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
     msg.clear_kind();
     *msg.mutable_chunk() = chunk;
     if (!emit(msg)) client_gone = true;
-    relay.push_back(Seconds(now, Clock::now()));
+    relay.push_back(Seconds(now, SteadyClock::now()));
   };
 
   Watch watch{ctx, {}};
@@ -595,6 +603,7 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
             if (attempt == 1) {
               timings.set_queue(f.queue_seconds());
               timings.set_prefill(f.prefill_seconds());
+              measured_.RecordPrefill(p->address, context_tokens, context_tokens, f.prefill_seconds());
             }
             v1::TokenChunk chunk;
             rpc::AppendToken(*text, gr.params.logprobs > 0, &chunk);
@@ -606,7 +615,12 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
             }
           } else if (ev.has_done()) {
             handed_off = true;
-            if (attempt == 1) timings.set_handoff(ev.done().handoff_seconds());
+            if (attempt == 1) {
+              timings.set_handoff(ev.done().handoff_seconds());
+              measured_.RecordHandoff(p->address, d->address,
+                                      static_cast<double>(context_tokens * d->kv_bytes_per_position.load()),
+                                      ev.done().handoff_seconds());
+            }
           }
         }
         const grpc::Status ps = preader->Finish();
@@ -736,7 +750,7 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
   }
   timings.set_mean_itl(gaps > 0 ? sum_itl / gaps : 0);
   timings.set_max_itl(max_itl);
-  timings.set_total(Seconds(t_start, Clock::now()));
+  timings.set_total(Seconds(t_start, SteadyClock::now()));
   msg.clear_kind();
   v1::GenerateFinal* fin = msg.mutable_final();
   if (!error.empty()) {
@@ -747,6 +761,7 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
   } else {
     fin->set_finish_reason(rpc::ToProto(finish));
   }
+  if (error.empty() && !cancelled && finish != FinishReason::kNone) measured_.RecordFinished(completion);
   CountOutcome(!error.empty() ? "error"
                : (cancelled || finish == FinishReason::kNone) ? "cancelled"
                : finish == FinishReason::kStop                ? "stop"
@@ -802,8 +817,30 @@ grpc::Status RouterService::ClusterStatus(grpc::ServerContext*, const v1::Cluste
     s->set_healthy(st.ok() && info.status().healthy());
     s->set_unhealthy_reason(st.ok() ? info.unhealthy_reason() : st.error_message());
   };
-  for (const WorkerPtr& w : Snapshot(true)) query(*w, true, out->add_prefill());
-  for (const WorkerPtr& w : Snapshot(false)) query(*w, false, out->add_decode());
+  PoolFacts facts;
+  for (const WorkerPtr& w : Snapshot(true)) {
+    query(*w, true, out->add_prefill());
+    facts.prefill_workers += w->healthy.load() ? 1 : 0;
+  }
+  for (const WorkerPtr& w : Snapshot(false)) {
+    query(*w, false, out->add_decode());
+    facts.decode_workers += w->healthy.load() ? 1 : 0;
+    facts.decode_batch = std::max<int64_t>(facts.decode_batch, w->max_batch.load());
+  }
+  if (facts.decode_batch < 1) facts.decode_batch = 1;
+  const MeasuredSnapshot snapshot = measured_.Snapshot();
+  const MeasuredCapacity cap = ComputeMeasuredCapacity(snapshot, facts);
+  for (const capacity::Stage stage : {capacity::Stage::kPrefill, capacity::Stage::kHandoff, capacity::Stage::kDecode}) {
+    const StageCapacity& sc = CapacityOf(cap, stage);
+    v1::StageCapacity* s = out->add_stages();
+    s->set_stage(std::string(capacity::StageName(stage)));
+    s->set_known(sc.requests_per_s.has_value());
+    s->set_requests_per_s(sc.requests_per_s.value_or(0));
+    s->set_basis(sc.basis);
+  }
+  out->set_arrival_rate(cap.arrival_rate.value.value_or(0));
+  if (cap.bottleneck.has_value()) out->set_bottleneck(std::string(capacity::StageName(*cap.bottleneck)));
+  out->set_measured_report(absl::StrCat(FormatSnapshot(snapshot), FormatMeasuredCapacity(cap)));
   out->set_requests_in_flight(in_flight_.load());
   return grpc::Status::OK;
 }

@@ -29,6 +29,7 @@
 #include "common/tokenizer/chat_template.h"
 #include "common/tokenizer/tokenizer.h"
 #include "router/discovery.h"
+#include "router/measured.h"
 #include "pdserve/v1/generation.grpc.pb.h"
 #include "pdserve/v1/worker.grpc.pb.h"
 
@@ -101,6 +102,8 @@ class RouterService final : public v1::Generation::Service {
     // False until the first probe answers healthy.
     std::atomic<bool> healthy{false};
     std::atomic<int64_t> free_positions{-1};  // -1: not known yet.
+    std::atomic<int64_t> kv_bytes_per_position{0};
+    std::atomic<int32_t> max_batch{0};
     // The worker process's instance id (0: never answered); a new one means
     // it restarted.
     std::atomic<uint64_t> instance{0};
@@ -166,6 +169,9 @@ class RouterService final : public v1::Generation::Service {
   Counter* retries_ = nullptr;
   Counter* migrations_ = nullptr;
   Counter* ejections_[2] = {nullptr, nullptr};  // By prefill_role.
+  // What the router observes of each stage (issue 11: shown by
+  // ClusterStatus, not yet used to place or admit requests).
+  MeasuredInputs measured_;
   ModelConfig config_;
   std::unique_ptr<tok::Tokenizer> tokenizer_;
   std::optional<tok::ChatFormat> chat_format_;

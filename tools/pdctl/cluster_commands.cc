@@ -106,6 +106,7 @@ absl::Status RemoteStatus(const std::string& router, bool json) {
   };
   for (const auto& w : out.prefill()) row(w);
   for (const auto& w : out.decode()) row(w);
+  if (!out.measured_report().empty()) std::printf("\nmeasured by the router:\n%s", out.measured_report().c_str());
   return absl::OkStatus();
 }
 

@@ -30,6 +30,12 @@ ABSL_FLAG(std::vector<std::string>, decode, {}, "decode workers, as --prefill");
 ABSL_FLAG(double, resolve_interval_s, 5, "how often DNS worker targets are resolved again");
 ABSL_FLAG(double, max_backoff_s, 2, "a worker that fails is probed again after 0.1 s, doubling up to this");
 ABSL_FLAG(double, pick_wait_s, 3, "how long a request waits for a usable worker before UNAVAILABLE");
+ABSL_FLAG(bool, admission, false,
+          "admission control: reject with RESOURCE_EXHAUSTED when the queue is full, the predicted TTFT misses "
+          "the deadline or --ttft_target_ms, or arrivals exceed the bottleneck stage's measured capacity");
+ABSL_FLAG(int64_t, max_queued, 256, "admission: most requests between arrival and first token");
+ABSL_FLAG(double, ttft_target_ms, 0, "admission: reject requests predicted to exceed this TTFT (0: deadlines only)");
+ABSL_FLAG(int64_t, admission_min_samples, 20, "admission: samples an input needs before the rate and TTFT rules use it");
 ABSL_FLAG(bool, colocated, false, "send whole requests to decode workers (no handoff)");
 ABSL_FLAG(double, worker_wait_s, 60, "how long to wait at start for every worker to answer");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:0", "Prometheus /metrics address (port 0: any free; empty: off)");
@@ -56,6 +62,17 @@ int Run() {
   o.resolve_interval = absl::Seconds(absl::GetFlag(FLAGS_resolve_interval_s));
   o.max_backoff = absl::Seconds(absl::GetFlag(FLAGS_max_backoff_s));
   o.pick_wait = absl::Seconds(absl::GetFlag(FLAGS_pick_wait_s));
+  if (absl::GetFlag(FLAGS_admission)) {
+    router::AdmissionOptions a;
+    a.max_queued = absl::GetFlag(FLAGS_max_queued);
+    if (const double ms = absl::GetFlag(FLAGS_ttft_target_ms); ms > 0) a.ttft_target = absl::Milliseconds(ms);
+    a.min_samples = absl::GetFlag(FLAGS_admission_min_samples);
+    if (a.max_queued < 1 || a.min_samples < 1) {
+      LogEvent("error", "bad_flags", {{"error", "--max_queued and --admission_min_samples must be at least 1"}});
+      return 2;
+    }
+    o.admission = a;
+  }
   absl::StatusOr<std::unique_ptr<router::RouterService>> service = router::RouterService::Create(o);
   if (!service.ok()) {
     LogEvent("error", "start_failed", {{"error", std::string(service.status().message())}});

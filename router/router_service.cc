@@ -40,7 +40,7 @@ std::shared_ptr<grpc::Channel> Channel(const std::string& address) {
 RouterService::RouterService(RouterOptions options) : options_(std::move(options)) { RegisterMetrics(); }
 
 void RouterService::RegisterMetrics() {
-  for (const char* o : {"stop", "length", "cancelled", "error", "invalid", "unavailable"}) {
+  for (const char* o : {"stop", "length", "cancelled", "error", "invalid", "unavailable", "rejected"}) {
     outcomes_[o] = metrics_.AddCounter("pdserve_requests_total", "Requests by how they ended.",
                                        absl::StrCat("outcome=\"", o, "\""));
   }
@@ -102,6 +102,9 @@ absl::StatusOr<std::unique_ptr<RouterService>> RouterService::Create(RouterOptio
     absl::StatusOr<WorkerTarget> t = ParseWorkerTarget(spec);
     if (!t.ok()) return absl::InvalidArgumentError(absl::StrCat("--decode: ", t.status().message()));
     r->decode_targets_.push_back(*std::move(t));
+  }
+  if (r->options_.admission.has_value()) {
+    r->admission_ = std::make_unique<AdmissionController>(*r->options_.admission);
   }
   RouterService* raw = r.get();
   r->watcher_ = std::thread([raw] { raw->WatchLoop(); });
@@ -245,6 +248,10 @@ void RouterService::PollLoop() {
       next_resolve_ = absl::Now() + options_.resolve_interval;
     }
     ProbeDue(/*force_all=*/false);
+    if (admission_ != nullptr && absl::Now() >= next_load_update_) {
+      admission_->UpdateLoad(LoadFromCapacity(CurrentCapacity()));
+      next_load_update_ = absl::Now() + absl::Milliseconds(250);
+    }
     absl::MutexLock lock(&watch_mu_);
     auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(watch_mu_) { return stop_; };
     if (watch_mu_.AwaitWithTimeout(absl::Condition(&stopping), absl::Milliseconds(20))) return;
@@ -450,6 +457,23 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
   const std::string client_id = req.request_id();
   const bool colocated = options_.colocated || prefill_targets_.empty();
   const int64_t prompt_tokens = static_cast<int64_t>(gr.prompt.size());
+  // Admission: held from here to the first token.
+  std::optional<AdmissionTicket> ticket;
+  if (admission_ != nullptr) {
+    AdmissionRequest ar;
+    ar.uncached_tokens = prompt_tokens;
+    if (WorkerPtr p = colocated ? nullptr : PickPrefill({}); p != nullptr) {
+      ar.queued_prefill_tokens = p->queued_tokens.load();
+      ar.prefill_tokens_per_s = measured_.PrefillTokensPerS(p->address, prompt_tokens, options_.admission->min_samples);
+    }
+    if (ctx->deadline() != std::chrono::system_clock::time_point::max()) ar.deadline = absl::FromChrono(ctx->deadline());
+    absl::StatusOr<AdmissionTicket> t = admission_->Decide(ar);
+    if (!t.ok()) {
+      CountOutcome("rejected");
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, std::string(t.status().message()));
+    }
+    ticket.emplace(*std::move(t));
+  }
 
   v1::GenerateResponse msg;
   msg.set_request_id(client_id);
@@ -473,6 +497,7 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
     const auto now = SteadyClock::now();
     if (completion == 0) {
       timings.set_ttft(Seconds(t_start, now));
+      if (ticket.has_value()) ticket->Release();
     } else {
       const double gap = Seconds(last_token, now);
       itl_->Observe(gap);
@@ -804,6 +829,17 @@ grpc::Status RouterService::ListModels(grpc::ServerContext*, const v1::ListModel
   return grpc::Status::OK;
 }
 
+MeasuredCapacity RouterService::CurrentCapacity() {
+  PoolFacts facts;
+  for (const WorkerPtr& w : Snapshot(true)) facts.prefill_workers += w->healthy.load() ? 1 : 0;
+  for (const WorkerPtr& w : Snapshot(false)) {
+    facts.decode_workers += w->healthy.load() ? 1 : 0;
+    facts.decode_batch = std::max<int64_t>(facts.decode_batch, w->max_batch.load());
+  }
+  if (facts.decode_batch < 1) facts.decode_batch = 1;
+  return ComputeMeasuredCapacity(measured_.Snapshot(), facts);
+}
+
 grpc::Status RouterService::ClusterStatus(grpc::ServerContext*, const v1::ClusterStatusRequest*,
                                           v1::ClusterStatusResponse* out) {
   auto query = [](Worker& w, bool prefill, v1::WorkerStatus* s) {
@@ -817,19 +853,10 @@ grpc::Status RouterService::ClusterStatus(grpc::ServerContext*, const v1::Cluste
     s->set_healthy(st.ok() && info.status().healthy());
     s->set_unhealthy_reason(st.ok() ? info.unhealthy_reason() : st.error_message());
   };
-  PoolFacts facts;
-  for (const WorkerPtr& w : Snapshot(true)) {
-    query(*w, true, out->add_prefill());
-    facts.prefill_workers += w->healthy.load() ? 1 : 0;
-  }
-  for (const WorkerPtr& w : Snapshot(false)) {
-    query(*w, false, out->add_decode());
-    facts.decode_workers += w->healthy.load() ? 1 : 0;
-    facts.decode_batch = std::max<int64_t>(facts.decode_batch, w->max_batch.load());
-  }
-  if (facts.decode_batch < 1) facts.decode_batch = 1;
+  for (const WorkerPtr& w : Snapshot(true)) query(*w, true, out->add_prefill());
+  for (const WorkerPtr& w : Snapshot(false)) query(*w, false, out->add_decode());
   const MeasuredSnapshot snapshot = measured_.Snapshot();
-  const MeasuredCapacity cap = ComputeMeasuredCapacity(snapshot, facts);
+  const MeasuredCapacity cap = CurrentCapacity();
   for (const capacity::Stage stage : {capacity::Stage::kPrefill, capacity::Stage::kHandoff, capacity::Stage::kDecode}) {
     const StageCapacity& sc = CapacityOf(cap, stage);
     v1::StageCapacity* s = out->add_stages();

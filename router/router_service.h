@@ -29,6 +29,7 @@
 #include "common/tokenizer/chat_template.h"
 #include "common/tokenizer/tokenizer.h"
 #include "router/discovery.h"
+#include "router/admission.h"
 #include "router/measured.h"
 #include "pdserve/v1/generation.grpc.pb.h"
 #include "pdserve/v1/worker.grpc.pb.h"
@@ -54,6 +55,9 @@ struct RouterOptions {
   // How long a request waits for a pool with no usable worker before it
   // ends with UNAVAILABLE (capped by the client's deadline).
   absl::Duration pick_wait = absl::Seconds(3);
+  // Admission control (router/admission.h); none: every valid request is
+  // taken. A ticket is held from arrival to the first token.
+  std::optional<AdmissionOptions> admission;
 };
 
 class RouterService final : public v1::Generation::Service {
@@ -172,6 +176,10 @@ class RouterService final : public v1::Generation::Service {
   // What the router observes of each stage (issue 11: shown by
   // ClusterStatus, not yet used to place or admit requests).
   MeasuredInputs measured_;
+  std::unique_ptr<AdmissionController> admission_;
+  absl::Time next_load_update_ = absl::InfinitePast();  // Poller only.
+  // The capacities from the measurements and the pools now.
+  MeasuredCapacity CurrentCapacity();
   ModelConfig config_;
   std::unique_ptr<tok::Tokenizer> tokenizer_;
   std::optional<tok::ChatFormat> chat_format_;

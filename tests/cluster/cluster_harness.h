@@ -61,6 +61,7 @@ class Cluster {
  public:
   // Flags for one decode worker only (by index), set before Start.
   std::map<int, std::vector<std::string>> extra_decode_flags;
+  std::vector<std::string> extra_router_flags;
 
   // colocated: router --colocated, no prefill worker.
   absl::Status Start(const std::string& dir, bool colocated, const std::vector<std::string>& decode_flags = {},
@@ -110,6 +111,7 @@ class Cluster {
       rargs.push_back("--prefill");
       rargs.push_back(list);
     }
+    rargs.insert(rargs.end(), extra_router_flags.begin(), extra_router_flags.end());
     if (absl::Status s = router_.Start(rargs, dir + "/router.log", env); !s.ok()) return s;
     absl::StatusOr<int> rport = router_.WaitReady(dir + "/router.ready", absl::Seconds(60));
     if (!rport.ok()) return rport.status();

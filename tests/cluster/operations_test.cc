@@ -293,5 +293,39 @@ TEST(OperationsTest, DecodePoolScalesBehindADnsName) {
   EXPECT_EQ(st.decode(0).address(), absl::StrCat("127.0.0.3:", port));
 }
 
+// Admission control with a bounded queue: with every prefill held up, at
+// most --max_queued requests wait for their first token; the rest end at once
+// with RESOURCE_EXHAUSTED saying why, and the admitted ones complete.
+TEST(OperationsTest, AdmissionRejectsBeyondTheQueueBound) {
+  const std::string dir = TempDir();
+  Cluster c;
+  c.extra_router_flags = {"--admission", "--max_queued", "2"};
+  absl::Status s = c.Start(dir + "/admission", false, {}, {}, 1, {"--fault_stall_prefill_ms", "1500"});
+  ASSERT_TRUE(s.ok()) << s;
+  constexpr int kRequests = 6;
+  std::vector<Output> outs(kRequests);
+  std::vector<std::thread> clients;
+  for (int i = 0; i < kRequests; ++i) {
+    clients.emplace_back([&c, &outs, i] { outs[i] = c.Generate(SeededRequest(4)); });
+    absl::SleepFor(absl::Milliseconds(50));  // All arrive while the first two wait.
+  }
+  for (std::thread& t : clients) t.join();
+  int admitted = 0, rejected = 0;
+  for (const Output& o : outs) {
+    if (o.status.ok()) {
+      ++admitted;
+      EXPECT_EQ(o.final.finish_reason(), v1::FINISH_REASON_LENGTH) << o.final.error();
+    } else {
+      ++rejected;
+      EXPECT_EQ(o.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << o.status.error_message();
+      EXPECT_NE(o.status.error_message().find("queue"), std::string::npos) << o.status.error_message();
+    }
+  }
+  EXPECT_EQ(admitted, 2) << c.Logs();
+  EXPECT_EQ(rejected, kRequests - 2);
+  const std::string metrics = HttpGet(c.router_metrics(), "/metrics");
+  EXPECT_NE(metrics.find("pdserve_requests_total{outcome=\"rejected\"} 4"), std::string::npos) << metrics;
+}
+
 }  // namespace
 }  // namespace pdserve

@@ -3,6 +3,7 @@
 # decode workers, as background processes.
 #
 #   deploy/cluster.sh start [--prefill N] [--decode M] [--colocated] [--pin] [--model DIR]
+#                           [--router-flag FLAG]...   (e.g. --router-flag --admission)
 #   deploy/cluster.sh status
 #   deploy/cluster.sh stop
 #
@@ -29,6 +30,7 @@ wait_ready() {  # file, pid, what
 
 start() {
   local prefill=1 decode=1 colocated=0 pin=0 model=${PDSERVE_MODEL:-deploy/models/kjv-tiny}
+  local router_extra=()
   while (($#)); do
     case "$1" in
       --prefill) prefill=$2; shift 2 ;;
@@ -36,6 +38,7 @@ start() {
       --colocated) colocated=1; shift ;;
       --pin) pin=1; shift ;;
       --model) model=$2; shift 2 ;;
+      --router-flag) router_extra+=("$2"); shift 2 ;;
       *) die "unknown option $1" ;;
     esac
   done
@@ -66,6 +69,7 @@ start() {
   local rargs=(--model "$model" --decode "$(IFS=,; echo "${decode_addrs[*]}")" --ready_file "$STATE/router.ready"
                --listen "127.0.0.1:${PDSERVE_ROUTER_PORT:-0}")
   if ((colocated)); then rargs+=(--colocated); else rargs+=(--prefill "$(IFS=,; echo "${prefill_addrs[*]}")"); fi
+  rargs+=("${router_extra[@]}")
   setsid "$BUILD_DIR/router/pdserve-router" "${rargs[@]}" < /dev/null > "$STATE/router.log" 2>&1 &
   echo "$!" >> "$STATE/pids"
   local port

@@ -30,6 +30,8 @@ ABSL_FLAG(std::vector<std::string>, decode, {}, "decode workers, as --prefill");
 ABSL_FLAG(double, resolve_interval_s, 5, "how often DNS worker targets are resolved again");
 ABSL_FLAG(double, max_backoff_s, 2, "a worker that fails is probed again after 0.1 s, doubling up to this");
 ABSL_FLAG(double, pick_wait_s, 3, "how long a request waits for a usable worker before UNAVAILABLE");
+ABSL_FLAG(std::string, prefill_policy, "least_loaded", "how a prefill worker is chosen: least_loaded or round_robin");
+ABSL_FLAG(std::string, decode_policy, "least_loaded", "how a decode worker is chosen: least_loaded or round_robin");
 ABSL_FLAG(bool, admission, false,
           "admission control: reject with RESOURCE_EXHAUSTED when the queue is full, the predicted TTFT misses "
           "the deadline or --ttft_target_ms, or arrivals exceed the bottleneck stage's measured capacity");
@@ -62,6 +64,8 @@ int Run() {
   o.resolve_interval = absl::Seconds(absl::GetFlag(FLAGS_resolve_interval_s));
   o.max_backoff = absl::Seconds(absl::GetFlag(FLAGS_max_backoff_s));
   o.pick_wait = absl::Seconds(absl::GetFlag(FLAGS_pick_wait_s));
+  o.prefill_policy = absl::GetFlag(FLAGS_prefill_policy);
+  o.decode_policy = absl::GetFlag(FLAGS_decode_policy);
   if (absl::GetFlag(FLAGS_admission)) {
     router::AdmissionOptions a;
     a.max_queued = absl::GetFlag(FLAGS_max_queued);

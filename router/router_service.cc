@@ -103,6 +103,12 @@ absl::StatusOr<std::unique_ptr<RouterService>> RouterService::Create(RouterOptio
     if (!t.ok()) return absl::InvalidArgumentError(absl::StrCat("--decode: ", t.status().message()));
     r->decode_targets_.push_back(*std::move(t));
   }
+  absl::StatusOr<std::unique_ptr<Selector>> ps = MakeSelector(r->options_.prefill_policy);
+  if (!ps.ok()) return absl::InvalidArgumentError(absl::StrCat("--prefill_policy: ", ps.status().message()));
+  absl::StatusOr<std::unique_ptr<Selector>> ds = MakeSelector(r->options_.decode_policy);
+  if (!ds.ok()) return absl::InvalidArgumentError(absl::StrCat("--decode_policy: ", ds.status().message()));
+  r->prefill_selector_ = *std::move(ps);
+  r->decode_selector_ = *std::move(ds);
   if (r->options_.admission.has_value()) {
     r->admission_ = std::make_unique<AdmissionController>(*r->options_.admission);
   }
@@ -407,15 +413,18 @@ RouterService::WorkerPtr RouterService::PickDecode(int64_t positions, const std:
   auto usable = [&exclude](const WorkerPtr& w) {
     return w->healthy.load() && (w->decode != nullptr) && !Excluded(*w, exclude);
   };
-  WorkerPtr best;
+  std::vector<WorkerPtr> roomy;
+  std::vector<SelectionCandidate> candidates;
   for (const WorkerPtr& w : pool) {
     if (!usable(w)) continue;
     const int64_t free = w->free_positions.load();
     if (free >= 0 && free < positions) continue;
-    if (best == nullptr || w->in_flight.load() < best->in_flight.load()) best = w;
+    roomy.push_back(w);
+    candidates.push_back({w->address, w->in_flight.load()});
   }
-  if (best != nullptr) return best;
+  if (!roomy.empty()) return roomy[decode_selector_->Select(candidates)];
   // None has room now: the one with the most free KV (it queues or preempts).
+  WorkerPtr best;
   for (const WorkerPtr& w : pool) {
     if (!usable(w)) continue;
     if (best == nullptr || w->free_positions.load() > best->free_positions.load()) best = w;
@@ -424,12 +433,15 @@ RouterService::WorkerPtr RouterService::PickDecode(int64_t positions, const std:
 }
 
 RouterService::WorkerPtr RouterService::PickPrefill(const std::vector<Failed>& exclude) {
-  WorkerPtr best;
+  std::vector<WorkerPtr> usable;
+  std::vector<SelectionCandidate> candidates;
   for (const WorkerPtr& w : Snapshot(true)) {
     if (!w->healthy.load() || Excluded(*w, exclude)) continue;
-    if (best == nullptr || w->queued_tokens.load() < best->queued_tokens.load()) best = w;
+    usable.push_back(w);
+    candidates.push_back({w->address, w->queued_tokens.load()});
   }
-  return best;
+  if (usable.empty()) return nullptr;
+  return usable[prefill_selector_->Select(candidates)];
 }
 
 RouterService::WorkerPtr RouterService::PickWaiting(grpc::ServerContext* ctx, const std::function<WorkerPtr()>& pick) {
@@ -462,7 +474,13 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
   if (admission_ != nullptr) {
     AdmissionRequest ar;
     ar.uncached_tokens = prompt_tokens;
-    if (WorkerPtr p = colocated ? nullptr : PickPrefill({}); p != nullptr) {
+    // The estimate assumes the least-loaded prefill worker (the selector
+    // is not consulted: round robin would advance).
+    WorkerPtr p;
+    for (const WorkerPtr& w : colocated ? std::vector<WorkerPtr>{} : Snapshot(true)) {
+      if (w->healthy.load() && (p == nullptr || w->queued_tokens.load() < p->queued_tokens.load())) p = w;
+    }
+    if (p != nullptr) {
       ar.queued_prefill_tokens = p->queued_tokens.load();
       ar.prefill_tokens_per_s = measured_.PrefillTokensPerS(p->address, prompt_tokens, options_.admission->min_samples);
     }

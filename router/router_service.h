@@ -31,6 +31,7 @@
 #include "router/discovery.h"
 #include "router/admission.h"
 #include "router/measured.h"
+#include "router/selection.h"
 #include "pdserve/v1/generation.grpc.pb.h"
 #include "pdserve/v1/worker.grpc.pb.h"
 
@@ -58,6 +59,9 @@ struct RouterOptions {
   // Admission control (router/admission.h); none: every valid request is
   // taken. A ticket is held from arrival to the first token.
   std::optional<AdmissionOptions> admission;
+  // Selection policies (router/selection.h): least_loaded or round_robin.
+  std::string prefill_policy = "least_loaded";
+  std::string decode_policy = "least_loaded";
 };
 
 class RouterService final : public v1::Generation::Service {
@@ -177,6 +181,8 @@ class RouterService final : public v1::Generation::Service {
   // ClusterStatus, not yet used to place or admit requests).
   MeasuredInputs measured_;
   std::unique_ptr<AdmissionController> admission_;
+  std::unique_ptr<Selector> prefill_selector_;
+  std::unique_ptr<Selector> decode_selector_;
   absl::Time next_load_update_ = absl::InfinitePast();  // Poller only.
   // The capacities from the measurements and the pools now.
   MeasuredCapacity CurrentCapacity();

@@ -327,5 +327,34 @@ TEST(OperationsTest, AdmissionRejectsBeyondTheQueueBound) {
   EXPECT_NE(metrics.find("pdserve_requests_total{outcome=\"rejected\"} 4"), std::string::npos) << metrics;
 }
 
+// The prefill selection policy by flag: sequential requests (every worker
+// idle each time) all go to the first worker under least_loaded and
+// alternate under round_robin.
+class SelectionPolicyTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(SelectionPolicyTest, PrefillPolicyDecidesWhereRequestsGo) {
+  const bool round_robin = GetParam();
+  const std::string dir = TempDir() + "/policy";
+  Cluster c;
+  c.extra_router_flags = {"--prefill_policy", round_robin ? "round_robin" : "least_loaded"};
+  absl::Status s = c.Start(dir, false, {}, {}, /*num_prefill=*/2);
+  ASSERT_TRUE(s.ok()) << s;
+  for (int i = 0; i < 4; ++i) {
+    const Output got = c.Generate(SeededRequest(4));
+    ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+  }
+  std::vector<double> served;
+  for (int p = 0; p < 2; ++p) {
+    const int port = MetricsPort(absl::StrCat(dir, "/prefill", p, ".ready"));
+    served.push_back(MetricValue(HttpGet(port, "/metrics"), "pdserve_handoff_transfers_total"));
+  }
+  EXPECT_EQ(served, round_robin ? (std::vector<double>{2, 2}) : (std::vector<double>{4, 0})) << c.Logs();
+}
+
+INSTANTIATE_TEST_SUITE_P(Policies, SelectionPolicyTest, ::testing::Values(false, true),
+                         [](const ::testing::TestParamInfo<bool>& i) {
+                           return i.param ? "RoundRobin" : "LeastLoaded";
+                         });
+
 }  // namespace
 }  // namespace pdserve

@@ -194,18 +194,6 @@ class Cluster {
   std::unique_ptr<v1::Generation::Stub> stub_;
 };
 
-// The decode worker's used KV blocks once they stop changing (up to `wait`).
-inline int DecodeKvUsedAfterSettling(Cluster& c, absl::Duration wait = absl::Seconds(5)) {
-  const absl::Time deadline = absl::Now() + wait;
-  int used = -1;
-  while (absl::Now() < deadline) {
-    used = c.Status().decode(0).kv_blocks_used();
-    if (used == 0) break;
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  return used;
-}
-
 // The fault tests' request: seeded sampling, so every run gives the same tokens.
 inline v1::GenerateRequest SeededRequest(int max_tokens) {
   v1::GenerateRequest r;
@@ -259,8 +247,8 @@ inline void ExpectUndisturbed(const Output& got, const Output& want, Cluster& c)
   EXPECT_EQ(got.text, want.text);
 }
 
-// The KV blocks in use on every worker, summed, once that reaches 0 or
-// stops changing for `wait` (the survivors of a fault must hold none).
+// The KV blocks in use on every worker, summed: 0 as soon as it is, else
+// the sum when `wait` runs out (the survivors of a fault must hold none).
 inline int AllKvUsedAfterSettling(Cluster& c, absl::Duration wait = absl::Seconds(10)) {
   const absl::Time deadline = absl::Now() + wait;
   int used = -1;

@@ -20,10 +20,10 @@
 #include "common/tokenizer/tokenizer.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "kernels/cpu/cpu_backend.h"
 #include "nlohmann/json.hpp"
 #include "pdserve/v1/generation.grpc.pb.h"
 #include "tests/cluster/cluster_harness.h"
+#include "tests/support/default_model.h"
 #include "tests/support/subprocess.h"
 
 namespace pdserve {
@@ -34,15 +34,11 @@ using testing_support::Subprocess;
 class ClusterTest : public ::testing::Test {
  public:
   static void SetUpTestSuite() {
-    auto backend = kernels::cpu::CpuBackend::Create({.num_threads = 1});
-    ASSERT_TRUE(backend.ok());
-    backend_ = backend->release();
-    auto model = Model::Load(kModel, {}, backend_);
-    ASSERT_TRUE(model.ok()) << model.status();
-    model_ = model->release();
-    auto tokenizer = tok::Tokenizer::Load(kModel);
-    ASSERT_TRUE(tokenizer.ok());
-    tokenizer_ = tokenizer->release();
+    absl::StatusOr<testing_support::DefaultModel> m = testing_support::LoadDefaultModel(1);
+    ASSERT_TRUE(m.ok()) << m.status();
+    loaded_ = new testing_support::DefaultModel(*std::move(m));
+    model_ = loaded_->model.get();
+    tokenizer_ = loaded_->tokenizer.get();
     dir_ = new std::string(TempDir());
     disagg_ = new Cluster();
     absl::Status s = disagg_->Start(*dir_ + "/disagg", false);
@@ -119,7 +115,7 @@ class ClusterTest : public ::testing::Test {
     EXPECT_EQ(got.finish, want.finish) << what << " " << got.final.error();
   }
 
-  static kernels::cpu::CpuBackend* backend_;
+  static testing_support::DefaultModel* loaded_;
   static Model* model_;
   static tok::Tokenizer* tokenizer_;
   static std::string* dir_;
@@ -127,7 +123,7 @@ class ClusterTest : public ::testing::Test {
   static Cluster* colocated_;
 };
 
-kernels::cpu::CpuBackend* ClusterTest::backend_ = nullptr;
+testing_support::DefaultModel* ClusterTest::loaded_ = nullptr;
 Model* ClusterTest::model_ = nullptr;
 tok::Tokenizer* ClusterTest::tokenizer_ = nullptr;
 std::string* ClusterTest::dir_ = nullptr;
@@ -247,7 +243,7 @@ TEST_F(ClusterTest, CancelledStreamFreesItsKv) {
   while (reader->Read(&m)) {
   }
   EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
-  EXPECT_EQ(DecodeKvUsedAfterSettling(*disagg_), 0);
+  EXPECT_EQ(AllKvUsedAfterSettling(*disagg_), 0);
 }
 
 TEST_F(ClusterTest, ClientDeadlineEndsTheStreamAndFreesItsKv) {
@@ -261,7 +257,7 @@ TEST_F(ClusterTest, ClientDeadlineEndsTheStreamAndFreesItsKv) {
   while (reader->Read(&m)) tokens += m.has_chunk() ? m.chunk().token_ids_size() : 0;
   EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
   EXPECT_LT(tokens, 480);
-  EXPECT_EQ(DecodeKvUsedAfterSettling(*disagg_), 0);
+  EXPECT_EQ(AllKvUsedAfterSettling(*disagg_), 0);
 }
 
 TEST_F(ClusterTest, BadInputIsRefusedNamingTheField) {

@@ -11,29 +11,27 @@
 #include "common/model_config.h"
 #include "common/tokenizer/tokenizer.h"
 #include "gtest/gtest.h"
-#include "kernels/cpu/cpu_backend.h"
+#include "tests/support/default_model.h"
 #include "nlohmann/json.hpp"
 
 namespace pdserve {
 namespace {
 
-const std::string kModel = std::string(PDSERVE_SOURCE_DIR) + "/deploy/models/kjv-tiny";
+const std::string& kModel = testing_support::kDefaultModelDir;
 
 class DefaultModelTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    auto backend = kernels::cpu::CpuBackend::Create({.num_threads = 2});
-    ASSERT_TRUE(backend.ok());
-    backend_ = *std::move(backend);
-    auto model = Model::Load(kModel, {}, backend_.get());
-    ASSERT_TRUE(model.ok()) << model.status();
-    model_ = *std::move(model);
+    absl::StatusOr<testing_support::DefaultModel> m = testing_support::LoadDefaultModel(2);
+    ASSERT_TRUE(m.ok()) << m.status();
+    loaded_ = *std::move(m);
+    model_ = loaded_.model.get();
     auto pool = BlockPool::Create(model_->MakeKvSpec(DType::kF32, 16, 64));
     ASSERT_TRUE(pool.ok());
     pool_ = *std::move(pool);
   }
-  std::unique_ptr<kernels::cpu::CpuBackend> backend_;
-  std::unique_ptr<Model> model_;
+  testing_support::DefaultModel loaded_;
+  Model* model_ = nullptr;
   std::unique_ptr<BlockPool> pool_;
 };
 

@@ -13,12 +13,11 @@
 #include "common/model.h"
 #include "common/tokenizer/tokenizer.h"
 #include "gtest/gtest.h"
-#include "kernels/cpu/cpu_backend.h"
+#include "tests/support/default_model.h"
 
 namespace pdserve {
 namespace {
 
-const std::string kModel = std::string(PDSERVE_SOURCE_DIR) + "/deploy/models/kjv-tiny";
 
 struct Output {
   std::vector<int32_t> tokens;
@@ -30,15 +29,11 @@ struct Output {
 class BatchEngineTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    auto backend = kernels::cpu::CpuBackend::Create({.num_threads = 2});
-    ASSERT_TRUE(backend.ok());
-    backend_ = backend->release();
-    auto model = Model::Load(kModel, {}, backend_);
-    ASSERT_TRUE(model.ok()) << model.status();
-    model_ = model->release();
-    auto tokenizer = tok::Tokenizer::Load(kModel);
-    ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
-    tokenizer_ = tokenizer->release();
+    absl::StatusOr<testing_support::DefaultModel> m = testing_support::LoadDefaultModel(2);
+    ASSERT_TRUE(m.ok()) << m.status();
+    loaded_ = new testing_support::DefaultModel(*std::move(m));
+    model_ = loaded_->model.get();
+    tokenizer_ = loaded_->tokenizer.get();
   }
 
   std::unique_ptr<BlockPool> MakePool(int32_t blocks) {
@@ -118,12 +113,12 @@ class BatchEngineTest : public ::testing::Test {
     return reqs;
   }
 
-  static kernels::cpu::CpuBackend* backend_;
+  static testing_support::DefaultModel* loaded_;
   static Model* model_;
   static tok::Tokenizer* tokenizer_;
 };
 
-kernels::cpu::CpuBackend* BatchEngineTest::backend_ = nullptr;
+testing_support::DefaultModel* BatchEngineTest::loaded_ = nullptr;
 Model* BatchEngineTest::model_ = nullptr;
 tok::Tokenizer* BatchEngineTest::tokenizer_ = nullptr;
 

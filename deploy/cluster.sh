@@ -48,22 +48,27 @@ start() {
   rm -f "$STATE"/*.ready "$STATE"/pids
   local threads=$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 ))
   local decode_addrs=() prefill_addrs=()
-  for i in $(seq 0 $((decode - 1))); do
+  # launch NAME CORE BINARY: starts one worker (pinned to CORE with --pin)
+  # and prints its address once it is ready.
+  launch() {
     local pre=()
-    ((pin)) && pre=(taskset -c 1)
-    setsid "${pre[@]}" "$BUILD_DIR/decode_worker/pdserve-decode-worker" --model "$model" --threads "$threads" \
-      --ready_file "$STATE/decode$i.ready" < /dev/null > "$STATE/decode$i.log" 2>&1 &
+    ((pin)) && pre=(taskset -c "$2")
+    setsid "${pre[@]}" "$BUILD_DIR/$3" --model "$model" --threads "$threads" \
+      --ready_file "$STATE/$1.ready" < /dev/null > "$STATE/$1.log" 2>&1 &
     echo "$!" >> "$STATE/pids"
-    decode_addrs+=("127.0.0.1:$(wait_ready "$STATE/decode$i.ready" $! decode$i)")
+    local port
+    port=$(wait_ready "$STATE/$1.ready" $! "$1") || exit 1
+    echo "127.0.0.1:$port"
+  }
+  local addr
+  for i in $(seq 0 $((decode - 1))); do
+    addr=$(launch "decode$i" 1 decode_worker/pdserve-decode-worker) || exit 1
+    decode_addrs+=("$addr")
   done
   if ((!colocated)); then
     for i in $(seq 0 $((prefill - 1))); do
-      local pre=()
-      ((pin)) && pre=(taskset -c 0)
-      setsid "${pre[@]}" "$BUILD_DIR/prefill_worker/pdserve-prefill-worker" --model "$model" --threads "$threads" \
-        --ready_file "$STATE/prefill$i.ready" < /dev/null > "$STATE/prefill$i.log" 2>&1 &
-      echo "$!" >> "$STATE/pids"
-      prefill_addrs+=("127.0.0.1:$(wait_ready "$STATE/prefill$i.ready" $! prefill$i)")
+      addr=$(launch "prefill$i" 0 prefill_worker/pdserve-prefill-worker) || exit 1
+      prefill_addrs+=("$addr")
     done
   fi
   local rargs=(--model "$model" --decode "$(IFS=,; echo "${decode_addrs[*]}")" --ready_file "$STATE/router.ready"

@@ -320,6 +320,7 @@ grpc::Status DecodeService::Status(grpc::ServerContext*, const worker::v1::Worke
   s->set_preemptions(st.preemptions);
   s->set_step_seconds(st.step_seconds_avg);
   s->set_mean_history_tokens(st.mean_history);
+  s->set_steps(st.steps);
   s->set_max_batch(options_.engine.max_batch);
   s->set_kv_bytes_per_position(pool_->spec().BytesPerPosition());
   {

@@ -227,9 +227,12 @@ void RouterService::ProbeDue(bool force_all) {
       w.free_positions = static_cast<int64_t>(ws.kv_blocks_free()) * ws.kv_block_size();
       w.kv_bytes_per_position = ws.kv_bytes_per_position();
       w.max_batch = ws.max_batch();
-      if (!w.prefill_role && ws.running() > 0 && ws.step_seconds() > 0) {
+      // One sample per probe that saw new steps: the worker's step time is
+      // a running average, so an idle worker would repeat its last one.
+      if (!w.prefill_role && ws.running() > 0 && ws.step_seconds() > 0 && ws.steps() != w.last_steps) {
         measured_.RecordDecodeStep(w.address, ws.running(), ws.mean_history_tokens(), ws.step_seconds());
       }
+      w.last_steps = ws.steps();
       w.failures = 0;
       w.next_probe = now + options_.probe_period;
     } else {

@@ -122,6 +122,7 @@ class RouterService final : public v1::Generation::Service {
     int failures = 0;
     absl::Time next_probe = absl::InfinitePast();
     std::string last_reason;
+    int64_t last_steps = 0;  // Decode steps seen at the last probe.
   };
   using WorkerPtr = std::shared_ptr<Worker>;
   // A worker a request gave up on, in the incarnation it failed in: once it

@@ -124,6 +124,7 @@ RouterService::~RouterService() {
   }
   if (watcher_.joinable()) watcher_.join();
   if (poller_.joinable()) poller_.join();
+  if (discoverer_.joinable()) discoverer_.join();
 }
 
 std::vector<RouterService::WorkerPtr> RouterService::Snapshot(bool prefill) {
@@ -250,12 +251,19 @@ void RouterService::ProbeDue(bool force_all) {
   }
 }
 
+void RouterService::DiscoverLoop() {
+  while (true) {
+    {
+      absl::MutexLock lock(&watch_mu_);
+      auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(watch_mu_) { return stop_; };
+      if (watch_mu_.AwaitWithTimeout(absl::Condition(&stopping), options_.resolve_interval)) return;
+    }
+    Discover();
+  }
+}
+
 void RouterService::PollLoop() {
   while (true) {
-    if (absl::Now() >= next_resolve_) {
-      Discover();
-      next_resolve_ = absl::Now() + options_.resolve_interval;
-    }
     ProbeDue(/*force_all=*/false);
     if (admission_ != nullptr && absl::Now() >= next_load_update_) {
       admission_->UpdateLoad(LoadFromCapacity(CurrentCapacity()));
@@ -313,9 +321,9 @@ absl::Status RouterService::WaitForWorkers(absl::Duration timeout) {
     }
     absl::SleepFor(absl::Milliseconds(100));
   }
-  next_resolve_ = absl::Now() + options_.resolve_interval;
   RouterService* raw = this;
   if (!poller_.joinable()) poller_ = std::thread([raw] { raw->PollLoop(); });
+  if (!discoverer_.joinable()) discoverer_ = std::thread([raw] { raw->DiscoverLoop(); });
   return absl::OkStatus();
 }
 

@@ -195,9 +195,9 @@ class RouterService final : public v1::Generation::Service {
   absl::Mutex workers_mu_;
   std::vector<WorkerPtr> prefill_ ABSL_GUARDED_BY(workers_mu_);
   std::vector<WorkerPtr> decode_ ABSL_GUARDED_BY(workers_mu_);
-  // Per target, its addresses at the last successful resolve (poller only).
+  // Per target, its addresses at the last successful resolve (discovery
+  // thread only, or WaitForWorkers before it starts).
   absl::flat_hash_map<std::string, std::vector<std::string>> resolved_;
-  absl::Time next_resolve_ = absl::InfinitePast();
   std::atomic<int64_t> in_flight_{0};
   std::atomic<uint64_t> next_request_{1};
 
@@ -206,6 +206,10 @@ class RouterService final : public v1::Generation::Service {
   bool stop_ ABSL_GUARDED_BY(watch_mu_) = false;
   std::thread watcher_;
   std::thread poller_;
+  // Resolves the targets every resolve_interval, on its own thread so a
+  // slow name server never delays the health probes.
+  std::thread discoverer_;
+  void DiscoverLoop();
 };
 
 }  // namespace pdserve::router

@@ -131,6 +131,7 @@ absl::StatusOr<std::vector<BlockId>> BlockPool::Allocate(int32_t n) {
       b = BlockId{lru_next_[spec_.num_blocks]};
       LruUnlink(b.value);
       cache_.erase(*hash_of_[b.value]);
+      if (listener_ != nullptr) listener_->OnRemoved(*hash_of_[b.value]);
       hash_of_[b.value].reset();
       ++stats_.evictions;
     }
@@ -167,10 +168,11 @@ std::vector<BlockId> BlockPool::AcquireCachedPrefix(absl::Span<const BlockHash> 
   return out;
 }
 
-void BlockPool::MarkCached(BlockId b, const BlockHash& hash) {
+void BlockPool::MarkCached(BlockId b, const BlockHash& hash, const BlockHash& parent) {
   if (hash_of_[b.value].has_value() || cache_.contains(hash)) return;
   hash_of_[b.value] = hash;
   cache_.emplace(hash, b.value);
+  if (listener_ != nullptr) listener_->OnStored(hash, parent);
 }
 
 kernels::KvLayerView BlockPool::LayerView(int32_t layer) {

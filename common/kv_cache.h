@@ -92,6 +92,19 @@ struct KvMemoryReport {
   int64_t blocks_free = 0;
 };
 
+// Told of every change to what a pool's prefix cache holds (the worker's
+// KV event log, common/kv_events.h). Called under whatever lock guards the
+// pool; must not call back into it.
+class BlockPoolListener {
+ public:
+  virtual ~BlockPoolListener() = default;
+  // A block was published under `hash`; `parent` is its predecessor's hash
+  // in the chain (zero for a sequence's first block, or when unknown).
+  virtual void OnStored(const BlockHash& hash, const BlockHash& parent) = 0;
+  // The block cached under `hash` was evicted.
+  virtual void OnRemoved(const BlockHash& hash) = 0;
+};
+
 // Blocks are free, held (reference count > 0), or cached-and-unreferenced.
 // The prefix cache (DESIGN.md fact 6) maps full-block content hashes to
 // blocks; a cached block whose last reference is dropped stays findable
@@ -121,9 +134,13 @@ class BlockPool {
   // The blocks of the longest prefix of `hashes` that is cached, each with a
   // reference taken for the caller. Counts hits and misses.
   std::vector<BlockId> AcquireCachedPrefix(absl::Span<const BlockHash> hashes);
-  // Publishes a held, fully written block under `hash`. If another block is
+  // Publishes a held, fully written block under `hash` (`parent`: the
+  // hash of the block before it, for the listener). If another block is
   // already cached under it, nothing changes (the first copy stays).
-  void MarkCached(BlockId b, const BlockHash& hash);
+  void MarkCached(BlockId b, const BlockHash& hash, const BlockHash& parent = BlockHash{});
+  // Receives stored/removed events from now on (null: none).
+  // REQUIRES: outlives the pool or is reset first.
+  void set_listener(BlockPoolListener* listener) { listener_ = listener; }
   bool IsCached(BlockId b) const { return hash_of_[b.value].has_value(); }
 
   int32_t RefCount(BlockId b) const { return ref_counts_[b.value]; }
@@ -158,6 +175,7 @@ class BlockPool {
   std::vector<int32_t> lru_prev_, lru_next_;
   int32_t num_evictable_ = 0;
   PrefixCacheStats stats_;
+  BlockPoolListener* listener_ = nullptr;
 };
 
 // The KV of one sequence: its block table and how many positions are filled.

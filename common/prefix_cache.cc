@@ -20,7 +20,7 @@ void PublishFullBlocks(BlockPool& pool, const BlockHasher& hasher,
   const std::vector<BlockHash> hashes =
       hasher.FullBlockHashes(tokens.first(static_cast<size_t>(seq.num_positions())));
   for (size_t b = 0; b < hashes.size(); ++b) {
-    pool.MarkCached(BlockId{seq.block_table()[b]}, hashes[b]);
+    pool.MarkCached(BlockId{seq.block_table()[b]}, hashes[b], b > 0 ? hashes[b - 1] : BlockHash{});
   }
 }
 

@@ -5,11 +5,15 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/prefix_cache.h"
 
 namespace pdserve {
 
 BatchEngine::BatchEngine(Model& model, BlockPool& pool, BatchEngineOptions options)
-    : model_(model), pool_(pool), options_(options) {}
+    : model_(model),
+      pool_(pool),
+      options_(options),
+      hasher_(model.identity(), pool.spec().dtype, pool.spec().block_size) {}
 
 BatchEngine::~BatchEngine() {
   for (auto& s : running_) s->kv.Release(pool_);
@@ -49,7 +53,19 @@ BatchEngineStats BatchEngine::stats() const {
   return stats_;
 }
 
+void BatchEngine::Publish(const Seq& s) {
+  if (!options_.prefix_cache || s.gen == nullptr || s.kv.num_positions() == 0) return;
+  // Waiting sequences' KV covers context[0, fed); running ones', prompt +
+  // generated tokens but the last (not fed yet).
+  if (!s.context.empty()) {
+    PublishFullBlocks(pool_, hasher_, s.context, s.kv);
+  } else {
+    PublishFullBlocks(pool_, hasher_, s.gen->AllTokens(), s.kv);
+  }
+}
+
 void BatchEngine::Finish(Seq& s, absl::Status status) {
+  if (status.ok() || absl::IsCancelled(status)) Publish(s);
   s.kv.Release(pool_);
   if (!status.ok()) s.sink(EngineEvent{std::move(status), {}});
 }
@@ -90,6 +106,7 @@ void BatchEngine::DrainInbox() {
 void BatchEngine::Preempt(size_t i) {
   std::unique_ptr<Seq> s = std::move(running_[i]);
   running_.erase(running_.begin() + static_cast<std::ptrdiff_t>(i));
+  Publish(*s);  // The recompute then starts from these blocks.
   s->kv.Release(pool_);
   s->context = s->gen->AllTokens();
   s->fed = 0;
@@ -132,6 +149,10 @@ absl::StatusOr<bool> BatchEngine::Step() {
     Seq& s = *waiting_[j];
     if (running_.size() + chunk.size() >= static_cast<size_t>(options_.max_batch)) break;
     if (s.fed == 0 && over_target) break;  // Started prefills still finish.
+    if (s.fed == 0 && options_.prefix_cache && s.kv.block_table().empty()) {
+      s.fed = AttachCachedPrefix(pool_, hasher_, s.context, s.kv);
+      s.cached = s.fed;
+    }
     const int32_t left = static_cast<int32_t>(s.context.size()) - s.fed;
     const int32_t n = std::min(budget, left);
     if (!s.kv.Reserve(pool_, s.fed + n).ok()) break;
@@ -221,7 +242,8 @@ absl::StatusOr<bool> BatchEngine::Step() {
       continue;
     }
     const bool done = ev->finish != FinishReason::kNone;
-    s.sink(EngineEvent{absl::OkStatus(), *std::move(ev)});
+    s.sink(EngineEvent{absl::OkStatus(), *std::move(ev), s.first_sent ? 0 : s.cached});
+    s.first_sent = true;
     s.context.clear();
     s.context.shrink_to_fit();
     if (done) Finish(s, absl::OkStatus());

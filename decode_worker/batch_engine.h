@@ -32,6 +32,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "common/block_hash.h"
 #include "common/generation.h"
 #include "common/kv_cache.h"
 #include "common/model.h"
@@ -44,6 +45,10 @@ struct BatchEngineOptions {
   int32_t prefill_chunk_tokens = 256;
   // 0: no inter-token-latency cap.
   double itl_target_seconds = 0;
+  // Local prefills start from the longest cached prefix of their context,
+  // and a sequence that ends (or is preempted) publishes its full blocks,
+  // so a later turn of the same conversation prefills only what is new.
+  bool prefix_cache = false;
 };
 
 // What a sequence's sink receives: a token (status OK), or the end of the
@@ -51,6 +56,9 @@ struct BatchEngineOptions {
 struct EngineEvent {
   absl::Status status;
   TokenEvent token;
+  // The first token of a local prefill: context positions that came from
+  // the prefix cache.
+  int32_t cached_tokens = 0;
 };
 using EventSink = std::function<void(const EngineEvent&)>;
 
@@ -95,6 +103,8 @@ class BatchEngine {
     // Waiting: the tokens to prefill and how many are in the KV already.
     std::vector<int32_t> context;
     int32_t fed = 0;
+    int32_t cached = 0;  // Of fed, from the prefix cache.
+    bool first_sent = false;
   };
   struct Inbox {
     std::vector<std::unique_ptr<Seq>> prefill;
@@ -104,6 +114,8 @@ class BatchEngine {
 
   void DrainInbox();
   void Finish(Seq& s, absl::Status status);
+  // Publishes s's full blocks to the prefix cache (prefix_cache only).
+  void Publish(const Seq& s);
   void Preempt(size_t running_index);
   // Makes room for one more position in every running sequence.
   absl::Status ReserveDecodeRows();
@@ -111,6 +123,7 @@ class BatchEngine {
   Model& model_;
   BlockPool& pool_;
   const BatchEngineOptions options_;
+  const BlockHasher hasher_;
 
   mutable absl::Mutex mu_;
   Inbox inbox_ ABSL_GUARDED_BY(mu_);

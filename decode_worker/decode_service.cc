@@ -1,5 +1,6 @@
 #include "decode_worker/decode_service.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <deque>
@@ -35,12 +36,17 @@ DecodeService::DecodeService(Model* model, BlockPool* pool, absl::Mutex* pool_mu
       tokenizer_(tokenizer),
       options_(std::move(options)),
       engine_(*model, *pool, options_.engine) {
+  {
+    absl::MutexLock lock(pool_mu_);
+    pool_->set_listener(&kv_events_);
+  }
   engine_thread_ = std::thread([this] { EngineLoop(); });
 }
 
 DecodeService::~DecodeService() {
   Shutdown();
   absl::MutexLock lock(pool_mu_);
+  pool_->set_listener(nullptr);
   absl::MutexLock h(&handoff_mu_);
   for (auto& [id, seq] : committed_) seq.kv.Release(*pool_);
   committed_.clear();
@@ -240,6 +246,7 @@ grpc::Status DecodeService::Decode(grpc::ServerContext* ctx, const worker::v1::D
   int32_t gaps = 0;
   auto last = start;
   double prefill_seconds = 0;
+  int32_t cached_tokens = 0;
   while (true) {
     std::deque<EngineEvent> batch;
     {
@@ -274,6 +281,7 @@ grpc::Status DecodeService::Decode(grpc::ServerContext* ctx, const worker::v1::D
       }
       rpc::AppendToken(e.token, logprobs, chunk);
       ++completion_tokens;
+      cached_tokens = std::max(cached_tokens, e.cached_tokens);
       if (e.token.finish != FinishReason::kNone) finish = e.token.finish;
     }
     if (chunk->token_ids_size() > 0) {
@@ -301,6 +309,7 @@ grpc::Status DecodeService::Decode(grpc::ServerContext* ctx, const worker::v1::D
       if (!error.ok()) f->set_error(std::string(error.message()));
       f->set_completion_tokens(completion_tokens);
       f->set_prefill_seconds(prefill_seconds);
+      f->set_cached_tokens(cached_tokens);
       f->set_mean_itl(gaps > 0 ? sum_itl / gaps : 0);
       f->set_max_itl(max_itl);
       writer->Write(fin);
@@ -309,10 +318,13 @@ grpc::Status DecodeService::Decode(grpc::ServerContext* ctx, const worker::v1::D
   }
 }
 
-grpc::Status DecodeService::Status(grpc::ServerContext*, const worker::v1::WorkerStatusRequest*,
+grpc::Status DecodeService::Status(grpc::ServerContext*, const worker::v1::WorkerStatusRequest* req,
                                    worker::v1::WorkerInfo* out) {
+  rpc::FillKvEvents(kv_events_, *req, out);
+  rpc::FillPrefixHash(model_->identity(), pool_->spec().dtype, pool_->spec().block_size, out);
   const BatchEngineStats st = engine_.stats();
   v1::WorkerStatus* s = out->mutable_status();
+  s->set_kv_cached_blocks(static_cast<int64_t>(kv_events_.num_cached()));
   s->set_role("decode");
   out->set_instance_id(ProcessInstanceId());
   s->set_running(st.running);

@@ -17,6 +17,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/kv_cache.h"
+#include "common/kv_events.h"
 #include "common/model.h"
 #include "common/pool_counters.h"
 #include "common/tokenizer/tokenizer.h"
@@ -95,6 +96,9 @@ class DecodeService final : public worker::v1::DecodeWorker::Service {
   PoolCounters counters_{pool_, pool_mu_};
   const tok::Tokenizer* tokenizer_;
   const DecodeServiceOptions options_;
+  // What the prefix cache holds (committed handoffs' prompts, finished
+  // local sequences), for the router; Status carries it.
+  KvEventLog kv_events_;
   BatchEngine engine_;
   std::atomic<uint64_t> next_id_{1};
   std::atomic<bool> failed_{false};

@@ -25,6 +25,8 @@ ABSL_FLAG(std::string, listen, "127.0.0.1:0", "gRPC address (port 0: any free po
 ABSL_FLAG(std::string, ready_file, "", "write {\"grpc_port\":..} here once serving");
 ABSL_FLAG(int, max_batch, 64, "most sequences decoded together");
 ABSL_FLAG(int, prefill_chunk, 256, "prompt tokens prefilled per step (colocated and recompute)");
+ABSL_FLAG(bool, prefix_cache, true,
+          "local prefills reuse cached prefixes, and finished sequences publish their blocks");
 ABSL_FLAG(double, itl_target_ms, 0, "admit no new sequence while the step time exceeds this (0: off)");
 ABSL_FLAG(bool, prefill_local, true, "accept colocated requests (prefill here)");
 ABSL_FLAG(bool, stand_in, false, "benchmark stand-in: stream max_tokens dummy tokens at once, no model work");
@@ -52,6 +54,7 @@ int Run() {
   so.engine.max_batch = absl::GetFlag(FLAGS_max_batch);
   so.engine.prefill_chunk_tokens = absl::GetFlag(FLAGS_prefill_chunk);
   so.engine.itl_target_seconds = absl::GetFlag(FLAGS_itl_target_ms) / 1e3;
+  so.engine.prefix_cache = absl::GetFlag(FLAGS_prefix_cache);
   so.allow_prefill = absl::GetFlag(FLAGS_prefill_local);
   so.stand_in = absl::GetFlag(FLAGS_stand_in);
   decode::DecodeService service(engine->model.get(), engine->pool.get(), &pool_mu, w->tokenizer.get(), so);

@@ -201,7 +201,9 @@ void KvReceiver::HandleCommit(Connection& c, Commit& m) {
       absl::MutexLock pool_lock(pool_mu_);
       const BlockHasher hasher(layout_.model, layout_.dtype, layout_.block_size);
       std::vector<BlockHash> hashes = hasher.FullBlockHashes(m.tokens);
-      for (size_t i = 0; i < hashes.size(); ++i) pool_->MarkCached(BlockId{h.blocks[i]}, hashes[i]);
+      for (size_t i = 0; i < hashes.size(); ++i) {
+        pool_->MarkCached(BlockId{h.blocks[i]}, hashes[i], i > 0 ? hashes[i - 1] : BlockHash{});
+      }
     }
     out.id = m.id;
     out.kv.mutable_block_table() = std::move(h.blocks);

@@ -36,6 +36,7 @@ struct PrefillService::Job {
   std::vector<int32_t> context;  // Prompt + generated_ids: what is prefilled.
   SequenceKv kv;
   int32_t fed = 0;  // Prompt positions in kv (cached or computed).
+  int32_t cached = 0;  // Of them, from the prefix cache.
   std::unique_ptr<kv::Handoff> handoff;
   Clock::time_point queued_at, started_at, first_at;
   TokenEvent first;
@@ -61,11 +62,19 @@ PrefillService::PrefillService(Model* model, BlockPool* pool, absl::Mutex* pool_
       sender_(sender),
       options_(options),
       hasher_(model->identity(), pool->spec().dtype, pool->spec().block_size) {
+  {
+    absl::MutexLock lock(pool_mu_);
+    pool_->set_listener(&kv_events_);
+  }
   compute_thread_ = std::thread([this] { ComputeLoop(); });
   commit_thread_ = std::thread([this] { CommitLoop(); });
 }
 
-PrefillService::~PrefillService() { Shutdown(); }
+PrefillService::~PrefillService() {
+  Shutdown();
+  absl::MutexLock lock(pool_mu_);
+  pool_->set_listener(nullptr);
+}
 
 void PrefillService::Shutdown() {
   {
@@ -172,6 +181,7 @@ void PrefillService::ComputeLoop() {
           // Never reuse the whole prompt: its last position must be computed
           // for the first token's logits.
           job->fed = AttachCachedPrefix(*pool_, hasher_, absl::MakeConstSpan(prompt).first(prompt.size() - 1), job->kv);
+          job->cached = job->fed;
         }
         if (absl::Status st = StartHandoff(*job); !st.ok()) {
           FinishJob(job, st);
@@ -250,6 +260,7 @@ void PrefillService::ComputeLoop() {
         t->set_logprob(lp);
       }
       f->set_finish_reason(rpc::ToProto(first->finish));
+      f->set_cached_tokens(job.cached);
       f->set_queue_seconds(Seconds(job.queued_at, job.started_at));
       f->set_prefill_seconds(Seconds(job.started_at, now));
       job.Push(std::move(ev));
@@ -399,8 +410,10 @@ grpc::Status PrefillService::Prefill(grpc::ServerContext* ctx, const worker::v1:
   return result;
 }
 
-grpc::Status PrefillService::Status(grpc::ServerContext*, const worker::v1::WorkerStatusRequest*,
+grpc::Status PrefillService::Status(grpc::ServerContext*, const worker::v1::WorkerStatusRequest* req,
                                     worker::v1::WorkerInfo* out) {
+  rpc::FillKvEvents(kv_events_, *req, out);
+  rpc::FillPrefixHash(model_->identity(), pool_->spec().dtype, pool_->spec().block_size, out);
   v1::WorkerStatus* s = out->mutable_status();
   s->set_role("prefill");
   {
@@ -421,6 +434,7 @@ grpc::Status PrefillService::Status(grpc::ServerContext*, const worker::v1::Work
     s->set_kv_blocks_used(k.used);
     s->set_kv_blocks_free(k.free);
   }
+  s->set_kv_cached_blocks(static_cast<int64_t>(kv_events_.num_cached()));
   out->set_context_length(static_cast<int32_t>(model_->config().max_position_embeddings));
   return grpc::Status::OK;
 }

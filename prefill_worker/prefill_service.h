@@ -25,6 +25,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/block_hash.h"
 #include "common/kv_cache.h"
+#include "common/kv_events.h"
 #include "common/model.h"
 #include "common/pool_counters.h"
 #include "common/tokenizer/tokenizer.h"
@@ -97,6 +98,8 @@ class PrefillService final : public worker::v1::PrefillWorker::Service {
   kv::KvSender* sender_;
   const PrefillServiceOptions options_;
   const BlockHasher hasher_;
+  // What the prefix cache holds, for the router (Status carries it).
+  KvEventLog kv_events_;
 
   absl::Mutex mu_;
   std::deque<std::shared_ptr<Job>> queue_ ABSL_GUARDED_BY(mu_);

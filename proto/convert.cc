@@ -97,4 +97,38 @@ void AppendToken(const TokenEvent& e, bool with_logprobs, v1::TokenChunk* chunk)
   }
 }
 
+void FillKvEvents(const KvEventLog& log, const worker::v1::WorkerStatusRequest& req, worker::v1::WorkerInfo* out) {
+  if (!req.want_kv_events()) return;
+  const KvEventBatch batch = log.Read(req.kv_events_after());
+  worker::v1::KvEvents* ev = out->mutable_kv_events();
+  ev->set_snapshot(batch.snapshot);
+  ev->set_last_id(batch.last_id);
+  ev->set_more(batch.more);
+  ev->mutable_events()->Reserve(static_cast<int>(batch.events.size()));
+  for (const KvEvent& e : batch.events) {
+    worker::v1::KvEvent* m = ev->add_events();
+    m->set_id(e.id);
+    m->set_kind(static_cast<worker::v1::KvEvent::Kind>(static_cast<int>(e.kind)));
+    m->set_hash_lo(e.hash.lo);
+    m->set_hash_hi(e.hash.hi);
+    m->set_parent_lo(e.parent.lo);
+    m->set_parent_hi(e.parent.hi);
+  }
+}
+
+void FillPrefixHash(const ModelIdentity& model, DType kv_dtype, int32_t block_size, worker::v1::WorkerInfo* out) {
+  worker::v1::PrefixHashConfig* c = out->mutable_prefix_hash();
+  c->set_model_lo(model.lo);
+  c->set_model_hi(model.hi);
+  c->set_kv_dtype(static_cast<int32_t>(kv_dtype));
+  c->set_block_size(block_size);
+}
+
+BlockHash HashFromProto(uint64_t lo, uint64_t hi) {
+  BlockHash h;
+  h.lo = lo;
+  h.hi = hi;
+  return h;
+}
+
 }  // namespace pdserve::rpc

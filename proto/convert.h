@@ -8,7 +8,9 @@
 
 #include "absl/status/statusor.h"
 
+#include "common/block_hash.h"
 #include "common/generation.h"
+#include "common/kv_events.h"
 #include "common/sampling.h"
 #include "pdserve/v1/generation.pb.h"
 #include "pdserve/v1/worker.pb.h"
@@ -32,6 +34,12 @@ FinishReason FromProto(v1::FinishReason f);
 
 // Appends one token (id, text, logprobs when `with_logprobs`) to a chunk.
 void AppendToken(const TokenEvent& e, bool with_logprobs, v1::TokenChunk* chunk);
+
+// A worker's Status answer: its KV events when `req` asks for them, and how
+// it hashes blocks.
+void FillKvEvents(const KvEventLog& log, const worker::v1::WorkerStatusRequest& req, worker::v1::WorkerInfo* out);
+void FillPrefixHash(const ModelIdentity& model, DType kv_dtype, int32_t block_size, worker::v1::WorkerInfo* out);
+BlockHash HashFromProto(uint64_t lo, uint64_t hi);
 
 }  // namespace pdserve::rpc
 

@@ -16,11 +16,54 @@ size_t RoundRobinSelector::Select(absl::Span<const SelectionCandidate> candidate
   return static_cast<size_t>(next_.fetch_add(1, std::memory_order_relaxed) % candidates.size());
 }
 
-absl::StatusOr<std::unique_ptr<Selector>> MakeSelector(absl::string_view policy) {
+double FallbackTokensPerS(absl::Span<const SelectionCandidate> candidates) {
+  double sum = 0;
+  int n = 0;
+  for (const SelectionCandidate& c : candidates) {
+    if (c.tokens_per_s > 0) {
+      sum += c.tokens_per_s;
+      ++n;
+    }
+  }
+  return n > 0 ? sum / n : 1.0;
+}
+
+double EstimatedPrefillSeconds(const SelectionCandidate& c, double fallback_tokens_per_s) {
+  const double speed = c.tokens_per_s > 0 ? c.tokens_per_s : fallback_tokens_per_s;
+  return static_cast<double>(c.load + c.uncached_tokens) / speed;
+}
+
+size_t PrefixAwareSelector::Select(absl::Span<const SelectionCandidate> candidates) {
+  size_t best = 0;
+  if (pool_ == Pool::kPrefill) {
+    const double fallback = FallbackTokensPerS(candidates);
+    double best_cost = EstimatedPrefillSeconds(candidates[0], fallback);
+    for (size_t i = 1; i < candidates.size(); ++i) {
+      const double cost = EstimatedPrefillSeconds(candidates[i], fallback);
+      if (cost < best_cost || (cost == best_cost && candidates[i].cached_tokens > candidates[best].cached_tokens)) {
+        best = i;
+        best_cost = cost;
+      }
+    }
+    return best;
+  }
+  auto better = [](const SelectionCandidate& a, const SelectionCandidate& b) {
+    if (a.headroom != b.headroom) return a.headroom;
+    if (a.headroom && a.cached_tokens != b.cached_tokens) return a.cached_tokens > b.cached_tokens;
+    return a.load < b.load;
+  };
+  for (size_t i = 1; i < candidates.size(); ++i) {
+    if (better(candidates[i], candidates[best])) best = i;
+  }
+  return best;
+}
+
+absl::StatusOr<std::unique_ptr<Selector>> MakeSelector(absl::string_view policy, Pool pool) {
+  if (policy == "prefix_aware") return std::make_unique<PrefixAwareSelector>(pool);
   if (policy == "least_loaded") return std::make_unique<LeastLoadedSelector>();
   if (policy == "round_robin") return std::make_unique<RoundRobinSelector>();
   return absl::InvalidArgumentError(
-      absl::StrCat("unknown selection policy '", policy, "' (least_loaded or round_robin)"));
+      absl::StrCat("unknown selection policy '", policy, "' (prefix_aware, least_loaded or round_robin)"));
 }
 
 }  // namespace pdserve::router

@@ -1,8 +1,8 @@
 // How the router chooses a worker of a pool for a request: one interface,
-// so policies can be swapped by flag and new ones (prefix-aware) added
-// without touching the request path. The router filters first (serving,
-// not excluded for this request, with KV room where that applies) and
-// hands the selector what is left, in pool order.
+// so policies can be swapped by flag and new ones added without touching
+// the request path. The router filters first (serving, not excluded for
+// this request, with KV room where that applies) and hands the selector
+// what is left, in pool order, with every term a policy may weigh.
 //
 // Thread safety: Select may be called from many request threads at once.
 #ifndef PDSERVE_ROUTER_SELECTION_H_
@@ -22,9 +22,28 @@ namespace pdserve::router {
 
 struct SelectionCandidate {
   absl::string_view address;
-  // Prefill: prompt tokens queued on the worker; decode: requests in flight.
+  // Prefill: prompt tokens queued on the worker (uncached ones, as sent);
+  // decode: requests in flight.
   int64_t load = 0;
+  // This request's context positions the worker holds in its prefix cache
+  // (from the router's index), and those it would have to compute.
+  int64_t cached_tokens = 0;
+  int64_t uncached_tokens = 0;
+  // Prefill: the worker's measured prompt tokens/s (0: not measured yet).
+  double tokens_per_s = 0;
+  // Decode: room for one more sequence in its batch under the ITL target.
+  bool headroom = true;
 };
+
+enum class Pool { kPrefill, kDecode };
+
+// Prefill's estimated time to first token on a candidate: (queued + this
+// request's uncached tokens) / tokens_per_s, with `fallback_tokens_per_s`
+// for a worker not measured yet.
+double EstimatedPrefillSeconds(const SelectionCandidate& c, double fallback_tokens_per_s);
+// The mean measured speed among `candidates` (1 when none is measured, so
+// costs compare as token counts).
+double FallbackTokensPerS(absl::Span<const SelectionCandidate> candidates);
 
 class Selector {
  public:
@@ -51,8 +70,26 @@ class RoundRobinSelector final : public Selector {
   std::atomic<uint64_t> next_{0};
 };
 
-// "least_loaded" or "round_robin"; INVALID_ARGUMENT naming the choices otherwise.
-absl::StatusOr<std::unique_ptr<Selector>> MakeSelector(absl::string_view policy);
+// Prefix-aware.
+//   Prefill: the lowest EstimatedPrefillSeconds (queued work plus the part
+//     of this prompt the worker has not cached, at its measured speed);
+//     ties go to the most cached, then pool order.
+//   Decode: among workers with batch headroom, the one holding the most of
+//     the context (those positions are not handed off again), then the
+//     fewest in flight; with no headroom anywhere, the fewest in flight.
+class PrefixAwareSelector final : public Selector {
+ public:
+  explicit PrefixAwareSelector(Pool pool) : pool_(pool) {}
+  absl::string_view name() const override { return "prefix_aware"; }
+  size_t Select(absl::Span<const SelectionCandidate> candidates) override;
+
+ private:
+  Pool pool_;
+};
+
+// "prefix_aware", "least_loaded" or "round_robin"; INVALID_ARGUMENT naming
+// the choices otherwise.
+absl::StatusOr<std::unique_ptr<Selector>> MakeSelector(absl::string_view policy, Pool pool = Pool::kPrefill);
 
 }  // namespace pdserve::router
 

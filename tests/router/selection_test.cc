@@ -33,14 +33,68 @@ TEST(SelectionTest, RoundRobinCyclesWhateverTheLoads) {
 }
 
 TEST(SelectionTest, MakeSelectorNamesTheChoices) {
-  for (const char* p : {"least_loaded", "round_robin"}) {
+  for (const char* p : {"prefix_aware", "least_loaded", "round_robin"}) {
     absl::StatusOr<std::unique_ptr<Selector>> s = MakeSelector(p);
     ASSERT_TRUE(s.ok()) << s.status();
     EXPECT_EQ((*s)->name(), p);
   }
   absl::StatusOr<std::unique_ptr<Selector>> bad = MakeSelector("random");
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(bad.status().message().find("least_loaded or round_robin"), std::string::npos);
+  EXPECT_NE(bad.status().message().find("prefix_aware, least_loaded or round_robin"), std::string::npos);
+}
+
+SelectionCandidate Prefill(const char* name, int64_t queued, int64_t cached, int64_t uncached, double speed) {
+  SelectionCandidate c;
+  c.address = name;
+  c.load = queued;
+  c.cached_tokens = cached;
+  c.uncached_tokens = uncached;
+  c.tokens_per_s = speed;
+  return c;
+}
+
+TEST(SelectionTest, PrefixAwarePrefillPicksTheLowestEstimatedTimeToFirstToken) {
+  PrefixAwareSelector s(Pool::kPrefill);
+  // b holds 960 of the 1,024-token prompt: 64 to compute against 1,024.
+  EXPECT_EQ(s.Select({Prefill("a", 0, 0, 1024, 2000), Prefill("b", 0, 960, 64, 2000)}), 1u);
+  // ... unless b's queue outweighs the saving: a: 1,024 / 2,000 = 0.51 s,
+  // b: (2,000 + 64) / 2,000 = 1.03 s.
+  EXPECT_EQ(s.Select({Prefill("a", 0, 0, 1024, 2000), Prefill("b", 2000, 960, 64, 2000)}), 0u);
+  // Speed counts: the same work on a worker twice as fast.
+  EXPECT_EQ(s.Select({Prefill("a", 500, 0, 500, 1000), Prefill("b", 900, 0, 500, 2000)}), 1u);
+  // An unmeasured worker is costed at the mean measured speed: b (900 +
+  // 500) / 1,000 against a's 1,000 / 1,000.
+  EXPECT_EQ(s.Select({Prefill("a", 500, 0, 500, 1000), Prefill("b", 900, 0, 500, 0)}), 0u);
+  // Equal cost: the one with more cached goes first.
+  EXPECT_EQ(s.Select({Prefill("a", 64, 0, 64, 1000), Prefill("b", 0, 64, 128, 1000)}), 1u);
+}
+
+TEST(SelectionTest, PrefixAwareCostTermsAreTheDocumentedOnes) {
+  const SelectionCandidate c = Prefill("a", 300, 700, 200, 1000);
+  EXPECT_DOUBLE_EQ(EstimatedPrefillSeconds(c, 123), 0.5);
+  EXPECT_DOUBLE_EQ(EstimatedPrefillSeconds(Prefill("a", 300, 0, 200, 0), 250), 2.0);
+  EXPECT_DOUBLE_EQ(FallbackTokensPerS({Prefill("a", 0, 0, 0, 1000), Prefill("b", 0, 0, 0, 3000),
+                                       Prefill("c", 0, 0, 0, 0)}),
+                   2000);
+  EXPECT_DOUBLE_EQ(FallbackTokensPerS({Prefill("a", 0, 0, 0, 0)}), 1.0);
+}
+
+SelectionCandidate Decode(const char* name, int64_t in_flight, int64_t cached, bool headroom) {
+  SelectionCandidate c;
+  c.address = name;
+  c.load = in_flight;
+  c.cached_tokens = cached;
+  c.headroom = headroom;
+  return c;
+}
+
+TEST(SelectionTest, PrefixAwareDecodePrefersHeadroomThenTheCachedContextThenLoad) {
+  PrefixAwareSelector s(Pool::kDecode);
+  EXPECT_EQ(s.Select({Decode("a", 1, 0, true), Decode("b", 5, 512, true)}), 1u);
+  EXPECT_EQ(s.Select({Decode("a", 1, 0, true), Decode("b", 5, 512, false)}), 0u);
+  EXPECT_EQ(s.Select({Decode("a", 3, 64, true), Decode("b", 2, 64, true)}), 1u);
+  // Nobody has headroom: the fewest in flight.
+  EXPECT_EQ(s.Select({Decode("a", 9, 512, false), Decode("b", 4, 0, false)}), 1u);
 }
 
 }  // namespace

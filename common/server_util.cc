@@ -2,6 +2,7 @@
 
 #include <signal.h>
 
+#include <atomic>
 #include <cstdio>
 #include <fstream>
 #include <random>
@@ -13,6 +14,29 @@
 
 namespace pdserve {
 
+namespace {
+
+int LevelRank(const std::string& level) {
+  if (level == "debug") return 0;
+  if (level == "info") return 1;
+  if (level == "warning") return 2;
+  if (level == "error") return 3;
+  return -1;
+}
+
+std::atomic<int> min_level{1};
+
+}  // namespace
+
+absl::Status SetMinLogLevel(const std::string& level) {
+  const int r = LevelRank(level);
+  if (r < 0) return absl::InvalidArgumentError("log level: debug, info, warning or error, not '" + level + "'");
+  min_level = r;
+  return absl::OkStatus();
+}
+
+bool LogLevelEnabled(const char* level) { return LevelRank(level) >= min_level.load(); }
+
 void LogEvent(const char* level, const char* event,
               std::initializer_list<std::pair<const char*, std::string>> fields) {
   std::vector<std::pair<std::string, std::string>> v;
@@ -21,6 +45,7 @@ void LogEvent(const char* level, const char* event,
 }
 
 void LogEvent(const char* level, const char* event, const std::vector<std::pair<std::string, std::string>>& fields) {
+  if (!LogLevelEnabled(level)) return;
   nlohmann::ordered_json j;
   j["ts"] = absl::FormatTime("%Y-%m-%dT%H:%M:%E6SZ", absl::Now(), absl::UTCTimeZone());
   j["level"] = level;

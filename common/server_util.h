@@ -14,9 +14,17 @@
 namespace pdserve {
 
 // One JSON object per line on stderr: {"ts":..,"level":..,"event":..,k:v..}.
+// Lines below the minimum level (debug < info < warning < error; default
+// info) are dropped.
 void LogEvent(const char* level, const char* event,
               std::initializer_list<std::pair<const char*, std::string>> fields = {});
 void LogEvent(const char* level, const char* event, const std::vector<std::pair<std::string, std::string>>& fields);
+
+// INVALID_ARGUMENT for a name other than debug, info, warning or error.
+absl::Status SetMinLogLevel(const std::string& level);
+// Whether a line at `level` would be written (check before building
+// expensive fields).
+bool LogLevelEnabled(const char* level);
 
 // Writes `json` to `path` atomically (temp file + rename), for supervisors
 // and tests that wait for a server to be ready and need its ports.

@@ -244,6 +244,7 @@ absl::StatusOr<bool> BatchEngine::Step() {
     const bool done = ev->finish != FinishReason::kNone;
     s.sink(EngineEvent{absl::OkStatus(), *std::move(ev), s.first_sent ? 0 : s.cached});
     s.first_sent = true;
+    Publish(s);  // The context's blocks, for the next request that shares them.
     s.context.clear();
     s.context.shrink_to_fit();
     if (done) Finish(s, absl::OkStatus());

@@ -30,8 +30,21 @@ ABSL_FLAG(std::vector<std::string>, decode, {}, "decode workers, as --prefill");
 ABSL_FLAG(double, resolve_interval_s, 5, "how often DNS worker targets are resolved again");
 ABSL_FLAG(double, max_backoff_s, 2, "a worker that fails is probed again after 0.1 s, doubling up to this");
 ABSL_FLAG(double, pick_wait_s, 3, "how long a request waits for a usable worker before UNAVAILABLE");
-ABSL_FLAG(std::string, prefill_policy, "least_loaded", "how a prefill worker is chosen: least_loaded or round_robin");
-ABSL_FLAG(std::string, decode_policy, "least_loaded", "how a decode worker is chosen: least_loaded or round_robin");
+ABSL_FLAG(std::string, prefill_policy, "prefix_aware",
+          "how a prefill worker is chosen: prefix_aware (lowest estimated TTFT: queued + uncached prompt tokens at "
+          "the worker's measured speed), least_loaded or round_robin");
+ABSL_FLAG(std::string, decode_policy, "prefix_aware",
+          "how a decode worker is chosen: prefix_aware (batch headroom, then most of the context cached, then "
+          "fewest in flight), least_loaded or round_robin");
+ABSL_FLAG(double, itl_target_ms, 0,
+          "a decode worker whose measured step time reaches this has no batch headroom (0: max batch only)");
+ABSL_FLAG(int64_t, local_prefill_max_tokens, 0,
+          "conditional disaggregation: prefill on the chosen decode worker when at most this many context "
+          "tokens are not cached there and it has headroom (0: off)");
+ABSL_FLAG(double, prefix_expect_s, 10, "a routed prompt's blocks count as cached on its worker this long before "
+          "the worker's KV events confirm them");
+ABSL_FLAG(std::string, log_level, "info", "lowest level logged: debug (per-request routing cost terms), info, "
+          "warning or error");
 ABSL_FLAG(bool, admission, false,
           "admission control: reject with RESOURCE_EXHAUSTED when the queue is full, the predicted TTFT misses "
           "the deadline or --ttft_target_ms, or arrivals exceed the bottleneck stage's measured capacity");
@@ -66,6 +79,13 @@ int Run() {
   o.pick_wait = absl::Seconds(absl::GetFlag(FLAGS_pick_wait_s));
   o.prefill_policy = absl::GetFlag(FLAGS_prefill_policy);
   o.decode_policy = absl::GetFlag(FLAGS_decode_policy);
+  o.itl_target = absl::Milliseconds(absl::GetFlag(FLAGS_itl_target_ms));
+  o.local_prefill_max_tokens = absl::GetFlag(FLAGS_local_prefill_max_tokens);
+  o.prefix_expect = absl::Seconds(absl::GetFlag(FLAGS_prefix_expect_s));
+  if (absl::Status st = SetMinLogLevel(absl::GetFlag(FLAGS_log_level)); !st.ok()) {
+    LogEvent("error", "bad_flags", {{"error", std::string(st.message())}});
+    return 2;
+  }
   if (absl::GetFlag(FLAGS_admission)) {
     router::AdmissionOptions a;
     a.max_queued = absl::GetFlag(FLAGS_max_queued);

@@ -56,6 +56,17 @@ void RouterService::RegisterMetrics() {
                                    LatencyBuckets());
   retries_ = metrics_.AddCounter("pdserve_prefill_retries_total", "Prefills run again after a worker failed.");
   migrations_ = metrics_.AddCounter("pdserve_migrations_total", "Sequences moved off a failed decode worker.");
+  const char* placements[] = {"prefill_pool", "decode_local", "colocated"};
+  for (int i = 0; i < 3; ++i) {
+    placement_[i] = metrics_.AddCounter(
+        "pdserve_prefill_placements_total",
+        "Prefills by where they ran: a prefill worker (handoff), the decode worker itself (conditional "
+        "disaggregation: short uncached part), or colocated mode.",
+        absl::StrCat("placement=\"", placements[i], "\""));
+  }
+  prompt_tokens_ = metrics_.AddCounter("pdserve_prefill_context_tokens_total", "Context positions prefilled (cached or computed).");
+  cached_tokens_ = metrics_.AddCounter("pdserve_prefix_cached_tokens_total",
+                                       "Of them, positions taken from a worker's prefix cache.");
   metrics_.AddGauge("pdserve_requests_in_flight", "Requests being served.",
                     [this] { return static_cast<double>(in_flight_.load()); });
   for (const bool prefill : {true, false}) {
@@ -103,9 +114,9 @@ absl::StatusOr<std::unique_ptr<RouterService>> RouterService::Create(RouterOptio
     if (!t.ok()) return absl::InvalidArgumentError(absl::StrCat("--decode: ", t.status().message()));
     r->decode_targets_.push_back(*std::move(t));
   }
-  absl::StatusOr<std::unique_ptr<Selector>> ps = MakeSelector(r->options_.prefill_policy);
+  absl::StatusOr<std::unique_ptr<Selector>> ps = MakeSelector(r->options_.prefill_policy, Pool::kPrefill);
   if (!ps.ok()) return absl::InvalidArgumentError(absl::StrCat("--prefill_policy: ", ps.status().message()));
-  absl::StatusOr<std::unique_ptr<Selector>> ds = MakeSelector(r->options_.decode_policy);
+  absl::StatusOr<std::unique_ptr<Selector>> ds = MakeSelector(r->options_.decode_policy, Pool::kDecode);
   if (!ds.ok()) return absl::InvalidArgumentError(absl::StrCat("--decode_policy: ", ds.status().message()));
   r->prefill_selector_ = *std::move(ps);
   r->decode_selector_ = *std::move(ds);
@@ -151,6 +162,7 @@ void RouterService::Discover() {
       if (std::find(addresses.begin(), addresses.end(), (*it)->address) == addresses.end()) {
         (*it)->removed = true;
         measured_.ForgetWorker((*it)->address);
+        prefix_index_.Drop((*it)->address);
         LogEvent("info", "worker_removed", {{"role", prefill ? "prefill" : "decode"}, {"address", (*it)->address}});
         it = pool.erase(it);
       } else {
@@ -188,6 +200,8 @@ void RouterService::ProbeDue(bool force_all) {
       if (!force_all && now < w->next_probe) continue;
       auto p = std::make_unique<Probe>();
       p->worker = w;
+      p->req.set_want_kv_events(true);
+      p->req.set_kv_events_after(prefix_index_.NextAfter(w->address));
       p->ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
       probes.push_back(std::move(p));
     }
@@ -224,7 +238,25 @@ void RouterService::ProbeDue(bool force_all) {
         LogEvent("info", "worker_restarted", {{"role", role}, {"address", w.address}});
       }
       if (!p->info.kv_address().empty()) w.set_kv_address(p->info.kv_address());
+      {
+        absl::MutexLock lock(&w.kv_mu);
+        if (p->info.has_prefix_hash()) w.prefix_hash_ = p->info.prefix_hash();
+      }
+      if (p->info.has_kv_events()) {
+        const worker::v1::KvEvents& ke = p->info.kv_events();
+        std::vector<KvEvent> events;
+        events.reserve(static_cast<size_t>(ke.events_size()));
+        for (const worker::v1::KvEvent& e : ke.events()) {
+          const int kind = static_cast<int>(e.kind());
+          if (kind < 1 || kind > 3) continue;
+          events.push_back(KvEvent{e.id(), static_cast<KvEventKind>(kind), rpc::HashFromProto(e.hash_lo(), e.hash_hi()),
+                                   rpc::HashFromProto(e.parent_lo(), e.parent_hi())});
+        }
+        prefix_index_.Apply(w.address, p->info.instance_id(), events, ke.snapshot(), ke.last_id());
+      }
       const v1::WorkerStatus& ws = p->info.status();
+      w.running = ws.running();
+      w.step_seconds = ws.step_seconds();
       w.free_positions = static_cast<int64_t>(ws.kv_blocks_free()) * ws.kv_block_size();
       w.kv_bytes_per_position = ws.kv_bytes_per_position();
       w.max_batch = ws.max_batch();
@@ -235,8 +267,11 @@ void RouterService::ProbeDue(bool force_all) {
       }
       w.last_steps = ws.steps();
       w.failures = 0;
-      w.next_probe = now + options_.probe_period;
+      // A long event backlog is read again at once rather than a period later.
+      w.next_probe = p->info.kv_events().more() ? now : now + options_.probe_period;
     } else {
+      // What a worker that does not answer held is no longer to be counted on.
+      prefix_index_.Drop(w.address);
       ++w.failures;
       w.next_probe = now + std::min(options_.max_backoff, options_.probe_period * (1 << std::min(w.failures - 1, 10)));
     }
@@ -419,7 +454,39 @@ bool RouterService::Excluded(const Worker& w, const std::vector<Failed>& exclude
                      [&w](const Failed& f) { return f.worker == &w && f.instance == w.instance.load(); });
 }
 
-RouterService::WorkerPtr RouterService::PickDecode(int64_t positions, const std::vector<Failed>& exclude) {
+absl::Span<const BlockHash> RouterService::PromptChains::For(
+    const std::optional<worker::v1::PrefixHashConfig>& config) {
+  if (!config.has_value() || config->block_size() <= 0 || context_.size() <= 1) return {};
+  std::string key = config->SerializeAsString();
+  for (const auto& [k, chain] : chains_) {
+    if (k == key) return chain;
+  }
+  const BlockHasher hasher(rpc::HashFromProto(config->model_lo(), config->model_hi()),
+                           static_cast<DType>(config->kv_dtype()), config->block_size());
+  // The last position is always computed (its logits give the next token).
+  chains_.emplace_back(std::move(key), hasher.FullBlockHashes(context_.first(context_.size() - 1)));
+  return chains_.back().second;
+}
+
+int64_t RouterService::CachedTokens(const Worker& w, PromptChains& chains) {
+  const std::optional<worker::v1::PrefixHashConfig> config = w.prefix_hash();
+  const absl::Span<const BlockHash> chain = chains.For(config);
+  if (chain.empty()) return 0;
+  return static_cast<int64_t>(prefix_index_.MatchBlocks(w.address, chain, absl::Now())) * config->block_size();
+}
+
+bool RouterService::HasHeadroom(const Worker& w) const {
+  const int32_t max_batch = w.max_batch.load();
+  if (max_batch > 0 && w.in_flight.load() >= max_batch) return false;
+  if (options_.itl_target > absl::ZeroDuration() && w.running.load() > 0 &&
+      w.step_seconds.load() >= absl::ToDoubleSeconds(options_.itl_target)) {
+    return false;
+  }
+  return true;
+}
+
+RouterService::WorkerPtr RouterService::PickDecode(int64_t positions, const std::vector<Failed>& exclude,
+                                                   PromptChains& chains) {
   const std::vector<WorkerPtr> pool = Snapshot(false);
   auto usable = [&exclude](const WorkerPtr& w) {
     return w->healthy.load() && (w->decode != nullptr) && !Excluded(*w, exclude);
@@ -429,11 +496,31 @@ RouterService::WorkerPtr RouterService::PickDecode(int64_t positions, const std:
   for (const WorkerPtr& w : pool) {
     if (!usable(w)) continue;
     const int64_t free = w->free_positions.load();
-    if (free >= 0 && free < positions) continue;
+    const int64_t cached = CachedTokens(*w, chains);
+    // Cached positions are shared, not allocated again.
+    if (free >= 0 && free < positions - cached) continue;
     roomy.push_back(w);
-    candidates.push_back({w->address, w->in_flight.load()});
+    SelectionCandidate c;
+    c.address = w->address;
+    c.load = w->in_flight.load();
+    c.cached_tokens = cached;
+    c.uncached_tokens = chains.size() - cached;
+    c.headroom = HasHeadroom(*w);
+    candidates.push_back(c);
   }
-  if (!roomy.empty()) return roomy[decode_selector_->Select(candidates)];
+  if (!roomy.empty()) {
+    const size_t i = decode_selector_->Select(candidates);
+    if (LogLevelEnabled("debug")) {
+      std::string terms;
+      for (const SelectionCandidate& c : candidates) {
+        absl::StrAppendFormat(&terms, "%s%s: in_flight=%d cached=%d headroom=%d", terms.empty() ? "" : "; ",
+                              c.address, c.load, c.cached_tokens, c.headroom ? 1 : 0);
+      }
+      LogEvent("debug", "decode_choice", {{"policy", std::string(decode_selector_->name())},
+                                          {"chosen", roomy[i]->address}, {"candidates", terms}});
+    }
+    return roomy[i];
+  }
   // None has room now: the one with the most free KV (it queues or preempts).
   WorkerPtr best;
   for (const WorkerPtr& w : pool) {
@@ -443,16 +530,34 @@ RouterService::WorkerPtr RouterService::PickDecode(int64_t positions, const std:
   return best;
 }
 
-RouterService::WorkerPtr RouterService::PickPrefill(const std::vector<Failed>& exclude) {
+RouterService::WorkerPtr RouterService::PickPrefill(const std::vector<Failed>& exclude, PromptChains& chains) {
   std::vector<WorkerPtr> usable;
   std::vector<SelectionCandidate> candidates;
   for (const WorkerPtr& w : Snapshot(true)) {
     if (!w->healthy.load() || Excluded(*w, exclude)) continue;
     usable.push_back(w);
-    candidates.push_back({w->address, w->queued_tokens.load()});
+    SelectionCandidate c;
+    c.address = w->address;
+    c.load = w->queued_tokens.load();
+    c.cached_tokens = CachedTokens(*w, chains);
+    c.uncached_tokens = chains.size() - c.cached_tokens;
+    c.tokens_per_s = measured_.PrefillTokensPerS(w->address, c.uncached_tokens).value.value_or(0);
+    candidates.push_back(c);
   }
   if (usable.empty()) return nullptr;
-  return usable[prefill_selector_->Select(candidates)];
+  const size_t i = prefill_selector_->Select(candidates);
+  if (LogLevelEnabled("debug")) {
+    const double fallback = FallbackTokensPerS(candidates);
+    std::string terms;
+    for (const SelectionCandidate& c : candidates) {
+      absl::StrAppendFormat(&terms, "%s%s: queued=%d uncached=%d cached=%d tokens_per_s=%.0f est_ttft_s=%.4f",
+                            terms.empty() ? "" : "; ", c.address, c.load, c.uncached_tokens, c.cached_tokens,
+                            c.tokens_per_s, EstimatedPrefillSeconds(c, fallback));
+    }
+    LogEvent("debug", "prefill_choice", {{"policy", std::string(prefill_selector_->name())},
+                                         {"chosen", usable[i]->address}, {"candidates", terms}});
+  }
+  return usable[i];
 }
 
 RouterService::WorkerPtr RouterService::PickWaiting(grpc::ServerContext* ctx, const std::function<WorkerPtr()>& pick) {
@@ -571,12 +676,16 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
       finish = replay.finish();
       break;
     }
+    // What this attempt prefills: the prompt and any tokens already sent.
+    std::vector<int32_t> context = gr.prompt;
+    context.insert(context.end(), streamed.begin(), streamed.end());
+    PromptChains chains(context);
     const WorkerPtr d = PickWaiting(ctx, [&] {
-      WorkerPtr w = PickDecode(prompt_tokens + gr.params.max_tokens, failed_decode);
+      WorkerPtr w = PickDecode(prompt_tokens + gr.params.max_tokens, failed_decode, chains);
       // Every serving worker has failed this request once. A handoff can
       // fail for reasons that pass (a worker restarted in between, a stale
       // connection), so they are tried again, up to a bound.
-      if (w == nullptr && attempt < kMaxDecodeAttempts) w = PickDecode(prompt_tokens + gr.params.max_tokens, {});
+      if (w == nullptr && attempt < kMaxDecodeAttempts) w = PickDecode(prompt_tokens + gr.params.max_tokens, {}, chains);
       return w;
     });
     if (d == nullptr) {
@@ -591,6 +700,19 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
       LogEvent("warning", "migrating", {{"request_id", internal_id}, {"to", d->address},
                                          {"tokens_so_far", std::to_string(streamed.size())}});
     }
+    const int64_t context_tokens = static_cast<int64_t>(context.size());
+    // Conditional disaggregation: little of the context is missing on the
+    // decode worker, and it has room in its batch: prefill there.
+    bool local = colocated;
+    if (!colocated && options_.local_prefill_max_tokens > 0 &&
+        context_tokens - CachedTokens(*d, chains) <= options_.local_prefill_max_tokens && HasHeadroom(*d)) {
+      local = true;
+      prefix_index_.Expect(d->address, chains.For(d->prefix_hash()), absl::Now(), options_.prefix_expect);
+    }
+    if (attempt == 1) {
+      placement_[colocated ? 2 : local ? 1 : 0]->Add();
+      timings.set_local_prefill(local && !colocated);
+    }
     worker::v1::WorkRequest work;
     rpc::ToWork(gr, &work);
     work.set_request_id(internal_id);
@@ -599,18 +721,18 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
     grpc::ClientContext* dctx = new_context();
     worker::v1::DecodeRequest dreq;
     *dreq.mutable_request() = work;
-    dreq.set_prefill_here(colocated);
+    dreq.set_prefill_here(local);
     std::unique_ptr<grpc::ClientReader<worker::v1::DecodeEvent>> dreader = d->decode->Decode(dctx, dreq);
 
     bool decode_expected = true;
-    if (!colocated) {
+    if (!local) {
       // Prefill attempts: a prefill worker that fails before its handoff is
       // committed is marked down and the prefill runs again on another; the
       // decode worker keeps waiting under the same request id, and the dead
       // sender's reservation is freed on its side. Sampling is keyed by
       // (seed, position), so a retried first token is the one already sent.
       std::vector<Failed> failed_prefill;
-      WorkerPtr p = PickWaiting(ctx, [&] { return PickPrefill(failed_prefill); });
+      WorkerPtr p = PickWaiting(ctx, [&] { return PickPrefill(failed_prefill, chains); });
       bool decode_side_failed = false;
       bool first_sent = false;
       int32_t first_token = -1;
@@ -619,10 +741,13 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
         error = "no healthy prefill worker";
         unavailable = true;
       }
-      const int64_t context_tokens = prompt_tokens + static_cast<int64_t>(streamed.size());
       while (p != nullptr && decode_expected && error.empty() && !cancelled) {
+        // Its queue grows by what it will compute; its cache will hold the
+        // prompt's blocks (counted until its own events say so).
+        const int64_t queued = context_tokens - CachedTokens(*p, chains);
+        prefix_index_.Expect(p->address, chains.For(p->prefix_hash()), absl::Now(), options_.prefix_expect);
         p->in_flight++;
-        p->queued_tokens += context_tokens;
+        p->queued_tokens += queued;
         grpc::ClientContext* pc = new_context();
         worker::v1::PrefillRequest preq;
         *preq.mutable_request() = work;
@@ -633,7 +758,7 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
         while (preader->Read(&ev)) {
           if (ev.has_first() && !first_seen) {
             first_seen = true;
-            p->queued_tokens -= context_tokens;
+            p->queued_tokens -= queued;
             const worker::v1::FirstToken& f = ev.first();
             if (first_sent) {
               if (f.token().token_id() != first_token) {
@@ -657,8 +782,11 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
             if (attempt == 1) {
               timings.set_queue(f.queue_seconds());
               timings.set_prefill(f.prefill_seconds());
-              measured_.RecordPrefill(p->address, context_tokens, context_tokens, f.prefill_seconds());
+              timings.set_cached_prompt_tokens(f.cached_tokens());
             }
+            measured_.RecordPrefill(p->address, context_tokens, context_tokens - f.cached_tokens(), f.prefill_seconds());
+            prompt_tokens_->Add(static_cast<double>(context_tokens));
+            cached_tokens_->Add(f.cached_tokens());
             v1::TokenChunk chunk;
             rpc::AppendToken(*text, gr.params.logprobs > 0, &chunk);
             send_chunk(chunk);
@@ -669,6 +797,8 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
             }
           } else if (ev.has_done()) {
             handed_off = true;
+            // The decode worker publishes the prompt's full blocks on commit.
+            prefix_index_.Expect(d->address, chains.For(d->prefix_hash()), absl::Now(), options_.prefix_expect);
             if (attempt == 1) {
               timings.set_handoff(ev.done().handoff_seconds());
               measured_.RecordHandoff(p->address, d->address,
@@ -678,7 +808,7 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
           }
         }
         const grpc::Status ps = preader->Finish();
-        if (!first_seen) p->queued_tokens -= context_tokens;
+        if (!first_seen) p->queued_tokens -= queued;
         p->in_flight--;
         // After `done` the KV is committed on the decode worker, which
         // carries the request on: a prefill worker dying now costs nothing.
@@ -710,7 +840,7 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
         retries_->Add();
         LogEvent("warning", "prefill_retry", {{"request_id", internal_id}, {"worker", p->address},
                                               {"error", ps.error_message()}});
-        p = PickWaiting(ctx, [&] { return PickPrefill(failed_prefill); });
+        p = PickWaiting(ctx, [&] { return PickPrefill(failed_prefill, chains); });
         if (p == nullptr) {
           error = absl::StrCat("no prefill worker could serve the request (last: ", failed_prefill.back().address,
                                ": ", ps.error_message(), ")");
@@ -757,7 +887,14 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
         } else {
           finish = rpc::FromProto(f.finish_reason());
         }
-        if (colocated && attempt == 1) timings.set_prefill(f.prefill_seconds());
+        if (local && attempt == 1) {
+          timings.set_prefill(f.prefill_seconds());
+          timings.set_cached_prompt_tokens(f.cached_tokens());
+        }
+        if (local) {
+          prompt_tokens_->Add(static_cast<double>(context_tokens));
+          cached_tokens_->Add(f.cached_tokens());
+        }
       }
     }
     const grpc::Status ds = dreader->Finish();
@@ -791,7 +928,7 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
     return grpc::Status(grpc::StatusCode::UNAVAILABLE, error);
   }
   if (completion > 0) ttft_->Observe(timings.ttft());
-  if (!colocated) {
+  if (!colocated && !timings.local_prefill()) {
     queue_->Observe(timings.queue());
     handoff_->Observe(timings.handoff());
   }
@@ -871,7 +1008,7 @@ MeasuredCapacity RouterService::CurrentCapacity() {
 
 grpc::Status RouterService::ClusterStatus(grpc::ServerContext*, const v1::ClusterStatusRequest*,
                                           v1::ClusterStatusResponse* out) {
-  auto query = [](Worker& w, bool prefill, v1::WorkerStatus* s) {
+  auto query = [this](Worker& w, bool prefill, v1::WorkerStatus* s) {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
     worker::v1::WorkerInfo info;
@@ -881,6 +1018,7 @@ grpc::Status RouterService::ClusterStatus(grpc::ServerContext*, const v1::Cluste
     s->set_role(prefill ? "prefill" : "decode");
     s->set_healthy(st.ok() && info.status().healthy());
     s->set_unhealthy_reason(st.ok() ? info.unhealthy_reason() : st.error_message());
+    s->set_prefix_index_blocks(prefix_index_.NumBlocks(w.address));
   };
   for (const WorkerPtr& w : Snapshot(true)) query(*w, true, out->add_prefill());
   for (const WorkerPtr& w : Snapshot(false)) query(*w, false, out->add_decode());

@@ -16,6 +16,7 @@
 #include <atomic>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -31,6 +32,7 @@
 #include "router/discovery.h"
 #include "router/admission.h"
 #include "router/measured.h"
+#include "router/prefix_index.h"
 #include "router/selection.h"
 #include "pdserve/v1/generation.grpc.pb.h"
 #include "pdserve/v1/worker.grpc.pb.h"
@@ -59,9 +61,20 @@ struct RouterOptions {
   // Admission control (router/admission.h); none: every valid request is
   // taken. A ticket is held from arrival to the first token.
   std::optional<AdmissionOptions> admission;
-  // Selection policies (router/selection.h): least_loaded or round_robin.
-  std::string prefill_policy = "least_loaded";
-  std::string decode_policy = "least_loaded";
+  // Selection policies (router/selection.h): prefix_aware, least_loaded or
+  // round_robin.
+  std::string prefill_policy = "prefix_aware";
+  std::string decode_policy = "prefix_aware";
+  // A decode worker has batch headroom while it runs fewer than its max
+  // batch and, with a target set, its measured step time is under it.
+  absl::Duration itl_target = absl::ZeroDuration();
+  // Conditional disaggregation: a request whose context the chosen decode
+  // worker lacks at most this many positions of (and that has headroom)
+  // is prefilled there, with no prefill worker and no handoff. 0: off.
+  int64_t local_prefill_max_tokens = 0;
+  // How long a routed prompt's blocks count as cached on the chosen worker
+  // before its own KV events confirm them.
+  absl::Duration prefix_expect = absl::Seconds(10);
 };
 
 class RouterService final : public v1::Generation::Service {
@@ -112,6 +125,15 @@ class RouterService final : public v1::Generation::Service {
     std::atomic<int64_t> free_positions{-1};  // -1: not known yet.
     std::atomic<int64_t> kv_bytes_per_position{0};
     std::atomic<int32_t> max_batch{0};
+    std::atomic<int32_t> running{0};          // Decode: sequences running.
+    std::atomic<double> step_seconds{0};      // Decode: its average step time.
+    // How the worker hashes KV blocks (from Status; none before the first
+    // answer): the router hashes prompts the same way to match its index.
+    std::optional<worker::v1::PrefixHashConfig> prefix_hash() const {
+      absl::MutexLock lock(&kv_mu);
+      return prefix_hash_;
+    }
+    std::optional<worker::v1::PrefixHashConfig> prefix_hash_ ABSL_GUARDED_BY(kv_mu);
     // The worker process's instance id (0: never answered); a new one means
     // it restarted.
     std::atomic<uint64_t> instance{0};
@@ -145,10 +167,27 @@ class RouterService final : public v1::Generation::Service {
   // Runs the request; `emit` gets every response message (false: stop).
   grpc::Status Run(grpc::ServerContext* ctx, const v1::GenerateRequest& req,
                    const std::function<bool(const v1::GenerateResponse&)>& emit);
-  // A healthy decode worker with free KV for `positions` (fewest in flight
-  // among them); if none has room, the one with the most free KV.
-  WorkerPtr PickDecode(int64_t positions, const std::vector<Failed>& exclude);
-  WorkerPtr PickPrefill(const std::vector<Failed>& exclude);
+  // A request's context hashed per worker hashing scheme (usually one),
+  // computed on first use.
+  class PromptChains {
+   public:
+    explicit PromptChains(absl::Span<const int32_t> context) : context_(context) {}
+    // The chain a worker with `config` would find; empty without one.
+    absl::Span<const BlockHash> For(const std::optional<worker::v1::PrefixHashConfig>& config);
+    int64_t size() const { return static_cast<int64_t>(context_.size()); }
+
+   private:
+    absl::Span<const int32_t> context_;
+    std::vector<std::pair<std::string, std::vector<BlockHash>>> chains_;  // Key: serialized config.
+  };
+  // Positions of the context `w` holds in its prefix cache, as the router's
+  // index sees it (never the last one: it is always computed).
+  int64_t CachedTokens(const Worker& w, PromptChains& chains);
+  // A healthy decode worker with free KV for `positions`, chosen by the
+  // decode policy; if none has room, the one with the most free KV.
+  WorkerPtr PickDecode(int64_t positions, const std::vector<Failed>& exclude, PromptChains& chains);
+  WorkerPtr PickPrefill(const std::vector<Failed>& exclude, PromptChains& chains);
+  bool HasHeadroom(const Worker& w) const;
   // Pick, waiting up to pick_wait (and the client's deadline) while the
   // pool has no usable worker; null if none came or the client went away.
   WorkerPtr PickWaiting(grpc::ServerContext* ctx, const std::function<WorkerPtr()>& pick);
@@ -184,6 +223,11 @@ class RouterService final : public v1::Generation::Service {
   std::unique_ptr<AdmissionController> admission_;
   std::unique_ptr<Selector> prefill_selector_;
   std::unique_ptr<Selector> decode_selector_;
+  // Every worker's prefix cache, from the KV events in its Status answers.
+  PrefixIndex prefix_index_;
+  Counter* placement_[3] = {nullptr, nullptr, nullptr};  // prefill_pool, decode_local, colocated
+  Counter* prompt_tokens_ = nullptr;
+  Counter* cached_tokens_ = nullptr;
   absl::Time next_load_update_ = absl::InfinitePast();  // Poller only.
   // The capacities from the measurements and the pools now.
   MeasuredCapacity CurrentCapacity();

@@ -70,6 +70,8 @@ int Run() {
     metrics.AddCounterFunc("pdserve_prefix_cache_blocks_total", "Full prompt blocks looked up in the prefix cache.",
                            pool_gauge([](const BlockPool& p) { return p.prefix_stats().miss_blocks; }),
                            "result=\"miss\"");
+    metrics.AddCounterFunc("pdserve_prefix_cache_evictions_total", "Cached blocks reclaimed for new allocations.",
+                           pool_gauge([](const BlockPool& p) { return p.prefix_stats().evictions; }));
     metrics.AddGauge("pdserve_prefill_queue_depth", "Requests waiting for prefill.",
                      [&service] { return static_cast<double>(service.stats().queued); });
     metrics.AddGauge("pdserve_prefill_queued_tokens", "Prompt tokens waiting for prefill.",

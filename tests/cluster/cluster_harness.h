@@ -11,6 +11,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -47,6 +48,15 @@ inline int MetricsPort(const std::string& ready_file) {
 }
 
 using testing_support::HttpGet;
+
+// The value of the sample `series` (with its labels, as exposed) in a
+// Prometheus text page, or -1 if absent.
+inline double MetricValue(const std::string& page, const std::string& series) {
+  const std::string key = "\n" + series + " ";
+  const size_t at = ("\n" + page).find(key);
+  if (at == std::string::npos) return -1;
+  return std::strtod(page.c_str() + at + series.size() + 1, nullptr);
+}
 
 struct Output {
   std::vector<int32_t> tokens;

@@ -342,13 +342,6 @@ TEST_F(ClusterTest, SmallDecodePoolPreemptsAndRecomputes) {
   EXPECT_GT(small.Status().decode(0).preemptions(), 0) << small.Logs();
 }
 
-// The value of one exposition line `series value`, or -1 if absent.
-double MetricValue(const std::string& text, const std::string& series) {
-  const size_t at = text.find("\n" + series + " ");
-  if (at == std::string::npos) return -1;
-  return std::stod(text.substr(at + series.size() + 2));
-}
-
 TEST_F(ClusterTest, EveryServiceExportsPrometheusMetrics) {
   Cluster c;
   ASSERT_TRUE(c.Start(*dir_ + "/metrics", false).ok());

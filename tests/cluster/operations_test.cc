@@ -54,16 +54,6 @@ int GrpcHealth(const std::string& address) {
   return bytes.size() == 2 && bytes[0] == 0x08 ? bytes[1] : (bytes.empty() ? 0 : -1);
 }
 
-// The value of an unlabelled sample `name` in a Prometheus text page (-1 if absent).
-double MetricValue(const std::string& page, const std::string& name) {
-  for (absl::string_view line : absl::StrSplit(page, '\n')) {
-    if (!absl::ConsumePrefix(&line, name) || !absl::ConsumePrefix(&line, " ")) continue;
-    double v;
-    if (absl::SimpleAtod(line, &v)) return v;
-  }
-  return -1;
-}
-
 // A prefill worker killed while it computes (its reservation on the decode
 // side already made): the router prefills again on the other one.
 TEST(OperationsTest, PrefillWorkerKilledMidPrefillIsRetriedElsewhere) {

@@ -259,6 +259,30 @@ TEST(BenchGoodputTest, SummarizeCountsRejectedApartFromFailedAndComputesGoodput)
   }
 }
 
+TEST(BenchGoodputTest, PrefixCacheFiguresCountCompletedRequestsOnly) {
+  std::vector<RequestResult> results = {Completed(0.05, {0.01}), Completed(0.05, {0.01}), Completed(0.05, {0.01})};
+  results[0].prompt_tokens = 200;
+  results[1].prompt_tokens = 200;
+  results[1].cached_prompt_tokens = 160;
+  results[2].prompt_tokens = 100;
+  results[2].cached_prompt_tokens = 80;
+  results[2].local_prefill = true;
+  RequestResult failed;
+  failed.prompt_tokens = 1000;  // Not completed: not counted.
+  failed.cached_prompt_tokens = 1000;
+  results.push_back(failed);
+  const BenchRow row = Summarize(results, 1.0, LatencyTargets{});
+  EXPECT_EQ(row.prompt_tokens, 500);
+  EXPECT_EQ(row.cached_prompt_tokens, 240);
+  EXPECT_EQ(row.local_prefills, 1);
+  EXPECT_DOUBLE_EQ(row.prefix_hit_rate(), 0.48);
+  const nlohmann::ordered_json j = RowJson(row);
+  EXPECT_DOUBLE_EQ(j["prefix_cache"]["hit_rate"].get<double>(), 0.48);
+  EXPECT_EQ(j["prefix_cache"]["local_prefills"], 1);
+  // The in-process engine reports none: no prefix_cache object.
+  EXPECT_FALSE(RowJson(Summarize({Completed(0.05, {0.01})}, 1.0, LatencyTargets{})).contains("prefix_cache"));
+}
+
 // Checks that tags nest and close (a small XML well-formedness check: no
 // DTD, comments or CDATA in what the renderer writes) and returns the
 // element names in document order.

@@ -59,6 +59,9 @@ BenchRow Summarize(const std::vector<RequestResult>& results, double wall_second
     ttft.push_back(r.ttft);
     e2e.push_back(r.e2e);
     itl.insert(itl.end(), r.itl.begin(), r.itl.end());
+    row.prompt_tokens += r.prompt_tokens;
+    row.cached_prompt_tokens += r.cached_prompt_tokens;
+    row.local_prefills += r.local_prefill ? 1 : 0;
     if (r.relay_p50 >= 0) {
       row.relay_p50.push_back(r.relay_p50);
       row.relay_p99.push_back(r.relay_p99);
@@ -97,6 +100,12 @@ nlohmann::ordered_json RowJson(const BenchRow& row) {
     // the median of the medians and the largest p99.
     j["router_relay_seconds"] = {{"p50", Percentile(row.relay_p50, 0.5)},
                                  {"p99", *std::max_element(row.relay_p99.begin(), row.relay_p99.end())}};
+  }
+  if (row.prompt_tokens > 0) {
+    j["prefix_cache"] = {{"prompt_tokens", row.prompt_tokens},
+                         {"cached_tokens", row.cached_prompt_tokens},
+                         {"hit_rate", row.prefix_hit_rate()},
+                         {"local_prefills", row.local_prefills}};
   }
   if (!row.first_error.empty()) j["first_error"] = row.first_error;
   return j;

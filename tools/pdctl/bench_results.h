@@ -25,6 +25,10 @@ struct RequestResult {
   std::vector<double> itl;   // Seconds, one per token after the first.
   int32_t tokens = 0;
   double relay_p50 = -1, relay_p99 = -1;  // Router-reported, when known.
+  // Router-reported (cluster only): prompt positions, those that came from
+  // a prefix cache, and whether the decode worker prefilled it itself.
+  int32_t prompt_tokens = 0, cached_prompt_tokens = 0;
+  bool local_prefill = false;
 };
 
 // Latency targets (seconds; 0 = no target on that measure).
@@ -62,6 +66,13 @@ struct BenchRow {
   double good_requests_per_second = 0, good_tokens_per_second = 0;  // Goodput.
   Distribution ttft, itl, e2e;                                      // Over completed requests (ITL: every gap).
   std::vector<double> relay_p50, relay_p99;                         // Router-reported, per request.
+  // Over completed requests: prompt tokens, those a prefix cache supplied
+  // (hit rate = cached / prompt), and prefills the decode worker ran itself.
+  int64_t prompt_tokens = 0, cached_prompt_tokens = 0;
+  int local_prefills = 0;
+  double prefix_hit_rate() const {
+    return prompt_tokens > 0 ? static_cast<double>(cached_prompt_tokens) / static_cast<double>(prompt_tokens) : 0;
+  }
   std::string first_error;
   std::string Label() const;  // "cluster 4 req/s", "in-process c=8".
 };
@@ -74,7 +85,8 @@ BenchRow Summarize(const std::vector<RequestResult>& results, double wall_second
 //  wall_seconds, throughput {requests_per_second, output_tokens_per_second},
 //  goodput {good_requests, requests_per_second, output_tokens_per_second},
 //  ttft_seconds / itl_seconds / e2e_seconds {p50, p90, p99},
-//  router_relay_seconds?, first_error?}.
+//  router_relay_seconds?, prefix_cache? {prompt_tokens, cached_tokens,
+//  hit_rate, local_prefills}, first_error?}.
 nlohmann::ordered_json RowJson(const BenchRow& row);
 
 }  // namespace pdserve::pdctl

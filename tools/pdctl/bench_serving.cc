@@ -91,6 +91,9 @@ class RouterTarget final : public Target {
       if (m.has_final()) {
         r.s.relay_p50 = m.final().timings().router_relay_p50();
         r.s.relay_p99 = m.final().timings().router_relay_p99();
+        r.s.prompt_tokens = m.final().usage().prompt_tokens();
+        r.s.cached_prompt_tokens = m.final().timings().cached_prompt_tokens();
+        r.s.local_prefill = m.final().timings().local_prefill();
       }
     }
     const grpc::Status st = reader->Finish();
@@ -230,6 +233,14 @@ std::string Millis(const Distribution& d) {
 
 // The single-run report, as pdctl has always printed it (a "rejected" count
 // and line appear only when the server rejected requests).
+// The router-reported prefix-cache figures of a row (cluster rows only).
+void PrintPrefixCache(const BenchRow& row) {
+  if (row.prompt_tokens <= 0) return;
+  std::printf("  prefix cache: %lld of %lld prompt tokens cached (hit rate %.1f %%); decode-local prefills: %d\n",
+              static_cast<long long>(row.cached_prompt_tokens), static_cast<long long>(row.prompt_tokens),
+              100 * row.prefix_hit_rate(), row.local_prefills);
+}
+
 void PrintSingleRun(const ServingBenchOptions& o, const std::vector<BenchRow>& rows) {
   nlohmann::ordered_json runs = nlohmann::ordered_json::array();
   for (const BenchRow& row : rows) {
@@ -243,6 +254,7 @@ void PrintSingleRun(const ServingBenchOptions& o, const std::vector<BenchRow>& r
     r["e2e_seconds"] = Percentiles(row.e2e);
     const nlohmann::ordered_json full = RowJson(row);
     if (full.contains("router_relay_seconds")) r["router_relay_seconds"] = full["router_relay_seconds"];
+    if (full.contains("prefix_cache")) r["prefix_cache"] = full["prefix_cache"];
     if (!row.first_error.empty()) r["first_error"] = row.first_error;
     runs.push_back(std::move(r));
   }
@@ -270,6 +282,7 @@ void PrintSingleRun(const ServingBenchOptions& o, const std::vector<BenchRow>& r
       std::printf("  router relay per message: p50 %.1f us, p99 %.1f us\n",
                   1e6 * r["router_relay_seconds"]["p50"].get<double>(), 1e6 * r["router_relay_seconds"]["p99"].get<double>());
     }
+    PrintPrefixCache(row);
     if (row.rejected > 0) std::printf("  rejected (RESOURCE_EXHAUSTED): %d\n", row.rejected);
     if (!row.first_error.empty()) std::printf("  first error: %s\n", row.first_error.c_str());
   }
@@ -344,6 +357,7 @@ void PrintRows(const ServingBenchOptions& o, const std::vector<BenchRow>& rows, 
                 rate.c_str(), row.completed, row.rejected, row.failed, row.tokens_per_second, row.requests_per_second,
                 row.good_tokens_per_second, row.good_requests_per_second, Millis(row.ttft).c_str(),
                 Millis(row.itl).c_str(), Millis(row.e2e).c_str());
+    PrintPrefixCache(row);
     if (!row.first_error.empty()) std::printf("  first error: %s\n", row.first_error.c_str());
   }
 }

@@ -159,6 +159,48 @@ TEST_F(BatchEngineTest, PreemptedSequencesRecomputeAndContinueUnchanged) {
   EXPECT_EQ(pool->num_used(), 0);
 }
 
+// With the prefix cache on, preempted sequences publish their blocks and
+// recompute from them, and a second turn of a conversation (the first
+// turn's prompt + output + more) prefills only what is new: no token changes.
+TEST_F(BatchEngineTest, PrefixCacheReusesPublishedBlocksWithoutChangingATokenEvenUnderPreemption) {
+  const auto reqs = Mixed();
+  auto pool = MakePool(7);
+  BatchEngine engine(*model_, *pool, {.max_batch = 6, .prefill_chunk_tokens = 48, .prefix_cache = true});
+  std::vector<Output> got(reqs.size());
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    engine.SubmitPrefill(i, std::make_unique<Generation>(reqs[i], tokenizer_), Collect(&got[i]));
+  }
+  RunToIdle(engine);
+  EXPECT_GT(engine.stats().preemptions, 0);
+  EXPECT_GT(pool->prefix_stats().hit_blocks, 0) << "recomputes found nothing cached";
+  for (size_t i = 0; i < reqs.size(); ++i) ExpectSame(got[i], Alone(reqs[i]), static_cast<int>(i));
+  EXPECT_EQ(pool->num_used(), 0);
+
+  // Turn two of request 2 (the long one): prompt + its output + new text.
+  auto big = MakePool(64);
+  BatchEngine engine2(*model_, *big, {.max_batch = 4, .prefill_chunk_tokens = 48, .prefix_cache = true});
+  Output turn1;
+  engine2.SubmitPrefill(1, std::make_unique<Generation>(reqs[2], tokenizer_), Collect(&turn1));
+  RunToIdle(engine2);
+  GenerationRequest next = reqs[2];
+  next.prompt.insert(next.prompt.end(), turn1.tokens.begin(), turn1.tokens.end());
+  const std::vector<int32_t> more = *tokenizer_->Encode(" And God said,");
+  next.prompt.insert(next.prompt.end(), more.begin(), more.end());
+  Output turn2;
+  int32_t cached = -1;
+  EventSink sink = [&](const EngineEvent& e) {
+    if (cached < 0 && e.status.ok()) cached = e.cached_tokens;
+    Collect(&turn2)(e);
+  };
+  engine2.SubmitPrefill(2, std::make_unique<Generation>(next, tokenizer_), sink);
+  RunToIdle(engine2);
+  // Everything the first turn wrote, in whole blocks.
+  const int32_t written = static_cast<int32_t>(reqs[2].prompt.size() + turn1.tokens.size()) - 1;
+  EXPECT_EQ(cached, written / 16 * 16);
+  ExpectSame(turn2, Alone(next), 2);
+  EXPECT_EQ(big->num_used(), 0);
+}
+
 TEST_F(BatchEngineTest, HandedOffSequencesContinueFromTheirFirstToken) {
   const auto reqs = Mixed();
   auto pool = MakePool(128);

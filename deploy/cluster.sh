@@ -10,6 +10,8 @@
 # State (pids, logs, ready files) lives in $PDSERVE_CLUSTER_DIR (default
 # /tmp/pdserve-cluster). --pin puts prefill workers on core 0 and decode
 # workers on core 1 (taskset), the split the benchmarks use on 2 cores.
+# Workers run --threads nproc/2 each; with --colocated the decode worker
+# (which then also prefills) runs --threads nproc.
 # Needs a build (deploy/bootstrap.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -46,7 +48,10 @@ start() {
   if [[ -f "$STATE/pids" ]]; then stop; fi
   mkdir -p "$STATE"
   rm -f "$STATE"/*.ready "$STATE"/pids
+  # Disaggregated: each worker gets half the cores (one each on 2 cores);
+  # colocated: the one worker that prefills and decodes gets them all.
   local threads=$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 ))
+  ((colocated)) && threads=$(nproc)
   local decode_addrs=() prefill_addrs=()
   # launch NAME CORE BINARY: starts one worker (pinned to CORE with --pin)
   # and prints its address once it is ready.

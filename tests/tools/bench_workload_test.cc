@@ -88,7 +88,7 @@ size_t CommonPrefix(const std::vector<int32_t>& a, const std::vector<int32_t>& b
   return std::mismatch(a.begin(), a.end(), b.begin(), b.end()).first - a.begin();
 }
 
-TEST(BenchWorkloadTest, SharedPrefixesAreExactPerGroupDistinctAcrossGroupsAndInterleaved) {
+TEST(BenchWorkloadTest, SharedPrefixesAreExactPerGroupDistinctAcrossGroupsAndDrawnAtRandom) {
   WorkloadOptions o;
   o.vocab_size = 50;
   o.requests = 23;
@@ -100,9 +100,14 @@ TEST(BenchWorkloadTest, SharedPrefixesAreExactPerGroupDistinctAcrossGroupsAndInt
   const auto work = MakeWorkload(o);
   ASSERT_TRUE(work.ok()) << work.status();
   ASSERT_EQ(work->size(), 23u);
+  std::vector<int> per_group(4, 0);
+  int lockstep = 0;  // Requests whose group is their index mod 4.
   for (size_t i = 0; i < work->size(); ++i) {
     const WorkloadRequest& w = (*work)[i];
-    EXPECT_EQ(w.prefix_group, static_cast<int64_t>(i % 4)) << "round robin: neighbours are in different groups";
+    ASSERT_GE(w.prefix_group, 0);
+    ASSERT_LT(w.prefix_group, 4);
+    ++per_group[w.prefix_group];
+    lockstep += w.prefix_group == static_cast<int64_t>(i % 4) ? 1 : 0;
     EXPECT_EQ(w.prefix_tokens, 16);
     EXPECT_GE(w.prompt.size(), 16u + 3);
     EXPECT_LE(w.prompt.size(), 16u + 9);
@@ -121,6 +126,8 @@ TEST(BenchWorkloadTest, SharedPrefixesAreExactPerGroupDistinctAcrossGroupsAndInt
       }
     }
   }
+  for (int g = 0; g < 4; ++g) EXPECT_GT(per_group[g], 0) << "group " << g << " never drawn";
+  EXPECT_LT(lockstep, 23) << "groups drawn at random, not in lockstep with the request index";
   const auto again = MakeWorkload(o);
   ASSERT_TRUE(again.ok());
   for (size_t i = 0; i < work->size(); ++i) EXPECT_EQ((*again)[i].prompt, (*work)[i].prompt) << "seeded";

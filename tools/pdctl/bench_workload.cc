@@ -118,14 +118,16 @@ absl::StatusOr<std::vector<WorkloadRequest>> MakeWorkload(const WorkloadOptions&
   const std::vector<std::vector<int32_t>> prefixes =
       GroupPrefixes(std::vector<int32_t>(groups, o.shared_prefix_tokens), o.vocab_size, draw);
   std::vector<WorkloadRequest> work(o.requests);
+  std::vector<int64_t> in_group(static_cast<size_t>(std::max(groups, 0)), 0);
   for (int i = 0; i < o.requests; ++i) {
     WorkloadRequest& w = work[i];
     const int n = draw.Uniform(o.prompt_min, o.prompt_max);
     if (groups > 0) {
-      w.prefix_group = i % groups;
+      const int g = draw.Uniform(0, groups - 1);
+      w.prefix_group = g;
       w.prefix_tokens = o.shared_prefix_tokens;
-      w.prompt = prefixes[i % groups];
-      AppendSuffix(i / groups, n, o.vocab_size, draw, w.prompt);
+      w.prompt = prefixes[g];
+      AppendSuffix(in_group[g]++, n, o.vocab_size, draw, w.prompt);
     } else {
       draw.AppendTokens(n, w.prompt);
     }

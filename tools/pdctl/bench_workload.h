@@ -30,9 +30,11 @@ struct WorkloadOptions {
   int requests = 64;                       // Ignored with a trace (one request a line).
   int prompt_min = 128, prompt_max = 128;  // Uniform in [min, max]; with
   int output_min = 64, output_max = 64;    // shared prefixes, the suffix.
-  // Shared prefixes: request i belongs to group i % groups (so groups
-  // interleave) and its prompt is the group's `prefix_tokens` tokens, then a
-  // suffix of its own whose first token tells it apart from the other
+  // Shared prefixes: each request belongs to a group drawn uniformly at
+  // random (seeded; not i % groups, which a round-robin router would map
+  // onto its workers in lockstep, giving it perfect affinity by accident)
+  // and its prompt is the group's `prefix_tokens` tokens, then a suffix of
+  // its own whose first token tells it apart from the other
   // requests of its group (the shared part is exactly prefix_tokens long
   // while a group has at most vocab_size requests). 0 groups: off.
   int shared_prefix_groups = 0;

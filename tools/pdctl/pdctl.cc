@@ -93,7 +93,7 @@ ABSL_FLAG(std::string, reference_dir, "tests/fixtures/tokenizers",
           "bench-tokenizer: where the npm reference is installed");
 ABSL_FLAG(std::string, shared_prefix, "8:2048:64",
           "bench-engine: REQUESTS:SHARED:PRIVATE shared-prefix decode scenario (empty = skip); "
-          "bench: GROUPS:PREFIX_TOKENS, requests in interleaved groups sharing a prefix of that many tokens, "
+          "bench: GROUPS:PREFIX_TOKENS, requests in groups (each drawn at random) sharing a prefix of that many tokens, "
           "each then adding --prompt-tokens of its own (default for bench: no shared prefixes)");
 ABSL_FLAG(std::string, prefix_hit, "2048:64",
           "bench-engine: CACHED:NEW prefix-hit prefill scenario (empty = skip)");

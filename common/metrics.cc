@@ -16,6 +16,7 @@ namespace pdserve {
 namespace {
 
 std::string Num(double v) {
+  if (std::isnan(v)) return "NaN";  // The exposition format's spelling.
   if (std::isinf(v)) return v > 0 ? "+Inf" : "-Inf";
   if (v == std::floor(v) && std::abs(v) < 1e15) return absl::StrFormat("%.0f", v);
   return absl::StrFormat("%.9g", v);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <random>
 #include <utility>
 
@@ -67,6 +68,33 @@ void RouterService::RegisterMetrics() {
   prompt_tokens_ = metrics_.AddCounter("pdserve_prefill_context_tokens_total", "Context positions prefilled (cached or computed).");
   cached_tokens_ = metrics_.AddCounter("pdserve_prefix_cached_tokens_total",
                                        "Of them, positions taken from a worker's prefix cache.");
+  // The measured capacity model, computed at each scrape (NaN: no data yet).
+  for (const capacity::Stage stage : {capacity::Stage::kPrefill, capacity::Stage::kHandoff, capacity::Stage::kDecode}) {
+    const std::string label = absl::StrCat("stage=\"", capacity::StageName(stage), "\"");
+    metrics_.AddGauge(
+        "pdserve_stage_capacity_requests_per_second", "Each stage's measured capacity, whole pool.",
+        [this, stage] { return CapacityOf(CurrentCapacity(), stage).requests_per_s.value_or(std::nan("")); }, label);
+    metrics_.AddGauge(
+        "pdserve_bottleneck", "1 for the stage with the lowest measured capacity.",
+        [this, stage] {
+          const MeasuredCapacity c = CurrentCapacity();
+          return c.bottleneck.has_value() && *c.bottleneck == stage ? 1.0 : 0.0;
+        },
+        label);
+  }
+  metrics_.AddGauge("pdserve_arrival_rate_requests_per_second", "Arrivals over the last 10 s.",
+                    [this] { return CurrentCapacity().arrival_rate.value.value_or(0); });
+  for (const char* pool : {"prefill", "decode"}) {
+    metrics_.AddGauge(
+        "pdserve_recommended_workers", "Workers each pool needs for the observed arrival rate (NaN: no data).",
+        [this, pool] {
+          const MeasuredCapacity c = CurrentCapacity();
+          const std::optional<int64_t> n =
+              std::string(pool) == "prefill" ? c.prefill_workers_needed : c.decode_workers_needed;
+          return n.has_value() ? static_cast<double>(*n) : std::nan("");
+        },
+        absl::StrCat("pool=\"", pool, "\""));
+  }
   metrics_.AddGauge("pdserve_requests_in_flight", "Requests being served.",
                     [this] { return static_cast<double>(in_flight_.load()); });
   for (const bool prefill : {true, false}) {
@@ -530,19 +558,23 @@ RouterService::WorkerPtr RouterService::PickDecode(int64_t positions, const std:
   return best;
 }
 
+SelectionCandidate RouterService::PrefillCandidate(const Worker& w, PromptChains& chains) {
+  SelectionCandidate c;
+  c.address = w.address;
+  c.load = w.queued_tokens.load();
+  c.cached_tokens = CachedTokens(w, chains);
+  c.uncached_tokens = chains.size() - c.cached_tokens;
+  c.tokens_per_s = measured_.PrefillTokensPerS(w.address, c.uncached_tokens).value.value_or(0);
+  return c;
+}
+
 RouterService::WorkerPtr RouterService::PickPrefill(const std::vector<Failed>& exclude, PromptChains& chains) {
   std::vector<WorkerPtr> usable;
   std::vector<SelectionCandidate> candidates;
   for (const WorkerPtr& w : Snapshot(true)) {
     if (!w->healthy.load() || Excluded(*w, exclude)) continue;
     usable.push_back(w);
-    SelectionCandidate c;
-    c.address = w->address;
-    c.load = w->queued_tokens.load();
-    c.cached_tokens = CachedTokens(*w, chains);
-    c.uncached_tokens = chains.size() - c.cached_tokens;
-    c.tokens_per_s = measured_.PrefillTokensPerS(w->address, c.uncached_tokens).value.value_or(0);
-    candidates.push_back(c);
+    candidates.push_back(PrefillCandidate(*w, chains));
   }
   if (usable.empty()) return nullptr;
   const size_t i = prefill_selector_->Select(candidates);
@@ -590,15 +622,23 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
   if (admission_ != nullptr) {
     AdmissionRequest ar;
     ar.uncached_tokens = prompt_tokens;
-    // The estimate assumes the least-loaded prefill worker (the selector
-    // is not consulted: round robin would advance).
-    WorkerPtr p;
+    // The estimate is for the prefill worker with the lowest estimated TTFT
+    // (the prefix-aware cost, whatever the policy: the selector itself is
+    // not consulted, round robin would advance).
+    PromptChains chains(gr.prompt);
+    std::vector<WorkerPtr> pool;
+    std::vector<SelectionCandidate> candidates;
     for (const WorkerPtr& w : colocated ? std::vector<WorkerPtr>{} : Snapshot(true)) {
-      if (w->healthy.load() && (p == nullptr || w->queued_tokens.load() < p->queued_tokens.load())) p = w;
+      if (!w->healthy.load()) continue;
+      pool.push_back(w);
+      candidates.push_back(PrefillCandidate(*w, chains));
     }
-    if (p != nullptr) {
-      ar.queued_prefill_tokens = p->queued_tokens.load();
-      ar.prefill_tokens_per_s = measured_.PrefillTokensPerS(p->address, prompt_tokens, options_.admission->min_samples);
+    if (!pool.empty()) {
+      const size_t i = PrefixAwareSelector(Pool::kPrefill).Select(candidates);
+      ar.queued_prefill_tokens = candidates[i].load;
+      ar.uncached_tokens = candidates[i].uncached_tokens;
+      ar.prefill_tokens_per_s =
+          measured_.PrefillTokensPerS(pool[i]->address, candidates[i].uncached_tokens, options_.admission->min_samples);
     }
     if (ctx->deadline() != std::chrono::system_clock::time_point::max()) ar.deadline = absl::FromChrono(ctx->deadline());
     absl::StatusOr<AdmissionTicket> t = admission_->Decide(ar);

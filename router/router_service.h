@@ -187,6 +187,9 @@ class RouterService final : public v1::Generation::Service {
   // decode policy; if none has room, the one with the most free KV.
   WorkerPtr PickDecode(int64_t positions, const std::vector<Failed>& exclude, PromptChains& chains);
   WorkerPtr PickPrefill(const std::vector<Failed>& exclude, PromptChains& chains);
+  // `w` as a prefill candidate for the context: its queue, what it caches
+  // of the context, and its measured speed.
+  SelectionCandidate PrefillCandidate(const Worker& w, PromptChains& chains);
   bool HasHeadroom(const Worker& w) const;
   // Pick, waiting up to pick_wait (and the client's deadline) while the
   // pool has no usable worker; null if none came or the client went away.

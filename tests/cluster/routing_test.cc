@@ -79,6 +79,9 @@ TEST(PrefixRoutingTest, ASharedPrefixGoesToTheWorkerThatHoldsIt) {
   const std::string router = HttpGet(c.router_metrics(), "/metrics");
   EXPECT_EQ(MetricValue(router, "pdserve_prefix_cached_tokens_total"), 5 * kPrefix) << router;
   EXPECT_EQ(MetricValue(router, "pdserve_prefill_placements_total{placement=\"prefill_pool\"}"), 6);
+  // The measured capacity is exported too.
+  EXPECT_GT(MetricValue(router, "pdserve_stage_capacity_requests_per_second{stage=\"prefill\"}"), 0) << router;
+  EXPECT_GT(MetricValue(router, "pdserve_arrival_rate_requests_per_second"), 0);
 }
 
 TEST(PrefixRoutingTest, RoundRobinIgnoresThePrefix) {

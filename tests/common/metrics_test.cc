@@ -1,5 +1,7 @@
 #include "common/metrics.h"
 
+#include <cmath>
+
 #include "gtest/gtest.h"
 
 namespace pdserve {
@@ -31,6 +33,12 @@ TEST(MetricsTest, RendersTheTextExpositionFormat) {
             "# HELP pdserve_in_flight In flight.\n"
             "# TYPE pdserve_in_flight gauge\n"
             "pdserve_in_flight 3\n");
+}
+
+TEST(MetricsTest, AGaugeWithNoValueIsNaNAsTheFormatSpellsIt) {
+  MetricsRegistry r;
+  r.AddGauge("pdserve_capacity", "No data yet.", [] { return std::nan(""); });
+  EXPECT_NE(r.Render().find("\npdserve_capacity NaN\n"), std::string::npos) << r.Render();
 }
 
 }  // namespace

@@ -231,8 +231,6 @@ std::string Millis(const Distribution& d) {
   return absl::StrFormat("%.2f/%.2f/%.2f", 1e3 * d.p50, 1e3 * d.p90, 1e3 * d.p99);
 }
 
-// The single-run report, as pdctl has always printed it (a "rejected" count
-// and line appear only when the server rejected requests).
 // The router-reported prefix-cache figures of a row (cluster rows only).
 void PrintPrefixCache(const BenchRow& row) {
   if (row.prompt_tokens <= 0) return;
@@ -241,6 +239,8 @@ void PrintPrefixCache(const BenchRow& row) {
               100 * row.prefix_hit_rate(), row.local_prefills);
 }
 
+// The single-run report, as pdctl has always printed it (a "rejected" count
+// and line appear only when the server rejected requests).
 void PrintSingleRun(const ServingBenchOptions& o, const std::vector<BenchRow>& rows) {
   nlohmann::ordered_json runs = nlohmann::ordered_json::array();
   for (const BenchRow& row : rows) {

@@ -45,9 +45,12 @@ DecodeService::DecodeService(Model* model, BlockPool* pool, absl::Mutex* pool_mu
 
 DecodeService::~DecodeService() {
   Shutdown();
+  // handoff_mu_ before pool_mu_, the order every other path takes (the
+  // reverse made absl's deadlock detector abort the process on SIGTERM
+  // once a duplicate commit or a sweep had recorded the usual order).
+  absl::MutexLock h(&handoff_mu_);
   absl::MutexLock lock(pool_mu_);
   pool_->set_listener(nullptr);
-  absl::MutexLock h(&handoff_mu_);
   for (auto& [id, seq] : committed_) seq.kv.Release(*pool_);
   committed_.clear();
 }

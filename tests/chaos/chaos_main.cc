@@ -239,12 +239,20 @@ class Ledger {
     kills_[kill_number - 1].back = absl::Now();
   }
 
+  // A SIGTERMed worker must drain and exit 0; anything else (a crash on
+  // the way out) is recorded here.
+  void UncleanExit(std::string what) {
+    absl::MutexLock lock(&mu_);
+    unclean_.push_back(std::move(what));
+  }
+
   struct Totals {
     int64_t sent = 0, finished = 0, completed = 0, lost = 0, mismatched = 0, duplicated_tokens = 0;
     int64_t kills = 0;
     std::map<std::string, int> kills_by_kind;  // "SIGKILL prefill" → count.
     std::vector<absl::Duration> latencies;     // Of completed requests, sorted.
     std::vector<Failure> failures;             // The first few.
+    std::vector<std::string> unclean_exits;    // SIGTERMed workers that did not exit 0.
   };
 
   Totals totals() const {
@@ -264,12 +272,14 @@ class Ledger {
     t.latencies = latencies_;
     std::sort(t.latencies.begin(), t.latencies.end());
     t.failures = failures_;
+    t.unclean_exits = unclean_;
     return t;
   }
 
  private:
   mutable absl::Mutex mu_;
   int64_t sent_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<std::string> unclean_ ABSL_GUARDED_BY(mu_);
   int64_t finished_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t completed_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t lost_ ABSL_GUARDED_BY(mu_) = 0;
@@ -314,7 +324,8 @@ void KillerLoop(uint64_t seed, Fleet& fleet, double kill_period_s, double sigter
   while (!stop.WaitForNotificationWithTimeout(absl::Seconds(kill_period_s * (0.5 + unit(rng))))) {
     const int w = victim(rng);
     const int sig = unit(rng) < sigterm_fraction ? SIGTERM : SIGKILL;
-    const int number = ledger.KillStarted(fleet.name(w), fleet.role(w), sig, fleet.current_log(w));
+    const std::string log = fleet.current_log(w);
+    const int number = ledger.KillStarted(fleet.name(w), fleet.role(w), sig, log);
     Say(absl::StrCat("kill #", number, ": ", sig == SIGKILL ? "SIGKILL " : "SIGTERM ", fleet.name(w), " (port ",
                      fleet.grpc_port(w), ")"));
     const StopResult stopped = fleet.Stop(w, sig);
@@ -326,6 +337,10 @@ void KillerLoop(uint64_t seed, Fleet& fleet, double kill_period_s, double sigter
       return;
     }
     ledger.WorkerBack(number);
+    if (sig == SIGTERM && !stopped.escalated && stopped.exit_status != 0) {
+      ledger.UncleanExit(absl::StrCat("kill #", number, ": ", fleet.name(w), " exited with status ",
+                                      stopped.exit_status, " (log: ", log, ")"));
+    }
     Say(absl::StrFormat("kill #%d: %s exited with status %d after %.2fs%s; ready again on its port after %.2fs", number,
                         fleet.name(w), stopped.exit_status, absl::ToDoubleSeconds(stopped.took),
                         stopped.escalated ? " (drain overran: SIGKILLed)" : "",
@@ -500,6 +515,8 @@ int Run() {
   std::string kinds;
   for (const auto& [kind, n] : t.kills_by_kind) absl::StrAppend(&kinds, kinds.empty() ? "" : ", ", kind, " ", n);
   absl::PrintF("kills               %d (%s)\n", t.kills, kinds.empty() ? "none" : kinds);
+  absl::PrintF("unclean exits       %d%s\n", t.unclean_exits.size(),
+               t.unclean_exits.empty() ? "" : absl::StrCat(": ", absl::StrJoin(t.unclean_exits, "; ")));
   if (metrics.empty()) {
     absl::PrintF("router metrics      unavailable\n");
   } else {
@@ -520,6 +537,7 @@ int Run() {
   if (!settled.unhealthy.empty()) failed.push_back("workers unhealthy at the end");
   if (t.completed == 0) failed.push_back("nothing completed");
   if (!killer_error.empty()) failed.push_back(killer_error);
+  if (!t.unclean_exits.empty()) failed.push_back("SIGTERMed workers that did not exit 0");
   if (failed.empty()) {
     absl::PrintF("PASS\n");
     return 0;

@@ -80,10 +80,7 @@ TEST(SelectionTest, PrefixAwareCostTermsAreTheDocumentedOnes) {
 }
 
 SelectionCandidate Decode(const char* name, int64_t in_flight, int64_t cached, bool headroom) {
-  SelectionCandidate c;
-  c.address = name;
-  c.load = in_flight;
-  c.cached_tokens = cached;
+  SelectionCandidate c = Prefill(name, in_flight, cached, 0, 0);
   c.headroom = headroom;
   return c;
 }

@@ -213,31 +213,11 @@ void RouterService::Discover() {
   }
 }
 
-void RouterService::ProbeDue(bool force_all) {
-  struct Probe {
-    WorkerPtr worker;
-    grpc::ClientContext ctx;
-    worker::v1::WorkerStatusRequest req;
-    worker::v1::WorkerInfo info;
-    grpc::Status status;
-  };
-  const absl::Time now = absl::Now();
-  std::vector<std::unique_ptr<Probe>> probes;
-  for (const bool prefill : {true, false}) {
-    for (WorkerPtr& w : Snapshot(prefill)) {
-      if (!force_all && now < w->next_probe) continue;
-      auto p = std::make_unique<Probe>();
-      p->worker = w;
-      p->req.set_want_kv_events(true);
-      p->req.set_kv_events_after(prefix_index_.NextAfter(w->address));
-      p->ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
-      probes.push_back(std::move(p));
-    }
-  }
+void RouterService::StatusAll(std::vector<std::unique_ptr<StatusCall>>& calls) {
   absl::Mutex mu;
   size_t done = 0;
-  for (auto& p : probes) {
-    Probe* raw = p.get();
+  for (auto& c : calls) {
+    StatusCall* raw = c.get();
     auto on_done = [raw, &mu, &done](grpc::Status st) {
       absl::MutexLock lock(&mu);
       raw->status = std::move(st);
@@ -249,11 +229,26 @@ void RouterService::ProbeDue(bool force_all) {
       raw->worker->decode->async()->Status(&raw->ctx, &raw->req, &raw->info, on_done);
     }
   }
-  {
-    absl::MutexLock lock(&mu);
-    auto all_done = [&done, n = probes.size()] { return done == n; };
-    mu.Await(absl::Condition(&all_done));
+  absl::MutexLock lock(&mu);
+  auto all_done = [&done, n = calls.size()] { return done == n; };
+  mu.Await(absl::Condition(&all_done));
+}
+
+void RouterService::ProbeDue(bool force_all) {
+  const absl::Time now = absl::Now();
+  std::vector<std::unique_ptr<StatusCall>> probes;
+  for (const bool prefill : {true, false}) {
+    for (WorkerPtr& w : Snapshot(prefill)) {
+      if (!force_all && now < w->next_probe) continue;
+      auto p = std::make_unique<StatusCall>();
+      p->worker = w;
+      p->req.set_want_kv_events(true);
+      p->req.set_kv_events_after(prefix_index_.NextAfter(w->address));
+      p->ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+      probes.push_back(std::move(p));
+    }
   }
+  StatusAll(probes);
   for (auto& p : probes) {
     Worker& w = *p->worker;
     const char* role = w.prefill_role ? "prefill" : "decode";
@@ -1048,20 +1043,29 @@ MeasuredCapacity RouterService::CurrentCapacity() {
 
 grpc::Status RouterService::ClusterStatus(grpc::ServerContext*, const v1::ClusterStatusRequest*,
                                           v1::ClusterStatusResponse* out) {
-  auto query = [this](Worker& w, bool prefill, v1::WorkerStatus* s) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
-    worker::v1::WorkerInfo info;
-    const grpc::Status st = prefill ? w.prefill->Status(&ctx, {}, &info) : w.decode->Status(&ctx, {}, &info);
-    if (st.ok()) *s = info.status();
+  // Every worker at once: one that does not answer costs its deadline once,
+  // not once per worker after it.
+  std::vector<std::unique_ptr<StatusCall>> calls;
+  for (const bool prefill : {true, false}) {
+    for (WorkerPtr& w : Snapshot(prefill)) {
+      auto c = std::make_unique<StatusCall>();
+      c->worker = w;
+      c->ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+      calls.push_back(std::move(c));
+    }
+  }
+  StatusAll(calls);
+  for (const auto& c : calls) {
+    const Worker& w = *c->worker;
+    const bool ok = c->status.ok();
+    v1::WorkerStatus* s = w.prefill_role ? out->add_prefill() : out->add_decode();
+    if (ok) *s = c->info.status();
     s->set_address(w.address);
-    s->set_role(prefill ? "prefill" : "decode");
-    s->set_healthy(st.ok() && info.status().healthy());
-    s->set_unhealthy_reason(st.ok() ? info.unhealthy_reason() : st.error_message());
+    s->set_role(w.prefill_role ? "prefill" : "decode");
+    s->set_healthy(ok && c->info.status().healthy());
+    s->set_unhealthy_reason(ok ? c->info.unhealthy_reason() : c->status.error_message());
     s->set_prefix_index_blocks(prefix_index_.NumBlocks(w.address));
-  };
-  for (const WorkerPtr& w : Snapshot(true)) query(*w, true, out->add_prefill());
-  for (const WorkerPtr& w : Snapshot(false)) query(*w, false, out->add_decode());
+  }
   const MeasuredSnapshot snapshot = measured_.Snapshot();
   const MeasuredCapacity cap = CurrentCapacity();
   for (const capacity::Stage stage : {capacity::Stage::kPrefill, capacity::Stage::kHandoff, capacity::Stage::kDecode}) {

@@ -199,6 +199,17 @@ class RouterService final : public v1::Generation::Service {
   // Resolves every target of both pools; adds new addresses, removes gone
   // ones. A target that fails to resolve keeps its previous addresses.
   void Discover();
+  // One Status call to a worker.
+  struct StatusCall {
+    WorkerPtr worker;
+    grpc::ClientContext ctx;
+    worker::v1::WorkerStatusRequest req;
+    worker::v1::WorkerInfo info;
+    grpc::Status status;
+  };
+  // Runs every call at once and returns when all have answered or failed
+  // (set each one's deadline first).
+  static void StatusAll(std::vector<std::unique_ptr<StatusCall>>& calls);
   // One round of Status probes (those due), concurrently; updates health,
   // KV address, free KV and instance, with backoff for failures.
   void ProbeDue(bool force_all);

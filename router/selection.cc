@@ -1,5 +1,8 @@
 #include "router/selection.h"
 
+#include <algorithm>
+#include <limits>
+
 #include "absl/strings/str_cat.h"
 
 namespace pdserve::router {
@@ -47,9 +50,18 @@ size_t PrefixAwareSelector::Select(absl::Span<const SelectionCandidate> candidat
     }
     return best;
   }
-  auto better = [](const SelectionCandidate& a, const SelectionCandidate& b) {
-    if (a.headroom != b.headroom) return a.headroom;
-    if (a.headroom && a.cached_tokens != b.cached_tokens) return a.cached_tokens > b.cached_tokens;
+  bool any_headroom = false;
+  for (const SelectionCandidate& c : candidates) any_headroom = any_headroom || c.headroom;
+  int64_t min_load = std::numeric_limits<int64_t>::max();
+  for (const SelectionCandidate& c : candidates) {
+    if (c.headroom == any_headroom) min_load = std::min(min_load, c.load);
+  }
+  auto near = [&](const SelectionCandidate& c) {
+    return c.headroom == any_headroom && c.load <= min_load + kDecodeAffinitySlack;
+  };
+  auto better = [&](const SelectionCandidate& a, const SelectionCandidate& b) {
+    if (near(a) != near(b)) return near(a);
+    if (near(a) && a.cached_tokens != b.cached_tokens) return a.cached_tokens > b.cached_tokens;
     return a.load < b.load;
   };
   for (size_t i = 1; i < candidates.size(); ++i) {

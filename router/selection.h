@@ -74,11 +74,16 @@ class RoundRobinSelector final : public Selector {
 //   Prefill: the lowest EstimatedPrefillSeconds (queued work plus the part
 //     of this prompt the worker has not cached, at its measured speed);
 //     ties go to the most cached, then pool order.
-//   Decode: among workers with batch headroom, the one holding the most of
-//     the context (those positions are not handed off again), then the
-//     fewest in flight; with no headroom anywhere, the fewest in flight.
+//   Decode: among workers with batch headroom (all, if none has any), those
+//     within kDecodeAffinitySlack sequences of the least loaded; of them the
+//     one holding the most of the context (those positions are not handed
+//     off again), then the fewest in flight. The slack bounds how unevenly a
+//     popular prefix may load the pool: a sequence more in a batch slows
+//     every step of that worker, a cached prefix saves one transfer.
 class PrefixAwareSelector final : public Selector {
  public:
+  static constexpr int64_t kDecodeAffinitySlack = 2;
+
   explicit PrefixAwareSelector(Pool pool) : pool_(pool) {}
   absl::string_view name() const override { return "prefix_aware"; }
   size_t Select(absl::Span<const SelectionCandidate> candidates) override;

@@ -85,13 +85,20 @@ SelectionCandidate Decode(const char* name, int64_t in_flight, int64_t cached, b
   return c;
 }
 
-TEST(SelectionTest, PrefixAwareDecodePrefersHeadroomThenTheCachedContextThenLoad) {
+TEST(SelectionTest, PrefixAwareDecodePrefersHeadroomThenTheCachedContextWithinTheSlackThenLoad) {
   PrefixAwareSelector s(Pool::kDecode);
-  EXPECT_EQ(s.Select({Decode("a", 1, 0, true), Decode("b", 5, 512, true)}), 1u);
-  EXPECT_EQ(s.Select({Decode("a", 1, 0, true), Decode("b", 5, 512, false)}), 0u);
+  static_assert(PrefixAwareSelector::kDecodeAffinitySlack == 2);
+  // b holds the context and is within 2 sequences of the least loaded.
+  EXPECT_EQ(s.Select({Decode("a", 1, 0, true), Decode("b", 3, 512, true)}), 1u);
+  // ... but not 4 more: load wins.
+  EXPECT_EQ(s.Select({Decode("a", 1, 0, true), Decode("b", 5, 512, true)}), 0u);
+  // Headroom first.
+  EXPECT_EQ(s.Select({Decode("a", 1, 0, true), Decode("b", 0, 512, false)}), 0u);
+  // Same cached context: the fewer in flight.
   EXPECT_EQ(s.Select({Decode("a", 3, 64, true), Decode("b", 2, 64, true)}), 1u);
-  // Nobody has headroom: the fewest in flight.
+  // Nobody has headroom: the same rules among all.
   EXPECT_EQ(s.Select({Decode("a", 9, 512, false), Decode("b", 4, 0, false)}), 1u);
+  EXPECT_EQ(s.Select({Decode("a", 5, 512, false), Decode("b", 4, 0, false)}), 0u);
 }
 
 }  // namespace

@@ -171,7 +171,7 @@ void MeasuredInputs::RecordPrefill(const std::string& worker, int64_t prompt_tok
   absl::MutexLock lock(&mu_);
   PrefillWorker& w = prefill_[worker];
   w.all.Add(static_cast<double>(uncached_tokens), seconds, a, now);
-  w.by_bucket[Log2Bucket(prompt_tokens)].Add(static_cast<double>(uncached_tokens), seconds, a, now);
+  w.by_bucket[Log2Bucket(uncached_tokens)].Add(static_cast<double>(uncached_tokens), seconds, a, now);
   prompt_tokens_.Add(static_cast<double>(prompt_tokens), a, now);
   uncached_tokens_.Add(static_cast<double>(uncached_tokens), a, now);
 }
@@ -281,13 +281,13 @@ MeasuredSnapshot MeasuredInputs::Snapshot() const {
   return s;
 }
 
-MeasuredValue MeasuredInputs::PrefillTokensPerS(const std::string& worker, int64_t prompt_tokens,
+MeasuredValue MeasuredInputs::PrefillTokensPerS(const std::string& worker, int64_t uncached_tokens,
                                                 int64_t min_bucket_samples) const {
   const absl::Time now = options_.clock();
   absl::MutexLock lock(&mu_);
   auto w = prefill_.find(worker);
   if (w == prefill_.end()) return {};
-  auto b = w->second.by_bucket.find(Log2Bucket(prompt_tokens));
+  auto b = w->second.by_bucket.find(Log2Bucket(uncached_tokens));
   if (b != w->second.by_bucket.end() && b->second.num.n >= min_bucket_samples) return b->second.Read(now);
   return w->second.all.Read(now);
 }
@@ -297,7 +297,7 @@ std::string FormatSnapshot(const MeasuredSnapshot& s) {
   for (const PrefillWorkerReading& w : s.prefill) {
     absl::StrAppend(&out, "prefill ", w.worker, " tokens/s: ", FormatMeasuredValue(w.tokens_per_s, 0), "\n");
     for (const PrefillBucketReading& b : w.buckets) {
-      absl::StrAppend(&out, "  prompt ", RangeText(b.prompt_tokens),
+      absl::StrAppend(&out, "  uncached ", RangeText(b.uncached_tokens),
                       " tokens: ", FormatMeasuredValue(b.tokens_per_s, 0), "\n");
     }
   }

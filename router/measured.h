@@ -85,7 +85,7 @@ struct BucketRange {
 BucketRange PowerOfTwoBucket(int64_t value);
 
 struct PrefillBucketReading {
-  BucketRange prompt_tokens;
+  BucketRange uncached_tokens;  // the tokens each prefill computed
   MeasuredValue tokens_per_s;  // uncached tokens / prefill seconds
 };
 struct PrefillWorkerReading {
@@ -158,10 +158,14 @@ class MeasuredInputs {
 
   MeasuredSnapshot Snapshot() const;
 
-  // The tokens/s of `worker` for prompts of `prompt_tokens`: its bucket when
-  // that has at least `min_bucket_samples` samples, else the worker's
-  // overall figure; no data when the worker has none.
-  MeasuredValue PrefillTokensPerS(const std::string& worker, int64_t prompt_tokens,
+  // The tokens/s of `worker` for prefills that compute `uncached_tokens`:
+  // its bucket when that has at least `min_bucket_samples` samples, else
+  // the worker's overall figure; no data when the worker has none. Buckets
+  // are by the tokens computed, not the prompt length: a 2,000-token prompt
+  // with 1,968 tokens cached costs about what a 32-token one does (plus its
+  // attention over the cached part), and a worker's fixed cost per prefill
+  // weighs on short computations far more than on long ones.
+  MeasuredValue PrefillTokensPerS(const std::string& worker, int64_t uncached_tokens,
                                   int64_t min_bucket_samples = 1) const;
 
  private:
@@ -187,7 +191,7 @@ class MeasuredInputs {
   };
   struct PrefillWorker {
     RateEwma all;
-    std::map<int, RateEwma> by_bucket;  // key: log2 bucket of the prompt length
+    std::map<int, RateEwma> by_bucket;  // key: log2 bucket of the uncached tokens
   };
   struct DecodeBucket {
     MeanEwma step_s;

@@ -129,6 +129,28 @@ TEST(MeasuredInputsTest, AgesFollowTheClock) {
   EXPECT_EQ(FormatMeasuredValue(s.output_tokens, 1), "10.0 (1 samples, 1.5 s ago)");
 }
 
+// Prefix-cache hits and misses of the same prompt length cost very
+// different times: the speed for a prediction comes from prefills that
+// computed about as many tokens, not from the prompt length.
+TEST(MeasuredInputsTest, HitsAndMissesOfOnePromptLengthAreMeasuredApart) {
+  FakeClock clock;
+  MeasuredInputs m(Options(clock));
+  // Truth: 4 ms per prefill plus 8,000 tokens/s; 416-token prompts, half
+  // of them with 384 tokens cached.
+  auto seconds = [](int64_t computed) { return 0.004 + static_cast<double>(computed) / 8000; };
+  for (int i = 0; i < 100; ++i) {
+    const int64_t uncached = i % 2 == 0 ? 416 : 32;
+    m.RecordPrefill("p0", 416, uncached, seconds(uncached));
+    clock.now += absl::Milliseconds(10);
+  }
+  ExpectWithin(*m.PrefillTokensPerS("p0", 416).value, 416 / seconds(416), 0.01);
+  ExpectWithin(*m.PrefillTokensPerS("p0", 32).value, 32 / seconds(32), 0.01);
+  // So the predicted prefill time of each is right, where one figure for
+  // 416-token prompts would be off by 2x for one kind or the other.
+  ExpectWithin(416 / *m.PrefillTokensPerS("p0", 416).value, seconds(416), 0.01);
+  ExpectWithin(32 / *m.PrefillTokensPerS("p0", 32).value, seconds(32), 0.01);
+}
+
 TEST(MeasuredInputsTest, PrefillThroughputConvergesPerWorkerAndBucket) {
   FakeClock clock;
   MeasuredInputs m(Options(clock));
@@ -155,12 +177,13 @@ TEST(MeasuredInputsTest, PrefillThroughputConvergesPerWorkerAndBucket) {
     int64_t bucket_samples = 0;
     for (const PrefillBucketReading& b : r.buckets) {
       bucket_samples += b.tokens_per_s.samples;
-      EXPECT_EQ(b.prompt_tokens.max + 1, 2 * b.prompt_tokens.min);  // power-of-two buckets
+      EXPECT_EQ(b.uncached_tokens.max + 1, 2 * b.uncached_tokens.min);  // power-of-two buckets
       ExpectWithin(*b.tokens_per_s.value, workers[w].second, 0.1);
     }
     EXPECT_EQ(bucket_samples, 400);
-    EXPECT_EQ(r.buckets.front().prompt_tokens.min, 64);
-    EXPECT_EQ(r.buckets.back().prompt_tokens.max, 4095);
+    // Bucketed by the tokens computed: 43 (64 - 21 cached) to 2,730.
+    EXPECT_EQ(r.buckets.front().uncached_tokens.min, 32);
+    EXPECT_EQ(r.buckets.back().uncached_tokens.max, 4095);
   }
   EXPECT_EQ(*s.prefill[0].tokens_per_s.age, absl::Milliseconds(100));  // p1 came after it
   EXPECT_EQ(*s.prefill[1].tokens_per_s.age, absl::Milliseconds(50));

@@ -154,16 +154,20 @@ absl::StatusOr<AdmissionTicket> AdmissionController::Decide(const AdmissionReque
           absl::StrFormat("TTFT check skipped: the prefill worker's tokens/s has %s (need %d samples)",
                           tps.has_data() ? absl::StrCat(tps.samples, " samples") : "no data", options_.min_samples));
     } else {
-      const double tokens = static_cast<double>(request.queued_prefill_tokens + request.uncached_tokens);
-      decision.predicted_ttft = absl::Seconds(tokens / *tps.value) + request.expected_handoff;
+      const MeasuredValue& qtps =
+          request.queue_tokens_per_s.has_data() && *request.queue_tokens_per_s.value > 0 ? request.queue_tokens_per_s
+                                                                                           : tps;
+      decision.predicted_ttft = absl::Seconds(static_cast<double>(request.queued_prefill_tokens) / *qtps.value +
+                                              static_cast<double>(request.uncached_tokens) / *tps.value) +
+                                request.expected_handoff;
       if (*decision.predicted_ttft > *decision.ttft_limit) {
         ++stats_.rejected_ttft;
         return absl::ResourceExhaustedError(absl::StrFormat(
-            "predicted TTFT %.2f s exceeds the %s %.2f s (prefill queue %s tokens + %s uncached tokens at %s "
-            "tokens/s, handoff %.2f s)",
+            "predicted TTFT %.2f s exceeds the %s %.2f s (prefill queue %s tokens at %s tokens/s + %s uncached "
+            "tokens at %s tokens/s, handoff %.2f s)",
             absl::ToDoubleSeconds(*decision.predicted_ttft), deadline_sooner ? "deadline" : "TTFT target",
             absl::ToDoubleSeconds(*decision.ttft_limit),
-            FormatNumber(static_cast<double>(request.queued_prefill_tokens), 0),
+            FormatNumber(static_cast<double>(request.queued_prefill_tokens), 0), FormatNumber(*qtps.value, 0),
             FormatNumber(static_cast<double>(request.uncached_tokens), 0), FormatNumber(*tps.value, 0),
             absl::ToDoubleSeconds(request.expected_handoff)));
       }

@@ -18,9 +18,11 @@
 //      so) while no stage or the arrival rate has enough samples. It comes
 //      before the TTFT rule so that, under overload, the rejection names
 //      the stage at fault rather than the prefill queue it backs up.
-//   3. TTFT. predicted = (queued prefill tokens on the chosen worker +
-//      the request's uncached tokens) / the worker's tokens/s + expected
-//      handoff. The handoff is counted because decode cannot continue
+//   3. TTFT. predicted = queued prefill tokens on the chosen worker / its
+//      overall tokens/s + the request's uncached tokens / its tokens/s for
+//      prefills of that size + expected handoff. (The queue holds prefills
+//      of every size; this request's own computation is timed by its size,
+//      since a worker's fixed cost per prefill weighs most on short ones.) The handoff is counted because decode cannot continue
 //      before the KV has moved (DESIGN.md fact 14). Rejected when above the
 //      request's remaining deadline or the configured TTFT target,
 //      whichever is sooner. Skipped (and said so) while the worker's
@@ -29,7 +31,8 @@
 // Rejections are RESOURCE_EXHAUSTED naming the rule and its numbers:
 //   "admission queue full: 64 requests queued (max 64)"
 //   "predicted TTFT 2.40 s exceeds the deadline 1.00 s (prefill queue 9,000
-//    tokens + 1,000 uncached tokens at 4,000 tokens/s, handoff 0.00 s)"
+//    tokens at 4,000 tokens/s + 600 uncached tokens at 4,000 tokens/s,
+//    handoff 0.00 s)"
 //   "arrival rate 12.0 req/s exceeds the decode stage's capacity 8.1 req/s
 //    (admitting up to 8.5 req/s)"
 //
@@ -80,7 +83,10 @@ AdmissionLoad LoadFromCapacity(const MeasuredCapacity& c);
 struct AdmissionRequest {
   int64_t queued_prefill_tokens = 0;   // ahead of it on the chosen prefill worker
   int64_t uncached_tokens = 0;         // its prompt tokens the prefix cache lacks
-  MeasuredValue prefill_tokens_per_s;  // the chosen worker's (MeasuredInputs::PrefillTokensPerS)
+  MeasuredValue prefill_tokens_per_s;  // the chosen worker's for this size (MeasuredInputs::PrefillTokensPerS)
+  // The chosen worker's overall tokens/s, for the queue ahead; without data,
+  // prefill_tokens_per_s is used for it too.
+  MeasuredValue queue_tokens_per_s;
   absl::Duration expected_handoff = absl::ZeroDuration();
   std::optional<absl::Time> deadline;  // the client's
 };

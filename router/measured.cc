@@ -292,6 +292,14 @@ MeasuredValue MeasuredInputs::PrefillTokensPerS(const std::string& worker, int64
   return w->second.all.Read(now);
 }
 
+MeasuredValue MeasuredInputs::PrefillQueueTokensPerS(const std::string& worker) const {
+  const absl::Time now = options_.clock();
+  absl::MutexLock lock(&mu_);
+  auto w = prefill_.find(worker);
+  if (w == prefill_.end()) return {};
+  return w->second.all.Read(now);
+}
+
 std::string FormatSnapshot(const MeasuredSnapshot& s) {
   std::string out;
   for (const PrefillWorkerReading& w : s.prefill) {

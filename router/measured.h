@@ -167,6 +167,9 @@ class MeasuredInputs {
   // weighs on short computations far more than on long ones.
   MeasuredValue PrefillTokensPerS(const std::string& worker, int64_t uncached_tokens,
                                   int64_t min_bucket_samples = 1) const;
+  // The worker's tokens/s over prefills of every size: how fast a queue of
+  // mixed prefills drains. No data when it has none.
+  MeasuredValue PrefillQueueTokensPerS(const std::string& worker) const;
 
  private:
   // Weighted mean with weight max(1/n, alpha) on the n-th sample.

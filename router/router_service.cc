@@ -560,6 +560,7 @@ SelectionCandidate RouterService::PrefillCandidate(const Worker& w, PromptChains
   c.cached_tokens = CachedTokens(w, chains);
   c.uncached_tokens = chains.size() - c.cached_tokens;
   c.tokens_per_s = measured_.PrefillTokensPerS(w.address, c.uncached_tokens).value.value_or(0);
+  c.queue_tokens_per_s = measured_.PrefillQueueTokensPerS(w.address).value.value_or(0);
   return c;
 }
 
@@ -577,9 +578,11 @@ RouterService::WorkerPtr RouterService::PickPrefill(const std::vector<Failed>& e
     const double fallback = FallbackTokensPerS(candidates);
     std::string terms;
     for (const SelectionCandidate& c : candidates) {
-      absl::StrAppendFormat(&terms, "%s%s: queued=%d uncached=%d cached=%d tokens_per_s=%.0f est_ttft_s=%.4f",
-                            terms.empty() ? "" : "; ", c.address, c.load, c.uncached_tokens, c.cached_tokens,
-                            c.tokens_per_s, EstimatedPrefillSeconds(c, fallback));
+      absl::StrAppendFormat(&terms,
+                            "%s%s: queued=%d queue_tokens_per_s=%.0f uncached=%d cached=%d tokens_per_s=%.0f "
+                            "est_ttft_s=%.4f",
+                            terms.empty() ? "" : "; ", c.address, c.load, c.queue_tokens_per_s, c.uncached_tokens,
+                            c.cached_tokens, c.tokens_per_s, EstimatedPrefillSeconds(c, fallback));
     }
     LogEvent("debug", "prefill_choice", {{"policy", std::string(prefill_selector_->name())},
                                          {"chosen", usable[i]->address}, {"candidates", terms}});
@@ -634,6 +637,7 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
       ar.uncached_tokens = candidates[i].uncached_tokens;
       ar.prefill_tokens_per_s =
           measured_.PrefillTokensPerS(pool[i]->address, candidates[i].uncached_tokens, options_.admission->min_samples);
+      ar.queue_tokens_per_s = measured_.PrefillQueueTokensPerS(pool[i]->address);
     }
     if (ctx->deadline() != std::chrono::system_clock::time_point::max()) ar.deadline = absl::FromChrono(ctx->deadline());
     absl::StatusOr<AdmissionTicket> t = admission_->Decide(ar);

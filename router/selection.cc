@@ -33,7 +33,8 @@ double FallbackTokensPerS(absl::Span<const SelectionCandidate> candidates) {
 
 double EstimatedPrefillSeconds(const SelectionCandidate& c, double fallback_tokens_per_s) {
   const double speed = c.tokens_per_s > 0 ? c.tokens_per_s : fallback_tokens_per_s;
-  return static_cast<double>(c.load + c.uncached_tokens) / speed;
+  const double queue_speed = c.queue_tokens_per_s > 0 ? c.queue_tokens_per_s : speed;
+  return static_cast<double>(c.load) / queue_speed + static_cast<double>(c.uncached_tokens) / speed;
 }
 
 size_t PrefixAwareSelector::Select(absl::Span<const SelectionCandidate> candidates) {

@@ -29,17 +29,20 @@ struct SelectionCandidate {
   // (from the router's index), and those it would have to compute.
   int64_t cached_tokens = 0;
   int64_t uncached_tokens = 0;
-  // Prefill: the worker's measured prompt tokens/s (0: not measured yet).
+  // Prefill: the worker's measured tokens/s for prefills the size of this
+  // one's uncached part, and over prefills of every size (how fast its queue
+  // drains); 0: not measured yet.
   double tokens_per_s = 0;
+  double queue_tokens_per_s = 0;
   // Decode: room for one more sequence in its batch under the ITL target.
   bool headroom = true;
 };
 
 enum class Pool { kPrefill, kDecode };
 
-// Prefill's estimated time to first token on a candidate: (queued + this
-// request's uncached tokens) / tokens_per_s, with `fallback_tokens_per_s`
-// for a worker not measured yet.
+// Prefill's estimated time to first token on a candidate: queued tokens /
+// queue_tokens_per_s + this request's uncached tokens / tokens_per_s, with
+// `fallback_tokens_per_s` for a speed not measured yet.
 double EstimatedPrefillSeconds(const SelectionCandidate& c, double fallback_tokens_per_s);
 // The mean measured speed among `candidates` (1 when none is measured, so
 // costs compare as token counts).

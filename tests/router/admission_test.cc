@@ -171,13 +171,13 @@ TEST(AdmissionTest, PredictedTtftOverTheDeadlineOrTarget) {
   absl::StatusOr<AdmissionTicket> t = a.Decide(r);
   EXPECT_EQ(t.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(t.status().message(),
-            "predicted TTFT 2.40 s exceeds the deadline 1.00 s (prefill queue 9,000 tokens + 600 uncached tokens at "
-            "4,000 tokens/s, handoff 0.00 s)");
+            "predicted TTFT 2.40 s exceeds the deadline 1.00 s (prefill queue 9,000 tokens at 4,000 tokens/s + 600 "
+            "uncached tokens at 4,000 tokens/s, handoff 0.00 s)");
   // Without a deadline the target (2 s) applies.
   r.deadline.reset();
   EXPECT_EQ(a.Decide(r).status().message(),
-            "predicted TTFT 2.40 s exceeds the TTFT target 2.00 s (prefill queue 9,000 tokens + 600 uncached tokens at "
-            "4,000 tokens/s, handoff 0.00 s)");
+            "predicted TTFT 2.40 s exceeds the TTFT target 2.00 s (prefill queue 9,000 tokens at 4,000 tokens/s + 600 "
+            "uncached tokens at 4,000 tokens/s, handoff 0.00 s)");
   // The handoff counts: 7,800 tokens are 1.95 s, plus 0.1 s of handoff.
   r = Request(7000, 800, 4000);
   r.expected_handoff = absl::Milliseconds(100);
@@ -188,6 +188,18 @@ TEST(AdmissionTest, PredictedTtftOverTheDeadlineOrTarget) {
   EXPECT_NEAR(absl::ToDoubleSeconds(*t->decision().predicted_ttft), 1.99, 1e-9);
   EXPECT_EQ(*t->decision().ttft_limit, absl::Seconds(2));
   EXPECT_EQ(a.Stats().rejected_ttft, 3);
+
+  // The queue drains at the worker's overall speed, this request's own
+  // tokens at the speed for its size: 9,000 / 6,000 + 600 / 1,200 = 2.0 s.
+  r = Request(9000, 600, 1200);
+  r.queue_tokens_per_s = TokensPerS(6000);
+  t = a.Decide(r);
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_NEAR(absl::ToDoubleSeconds(*t->decision().predicted_ttft), 2.0, 1e-9);
+  r.uncached_tokens = 660;  // 2.05 s
+  EXPECT_EQ(a.Decide(r).status().message(),
+            "predicted TTFT 2.05 s exceeds the TTFT target 2.00 s (prefill queue 9,000 tokens at 6,000 tokens/s + 660 "
+            "uncached tokens at 1,200 tokens/s, handoff 0.00 s)");
 
   // No measured throughput (or too little): admitted, and the decision says why.
   r.prefill_tokens_per_s = TokensPerS(1, 3);

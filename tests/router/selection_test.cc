@@ -70,8 +70,11 @@ TEST(SelectionTest, PrefixAwarePrefillPicksTheLowestEstimatedTimeToFirstToken) {
 }
 
 TEST(SelectionTest, PrefixAwareCostTermsAreTheDocumentedOnes) {
-  const SelectionCandidate c = Prefill("a", 300, 700, 200, 1000);
+  SelectionCandidate c = Prefill("a", 300, 700, 200, 1000);
   EXPECT_DOUBLE_EQ(EstimatedPrefillSeconds(c, 123), 0.5);
+  // The queue drains at the worker's overall speed: 300 / 3,000 + 200 / 1,000.
+  c.queue_tokens_per_s = 3000;
+  EXPECT_DOUBLE_EQ(EstimatedPrefillSeconds(c, 123), 0.3);
   EXPECT_DOUBLE_EQ(EstimatedPrefillSeconds(Prefill("a", 300, 0, 200, 0), 250), 2.0);
   EXPECT_DOUBLE_EQ(FallbackTokensPerS({Prefill("a", 0, 0, 0, 1000), Prefill("b", 0, 0, 0, 3000),
                                        Prefill("c", 0, 0, 0, 0)}),

@@ -263,7 +263,11 @@ void RouterService::ProbeDue(bool force_all) {
       if (!p->info.kv_address().empty()) w.set_kv_address(p->info.kv_address());
       {
         absl::MutexLock lock(&w.kv_mu);
-        if (p->info.has_prefix_hash()) w.prefix_hash_ = p->info.prefix_hash();
+        if (p->info.has_prefix_hash()) {
+          const worker::v1::PrefixHashConfig& c = p->info.prefix_hash();
+          w.prefix_hash_ = HashScheme{rpc::HashFromProto(c.model_lo(), c.model_hi()),
+                                      static_cast<DType>(c.kv_dtype()), c.block_size()};
+        }
       }
       if (p->info.has_kv_events()) {
         const worker::v1::KvEvents& ke = p->info.kv_events();
@@ -477,25 +481,22 @@ bool RouterService::Excluded(const Worker& w, const std::vector<Failed>& exclude
                      [&w](const Failed& f) { return f.worker == &w && f.instance == w.instance.load(); });
 }
 
-absl::Span<const BlockHash> RouterService::PromptChains::For(
-    const std::optional<worker::v1::PrefixHashConfig>& config) {
-  if (!config.has_value() || config->block_size() <= 0 || context_.size() <= 1) return {};
-  std::string key = config->SerializeAsString();
-  for (const auto& [k, chain] : chains_) {
-    if (k == key) return chain;
+absl::Span<const BlockHash> RouterService::PromptChains::For(const std::optional<HashScheme>& scheme) {
+  if (!scheme.has_value() || scheme->block_size <= 0 || context_.size() <= 1) return {};
+  for (const auto& [known, chain] : chains_) {
+    if (known == *scheme) return chain;
   }
-  const BlockHasher hasher(rpc::HashFromProto(config->model_lo(), config->model_hi()),
-                           static_cast<DType>(config->kv_dtype()), config->block_size());
+  const BlockHasher hasher(scheme->model, scheme->kv_dtype, scheme->block_size);
   // The last position is always computed (its logits give the next token).
-  chains_.emplace_back(std::move(key), hasher.FullBlockHashes(context_.first(context_.size() - 1)));
+  chains_.emplace_back(*scheme, hasher.FullBlockHashes(context_.first(context_.size() - 1)));
   return chains_.back().second;
 }
 
 int64_t RouterService::CachedTokens(const Worker& w, PromptChains& chains) {
-  const std::optional<worker::v1::PrefixHashConfig> config = w.prefix_hash();
-  const absl::Span<const BlockHash> chain = chains.For(config);
+  const std::optional<HashScheme> scheme = w.prefix_hash();
+  const absl::Span<const BlockHash> chain = chains.For(scheme);
   if (chain.empty()) return 0;
-  return static_cast<int64_t>(prefix_index_.MatchBlocks(w.address, chain, absl::Now())) * config->block_size();
+  return static_cast<int64_t>(prefix_index_.MatchBlocks(w.address, chain, absl::Now())) * scheme->block_size;
 }
 
 bool RouterService::HasHeadroom(const Worker& w) const {
@@ -615,6 +616,9 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
   const std::string client_id = req.request_id();
   const bool colocated = options_.colocated || prefill_targets_.empty();
   const int64_t prompt_tokens = static_cast<int64_t>(gr.prompt.size());
+  // The prompt's block hashes, computed once per worker hashing scheme, for
+  // admission and the first attempt (a migration re-hashes its context).
+  PromptChains prompt_chains(gr.prompt);
   // Admission: held from here to the first token.
   std::optional<AdmissionTicket> ticket;
   if (admission_ != nullptr) {
@@ -623,7 +627,7 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
     // The estimate is for the prefill worker with the lowest estimated TTFT
     // (the prefix-aware cost, whatever the policy: the selector itself is
     // not consulted, round robin would advance).
-    PromptChains chains(gr.prompt);
+    PromptChains& chains = prompt_chains;
     std::vector<WorkerPtr> pool;
     std::vector<SelectionCandidate> candidates;
     for (const WorkerPtr& w : colocated ? std::vector<WorkerPtr>{} : Snapshot(true)) {
@@ -716,9 +720,14 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
       break;
     }
     // What this attempt prefills: the prompt and any tokens already sent.
-    std::vector<int32_t> context = gr.prompt;
-    context.insert(context.end(), streamed.begin(), streamed.end());
-    PromptChains chains(context);
+    std::vector<int32_t> context;
+    std::optional<PromptChains> migrated_chains;
+    if (!streamed.empty()) {
+      context = gr.prompt;
+      context.insert(context.end(), streamed.begin(), streamed.end());
+      migrated_chains.emplace(context);
+    }
+    PromptChains& chains = streamed.empty() ? prompt_chains : *migrated_chains;
     const WorkerPtr d = PickWaiting(ctx, [&] {
       WorkerPtr w = PickDecode(prompt_tokens + gr.params.max_tokens, failed_decode, chains);
       // Every serving worker has failed this request once. A handoff can
@@ -739,7 +748,7 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
       LogEvent("warning", "migrating", {{"request_id", internal_id}, {"to", d->address},
                                          {"tokens_so_far", std::to_string(streamed.size())}});
     }
-    const int64_t context_tokens = static_cast<int64_t>(context.size());
+    const int64_t context_tokens = chains.size();
     // Conditional disaggregation: little of the context is missing on the
     // decode worker, and it has room in its batch: prefill there.
     bool local = colocated;

@@ -24,6 +24,8 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/container/flat_hash_map.h"
+#include "common/block_hash.h"
+#include "common/dtype.h"
 #include "common/generation.h"
 #include "common/metrics.h"
 #include "common/model_config.h"
@@ -100,6 +102,16 @@ class RouterService final : public v1::Generation::Service {
   const MetricsRegistry& metrics() const { return metrics_; }
 
  private:
+  // How a worker hashes its KV blocks (block_hash.h): prompts hashed the
+  // same way match its index.
+  struct HashScheme {
+    ModelIdentity model;
+    DType kv_dtype = DType::kF32;
+    int32_t block_size = 0;
+    friend bool operator==(const HashScheme& a, const HashScheme& b) {
+      return a.model == b.model && a.kv_dtype == b.kv_dtype && a.block_size == b.block_size;
+    }
+  };
   struct Worker {
     std::string address;
     bool prefill_role = false;
@@ -129,11 +141,11 @@ class RouterService final : public v1::Generation::Service {
     std::atomic<double> step_seconds{0};      // Decode: its average step time.
     // How the worker hashes KV blocks (from Status; none before the first
     // answer): the router hashes prompts the same way to match its index.
-    std::optional<worker::v1::PrefixHashConfig> prefix_hash() const {
+    std::optional<HashScheme> prefix_hash() const {
       absl::MutexLock lock(&kv_mu);
       return prefix_hash_;
     }
-    std::optional<worker::v1::PrefixHashConfig> prefix_hash_ ABSL_GUARDED_BY(kv_mu);
+    std::optional<HashScheme> prefix_hash_ ABSL_GUARDED_BY(kv_mu);
     // The worker process's instance id (0: never answered); a new one means
     // it restarted.
     std::atomic<uint64_t> instance{0};
@@ -172,13 +184,13 @@ class RouterService final : public v1::Generation::Service {
   class PromptChains {
    public:
     explicit PromptChains(absl::Span<const int32_t> context) : context_(context) {}
-    // The chain a worker with `config` would find; empty without one.
-    absl::Span<const BlockHash> For(const std::optional<worker::v1::PrefixHashConfig>& config);
+    // The chain a worker hashing with `scheme` would find; empty without one.
+    absl::Span<const BlockHash> For(const std::optional<HashScheme>& scheme);
     int64_t size() const { return static_cast<int64_t>(context_.size()); }
 
    private:
     absl::Span<const int32_t> context_;
-    std::vector<std::pair<std::string, std::vector<BlockHash>>> chains_;  // Key: serialized config.
+    std::vector<std::pair<HashScheme, std::vector<BlockHash>>> chains_;
   };
   // Positions of the context `w` holds in its prefix cache, as the router's
   // index sees it (never the last one: it is always computed).

@@ -16,6 +16,7 @@
 #include "absl/status/status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/router/fake_clock.h"
 #include "router/measured.h"
 
 namespace pdserve::router {
@@ -25,18 +26,7 @@ using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
 
-struct FakeClock {
-  absl::Time now = absl::FromUnixSeconds(1'000'000);
-  Clock clock() {
-    return [this] { return now; };
-  }
-};
-
-AdmissionOptions Options(FakeClock& c) {
-  AdmissionOptions o;
-  o.clock = c.clock();
-  return o;
-}
+AdmissionOptions Options(FakeClock& c) { return OptionsOn<AdmissionOptions>(c); }
 
 AdmissionLoad::Rate Rate(double requests_per_s, int64_t samples = 100) { return {requests_per_s, samples}; }
 

@@ -11,6 +11,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/router/fake_clock.h"
 
 namespace pdserve::router {
 namespace {
@@ -18,18 +19,7 @@ namespace {
 using ::testing::HasSubstr;
 using ::testing::Not;
 
-struct FakeClock {
-  absl::Time now = absl::FromUnixSeconds(1'000'000);
-  Clock clock() {
-    return [this] { return now; };
-  }
-};
-
-MeasuredOptions Options(FakeClock& c) {
-  MeasuredOptions o;
-  o.clock = c.clock();
-  return o;
-}
+MeasuredOptions Options(FakeClock& c) { return OptionsOn<MeasuredOptions>(c); }
 
 // Uniform in [1 - spread, 1 + spread], seeded.
 class Noise {

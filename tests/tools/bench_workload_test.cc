@@ -127,7 +127,8 @@ TEST(BenchWorkloadTest, SharedPrefixesAreExactPerGroupDistinctAcrossGroupsAndDra
     }
   }
   for (int g = 0; g < 4; ++g) EXPECT_GT(per_group[g], 0) << "group " << g << " never drawn";
-  EXPECT_LT(lockstep, 23) << "groups drawn at random, not in lockstep with the request index";
+  // Uniform draws put about a quarter (23 / 4) in lockstep by chance.
+  EXPECT_LE(lockstep, 11) << "groups drawn at random, not in lockstep with the request index";
   const auto again = MakeWorkload(o);
   ASSERT_TRUE(again.ok());
   for (size_t i = 0; i < work->size(); ++i) EXPECT_EQ((*again)[i].prompt, (*work)[i].prompt) << "seeded";

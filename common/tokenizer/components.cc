@@ -3,6 +3,8 @@
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
 
+#include <algorithm>
+#include <optional>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -402,10 +404,8 @@ class ByteFallbackDecoder final : public Decoder {
       pending_count = 0;
     };
     for (std::string& t : tokens) {
-      unsigned value = 0;
-      if (t.size() == 6 && t.compare(0, 3, "<0x") == 0 && t[5] == '>' &&
-          std::sscanf(t.c_str() + 3, "%2x", &value) == 1) {
-        pending.push_back(static_cast<char>(value));
+      if (std::optional<uint8_t> b = ParseByteToken(t); b.has_value()) {
+        pending.push_back(static_cast<char>(*b));
         ++pending_count;
       } else {
         flush();
@@ -415,6 +415,7 @@ class ByteFallbackDecoder final : public Decoder {
     flush();
     return out;
   }
+  bool HasByteFallback() const override { return true; }
 };
 
 class FuseDecoder final : public Decoder {
@@ -472,6 +473,9 @@ class SequenceDecoder final : public Decoder {
     for (const auto& d : parts_) tokens = d->Apply(std::move(tokens));
     return tokens;
   }
+  bool HasByteFallback() const override {
+    return std::any_of(parts_.begin(), parts_.end(), [](const auto& d) { return d->HasByteFallback(); });
+  }
 
  private:
   std::vector<std::unique_ptr<Decoder>> parts_;
@@ -494,6 +498,19 @@ absl::StatusOr<std::vector<std::unique_ptr<T>>> ParseList(const json& j, const c
 }
 
 }  // namespace
+
+std::optional<uint8_t> ParseByteToken(absl::string_view token) {
+  if (token.size() != 6 || token.substr(0, 3) != "<0x" || token[5] != '>') return std::nullopt;
+  auto hex = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+  };
+  const int hi = hex(token[3]), lo = hex(token[4]);
+  if (hi < 0 || lo < 0) return std::nullopt;
+  return static_cast<uint8_t>(hi * 16 + lo);
+}
 
 absl::StatusOr<std::unique_ptr<Pattern>> Pattern::Regex(const std::string& regex,
                                                         const std::string& path) {

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -61,7 +62,12 @@ class Decoder {
   virtual ~Decoder() = default;
   // Transforms the token strings (HF's decode_chain); the result is joined.
   virtual std::vector<std::string> Apply(std::vector<std::string> tokens) const = 0;
+  // Whether `<0xXX>` tokens decode to raw bytes (a ByteFallback step).
+  virtual bool HasByteFallback() const { return false; }
 };
+
+// The byte a ByteFallback token string `<0xXX>` stands for, if it is one.
+std::optional<uint8_t> ParseByteToken(absl::string_view token);
 absl::StatusOr<std::unique_ptr<Decoder>> DecoderFromJson(const nlohmann::json& j,
                                                          const std::string& path);
 

@@ -314,8 +314,19 @@ absl::StatusOr<std::string> Tokenizer::Decode(absl::Span<const int32_t> ids,
     if (skip_special_tokens && IsSpecial(id)) continue;
     tokens.push_back(*t);
   }
+  return DecodeTokenStrings(std::move(tokens));
+}
+
+std::string Tokenizer::DecodeTokenStrings(std::vector<std::string> tokens) const {
   if (decoder_ == nullptr) return absl::StrJoin(tokens, " ");
   return absl::StrJoin(decoder_->Apply(std::move(tokens)), "");
+}
+
+std::optional<uint8_t> Tokenizer::FallbackByte(int32_t id) const {
+  if (!HasByteFallback()) return std::nullopt;
+  const std::string* t = IdToToken(id);
+  if (t == nullptr) return std::nullopt;
+  return ParseByteToken(*t);
 }
 
 }  // namespace pdserve::tok

@@ -54,6 +54,15 @@ class Tokenizer {
   absl::StatusOr<std::string> Decode(absl::Span<const int32_t> ids,
                                      bool skip_special_tokens = false) const;
 
+  // The decoder chain alone, on token strings (what Decode applies after
+  // mapping ids to their strings). Streaming detokenization uses it to
+  // decode byte-fallback runs it has already resolved.
+  std::string DecodeTokenStrings(std::vector<std::string> tokens) const;
+  // The byte `id` stands for when the decoder turns `<0xXX>` tokens into raw
+  // bytes (SentencePiece byte fallback); nullopt for every other token.
+  std::optional<uint8_t> FallbackByte(int32_t id) const;
+  bool HasByteFallback() const { return decoder_ != nullptr && decoder_->HasByteFallback(); }
+
   // The token string of `id` (added tokens included); nullptr if unknown.
   const std::string* IdToToken(int32_t id) const;
   std::optional<int32_t> TokenToId(const std::string& token) const;

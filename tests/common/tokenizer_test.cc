@@ -81,9 +81,9 @@ TEST_P(ReferenceTest, EncodeAndDecodeMatchHuggingFace) {
 // Streaming equals the full decode for every prefix of every test sequence,
 // with and without prompt context. Prefixes that stop inside a character are
 // the exception: there HF's byte-fallback decode turns the whole run of byte
-// tokens (valid characters before the cut included) into U+FFFD, which a
-// stream that already showed those characters cannot take back; the whole
-// sequence is always checked.
+// tokens (valid characters before the cut included) into U+FFFD, while a
+// stream keeps the characters it already showed (the rule, and a reference
+// for it, are in detokenizer_test.cc); the whole sequence is always checked.
 TEST_P(ReferenceTest, StreamingEqualsFullDecodeForEveryPrefix) {
   auto tok = Tokenizer::Load(kDir + GetParam());
   ASSERT_TRUE(tok.ok()) << tok.status();

@@ -250,6 +250,8 @@ grpc::Status DecodeService::Decode(grpc::ServerContext* ctx, const worker::v1::D
   auto last = start;
   double prefill_seconds = 0;
   int32_t cached_tokens = 0;
+  const bool unparseable = fault_unparseable_.Take();
+  int32_t chunks_written = 0;
   while (true) {
     std::deque<EngineEvent> batch;
     {
@@ -297,6 +299,7 @@ grpc::Status DecodeService::Decode(grpc::ServerContext* ctx, const worker::v1::D
         ++gaps;
       }
       last = now;
+      if (unparseable && ++chunks_written == 2) chunk->mutable_text()->append("\xff");
       if (!writer->Write(out)) {
         engine_.Cancel(id);
         Wake();

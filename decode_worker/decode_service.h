@@ -23,6 +23,7 @@
 #include "common/tokenizer/tokenizer.h"
 #include "decode_worker/batch_engine.h"
 #include "pdserve/v1/worker.grpc.pb.h"
+#include "proto/received.h"
 
 namespace pdserve::decode {
 
@@ -34,6 +35,9 @@ struct DecodeServiceOptions {
   // Benchmark stand-in: answer every Decode at once with max_tokens
   // one-token chunks (no model), to measure the router's relay alone.
   bool stand_in = false;
+  // Fault tests only: the first N Decode streams (-1: every one) send their
+  // second chunk with text that is not valid UTF-8 (it does not parse).
+  int32_t fault_unparseable_streams = 0;
 };
 
 // A sequence whose KV arrived by handoff (see kv_transfer), waiting for (or
@@ -96,6 +100,7 @@ class DecodeService final : public worker::v1::DecodeWorker::Service {
   PoolCounters counters_{pool_, pool_mu_};
   const tok::Tokenizer* tokenizer_;
   const DecodeServiceOptions options_;
+  rpc::UnparseableFault fault_unparseable_{options_.fault_unparseable_streams};
   // What the prefix cache holds (committed handoffs' prompts, finished
   // local sequences), for the router; Status carries it.
   KvEventLog kv_events_;

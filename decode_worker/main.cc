@@ -30,6 +30,8 @@ ABSL_FLAG(bool, prefix_cache, true,
 ABSL_FLAG(double, itl_target_ms, 0, "admit no new sequence while the step time exceeds this (0: off)");
 ABSL_FLAG(bool, prefill_local, true, "accept colocated requests (prefill here)");
 ABSL_FLAG(bool, stand_in, false, "benchmark stand-in: stream max_tokens dummy tokens at once, no model work");
+ABSL_FLAG(int, fault_unparseable_streams, 0,
+          "fault tests only: the first N streams (-1: all) send their second chunk unparseable");
 ABSL_FLAG(std::string, kv_host, "127.0.0.1", "address the KV receiver listens on (UCX)");
 ABSL_FLAG(int, kv_port, 0, "port of the KV receiver (0: any free port)");
 ABSL_FLAG(double, kv_lease_s, 5, "a KV reservation not renewed for this long is aborted");
@@ -57,6 +59,7 @@ int Run() {
   so.engine.prefix_cache = absl::GetFlag(FLAGS_prefix_cache);
   so.allow_prefill = absl::GetFlag(FLAGS_prefill_local);
   so.stand_in = absl::GetFlag(FLAGS_stand_in);
+  so.fault_unparseable_streams = absl::GetFlag(FLAGS_fault_unparseable_streams);
   decode::DecodeService service(engine->model.get(), engine->pool.get(), &pool_mu, w->tokenizer.get(), so);
   kv::ReceiverOptions ro;
   ro.model = engine->model->identity();

@@ -30,6 +30,8 @@ ABSL_FLAG(int, prefill_chunk, 512, "prompt tokens per forward, across requests")
 ABSL_FLAG(int, max_batch, 8, "requests per forward");
 ABSL_FLAG(int, fault_stall_before_commit_ms, 0, "fault tests only: stall each handoff before its commit");
 ABSL_FLAG(int, fault_stall_prefill_ms, 0, "fault tests only: stall before each prefill forward");
+ABSL_FLAG(int, fault_unparseable_streams, 0,
+          "fault tests only: the first N streams (-1: all) send their first token unparseable");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:0", "Prometheus /metrics address (port 0: any free; empty: off)");
 ABSL_FLAG(double, kv_timeout_s, 10, "a KV handoff whose receiver does not answer within this fails (the router retries it)");
 ABSL_FLAG(double, drain_grace_s, 30, "SIGTERM: seconds to finish queued requests before they go elsewhere");
@@ -53,6 +55,7 @@ int Run() {
     so.max_batch = absl::GetFlag(FLAGS_max_batch);
     so.fault_stall_before_commit_ms = absl::GetFlag(FLAGS_fault_stall_before_commit_ms);
     so.fault_stall_prefill_ms = absl::GetFlag(FLAGS_fault_stall_prefill_ms);
+    so.fault_unparseable_streams = absl::GetFlag(FLAGS_fault_unparseable_streams);
     prefill::PrefillService service(engine->model.get(), engine->pool.get(), &pool_mu, w->tokenizer.get(), &sender, so);
 
     MetricsRegistry metrics;

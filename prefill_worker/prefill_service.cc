@@ -12,6 +12,7 @@
 #include "common/prefix_cache.h"
 #include "common/server_util.h"
 #include "proto/convert.h"
+#include "proto/received.h"
 
 namespace pdserve::prefill {
 namespace {
@@ -61,6 +62,7 @@ PrefillService::PrefillService(Model* model, BlockPool* pool, absl::Mutex* pool_
       tokenizer_(tokenizer),
       sender_(sender),
       options_(options),
+      fault_unparseable_(options.fault_unparseable_streams),
       hasher_(model->identity(), pool->spec().dtype, pool->spec().block_size) {
   {
     absl::MutexLock lock(pool_mu_);
@@ -378,6 +380,7 @@ grpc::Status PrefillService::Prefill(grpc::ServerContext* ctx, const worker::v1:
   }
   grpc::Status result = grpc::Status::OK;
   bool first_seen = false;
+  bool unparseable = fault_unparseable_.Take();
   while (true) {
     std::deque<PrefillEvent> events;
     bool done = false;
@@ -395,6 +398,10 @@ grpc::Status PrefillService::Prefill(grpc::ServerContext* ctx, const worker::v1:
         first_seen = true;
         absl::MutexLock lock(&mu_);
         queued_tokens_ -= tokens;
+      }
+      if (unparseable && e.has_first()) {
+        rpc::MakeUnparseable(&e);
+        unparseable = false;
       }
       if (!writer->Write(e)) job->cancelled = true;
     }

@@ -30,6 +30,7 @@
 #include "common/pool_counters.h"
 #include "common/tokenizer/tokenizer.h"
 #include "kv_transfer/sender.h"
+#include "proto/received.h"
 #include "pdserve/v1/worker.grpc.pb.h"
 
 namespace pdserve::prefill {
@@ -43,6 +44,9 @@ struct PrefillServiceOptions {
   // Fault tests only: each forward waits this long first (a kill then
   // lands mid-prefill, after the decode side's reservation).
   int32_t fault_stall_prefill_ms = 0;
+  // Fault tests only: the first N Prefill streams (-1: every one) send
+  // their first token as a message that does not parse.
+  int32_t fault_unparseable_streams = 0;
 };
 
 class PrefillService final : public worker::v1::PrefillWorker::Service {
@@ -97,6 +101,7 @@ class PrefillService final : public worker::v1::PrefillWorker::Service {
   const tok::Tokenizer* tokenizer_;
   kv::KvSender* sender_;
   const PrefillServiceOptions options_;
+  rpc::UnparseableFault fault_unparseable_;
   const BlockHasher hasher_;
   // What the prefix cache holds, for the router (Status carries it).
   KvEventLog kv_events_;

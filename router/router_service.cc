@@ -13,6 +13,7 @@
 #include "grpcpp/grpcpp.h"
 #include "common/server_util.h"
 #include "proto/convert.h"
+#include "proto/received.h"
 
 namespace pdserve::router {
 namespace {
@@ -202,10 +203,11 @@ void RouterService::Discover() {
       auto w = std::make_shared<Worker>();
       w->address = a;
       w->prefill_role = prefill;
+      w->channel = Channel(a);
       if (prefill) {
-        w->prefill = worker::v1::PrefillWorker::NewStub(Channel(a));
+        w->prefill = worker::v1::PrefillWorker::NewStub(w->channel);
       } else {
-        w->decode = worker::v1::DecodeWorker::NewStub(Channel(a));
+        w->decode = worker::v1::DecodeWorker::NewStub(w->channel);
       }
       LogEvent("info", "worker_added", {{"role", prefill ? "prefill" : "decode"}, {"address", a}});
       pool.push_back(std::move(w));
@@ -661,6 +663,21 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
   std::string error;
   bool cancelled = false;
   bool unavailable = false;  // No worker of a pool could take the request.
+  // Messages from workers that did not parse. The first costs a retry (a
+  // migration, or the prefill again), never the worker's health: a message
+  // that fails deterministically would otherwise eject every worker in turn.
+  // The second ends the request with INTERNAL, naming the field.
+  int parse_failures = 0;
+  bool internal = false;
+  auto unparseable = [&](const char* role, const std::string& address, const absl::Status& why,
+                         const std::string& request_id) {
+    LogEvent("warning", "unparseable_message", {{"request_id", request_id}, {"role", role}, {"worker", address},
+                                                 {"error", std::string(why.message())}});
+    if (++parse_failures < 2) return false;
+    error = absl::StrCat(role, " worker ", address, " sent ", why.message(), " (after one retry)");
+    internal = true;
+    return true;
+  };
   double max_itl = 0, sum_itl = 0;
   int32_t gaps = 0;
   SteadyClock::time_point last_token = t_start;
@@ -709,6 +726,7 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
   // Decode attempts: the first, then one migration per decode worker that
   // dies mid-stream. Each attempt (re)prefills prompt + streamed tokens.
   std::vector<Failed> failed_decode;
+  std::vector<Failed> avoid_prefill;  // Sent a message that did not parse.
   int attempt = 0;
   while (error.empty() && !cancelled && finish == FinishReason::kNone) {
     const std::string internal_id =
@@ -770,7 +788,8 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
     worker::v1::DecodeRequest dreq;
     *dreq.mutable_request() = work;
     dreq.set_prefill_here(local);
-    std::unique_ptr<grpc::ClientReader<worker::v1::DecodeEvent>> dreader = d->decode->Decode(dctx, dreq);
+    using DecodeReader = rpc::RawStreamReader<worker::v1::DecodeEvent>;
+    DecodeReader dreader(d->channel.get(), "/pdserve.worker.v1.DecodeWorker/Decode", dctx, dreq);
 
     bool decode_expected = true;
     if (!local) {
@@ -780,8 +799,12 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
       // sender's reservation is freed on its side. Sampling is keyed by
       // (seed, position), so a retried first token is the one already sent.
       std::vector<Failed> failed_prefill;
-      WorkerPtr p = PickWaiting(ctx, [&] { return PickPrefill(failed_prefill, chains); });
+      WorkerPtr p = PickWaiting(ctx, [&] {
+        WorkerPtr w = PickPrefill(avoid_prefill, chains);
+        return w != nullptr ? w : PickPrefill(failed_prefill, chains);
+      });
       bool decode_side_failed = false;
+      bool prefill_unparseable = false;
       bool first_sent = false;
       int32_t first_token = -1;
       bool handed_off = false;
@@ -800,10 +823,12 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
         worker::v1::PrefillRequest preq;
         *preq.mutable_request() = work;
         preq.set_decode_kv_address(d->kv_address());
-        std::unique_ptr<grpc::ClientReader<worker::v1::PrefillEvent>> preader = p->prefill->Prefill(pc, preq);
+        using PrefillReader = rpc::RawStreamReader<worker::v1::PrefillEvent>;
+        PrefillReader preader(p->channel.get(), "/pdserve.worker.v1.PrefillWorker/Prefill", pc, preq);
         worker::v1::PrefillEvent ev;
         bool first_seen = false;
-        while (preader->Read(&ev)) {
+        PrefillReader::Result read;
+        while ((read = preader.Read(&ev)) == PrefillReader::Result::kMessage) {
           if (ev.has_first() && !first_seen) {
             first_seen = true;
             p->queued_tokens -= queued;
@@ -855,9 +880,18 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
             }
           }
         }
-        const grpc::Status ps = preader->Finish();
+        const grpc::Status ps = preader.Finish();
         if (!first_seen) p->queued_tokens -= queued;
         p->in_flight--;
+        if (read == PrefillReader::Result::kUnparseable && error.empty() && !handed_off) {
+          if (unparseable("prefill", p->address, preader.parse_error(), internal_id)) break;
+          // Whether the KV was committed is not known: the whole attempt
+          // runs again (a new request id, on another prefill worker if there
+          // is one). No worker is marked down.
+          prefill_unparseable = true;
+          avoid_prefill.push_back({p.get(), p->instance.load(), p->address});
+          break;
+        }
         // After `done` the KV is committed on the decode worker, which
         // carries the request on: a prefill worker dying now costs nothing.
         if (ps.ok() || !error.empty() || handed_off) break;
@@ -899,22 +933,25 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
         decode_expected = false;
         dctx->TryCancel();
       }
-      if (decode_side_failed && error.empty() && !cancelled) {
+      if ((decode_side_failed || prefill_unparseable) && error.empty() && !cancelled) {
         dctx->TryCancel();
         worker::v1::DecodeEvent ignored;
-        while (dreader->Read(&ignored)) {
+        while (dreader.Read(&ignored) == DecodeReader::Result::kMessage) {
         }
-        (void)dreader->Finish();
+        (void)dreader.Finish();
         d->in_flight--;
-        d->healthy = false;
-        failed_decode.push_back({d.get(), d->instance.load(), d->address});
+        if (decode_side_failed) {
+          d->healthy = false;
+          failed_decode.push_back({d.get(), d->instance.load(), d->address});
+        }
         continue;  // Migrate: prefill again toward another decode worker.
       }
     }
 
     worker::v1::DecodeEvent dev;
     bool decode_final = false;
-    while (dreader->Read(&dev)) {
+    DecodeReader::Result dread;
+    while ((dread = dreader.Read(&dev)) == DecodeReader::Result::kMessage) {
       if (!decode_expected) continue;
       if (dev.has_chunk() && dev.chunk().token_ids_size() > 0) {
         for (int32_t t : dev.chunk().token_ids()) {
@@ -945,8 +982,15 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
         }
       }
     }
-    const grpc::Status ds = dreader->Finish();
+    const grpc::Status ds = dreader.Finish();
     d->in_flight--;
+    if (dread == DecodeReader::Result::kUnparseable && decode_expected && !decode_final && error.empty() &&
+        !cancelled) {
+      if (unparseable("decode", d->address, dreader.parse_error(), internal_id)) break;
+      // Migrate, to another worker if there is one; this one stays healthy.
+      failed_decode.push_back({d.get(), d->instance.load(), d->address});
+      continue;
+    }
     if (!decode_expected || decode_final || !error.empty() || cancelled) break;
     if (ctx->IsCancelled() || client_gone || ds.error_code() == grpc::StatusCode::CANCELLED) {
       cancelled = true;
@@ -1006,6 +1050,7 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
                : finish == FinishReason::kStop                ? "stop"
                                                                : "length");
   e2e_->Observe(timings.total());
+  if (internal) return grpc::Status(grpc::StatusCode::INTERNAL, error);
   fin->mutable_usage()->set_prompt_tokens(static_cast<int32_t>(prompt_tokens));
   fin->mutable_usage()->set_completion_tokens(completion);
   fin->set_seed(*gr.params.seed);

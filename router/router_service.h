@@ -115,6 +115,7 @@ class RouterService final : public v1::Generation::Service {
   struct Worker {
     std::string address;
     bool prefill_role = false;
+    std::shared_ptr<grpc::Channel> channel;
     std::unique_ptr<worker::v1::PrefillWorker::Stub> prefill;
     std::unique_ptr<worker::v1::DecodeWorker::Stub> decode;
     // Where its KV receiver listens; it changes when the worker restarts,

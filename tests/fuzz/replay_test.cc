@@ -21,6 +21,8 @@
 #include "common/tokenizer/tokenizer.h"
 #include "gtest/gtest.h"
 #include "kv_transfer/wire.h"
+#include "pdserve/v1/worker.pb.h"
+#include "proto/received.h"
 #include "tools/pdctl/bench_trace.h"
 
 // The fuzz targets, compiled under these names for this test (see
@@ -31,6 +33,7 @@ extern "C" int FuzzTokenizerJson(const uint8_t* data, size_t size);
 extern "C" int FuzzTokenize(const uint8_t* data, size_t size);
 extern "C" int FuzzWire(const uint8_t* data, size_t size);
 extern "C" int FuzzBenchTrace(const uint8_t* data, size_t size);
+extern "C" int FuzzReceived(const uint8_t* data, size_t size);
 
 namespace pdserve {
 namespace {
@@ -118,6 +121,28 @@ TEST(FuzzCorpusReplayTest, KvHandoffWire) {
 TEST(FuzzCorpusReplayTest, BenchTraceJsonl) {
   Replay("bench_trace", 8, FuzzBenchTrace,
          [](const Seed& s) { return pdctl::ParseTraceJsonl(s.bytes, s.name).ok(); });
+}
+
+// The first byte picks the type, as in the target.
+TEST(FuzzCorpusReplayTest, ReceivedWorkerMessages) {
+  Replay("received", 6, FuzzReceived, [](const Seed& s) {
+    if (s.bytes.empty()) return false;
+    const std::string body = s.bytes.substr(1);
+    switch (static_cast<uint8_t>(s.bytes[0]) % 3) {
+      case 0: {
+        worker::v1::DecodeEvent m;
+        return rpc::ParseReceived(body, &m).ok();
+      }
+      case 1: {
+        worker::v1::PrefillEvent m;
+        return rpc::ParseReceived(body, &m).ok();
+      }
+      default: {
+        worker::v1::WorkerInfo m;
+        return rpc::ParseReceived(body, &m).ok();
+      }
+    }
+  });
 }
 
 // Every tokenize seed is valid input; the target itself checks its promises.

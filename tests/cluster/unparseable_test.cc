@@ -1,0 +1,83 @@
+// A worker message the router cannot parse, on each hop (prefill → router:
+// a first token with malformed wire data; decode → router: a chunk whose
+// text is not valid UTF-8), injected by the workers' fault flag. The first
+// costs one migration and the stream is unchanged; a second ends the
+// request with INTERNAL naming the field, within a second. Neither ejects
+// the worker that sent it, and no KV is left behind.
+#include <chrono>
+#include <cstdio>
+#include <string>
+
+#include "gtest/gtest.h"
+#include "tests/cluster/cluster_harness.h"
+
+namespace pdserve {
+namespace {
+
+struct Hop {
+  const char* name;
+  bool prefill;       // Which worker sends the bad message.
+  const char* field;  // What the error must name.
+};
+
+class UnparseableTest : public ::testing::TestWithParam<Hop> {
+ protected:
+  // A cluster whose `hop` worker sends one unparseable message in each of
+  // its first `streams` streams (-1: all).
+  absl::Status Start(Cluster& c, const std::string& dir, int streams) {
+    const std::vector<std::string> fault = {"--fault_unparseable_streams", std::to_string(streams)};
+    return c.Start(dir, false, GetParam().prefill ? std::vector<std::string>{} : fault, {}, 1,
+                   GetParam().prefill ? fault : std::vector<std::string>{});
+  }
+
+  static void ExpectNoEjection(Cluster& c) {
+    const std::string router = HttpGet(c.router_metrics(), "/metrics");
+    EXPECT_EQ(MetricValue(router, "pdserve_worker_ejections_total{role=\"prefill\"}"), 0) << router;
+    EXPECT_EQ(MetricValue(router, "pdserve_worker_ejections_total{role=\"decode\"}"), 0) << router;
+    const v1::ClusterStatusResponse st = c.Status();
+    for (const v1::WorkerStatus& w : st.prefill()) EXPECT_TRUE(w.healthy()) << w.ShortDebugString();
+    for (const v1::WorkerStatus& w : st.decode()) EXPECT_TRUE(w.healthy()) << w.ShortDebugString();
+  }
+};
+
+TEST_P(UnparseableTest, FirstBadMessageCostsOneMigrationAndChangesNothing) {
+  const std::string dir = TempDir();
+  const Output want = Undisturbed(dir, false, SeededRequest(24));
+  Cluster c;
+  ASSERT_TRUE(Start(c, dir + "/faulty", 1).ok());
+  const Output got = c.Generate(SeededRequest(24));
+  ExpectUndisturbed(got, want, c);
+  const std::string router = HttpGet(c.router_metrics(), "/metrics");
+  EXPECT_EQ(MetricValue(router, "pdserve_migrations_total"), 1) << router;
+  ExpectNoEjection(c);
+  EXPECT_EQ(AllKvUsedAfterSettling(c), 0) << c.Status().ShortDebugString() << "\n" << c.Logs();
+  // The worker goes on serving: the next request meets no fault.
+  ExpectUndisturbed(c.Generate(SeededRequest(24)), want, c);
+}
+
+TEST_P(UnparseableTest, SecondBadMessageFailsWithInternalNamingTheField) {
+  const std::string dir = TempDir();
+  Cluster c;
+  ASSERT_TRUE(Start(c, dir, -1).ok());
+  const auto start = std::chrono::steady_clock::now();
+  const Output got = c.Generate(SeededRequest(24));
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(got.status.error_code(), grpc::StatusCode::INTERNAL) << got.status.error_message() << "\n" << c.Logs();
+  EXPECT_NE(got.status.error_message().find(GetParam().field), std::string::npos) << got.status.error_message();
+  EXPECT_LT(seconds, 1.0) << "the request must end, not wait for its deadline";
+  std::printf("%s: %s (%.3f s)\n", GetParam().name, got.status.error_message().c_str(), seconds);
+  const std::string router = HttpGet(c.router_metrics(), "/metrics");
+  EXPECT_EQ(MetricValue(router, "pdserve_migrations_total"), 1) << router;
+  EXPECT_EQ(MetricValue(router, "pdserve_requests_total{outcome=\"error\"}"), 1) << router;
+  ExpectNoEjection(c);
+  EXPECT_EQ(AllKvUsedAfterSettling(c), 0) << c.Status().ShortDebugString() << "\n" << c.Logs();
+  EXPECT_EQ(c.Status().requests_in_flight(), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Hops, UnparseableTest,
+                         ::testing::Values(Hop{"PrefillToRouter", true, "pdserve.worker.v1.PrefillEvent.first"},
+                                           Hop{"DecodeToRouter", false, "pdserve.v1.TokenChunk.text"}),
+                         [](const ::testing::TestParamInfo<Hop>& i) { return i.param.name; });
+
+}  // namespace
+}  // namespace pdserve

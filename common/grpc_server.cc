@@ -39,7 +39,10 @@ int ServeUntilSignal(const ServeOptions& o, std::initializer_list<grpc::Service*
     }
     metrics_server = *std::move(m);
   }
-  server->GetHealthCheckService()->SetServingStatus(true);
+  // The first verdict comes before the ready file: a worker that cannot
+  // serve (say, its KV transport failed its self-check) never shows SERVING.
+  const std::string first_verdict = o.health ? o.health() : "";
+  server->GetHealthCheckService()->SetServingStatus(first_verdict.empty());
   std::vector<std::pair<std::string, std::string>> fields = {{"role", o.role}, {"grpc_port", std::to_string(port)}};
   if (metrics_server != nullptr) fields.emplace_back("metrics_port", std::to_string(metrics_server->port()));
   for (const auto& [k, v] : o.log_fields) fields.emplace_back(k, v);
@@ -55,15 +58,17 @@ int ServeUntilSignal(const ServeOptions& o, std::initializer_list<grpc::Service*
   if (o.health) {
     health_thread = std::thread([&] {
       std::string last;
-      do {
-        const std::string why = o.health();
+      std::string why = first_verdict;
+      while (true) {
         if (why != last) {
           server->GetHealthCheckService()->SetServingStatus(why.empty());
           LogEvent(why.empty() ? "info" : "warning", "health_changed",
                    {{"role", o.role}, {"serving", why.empty() ? "true" : "false"}, {"reason", why}});
           last = why;
         }
-      } while (!stop_health.WaitForNotificationWithTimeout(o.health_period));
+        if (stop_health.WaitForNotificationWithTimeout(o.health_period)) break;
+        why = o.health();
+      }
     });
   }
   const int sig = WaitForShutdownSignal();

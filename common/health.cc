@@ -12,6 +12,7 @@ std::string HealthJudge::Judge(const HealthInputs& in, absl::Time now) {
     idle_with_blocks_since_.reset();
   }
   if (in.draining) return "draining";
+  if (!in.transport_error.empty()) return in.transport_error;
   if (now - in.transport_beat > options_.wedge_after) {
     return absl::StrFormat("KV transport wedged: its event loop has not run for %.1f s",
                            absl::ToDoubleSeconds(now - in.transport_beat));

@@ -5,7 +5,9 @@
 //   - leaks KV blocks: blocks stay in use while the worker holds no work at
 //     all (no request, reservation or pending handoff) for `leak_grace`,
 //   - has a wedged transport: its UCX event loop has not gone round for
-//     `wedge_after` (it goes round at least every few hundred ms when idle).
+//     `wedge_after` (it goes round at least every few hundred ms when idle),
+//   - has a transport that cannot carry a KV handoff at all (its self-check,
+//     kv_transfer/self_check.h, failed: the reason is the check's message).
 // A model that is not loaded never serves: the workers start their gRPC
 // server only after loading it.
 //
@@ -32,6 +34,7 @@ struct HealthInputs {
   bool idle = false;           // No request, reservation or pending handoff held.
   int32_t kv_blocks_used = 0;  // Blocks some owner references.
   absl::Time transport_beat;   // When the transport's loop last went round.
+  std::string transport_error;  // Why the transport cannot carry a handoff ("" = it can).
 };
 
 class HealthJudge {

@@ -84,6 +84,7 @@ int Run() {
     return 1;
   }
   service.set_kv_address(absl::StrCat(absl::GetFlag(FLAGS_kv_host), ":", *kv_port));
+  pdctl::CheckWorkerTransport(*rt, absl::GetFlag(FLAGS_kv_host));
 
   MetricsRegistry metrics;
   {

@@ -60,10 +60,10 @@ void FailSilent(Transport* transport, Connection* conn, const absl::Status& why)
 }
 
 template <typename T>
-absl::StatusOr<T> Wait(std::future<T>& f, absl::Duration timeout, absl::string_view what) {
+absl::StatusOr<T> Wait(std::future<T>& f, absl::Duration timeout, absl::string_view what, const Connection& conn) {
   if (f.wait_for(absl::ToChronoNanoseconds(timeout)) != std::future_status::ready) {
-    return absl::DeadlineExceededError(
-        absl::StrCat("KV handoff: no answer to ", what, " within ", absl::FormatDuration(timeout)));
+    return absl::DeadlineExceededError(absl::StrCat("KV handoff: receiver ", conn.name(), " gave no answer to ", what,
+                                                    " within ", absl::FormatDuration(timeout)));
   }
   return f.get();
 }
@@ -116,7 +116,7 @@ absl::StatusOr<std::unique_ptr<Handoff>> KvSender::Reserve(Connection* conn, Res
   // The loop polls instead of sleeping while the answer is due: over
   // loopback the answer comes back faster than two wake-ups.
   transport_->loop().AddBusy(1);
-  absl::StatusOr<absl::StatusOr<ReserveReply>> waited = Wait(future, options_.timeout, "reserve");
+  absl::StatusOr<absl::StatusOr<ReserveReply>> waited = Wait(future, options_.timeout, "reserve", *conn);
   transport_->loop().AddBusy(-1);
   if (!waited.ok()) {
     FailSilent(transport_, conn, waited.status());
@@ -329,7 +329,7 @@ absl::Status Handoff::Commit(kv::Commit state) {
     });
   });
   sender->transport_->loop().AddBusy(1);
-  absl::StatusOr<absl::Status> waited = Wait(future, sender->options_.timeout, "commit");
+  absl::StatusOr<absl::Status> waited = Wait(future, sender->options_.timeout, "commit", *state_->conn);
   sender->transport_->loop().AddBusy(-1);
   if (!waited.ok()) FailSilent(sender->transport_, state_->conn, waited.status());
   return waited.ok() ? *waited : waited.status();
@@ -354,7 +354,7 @@ absl::Status Handoff::Abort(absl::Status why) {
       st->conn->Send(Encode(kv::Abort{st->id, static_cast<int32_t>(why.code()), std::string(why.message())}));
     });
   });
-  absl::StatusOr<absl::Status> waited = Wait(future, sender->options_.timeout, "abort");
+  absl::StatusOr<absl::Status> waited = Wait(future, sender->options_.timeout, "abort", *state_->conn);
   if (!waited.ok()) FailSilent(sender->transport_, state_->conn, waited.status());
   return waited.ok() ? *waited : waited.status();
 }

@@ -95,6 +95,9 @@ class Transport {
   // guarantees no callback reaches it after returning (call it before
   // destroying the handler).
   virtual void Detach(ConnectionHandler* handler) = 0;
+  // What the transport's library reported lately without returning it as
+  // a status (errors it only logs), to explain a failure; "" if nothing.
+  virtual std::string RecentErrors() const { return ""; }
 };
 
 }  // namespace pdserve::kv

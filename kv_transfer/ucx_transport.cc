@@ -1,14 +1,24 @@
 #include "kv_transfer/ucx_transport.h"
 
 #include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <net/if.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 
+#include <ucs/debug/log_def.h>
+
+#include <cerrno>
+#include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <mutex>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 
 namespace pdserve::kv {
 namespace {
@@ -35,6 +45,34 @@ absl::Status UcxError(absl::string_view what, ucs_status_t s) {
   }
 }
 
+// Errors UCX logged in this process, newest last (see RecentErrors).
+struct UcxErrorLog {
+  static constexpr size_t kKept = 8;
+  absl::Mutex mu;
+  std::deque<std::string> errors ABSL_GUARDED_BY(mu);
+};
+
+UcxErrorLog& ErrorLog() {
+  static UcxErrorLog* log = new UcxErrorLog();
+  return *log;
+}
+
+// A ucs log handler (any UCX thread): keeps errors, lets UCX print them.
+ucs_log_func_rc_t KeepUcxError(const char* /*file*/, unsigned /*line*/, const char* /*function*/, ucs_log_level_t level,
+                               const ucs_log_component_config_t* /*comp_conf*/, const char* format, va_list ap) {
+  if (level > UCS_LOG_LEVEL_ERROR) return UCS_LOG_FUNC_RC_CONTINUE;
+  char text[512];
+  va_list copy;
+  va_copy(copy, ap);
+  std::vsnprintf(text, sizeof(text), format, copy);
+  va_end(copy);
+  UcxErrorLog& log = ErrorLog();
+  absl::MutexLock lock(&log.mu);
+  if (log.errors.size() == UcxErrorLog::kKept) log.errors.pop_front();
+  log.errors.push_back(absl::StrCat("UCX: ", text));
+  return UCS_LOG_FUNC_RC_CONTINUE;
+}
+
 // 36 characters identifying this boot of this machine.
 std::string HostId() {
   std::string id(36, '?');
@@ -47,16 +85,21 @@ std::string HostId() {
   return id;
 }
 
-// Whether UCX_TLS left a shared-memory transport in the context (UCX has no
-// query for it; its own resource listing names them).
-bool HasSharedMemory(ucp_context_h context) {
+// UCX's listing of a context's resources ("... tcp/eth0" lines); UCX has
+// no query for which transports and devices it found.
+std::string ContextInfo(ucp_context_h context) {
   char* buf = nullptr;
   size_t size = 0;
   FILE* f = open_memstream(&buf, &size);
   ucp_context_print_info(context, f);
   std::fclose(f);
-  const std::string info(buf, size);
+  std::string info(buf, size);
   std::free(buf);
+  return info;
+}
+
+// Whether UCX_TLS left a shared-memory transport in the context.
+bool HasSharedMemory(const std::string& info) {
   for (const char* tl : {"posix/memory", "sysv/memory", "cma/memory", "xpmem/memory", "knem/memory"}) {
     if (info.find(tl) != std::string::npos) return true;
   }
@@ -439,6 +482,9 @@ class UcxTransport::Conn final : public Connection {
 };
 
 absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(const Options& options) {
+  // Before ucp_init: it logs what it cannot read (e.g. /sys/class/net).
+  static std::once_flag log_handler_pushed;
+  std::call_once(log_handler_pushed, [] { ucs_log_push_handler(KeepUcxError); });
   std::unique_ptr<UcxTransport> t(new UcxTransport());
   ucp_config_t* config;
   if (ucs_status_t s = ucp_config_read(nullptr, nullptr, &config); s != UCS_OK) {
@@ -468,7 +514,8 @@ absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(const Options
   t->worker_address_.assign(reinterpret_cast<const char*>(address), address_length);
   ucp_worker_release_address(t->worker_, address);
   t->host_id_ = HostId();
-  t->has_shm_ = HasSharedMemory(t->context_);
+  t->context_info_ = ContextInfo(t->context_);
+  t->has_shm_ = HasSharedMemory(t->context_info_);
   for (unsigned id : {kAmControl, kAmBye, kAmByeAck, kAmHello, kAmData}) {
     ucp_am_handler_param_t hp{};
     hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
@@ -560,6 +607,32 @@ void UcxTransport::Detach(ConnectionHandler* handler) {
 }
 
 KvRegionAllocator& UcxTransport::region_allocator() { return *allocator_; }
+
+absl::StatusOr<std::string> UcxTransport::ConnectableHost() const {
+  ifaddrs* addrs = nullptr;
+  if (getifaddrs(&addrs) != 0) return absl::InternalError(absl::StrCat("getifaddrs: ", std::strerror(errno)));
+  std::string found;
+  for (ifaddrs* a = addrs; a != nullptr; a = a->ifa_next) {
+    if (a->ifa_addr == nullptr || a->ifa_addr->sa_family != AF_INET) continue;
+    if (context_info_.find(absl::StrCat(" tcp/", a->ifa_name, "\n")) == std::string::npos) continue;
+    char host[INET_ADDRSTRLEN] = {};
+    inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(a->ifa_addr)->sin_addr, host, sizeof(host));
+    const bool loopback = (a->ifa_flags & IFF_LOOPBACK) != 0;
+    if (found.empty() || loopback) found = host;
+    if (loopback) break;
+  }
+  freeifaddrs(addrs);
+  if (!found.empty()) return found;
+  std::string message = "UCX found no network device with an IPv4 address to set up connections over (tcp)";
+  if (const std::string log = RecentErrors(); !log.empty()) absl::StrAppend(&message, " (", log, ")");
+  return absl::FailedPreconditionError(message);
+}
+
+std::string UcxTransport::RecentErrors() const {
+  UcxErrorLog& log = ErrorLog();
+  absl::MutexLock lock(&log.mu);
+  return absl::StrJoin(log.errors, "; ");
+}
 
 ucs_status_t UcxTransport::OnData(const void* header, size_t header_length, void* data, size_t length,
                                   const ucp_am_recv_param_t* param) {

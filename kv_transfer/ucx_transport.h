@@ -48,6 +48,10 @@
 //
 // Configuration is UCX's own: UCX_TLS, UCX_NET_DEVICES, etc.
 //
+// UCX's own log: errors UCX only logs (a connection request it refuses, a
+// device list it could not read) are kept, process-wide, for
+// RecentErrors(); UCX still prints them too.
+//
 // Thread safety: as transport.h. Regions from region_allocator() must be
 // freed before the transport is destroyed.
 #ifndef PDSERVE_KV_TRANSFER_UCX_TRANSPORT_H_
@@ -78,6 +82,14 @@ class UcxTransport final : public Transport {
   absl::StatusOr<int> Listen(const std::string& host, int port, ConnectionHandler* handler) override;
   absl::StatusOr<Connection*> Connect(const std::string& host, int port, ConnectionHandler* handler) override;
   void Detach(ConnectionHandler* handler) override;
+  // The last few errors UCX logged in this process (any transport), oldest
+  // first, each "UCX: <message>", joined by "; ".
+  std::string RecentErrors() const override;
+  // An IPv4 address of a network device UCX can set up connections over
+  // (tcp/DEVICE in its resources; loopback first), for a process that only
+  // connects out to run a self-check on (kv_transfer/self_check.h).
+  // FAILED_PRECONDITION, with UCX's recent errors, when it found none.
+  absl::StatusOr<std::string> ConnectableHost() const;
 
   // UCX's description of a connection's lanes (ucp_ep_print_info), for
   // benchmarks and debugging. REQUIRES: `c` came from this transport.
@@ -110,6 +122,7 @@ class UcxTransport final : public Transport {
   int efd_ = -1;
   std::string worker_address_;
   std::string host_id_;
+  std::string context_info_;  // ucp_context_print_info: its transports and devices.
   bool has_shm_ = false;
   EventLoop loop_;
   std::unique_ptr<Allocator> allocator_;

@@ -46,6 +46,7 @@ int Run() {
   kv::UcxTransport* transport = rt->transport.get();
   pdctl::WorkerEngine* w = &rt->engine;
   pdctl::Engine* engine = &w->engine;
+  pdctl::CheckWorkerTransport(*rt, "");
   int exit_code = 0;
   {
     kv::KvSender sender(transport, engine->pool.get(), {.model = engine->model->identity(), .timeout = absl::Seconds(absl::GetFlag(FLAGS_kv_timeout_s))});

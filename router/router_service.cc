@@ -312,6 +312,8 @@ void RouterService::ProbeDue(bool force_all) {
                 {"retry_in_ms", std::to_string(absl::ToInt64Milliseconds(w.next_probe - now))}});
     }
     w.last_reason = healthy ? "" : reason;
+    absl::MutexLock lock(&w.kv_mu);
+    w.ejection_reason_ = w.last_reason;
   }
 }
 
@@ -593,6 +595,17 @@ RouterService::WorkerPtr RouterService::PickPrefill(const std::vector<Failed>& e
   return usable[i];
 }
 
+std::string RouterService::NoHealthyWorker(bool prefill) {
+  std::string reasons;
+  for (const WorkerPtr& w : Snapshot(prefill)) {
+    if (w->healthy.load()) continue;
+    const std::string why = w->ejection_reason();
+    absl::StrAppend(&reasons, reasons.empty() ? "" : "; ", w->address, ": ", why.empty() ? "not probed yet" : why);
+  }
+  return absl::StrCat("no healthy ", prefill ? "prefill" : "decode", " worker",
+                      reasons.empty() ? "" : absl::StrCat(" (", reasons, ")"));
+}
+
 RouterService::WorkerPtr RouterService::PickWaiting(grpc::ServerContext* ctx, const std::function<WorkerPtr()>& pick) {
   absl::Time until = absl::Now() + options_.pick_wait;
   if (ctx->deadline() != std::chrono::system_clock::time_point::max()) {
@@ -755,9 +768,9 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
       return w;
     });
     if (d == nullptr) {
-      error = failed_decode.empty() ? "no healthy decode worker"
+      error = failed_decode.empty() ? NoHealthyWorker(/*prefill=*/false)
                                     : absl::StrCat("no decode worker left to continue on (last: ",
-                                                   failed_decode.back().address, ")");
+                                                   failed_decode.back().address, ": ", failed_decode.back().error, ")");
       unavailable = true;
       break;
     }
@@ -804,12 +817,13 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
         return w != nullptr ? w : PickPrefill(failed_prefill, chains);
       });
       bool decode_side_failed = false;
+      std::string handoff_error;  // The prefill worker's, when the decode side failed.
       bool prefill_unparseable = false;
       bool first_sent = false;
       int32_t first_token = -1;
       bool handed_off = false;
       if (p == nullptr) {
-        error = "no healthy prefill worker";
+        error = NoHealthyWorker(/*prefill=*/true);
         unavailable = true;
       }
       while (p != nullptr && decode_expected && error.empty() && !cancelled) {
@@ -912,13 +926,14 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
           worker::v1::WorkerInfo info;
           if (p->prefill->Status(&sc, {}, &info).ok() && info.status().healthy()) {
             decode_side_failed = true;
+            handoff_error = absl::StrCat("prefill worker ", p->address, ": ", ps.error_message());
             LogEvent("warning", "handoff_failed", {{"request_id", internal_id}, {"prefill", p->address},
                                                    {"decode", d->address}, {"error", ps.error_message()}});
             break;
           }
         }
         p->healthy = false;
-        failed_prefill.push_back({p.get(), p->instance.load(), p->address});
+        failed_prefill.push_back({p.get(), p->instance.load(), p->address, ps.error_message()});
         retries_->Add();
         LogEvent("warning", "prefill_retry", {{"request_id", internal_id}, {"worker", p->address},
                                               {"error", ps.error_message()}});
@@ -942,7 +957,7 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
         d->in_flight--;
         if (decode_side_failed) {
           d->healthy = false;
-          failed_decode.push_back({d.get(), d->instance.load(), d->address});
+          failed_decode.push_back({d.get(), d->instance.load(), d->address, handoff_error});
         }
         continue;  // Migrate: prefill again toward another decode worker.
       }
@@ -988,7 +1003,7 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
         !cancelled) {
       if (unparseable("decode", d->address, dreader.parse_error(), internal_id)) break;
       // Migrate, to another worker if there is one; this one stays healthy.
-      failed_decode.push_back({d.get(), d->instance.load(), d->address});
+      failed_decode.push_back({d.get(), d->instance.load(), d->address, std::string(dreader.parse_error().message())});
       continue;
     }
     if (!decode_expected || decode_final || !error.empty() || cancelled) break;
@@ -1002,7 +1017,7 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
     }
     // The decode worker failed mid-stream: migrate the sequence.
     d->healthy = false;
-    failed_decode.push_back({d.get(), d->instance.load(), d->address});
+    failed_decode.push_back({d.get(), d->instance.load(), d->address, ds.error_message()});
     LogEvent("warning", "decode_failed", {{"request_id", internal_id}, {"worker", d->address},
                                           {"error", ds.error_message()}});
   }

@@ -153,6 +153,13 @@ class RouterService final : public v1::Generation::Service {
     // No longer named by its target (DNS): picked no more; requests that
     // hold it finish.
     std::atomic<bool> removed{false};
+    // Why the last probe found it not serving ("" when serving), for the
+    // errors of requests that found no worker.
+    std::string ejection_reason() const {
+      absl::MutexLock lock(&kv_mu);
+      return ejection_reason_;
+    }
+    std::string ejection_reason_ ABSL_GUARDED_BY(kv_mu);
     // Poller thread only.
     int failures = 0;
     absl::Time next_probe = absl::InfinitePast();
@@ -166,6 +173,7 @@ class RouterService final : public v1::Generation::Service {
     const Worker* worker;  // Compared, never followed: it may be gone.
     uint64_t instance;
     std::string address;
+    std::string error = {};  // Why it failed the request (its handoff, its stream).
   };
   // Downstream calls of one request, cancelled with it.
   struct Watch {
@@ -208,6 +216,8 @@ class RouterService final : public v1::Generation::Service {
   // pool has no usable worker; null if none came or the client went away.
   WorkerPtr PickWaiting(grpc::ServerContext* ctx, const std::function<WorkerPtr()>& pick);
   static bool Excluded(const Worker& w, const std::vector<Failed>& exclude);
+  // "no healthy decode worker (ADDRESS: why it is not serving; ...)".
+  std::string NoHealthyWorker(bool prefill);
   std::vector<WorkerPtr> Snapshot(bool prefill);
   // Resolves every target of both pools; adds new addresses, removes gone
   // ones. A target that fails to resolve keeps its previous addresses.

@@ -1,14 +1,24 @@
 // Faults with real processes: a prefill worker killed mid-handoff (the
-// router prefills again on another one and the stream is unchanged), and a
-// pool with no live worker (UNAVAILABLE within seconds, never a hang).
+// router prefills again on another one and the stream is unchanged), a
+// pool with no live worker (UNAVAILABLE within seconds, never a hang), and
+// a decode worker whose KV transport cannot work (NOT_SERVING with UCX's
+// reason, which a request's error carries).
 #include <signal.h>
+#include <unistd.h>
 
+#include <cstdlib>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
+#include "absl/strings/match.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "gtest/gtest.h"
+#include "pdserve/v1/worker.grpc.pb.h"
 #include "tests/cluster/cluster_harness.h"
 
 namespace pdserve {
@@ -177,6 +187,145 @@ TEST_P(DeadPoolTest, IsUnavailableWithinSeconds) {
 
 INSTANTIATE_TEST_SUITE_P(Pools, DeadPoolTest, ::testing::Values(true, false),
                          [](const ::testing::TestParamInfo<bool>& i) { return i.param ? "Prefill" : "Decode"; });
+
+// grpc.health.v1.Health/Check for the whole server (an empty request): the
+// answer's status field, 1 SERVING or 2 NOT_SERVING; -1 if the call failed.
+int GrpcHealth(const std::string& address) {
+  grpc::GenericStub stub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  grpc::Slice empty("");
+  grpc::ByteBuffer request(&empty, 1);
+  grpc::ByteBuffer response;
+  absl::Notification done;
+  grpc::Status status;
+  stub.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &response,
+                 [&](grpc::Status s) {
+                   status = std::move(s);
+                   done.Notify();
+                 });
+  done.WaitForNotification();
+  if (!status.ok()) return -1;
+  std::vector<grpc::Slice> slices;
+  if (!response.Dump(&slices).ok()) return -1;
+  std::string bytes;
+  for (const grpc::Slice& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  // Field 1, varint: tag 0x08 then the value (absent: 0, UNKNOWN).
+  return bytes.size() == 2 && bytes[0] == 0x08 ? bytes[1] : (bytes.empty() ? 0 : -1);
+}
+
+std::string UnshareBinary() {
+  for (const char* p : {"/usr/bin/unshare", "/bin/unshare"}) {
+    if (std::filesystem::exists(p)) return p;
+  }
+  return "";
+}
+
+// Why a process cannot be started with an empty /sys here ("" if it can):
+// it needs root, unshare(1), and a mount namespace with a tmpfs over /sys.
+std::string CannotEmptySys() {
+  if (geteuid() != 0) return "needs root (a mount namespace with a tmpfs over /sys)";
+  const std::string unshare = UnshareBinary();
+  if (unshare.empty()) return "unshare(1) is not installed";
+  const std::string probe =
+      unshare + " -m sh -c 'mount -t tmpfs none /sys && test ! -e /sys/class/net' >/dev/null 2>&1";
+  if (std::system(probe.c_str()) != 0) return "unshare -m with a tmpfs mounted over /sys is not permitted here";
+  return "";
+}
+
+// Starts `argv` plus --ready_file DIR/NAME.ready (log: DIR/NAME.log) and
+// returns its gRPC address once it serves.
+absl::StatusOr<std::string> StartServer(Subprocess& p, const std::string& dir, const std::string& name,
+                                        std::vector<std::string> argv) {
+  const std::string ready = absl::StrCat(dir, "/", name, ".ready");
+  argv.push_back("--ready_file");
+  argv.push_back(ready);
+  if (absl::Status s = p.Start(argv, absl::StrCat(dir, "/", name, ".log")); !s.ok()) return s;
+  absl::StatusOr<int> port = p.WaitReady(ready, absl::Seconds(60));
+  if (!port.ok()) return port.status();
+  return absl::StrCat("127.0.0.1:", *port);
+}
+
+// The decode worker's Status RPC (healthy, unhealthy_reason).
+worker::v1::WorkerInfo DecodeInfo(const std::string& address) {
+  auto stub = worker::v1::DecodeWorker::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  worker::v1::WorkerInfo info;
+  EXPECT_TRUE(stub->Status(&ctx, {}, &info).ok());
+  return info;
+}
+
+// UCX lists its network devices once, from /sys/class/net. Without /sys it
+// finds none: its KV listener still binds, but UCX refuses every connection
+// request, so before the self-check the worker served while every handoff
+// to it failed. Now it is NOT_SERVING, with UCX's reason, as soon as it
+// serves. A request through a router whose other decode worker is gone
+// fails with an error that carries that reason.
+TEST(FaultTest, DecodeWorkerWithoutSysIsNotServingWithUcxReason) {
+  if (const std::string why = CannotEmptySys(); !why.empty()) GTEST_SKIP() << why;
+  const std::string dir = TempDir();
+  const std::string decode_bin = kBin + "/decode_worker/pdserve-decode-worker";
+  Subprocess broken;
+  absl::StatusOr<std::string> broken_address =
+      StartServer(broken, dir, "broken",
+                  {UnshareBinary(), "-m", "sh", "-c", "mount -t tmpfs none /sys && exec \"$0\" \"$@\"", decode_bin,
+                   "--model", kModel});
+  ASSERT_TRUE(broken_address.ok()) << broken_address.status();
+  const absl::Time serving = absl::Now();
+  // Polled: the verdict is another process's.
+  worker::v1::WorkerInfo info = DecodeInfo(*broken_address);
+  while (info.status().healthy() && absl::Now() - serving < absl::Seconds(2)) {
+    absl::SleepFor(absl::Milliseconds(50));
+    info = DecodeInfo(*broken_address);
+  }
+  EXPECT_LT(absl::Now() - serving, absl::Seconds(2));
+  EXPECT_FALSE(info.status().healthy()) << info.ShortDebugString() << "\n" << broken.LogTail();
+  EXPECT_TRUE(absl::StrContains(info.unhealthy_reason(), "KV handoff self-check")) << info.unhealthy_reason();
+  EXPECT_TRUE(absl::StrContains(info.unhealthy_reason(), "UCX")) << info.unhealthy_reason();
+  EXPECT_EQ(GrpcHealth(*broken_address), 2) << "gRPC health should be NOT_SERVING";
+  EXPECT_EQ(broken.Wait(absl::ZeroDuration()), -1) << "the worker must keep running:\n" << broken.LogTail();
+
+  // A router needs one serving decode worker to start: a healthy one,
+  // killed once the router is up, leaves only the broken one.
+  Subprocess healthy, prefill, router;
+  absl::StatusOr<std::string> healthy_address = StartServer(healthy, dir, "healthy", {decode_bin, "--model", kModel});
+  ASSERT_TRUE(healthy_address.ok()) << healthy_address.status();
+  absl::StatusOr<std::string> prefill_address =
+      StartServer(prefill, dir, "prefill", {kBin + "/prefill_worker/pdserve-prefill-worker", "--model", kModel});
+  ASSERT_TRUE(prefill_address.ok()) << prefill_address.status();
+  absl::StatusOr<std::string> router_address = StartServer(
+      router, dir, "router",
+      {kBin + "/router/pdserve-router", "--model", kModel, "--decode",
+       absl::StrCat(*broken_address, ",", *healthy_address), "--prefill", *prefill_address, "--pick_wait_s", "1"});
+  ASSERT_TRUE(router_address.ok()) << router_address.status();
+  healthy.Kill();
+  // Once the router's own probe has ejected it (the broken worker was never
+  // admitted, so this is the first ejection).
+  const int router_metrics = MetricsPort(dir + "/router.ready");
+  const std::string ejections = "pdserve_worker_ejections_total{role=\"decode\"}";
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (MetricValue(HttpGet(router_metrics, "/metrics"), ejections) < 1 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  ASSERT_EQ(MetricValue(HttpGet(router_metrics, "/metrics"), ejections), 1) << router.LogTail();
+
+  auto stub = v1::Generation::NewStub(grpc::CreateChannel(*router_address, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  auto reader = stub->Generate(&ctx, SeededRequest(8));
+  v1::GenerateResponse ignored;
+  while (reader->Read(&ignored)) {
+  }
+  const grpc::Status got = reader->Finish();
+  EXPECT_EQ(got.error_code(), grpc::StatusCode::UNAVAILABLE) << got.error_message();
+  // "no healthy decode worker (127.0.0.1:B: KV handoff self-check over ...
+  // failed: ... (transport log: UCX: ...); 127.0.0.1:H: ...)"
+  EXPECT_TRUE(absl::StrContains(got.error_message(), *broken_address + ": KV handoff self-check"))
+      << got.error_message() << "\n"
+      << router.LogTail();
+  EXPECT_TRUE(absl::StrContains(got.error_message(), "UCX")) << got.error_message();
+}
 
 }  // namespace
 }  // namespace pdserve

@@ -6,6 +6,7 @@
 // the worker that sent it, and no KV is left behind.
 #include <chrono>
 #include <cstdio>
+#include <ostream>
 #include <string>
 
 #include "gtest/gtest.h"
@@ -19,6 +20,8 @@ struct Hop {
   bool prefill;       // Which worker sends the bad message.
   const char* field;  // What the error must name.
 };
+
+void PrintTo(const Hop& h, std::ostream* os) { *os << h.name; }
 
 class UnparseableTest : public ::testing::TestWithParam<Hop> {
  protected:

@@ -58,5 +58,14 @@ TEST(HealthJudgeTest, DrainingIsNotServing) {
   EXPECT_EQ(j.Judge(in, kT0), "draining");
 }
 
+TEST(HealthJudgeTest, TransportThatCannotHandOffIsNotServingWithItsReason) {
+  HealthJudge j;
+  HealthInputs in = Inputs(true, 0, kT0);
+  in.transport_error = "KV handoff self-check over 127.0.0.1:5 failed: no answer within 5s";
+  EXPECT_EQ(j.Judge(in, kT0), in.transport_error);
+  in.transport_error.clear();  // A re-check passed.
+  EXPECT_EQ(j.Judge(in, kT0), "");
+}
+
 }  // namespace
 }  // namespace pdserve

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/health.h"
 #include "common/pool_counters.h"
@@ -85,6 +86,25 @@ absl::StatusOr<WorkerRuntime> StartWorkerRuntime(const std::string& name, int* e
   return rt;
 }
 
+void CheckWorkerTransport(WorkerRuntime& rt, const std::string& host) {
+  if (host.empty()) {
+    absl::StatusOr<std::string> connectable = rt.transport->ConnectableHost();
+    if (!connectable.ok()) {
+      rt.transport_check = std::make_unique<kv::TransportSelfCheck>(
+          absl::UnavailableError(absl::StrCat("KV handoff self-check cannot run: ", connectable.status().message())));
+    } else {
+      rt.transport_check =
+          std::make_unique<kv::TransportSelfCheck>(rt.transport.get(), kv::SelfCheckOptions{.host = *connectable});
+    }
+  } else {
+    rt.transport_check =
+        std::make_unique<kv::TransportSelfCheck>(rt.transport.get(), kv::SelfCheckOptions{.host = host});
+  }
+  if (const std::string why = rt.transport_check->reason(); !why.empty()) {
+    LogEvent("error", "kv_transport_unusable", {{"error", why}});
+  }
+}
+
 void AddKvPoolMetrics(MetricsRegistry& metrics, PoolCounters* counters) {
   // A scrape during a forward reports the counts from before it.
   metrics.AddGauge("pdserve_kv_blocks", "KV blocks by state.",
@@ -100,9 +120,11 @@ std::function<std::string()> WorkerHealthCheck(WorkerRuntime& rt, PoolCounters* 
       .leak_grace = absl::Seconds(absl::GetFlag(FLAGS_leak_grace_s)),
       .wedge_after = absl::Seconds(absl::GetFlag(FLAGS_wedge_after_s))});
   kv::EventLoop* loop = &rt.transport->loop();
+  const kv::TransportSelfCheck* check = rt.transport_check.get();
   return [=] {
     HealthInputs in;
     in.draining = draining();
+    if (check != nullptr) in.transport_error = check->reason();
     in.idle = idle();
     in.kv_blocks_used = counters->Read().used;
     in.idle = in.idle && idle();  // Still idle after the count: the blocks are nobody's.

@@ -13,6 +13,7 @@
 #include "common/metrics.h"
 #include "common/pool_counters.h"
 #include "common/tokenizer/tokenizer.h"
+#include "kv_transfer/self_check.h"
 #include "kv_transfer/ucx_transport.h"
 #include "tools/pdctl/engine_setup.h"
 
@@ -24,20 +25,31 @@ struct WorkerEngine {
 };
 
 // What both workers run on: a UCX transport (its thread and registered
-// memory), then the engine whose KV pool lives in that memory. Members are
-// destroyed engine first, transport last, as the pool requires.
+// memory), then the engine whose KV pool lives in that memory, and the
+// transport's self-check once the worker knows where to run it
+// (CheckWorkerTransport). Members are destroyed in reverse: the check,
+// the engine, the transport last, as the pool requires.
 struct WorkerRuntime {
   std::unique_ptr<kv::UcxTransport> transport;
   WorkerEngine engine;
+  std::unique_ptr<kv::TransportSelfCheck> transport_check;
 };
 
 // Starts the transport and loads what the flags name, logging any error.
 // Returns the process exit code on failure (2 for bad flags, 1 otherwise).
 absl::StatusOr<WorkerRuntime> StartWorkerRuntime(const std::string& name, int* exit_code);
 
+// Checks that the transport can carry a handoff over `host` (the decode
+// worker: its KV listen address; "": an address UCX can connect over, for
+// the prefill worker, which only connects out), before the worker serves,
+// and re-checks while that fails (kv_transfer/self_check.h). A failure is
+// logged and becomes the health verdict; the worker still serves Status.
+void CheckWorkerTransport(WorkerRuntime& rt, const std::string& host);
+
 // The worker's health check for ServeOptions::health: judges draining,
-// KV leaks (--leak_grace_s) and a wedged transport (--wedge_after_s) from
-// what the service reports, and publishes the verdict to it (for Status).
+// the transport's self-check, KV leaks (--leak_grace_s) and a wedged
+// transport (--wedge_after_s) from what the service reports, and publishes
+// the verdict to it (for Status). REQUIRES: CheckWorkerTransport ran.
 std::function<std::string()> WorkerHealthCheck(WorkerRuntime& rt, PoolCounters* counters,
                                                std::function<bool()> draining, std::function<bool()> idle,
                                                std::function<void(std::string)> publish);

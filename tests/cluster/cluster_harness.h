@@ -72,6 +72,8 @@ class Cluster {
   // Flags for one decode worker only (by index), set before Start.
   std::map<int, std::vector<std::string>> extra_decode_flags;
   std::vector<std::string> extra_router_flags;
+  // The model directory every process serves, set before Start.
+  std::string model = kModel;
 
   // colocated: router --colocated, no prefill worker.
   absl::Status Start(const std::string& dir, bool colocated, const std::vector<std::string>& decode_flags = {},
@@ -82,7 +84,7 @@ class Cluster {
     for (int i = 0; i < num_decode; ++i) {
       decode_.push_back(std::make_unique<Subprocess>());
       const std::string ready = absl::StrCat(dir, "/decode", i, ".ready");
-      std::vector<std::string> dargs = {kBin + "/decode_worker/pdserve-decode-worker", "--model", kModel,
+      std::vector<std::string> dargs = {kBin + "/decode_worker/pdserve-decode-worker", "--model", model,
                                         "--ready_file", ready, "--prefill_chunk", "32"};
       dargs.insert(dargs.end(), decode_flags.begin(), decode_flags.end());
       if (auto it = extra_decode_flags.find(i); it != extra_decode_flags.end()) {
@@ -99,7 +101,7 @@ class Cluster {
       dir_ = dir;
       absl::StrAppend(&decode_list, decode_list.empty() ? "" : ",", "127.0.0.1:", *dport);
     }
-    std::vector<std::string> rargs = {kBin + "/router/pdserve-router", "--model", kModel, "--ready_file",
+    std::vector<std::string> rargs = {kBin + "/router/pdserve-router", "--model", model, "--ready_file",
                                       dir + "/router.ready", "--decode", decode_list};
     if (colocated) {
       rargs.push_back("--colocated");
@@ -108,7 +110,7 @@ class Cluster {
       for (int i = 0; i < num_prefill; ++i) {
         prefill_.push_back(std::make_unique<Subprocess>());
         const std::string ready = absl::StrCat(dir, "/prefill", i, ".ready");
-        std::vector<std::string> pargs = {kBin + "/prefill_worker/pdserve-prefill-worker", "--model", kModel,
+        std::vector<std::string> pargs = {kBin + "/prefill_worker/pdserve-prefill-worker", "--model", model,
                                           "--ready_file", ready, "--prefill_chunk", "32"};
         pargs.insert(pargs.end(), prefill_flags.begin(), prefill_flags.end());
         if (absl::Status s = prefill_.back()->Start(pargs, absl::StrCat(dir, "/prefill", i, ".log"), env); !s.ok()) {

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <new>
 
+#include "absl/base/internal/raw_logging.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 
@@ -146,6 +147,9 @@ void BlockPool::AddRef(BlockId b) {
 }
 
 void BlockPool::Release(BlockId b) {
+  if (ref_counts_[b.value] <= 0) {
+    ABSL_RAW_LOG(FATAL, "KV block %d released while not held (a double release)", b.value);
+  }
   if (--ref_counts_[b.value] != 0) return;
   if (hash_of_[b.value].has_value()) {
     LruPushBack(b.value);
@@ -175,51 +179,22 @@ void BlockPool::MarkCached(BlockId b, const BlockHash& hash, const BlockHash& pa
   if (listener_ != nullptr) listener_->OnStored(hash, parent);
 }
 
-kernels::KvLayerView BlockPool::LayerView(int32_t layer) {
-  const int64_t elem = static_cast<int64_t>(DTypeSize(spec_.dtype));
-  const int64_t half_elems = static_cast<int64_t>(spec_.num_kv_heads) * spec_.block_size * spec_.head_dim;
-  char* base = static_cast<char*>(region_->data()) +
-               static_cast<int64_t>(layer) * spec_.num_blocks * spec_.LayerBlockBytes();
+kernels::KvLayerView KvStorage::LayerView(int32_t layer) const {
+  const int64_t elem = static_cast<int64_t>(DTypeSize(spec.dtype));
+  const int64_t half_elems = static_cast<int64_t>(spec.num_kv_heads) * spec.block_size * spec.head_dim;
   return kernels::KvLayerView{
-      .base = base,
-      .dtype = spec_.dtype,
-      .block_stride = spec_.LayerBlockBytes() / elem,
-      .head_stride = static_cast<int64_t>(spec_.block_size) * spec_.head_dim,
+      .base = base + static_cast<int64_t>(layer) * spec.num_blocks * spec.LayerBlockBytes(),
+      .dtype = spec.dtype,
+      .block_stride = spec.LayerBlockBytes() / elem,
+      .head_stride = static_cast<int64_t>(spec.block_size) * spec.head_dim,
       .v_offset = half_elems,
-      .block_size = spec_.block_size,
-      .scale_offset = spec_.dtype == DType::kI8 ? 2 * half_elems : 0,
+      .block_size = spec.block_size,
+      .scale_offset = spec.dtype == DType::kI8 ? 2 * half_elems : 0,
   };
 }
 
-void* BlockPool::BlockData(int32_t layer, BlockId block) {
-  return static_cast<char*>(region_->data()) +
-         (static_cast<int64_t>(layer) * spec_.num_blocks + block.value) * spec_.LayerBlockBytes();
-}
-
-absl::Status SequenceKv::Reserve(BlockPool& pool, int32_t positions) {
-  const int32_t bs = pool.spec().block_size;
-  const int32_t need = (positions + bs - 1) / bs - static_cast<int32_t>(block_table_.size());
-  if (need <= 0) return absl::OkStatus();
-  absl::StatusOr<std::vector<BlockId>> blocks = pool.Allocate(need);
-  if (!blocks.ok()) return blocks.status();
-  for (BlockId b : *blocks) block_table_.push_back(b.value);
-  return absl::OkStatus();
-}
-
-void SequenceKv::Release(BlockPool& pool) {
-  for (int32_t b : block_table_) pool.Release(BlockId{b});
-  block_table_.clear();
-  num_positions_ = 0;
-}
-
-KvMemoryReport ReportMemory(const BlockPool& pool, absl::Span<const SequenceKv* const> sequences) {
-  KvMemoryReport r;
-  const KvCacheSpec& spec = pool.spec();
-  for (const SequenceKv* s : sequences) r.logical_bytes += s->num_positions() * spec.BytesPerPosition();
-  r.blocks_used = pool.num_used();
-  r.blocks_free = pool.num_free();
-  r.physical_bytes = r.blocks_used * spec.LayerBlockBytes() * spec.num_layers;
-  return r;
+void* KvStorage::BlockData(int32_t layer, BlockId block) const {
+  return base + (static_cast<int64_t>(layer) * spec.num_blocks + block.value) * spec.LayerBlockBytes();
 }
 
 }  // namespace pdserve

@@ -17,7 +17,9 @@
 // Logical bytes = sum over sequences of positions * c_kv; physical bytes =
 // whole blocks held (including the unused tail slots of partial blocks).
 //
-// Thread safety: not thread-safe; one owner (the engine's step loop) drives it.
+// Thread safety: BlockPool is not thread-safe: KvManager (kv_manager.h)
+// owns it and serialises every use; nothing else allocates or frees
+// blocks. KvStorage is an immutable view, usable from any thread.
 #ifndef PDSERVE_COMMON_KV_CACHE_H_
 #define PDSERVE_COMMON_KV_CACHE_H_
 
@@ -54,6 +56,19 @@ struct KvCacheSpec {
   int64_t LayerBlockBytes() const;
   int64_t TotalBytes() const;
   absl::Status Validate() const;
+};
+
+// Where a pool's bytes are: the forward, the transfers and the tests read
+// and write blocks through it. A block's bytes belong to whoever holds the
+// block (kv_manager.h); the view itself does no bookkeeping.
+struct KvStorage {
+  KvCacheSpec spec;
+  char* base = nullptr;  // The region's start.
+
+  // The KV of `layer` as the backend reads it.
+  kernels::KvLayerView LayerView(int32_t layer) const;
+  // Start of (layer, block) in the region.
+  void* BlockData(int32_t layer, BlockId block) const;
 };
 
 // Memory the pool lives in. The KV handoff supplies an allocator that
@@ -128,7 +143,7 @@ class BlockPool {
   void AddRef(BlockId b);
   // Drops one reference. At zero the block becomes free, or, if cached,
   // evictable (most recently used end).
-  // REQUIRES: the block is held.
+  // REQUIRES: the block is held (a release of a free block aborts).
   void Release(BlockId b);
 
   // The blocks of the longest prefix of `hashes` that is cached, each with a
@@ -152,10 +167,7 @@ class BlockPool {
   int32_t num_evictable() const { return num_evictable_; }
   const PrefixCacheStats& prefix_stats() const { return stats_; }
 
-  // The KV of `layer` as the backend reads it.
-  kernels::KvLayerView LayerView(int32_t layer);
-  // Start of (layer, block) in the region.
-  void* BlockData(int32_t layer, BlockId block);
+  KvStorage storage() const { return KvStorage{spec_, static_cast<char*>(region_->data())}; }
 
  private:
   BlockPool(const KvCacheSpec& spec, std::unique_ptr<KvRegion> region);
@@ -177,43 +189,6 @@ class BlockPool {
   PrefixCacheStats stats_;
   BlockPoolListener* listener_ = nullptr;
 };
-
-// The KV of one sequence: its block table and how many positions are filled.
-// Moves only; release it with Release() before destruction (blocks are
-// owned by the pool, not freed by the destructor).
-class SequenceKv {
- public:
-  SequenceKv() = default;
-  SequenceKv(SequenceKv&&) = default;
-  SequenceKv& operator=(SequenceKv&&) = default;
-
-  int32_t num_positions() const { return num_positions_; }
-  const std::vector<int32_t>& block_table() const { return block_table_; }
-  int32_t capacity(int32_t block_size) const {
-    return static_cast<int32_t>(block_table_.size()) * block_size;
-  }
-
-  // Makes room for `positions` in total, allocating blocks on demand.
-  // RESOURCE_EXHAUSTED from the pool leaves the sequence unchanged.
-  absl::Status Reserve(BlockPool& pool, int32_t positions);
-  // Records that positions [num_positions, n) now hold KV.
-  // REQUIRES: n <= capacity.
-  void SetNumPositions(int32_t n) { num_positions_ = n; }
-  // Appends a block the caller already holds a reference for (prefix sharing).
-  void AppendBlock(BlockId b) { block_table_.push_back(b.value); }
-  // For tests and the handoff: replace the table wholesale.
-  std::vector<int32_t>& mutable_block_table() { return block_table_; }
-
-  // Drops this sequence's references and empties it.
-  void Release(BlockPool& pool);
-
- private:
-  std::vector<int32_t> block_table_;
-  int32_t num_positions_ = 0;
-};
-
-// Logical vs physical bytes of `sequences` in `pool`.
-KvMemoryReport ReportMemory(const BlockPool& pool, absl::Span<const SequenceKv* const> sequences);
 
 }  // namespace pdserve
 

@@ -218,18 +218,12 @@ KvCacheSpec Model::MakeKvSpec(DType kv_dtype, int32_t block_size, int32_t num_bl
   return s;
 }
 
-absl::StatusOr<ForwardResult> Model::Forward(BlockPool& pool,
-                                             absl::Span<const ForwardSequence> batch,
-                                             const ForwardOptions& options) {
+absl::Status Model::ValidateBatch(const KvCacheSpec& spec, absl::Span<const ForwardSequence> batch) const {
   const ModelConfig& c = config_;
-  const KvCacheSpec& spec = pool.spec();
   if (spec.num_layers != c.num_layers || spec.num_kv_heads != c.num_kv_heads ||
       spec.head_dim != c.head_dim) {
-    return absl::InvalidArgumentError("KV pool spec does not match the model");
+    return absl::InvalidArgumentError("KV spec does not match the model");
   }
-  // Validate everything before touching the cache.
-  int64_t T = 0;
-  int32_t max_end = 0;
   for (size_t s = 0; s < batch.size(); ++s) {
     const ForwardSequence& seq = batch[s];
     if (seq.kv == nullptr || seq.tokens.empty()) {
@@ -248,25 +242,29 @@ absl::StatusOr<ForwardResult> Model::Forward(BlockPool& pool,
           "sequence ", s, " would reach ", end, " positions, past max_position_embeddings ",
           c.max_position_embeddings));
     }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ForwardResult> Model::Forward(const KvStorage& kv_storage,
+                                             absl::Span<const ForwardSequence> batch,
+                                             const ForwardOptions& options) {
+  const ModelConfig& c = config_;
+  const KvCacheSpec& spec = kv_storage.spec;
+  // Validate everything before touching the cache.
+  if (absl::Status s = ValidateBatch(spec, batch); !s.ok()) return s;
+  int64_t T = 0;
+  int32_t max_end = 0;
+  for (size_t s = 0; s < batch.size(); ++s) {
+    const ForwardSequence& seq = batch[s];
+    const int64_t end = static_cast<int64_t>(seq.kv->num_positions()) + seq.tokens.size();
+    if (end > seq.kv->capacity(spec.block_size)) {
+      return absl::InvalidArgumentError(absl::StrCat("sequence ", s, " needs ", end, " positions of KV but holds ",
+                                                     seq.kv->capacity(spec.block_size),
+                                                     ": grow it first (KvManager::Grow)"));
+    }
     T += static_cast<int64_t>(seq.tokens.size());
     max_end = std::max<int32_t>(max_end, static_cast<int32_t>(end));
-  }
-  // Reserve all blocks first; roll back on failure so nothing is half-done.
-  std::vector<size_t> old_blocks(batch.size());
-  for (size_t s = 0; s < batch.size(); ++s) {
-    SequenceKv& kv = *batch[s].kv;
-    old_blocks[s] = kv.block_table().size();
-    absl::Status st = kv.Reserve(pool, kv.num_positions() + static_cast<int32_t>(batch[s].tokens.size()));
-    if (!st.ok()) {
-      for (size_t r = 0; r <= s; ++r) {
-        auto& table = batch[r].kv->mutable_block_table();
-        while (table.size() > old_blocks[r]) {
-          pool.Release(BlockId{table.back()});
-          table.pop_back();
-        }
-      }
-      return st;
-    }
   }
   rope_.EnsurePositions(max_end);
 
@@ -335,7 +333,7 @@ absl::StatusOr<ForwardResult> Model::Forward(BlockPool& pool,
                    rope_.sin());
     backend_->Rope(k_.data(), T, static_cast<int32_t>(c.num_kv_heads), H, positions.data(),
                    rope_.cos(), rope_.sin());
-    const kernels::KvLayerView kv = pool.LayerView(static_cast<int32_t>(l));
+    const kernels::KvLayerView kv = kv_storage.LayerView(static_cast<int32_t>(l));
     backend_->WriteKv(kv, static_cast<int32_t>(c.num_kv_heads), H, k_.data(), v_.data(), T,
                       blocks.data(), slots.data());
     if (options.on_layer_kv_written) options.on_layer_kv_written(static_cast<int32_t>(l));
@@ -376,6 +374,19 @@ absl::StatusOr<ForwardResult> Model::Forward(BlockPool& pool,
     backend_->Linear(*lm_head_, xn_.data(), R, nullptr, result.logits.data(), false);
   }
   return result;
+}
+
+absl::StatusOr<ForwardResult> ForwardGrowing(Model& model, KvManager& kv, absl::Span<const ForwardSequence> batch,
+                                             const ForwardOptions& options) {
+  // A request the caller must fix takes no block.
+  if (absl::Status s = model.ValidateBatch(kv.spec(), batch); !s.ok()) return s;
+  std::vector<KvManager::GrowRequest> grow;
+  grow.reserve(batch.size());
+  for (const ForwardSequence& seq : batch) {
+    grow.push_back({seq.kv, seq.kv->num_positions() + static_cast<int32_t>(seq.tokens.size())});
+  }
+  if (absl::Status s = kv.GrowAll(grow); !s.ok()) return s;
+  return model.Forward(kv.storage(), batch, options);
 }
 
 }  // namespace pdserve

@@ -25,6 +25,7 @@
 #include "absl/types/span.h"
 #include "common/block_hash.h"
 #include "common/kv_cache.h"
+#include "common/kv_manager.h"
 #include "common/model_config.h"
 #include "common/rope.h"
 #include "kernels/backend.h"
@@ -41,7 +42,10 @@ struct ModelOptions {
 enum class LogitsMode { kNone, kLast, kAll };
 
 struct ForwardSequence {
-  SequenceKv* kv = nullptr;              // Grows by tokens.size() positions.
+  // Its block table must already cover num_positions() + tokens.size()
+  // positions (KvManager::Grow); the forward writes the new positions' KV
+  // and advances num_positions().
+  SequenceKv* kv = nullptr;
   absl::Span<const int32_t> tokens;      // m >= 1 new token ids.
   LogitsMode logits = LogitsMode::kLast;
 };
@@ -95,13 +99,17 @@ class Model {
   // A KV cache spec matching this model.
   KvCacheSpec MakeKvSpec(DType kv_dtype, int32_t block_size, int32_t num_blocks) const;
 
-  // Runs the batch. Reserves blocks for the new positions first (a
-  // RESOURCE_EXHAUSTED from the pool is returned before any compute).
+  // Runs the batch on the KV in `kv`. Never allocates or frees a block: the
+  // caller holds every block the batch touches (see ForwardGrowing).
   // Errors: INVALID_ARGUMENT for empty token lists, ids outside the
-  // vocabulary, positions past max_position_embeddings, a pool whose spec
-  // does not match the model.
-  absl::StatusOr<ForwardResult> Forward(BlockPool& pool, absl::Span<const ForwardSequence> batch,
+  // vocabulary, positions past max_position_embeddings, a block table that
+  // does not cover the new positions, a KV spec that does not match the
+  // model.
+  absl::StatusOr<ForwardResult> Forward(const KvStorage& kv, absl::Span<const ForwardSequence> batch,
                                         const ForwardOptions& options = {});
+  // Forward's checks of the request itself (everything but the block
+  // tables' coverage), so a caller can refuse it before allocating.
+  absl::Status ValidateBatch(const KvCacheSpec& spec, absl::Span<const ForwardSequence> batch) const;
 
  private:
   struct Layer;
@@ -123,6 +131,13 @@ class Model {
   // Scratch reused across calls.
   std::vector<float> x_, xn_, qkv_, q_, k_, v_, attn_, gate_up_, act_;
 };
+
+// Grows every sequence of the batch through `kv` for its new tokens (all
+// or nothing: RESOURCE_EXHAUSTED before any compute, nothing allocated),
+// then runs the forward. The manager's lock is held for the allocation
+// only, never across the forward.
+absl::StatusOr<ForwardResult> ForwardGrowing(Model& model, KvManager& kv, absl::Span<const ForwardSequence> batch,
+                                             const ForwardOptions& options = {});
 
 }  // namespace pdserve
 

@@ -1,4 +1,4 @@
-// Prefix caching on top of BlockPool's content-addressed blocks
+// Prefix caching on top of the KV manager's content-addressed blocks
 // (DESIGN.md fact 6): attach the longest cached full-block prefix of a
 // prompt to a new sequence, and publish a sequence's full blocks once
 // written. A hit skips computing those positions; the new queries still
@@ -10,7 +10,7 @@
 
 #include "absl/types/span.h"
 #include "common/block_hash.h"
-#include "common/kv_cache.h"
+#include "common/kv_manager.h"
 
 namespace pdserve {
 
@@ -18,12 +18,12 @@ namespace pdserve {
 // of `prompt`, leaving at least one prompt position to compute (its logits
 // are needed). Returns the number of positions reused (a multiple of the
 // block size). REQUIRES: seq is empty; hasher.block_size() == the pool's.
-int32_t AttachCachedPrefix(BlockPool& pool, const BlockHasher& hasher,
+int32_t AttachCachedPrefix(KvManager& kv, const BlockHasher& hasher,
                            absl::Span<const int32_t> prompt, SequenceKv& seq);
 
 // Publishes every full block of `seq` whose KV is written, given the token
 // ids of its positions so far (tokens.size() >= seq.num_positions()).
-void PublishFullBlocks(BlockPool& pool, const BlockHasher& hasher,
+void PublishFullBlocks(KvManager& kv, const BlockHasher& hasher,
                        absl::Span<const int32_t> tokens, const SequenceKv& seq);
 
 }  // namespace pdserve

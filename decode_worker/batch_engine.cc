@@ -9,22 +9,18 @@
 
 namespace pdserve {
 
-BatchEngine::BatchEngine(Model& model, BlockPool& pool, BatchEngineOptions options)
+BatchEngine::BatchEngine(Model& model, KvManager& kv, BatchEngineOptions options)
     : model_(model),
-      pool_(pool),
+      kv_(kv),
       options_(options),
-      hasher_(model.identity(), pool.spec().dtype, pool.spec().block_size) {}
+      hasher_(model.identity(), kv.spec().dtype, kv.spec().block_size) {}
 
-BatchEngine::~BatchEngine() {
-  for (auto& s : running_) s->kv.Release(pool_);
-  for (auto& s : waiting_) s->kv.Release(pool_);
-  absl::MutexLock lock(&mu_);
-  for (auto& s : inbox_.decode) s->kv.Release(pool_);
-}
+BatchEngine::~BatchEngine() = default;
 
 void BatchEngine::SubmitPrefill(uint64_t id, std::unique_ptr<Generation> gen, EventSink sink) {
   auto s = std::make_unique<Seq>();
   s->id = id;
+  s->kv = kv_.NewSequence();
   s->context = gen->AllTokens();
   s->gen = std::move(gen);
   s->sink = std::move(sink);
@@ -58,15 +54,15 @@ void BatchEngine::Publish(const Seq& s) {
   // Waiting sequences' KV covers context[0, fed); running ones', prompt +
   // generated tokens but the last (not fed yet).
   if (!s.context.empty()) {
-    PublishFullBlocks(pool_, hasher_, s.context, s.kv);
+    PublishFullBlocks(kv_, hasher_, s.context, s.kv);
   } else {
-    PublishFullBlocks(pool_, hasher_, s.gen->AllTokens(), s.kv);
+    PublishFullBlocks(kv_, hasher_, s.gen->AllTokens(), s.kv);
   }
 }
 
 void BatchEngine::Finish(Seq& s, absl::Status status) {
   if (status.ok() || absl::IsCancelled(status)) Publish(s);
-  s.kv.Release(pool_);
+  s.kv.Release();
   if (!status.ok()) s.sink(EngineEvent{std::move(status), {}});
 }
 
@@ -107,7 +103,7 @@ void BatchEngine::Preempt(size_t i) {
   std::unique_ptr<Seq> s = std::move(running_[i]);
   running_.erase(running_.begin() + static_cast<std::ptrdiff_t>(i));
   Publish(*s);  // The recompute then starts from these blocks.
-  s->kv.Release(pool_);
+  s->kv.Release();
   s->context = s->gen->AllTokens();
   s->fed = 0;
   waiting_.push_front(std::move(s));
@@ -118,7 +114,7 @@ void BatchEngine::Preempt(size_t i) {
 absl::Status BatchEngine::ReserveDecodeRows() {
   for (size_t i = 0; i < running_.size();) {
     SequenceKv& kv = running_[i]->kv;
-    absl::Status st = kv.Reserve(pool_, kv.num_positions() + 1);
+    absl::Status st = kv_.Grow(kv, kv.num_positions() + 1);
     if (st.ok()) {
       ++i;
       continue;
@@ -150,12 +146,12 @@ absl::StatusOr<bool> BatchEngine::Step() {
     if (running_.size() + chunk.size() >= static_cast<size_t>(options_.max_batch)) break;
     if (s.fed == 0 && over_target) break;  // Started prefills still finish.
     if (s.fed == 0 && options_.prefix_cache && s.kv.block_table().empty()) {
-      s.fed = AttachCachedPrefix(pool_, hasher_, s.context, s.kv);
+      s.fed = AttachCachedPrefix(kv_, hasher_, s.context, s.kv);
       s.cached = s.fed;
     }
     const int32_t left = static_cast<int32_t>(s.context.size()) - s.fed;
     const int32_t n = std::min(budget, left);
-    if (!s.kv.Reserve(pool_, s.fed + n).ok()) break;
+    if (!kv_.Grow(s.kv, s.fed + n).ok()) break;
     chunk.push_back(n);
     budget -= n;
   }
@@ -179,7 +175,7 @@ absl::StatusOr<bool> BatchEngine::Step() {
     for (size_t j = 1; j < waiting_.size(); ++j) {
       Seq& w = *waiting_[j];
       if (w.kv.block_table().empty()) continue;
-      w.kv.Release(pool_);
+      w.kv.Release();
       w.fed = 0;
       freed = true;
     }
@@ -193,12 +189,12 @@ absl::StatusOr<bool> BatchEngine::Step() {
     waiting_.pop_front();
     Finish(*s, absl::ResourceExhaustedError(absl::StrCat(
                    "request ", s->id, " needs ", s->context.size() + 1, " KV positions; the pool holds ",
-                   static_cast<int64_t>(pool_.spec().num_blocks) * pool_.spec().block_size)));
+                   static_cast<int64_t>(kv_.spec().num_blocks) * kv_.spec().block_size)));
     return true;
   }
 
   const auto t0 = std::chrono::steady_clock::now();
-  absl::StatusOr<ForwardResult> res = model_.Forward(pool_, batch);
+  absl::StatusOr<ForwardResult> res = model_.Forward(kv_.storage(), batch);
   const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (!res.ok()) {
     for (auto& s : running_) Finish(*s, res.status());

@@ -34,7 +34,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/block_hash.h"
 #include "common/generation.h"
-#include "common/kv_cache.h"
+#include "common/kv_manager.h"
 #include "common/model.h"
 
 namespace pdserve {
@@ -73,7 +73,8 @@ struct BatchEngineStats {
 
 class BatchEngine {
  public:
-  BatchEngine(Model& model, BlockPool& pool, BatchEngineOptions options);
+  // REQUIRES: `kv` outlives the engine.
+  BatchEngine(Model& model, KvManager& kv, BatchEngineOptions options);
   ~BatchEngine();
   BatchEngine(const BatchEngine&) = delete;
   BatchEngine& operator=(const BatchEngine&) = delete;
@@ -121,7 +122,7 @@ class BatchEngine {
   absl::Status ReserveDecodeRows();
 
   Model& model_;
-  BlockPool& pool_;
+  KvManager& kv_;
   const BatchEngineOptions options_;
   const BlockHasher hasher_;
 

@@ -28,31 +28,22 @@ struct Stream {
 
 }  // namespace
 
-DecodeService::DecodeService(Model* model, BlockPool* pool, absl::Mutex* pool_mu,
-                             const tok::Tokenizer* tokenizer, DecodeServiceOptions options)
+DecodeService::DecodeService(Model* model, KvManager* kv, const tok::Tokenizer* tokenizer,
+                             DecodeServiceOptions options)
     : model_(model),
-      pool_(pool),
-      pool_mu_(pool_mu),
+      kv_(kv),
       tokenizer_(tokenizer),
       options_(std::move(options)),
-      engine_(*model, *pool, options_.engine) {
-  {
-    absl::MutexLock lock(pool_mu_);
-    pool_->set_listener(&kv_events_);
-  }
+      engine_(*model, *kv, options_.engine) {
+  kv_->set_listener(&kv_events_);
   engine_thread_ = std::thread([this] { EngineLoop(); });
 }
 
 DecodeService::~DecodeService() {
   Shutdown();
-  // handoff_mu_ before pool_mu_, the order every other path takes (the
-  // reverse made absl's deadlock detector abort the process on SIGTERM
-  // once a duplicate commit or a sweep had recorded the usual order).
+  kv_->set_listener(nullptr);
   absl::MutexLock h(&handoff_mu_);
-  absl::MutexLock lock(pool_mu_);
-  pool_->set_listener(nullptr);
-  for (auto& [id, seq] : committed_) seq.kv.Release(*pool_);
-  committed_.clear();
+  committed_.clear();  // Their KV goes back to the manager.
 }
 
 void DecodeService::Shutdown() {
@@ -81,12 +72,7 @@ void DecodeService::EngineLoop() {
     }
     SweepHandoffs();
     while (true) {
-      absl::StatusOr<bool> stepped;
-      {
-        absl::MutexLock lock(pool_mu_);
-        stepped = engine_.Step();
-        counters_.Publish();
-      }
+      const absl::StatusOr<bool> stepped = engine_.Step();
       if (!stepped.ok()) {
         std::fprintf(stderr, "{\"level\":\"error\",\"event\":\"engine_failed\",\"error\":\"%s\"}\n",
                      std::string(stepped.status().message()).c_str());
@@ -106,9 +92,7 @@ void DecodeService::OnHandoffCommitted(const std::string& request_id, HandedOff 
   if (claimed_.contains(request_id) || committed_.contains(request_id)) {
     // A duplicate commit (a retried prefill): keep the first, free this one.
     LogEvent("warning", "duplicate_handoff", {{"request_id", request_id}});
-    absl::MutexLock pool_lock(pool_mu_);
-    seq.kv.Release(*pool_);
-    return;
+    return;  // Its KV goes back with it.
   }
   committed_.emplace(request_id, std::move(seq));
 }
@@ -119,8 +103,6 @@ void DecodeService::SweepHandoffs() {
   for (auto it = committed_.begin(); it != committed_.end();) {
     if (now - it->second.arrived > absl::Seconds(options_.handoff_wait_seconds)) {
       LogEvent("warning", "unclaimed_handoff_freed", {{"request_id", it->first}});
-      absl::MutexLock pool_lock(pool_mu_);
-      it->second.kv.Release(*pool_);
       committed_.erase(it++);
     } else {
       ++it;
@@ -232,8 +214,7 @@ grpc::Status DecodeService::Decode(grpc::ServerContext* ctx, const worker::v1::D
     absl::StatusOr<TokenEvent> first = gen->Replay(seq.first);
     completion_tokens = 1;
     if (!first.ok() || gen->finished()) {
-      absl::MutexLock lock(pool_mu_);
-      seq.kv.Release(*pool_);
+      seq.kv.Release();
       if (!first.ok()) return ToGrpc(first.status());
       DecodeEvent fin;
       fin.mutable_final()->set_finish_reason(rpc::ToProto(gen->finish()));
@@ -327,7 +308,7 @@ grpc::Status DecodeService::Decode(grpc::ServerContext* ctx, const worker::v1::D
 grpc::Status DecodeService::Status(grpc::ServerContext*, const worker::v1::WorkerStatusRequest* req,
                                    worker::v1::WorkerInfo* out) {
   rpc::FillKvEvents(kv_events_, *req, out);
-  rpc::FillPrefixHash(model_->identity(), pool_->spec().dtype, pool_->spec().block_size, out);
+  rpc::FillPrefixHash(model_->identity(), kv_->spec().dtype, kv_->spec().block_size, out);
   const BatchEngineStats st = engine_.stats();
   v1::WorkerStatus* s = out->mutable_status();
   s->set_kv_cached_blocks(static_cast<int64_t>(kv_events_.num_cached()));
@@ -340,9 +321,9 @@ grpc::Status DecodeService::Status(grpc::ServerContext*, const worker::v1::Worke
   s->set_mean_history_tokens(st.mean_history);
   s->set_steps(st.steps);
   s->set_max_batch(options_.engine.max_batch);
-  s->set_kv_bytes_per_position(pool_->spec().BytesPerPosition());
+  s->set_kv_bytes_per_position(kv_->spec().BytesPerPosition());
   {
-    const PoolCounters::Counts k = counters_.Read();  // Never waits behind a forward.
+    const KvCounts k = kv_->Counts();  // Bookkeeping only: never waits behind a forward.
     s->set_kv_blocks_total(k.total);
     s->set_kv_block_size(k.block_size);
     s->set_kv_blocks_used(k.used);

@@ -16,10 +16,9 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "common/kv_cache.h"
+#include "common/kv_manager.h"
 #include "common/kv_events.h"
 #include "common/model.h"
-#include "common/pool_counters.h"
 #include "common/tokenizer/tokenizer.h"
 #include "decode_worker/batch_engine.h"
 #include "pdserve/v1/worker.grpc.pb.h"
@@ -50,10 +49,8 @@ struct HandedOff {
 
 class DecodeService final : public worker::v1::DecodeWorker::Service {
  public:
-  // REQUIRES: model, pool (guarded by pool_mu wherever others touch it) and
-  // tokenizer outlive the service.
-  DecodeService(Model* model, BlockPool* pool, absl::Mutex* pool_mu, const tok::Tokenizer* tokenizer,
-                DecodeServiceOptions options);
+  // REQUIRES: model, kv and tokenizer outlive the service.
+  DecodeService(Model* model, KvManager* kv, const tok::Tokenizer* tokenizer, DecodeServiceOptions options);
   ~DecodeService() override;
 
   // A committed handoff for `request_id` (from the KV receiver's thread).
@@ -82,8 +79,6 @@ class DecodeService final : public worker::v1::DecodeWorker::Service {
   }
   // Stops the engine thread (pending calls end with UNAVAILABLE).
   void Shutdown();
-  // The pool's counts without waiting behind a forward (health, metrics).
-  PoolCounters& pool_counters() { return counters_; }
   // SIGTERM: new Decode calls get UNAVAILABLE (the router goes elsewhere)
   // and Status reports not healthy; running streams finish until
   // `deadline`, after which they end with UNAVAILABLE so the router
@@ -95,9 +90,7 @@ class DecodeService final : public worker::v1::DecodeWorker::Service {
   void Wake();
 
   Model* model_;
-  BlockPool* pool_;
-  absl::Mutex* pool_mu_;
-  PoolCounters counters_{pool_, pool_mu_};
+  KvManager* kv_;
   const tok::Tokenizer* tokenizer_;
   const DecodeServiceOptions options_;
   rpc::UnparseableFault fault_unparseable_{options_.fault_unparseable_streams};

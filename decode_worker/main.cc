@@ -51,7 +51,6 @@ int Run() {
   kv::UcxTransport* transport = rt->transport.get();
   pdctl::WorkerEngine* w = &rt->engine;
   pdctl::Engine* engine = &w->engine;
-  absl::Mutex pool_mu;
   decode::DecodeServiceOptions so;
   so.engine.max_batch = absl::GetFlag(FLAGS_max_batch);
   so.engine.prefill_chunk_tokens = absl::GetFlag(FLAGS_prefill_chunk);
@@ -60,13 +59,13 @@ int Run() {
   so.allow_prefill = absl::GetFlag(FLAGS_prefill_local);
   so.stand_in = absl::GetFlag(FLAGS_stand_in);
   so.fault_unparseable_streams = absl::GetFlag(FLAGS_fault_unparseable_streams);
-  decode::DecodeService service(engine->model.get(), engine->pool.get(), &pool_mu, w->tokenizer.get(), so);
+  decode::DecodeService service(engine->model.get(), engine->kv.get(), w->tokenizer.get(), so);
   kv::ReceiverOptions ro;
   ro.model = engine->model->identity();
   ro.lease = absl::Seconds(absl::GetFlag(FLAGS_kv_lease_s));
   ro.quarantine_timeout = absl::Seconds(absl::GetFlag(FLAGS_kv_quarantine_s));
   absl::StatusOr<std::unique_ptr<kv::KvReceiver>> receiver = kv::KvReceiver::Create(
-      transport, engine->pool.get(), &pool_mu, ro, [&service](kv::CommittedSequence c) {
+      transport, engine->kv.get(), ro, [&service](kv::CommittedSequence c) {
         decode::HandedOff h;
         h.kv = std::move(c.kv);
         h.first.token = c.state.first_token;
@@ -88,7 +87,7 @@ int Run() {
 
   MetricsRegistry metrics;
   {
-    pdctl::AddKvPoolMetrics(metrics, &service.pool_counters());
+    pdctl::AddKvPoolMetrics(metrics, engine->kv.get());
     kv::KvReceiver* r = receiver->get();
     metrics.AddGauge("pdserve_kv_blocks", "KV blocks by state.",
                      [r] { return static_cast<double>(r->stats().quarantined_blocks); }, "state=\"quarantined\"");
@@ -122,7 +121,7 @@ int Run() {
     service.Drain(deadline);
   };
   serve.health = pdctl::WorkerHealthCheck(
-      *rt, &service.pool_counters(), [&service] { return service.draining(); },
+      *rt, [&service] { return service.draining(); },
       [&service, r] {
         const kv::KvReceiver::Stats rs = r->stats();
         return rs.active == 0 && rs.quarantined == 0 && service.idle();

@@ -66,6 +66,10 @@ class EventLoop {
   absl::Time last_beat() const { return absl::FromUnixNanos(last_beat_ns_.load(std::memory_order_relaxed)); }
   // Outstanding operations: while positive the loop keeps polling.
   void AddBusy(int delta) { busy_.fetch_add(delta); }
+  // The longest the loop has gone round without getting back to its device
+  // and posts (tasks, progress and tickers of one round; sleeping excluded)
+  // since the last call: how long the transport could not answer.
+  absl::Duration TakeLongestStall() { return absl::Nanoseconds(longest_round_ns_.exchange(0)); }
 
  private:
   struct Ticker {
@@ -82,6 +86,7 @@ class EventLoop {
   int wake_fd_ = -1;
   std::atomic<int> busy_{0};
   std::atomic<int64_t> last_beat_ns_{absl::ToUnixNanos(absl::Now())};
+  std::atomic<int64_t> longest_round_ns_{0};
   std::atomic<std::thread::id> thread_id_{};
   std::thread thread_;
 };

@@ -8,12 +8,12 @@
 
 namespace pdserve::kv {
 
-absl::StatusOr<std::unique_ptr<KvReceiver>> KvReceiver::Create(Transport* transport, BlockPool* pool,
-                                                                absl::Mutex* pool_mu, ReceiverOptions options,
+absl::StatusOr<std::unique_ptr<KvReceiver>> KvReceiver::Create(Transport* transport, KvManager* kv,
+                                                                ReceiverOptions options,
                                                                 CommittedCallback on_committed) {
-  absl::StatusOr<std::string> region = transport->PackRegion(pool->region());
+  absl::StatusOr<std::string> region = transport->PackRegion(kv->region());
   if (!region.ok()) return region.status();
-  std::unique_ptr<KvReceiver> r(new KvReceiver(transport, pool, pool_mu, std::move(options),
+  std::unique_ptr<KvReceiver> r(new KvReceiver(transport, kv, std::move(options),
                                                std::move(on_committed), *std::move(region)));
   std::weak_ptr<bool> alive = r->alive_;
   KvReceiver* self = r.get();
@@ -23,14 +23,13 @@ absl::StatusOr<std::unique_ptr<KvReceiver>> KvReceiver::Create(Transport* transp
   return r;
 }
 
-KvReceiver::KvReceiver(Transport* transport, BlockPool* pool, absl::Mutex* pool_mu, ReceiverOptions options,
+KvReceiver::KvReceiver(Transport* transport, KvManager* kv, ReceiverOptions options,
                        CommittedCallback on_committed, std::string region)
     : transport_(transport),
-      pool_(pool),
-      pool_mu_(pool_mu),
+      kv_(kv),
       options_(std::move(options)),
       on_committed_(std::move(on_committed)),
-      layout_(KvLayoutDescriptor::FromSpec(pool->spec(), options_.model)),
+      layout_(KvLayoutDescriptor::FromSpec(kv->spec(), options_.model)),
       region_(std::move(region)) {}
 
 KvReceiver::~KvReceiver() {
@@ -38,11 +37,7 @@ KvReceiver::~KvReceiver() {
   transport_->loop().RunSync([this] {
     *alive_ = false;
     absl::MutexLock lock(&mu_);
-    absl::MutexLock pool_lock(pool_mu_);
-    for (auto& [id, h] : handoffs_) {
-      for (int32_t b : h.blocks) pool_->Release(BlockId{b});
-    }
-    handoffs_.clear();
+    handoffs_.clear();  // Their blocks go back to the manager.
   });
 }
 
@@ -66,7 +61,7 @@ KvReceiver::Stats KvReceiver::stats() const {
       ++s.active;
     } else {
       ++s.quarantined;
-      s.quarantined_blocks += static_cast<int32_t>(h.blocks.size());
+      s.quarantined_blocks += static_cast<int32_t>(h.kv.block_table().size());
     }
   }
   return s;
@@ -120,37 +115,26 @@ void KvReceiver::HandleReserve(Connection& c, const ReserveRequest& m) {
   const int32_t bs = layout_.block_size;
   const int64_t total_positions = static_cast<int64_t>(m.num_positions) + m.margin_positions;
   const int64_t need = (total_positions + bs - 1) / bs;
-  std::vector<int32_t> blocks;
-  {
-    absl::MutexLock lock(pool_mu_);
-    // Full prompt blocks only; the last position is always sent so that
-    // the sender never skips a partial block.
-    const BlockHasher hasher(layout_.model, layout_.dtype, bs);
-    const int32_t hashable = std::min<int32_t>(static_cast<int32_t>(m.prompt_tokens.size()), m.num_positions - 1);
-    std::vector<BlockHash> hashes =
-        hasher.FullBlockHashes(absl::MakeConstSpan(m.prompt_tokens).subspan(0, std::max(0, hashable)));
-    std::vector<BlockId> prefix = pool_->AcquireCachedPrefix(hashes);
-    absl::StatusOr<std::vector<BlockId>> fresh = pool_->Allocate(static_cast<int32_t>(need - prefix.size()));
-    if (!fresh.ok()) {
-      for (BlockId b : prefix) pool_->Release(b);
-      metrics_.RecordFailure();
-      return refuse(absl::ResourceExhaustedError(absl::StrCat(
-          "KV handoff: reservation of ", need, " blocks (", total_positions, " positions) refused: ",
-          fresh.status().message())));
-    }
-    for (BlockId b : prefix) blocks.push_back(b.value);
-    // Fresh blocks in ascending order: the pool hands them out LIFO (so a
-    // released table comes back reversed), and ascending ids let the sender
-    // merge consecutive blocks into one large put per layer.
-    std::vector<int32_t> ids;
-    for (BlockId b : *fresh) ids.push_back(b.value);
-    std::sort(ids.begin(), ids.end());
-    blocks.insert(blocks.end(), ids.begin(), ids.end());
-    reply.held_positions = static_cast<int32_t>(prefix.size()) * bs;
+  // Full prompt blocks only; the last position is always sent so that
+  // the sender never skips a partial block.
+  const BlockHasher hasher(layout_.model, layout_.dtype, bs);
+  const int32_t hashable = std::min<int32_t>(static_cast<int32_t>(m.prompt_tokens.size()), m.num_positions - 1);
+  const std::vector<BlockHash> hashes =
+      hasher.FullBlockHashes(absl::MakeConstSpan(m.prompt_tokens).subspan(0, std::max(0, hashable)));
+  // The manager's lock covers this bookkeeping only: a reservation never
+  // waits for a forward.
+  absl::StatusOr<SequenceKv> reserved = kv_->Reserve(hashes, static_cast<int32_t>(need * bs));
+  if (!reserved.ok()) {
+    metrics_.RecordFailure();
+    return refuse(absl::ResourceExhaustedError(absl::StrCat("KV handoff: reservation of ", need, " blocks (",
+                                                            total_positions, " positions) refused: ",
+                                                            reserved.status().message())));
   }
+  std::vector<int32_t> blocks = reserved->block_table();
+  reply.held_positions = reserved->num_positions();
   Handoff h;
   h.conn = &c;
-  h.blocks = blocks;
+  h.kv = *std::move(reserved);
   h.held_positions = reply.held_positions;
   h.reserved_positions = static_cast<int32_t>(total_positions);
   h.start = options_.clock();
@@ -160,7 +144,7 @@ void KvReceiver::HandleReserve(Connection& c, const ReserveRequest& m) {
     reply.id = HandoffId{next_id_++};
     handoffs_.emplace(reply.id, std::move(h));
   }
-  reply.num_blocks = pool_->spec().num_blocks;
+  reply.num_blocks = kv_->spec().num_blocks;
   reply.blocks = std::move(blocks);
   reply.region = region_;
   reply.lease_ms = static_cast<int32_t>(absl::ToInt64Milliseconds(options_.lease));
@@ -196,17 +180,11 @@ void KvReceiver::HandleCommit(Connection& c, Commit& m) {
     handoffs_.erase(it);
     metrics_.RecordTransfer(options_.clock() - h.start);
     metrics_.AddBytes(static_cast<int64_t>(m.num_positions - h.held_positions) *
-                      pool_->spec().BytesPerPosition());
-    {
-      absl::MutexLock pool_lock(pool_mu_);
-      const BlockHasher hasher(layout_.model, layout_.dtype, layout_.block_size);
-      std::vector<BlockHash> hashes = hasher.FullBlockHashes(m.tokens);
-      for (size_t i = 0; i < hashes.size(); ++i) {
-        pool_->MarkCached(BlockId{h.blocks[i]}, hashes[i], i > 0 ? hashes[i - 1] : BlockHash{});
-      }
-    }
+                      kv_->spec().BytesPerPosition());
+    const BlockHasher hasher(layout_.model, layout_.dtype, layout_.block_size);
+    kv_->Publish(h.kv, hasher.FullBlockHashes(m.tokens));
     out.id = m.id;
-    out.kv.mutable_block_table() = std::move(h.blocks);
+    out.kv = std::move(h.kv);
     out.kv.SetNumPositions(m.num_positions);
   }
   c.Send(Encode(reply));
@@ -235,13 +213,9 @@ void KvReceiver::Free(HandoffId id) {
   auto it = handoffs_.find(id);
   if (it == handoffs_.end()) return;
   if (it->second.state == State::kQuarantined) {
-    metrics_.AddQuarantined(-static_cast<int64_t>(it->second.blocks.size()));
+    metrics_.AddQuarantined(-static_cast<int64_t>(it->second.kv.block_table().size()));
   }
-  {
-    absl::MutexLock pool_lock(pool_mu_);
-    for (int32_t b : it->second.blocks) pool_->Release(BlockId{b});
-  }
-  handoffs_.erase(it);
+  handoffs_.erase(it);  // Its blocks go back to the manager.
 }
 
 void KvReceiver::Quarantine(HandoffId id, absl::Status why) {
@@ -252,7 +226,7 @@ void KvReceiver::Quarantine(HandoffId id, absl::Status why) {
     if (it == handoffs_.end() || it->second.state != State::kActive) return;
     it->second.state = State::kQuarantined;
     it->second.deadline = options_.clock() + options_.quarantine_timeout;
-    metrics_.AddQuarantined(static_cast<int64_t>(it->second.blocks.size()));
+    metrics_.AddQuarantined(static_cast<int64_t>(it->second.kv.block_table().size()));
     metrics_.RecordFailure();
     metrics_.RecordAbort();
     conn = it->second.conn;

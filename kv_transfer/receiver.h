@@ -22,10 +22,11 @@
 // FAILED_PRECONDITION for a commit of an expired or aborted one,
 // INVALID_ARGUMENT for a commit that does not fit the reservation.
 //
-// Thread safety: protocol work runs on the transport's loop thread. The
-// pool is touched only under `pool_mu`, which the pool's other users (the
-// decode engine) must also hold. stats()/metrics() may be read from any
-// thread. The committed callback runs on the loop thread without locks.
+// Thread safety: protocol work runs on the transport's loop thread. KV
+// blocks are reserved, published and given back through the KV manager,
+// whose lock covers bookkeeping only: the loop thread never waits for a
+// forward. stats()/metrics() may be read from any thread. The committed
+// callback runs on the loop thread without locks.
 // Lifetime: destroy the receiver before the transport; it must outlive
 // every connection's traffic (Shutdown() stops accepting it).
 #ifndef PDSERVE_KV_TRANSFER_RECEIVER_H_
@@ -42,7 +43,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "common/kv_cache.h"
+#include "common/kv_manager.h"
 #include "kv_transfer/descriptor.h"
 #include "kv_transfer/metrics.h"
 #include "kv_transfer/transport.h"
@@ -63,7 +64,7 @@ struct ReceiverOptions {
 
 struct CommittedSequence {
   HandoffId id;
-  SequenceKv kv;  // Holds the reservation's block references; the owner releases them.
+  SequenceKv kv;  // The reservation's blocks, owned from now on by whoever holds this.
   Commit state;   // Tokens, first token, sampling state, stop state.
 };
 
@@ -71,9 +72,10 @@ class KvReceiver final : public ConnectionHandler {
  public:
   using CommittedCallback = std::function<void(CommittedSequence)>;
 
-  // REQUIRES: `pool` was allocated from transport->region_allocator().
-  static absl::StatusOr<std::unique_ptr<KvReceiver>> Create(Transport* transport, BlockPool* pool,
-                                                            absl::Mutex* pool_mu, ReceiverOptions options,
+  // REQUIRES: `kv`'s region was allocated from transport->region_allocator();
+  // `kv` outlives the receiver.
+  static absl::StatusOr<std::unique_ptr<KvReceiver>> Create(Transport* transport, KvManager* kv,
+                                                            ReceiverOptions options,
                                                             CommittedCallback on_committed);
   ~KvReceiver() override;
 
@@ -106,15 +108,15 @@ class KvReceiver final : public ConnectionHandler {
   struct Handoff {
     Connection* conn = nullptr;
     State state = State::kActive;
-    std::vector<int32_t> blocks;
+    SequenceKv kv;  // The reservation (blocks the sender writes).
     int32_t held_positions = 0;
     int32_t reserved_positions = 0;
     absl::Time start;
     absl::Time deadline;  // Active: the lease; quarantined: when to give up on the sender.
   };
 
-  KvReceiver(Transport* transport, BlockPool* pool, absl::Mutex* pool_mu, ReceiverOptions options,
-             CommittedCallback on_committed, std::string region);
+  KvReceiver(Transport* transport, KvManager* kv, ReceiverOptions options, CommittedCallback on_committed,
+             std::string region);
 
   void HandleReserve(Connection& c, const ReserveRequest& m);
   void HandleCommit(Connection& c, Commit& m);
@@ -124,8 +126,7 @@ class KvReceiver final : public ConnectionHandler {
   void ExpireLeases();
 
   Transport* transport_;
-  BlockPool* pool_;
-  absl::Mutex* pool_mu_;
+  KvManager* kv_;
   ReceiverOptions options_;
   CommittedCallback on_committed_;
   KvLayoutDescriptor layout_;

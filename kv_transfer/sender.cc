@@ -70,11 +70,11 @@ absl::StatusOr<T> Wait(std::future<T>& f, absl::Duration timeout, absl::string_v
 
 }  // namespace
 
-KvSender::KvSender(Transport* transport, BlockPool* pool, SenderOptions options)
+KvSender::KvSender(Transport* transport, const KvStorage& storage, SenderOptions options)
     : transport_(transport),
-      pool_(pool),
+      storage_(storage),
       options_(std::move(options)),
-      layout_(KvLayoutDescriptor::FromSpec(pool->spec(), options_.model)) {}
+      layout_(KvLayoutDescriptor::FromSpec(storage.spec, options_.model)) {}
 
 KvSender::~KvSender() {
   transport_->Detach(this);
@@ -270,7 +270,7 @@ const std::vector<int32_t>& Handoff::receiver_blocks() const { return state_->ds
 absl::Status Handoff::SendLayer(int32_t layer, absl::Span<const int32_t> table) {
   if (absl::Status s = state_->Error(); !s.ok()) return s;
   State& st = *state_;
-  const KvCacheSpec& src = sender_->pool_->spec();
+  const KvCacheSpec& src = sender_->storage_.spec;
   if (layer < 0 || layer >= src.num_layers ||
       static_cast<int64_t>(table.size()) * src.block_size < st.num_positions) {
     return absl::InvalidArgumentError(absl::StrCat("KV handoff: layer ", layer, " or a table of ",
@@ -281,13 +281,13 @@ absl::Status Handoff::SendLayer(int32_t layer, absl::Span<const int32_t> table) 
   if (st.staging != nullptr) {
     const int64_t at = st.packed_layer_bytes * layer;
     char* staging = static_cast<char*>(st.staging->data());
-    PackLayer(src, static_cast<const char*>(sender_->pool_->region().data()), table, st.dst_spec, layer,
+    PackLayer(src, sender_->storage_.base, table, st.dst_spec, layer,
               st.held_positions, st.num_positions, staging + at);
     runs = PlanPacked(st.dst_spec, st.dst_table, layer, st.held_positions, st.num_positions, at);
     local_base = staging;
   } else {
     runs = PlanSameLayout(src, table, st.dst_spec, st.dst_table, layer, st.held_positions, st.num_positions);
-    local_base = static_cast<const char*>(sender_->pool_->region().data());
+    local_base = sender_->storage_.base;
   }
   KvSender* sender = sender_;
   sender->transport_->loop().Post([sender, st = state_, runs = std::move(runs), local_base, layer] {

@@ -83,8 +83,10 @@ class Handoff {
 
 class KvSender final : public ConnectionHandler {
  public:
-  // REQUIRES: `pool` was allocated from transport->region_allocator().
-  KvSender(Transport* transport, BlockPool* pool, SenderOptions options);
+  // Reads the blocks it sends from `storage` (their holder keeps them until
+  // the handoff ends); it never allocates or frees a block.
+  // REQUIRES: the region was allocated from transport->region_allocator().
+  KvSender(Transport* transport, const KvStorage& storage, SenderOptions options);
   ~KvSender() override;
 
   absl::StatusOr<Connection*> Connect(const std::string& host, int port);
@@ -100,7 +102,7 @@ class KvSender final : public ConnectionHandler {
   void Fail(const std::shared_ptr<Handoff::State>& st, absl::Status why);
 
   Transport* transport_;
-  BlockPool* pool_;
+  const KvStorage storage_;
   SenderOptions options_;
   KvLayoutDescriptor layout_;
   KvTransferMetrics metrics_;

@@ -49,33 +49,29 @@ int Run() {
   pdctl::CheckWorkerTransport(*rt, "");
   int exit_code = 0;
   {
-    kv::KvSender sender(transport, engine->pool.get(), {.model = engine->model->identity(), .timeout = absl::Seconds(absl::GetFlag(FLAGS_kv_timeout_s))});
-    absl::Mutex pool_mu;
+    kv::KvSender sender(transport, engine->kv->storage(), {.model = engine->model->identity(), .timeout = absl::Seconds(absl::GetFlag(FLAGS_kv_timeout_s))});
     prefill::PrefillServiceOptions so;
     so.chunk_tokens = absl::GetFlag(FLAGS_prefill_chunk);
     so.max_batch = absl::GetFlag(FLAGS_max_batch);
     so.fault_stall_before_commit_ms = absl::GetFlag(FLAGS_fault_stall_before_commit_ms);
     so.fault_stall_prefill_ms = absl::GetFlag(FLAGS_fault_stall_prefill_ms);
     so.fault_unparseable_streams = absl::GetFlag(FLAGS_fault_unparseable_streams);
-    prefill::PrefillService service(engine->model.get(), engine->pool.get(), &pool_mu, w->tokenizer.get(), &sender, so);
+    prefill::PrefillService service(engine->model.get(), engine->kv.get(), w->tokenizer.get(), &sender, so);
 
     MetricsRegistry metrics;
-    pdctl::AddKvPoolMetrics(metrics, &service.pool_counters());
-    BlockPool* pool = engine->pool.get();
-    auto pool_gauge = [&pool_mu, pool](auto read) {
-      return [&pool_mu, pool, read] {
-        absl::MutexLock lock(&pool_mu);
-        return static_cast<double>(read(*pool));
-      };
+    pdctl::AddKvPoolMetrics(metrics, engine->kv.get());
+    const KvManager* kv = engine->kv.get();
+    auto pool_gauge = [kv](auto read) {
+      return [kv, read] { return static_cast<double>(read(kv->Counts().prefix)); };
     };
     metrics.AddCounterFunc("pdserve_prefix_cache_blocks_total", "Full prompt blocks looked up in the prefix cache.",
-                           pool_gauge([](const BlockPool& p) { return p.prefix_stats().hit_blocks; }),
+                           pool_gauge([](const PrefixCacheStats& p) { return p.hit_blocks; }),
                            "result=\"hit\"");
     metrics.AddCounterFunc("pdserve_prefix_cache_blocks_total", "Full prompt blocks looked up in the prefix cache.",
-                           pool_gauge([](const BlockPool& p) { return p.prefix_stats().miss_blocks; }),
+                           pool_gauge([](const PrefixCacheStats& p) { return p.miss_blocks; }),
                            "result=\"miss\"");
     metrics.AddCounterFunc("pdserve_prefix_cache_evictions_total", "Cached blocks reclaimed for new allocations.",
-                           pool_gauge([](const BlockPool& p) { return p.prefix_stats().evictions; }));
+                           pool_gauge([](const PrefixCacheStats& p) { return p.evictions; }));
     metrics.AddGauge("pdserve_prefill_queue_depth", "Requests waiting for prefill.",
                      [&service] { return static_cast<double>(service.stats().queued); });
     metrics.AddGauge("pdserve_prefill_queued_tokens", "Prompt tokens waiting for prefill.",
@@ -94,7 +90,7 @@ int Run() {
     serve.role = "prefill";
     serve.on_drain = [&service](absl::Time deadline) { service.Drain(deadline); };
     serve.health = pdctl::WorkerHealthCheck(
-        *rt, &service.pool_counters(), [&service] { return service.draining(); },
+        *rt, [&service] { return service.draining(); },
         [&service] { return service.idle(); },
         [&service](std::string why) { service.set_unhealthy_reason(std::move(why)); });
     serve.drain_grace = absl::Seconds(absl::GetFlag(FLAGS_drain_grace_s));

@@ -54,28 +54,24 @@ struct PrefillService::Job {
   }
 };
 
-PrefillService::PrefillService(Model* model, BlockPool* pool, absl::Mutex* pool_mu, const tok::Tokenizer* tokenizer,
-                               kv::KvSender* sender, PrefillServiceOptions options)
+PrefillService::PrefillService(Model* model, KvManager* kv, const tok::Tokenizer* tokenizer, kv::KvSender* sender,
+                               PrefillServiceOptions options)
     : model_(model),
-      pool_(pool),
-      pool_mu_(pool_mu),
+      kv_(kv),
       tokenizer_(tokenizer),
       sender_(sender),
       options_(options),
       fault_unparseable_(options.fault_unparseable_streams),
-      hasher_(model->identity(), pool->spec().dtype, pool->spec().block_size) {
-  {
-    absl::MutexLock lock(pool_mu_);
-    pool_->set_listener(&kv_events_);
-  }
+      hasher_(model->identity(), kv->spec().dtype, kv->spec().block_size) {
+  kv_->set_listener(&kv_events_);
+  reserve_thread_ = std::thread([this] { ReserveLoop(); });
   compute_thread_ = std::thread([this] { ComputeLoop(); });
   commit_thread_ = std::thread([this] { CommitLoop(); });
 }
 
 PrefillService::~PrefillService() {
   Shutdown();
-  absl::MutexLock lock(pool_mu_);
-  pool_->set_listener(nullptr);
+  kv_->set_listener(nullptr);
 }
 
 void PrefillService::Shutdown() {
@@ -84,6 +80,7 @@ void PrefillService::Shutdown() {
     if (stop_) return;
     stop_ = true;
   }
+  if (reserve_thread_.joinable()) reserve_thread_.join();
   if (compute_thread_.joinable()) compute_thread_.join();
   {
     absl::MutexLock lock(&mu_);
@@ -92,7 +89,9 @@ void PrefillService::Shutdown() {
   if (commit_thread_.joinable()) commit_thread_.join();
   absl::MutexLock lock(&mu_);
   for (auto& j : queue_) FinishJob(j, absl::UnavailableError("prefill worker shutting down"));
+  for (auto& j : reserved_) FinishJob(j, absl::UnavailableError("prefill worker shutting down"));
   queue_.clear();
+  reserved_.clear();
 }
 
 void PrefillService::FinishJob(const std::shared_ptr<Job>& job, absl::Status status) {
@@ -100,10 +99,7 @@ void PrefillService::FinishJob(const std::shared_ptr<Job>& job, absl::Status sta
     (void)job->handoff->Abort(status);
   }
   job->handoff.reset();
-  {
-    absl::MutexLock lock(pool_mu_);
-    job->kv.Release(*pool_);
-  }
+  job->kv.Release();
   absl::MutexLock lock(&job->mu);
   job->status = std::move(status);
   job->done = true;
@@ -150,45 +146,63 @@ absl::Status PrefillService::StartHandoff(Job& job) {
   }
 }
 
+void PrefillService::ReserveLoop() {
+  while (true) {
+    std::shared_ptr<Job> job;
+    {
+      absl::MutexLock lock(&mu_);
+      // A bounded lookahead: a reservation is a lease on the decode side's
+      // blocks, so only as many jobs as one forward takes wait reserved.
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stop_ || (!queue_.empty() && static_cast<int32_t>(reserved_.size()) < options_.max_batch);
+      };
+      mu_.Await(absl::Condition(&ready));
+      if (stop_) return;
+      job = queue_.front();
+      queue_.pop_front();
+    }
+    if (job->cancelled) {
+      FinishJob(job, absl::CancelledError("cancelled"));
+      continue;
+    }
+    job->started_at = Clock::now();
+    const std::vector<int32_t>& prompt = job->context;
+    // Never reuse the whole prompt: its last position must be computed
+    // for the first token's logits.
+    job->fed = AttachCachedPrefix(*kv_, hasher_, absl::MakeConstSpan(prompt).first(prompt.size() - 1), job->kv);
+    job->cached = job->fed;
+    if (absl::Status st = StartHandoff(*job); !st.ok()) {
+      FinishJob(job, st);
+      continue;
+    }
+    absl::MutexLock lock(&mu_);
+    reserved_.push_back(std::move(job));
+  }
+}
+
 void PrefillService::ComputeLoop() {
-  std::vector<std::shared_ptr<Job>> active;  // Started, prompt not done.
+  std::vector<std::shared_ptr<Job>> active;  // Reserved, prompt not done.
   while (true) {
     bool stopping = false;
     {
       absl::MutexLock lock(&mu_);
       auto ready = [this, &active]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return stop_ || !queue_.empty() || !active.empty();
+        return stop_ || !reserved_.empty() || !active.empty();
       };
       mu_.AwaitWithTimeout(absl::Condition(&ready), absl::Milliseconds(50));
       stopping = stop_;
-      while (!stopping && !queue_.empty() && static_cast<int32_t>(active.size()) < options_.max_batch) {
-        active.push_back(queue_.front());
-        queue_.pop_front();
+      while (!stopping && !reserved_.empty() && static_cast<int32_t>(active.size()) < options_.max_batch) {
+        active.push_back(reserved_.front());
+        reserved_.pop_front();
       }
     }
     if (stopping) break;
     if (active.empty()) continue;
-    // Start new jobs: prefix cache, then the reservation on the decode side.
     std::vector<std::shared_ptr<Job>> runnable;
     for (auto& job : active) {
       if (job->cancelled) {
         FinishJob(job, absl::CancelledError("cancelled"));
         continue;
-      }
-      if (job->handoff == nullptr) {
-        job->started_at = Clock::now();
-        const std::vector<int32_t>& prompt = job->context;
-        {
-          absl::MutexLock lock(pool_mu_);
-          // Never reuse the whole prompt: its last position must be computed
-          // for the first token's logits.
-          job->fed = AttachCachedPrefix(*pool_, hasher_, absl::MakeConstSpan(prompt).first(prompt.size() - 1), job->kv);
-          job->cached = job->fed;
-        }
-        if (absl::Status st = StartHandoff(*job); !st.ok()) {
-          FinishJob(job, st);
-          continue;
-        }
       }
       runnable.push_back(job);
     }
@@ -222,12 +236,9 @@ void PrefillService::ComputeLoop() {
       }
     };
     if (options_.fault_stall_prefill_ms > 0) absl::SleepFor(absl::Milliseconds(options_.fault_stall_prefill_ms));
-    absl::StatusOr<ForwardResult> res;
-    {
-      absl::MutexLock lock(pool_mu_);
-      res = model_->Forward(*pool_, batch, fo);
-      counters_.Publish();
-    }
+    // The KV manager's lock is held for the allocation only; the forward
+    // (and the per-layer sends inside it) run without it.
+    const absl::StatusOr<ForwardResult> res = ForwardGrowing(*model_, *kv_, batch, fo);
     const auto now = Clock::now();
     if (!res.ok()) {
       LogEvent("error", "prefill_failed", {{"error", std::string(res.status().message())}});
@@ -241,10 +252,7 @@ void PrefillService::ComputeLoop() {
         active.push_back(in_batch[b]);
         continue;
       }
-      {
-        absl::MutexLock lock(pool_mu_);
-        PublishFullBlocks(*pool_, hasher_, job.context, job.kv);
-      }
+      PublishFullBlocks(*kv_, hasher_, job.context, job.kv);
       absl::StatusOr<TokenEvent> first = job.gen->Accept(res->Last(b));
       if (!first.ok()) {
         FinishJob(in_batch[b], first.status());
@@ -320,7 +328,7 @@ void PrefillService::CommitLoop() {
 
 PrefillService::Stats PrefillService::stats() {
   absl::MutexLock lock(&mu_);
-  return {static_cast<int32_t>(queue_.size()), queued_tokens_, in_flight_};
+  return {static_cast<int32_t>(queue_.size() + reserved_.size()), queued_tokens_, in_flight_};
 }
 
 bool PrefillService::draining() {
@@ -330,7 +338,7 @@ bool PrefillService::draining() {
 
 bool PrefillService::idle() {
   absl::MutexLock lock(&mu_);
-  return in_flight_ == 0 && queue_.empty() && commits_.empty();
+  return in_flight_ == 0 && queue_.empty() && reserved_.empty() && commits_.empty();
 }
 
 void PrefillService::Drain(absl::Time deadline) {
@@ -361,6 +369,7 @@ grpc::Status PrefillService::Prefill(grpc::ServerContext* ctx, const worker::v1:
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "decode_kv_address: empty");
   }
   auto job = std::make_shared<Job>();
+  job->kv = kv_->NewSequence();
   job->request_id = req->request().request_id();
   job->decode_address = req->decode_kv_address();
   absl::StatusOr<std::unique_ptr<Generation>> made = rpc::MakeGeneration(
@@ -420,7 +429,7 @@ grpc::Status PrefillService::Prefill(grpc::ServerContext* ctx, const worker::v1:
 grpc::Status PrefillService::Status(grpc::ServerContext*, const worker::v1::WorkerStatusRequest* req,
                                     worker::v1::WorkerInfo* out) {
   rpc::FillKvEvents(kv_events_, *req, out);
-  rpc::FillPrefixHash(model_->identity(), pool_->spec().dtype, pool_->spec().block_size, out);
+  rpc::FillPrefixHash(model_->identity(), kv_->spec().dtype, kv_->spec().block_size, out);
   v1::WorkerStatus* s = out->mutable_status();
   s->set_role("prefill");
   {
@@ -430,14 +439,14 @@ grpc::Status PrefillService::Status(grpc::ServerContext*, const worker::v1::Work
     out->set_unhealthy_reason(std::move(why));
     out->set_instance_id(ProcessInstanceId());
     s->set_running(in_flight_);
-    s->set_queued(static_cast<int32_t>(queue_.size()));
+    s->set_queued(static_cast<int32_t>(queue_.size() + reserved_.size()));
     s->set_queued_prefill_tokens(queued_tokens_);
   }
   {
-    const PoolCounters::Counts k = counters_.Read();  // Never waits behind a forward.
+    const KvCounts k = kv_->Counts();  // Bookkeeping only: never waits behind a forward.
     s->set_kv_blocks_total(k.total);
     s->set_kv_block_size(k.block_size);
-    s->set_kv_bytes_per_position(pool_->spec().BytesPerPosition());
+    s->set_kv_bytes_per_position(kv_->spec().BytesPerPosition());
     s->set_kv_blocks_used(k.used);
     s->set_kv_blocks_free(k.free);
   }

@@ -1,12 +1,15 @@
-// The prefill worker's gRPC service. One compute thread takes queued
-// requests in order and runs chunked prefill over them with a per-step
-// token budget (several prompts per forward); for each request it
-//   1. looks up its prompt in the local prefix cache,
-//   2. reserves KV blocks on the chosen decode worker (kv_transfer),
-//   3. streams every layer's KV to them from the last chunk's forward, as
+// The prefill worker's gRPC service. Requests go through three threads in
+// order. For each request,
+//   1. the reserve thread looks up its prompt in the local prefix cache and
+//      reserves KV blocks on the chosen decode worker (kv_transfer; a
+//      network round trip the compute thread never waits for), keeping at
+//      most max_batch requests reserved ahead of the compute;
+// then the compute thread runs chunked prefill over the reserved requests
+// with a per-step token budget (several prompts per forward), and
+//   2. streams every layer's KV to them from the last chunk's forward, as
 //      soon as the layer is written, while later layers still compute,
-//   4. samples the first token and sends it to the router at once (TTFT),
-//   5. commits the handoff (token ids, first token, sampling state) on a
+//   3. samples the first token and sends it to the router at once (TTFT),
+//   4. commits the handoff (token ids, first token, sampling state) on a
 //      separate thread, so the next prompt's compute is not held up, and
 //      reports HandoffDone.
 // A first token that already ends the request aborts the handoff instead.
@@ -24,10 +27,9 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
 #include "common/block_hash.h"
-#include "common/kv_cache.h"
+#include "common/kv_manager.h"
 #include "common/kv_events.h"
 #include "common/model.h"
-#include "common/pool_counters.h"
 #include "common/tokenizer/tokenizer.h"
 #include "kv_transfer/sender.h"
 #include "proto/received.h"
@@ -51,9 +53,8 @@ struct PrefillServiceOptions {
 
 class PrefillService final : public worker::v1::PrefillWorker::Service {
  public:
-  // REQUIRES: everything outlives the service; `pool` is guarded by
-  // `pool_mu` wherever others touch it.
-  PrefillService(Model* model, BlockPool* pool, absl::Mutex* pool_mu, const tok::Tokenizer* tokenizer,
+  // REQUIRES: everything outlives the service.
+  PrefillService(Model* model, KvManager* kv, const tok::Tokenizer* tokenizer,
                  kv::KvSender* sender, PrefillServiceOptions options);
   ~PrefillService() override;
 
@@ -63,8 +64,6 @@ class PrefillService final : public worker::v1::PrefillWorker::Service {
                       worker::v1::WorkerInfo* out) override;
 
   void Shutdown();
-  // The pool's counts without waiting behind a forward (health, metrics).
-  PoolCounters& pool_counters() { return counters_; }
   struct Stats {
     int32_t queued = 0;
     int64_t queued_tokens = 0;
@@ -87,6 +86,10 @@ class PrefillService final : public worker::v1::PrefillWorker::Service {
 
  private:
   struct Job;
+  // Prefix-cache attach and the decode side's reservation, a network round
+  // trip: on a thread of their own, so the compute thread never waits for
+  // one.
+  void ReserveLoop();
   void ComputeLoop();
   void CommitLoop();
   // Connects (once per address) and reserves; errors end the job.
@@ -95,9 +98,7 @@ class PrefillService final : public worker::v1::PrefillWorker::Service {
   absl::StatusOr<kv::Connection*> ConnectionTo(const std::string& address);
 
   Model* model_;
-  BlockPool* pool_;
-  absl::Mutex* pool_mu_;
-  PoolCounters counters_{pool_, pool_mu_};
+  KvManager* kv_;
   const tok::Tokenizer* tokenizer_;
   kv::KvSender* sender_;
   const PrefillServiceOptions options_;
@@ -107,7 +108,8 @@ class PrefillService final : public worker::v1::PrefillWorker::Service {
   KvEventLog kv_events_;
 
   absl::Mutex mu_;
-  std::deque<std::shared_ptr<Job>> queue_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::shared_ptr<Job>> queue_ ABSL_GUARDED_BY(mu_);     // Not reserved yet.
+  std::deque<std::shared_ptr<Job>> reserved_ ABSL_GUARDED_BY(mu_);  // Ready to compute.
   std::deque<std::shared_ptr<Job>> commits_ ABSL_GUARDED_BY(mu_);
   int64_t queued_tokens_ ABSL_GUARDED_BY(mu_) = 0;
   int32_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
@@ -116,9 +118,10 @@ class PrefillService final : public worker::v1::PrefillWorker::Service {
   bool commits_closed_ ABSL_GUARDED_BY(mu_) = false;  // No more will come.
   std::string unhealthy_reason_ ABSL_GUARDED_BY(mu_);
 
-  // Compute thread only.
+  // Reserve thread only.
   absl::flat_hash_map<std::string, kv::Connection*> connections_;
 
+  std::thread reserve_thread_;
   std::thread compute_thread_;
   std::thread commit_thread_;
 };

@@ -79,14 +79,14 @@ class ClusterTest : public ::testing::Test {
     r.params.max_tokens = req.max_tokens();
     r.stop_strings.assign(req.stop().begin(), req.stop().end());
     r.eos_ids = model_->config().eos_token_ids;
-    auto pool = *BlockPool::Create(model_->MakeKvSpec(model_->weight_dtype(), 16, 64));
+    auto manager = *KvManager::Create(model_->MakeKvSpec(model_->weight_dtype(), 16, 64));
     Generation gen(r, tokenizer_);
-    SequenceKv kv;
+    SequenceKv kv = manager->NewSequence();
     Output out;
     std::vector<int32_t> feed = r.prompt;
     while (!gen.finished()) {
       ForwardSequence fs{&kv, feed, LogitsMode::kLast};
-      auto res = model_->Forward(*pool, {&fs, 1});
+      auto res = ForwardGrowing(*model_, *manager, {&fs, 1});
       EXPECT_TRUE(res.ok());
       auto ev = gen.Accept(res->Last(0));
       out.tokens.push_back(ev->token);
@@ -94,7 +94,7 @@ class ClusterTest : public ::testing::Test {
       out.finish = ev->finish == FinishReason::kStop ? v1::FINISH_REASON_STOP : v1::FINISH_REASON_LENGTH;
       feed.assign(1, ev->token);
     }
-    kv.Release(*pool);
+    kv.Release();
     return out;
   }
 

@@ -26,13 +26,13 @@ class DefaultModelTest : public ::testing::Test {
     ASSERT_TRUE(m.ok()) << m.status();
     loaded_ = *std::move(m);
     model_ = loaded_.model.get();
-    auto pool = BlockPool::Create(model_->MakeKvSpec(DType::kF32, 16, 64));
-    ASSERT_TRUE(pool.ok());
-    pool_ = *std::move(pool);
+    auto kv = KvManager::Create(model_->MakeKvSpec(DType::kF32, 16, 64));
+    ASSERT_TRUE(kv.ok());
+    kv_ = *std::move(kv);
   }
   testing_support::DefaultModel loaded_;
   Model* model_ = nullptr;
-  std::unique_ptr<BlockPool> pool_;
+  std::unique_ptr<KvManager> kv_;
 };
 
 TEST_F(DefaultModelTest, LogitsMatchTheTrainingFrameworksForward) {
@@ -42,9 +42,9 @@ TEST_F(DefaultModelTest, LogitsMatchTheTrainingFrameworksForward) {
   for (const auto& c : ref["cases"]) {
     const auto ids = c["token_ids"].get<std::vector<int32_t>>();
     const auto want = c["logits"].get<std::vector<std::vector<double>>>();
-    SequenceKv seq;
+    SequenceKv seq = kv_->NewSequence();
     ForwardSequence fs{&seq, ids, LogitsMode::kAll};
-    auto r = model_->Forward(*pool_, {&fs, 1});
+    auto r = ForwardGrowing(*model_, *kv_, {&fs, 1});
     ASSERT_TRUE(r.ok()) << r.status();
     double max_abs = 0, worst = 0;
     for (const auto& row : want) {
@@ -55,7 +55,7 @@ TEST_F(DefaultModelTest, LogitsMatchTheTrainingFrameworksForward) {
       for (size_t v = 0; v < got.size(); ++v) worst = std::max(worst, std::abs(got[v] - want[p][v]));
     }
     EXPECT_LE(worst, 1e-4 * max_abs);
-    seq.Release(*pool_);
+    seq.Release();
   }
 }
 
@@ -75,9 +75,9 @@ TEST_F(DefaultModelTest, HeldOutPerplexityMatchesTrainingAndClearsTheBar) {
   double nll = 0;
   int64_t count = 0;
   for (size_t w = 0; w < windows; ++w) {
-    SequenceKv seq;
+    SequenceKv seq = kv_->NewSequence();
     ForwardSequence fs{&seq, absl::MakeConstSpan(ids).subspan(w * L, L), LogitsMode::kAll};
-    auto r = model_->Forward(*pool_, {&fs, 1});
+    auto r = ForwardGrowing(*model_, *kv_, {&fs, 1});
     ASSERT_TRUE(r.ok()) << r.status();
     for (int i = 0; i < L; ++i) {
       absl::Span<const float> l = r->Row(i);
@@ -87,7 +87,7 @@ TEST_F(DefaultModelTest, HeldOutPerplexityMatchesTrainingAndClearsTheBar) {
       nll += mx + std::log(z) - l[ids[w * L + i + 1]];
       ++count;
     }
-    seq.Release(*pool_);
+    seq.Release();
   }
   ASSERT_EQ(count, ref["tokens"].get<int64_t>());
   const double ppl = std::exp(nll / count);
@@ -102,11 +102,11 @@ TEST_F(DefaultModelTest, GreedyGenerationGivesTheCommittedText) {
   auto tok = tok::Tokenizer::Load(kModel);
   ASSERT_TRUE(tok.ok()) << tok.status();
   const std::vector<int32_t> prompt = *(*tok)->Encode(want["prompt"].get<std::string>(), true);
-  SequenceKv seq;
+  SequenceKv seq = kv_->NewSequence();
   std::vector<int32_t> feed = prompt, out;
   for (int i = 0; i < want["max_tokens"].get<int>(); ++i) {
     ForwardSequence fs{&seq, feed, LogitsMode::kLast};
-    auto r = model_->Forward(*pool_, {&fs, 1});
+    auto r = ForwardGrowing(*model_, *kv_, {&fs, 1});
     ASSERT_TRUE(r.ok());
     absl::Span<const float> l = r->Last(0);
     const int32_t next = static_cast<int32_t>(std::max_element(l.begin(), l.end()) - l.begin());
@@ -114,7 +114,7 @@ TEST_F(DefaultModelTest, GreedyGenerationGivesTheCommittedText) {
     feed.assign(1, next);
   }
   EXPECT_EQ(*(*tok)->Decode(out, true), want["text"].get<std::string>());
-  seq.Release(*pool_);
+  seq.Release();
 }
 
 }  // namespace

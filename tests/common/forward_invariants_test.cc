@@ -67,25 +67,25 @@ class InvariantsTest : public ::testing::TestWithParam<Isa> {
     auto model = Model::Load(dir_, {}, backend_.get());
     ASSERT_TRUE(model.ok()) << model.status();
     model_ = *std::move(model);
-    auto pool = BlockPool::Create(model_->MakeKvSpec(kv, block_size, 256));
-    ASSERT_TRUE(pool.ok()) << pool.status();
-    pool_ = *std::move(pool);
+    auto manager = KvManager::Create(model_->MakeKvSpec(kv, block_size, 256));
+    ASSERT_TRUE(manager.ok()) << manager.status();
+    kv_ = *std::move(manager);
   }
 
   // Logits of every position, feeding `tokens` in chunks of `chunk`.
   Logits Chunked(const std::vector<int32_t>& tokens, size_t chunk, SequenceKv* keep = nullptr) {
-    SequenceKv local;
+    SequenceKv local = kv_->NewSequence();
     SequenceKv& seq = keep != nullptr ? *keep : local;
     Logits out;
     for (size_t b = 0; b < tokens.size(); b += chunk) {
       const size_t n = std::min(chunk, tokens.size() - b);
       ForwardSequence fs{&seq, absl::MakeConstSpan(tokens.data() + b, n), LogitsMode::kAll};
-      auto r = model_->Forward(*pool_, {&fs, 1});
+      auto r = ForwardGrowing(*model_, *kv_, {&fs, 1});
       EXPECT_TRUE(r.ok()) << r.status();
       if (!r.ok()) break;
       AppendRows(*r, 0, out);
     }
-    if (keep == nullptr) seq.Release(*pool_);
+    local.Release();
     return out;
   }
 
@@ -99,7 +99,7 @@ class InvariantsTest : public ::testing::TestWithParam<Isa> {
   std::string dir_;
   std::unique_ptr<kernels::cpu::CpuBackend> backend_;
   std::unique_ptr<Model> model_;
-  std::unique_ptr<BlockPool> pool_;
+  std::unique_ptr<KvManager> kv_;
 };
 
 // Fact 1: full prefill == any chunking == token-by-token decode.
@@ -111,7 +111,7 @@ TEST_P(InvariantsTest, ChunkedPrefillEqualsFullPrefillEqualsDecode) {
   for (size_t chunk : {1, 7, 16, 33}) {
     EXPECT_LE(MaxDiff(Chunked(tokens, chunk), full), tol) << "chunk " << chunk;
   }
-  EXPECT_EQ(pool_->num_used(), 0);
+  EXPECT_EQ(kv_->Counts().used, 0);
 }
 
 // Fact 2, negative control: a chunk run without the KV of earlier chunks
@@ -146,12 +146,20 @@ TEST_P(InvariantsTest, ScatteredBlocksEqualContiguous) {
   Load({}, DType::kF32, 4);
   const std::vector<int32_t> tokens = Tokens(37, 10);
   const Logits contiguous = Chunked(tokens, 37);
-  // Scatter the free list: take every block, give them back shuffled.
-  auto all = pool_->Allocate(pool_->num_free());
-  ASSERT_TRUE(all.ok());
-  std::shuffle(all->begin(), all->end(), std::mt19937(3));
-  for (BlockId b : *all) pool_->Release(b);
-  SequenceKv seq;
+  // Scatter the free list: take every block (one owner each), give them
+  // back shuffled.
+  {
+    std::vector<SequenceKv> all;
+    const int32_t blocks = kv_->Counts().free;
+    for (int32_t b = 0; b < blocks; ++b) {
+      all.push_back(kv_->NewSequence());
+      ASSERT_TRUE(kv_->Grow(all.back(), 1).ok());
+    }
+    ASSERT_EQ(kv_->Counts().free, 0);
+    std::shuffle(all.begin(), all.end(), std::mt19937(3));
+    for (SequenceKv& s : all) s.Release();
+  }
+  SequenceKv seq = kv_->NewSequence();
   const Logits scattered = Chunked(tokens, 5, &seq);
   bool monotone = std::is_sorted(seq.block_table().begin(), seq.block_table().end());
   EXPECT_FALSE(monotone) << "blocks were not scattered";
@@ -162,18 +170,40 @@ TEST_P(InvariantsTest, ScatteredBlocksEqualContiguous) {
   // to the order of keys, so a mere swap would go unnoticed).
   const int32_t next = 5;
   ForwardSequence good{&seq, absl::MakeConstSpan(&next, 1), LogitsMode::kLast};
-  auto g = model_->Forward(*pool_, {&good, 1});
+  auto g = ForwardGrowing(*model_, *kv_, {&good, 1});
   ASSERT_TRUE(g.ok());
   const std::vector<float> right(g->Last(0).begin(), g->Last(0).end());
-  seq.SetNumPositions(seq.num_positions() - 1);
-  const int32_t saved = seq.mutable_block_table()[3];
-  seq.mutable_block_table()[3] = seq.mutable_block_table()[1];
-  auto b = model_->Forward(*pool_, {&good, 1});
+  // The corrupted table, through the manager's sharing path: seq's 9 full
+  // history blocks published under a chain of hashes, then attached with
+  // block 1's hash in place of block 3's, plus a byte copy of seq's partial
+  // tail block (position 36). It differs from seq's table in entry 3 only
+  // (and the tail's block id, not its bytes).
+  constexpr int32_t kFull = 37 / 4;
+  ASSERT_EQ(seq.block_table().size(), static_cast<size_t>(kFull + 1));
+  std::vector<BlockHash> chain;
+  for (int32_t b = 0; b < kFull; ++b) chain.push_back(BlockHash{1000 + static_cast<uint64_t>(b), 1});
+  kv_->Publish(seq, chain);
+  std::vector<BlockHash> corrupted_chain = chain;
+  corrupted_chain[3] = chain[1];
+  SequenceKv corrupted = kv_->NewSequence();
+  ASSERT_EQ(kv_->AttachCachedPrefix(corrupted, corrupted_chain), kFull);
+  ASSERT_TRUE(kv_->Grow(corrupted, 37 + 1).ok());
+  const KvStorage& storage = kv_->storage();
+  for (int32_t l = 0; l < kv_->spec().num_layers; ++l) {
+    std::memcpy(storage.BlockData(l, BlockId{corrupted.block_table()[kFull]}),
+                storage.BlockData(l, BlockId{seq.block_table()[kFull]}), kv_->spec().LayerBlockBytes());
+  }
+  corrupted.SetNumPositions(37);
+  std::vector<int32_t> want_table = seq.block_table();
+  want_table[3] = want_table[1];
+  want_table[kFull] = corrupted.block_table()[kFull];
+  ASSERT_EQ(corrupted.block_table(), want_table);
+  ASSERT_NE(corrupted.block_table()[kFull], seq.block_table()[kFull]);
+  ForwardSequence bad{&corrupted, absl::MakeConstSpan(&next, 1), LogitsMode::kLast};
+  auto b = ForwardGrowing(*model_, *kv_, {&bad, 1});
   ASSERT_TRUE(b.ok());
-  seq.mutable_block_table()[3] = saved;
   const std::vector<float> wrong(b->Last(0).begin(), b->Last(0).end());
   EXPECT_GT(MaxDiff({wrong}, {right}), 1e-2 * MaxAbs({right}));
-  seq.Release(*pool_);
 }
 
 // A batch of sequences with different cached and new lengths == each alone;
@@ -190,15 +220,16 @@ TEST_P(InvariantsTest, BatchEqualsEachAlone) {
     alone[i].assign(l.begin() + prompts[i].size(), l.end());
   }
   for (bool swap : {false, true}) {
-    std::vector<SequenceKv> kv(3);
+    std::vector<SequenceKv> kv;
+    for (int i = 0; i < 3; ++i) kv.push_back(kv_->NewSequence());
     for (int i = 0; i < 3; ++i) {
       ForwardSequence fs{&kv[i], prompts[i], LogitsMode::kNone};
-      ASSERT_TRUE(model_->Forward(*pool_, {&fs, 1}).ok());
+      ASSERT_TRUE(ForwardGrowing(*model_, *kv_, {&fs, 1}).ok());
     }
     std::vector<ForwardSequence> batch;
     for (int i = 0; i < 3; ++i) batch.push_back({&kv[i], next[i], LogitsMode::kAll});
     if (swap) std::swap(batch[1].kv, batch[2].kv);
-    auto r = model_->Forward(*pool_, batch);
+    auto r = ForwardGrowing(*model_, *kv_, batch);
     ASSERT_TRUE(r.ok()) << r.status();
     double worst = 0, scale = 0;
     for (int i = 0; i < 3; ++i) {
@@ -212,9 +243,9 @@ TEST_P(InvariantsTest, BatchEqualsEachAlone) {
     } else {
       EXPECT_LE(worst, 1e-5 * scale);
     }
-    for (auto& s : kv) s.Release(*pool_);
+    for (auto& s : kv) s.Release();
   }
-  EXPECT_EQ(pool_->num_used(), 0);
+  EXPECT_EQ(kv_->Counts().used, 0);
 }
 
 // Fact 5: GQA with g = 1, 2, 4, 8 matches the naive reference (which expands
@@ -249,23 +280,24 @@ TEST_P(InvariantsTest, ChunkingInvariantWithReducedPrecisionKv) {
     SCOPED_TRACE(DTypeName(kv));
     Load({}, kv, 16);
     const std::vector<int32_t> tokens = Tokens(50, 12);
-    SequenceKv whole;
+    SequenceKv whole = kv_->NewSequence();
     const Logits full = Chunked(tokens, tokens.size(), &whole);
     for (size_t chunk : {1, 7, 16, 33}) {
-      SequenceKv cut;
+      SequenceKv cut = kv_->NewSequence();
       EXPECT_LE(MaxDiff(Chunked(tokens, chunk, &cut), full), 1e-5 * MaxAbs(full)) << "chunk " << chunk;
-      const int64_t bytes = pool_->spec().LayerBlockBytes();
-      for (int32_t l = 0; l < pool_->spec().num_layers; ++l) {
+      const int64_t bytes = kv_->spec().LayerBlockBytes();
+      const KvStorage& storage = kv_->storage();
+      for (int32_t l = 0; l < kv_->spec().num_layers; ++l) {
         for (size_t b = 0; b + 1 < whole.block_table().size(); ++b) {  // Full blocks.
-          EXPECT_EQ(std::memcmp(pool_->BlockData(l, BlockId{whole.block_table()[b]}),
-                                pool_->BlockData(l, BlockId{cut.block_table()[b]}), bytes),
+          EXPECT_EQ(std::memcmp(storage.BlockData(l, BlockId{whole.block_table()[b]}),
+                                storage.BlockData(l, BlockId{cut.block_table()[b]}), bytes),
                     0)
               << "layer " << l << " block " << b << " chunk " << chunk;
         }
       }
-      cut.Release(*pool_);
+      cut.Release();
     }
-    whole.Release(*pool_);
+    whole.Release();
   }
 }
 
@@ -276,23 +308,24 @@ TEST_P(InvariantsTest, SharedPrefixDecodeReadsSharedBlocksOnce) {
   const BlockHasher hasher(model_->identity(), DType::kBF16, 16);
   const std::vector<int32_t> prefix = Tokens(96, 20);  // 6 full shared blocks.
   {
-    SequenceKv warm;
+    SequenceKv warm = kv_->NewSequence();
     ForwardSequence fs{&warm, prefix, LogitsMode::kNone};
-    ASSERT_TRUE(model_->Forward(*pool_, {&fs, 1}).ok());
-    PublishFullBlocks(*pool_, hasher, prefix, warm);
-    warm.Release(*pool_);
+    ASSERT_TRUE(ForwardGrowing(*model_, *kv_, {&fs, 1}).ok());
+    PublishFullBlocks(*kv_, hasher, prefix, warm);
+    warm.Release();
   }
   constexpr int kRequests = 8;
-  std::vector<SequenceKv> seqs(kRequests);
+  std::vector<SequenceKv> seqs;
+  for (int r = 0; r < kRequests; ++r) seqs.push_back(kv_->NewSequence());
   std::vector<std::vector<int32_t>> prompts;
   int64_t unique_positions = 96;
   for (int r = 0; r < kRequests; ++r) {
     std::vector<int32_t> p = prefix;
     const std::vector<int32_t> own = Tokens(10 + r, 30 + r);
     p.insert(p.end(), own.begin(), own.end());
-    ASSERT_EQ(AttachCachedPrefix(*pool_, hasher, p, seqs[r]), 96);
+    ASSERT_EQ(AttachCachedPrefix(*kv_, hasher, p, seqs[r]), 96);
     ForwardSequence fs{&seqs[r], absl::MakeConstSpan(p).subspan(96), LogitsMode::kNone};
-    ASSERT_TRUE(model_->Forward(*pool_, {&fs, 1}).ok());
+    ASSERT_TRUE(ForwardGrowing(*model_, *kv_, {&fs, 1}).ok());
     unique_positions += static_cast<int64_t>(own.size()) + 1;  // + the decoded token.
     prompts.push_back(std::move(p));
   }
@@ -301,7 +334,7 @@ TEST_P(InvariantsTest, SharedPrefixDecodeReadsSharedBlocksOnce) {
   for (bool group : {true, false}) {
     std::vector<ForwardSequence> batch;
     for (int r = 0; r < kRequests; ++r) batch.push_back({&seqs[r], absl::MakeConstSpan(&next[r], 1), LogitsMode::kLast});
-    auto res = model_->Forward(*pool_, batch, {.group_shared_kv = group});
+    auto res = ForwardGrowing(*model_, *kv_, batch, {.group_shared_kv = group});
     ASSERT_TRUE(res.ok()) << res.status();
     results.push_back(*std::move(res));
     for (auto& s : seqs) s.SetNumPositions(s.num_positions() - 1);  // Same step again.
@@ -312,33 +345,36 @@ TEST_P(InvariantsTest, SharedPrefixDecodeReadsSharedBlocksOnce) {
   EXPECT_EQ(std::memcmp(results[0].logits.data(), results[1].logits.data(),
                         results[0].logits.size() * sizeof(float)),
             0);
-  const int64_t unique_bytes = unique_positions * pool_->spec().BytesPerPosition();
+  const int64_t unique_bytes = unique_positions * kv_->spec().BytesPerPosition();
   // Grouped: every position once. Per request: the shared 96 once per request.
   EXPECT_LE(results[0].kv_bytes_read, 1.2 * unique_bytes);
   EXPECT_EQ(results[0].kv_bytes_read, unique_bytes);
   EXPECT_EQ(results[1].kv_bytes_read,
-            unique_bytes + (kRequests - 1) * 96 * pool_->spec().BytesPerPosition());
+            unique_bytes + (kRequests - 1) * 96 * kv_->spec().BytesPerPosition());
   std::printf("KV bytes per step: grouped %lld, per request %lld, unique %lld\n",
               static_cast<long long>(results[0].kv_bytes_read),
               static_cast<long long>(results[1].kv_bytes_read), static_cast<long long>(unique_bytes));
-  for (auto& s : seqs) s.Release(*pool_);
+  for (auto& s : seqs) s.Release();
 }
 
 // Running out of blocks is a status, and leaves the pool as it was.
 TEST_P(InvariantsTest, PoolExhaustionIsAStatus) {
   Load({}, DType::kF32, 16);
-  SequenceKv seq;
+  SequenceKv seq = kv_->NewSequence();
   const std::vector<int32_t> tokens = Tokens(256 * 16 + 1, 13);
   ForwardSequence fs{&seq, tokens, LogitsMode::kLast};
-  auto r = model_->Forward(*pool_, {&fs, 1});
-  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);  // Past max positions.
+  auto r = ForwardGrowing(*model_, *kv_, {&fs, 1});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();  // Past max positions.
+  EXPECT_TRUE(seq.block_table().empty());
+  EXPECT_EQ(kv_->Counts().used, 0);
   const std::vector<int32_t> fits = Tokens(300, 14);
-  std::vector<SequenceKv> seqs(20);
+  std::vector<SequenceKv> seqs;
+  for (int i = 0; i < 20; ++i) seqs.push_back(kv_->NewSequence());
   int ok = 0;
   absl::Status last;
   for (auto& s : seqs) {
     ForwardSequence f{&s, fits, LogitsMode::kNone};
-    auto res = model_->Forward(*pool_, {&f, 1});
+    auto res = ForwardGrowing(*model_, *kv_, {&f, 1});
     if (res.ok()) {
       ++ok;
     } else {
@@ -349,8 +385,28 @@ TEST_P(InvariantsTest, PoolExhaustionIsAStatus) {
   }
   EXPECT_EQ(last.code(), absl::StatusCode::kResourceExhausted) << last;
   EXPECT_EQ(ok, 256 / 19);
-  for (auto& s : seqs) s.Release(*pool_);
-  EXPECT_EQ(pool_->num_used(), 0);
+  for (auto& s : seqs) s.Release();
+  EXPECT_EQ(kv_->Counts().used, 0);
+}
+
+// A request the caller must fix is INVALID_ARGUMENT before any block is
+// taken, even when the pool could hold it: its blocks would otherwise stay
+// with a sequence that can never run.
+TEST_P(InvariantsTest, InvalidRequestsAllocateNothing) {
+  Load({}, DType::kF32, 16);
+  SequenceKv seq = kv_->NewSequence();
+  const std::vector<int32_t> past_max = Tokens(model_->config().max_position_embeddings + 1, 15);
+  ForwardSequence fs{&seq, past_max, LogitsMode::kLast};
+  auto r = ForwardGrowing(*model_, *kv_, {&fs, 1});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_TRUE(seq.block_table().empty());
+  EXPECT_EQ(kv_->Counts().used, 0);
+  const std::vector<int32_t> outside_vocab = {1, 2, static_cast<int32_t>(model_->config().vocab_size)};
+  fs.tokens = outside_vocab;
+  r = ForwardGrowing(*model_, *kv_, {&fs, 1});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_TRUE(seq.block_table().empty());
+  EXPECT_EQ(kv_->Counts().used, 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(AllIsas, InvariantsTest,

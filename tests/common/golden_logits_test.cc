@@ -69,8 +69,8 @@ TEST_P(GoldenLogitsTest, MatchesReference) {
   ASSERT_TRUE(backend.ok()) << backend.status();
   auto model = Model::Load(dir, {.weight_dtype = gc.weights}, backend->get());
   ASSERT_TRUE(model.ok()) << model.status();
-  auto pool = BlockPool::Create((*model)->MakeKvSpec(gc.kv, gc.block_size, 64));
-  ASSERT_TRUE(pool.ok()) << pool.status();
+  auto kv = KvManager::Create((*model)->MakeKvSpec(gc.kv, gc.block_size, 64));
+  ASSERT_TRUE(kv.ok()) << kv.status();
 
   std::ifstream f(dir + "/reference_logits.json");
   ASSERT_TRUE(f) << dir;
@@ -83,9 +83,9 @@ TEST_P(GoldenLogitsTest, MatchesReference) {
   for (const auto& c : ref["cases"]) {
     const std::vector<int32_t> ids = c["token_ids"].get<std::vector<int32_t>>();
     const auto expected = c["logits"].get<std::vector<std::vector<double>>>();
-    SequenceKv seq;
+    SequenceKv seq = (*kv)->NewSequence();
     ForwardSequence fs{&seq, ids, LogitsMode::kAll};
-    auto r = (*model)->Forward(**pool, {&fs, 1});
+    auto r = ForwardGrowing(**model, **kv, {&fs, 1});
     ASSERT_TRUE(r.ok()) << r.status();
     ASSERT_EQ(r->num_rows[0], static_cast<int32_t>(ids.size()));
     double max_abs = 0;
@@ -108,11 +108,11 @@ TEST_P(GoldenLogitsTest, MatchesReference) {
       case_worst = std::max(case_worst, worst);
       if (exact_storage) EXPECT_EQ(arg_got, arg_want) << "argmax at position " << p;
     }
-    seq.Release(**pool);
+    seq.Release();
     std::printf("%s: worst |delta| / max|logit| = %.2e over %zu positions\n", ::testing::PrintToString(gc).c_str(),
                 case_worst / max_abs, ids.size());
   }
-  EXPECT_EQ((*pool)->num_used(), 0);
+  EXPECT_EQ((*kv)->Counts().used, 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, GoldenLogitsTest, ::testing::ValuesIn(Cases()), Name);

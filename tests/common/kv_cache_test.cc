@@ -41,46 +41,18 @@ TEST(KvCacheTest, AllocateReleaseAndRefCounts) {
   EXPECT_EQ(p.num_free(), 4);
 }
 
-TEST(KvCacheTest, LogicalAndPhysicalBytes) {
-  auto pool = BlockPool::Create(Spec(16));
-  ASSERT_TRUE(pool.ok());
-  SequenceKv a, b;
-  ASSERT_TRUE(a.Reserve(**pool, 5).ok());  // 2 blocks, 3 tail slots unused
-  a.SetNumPositions(5);
-  ASSERT_TRUE(b.Reserve(**pool, 8).ok());  // 2 full blocks
-  b.SetNumPositions(8);
-  const SequenceKv* seqs[] = {&a, &b};
-  const KvMemoryReport r = ReportMemory(**pool, seqs);
-  const KvCacheSpec& s = (*pool)->spec();
-  EXPECT_EQ(r.logical_bytes, 13 * s.BytesPerPosition());
-  EXPECT_EQ(r.physical_bytes, 4 * s.block_size * s.BytesPerPosition());
-  EXPECT_EQ(r.blocks_used, 4);
-  a.Release(**pool);
-  b.Release(**pool);
-  EXPECT_EQ((*pool)->num_free(), 16);
-}
-
-TEST(KvCacheTest, ReserveFailureLeavesSequenceUnchanged) {
-  auto pool = BlockPool::Create(Spec(3));
-  ASSERT_TRUE(pool.ok());
-  SequenceKv a;
-  ASSERT_TRUE(a.Reserve(**pool, 4).ok());
-  EXPECT_EQ(a.Reserve(**pool, 20).code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_EQ(a.block_table().size(), 1u);
-  EXPECT_EQ((*pool)->num_free(), 2);
-  a.Release(**pool);
-}
-
 TEST(KvCacheTest, LayersAreContiguousAndDisjoint) {
   auto pool = BlockPool::Create(Spec(5));
   ASSERT_TRUE(pool.ok());
   BlockPool& p = **pool;
   const int64_t lb = p.spec().LayerBlockBytes();
   char* base = static_cast<char*>(p.region().data());
-  EXPECT_EQ(static_cast<char*>(p.BlockData(0, BlockId{0})), base);
-  EXPECT_EQ(static_cast<char*>(p.BlockData(0, BlockId{4})), base + 4 * lb);
-  EXPECT_EQ(static_cast<char*>(p.BlockData(2, BlockId{1})), base + (2 * 5 + 1) * lb);
-  const kernels::KvLayerView v = p.LayerView(1);
+  const KvStorage storage = p.storage();
+  EXPECT_EQ(storage.base, base);
+  EXPECT_EQ(static_cast<char*>(storage.BlockData(0, BlockId{0})), base);
+  EXPECT_EQ(static_cast<char*>(storage.BlockData(0, BlockId{4})), base + 4 * lb);
+  EXPECT_EQ(static_cast<char*>(storage.BlockData(2, BlockId{1})), base + (2 * 5 + 1) * lb);
+  const kernels::KvLayerView v = storage.LayerView(1);
   EXPECT_EQ(static_cast<char*>(v.base), base + 5 * lb);
   EXPECT_EQ(v.v_offset * 4, lb / 2);
 }

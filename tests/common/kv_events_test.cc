@@ -3,7 +3,7 @@
 #include <vector>
 
 #include "common/block_hash.h"
-#include "common/kv_cache.h"
+#include "common/kv_manager.h"
 #include "common/prefix_cache.h"
 #include "gtest/gtest.h"
 
@@ -74,18 +74,18 @@ TEST(KvEventLogTest, AReaderTooFarBehindOrFromAnotherProcessGetsASnapshot) {
 }
 
 TEST(KvEventLogTest, ThePoolReportsPublishedAndEvictedBlocks) {
-  auto pool = BlockPool::Create({.num_layers = 1, .num_kv_heads = 1, .head_dim = 4, .block_size = 4,
-                                 .dtype = DType::kF32, .num_blocks = 3});
-  ASSERT_TRUE(pool.ok());
-  BlockPool& p = **pool;
-  KvEventLog log;
-  p.set_listener(&log);
+  KvEventLog log;  // Outlives the manager.
+  auto manager = KvManager::Create({.num_layers = 1, .num_kv_heads = 1, .head_dim = 4, .block_size = 4,
+                                    .dtype = DType::kF32, .num_blocks = 3});
+  ASSERT_TRUE(manager.ok());
+  KvManager& kv = **manager;
+  kv.set_listener(&log);
   const BlockHasher hasher(HashBytes("model"), DType::kF32, 4);
   const std::vector<int32_t> tokens = {1, 2, 3, 4, 5, 6, 7, 8, 9};
-  SequenceKv seq;
-  ASSERT_TRUE(seq.Reserve(p, 9).ok());
+  SequenceKv seq = kv.NewSequence();
+  ASSERT_TRUE(kv.Grow(seq, 9).ok());
   seq.SetNumPositions(9);
-  PublishFullBlocks(p, hasher, tokens, seq);
+  PublishFullBlocks(kv, hasher, tokens, seq);
   const std::vector<BlockHash> chain = hasher.FullBlockHashes(tokens);
   KvEventBatch b = log.Read(1);
   ASSERT_EQ(b.events.size(), 2u);
@@ -95,19 +95,20 @@ TEST(KvEventLogTest, ThePoolReportsPublishedAndEvictedBlocks) {
   EXPECT_EQ(b.events[1].hash, chain[1]);
   EXPECT_EQ(b.events[1].parent, chain[0]);
   // Publishing again changes nothing.
-  PublishFullBlocks(p, hasher, tokens, seq);
+  PublishFullBlocks(kv, hasher, tokens, seq);
   EXPECT_EQ(log.last_id(), 3u);
-  seq.Release(p);
+  seq.Release();
   // Three new blocks: the free one, then the two cached ones, oldest first.
-  auto taken = p.Allocate(3);
-  ASSERT_TRUE(taken.ok());
+  SequenceKv taken = kv.NewSequence();
+  ASSERT_TRUE(kv.Grow(taken, 12).ok());
+  ASSERT_EQ(taken.block_table().size(), 3u);
   b = log.Read(3);
   ASSERT_EQ(b.events.size(), 2u);
   EXPECT_EQ(b.events[0].kind, KvEventKind::kRemoved);
   EXPECT_EQ(b.events[1].kind, KvEventKind::kRemoved);
   EXPECT_EQ(log.num_cached(), 0u);
-  for (BlockId id : *taken) p.Release(id);
-  p.set_listener(nullptr);
+  taken.Release();
+  kv.set_listener(nullptr);
 }
 
 }  // namespace

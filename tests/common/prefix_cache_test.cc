@@ -78,8 +78,8 @@ TEST_P(PrefixHitTest, HitEqualsColdPrefill) {
   ASSERT_TRUE(backend.ok());
   auto model = Model::Load(dir, {}, backend->get());
   ASSERT_TRUE(model.ok()) << model.status();
-  auto pool = BlockPool::Create((*model)->MakeKvSpec(GetParam(), 16, 64));
-  ASSERT_TRUE(pool.ok());
+  auto kv = KvManager::Create((*model)->MakeKvSpec(GetParam(), 16, 64));
+  ASSERT_TRUE(kv.ok());
   const BlockHasher hasher((*model)->identity(), GetParam(), 16);
 
   std::mt19937 rng(5);
@@ -91,36 +91,37 @@ TEST_P(PrefixHitTest, HitEqualsColdPrefill) {
   b.insert(b.end(), {9, 8, 7, 6, 5});
 
   // Request A, cold; its full blocks are published.
-  SequenceKv sa;
-  EXPECT_EQ(AttachCachedPrefix(**pool, hasher, a, sa), 0);
+  SequenceKv sa = (*kv)->NewSequence();
+  EXPECT_EQ(AttachCachedPrefix(**kv, hasher, a, sa), 0);
   ForwardSequence fa{&sa, a, LogitsMode::kLast};
-  ASSERT_TRUE((*model)->Forward(**pool, {&fa, 1}).ok());
-  PublishFullBlocks(**pool, hasher, a, sa);
-  sa.Release(**pool);
+  ASSERT_TRUE(ForwardGrowing(**model, **kv, {&fa, 1}).ok());
+  PublishFullBlocks(**kv, hasher, a, sa);
+  sa.Release();
 
   // Request B reuses the shared full blocks (64 positions) ...
-  SequenceKv sb;
-  const int32_t reused = AttachCachedPrefix(**pool, hasher, b, sb);
+  SequenceKv sb = (*kv)->NewSequence();
+  const int32_t reused = AttachCachedPrefix(**kv, hasher, b, sb);
   EXPECT_EQ(reused, 64);
   ForwardSequence fb{&sb, absl::MakeConstSpan(b).subspan(reused), LogitsMode::kAll};
-  auto hit = (*model)->Forward(**pool, {&fb, 1});
+  auto hit = ForwardGrowing(**model, **kv, {&fb, 1});
   ASSERT_TRUE(hit.ok());
   // ... and equals a cold prefill of B in a pool without the cache.
-  auto cold_pool = BlockPool::Create((*model)->MakeKvSpec(GetParam(), 16, 64));
-  SequenceKv sc;
+  auto cold_kv = KvManager::Create((*model)->MakeKvSpec(GetParam(), 16, 64));
+  ASSERT_TRUE(cold_kv.ok());
+  SequenceKv sc = (*cold_kv)->NewSequence();
   ForwardSequence fc{&sc, b, LogitsMode::kAll};
-  auto cold = (*model)->Forward(**cold_pool, {&fc, 1});
+  auto cold = ForwardGrowing(**model, **cold_kv, {&fc, 1});
   ASSERT_TRUE(cold.ok());
   ASSERT_EQ(hit->num_rows[0], static_cast<int32_t>(b.size()) - reused);
   for (int32_t r = 0; r < hit->num_rows[0]; ++r) {
     absl::Span<const float> h = hit->Row(r), c = cold->Row(reused + r);
     for (size_t v = 0; v < h.size(); ++v) ASSERT_NEAR(h[v], c[v], 1e-5f) << r << "," << v;
   }
-  EXPECT_EQ((*pool)->prefix_stats().hit_blocks, 4);
-  sb.Release(**pool);
-  sc.Release(**cold_pool);
-  EXPECT_EQ((*pool)->num_used(), 0);
-  EXPECT_GT((*pool)->num_cached(), 0);
+  EXPECT_EQ((*kv)->Counts().prefix.hit_blocks, 4);
+  sb.Release();
+  sc.Release();
+  EXPECT_EQ((*kv)->Counts().used, 0);
+  EXPECT_GT((*kv)->Counts().cached, 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(KvTypes, PrefixHitTest,

@@ -47,9 +47,9 @@ class RecomputeBitwiseTest : public ::testing::TestWithParam<Isa> {
     ASSERT_TRUE(model.ok()) << model.status();
     model_ = *std::move(model);
     ASSERT_EQ(model_->weight_dtype(), DType::kBF16);
-    auto pool = BlockPool::Create(model_->MakeKvSpec(DType::kBF16, kBlockSize, 256));
-    ASSERT_TRUE(pool.ok()) << pool.status();
-    pool_ = *std::move(pool);
+    auto kv = KvManager::Create(model_->MakeKvSpec(DType::kBF16, kBlockSize, 256));
+    ASSERT_TRUE(kv.ok()) << kv.status();
+    kv_ = *std::move(kv);
     tokens_ = Tokens(kTotal, 1);
   }
 
@@ -61,17 +61,17 @@ class RecomputeBitwiseTest : public ::testing::TestWithParam<Isa> {
   }
 
   ForwardResult Run(std::vector<ForwardSequence> batch, const ForwardOptions& options = {}) {
-    auto r = model_->Forward(*pool_, batch, options);
+    auto r = ForwardGrowing(*model_, *kv_, batch, options);
     EXPECT_TRUE(r.ok()) << r.status();
     return r.ok() ? *std::move(r) : ForwardResult{};
   }
 
   Snapshot Take(const SequenceKv& seq, const ForwardResult& last, size_t index) {
     Snapshot s;
-    const KvCacheSpec& spec = pool_->spec();
+    const KvCacheSpec& spec = kv_->spec();
     const int32_t H = spec.head_dim;
     for (int32_t l = 0; l < spec.num_layers; ++l) {
-      const kernels::KvLayerView v = pool_->LayerView(l);
+      const kernels::KvLayerView v = kv_->storage().LayerView(l);
       const auto* base = static_cast<const uint16_t*>(v.base);
       std::vector<uint16_t> out;
       for (int32_t p = 0; p < seq.num_positions(); ++p) {
@@ -92,22 +92,22 @@ class RecomputeBitwiseTest : public ::testing::TestWithParam<Isa> {
 
   // (a) The recompute: one prefill of prompt + generated tokens.
   Snapshot OnePrefill() {
-    SequenceKv seq;
+    SequenceKv seq = kv_->NewSequence();
     const ForwardResult r = Run({{&seq, tokens_}});
     Snapshot s = Take(seq, r, 0);
-    seq.Release(*pool_);
+    seq.Release();
     return s;
   }
 
   // (b) The original run alone: prefill the prompt, decode token by token.
   Snapshot PrefillThenDecode() {
-    SequenceKv seq;
+    SequenceKv seq = kv_->NewSequence();
     ForwardResult r = Run({{&seq, absl::MakeConstSpan(tokens_).first(kPrompt)}});
     for (int32_t i = kPrompt; i < kTotal; ++i) {
       r = Run({{&seq, absl::MakeConstSpan(&tokens_[i], 1)}});
     }
     Snapshot s = Take(seq, r, 0);
-    seq.Release(*pool_);
+    seq.Release();
     return s;
   }
 
@@ -122,12 +122,13 @@ class RecomputeBitwiseTest : public ::testing::TestWithParam<Isa> {
     constexpr int32_t kShared = 32;
     const absl::Span<const int32_t> prompt = absl::MakeConstSpan(tokens_).first(kPrompt);
     if (shared_prefix) {
-      SequenceKv warm;
+      SequenceKv warm = kv_->NewSequence();
       Run({{&warm, prompt.first(kShared), LogitsMode::kNone}});
-      PublishFullBlocks(*pool_, hasher, prompt.first(kShared), warm);
-      warm.Release(*pool_);
+      PublishFullBlocks(*kv_, hasher, prompt.first(kShared), warm);
+      warm.Release();
     }
-    std::vector<SequenceKv> seqs(others + 1);
+    std::vector<SequenceKv> seqs;
+    for (int o = 0; o <= others; ++o) seqs.push_back(kv_->NewSequence());
     std::vector<std::vector<int32_t>> streams;
     for (int o = 0; o <= others; ++o) {
       std::vector<int32_t> t;
@@ -142,7 +143,7 @@ class RecomputeBitwiseTest : public ::testing::TestWithParam<Isa> {
     for (int o = 0; o <= others; ++o) {
       const int32_t len = static_cast<int32_t>(streams[o].size()) - kGenerated;
       const absl::Span<const int32_t> p = absl::MakeConstSpan(streams[o]).first(len);
-      const int32_t reused = shared_prefix ? AttachCachedPrefix(*pool_, hasher, p, seqs[o]) : 0;
+      const int32_t reused = shared_prefix ? AttachCachedPrefix(*kv_, hasher, p, seqs[o]) : 0;
       EXPECT_EQ(reused, shared_prefix ? kShared : 0);
       Run({{&seqs[o], p.subspan(reused), LogitsMode::kNone}});
     }
@@ -159,7 +160,7 @@ class RecomputeBitwiseTest : public ::testing::TestWithParam<Isa> {
       if (i + 1 == kGenerated) {
         EXPECT_EQ(batch[target].kv, &seqs[0]);
         Snapshot s = Take(seqs[0], r, target);
-        for (auto& q : seqs) q.Release(*pool_);
+        for (auto& q : seqs) q.Release();
         return s;
       }
     }
@@ -170,7 +171,7 @@ class RecomputeBitwiseTest : public ::testing::TestWithParam<Isa> {
   // batched with a chunk of another request's prefill.
   Snapshot ChunkedWithNeighbour() {
     const std::vector<int32_t> other = Tokens(91, 200);
-    SequenceKv seq, neighbour;
+    SequenceKv seq = kv_->NewSequence(), neighbour = kv_->NewSequence();
     ForwardResult r;
     size_t done = 0, other_done = 0;
     constexpr size_t kChunk = 32;
@@ -187,8 +188,8 @@ class RecomputeBitwiseTest : public ::testing::TestWithParam<Isa> {
       r = Run(batch);
     }
     Snapshot s = Take(seq, r, r.first_row.size() - 1);
-    seq.Release(*pool_);
-    neighbour.Release(*pool_);
+    seq.Release();
+    neighbour.Release();
     return s;
   }
 
@@ -217,7 +218,7 @@ class RecomputeBitwiseTest : public ::testing::TestWithParam<Isa> {
 
   std::unique_ptr<kernels::cpu::CpuBackend> backend_;
   std::unique_ptr<Model> model_;
-  std::unique_ptr<BlockPool> pool_;
+  std::unique_ptr<KvManager> kv_;
   std::vector<int32_t> tokens_;
 };
 

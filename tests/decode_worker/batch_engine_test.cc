@@ -36,10 +36,10 @@ class BatchEngineTest : public ::testing::Test {
     tokenizer_ = loaded_->tokenizer.get();
   }
 
-  std::unique_ptr<BlockPool> MakePool(int32_t blocks) {
-    auto pool = BlockPool::Create(model_->MakeKvSpec(DType::kF32, 16, blocks));
-    EXPECT_TRUE(pool.ok());
-    return *std::move(pool);
+  std::unique_ptr<KvManager> MakeKv(int32_t blocks) {
+    auto kv = KvManager::Create(model_->MakeKvSpec(DType::kF32, 16, blocks));
+    EXPECT_TRUE(kv.ok());
+    return *std::move(kv);
   }
 
   GenerationRequest Request(const std::string& text, int max_tokens, float temperature,
@@ -57,14 +57,14 @@ class BatchEngineTest : public ::testing::Test {
 
   // The reference: one sequence, whole-prompt prefill, then decode.
   Output Alone(const GenerationRequest& req) {
-    auto pool = MakePool(64);
+    auto manager = MakeKv(64);
     Generation gen(req, tokenizer_);
-    SequenceKv kv;
+    SequenceKv kv = manager->NewSequence();
     Output out;
     std::vector<int32_t> feed = req.prompt;
     while (!gen.finished()) {
       ForwardSequence fs{&kv, feed, LogitsMode::kLast};
-      auto r = model_->Forward(*pool, {&fs, 1});
+      auto r = ForwardGrowing(*model_, *manager, {&fs, 1});
       EXPECT_TRUE(r.ok()) << r.status();
       auto ev = gen.Accept(r->Last(0));
       EXPECT_TRUE(ev.ok());
@@ -73,7 +73,7 @@ class BatchEngineTest : public ::testing::Test {
       out.finish = ev->finish;
       feed.assign(1, ev->token);
     }
-    kv.Release(*pool);
+    kv.Release();
     return out;
   }
 
@@ -131,15 +131,15 @@ void ExpectSame(const Output& got, const Output& want, int i) {
 
 TEST_F(BatchEngineTest, BatchedStreamsEqualOneAtATime) {
   const auto reqs = Mixed();
-  auto pool = MakePool(128);
-  BatchEngine engine(*model_, *pool, {.max_batch = 4, .prefill_chunk_tokens = 48});
+  auto kv = MakeKv(128);
+  BatchEngine engine(*model_, *kv, {.max_batch = 4, .prefill_chunk_tokens = 48});
   std::vector<Output> got(reqs.size());
   for (size_t i = 0; i < reqs.size(); ++i) {
     engine.SubmitPrefill(i, std::make_unique<Generation>(reqs[i], tokenizer_), Collect(&got[i]));
   }
   RunToIdle(engine);
   for (size_t i = 0; i < reqs.size(); ++i) ExpectSame(got[i], Alone(reqs[i]), static_cast<int>(i));
-  EXPECT_EQ(pool->num_used(), 0);
+  EXPECT_EQ(kv->Counts().used, 0);
   EXPECT_EQ(engine.stats().preemptions, 0);
 }
 
@@ -147,8 +147,8 @@ TEST_F(BatchEngineTest, PreemptedSequencesRecomputeAndContinueUnchanged) {
   const auto reqs = Mixed();
   // 7 blocks of 16 positions: the longest request alone needs 6 at its end,
   // all six together about 25.
-  auto pool = MakePool(7);
-  BatchEngine engine(*model_, *pool, {.max_batch = 6, .prefill_chunk_tokens = 48});
+  auto kv = MakeKv(7);
+  BatchEngine engine(*model_, *kv, {.max_batch = 6, .prefill_chunk_tokens = 48});
   std::vector<Output> got(reqs.size());
   for (size_t i = 0; i < reqs.size(); ++i) {
     engine.SubmitPrefill(i, std::make_unique<Generation>(reqs[i], tokenizer_), Collect(&got[i]));
@@ -156,7 +156,7 @@ TEST_F(BatchEngineTest, PreemptedSequencesRecomputeAndContinueUnchanged) {
   RunToIdle(engine);
   EXPECT_GT(engine.stats().preemptions, 0);
   for (size_t i = 0; i < reqs.size(); ++i) ExpectSame(got[i], Alone(reqs[i]), static_cast<int>(i));
-  EXPECT_EQ(pool->num_used(), 0);
+  EXPECT_EQ(kv->Counts().used, 0);
 }
 
 // With the prefix cache on, preempted sequences publish their blocks and
@@ -164,20 +164,20 @@ TEST_F(BatchEngineTest, PreemptedSequencesRecomputeAndContinueUnchanged) {
 // turn's prompt + output + more) prefills only what is new: no token changes.
 TEST_F(BatchEngineTest, PrefixCacheReusesPublishedBlocksWithoutChangingATokenEvenUnderPreemption) {
   const auto reqs = Mixed();
-  auto pool = MakePool(7);
-  BatchEngine engine(*model_, *pool, {.max_batch = 6, .prefill_chunk_tokens = 48, .prefix_cache = true});
+  auto kv = MakeKv(7);
+  BatchEngine engine(*model_, *kv, {.max_batch = 6, .prefill_chunk_tokens = 48, .prefix_cache = true});
   std::vector<Output> got(reqs.size());
   for (size_t i = 0; i < reqs.size(); ++i) {
     engine.SubmitPrefill(i, std::make_unique<Generation>(reqs[i], tokenizer_), Collect(&got[i]));
   }
   RunToIdle(engine);
   EXPECT_GT(engine.stats().preemptions, 0);
-  EXPECT_GT(pool->prefix_stats().hit_blocks, 0) << "recomputes found nothing cached";
+  EXPECT_GT(kv->Counts().prefix.hit_blocks, 0) << "recomputes found nothing cached";
   for (size_t i = 0; i < reqs.size(); ++i) ExpectSame(got[i], Alone(reqs[i]), static_cast<int>(i));
-  EXPECT_EQ(pool->num_used(), 0);
+  EXPECT_EQ(kv->Counts().used, 0);
 
   // Turn two of request 2 (the long one): prompt + its output + new text.
-  auto big = MakePool(64);
+  auto big = MakeKv(64);
   BatchEngine engine2(*model_, *big, {.max_batch = 4, .prefill_chunk_tokens = 48, .prefix_cache = true});
   Output turn1;
   engine2.SubmitPrefill(1, std::make_unique<Generation>(reqs[2], tokenizer_), Collect(&turn1));
@@ -198,20 +198,20 @@ TEST_F(BatchEngineTest, PrefixCacheReusesPublishedBlocksWithoutChangingATokenEve
   const int32_t written = static_cast<int32_t>(reqs[2].prompt.size() + turn1.tokens.size()) - 1;
   EXPECT_EQ(cached, written / 16 * 16);
   ExpectSame(turn2, Alone(next), 2);
-  EXPECT_EQ(big->num_used(), 0);
+  EXPECT_EQ(big->Counts().used, 0);
 }
 
 TEST_F(BatchEngineTest, HandedOffSequencesContinueFromTheirFirstToken) {
   const auto reqs = Mixed();
-  auto pool = MakePool(128);
-  BatchEngine engine(*model_, *pool, {.max_batch = 8});
+  auto kv = MakeKv(128);
+  BatchEngine engine(*model_, *kv, {.max_batch = 8});
   std::vector<Output> got(reqs.size());
   for (size_t i = 0; i < reqs.size(); ++i) {
     // What a prefill worker does: prefill, sample the first token.
     Generation prefill_side(reqs[i], tokenizer_);
-    SequenceKv kv;
-    ForwardSequence fs{&kv, reqs[i].prompt, LogitsMode::kLast};
-    auto r = model_->Forward(*pool, {&fs, 1});
+    SequenceKv seq = kv->NewSequence();
+    ForwardSequence fs{&seq, reqs[i].prompt, LogitsMode::kLast};
+    auto r = ForwardGrowing(*model_, *kv, {&fs, 1});
     ASSERT_TRUE(r.ok());
     auto first = prefill_side.Accept(r->Last(0));
     ASSERT_TRUE(first.ok());
@@ -223,23 +223,23 @@ TEST_F(BatchEngineTest, HandedOffSequencesContinueFromTheirFirstToken) {
     got[i].tokens.push_back(first->token);
     got[i].text += first->text;
     got[i].finish = first->finish;
-    engine.SubmitDecode(i, std::move(gen), std::move(kv), Collect(&got[i]));
+    engine.SubmitDecode(i, std::move(gen), std::move(seq), Collect(&got[i]));
   }
   RunToIdle(engine);
   for (size_t i = 0; i < reqs.size(); ++i) ExpectSame(got[i], Alone(reqs[i]), static_cast<int>(i));
-  EXPECT_EQ(pool->num_used(), 0);
+  EXPECT_EQ(kv->Counts().used, 0);
 }
 
 TEST_F(BatchEngineTest, CancelFreesTheKvAtOnce) {
-  auto pool = MakePool(64);
-  BatchEngine engine(*model_, *pool, {});
+  auto kv = MakeKv(64);
+  BatchEngine engine(*model_, *kv, {});
   Output a, b;
   engine.SubmitPrefill(1, std::make_unique<Generation>(Request("In the beginning", 200, 0, 1), tokenizer_),
                        Collect(&a));
   engine.SubmitPrefill(2, std::make_unique<Generation>(Request("And God said", 6, 0, 1), tokenizer_),
                        Collect(&b));
   for (int i = 0; i < 4; ++i) ASSERT_TRUE(engine.Step().ok());
-  EXPECT_GT(pool->num_used(), 0);
+  EXPECT_GT(kv->Counts().used, 0);
   engine.Cancel(1);
   ASSERT_TRUE(engine.Step().ok());
   EXPECT_EQ(a.status.code(), absl::StatusCode::kCancelled);
@@ -248,19 +248,19 @@ TEST_F(BatchEngineTest, CancelFreesTheKvAtOnce) {
   EXPECT_EQ(a.tokens.size(), a_tokens) << "tokens after cancel";
   EXPECT_TRUE(b.status.ok());
   EXPECT_EQ(b.tokens.size(), 6u);
-  EXPECT_EQ(pool->num_used(), 0);
+  EXPECT_EQ(kv->Counts().used, 0);
 }
 
 TEST_F(BatchEngineTest, PromptLargerThanThePoolIsRefused) {
-  auto pool = MakePool(2);  // 32 positions.
-  BatchEngine engine(*model_, *pool, {.prefill_chunk_tokens = 16});
+  auto kv = MakeKv(2);  // 32 positions.
+  BatchEngine engine(*model_, *kv, {.prefill_chunk_tokens = 16});
   Output a;
   std::string long_text;
   for (int i = 0; i < 12; ++i) long_text += "and the LORD said unto Moses ";
   engine.SubmitPrefill(1, std::make_unique<Generation>(Request(long_text, 4, 0, 1), tokenizer_), Collect(&a));
   RunToIdle(engine);
   EXPECT_EQ(a.status.code(), absl::StatusCode::kResourceExhausted) << a.status;
-  EXPECT_EQ(pool->num_used(), 0);
+  EXPECT_EQ(kv->Counts().used, 0);
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 
 #include "absl/synchronization/mutex.h"
 #include "common/block_hash.h"
+#include "common/kv_manager.h"
 #include "gtest/gtest.h"
 #include "kv_transfer/layout_copy.h"
 #include "kv_transfer/loopback_transport.h"
@@ -101,7 +102,7 @@ class RawClient : public ConnectionHandler {
 
 struct Side {
   std::unique_ptr<LoopbackTransport> transport;
-  std::unique_ptr<BlockPool> pool;
+  std::unique_ptr<KvManager> kv;  // Destroyed before the transport its region came from.
 };
 
 class HandoffTest : public ::testing::Test {
@@ -110,19 +111,19 @@ class HandoffTest : public ::testing::Test {
              absl::Duration lease = absl::Seconds(30)) {
     sender_.transport = std::make_unique<LoopbackTransport>(&net_, "prefill");
     receiver_.transport = std::make_unique<LoopbackTransport>(&net_, "decode");
-    sender_.pool = *BlockPool::Create(sender_spec, &sender_.transport->region_allocator());
-    receiver_.pool = *BlockPool::Create(receiver_spec, &receiver_.transport->region_allocator());
-    FillRandom(sender_.pool->region(), 7);
+    sender_.kv = *KvManager::Create(sender_spec, &sender_.transport->region_allocator());
+    receiver_.kv = *KvManager::Create(receiver_spec, &receiver_.transport->region_allocator());
+    FillRandom(sender_.kv->region(), 7);
     ReceiverOptions ro{.model = kModel, .lease = lease,
                        .lease_check_period = absl::Hours(1),
                        .clock = [this] { return clock_.Now(); }};
-    receiver_obj_ = *KvReceiver::Create(receiver_.transport.get(), receiver_.pool.get(), &pool_mu_, ro,
+    receiver_obj_ = *KvReceiver::Create(receiver_.transport.get(), receiver_.kv.get(), ro,
                                         [this](CommittedSequence s) {
                                           absl::MutexLock lock(&committed_mu_);
                                           committed_.push_back(std::move(s));
                                         });
     port_ = *receiver_obj_->Listen("127.0.0.1", 0);
-    sender_obj_ = std::make_unique<KvSender>(sender_.transport.get(), sender_.pool.get(),
+    sender_obj_ = std::make_unique<KvSender>(sender_.transport.get(), sender_.kv->storage(),
                                              SenderOptions{.model = kModel, .timeout = absl::Seconds(5)});
     conn_ = *sender_obj_->Connect("127.0.0.1", port_);
   }
@@ -130,8 +131,7 @@ class HandoffTest : public ::testing::Test {
   void TearDown() override {
     {
       absl::MutexLock lock(&committed_mu_);
-      absl::MutexLock pool_lock(&pool_mu_);
-      for (auto& c : committed_) c.kv.Release(*receiver_.pool);
+      for (auto& c : committed_) c.kv.Release();
       committed_.clear();
     }
     sender_obj_.reset();
@@ -140,8 +140,8 @@ class HandoffTest : public ::testing::Test {
 
   // A sender sequence of n positions.
   SequenceKv SenderSequence(int32_t n) {
-    SequenceKv s;
-    EXPECT_TRUE(s.Reserve(*sender_.pool, n).ok());
+    SequenceKv s = sender_.kv->NewSequence();
+    EXPECT_TRUE(sender_.kv->Grow(s, n).ok());
     s.SetNumPositions(n);
     return s;
   }
@@ -170,7 +170,7 @@ class HandoffTest : public ::testing::Test {
     auto h = sender_obj_->Reserve(conn_, {.num_positions = n, .margin_positions = 3, .prompt_tokens = tokens});
     ASSERT_TRUE(h.ok()) << h.status();
     EXPECT_EQ((*h)->held_positions(), expected_held);
-    for (int32_t l = 0; l < sender_.pool->spec().num_layers; ++l) {
+    for (int32_t l = 0; l < sender_.kv->spec().num_layers; ++l) {
       ASSERT_TRUE((*h)->SendLayer(l, seq.block_table()).ok());
     }
     ASSERT_TRUE((*h)->Commit(CommitState(tokens)).ok());
@@ -178,28 +178,25 @@ class HandoffTest : public ::testing::Test {
     ASSERT_EQ(committed_.size(), 1u);
     const CommittedSequence& got = committed_.back();
     EXPECT_EQ(got.kv.num_positions(), n);
-    EXPECT_GE(got.kv.capacity(receiver_.pool->spec().block_size), n + 3);
+    EXPECT_GE(got.kv.capacity(receiver_.kv->spec().block_size), n + 3);
     EXPECT_EQ(got.state.tokens, tokens);
     EXPECT_EQ(got.state.first_token, 42);
     EXPECT_EQ(got.state.top_logprobs.size(), 2u);
     EXPECT_EQ(got.state.sampling.top_k, 20);
     EXPECT_EQ(got.state.sampling.seed, std::optional<uint64_t>(1234));
     EXPECT_EQ(got.state.sampling.stop_token_ids, (std::vector<int32_t>{2, 3}));
-    const auto want = PositionChecksums(sender_.pool->spec(), static_cast<char*>(sender_.pool->region().data()),
-                                        seq.block_table(), expected_held, n, 4);
-    absl::MutexLock pool_lock(&pool_mu_);
-    const auto have = PositionChecksums(receiver_.pool->spec(),
-                                        static_cast<char*>(receiver_.pool->region().data()),
-                                        got.kv.block_table(), expected_held, n, 4);
+    const auto want = PositionChecksums(sender_.kv->spec(), sender_.kv->storage().base, seq.block_table(),
+                                        expected_held, n, 4);
+    const auto have = PositionChecksums(receiver_.kv->spec(), receiver_.kv->storage().base, got.kv.block_table(),
+                                        expected_held, n, 4);
     EXPECT_EQ(want, have);
-    seq.Release(*sender_.pool);
+    seq.Release();
   }
 
   LoopbackNetwork net_;
   FakeClock clock_;
   RawClient raw_;  // Outlives the transports: their connections may call it.
   Side sender_, receiver_;
-  absl::Mutex pool_mu_;
   absl::Mutex committed_mu_;
   std::vector<CommittedSequence> committed_;
   std::unique_ptr<KvReceiver> receiver_obj_;
@@ -214,7 +211,7 @@ TEST_P(HandoffDTypeTest, SameBlockSizeLandsByteIdentical) {
   SetUp(Spec(GetParam(), 4, 32), Spec(GetParam(), 4, 40));
   MoveAndCheck(23);
   EXPECT_EQ(receiver_obj_->metrics().transfers, 1);
-  EXPECT_EQ(sender_obj_->metrics().bytes, 6 * 3 * sender_.pool->spec().LayerBlockBytes());
+  EXPECT_EQ(sender_obj_->metrics().bytes, 6 * 3 * sender_.kv->spec().LayerBlockBytes());
 }
 
 TEST_P(HandoffDTypeTest, SmallerReceiverBlocksAreConverted) {
@@ -236,7 +233,7 @@ TEST_F(HandoffTest, IncompatibleLayoutsAreRefusedBeforeAnyByteMoves) {
   EXPECT_EQ(h.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(h.status().message().find("head dim differs (sender 8, receiver 16)"), std::string::npos)
       << h.status();
-  EXPECT_EQ(receiver_.pool->num_free(), 16);
+  EXPECT_EQ(receiver_.kv->Counts().free, 16);
   EXPECT_EQ(sender_obj_->metrics().bytes, 0);
 }
 
@@ -263,33 +260,37 @@ TEST_F(HandoffTest, PrefixTheReceiverHoldsIsNotSentAgain) {
   // The receiver already holds the first two blocks of this prompt.
   std::vector<int32_t> held;
   {
-    absl::MutexLock lock(&pool_mu_);
     const BlockHasher hasher(kModel, DType::kF32, 4);
     const auto hashes = hasher.FullBlockHashes(tokens);
-    auto blocks = *receiver_.pool->Allocate(2);
+    SequenceKv warm = receiver_.kv->NewSequence();
+    ASSERT_TRUE(receiver_.kv->Grow(warm, 8).ok());
+    held = warm.block_table();
+    ASSERT_EQ(held.size(), 2u);
     for (int i = 0; i < 2; ++i) {
-      receiver_.pool->MarkCached(blocks[i], hashes[i]);
-      held.push_back(blocks[i].value);
       for (int l = 0; l < 3; ++l) {
-        std::memset(receiver_.pool->BlockData(l, blocks[i]), 0x5a, receiver_.pool->spec().LayerBlockBytes());
+        std::memset(receiver_.kv->storage().BlockData(l, BlockId{held[i]}), 0x5a,
+                    receiver_.kv->spec().LayerBlockBytes());
       }
-      receiver_.pool->Release(blocks[i]);  // Cached, unreferenced.
     }
-  }
+    warm.SetNumPositions(8);
+    receiver_.kv->Publish(warm, {hashes[0], hashes[1]});
+  }  // Released: cached, unreferenced.
+  ASSERT_EQ(receiver_.kv->Counts().used, 0);
+  ASSERT_EQ(receiver_.kv->Counts().cached, 2);
   MoveAndCheck(14, /*expected_held=*/8);
   // Only blocks 2 and 3 of 3 layers moved; the held blocks kept their bytes.
-  EXPECT_EQ(sender_obj_->metrics().bytes, 2 * 3 * receiver_.pool->spec().LayerBlockBytes());
+  EXPECT_EQ(sender_obj_->metrics().bytes, 2 * 3 * receiver_.kv->spec().LayerBlockBytes());
   absl::MutexLock lock(&committed_mu_);
   EXPECT_EQ(committed_[0].kv.block_table()[0], held[0]);
   EXPECT_EQ(committed_[0].kv.block_table()[1], held[1]);
-  EXPECT_EQ(static_cast<unsigned char*>(receiver_.pool->BlockData(2, BlockId{held[1]}))[5], 0x5a);
+  EXPECT_EQ(static_cast<unsigned char*>(receiver_.kv->storage().BlockData(2, BlockId{held[1]}))[5], 0x5a);
 }
 
 TEST_F(HandoffTest, ReservationLargerThanTheFreePoolIsResourceExhausted) {
   SetUp(Spec(DType::kF32, 4, 32), Spec(DType::kF32, 4, 8));
   auto h = sender_obj_->Reserve(conn_, {.num_positions = 30, .margin_positions = 8});
   EXPECT_EQ(h.status().code(), absl::StatusCode::kResourceExhausted) << h.status();
-  EXPECT_EQ(receiver_.pool->num_free(), 8);
+  EXPECT_EQ(receiver_.kv->Counts().free, 8);
 }
 
 TEST_F(HandoffTest, ExpiredLeaseQuarantinesUntilTheSenderAcknowledges) {
@@ -306,21 +307,15 @@ TEST_F(HandoffTest, ExpiredLeaseQuarantinesUntilTheSenderAcknowledges) {
   EXPECT_EQ(receiver_obj_->stats().quarantined_blocks, 5);
   EXPECT_EQ(receiver_obj_->metrics().leases_expired, 1);
   // Not reused before the ack: a reservation that needs them is refused.
-  {
-    absl::MutexLock lock(&pool_mu_);
-    EXPECT_EQ(receiver_.pool->num_free(), 5);
-  }
+  EXPECT_EQ(receiver_.kv->Counts().free, 5);
   auto other = sender_obj_->Reserve(conn_, {.num_positions = 40});
   EXPECT_EQ(other.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_EQ((*h)->SendLayer(1, seq.block_table()).code(), absl::StatusCode::kAborted);
   sender_.transport->ReleasePutCompletions();  // Writes drain, flush, ack.
   ASSERT_TRUE(Eventually([&] { return receiver_obj_->stats().quarantined == 0; }));
-  {
-    absl::MutexLock lock(&pool_mu_);
-    EXPECT_EQ(receiver_.pool->num_free(), 10);
-  }
+  EXPECT_EQ(receiver_.kv->Counts().free, 10);
   EXPECT_EQ((*h)->Commit(CommitState(Tokens(20))).code(), absl::StatusCode::kAborted);
-  seq.Release(*sender_.pool);
+  seq.Release();
 }
 
 TEST_F(HandoffTest, CommitForUnknownOrExpiredHandoffIsRefused) {
@@ -353,8 +348,7 @@ TEST_F(HandoffTest, CommitForUnknownOrExpiredHandoffIsRefused) {
   EXPECT_EQ(receiver_obj_->stats().quarantined, 1);
   send(AbortAck{rr.id});
   ASSERT_TRUE(Eventually([&] { return receiver_obj_->stats().quarantined == 0; }));
-  absl::MutexLock lock(&pool_mu_);
-  EXPECT_EQ(receiver_.pool->num_free(), 32);
+  EXPECT_EQ(receiver_.kv->Counts().free, 32);
 }
 
 TEST_F(HandoffTest, DeadReceiverFailsTheSenderWithUnavailable) {
@@ -367,7 +361,7 @@ TEST_F(HandoffTest, DeadReceiverFailsTheSenderWithUnavailable) {
   EXPECT_EQ((*h)->Commit(CommitState(Tokens(12))).code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ((*h)->SendLayer(1, seq.block_table()).code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(sender_obj_->Reserve(conn_, {.num_positions = 4}).status().code(), absl::StatusCode::kUnavailable);
-  seq.Release(*sender_.pool);
+  seq.Release();
 }
 
 TEST_F(HandoffTest, DeadSenderFreesItsReservation) {
@@ -380,9 +374,8 @@ TEST_F(HandoffTest, DeadSenderFreesItsReservation) {
   sender_.transport->Break();
   ASSERT_TRUE(Eventually([&] { return receiver_obj_->stats().active == 0; }));
   EXPECT_EQ(receiver_obj_->metrics().failures, 1);
-  absl::MutexLock lock(&pool_mu_);
-  EXPECT_EQ(receiver_.pool->num_free(), 32);
-  seq.Release(*sender_.pool);
+  EXPECT_EQ(receiver_.kv->Counts().free, 32);
+  seq.Release();
 }
 
 TEST_F(HandoffTest, SenderAbortFreesAtOnce) {
@@ -391,8 +384,7 @@ TEST_F(HandoffTest, SenderAbortFreesAtOnce) {
   ASSERT_TRUE(h.ok());
   EXPECT_TRUE((*h)->Abort(absl::CancelledError("client went away")).ok());
   EXPECT_EQ(receiver_obj_->stats().active, 0);
-  absl::MutexLock lock(&pool_mu_);
-  EXPECT_EQ(receiver_.pool->num_free(), 32);
+  EXPECT_EQ(receiver_.kv->Counts().free, 32);
 }
 
 TEST(WireTest, RoundTripAndMalformed) {

@@ -29,8 +29,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
-#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "common/block_hash.h"
+#include "common/kv_manager.h"
 #include "kv_transfer/layout_copy.h"
 #include "kv_transfer/receiver.h"
 #include "kv_transfer/sender.h"
@@ -92,20 +93,14 @@ int Receive(std::map<std::string, std::string> f) {
   auto transport = UcxTransport::Create({.name = "kv-peer-recv"});
   if (!transport.ok()) return Emit(absl::StrCat("{\"error\":\"", transport.status().message(), "\"}")), 1;
   const KvCacheSpec spec = Spec(f);
-  auto pool = BlockPool::Create(spec, &(*transport)->region_allocator());
-  if (!pool.ok()) return 1;
-  absl::Mutex pool_mu;
+  auto manager = KvManager::Create(spec, &(*transport)->region_allocator());
+  if (!manager.ok()) return 1;
   ReceiverOptions ro{.model = kModel, .lease = absl::Milliseconds(Int(f, "lease-ms", 5000))};
-  BlockPool* p = pool->get();
-  auto receiver = KvReceiver::Create(transport->get(), p, &pool_mu, ro, [&](CommittedSequence s) {
-    std::string sums;
+  KvManager* kv = manager->get();
+  auto receiver = KvReceiver::Create(transport->get(), kv, ro, [&](CommittedSequence s) {
     const int32_t positions = s.kv.num_positions();
-    {
-      absl::MutexLock lock(&pool_mu);
-      sums = ChecksumJson(spec, static_cast<const char*>(p->region().data()), s.kv.block_table(),
-                          s.kv.num_positions());
-      s.kv.Release(*p);
-    }
+    const std::string sums = ChecksumJson(spec, kv->storage().base, s.kv.block_table(), s.kv.num_positions());
+    s.kv.Release();
     Emit(absl::StrCat("{\"committed\":", s.id.value, ",\"positions\":", positions,
                       ",\"first_token\":", s.state.first_token, ",\"checksums\":", sums, "}"));
   });
@@ -119,32 +114,30 @@ int Receive(std::map<std::string, std::string> f) {
     if (line == "stats") {
       const KvReceiver::Stats s = (*receiver)->stats();
       const KvTransferStats m = (*receiver)->metrics();
-      int free;
-      {
-        absl::MutexLock lock(&pool_mu);
-        free = p->num_free();
-      }
+      const int free = kv->Counts().free;
       Emit(absl::StrCat("{\"active\":", s.active, ",\"quarantined\":", s.quarantined, ",\"free\":", free,
                         ",\"transfers\":", m.transfers, ",\"failures\":", m.failures,
                         ",\"leases_expired\":", m.leases_expired, "}"));
     } else if (line.rfind("prefix ", 0) == 0) {
       int n = 0;
       (void)absl::SimpleAtoi(line.substr(7), &n);
-      absl::MutexLock lock(&pool_mu);
       const auto hashes = BlockHasher(kModel, spec.dtype, spec.block_size).FullBlockHashes(Tokens(n));
-      auto blocks = p->Allocate(static_cast<int32_t>(hashes.size()));
-      for (size_t i = 0; blocks.ok() && i < hashes.size(); ++i) {
-        for (int l = 0; l < spec.num_layers; ++l) {
-          std::memset(p->BlockData(l, (*blocks)[i]), 0x5a, spec.LayerBlockBytes());
+      SequenceKv blocks = kv->NewSequence();
+      if (kv->Grow(blocks, static_cast<int32_t>(hashes.size()) * spec.block_size).ok()) {
+        for (int32_t b : blocks.block_table()) {
+          for (int l = 0; l < spec.num_layers; ++l) {
+            std::memset(kv->storage().BlockData(l, BlockId{b}), 0x5a, spec.LayerBlockBytes());
+          }
         }
-        p->MarkCached((*blocks)[i], hashes[i]);
-        p->Release((*blocks)[i]);
+        blocks.SetNumPositions(static_cast<int32_t>(hashes.size()) * spec.block_size);
+        kv->Publish(blocks, hashes);
       }
+      blocks.Release();  // Cached, unreferenced.
       Emit(absl::StrCat("{\"cached\":", hashes.size(), "}"));
     }
   }
   receiver->reset();
-  pool->reset();
+  manager->reset();
   return 0;
 }
 
@@ -152,24 +145,24 @@ int Send(std::map<std::string, std::string> f) {
   auto transport = UcxTransport::Create({.name = "kv-peer-send"});
   if (!transport.ok()) return 1;
   const KvCacheSpec spec = Spec(f);
-  auto pool = BlockPool::Create(spec, &(*transport)->region_allocator());
-  if (!pool.ok()) return 1;
-  BlockPool& p = **pool;
+  auto manager = KvManager::Create(spec, &(*transport)->region_allocator());
+  if (!manager.ok()) return 1;
+  KvManager& kv = **manager;
   std::mt19937_64 rng(Int(f, "seed", 11));
-  auto* words = static_cast<uint64_t*>(p.region().data());
-  for (size_t i = 0; i < p.region().size() / 8; ++i) words[i] = rng();
+  auto* words = static_cast<uint64_t*>(kv.region().data());
+  for (size_t i = 0; i < kv.region().size() / 8; ++i) words[i] = rng();
   const int32_t n = Int(f, "positions", 100);
   const int pause_after = Int(f, "pause-after-layer", -1);
   const int delay_ms = Int(f, "layer-delay-ms", 0);
   absl::Status status;
   int32_t held = 0;
   std::string sums = "[]";
-  SequenceKv seq;
   {
-    KvSender sender(transport->get(), &p, {.model = kModel, .timeout = absl::Seconds(10)});
+    SequenceKv seq = kv.NewSequence();
+    KvSender sender(transport->get(), kv.storage(), {.model = kModel, .timeout = absl::Seconds(10)});
     auto conn = sender.Connect(f.contains("host") ? f["host"] : "127.0.0.1", Int(f, "port", 0));
     status = conn.status();
-    if (status.ok()) status = seq.Reserve(p, n);
+    if (status.ok()) status = kv.Grow(seq, n);
     seq.SetNumPositions(n);
     absl::StatusOr<std::unique_ptr<Handoff>> h = absl::UnknownError("not reserved");
     if (status.ok()) {
@@ -197,14 +190,14 @@ int Send(std::map<std::string, std::string> f) {
       status = (*h)->Commit(std::move(c));
     }
     const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
-    sums = ChecksumJson(spec, static_cast<const char*>(p.region().data()), seq.block_table(), n);
-    seq.Release(p);
+    sums = ChecksumJson(spec, kv.storage().base, seq.block_table(), n);
+    seq.Release();
     Emit(absl::StrCat("{\"status\":\"", absl::StatusCodeToString(status.code()), "\",\"message\":\"",
                       absl::StrReplaceAll(status.message(), {{"\"", "'"}}), "\",\"held\":", held,
-                      ",\"seconds\":", seconds, ",\"free\":", p.num_free(), ",\"checksums\":", sums, "}"));
+                      ",\"seconds\":", seconds, ",\"free\":", kv.Counts().free, ",\"checksums\":", sums, "}"));
     if (h.ok()) h->reset();
   }
-  pool->reset();
+  manager->reset();
   return status.ok() ? 0 : 3;
 }
 

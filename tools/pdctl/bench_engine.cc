@@ -62,7 +62,7 @@ absl::Status RunBenchEngine(const BenchEngineOptions& o) {
   absl::StatusOr<Engine> engine = MakeEngine(eo);
   if (!engine.ok()) return engine.status();
   Model& model = *engine->model;
-  BlockPool& pool = *engine->pool;
+  KvManager& kv = *engine->kv;
   kernels::cpu::CpuBackend& backend = *engine->backend;
   const ModelConfig& c = model.config();
 
@@ -71,7 +71,7 @@ absl::Status RunBenchEngine(const BenchEngineOptions& o) {
   out["backend"] = backend.Name();
   out["threads"] = backend.num_threads();
   out["weights"] = std::string(DTypeName(model.weight_dtype()));
-  out["kv"] = std::string(DTypeName(pool.spec().dtype));
+  out["kv"] = std::string(DTypeName(kv.spec().dtype));
   out["parameters"] = c.NumParameters();
   out["weight_bytes"] = model.WeightBytes();
 
@@ -90,12 +90,12 @@ absl::Status RunBenchEngine(const BenchEngineOptions& o) {
     const int reps = S >= 2048 ? 3 : 5;
     for (int r = 0; r < reps; ++r) {
       peaks.push_back(backend.SamplePeakFlops());
-      SequenceKv seq;
+      SequenceKv seq = kv.NewSequence();
       ForwardSequence fs{&seq, tokens, LogitsMode::kLast};
       const auto t0 = Clock::now();
-      absl::StatusOr<ForwardResult> res = model.Forward(pool, {&fs, 1});
+      absl::StatusOr<ForwardResult> res = ForwardGrowing(model, kv, {&fs, 1});
       const auto t1 = Clock::now();
-      seq.Release(pool);
+      seq.Release();
       if (!res.ok()) return res.status();
       times.push_back(Seconds(t0, t1));
     }
@@ -134,28 +134,28 @@ absl::Status RunBenchEngine(const BenchEngineOptions& o) {
     const int cached = o.prefix_hit_cached / eo_block * eo_block;
     const int fresh = o.prefix_hit_new;
     Progress(absl::StrCat("prefix hit: ", fresh, " new tokens after ", cached, " cached"));
-    const BlockHasher hasher(model.identity(), pool.spec().dtype, eo_block);
+    const BlockHasher hasher(model.identity(), kv.spec().dtype, eo_block);
     std::vector<int32_t> prompt = RandomTokens(cached + fresh, c.vocab_size, 77);
     {
-      SequenceKv warm;
+      SequenceKv warm = kv.NewSequence();
       const std::vector<int32_t> prefix(prompt.begin(), prompt.begin() + cached);
       ForwardSequence fs{&warm, prefix, LogitsMode::kNone};
-      absl::StatusOr<ForwardResult> res = model.Forward(pool, {&fs, 1});
+      absl::StatusOr<ForwardResult> res = ForwardGrowing(model, kv, {&fs, 1});
       if (!res.ok()) return res.status();
-      PublishFullBlocks(pool, hasher, prefix, warm);
-      warm.Release(pool);
+      PublishFullBlocks(kv, hasher, prefix, warm);
+      warm.Release();
     }
     std::vector<double> times, peaks;
     int32_t reused = 0;
     for (int r = 0; r < 5; ++r) {
       peaks.push_back(backend.SamplePeakFlops());
-      SequenceKv seq;
-      reused = AttachCachedPrefix(pool, hasher, prompt, seq);
+      SequenceKv seq = kv.NewSequence();
+      reused = AttachCachedPrefix(kv, hasher, prompt, seq);
       const auto t0 = Clock::now();
       ForwardSequence fs{&seq, absl::MakeConstSpan(prompt).subspan(reused), LogitsMode::kLast};
-      absl::StatusOr<ForwardResult> res = model.Forward(pool, {&fs, 1});
+      absl::StatusOr<ForwardResult> res = ForwardGrowing(model, kv, {&fs, 1});
       const auto t1 = Clock::now();
-      seq.Release(pool);
+      seq.Release();
       if (!res.ok()) return res.status();
       times.push_back(Seconds(t0, t1));
     }
@@ -178,27 +178,28 @@ absl::Status RunBenchEngine(const BenchEngineOptions& o) {
   out["peak_flops"] = peak_samples.empty() ? backend.SamplePeakFlops() : Median(peak_samples);
 
   nlohmann::ordered_json decode = nlohmann::ordered_json::array();
-  const int64_t c_kv = pool.spec().BytesPerPosition();
+  const int64_t c_kv = kv.spec().BytesPerPosition();
   for (int H : o.decode_histories) {
     // Prefill one sequence to H positions; the others copy its blocks.
     Progress(absl::StrCat("decode: preparing history ", H));
-    SequenceKv proto;
+    SequenceKv proto = kv.NewSequence();
     {
       const std::vector<int32_t> tokens = RandomTokens(H, c.vocab_size, 1000 + H);
       ForwardSequence fs{&proto, tokens, LogitsMode::kNone};
-      absl::StatusOr<ForwardResult> res = model.Forward(pool, {&fs, 1});
+      absl::StatusOr<ForwardResult> res = ForwardGrowing(model, kv, {&fs, 1});
       if (!res.ok()) return res.status();
     }
     for (int B : o.decode_batches) {
       Progress(absl::StrCat("decode batch ", B, " at history ", H));
-      std::vector<SequenceKv> seqs(B);
+      std::vector<SequenceKv> seqs;
+      for (int b = 0; b < B; ++b) seqs.push_back(kv.NewSequence());
       for (SequenceKv& s : seqs) {
-        if (absl::Status st = s.Reserve(pool, H); !st.ok()) return st;
+        if (absl::Status st = kv.Grow(s, H); !st.ok()) return st;
         for (size_t b = 0; b < proto.block_table().size(); ++b) {
-          for (int32_t l = 0; l < pool.spec().num_layers; ++l) {
-            std::memcpy(pool.BlockData(l, BlockId{s.block_table()[b]}),
-                        pool.BlockData(l, BlockId{proto.block_table()[b]}),
-                        pool.spec().LayerBlockBytes());
+          for (int32_t l = 0; l < kv.spec().num_layers; ++l) {
+            std::memcpy(kv.storage().BlockData(l, BlockId{s.block_table()[b]}),
+                        kv.storage().BlockData(l, BlockId{proto.block_table()[b]}),
+                        kv.spec().LayerBlockBytes());
           }
         }
         s.SetNumPositions(H);
@@ -218,7 +219,7 @@ absl::Status RunBenchEngine(const BenchEngineOptions& o) {
           batch.push_back({&seqs[b], absl::MakeConstSpan(&next[b], 1), LogitsMode::kLast});
         }
         const auto t0 = Clock::now();
-        absl::StatusOr<ForwardResult> res = model.Forward(pool, batch);
+        absl::StatusOr<ForwardResult> res = ForwardGrowing(model, kv, batch);
         const auto t1 = Clock::now();
         if (!res.ok()) return res.status();
         if (step >= 2) {
@@ -252,9 +253,9 @@ absl::Status RunBenchEngine(const BenchEngineOptions& o) {
                         {"attention_share", t_attn / t},
                         {"attention_kv_bytes_per_second", kv_bytes / t_attn},
                         {"attention_fraction_of_bandwidth", kv_bytes / t_attn / bw}});
-      for (SequenceKv& s : seqs) s.Release(pool);
+      for (SequenceKv& s : seqs) s.Release();
     }
-    proto.Release(pool);
+    proto.Release();
   }
   out["decode"] = decode;
 
@@ -262,25 +263,26 @@ absl::Status RunBenchEngine(const BenchEngineOptions& o) {
     Progress(absl::StrCat("shared-prefix decode: ", o.shared_requests, " requests sharing ",
                           o.shared_prefix, " tokens, ", o.shared_private, " private each"));
     const int prefix_len = o.shared_prefix / eo_block * eo_block;
-    const BlockHasher hasher(model.identity(), pool.spec().dtype, eo_block);
+    const BlockHasher hasher(model.identity(), kv.spec().dtype, eo_block);
     const std::vector<int32_t> prefix = RandomTokens(prefix_len, c.vocab_size, 555);
     {
-      SequenceKv warm;
+      SequenceKv warm = kv.NewSequence();
       ForwardSequence fs{&warm, prefix, LogitsMode::kNone};
-      absl::StatusOr<ForwardResult> res = model.Forward(pool, {&fs, 1});
+      absl::StatusOr<ForwardResult> res = ForwardGrowing(model, kv, {&fs, 1});
       if (!res.ok()) return res.status();
-      PublishFullBlocks(pool, hasher, prefix, warm);
-      warm.Release(pool);
+      PublishFullBlocks(kv, hasher, prefix, warm);
+      warm.Release();
     }
-    std::vector<SequenceKv> seqs(o.shared_requests);
+    std::vector<SequenceKv> seqs;
+    for (int r = 0; r < o.shared_requests; ++r) seqs.push_back(kv.NewSequence());
     int64_t unique_positions = prefix_len;
     for (int r = 0; r < o.shared_requests; ++r) {
       std::vector<int32_t> p = prefix;
       const std::vector<int32_t> own = RandomTokens(o.shared_private, c.vocab_size, 600 + r);
       p.insert(p.end(), own.begin(), own.end());
-      const int32_t reused = AttachCachedPrefix(pool, hasher, p, seqs[r]);
+      const int32_t reused = AttachCachedPrefix(kv, hasher, p, seqs[r]);
       ForwardSequence fs{&seqs[r], absl::MakeConstSpan(p).subspan(reused), LogitsMode::kNone};
-      absl::StatusOr<ForwardResult> res = model.Forward(pool, {&fs, 1});
+      absl::StatusOr<ForwardResult> res = ForwardGrowing(model, kv, {&fs, 1});
       if (!res.ok()) return res.status();
       unique_positions += o.shared_private + 1;
     }
@@ -295,7 +297,7 @@ absl::Status RunBenchEngine(const BenchEngineOptions& o) {
           batch.push_back({&seqs[r], absl::MakeConstSpan(&next[r], 1), LogitsMode::kLast});
         }
         const auto t0 = Clock::now();
-        absl::StatusOr<ForwardResult> res = model.Forward(pool, batch, {.group_shared_kv = group});
+        absl::StatusOr<ForwardResult> res = ForwardGrowing(model, kv, batch, {.group_shared_kv = group});
         const auto t1 = Clock::now();
         if (!res.ok()) return res.status();
         if (step >= 2) times.push_back(Seconds(t0, t1));
@@ -310,7 +312,7 @@ absl::Status RunBenchEngine(const BenchEngineOptions& o) {
                         {"unique_kv_bytes", unique},
                         {"read_over_unique", bytes / unique}});
     }
-    for (SequenceKv& s : seqs) s.Release(pool);
+    for (SequenceKv& s : seqs) s.Release();
     out["shared_prefix_decode"] = {{"requests", o.shared_requests},
                                    {"shared_tokens", prefix_len},
                                    {"private_tokens", o.shared_private},
@@ -331,7 +333,7 @@ absl::Status RunBenchEngine(const BenchEngineOptions& o) {
   }
   std::printf("model %s: %.1fM parameters, weights %s (%.1f MB), KV %s, %s, %d threads\n",
               eo.model_dir.c_str(), c.NumParameters() / 1e6, DTypeName(model.weight_dtype()).data(),
-              model.WeightBytes() / 1e6, DTypeName(pool.spec().dtype).data(), backend.Name().c_str(),
+              model.WeightBytes() / 1e6, DTypeName(kv.spec().dtype).data(), backend.Name().c_str(),
               backend.num_threads());
   std::printf("limits are medians of samples taken between the timed runs they judge\n\n");
   std::printf("%-8s %10s %12s %12s %12s %9s\n", "prefill", "seconds", "tokens/s", "GFLOP/s",

@@ -6,6 +6,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <sched.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -13,6 +15,7 @@
 #include <iostream>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -22,6 +25,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "common/model.h"
 #include "common/synthetic_model.h"
@@ -42,6 +46,14 @@ ABSL_FLAG(bool, show_lanes, false, "bench-kv: print the UCX lanes of the connect
 ABSL_FLAG(std::string, kv_role, "", "bench-kv: internal, 'receive' in the child process");
 ABSL_FLAG(std::string, kv_model_identity, "", "bench-kv: internal, the receiver's model identity (hex lo:hi)");
 ABSL_FLAG(int, kv_blocks, 0, "bench-kv: internal, the receiver's pool size in blocks");
+ABSL_FLAG(bool, reserve_during_prefill, false,
+          "bench-kv: the receiving process prefills --prompt-len tokens over and over (--threads) while "
+          "reservations of its KV are timed");
+ABSL_FLAG(int, receiver_cpu, -1, "bench-kv: pin the receiving process to this CPU (-1: no pinning)");
+ABSL_FLAG(int, reservations, 200, "bench-kv: reservations timed by --reserve-during-prefill");
+ABSL_FLAG(std::string, kv_compute_model, "", "bench-kv: internal, the model the receiving process prefills with");
+ABSL_FLAG(int, kv_compute_tokens, 0, "bench-kv: internal, the receiving process's prefill length");
+ABSL_FLAG(int, kv_compute_threads, 1, "bench-kv: internal, the receiving process's compute threads");
 
 namespace pdserve::pdctl {
 namespace {
@@ -57,29 +69,92 @@ double Median(std::vector<double> v) {
   return v.empty() ? 0 : v[v.size() / 2];
 }
 
+// The receiving process's own compute (--reserve-during-prefill): prefills
+// of `tokens` over and over on the KV manager the receiver reserves from,
+// as a decode worker's local prefill does.
+class ComputeLoad {
+ public:
+  absl::Status Start(const std::string& model_dir, int threads, int tokens, KvManager* kv) {
+    kernels::cpu::CpuBackendOptions bo;
+    bo.num_threads = threads;
+    auto backend = kernels::cpu::CpuBackend::Create(bo);
+    if (!backend.ok()) return backend.status();
+    backend_ = *std::move(backend);
+    auto m = Model::Load(model_dir, {}, backend_.get());
+    if (!m.ok()) return m.status();
+    model_ = *std::move(m);
+    tokens_.resize(tokens);
+    for (int i = 0; i < tokens; ++i) tokens_[i] = 1 + (i * 31) % static_cast<int>(model_->config().vocab_size - 1);
+    thread_ = std::thread([this, kv] {
+      while (!stop_.HasBeenNotified()) {
+        SequenceKv seq = kv->NewSequence();
+        ForwardSequence fs{.kv = &seq, .tokens = tokens_, .logits = LogitsMode::kLast};
+        ForwardOptions fo;
+        fo.on_layer_kv_written = [this](int32_t) {
+          if (!started_.HasBeenNotified()) started_.Notify();
+        };
+        if (absl::StatusOr<ForwardResult> r = ForwardGrowing(*model_, *kv, {&fs, 1}, fo); !r.ok()) {
+          std::fprintf(stderr, "bench-kv receiver: prefill failed: %s\n", std::string(r.status().message()).c_str());
+          if (!started_.HasBeenNotified()) started_.Notify();
+          return;
+        }
+      }
+    });
+    started_.WaitForNotification();  // The first prefill is computing.
+    return absl::OkStatus();
+  }
+  ~ComputeLoad() { Stop(); }
+  // Ends the prefills (the one running finishes first).
+  void Stop() {
+    if (!stop_.HasBeenNotified()) stop_.Notify();
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  std::unique_ptr<kernels::cpu::CpuBackend> backend_;
+  std::unique_ptr<Model> model_;
+  std::vector<int32_t> tokens_;
+  absl::Notification started_, stop_;
+  std::thread thread_;
+};
+
 // The receiving process: a pool of --kv-blocks, commits released at once.
 absl::Status RunReceiver(const KvCacheSpec& spec, const ModelIdentity& model) {
+  if (const int cpu = absl::GetFlag(FLAGS_receiver_cpu); cpu >= 0) {
+    // Before any thread starts: the transport's and the compute's inherit it.
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    if (sched_setaffinity(0, sizeof(set), &set) != 0) {
+      return absl::InternalError(absl::StrCat("bench-kv: cannot pin the receiver to CPU ", cpu));
+    }
+  }
   auto transport = UcxTransport::Create({.name = "bench-kv-recv"});
   if (!transport.ok()) return transport.status();
-  auto pool = BlockPool::Create(spec, &(*transport)->region_allocator());
+  auto pool = KvManager::Create(spec, &(*transport)->region_allocator());
   if (!pool.ok()) return pool.status();
-  absl::Mutex pool_mu;
-  BlockPool* p = pool->get();
-  auto receiver = KvReceiver::Create(transport->get(), p, &pool_mu, {.model = model},
-                                     [&](kv::CommittedSequence s) {
-                                       absl::MutexLock lock(&pool_mu);
-                                       s.kv.Release(*p);
-                                     });
+  KvManager* p = pool->get();
+  // A committed sequence's blocks go back as it goes out of scope.
+  auto receiver = KvReceiver::Create(transport->get(), p, {.model = model}, [](kv::CommittedSequence) {});
   if (!receiver.ok()) return receiver.status();
   auto port = (*receiver)->Listen("127.0.0.1", 0);
   if (!port.ok()) return port.status();
   auto region = (*transport)->PackRegion(p->region());
   if (!region.ok()) return region.status();
+  ComputeLoad compute;
+  if (const std::string dir = absl::GetFlag(FLAGS_kv_compute_model); !dir.empty()) {
+    if (absl::Status s = compute.Start(dir, absl::GetFlag(FLAGS_kv_compute_threads),
+                                       absl::GetFlag(FLAGS_kv_compute_tokens), p);
+        !s.ok()) {
+      return s;
+    }
+  }
   std::printf("%d %s\n", *port, absl::BytesToHexString(*region).c_str());
   std::fflush(stdout);
   std::string line;
   while (std::getline(std::cin, line)) {
   }
+  compute.Stop();
   receiver->reset();
   pool->reset();
   return absl::OkStatus();
@@ -148,11 +223,11 @@ class ReceiverProcess {
 class StreamingBackend final : public kernels::Backend {
  public:
   StreamingBackend(kernels::Backend* inner) : inner_(inner) {}
-  void Arm(BlockPool* pool, Handoff* h, const std::vector<int32_t>* table) {
-    pool_ = pool;
+  void Arm(const KvStorage* storage, Handoff* h, const std::vector<int32_t>* table) {
+    storage_ = storage;
     handoff_ = h;
     table_ = table;
-    layer_written_.assign(pool->spec().num_layers, absl::InfinitePast());
+    layer_written_.assign(storage->spec.num_layers, absl::InfinitePast());
   }
   void Disarm() { handoff_ = nullptr; }
   const std::vector<absl::Time>& layer_written() const { return layer_written_; }
@@ -181,8 +256,8 @@ class StreamingBackend final : public kernels::Backend {
                const float* v, int64_t rows, const int32_t* blocks, const int32_t* slots) override {
     inner_->WriteKv(kv, num_kv_heads, head_dim, k, v, rows, blocks, slots);
     if (handoff_ == nullptr) return;
-    const KvCacheSpec& s = pool_->spec();
-    const int64_t layer = (static_cast<char*>(kv.base) - static_cast<char*>(pool_->region().data())) /
+    const KvCacheSpec& s = storage_->spec;
+    const int64_t layer = (static_cast<char*>(kv.base) - storage_->base) /
                           (static_cast<int64_t>(s.num_blocks) * s.LayerBlockBytes());
     layer_written_[layer] = absl::Now();
     if (absl::Status st = handoff_->SendLayer(static_cast<int32_t>(layer), *table_); !st.ok() && status_.ok()) {
@@ -193,7 +268,7 @@ class StreamingBackend final : public kernels::Backend {
 
  private:
   kernels::Backend* inner_;
-  BlockPool* pool_ = nullptr;
+  const KvStorage* storage_ = nullptr;
   Handoff* handoff_ = nullptr;
   const std::vector<int32_t>* table_ = nullptr;
   std::vector<absl::Time> layer_written_;
@@ -202,12 +277,58 @@ class StreamingBackend final : public kernels::Backend {
 
 }  // namespace
 
+static double Quantile(std::vector<double> v, double q) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[std::min(v.size() - 1, static_cast<size_t>(q * static_cast<double>(v.size())))];
+}
+
+// --reserve-during-prefill: the receiving process computes prefills of
+// `prompt` tokens back to back; each timed reservation (one block, aborted
+// at once) goes to it while one runs. The answer comes from its transport
+// thread, which takes the KV manager's lock for bookkeeping only.
+static absl::Status TimeReservationsDuringPrefill(UcxTransport* transport, KvManager& kv, const ModelIdentity& identity,
+                                           const ReceiverProcess& child, int prompt, const BenchKvCommon& common) {
+  KvSender sender(transport, kv.storage(), {.model = identity, .timeout = absl::Seconds(30)});
+  auto conn = sender.Connect("127.0.0.1", child.port());
+  if (!conn.ok()) return conn.status();
+  const int n = absl::GetFlag(FLAGS_reservations);
+  std::vector<double> ms;
+  for (int i = -5; i < n; ++i) {
+    const absl::Time t0 = absl::Now();
+    auto h = sender.Reserve(*conn, {.num_positions = 1});
+    const absl::Time t1 = absl::Now();
+    if (!h.ok()) return h.status();
+    if (absl::Status s = (*h)->Abort(absl::CancelledError("bench-kv: timing reservations only")); !s.ok()) return s;
+    if (i >= 0) ms.push_back(absl::ToDoubleMilliseconds(t1 - t0));
+  }
+  nlohmann::json out = {{"receiver_prefill_tokens", prompt},
+                        {"receiver_threads", common.threads},
+                        {"receiver_cpu", absl::GetFlag(FLAGS_receiver_cpu)},
+                        {"reservations", n},
+                        {"reserve_ms_p50", Quantile(ms, 0.5)},
+                        {"reserve_ms_p99", Quantile(ms, 0.99)},
+                        {"reserve_ms_max", Quantile(ms, 1.0)}};
+  if (common.json) {
+    std::printf("%s\n", out.dump(2).c_str());
+    return absl::OkStatus();
+  }
+  std::printf("bench-kv --reserve-during-prefill  receiver prefilling %d tokens back to back (%d threads%s)\n", prompt,
+              common.threads,
+              absl::GetFlag(FLAGS_receiver_cpu) >= 0 ? absl::StrCat(", pinned to CPU ", absl::GetFlag(FLAGS_receiver_cpu)).c_str()
+                                                    : "");
+  std::printf("  reservation answered   p50 %.3f ms   p99 %.3f ms   max %.3f ms   (%d reservations)\n",
+              out["reserve_ms_p50"].get<double>(), out["reserve_ms_p99"].get<double>(),
+              out["reserve_ms_max"].get<double>(), n);
+  return absl::OkStatus();
+}
+
 absl::Status RunBenchKv(const BenchKvCommon& common) {
   absl::StatusOr<DType> kv_dtype = ParseDType(common.kv.empty() ? "bf16" : common.kv);
   if (!kv_dtype.ok()) return kv_dtype.status();
   const int prompt = absl::GetFlag(FLAGS_prompt_len);
   const int iters = absl::GetFlag(FLAGS_iters);
   const bool with_prefill = absl::GetFlag(FLAGS_with_prefill);
+  const bool reserve_during_prefill = absl::GetFlag(FLAGS_reserve_during_prefill);
   if (prompt < 1 || iters < 1) return absl::InvalidArgumentError("--prompt-len and --iters must be positive");
   const int32_t blocks = (prompt + common.block_size - 1) / common.block_size + 1;
 
@@ -236,7 +357,7 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
   ModelIdentity identity = HashBytes(absl::StrCat("bench-kv shape ", spec.num_layers, "x", spec.num_kv_heads, "x",
                                                   spec.head_dim));
   std::string model_dir = common.model_dir;
-  if (with_prefill || !model_dir.empty()) {
+  if (with_prefill || reserve_during_prefill || !model_dir.empty()) {
     if (model_dir.empty()) {
       model_dir = MakeTempDir("bench-kv-model");
       RandomModelSpec rs = Llama125MSpec();
@@ -256,32 +377,38 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
     identity = model->identity();
   }
   if (absl::Status s = spec.Validate(); !s.ok()) return s;
-  auto pool = BlockPool::Create(spec, &(*transport)->region_allocator());
+  auto pool = KvManager::Create(spec, &(*transport)->region_allocator());
   if (!pool.ok()) return pool.status();
-  BlockPool& p = **pool;
+  KvManager& p = **pool;
   {
     auto* bytes = static_cast<unsigned char*>(p.region().data());
     for (size_t i = 0; i < p.region().size(); i += 4096) bytes[i] = static_cast<unsigned char>(i >> 12);
   }
 
   ReceiverProcess child;
-  if (absl::Status s = child.Start({"bench-kv", "--kv_role=receive", absl::StrCat("--kv_layers=", spec.num_layers),
-                                    absl::StrCat("--kv_heads=", spec.num_kv_heads),
-                                    absl::StrCat("--head_dim=", spec.head_dim), absl::StrCat("--kv=", DTypeName(spec.dtype)),
-                                    absl::StrCat("--block_size=", spec.block_size),
-                                    absl::StrCat("--kv_blocks=", blocks + 8),
-                                    absl::StrFormat("--kv_model_identity=%x:%x", identity.lo, identity.hi)});
-      !s.ok()) {
-    return s;
+  std::vector<std::string> child_args = {
+      "bench-kv", "--kv_role=receive", absl::StrCat("--kv_layers=", spec.num_layers),
+      absl::StrCat("--kv_heads=", spec.num_kv_heads), absl::StrCat("--head_dim=", spec.head_dim),
+      absl::StrCat("--kv=", DTypeName(spec.dtype)), absl::StrCat("--block_size=", spec.block_size),
+      // Room for the handoffs, and for the receiver's own prefill.
+      absl::StrCat("--kv_blocks=", (reserve_during_prefill ? 2 * blocks : blocks) + 8),
+      absl::StrFormat("--kv_model_identity=%x:%x", identity.lo, identity.hi),
+      absl::StrCat("--receiver_cpu=", absl::GetFlag(FLAGS_receiver_cpu))};
+  if (reserve_during_prefill) {
+    child_args.push_back(absl::StrCat("--kv_compute_model=", model_dir));
+    child_args.push_back(absl::StrCat("--kv_compute_tokens=", prompt));
+    child_args.push_back(absl::StrCat("--kv_compute_threads=", common.threads));
   }
+  if (absl::Status s = child.Start(child_args); !s.ok()) return s;
+  if (reserve_during_prefill) return TimeReservationsDuringPrefill(transport->get(), p, identity, child, prompt, common);
 
   nlohmann::json out;
   {
-    KvSender sender(transport->get(), &p, {.model = identity, .timeout = absl::Seconds(30)});
+    KvSender sender(transport->get(), p.storage(), {.model = identity, .timeout = absl::Seconds(30)});
     auto conn = sender.Connect("127.0.0.1", child.port());
     if (!conn.ok()) return conn.status();
-    SequenceKv seq;
-    if (absl::Status s = seq.Reserve(p, prompt); !s.ok()) return s;
+    SequenceKv seq = p.NewSequence();
+    if (absl::Status s = p.Grow(seq, prompt); !s.ok()) return s;
     seq.SetNumPositions(0);
     const int64_t bytes_moved = static_cast<int64_t>(seq.block_table().size()) * spec.LayerBlockBytes() * spec.num_layers;
     const int64_t layer_bytes = bytes_moved / spec.num_layers;
@@ -328,7 +455,7 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
       if (!remote.ok()) return remote.status();
       KvCacheSpec rspec = spec;
       rspec.num_blocks = blocks + 8;
-      const char* base = static_cast<const char*>(p.region().data());
+      const char* base = p.storage().base;
       for (int i = -2; i < iters; ++i) {
         std::promise<absl::Status> done;
         auto fut = done.get_future();
@@ -351,7 +478,7 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
       }
       t->loop().RunSync([&] { remote->reset(); });
     }
-    seq.Release(p);
+    seq.Release();
 
     const double h_med = Median(handoff_s), raw_med = Median(raw_s), stream_med = Median(stream_s);
     const char* tls = std::getenv("UCX_TLS");
@@ -377,16 +504,17 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
       std::vector<int32_t> tokens(prompt);
       for (int i = 0; i < prompt; ++i) tokens[i] = 1 + (i * 31) % static_cast<int>(model->config().vocab_size - 1);
       std::vector<double> unhidden, forward_s, after_forward;
+      (void)(*transport)->loop().TakeLongestStall();  // From here on.
       for (int i = -1; i < std::min(iters, 3); ++i) {
-        SequenceKv s;
-        if (absl::Status st = s.Reserve(p, prompt); !st.ok()) return st;
+        SequenceKv s = p.NewSequence();
+        if (absl::Status st = p.Grow(s, prompt); !st.ok()) return st;
         auto h = sender.Reserve(*conn, {.num_positions = prompt});
         if (!h.ok()) return h.status();
-        streaming->Arm(&p, h->get(), &s.block_table());
+        streaming->Arm(&p.storage(), h->get(), &s.block_table());
         const absl::Time t0 = absl::Now();
         kv::Commit c;
         ForwardSequence fs{.kv = &s, .tokens = tokens, .logits = LogitsMode::kLast};
-        auto r = model->Forward(p, absl::MakeConstSpan(&fs, 1));
+        auto r = model->Forward(p.storage(), absl::MakeConstSpan(&fs, 1));
         const absl::Time t_forward = absl::Now();
         streaming->Disarm();
         if (!r.ok()) return r.status();
@@ -398,7 +526,7 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
         c.generated = 1;
         if (absl::Status st = (*h)->Commit(std::move(c)); !st.ok()) return st;
         const absl::Time t_acked = absl::Now();
-        s.Release(p);
+        s.Release();
         if (i < 0) continue;
         unhidden.push_back(absl::ToDoubleSeconds(t_acked - streaming->layer_written().back()));
         after_forward.push_back(absl::ToDoubleSeconds(t_acked - t_forward));
@@ -406,6 +534,7 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
       }
       out["prefill_forward_ms"] = Median(forward_s) * 1e3;
       out["unhidden_ms"] = Median(after_forward) * 1e3;
+      out["transport_longest_stall_ms"] = absl::ToDoubleMilliseconds((*transport)->loop().TakeLongestStall());
       out["ack_after_last_layer_kv_written_ms"] = Median(unhidden) * 1e3;
       out["one_layer_transfer_ms"] = raw_med / spec.num_layers * 1e3;
     }
@@ -434,6 +563,8 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
                 out["unhidden_ms"].get<double>(), out["one_layer_transfer_ms"].get<double>());
     std::printf("  (commit ack - last layer's K/V written %.3f ms: includes that layer's attention, MLP and the logits)\n",
                 out["ack_after_last_layer_kv_written_ms"].get<double>());
+    std::printf("  UCX progress thread's longest stall during the prefills %.3f ms\n",
+                out["transport_longest_stall_ms"].get<double>());
   }
   return absl::OkStatus();
 }

@@ -166,7 +166,7 @@ class InProcessTarget final : public Target {
 
  private:
   explicit InProcessTarget(Engine e) : e_(std::move(e)) {
-    engine_ = std::make_unique<BatchEngine>(*e_.model, *e_.pool, BatchEngineOptions{.max_batch = 256});
+    engine_ = std::make_unique<BatchEngine>(*e_.model, *e_.kv, BatchEngineOptions{.max_batch = 256});
     loop_ = std::thread([this] {
       while (!stop_) {
         absl::StatusOr<bool> r = engine_->Step();

@@ -20,9 +20,9 @@ absl::Status PrintLogits(const EngineOptions& options, const std::vector<int32_t
                          bool all_positions) {
   absl::StatusOr<Engine> engine = MakeEngine(options);
   if (!engine.ok()) return engine.status();
-  SequenceKv seq;
+  SequenceKv seq = engine->kv->NewSequence();
   ForwardSequence fs{&seq, ids, all_positions ? LogitsMode::kAll : LogitsMode::kLast};
-  absl::StatusOr<ForwardResult> r = engine->model->Forward(*engine->pool, {&fs, 1});
+  absl::StatusOr<ForwardResult> r = ForwardGrowing(*engine->model, *engine->kv, {&fs, 1});
   if (!r.ok()) return r.status();
   std::string line;
   char buf[32];
@@ -37,7 +37,6 @@ absl::Status PrintLogits(const EngineOptions& options, const std::vector<int32_t
     line += "]\n";
     std::fputs(line.c_str(), stdout);
   }
-  seq.Release(*engine->pool);
   return absl::OkStatus();
 }
 
@@ -50,7 +49,7 @@ absl::Status Generate(const EngineOptions& options, const std::vector<int32_t>& 
   const uint64_t seed = params.seed.has_value() ? *params.seed : std::random_device{}() * 0x100000001ull;
   const std::vector<int32_t>& eos = config.eos_token_ids;
   PenaltyState penalties(prompt);
-  SequenceKv seq;
+  SequenceKv seq = engine->kv->NewSequence();
   std::vector<int32_t> out;
   std::vector<SampledToken> sampled;
   std::vector<int32_t> feed = prompt;
@@ -63,7 +62,7 @@ absl::Status Generate(const EngineOptions& options, const std::vector<int32_t>& 
   }
   while (finish == FinishReason::kNone) {
     ForwardSequence fs{&seq, feed, LogitsMode::kLast};
-    absl::StatusOr<ForwardResult> r = engine->model->Forward(*engine->pool, {&fs, 1});
+    absl::StatusOr<ForwardResult> r = ForwardGrowing(*engine->model, *engine->kv, {&fs, 1});
     if (!r.ok()) return r.status();
     // The token sampled now will sit at position seq.num_positions().
     SampledToken t = SampleToken(r->Last(0), params, penalties, seed, seq.num_positions());
@@ -104,7 +103,6 @@ absl::Status Generate(const EngineOptions& options, const std::vector<int32_t>& 
   std::fflush(stdout);
   std::fprintf(stderr, "seed=%llu finish=%s tokens=%zu\n", static_cast<unsigned long long>(seed),
                finish == FinishReason::kStop ? "stop" : "length", out.size());
-  seq.Release(*engine->pool);
   return absl::OkStatus();
 }
 

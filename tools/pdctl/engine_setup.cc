@@ -37,10 +37,10 @@ absl::StatusOr<Engine> MakeEngine(const EngineOptions& o) {
   }
   if (o.block_size <= 0) return absl::InvalidArgumentError("--block-size must be positive");
   const int64_t blocks = (o.kv_positions + o.block_size - 1) / o.block_size;
-  absl::StatusOr<std::unique_ptr<BlockPool>> pool = BlockPool::Create(
-      e.model->MakeKvSpec(kv, o.block_size, static_cast<int32_t>(blocks)), o.allocator);
-  if (!pool.ok()) return pool.status();
-  e.pool = *std::move(pool);
+  absl::StatusOr<std::unique_ptr<KvManager>> manager =
+      KvManager::Create(e.model->MakeKvSpec(kv, o.block_size, static_cast<int32_t>(blocks)), o.allocator);
+  if (!manager.ok()) return manager.status();
+  e.kv = *std::move(manager);
   return e;
 }
 

@@ -8,7 +8,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "common/kv_cache.h"
+#include "common/kv_manager.h"
 #include "common/model.h"
 #include "kernels/cpu/cpu_backend.h"
 
@@ -30,7 +30,7 @@ struct EngineOptions {
 struct Engine {
   std::unique_ptr<kernels::cpu::CpuBackend> backend;
   std::unique_ptr<Model> model;
-  std::unique_ptr<BlockPool> pool;
+  std::unique_ptr<KvManager> kv;
 };
 
 absl::StatusOr<Engine> MakeEngine(const EngineOptions& options);

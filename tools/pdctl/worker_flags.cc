@@ -9,7 +9,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/health.h"
-#include "common/pool_counters.h"
 #include "common/server_util.h"
 
 ABSL_FLAG(std::string, model, "", "model directory (Hugging Face layout)");
@@ -70,7 +69,9 @@ absl::StatusOr<WorkerRuntime> StartWorkerRuntime(const std::string& name, int* e
   // check can tell a quiet transport from a wedged one.
   rt.transport->loop().AddTicker(absl::Milliseconds(250), [] {});
   if (const int n = absl::GetFlag(FLAGS_fault_leak_kv_blocks); n > 0) {
-    absl::StatusOr<std::vector<BlockId>> leaked = rt.engine.engine.pool->Allocate(n);
+    KvManager& kv = *rt.engine.engine.kv;
+    rt.leaked_kv = kv.NewSequence();
+    const absl::Status leaked = kv.Grow(rt.leaked_kv, n * kv.spec().block_size);
     LogEvent("warning", "fault_leak_kv_blocks", {{"blocks", std::to_string(n)}, {"ok", leaked.ok() ? "true" : "false"}});
   }
   if (const double s = absl::GetFlag(FLAGS_fault_wedge_kv_after_s); s > 0) {
@@ -105,15 +106,14 @@ void CheckWorkerTransport(WorkerRuntime& rt, const std::string& host) {
   }
 }
 
-void AddKvPoolMetrics(MetricsRegistry& metrics, PoolCounters* counters) {
-  // A scrape during a forward reports the counts from before it.
+void AddKvPoolMetrics(MetricsRegistry& metrics, const KvManager* kv) {
   metrics.AddGauge("pdserve_kv_blocks", "KV blocks by state.",
-                   [counters] { return static_cast<double>(counters->Read().used); }, "state=\"used\"");
+                   [kv] { return static_cast<double>(kv->Counts().used); }, "state=\"used\"");
   metrics.AddGauge("pdserve_kv_blocks", "KV blocks by state.",
-                   [counters] { return static_cast<double>(counters->Read().free); }, "state=\"free\"");
+                   [kv] { return static_cast<double>(kv->Counts().free); }, "state=\"free\"");
 }
 
-std::function<std::string()> WorkerHealthCheck(WorkerRuntime& rt, PoolCounters* counters,
+std::function<std::string()> WorkerHealthCheck(WorkerRuntime& rt,
                                                std::function<bool()> draining, std::function<bool()> idle,
                                                std::function<void(std::string)> publish) {
   auto judge = std::make_shared<HealthJudge>(HealthOptions{
@@ -121,12 +121,13 @@ std::function<std::string()> WorkerHealthCheck(WorkerRuntime& rt, PoolCounters* 
       .wedge_after = absl::Seconds(absl::GetFlag(FLAGS_wedge_after_s))});
   kv::EventLoop* loop = &rt.transport->loop();
   const kv::TransportSelfCheck* check = rt.transport_check.get();
+  const KvManager* kv = rt.engine.engine.kv.get();
   return [=] {
     HealthInputs in;
     in.draining = draining();
     if (check != nullptr) in.transport_error = check->reason();
     in.idle = idle();
-    in.kv_blocks_used = counters->Read().used;
+    in.kv_blocks_used = kv->Counts().used;
     in.idle = in.idle && idle();  // Still idle after the count: the blocks are nobody's.
     in.transport_beat = loop->last_beat();
     std::string why = judge->Judge(in, absl::Now());

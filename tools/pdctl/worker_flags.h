@@ -9,9 +9,8 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "common/metrics.h"
-#include "common/pool_counters.h"
+#include "common/kv_manager.h"
 #include "common/tokenizer/tokenizer.h"
 #include "kv_transfer/self_check.h"
 #include "kv_transfer/ucx_transport.h"
@@ -32,6 +31,9 @@ struct WorkerEngine {
 struct WorkerRuntime {
   std::unique_ptr<kv::UcxTransport> transport;
   WorkerEngine engine;
+  // --fault_leak_kv_blocks: blocks held by nobody's work (given back
+  // before the engine goes).
+  SequenceKv leaked_kv;
   std::unique_ptr<kv::TransportSelfCheck> transport_check;
 };
 
@@ -50,12 +52,12 @@ void CheckWorkerTransport(WorkerRuntime& rt, const std::string& host);
 // the transport's self-check, KV leaks (--leak_grace_s) and a wedged
 // transport (--wedge_after_s) from what the service reports, and publishes
 // the verdict to it (for Status). REQUIRES: CheckWorkerTransport ran.
-std::function<std::string()> WorkerHealthCheck(WorkerRuntime& rt, PoolCounters* counters,
+std::function<std::string()> WorkerHealthCheck(WorkerRuntime& rt,
                                                std::function<bool()> draining, std::function<bool()> idle,
                                                std::function<void(std::string)> publish);
 
-// The pool's gauges pdserve_kv_blocks{state=used|free}, from `counters`.
-void AddKvPoolMetrics(MetricsRegistry& metrics, PoolCounters* counters);
+// The pool's gauges pdserve_kv_blocks{state=used|free}, from the KV manager.
+void AddKvPoolMetrics(MetricsRegistry& metrics, const KvManager* kv);
 
 }  // namespace pdserve::pdctl
 

@@ -75,14 +75,11 @@ class RawStreamReader {
   Result Read(Response* msg) {
     grpc::ByteBuffer buffer;
     if (!reader_->Read(&buffer)) return Result::kEnd;
+    // Parsed in place: a message usually arrives as one slice.
     grpc::Slice slice;
-    std::string bytes;
-    if (buffer.TrySingleSlice(&slice).ok()) {
-      bytes.assign(reinterpret_cast<const char*>(slice.begin()), slice.size());
-    } else if (buffer.DumpToSingleSlice(&slice).ok()) {
-      bytes.assign(reinterpret_cast<const char*>(slice.begin()), slice.size());
-    }
-    parse_error_ = ParseReceived(bytes, msg);
+    if (!buffer.TrySingleSlice(&slice).ok()) (void)buffer.DumpToSingleSlice(&slice);
+    parse_error_ =
+        ParseReceived(absl::string_view(reinterpret_cast<const char*>(slice.begin()), slice.size()), msg);
     if (parse_error_.ok()) return Result::kMessage;
     ctx_->TryCancel();
     return Result::kUnparseable;

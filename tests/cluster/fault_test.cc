@@ -14,9 +14,7 @@
 #include <vector>
 
 #include "absl/strings/match.h"
-#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
-#include "grpcpp/generic/generic_stub.h"
 #include "gtest/gtest.h"
 #include "pdserve/v1/worker.grpc.pb.h"
 #include "tests/cluster/cluster_harness.h"
@@ -187,32 +185,6 @@ TEST_P(DeadPoolTest, IsUnavailableWithinSeconds) {
 
 INSTANTIATE_TEST_SUITE_P(Pools, DeadPoolTest, ::testing::Values(true, false),
                          [](const ::testing::TestParamInfo<bool>& i) { return i.param ? "Prefill" : "Decode"; });
-
-// grpc.health.v1.Health/Check for the whole server (an empty request): the
-// answer's status field, 1 SERVING or 2 NOT_SERVING; -1 if the call failed.
-int GrpcHealth(const std::string& address) {
-  grpc::GenericStub stub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
-  grpc::Slice empty("");
-  grpc::ByteBuffer request(&empty, 1);
-  grpc::ByteBuffer response;
-  absl::Notification done;
-  grpc::Status status;
-  stub.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &response,
-                 [&](grpc::Status s) {
-                   status = std::move(s);
-                   done.Notify();
-                 });
-  done.WaitForNotification();
-  if (!status.ok()) return -1;
-  std::vector<grpc::Slice> slices;
-  if (!response.Dump(&slices).ok()) return -1;
-  std::string bytes;
-  for (const grpc::Slice& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
-  // Field 1, varint: tag 0x08 then the value (absent: 0, UNKNOWN).
-  return bytes.size() == 2 && bytes[0] == 0x08 ? bytes[1] : (bytes.empty() ? 0 : -1);
-}
 
 std::string UnshareBinary() {
   for (const char* p : {"/usr/bin/unshare", "/bin/unshare"}) {

@@ -24,6 +24,20 @@ constexpr absl::Duration kSpinAfterWork = absl::Microseconds(100);
 // instead of spinning a core until the operations fail.
 constexpr absl::Duration kSpinWhileStalled = absl::Milliseconds(10);
 constexpr int kStalledWaitMs = 1;
+// That spin pays only while the core is otherwise idle. A loop that shares
+// its core with a compute thread (a decode worker pinned to one core) uses
+// up its scheduler slice spinning, is preempted, and then waits a whole
+// tick (4 ms at 250 Hz) behind the compute for its next turn; asleep
+// instead, its wake-up preempts the compute at once. So once the loop finds
+// it was preempted (an involuntary context switch since it last looked) it
+// does not spin for this long.
+constexpr absl::Duration kNoSpinAfterPreempted = absl::Milliseconds(500);
+
+int64_t InvoluntarySwitches() {
+  rusage u{};
+  if (getrusage(RUSAGE_THREAD, &u) != 0) return 0;
+  return u.ru_nivcsw;
+}
 
 // The kernel's sched_attr (include/uapi/linux/sched/types.h, first version);
 // glibc has no wrapper for sched_setattr.
@@ -101,6 +115,9 @@ void EventLoop::AddTicker(absl::Duration period, std::function<void()> fn) {
 void EventLoop::Run(Device device) {
   absl::Time last_work = absl::Now();
   std::vector<std::function<void()>> batch;
+  int64_t preemptions_seen = InvoluntarySwitches();
+  bool looked_since_work = false;
+  absl::Time no_spin_until = absl::InfinitePast();
   for (;;) {
     const absl::Time round_start = absl::Now();
     last_beat_ns_.store(absl::ToUnixNanos(round_start), std::memory_order_relaxed);
@@ -137,13 +154,25 @@ void EventLoop::Run(Device device) {
     while (round_ns > longest && !longest_round_ns_.compare_exchange_weak(longest, round_ns)) {
     }
 
-    if (worked) last_work = absl::Now();
+    if (worked) {
+      last_work = absl::Now();
+      looked_since_work = false;
+    }
     if (worked || !due.empty()) continue;  // Tickers alone are not progress.
     pollfd fds[2] = {{wake_fd_, POLLIN, 0}, {device.fd, POLLIN, 0}};
     const int nfds = device.fd >= 0 ? 2 : 1;
-    const absl::Duration quiet = absl::Now() - last_work;
+    const absl::Time now = absl::Now();
+    const absl::Duration quiet = now - last_work;
     const bool stalled = quiet > kSpinWhileStalled;
-    if (busy_.load() > 0 || quiet < kSpinAfterWork || (device.arm && !device.arm())) {
+    bool spin = quiet < kSpinAfterWork;
+    if (spin && !looked_since_work) {  // One look per burst of work.
+      looked_since_work = true;
+      const int64_t preemptions = InvoluntarySwitches();
+      if (preemptions != preemptions_seen) no_spin_until = now + kNoSpinAfterPreempted;
+      preemptions_seen = preemptions;
+    }
+    if (spin && now < no_spin_until) spin = false;
+    if (busy_.load() > 0 || spin || (device.arm && !device.arm())) {
       if (stalled) {
         poll(fds, nfds, kStalledWaitMs);
         uint64_t drained;

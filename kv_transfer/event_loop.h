@@ -5,7 +5,10 @@
 // Idle: 100 us after its last work, while no operation is outstanding,
 // the loop arms the device (ucp_worker_arm) and blocks in poll() on the
 // device's fd and its own eventfd (posts wake it), with a timeout at the
-// next ticker; an idle loop costs a wake-up per ticker period.
+// next ticker; an idle loop costs a wake-up per ticker period. A loop that
+// finds it was preempted (it shares its core with compute) skips that spin
+// for a while: it sleeps at once, so its next wake-up preempts the compute
+// instead of waiting a scheduler tick behind it.
 //
 // Thread safety: Post, RunSync, AddTicker, AddBusy and Stop may be called
 // from any thread; tasks, tickers and device hooks run on the loop thread.

@@ -19,7 +19,7 @@
 #include "kv_transfer/ucx_transport.h"
 #include "common/grpc_server.h"
 #include "common/metrics.h"
-#include "tools/pdctl/worker_flags.h"
+#include "common/engine/worker_runtime.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:0", "gRPC address (port 0: any free port)");
 ABSL_FLAG(std::string, ready_file, "", "write {\"grpc_port\":..} here once serving");
@@ -46,11 +46,11 @@ namespace {
 int Run() {
   using namespace pdserve;
   int start_code = 0;
-  absl::StatusOr<pdctl::WorkerRuntime> rt = pdctl::StartWorkerRuntime("decode", &start_code);
+  absl::StatusOr<WorkerRuntime> rt = StartWorkerRuntime("decode", &start_code);
   if (!rt.ok()) return start_code;
   kv::UcxTransport* transport = rt->transport.get();
-  pdctl::WorkerEngine* w = &rt->engine;
-  pdctl::Engine* engine = &w->engine;
+  WorkerModel* w = &rt->engine;
+  ModelStack* engine = &w->engine;
   decode::DecodeServiceOptions so;
   so.engine.max_batch = absl::GetFlag(FLAGS_max_batch);
   so.engine.prefill_chunk_tokens = absl::GetFlag(FLAGS_prefill_chunk);
@@ -83,11 +83,11 @@ int Run() {
     return 1;
   }
   service.set_kv_address(absl::StrCat(absl::GetFlag(FLAGS_kv_host), ":", *kv_port));
-  pdctl::CheckWorkerTransport(*rt, absl::GetFlag(FLAGS_kv_host));
+  CheckWorkerTransport(*rt, absl::GetFlag(FLAGS_kv_host));
 
   MetricsRegistry metrics;
   {
-    pdctl::AddKvPoolMetrics(metrics, engine->kv.get());
+    AddKvPoolMetrics(metrics, engine->kv.get());
     kv::KvReceiver* r = receiver->get();
     metrics.AddGauge("pdserve_kv_blocks", "KV blocks by state.",
                      [r] { return static_cast<double>(r->stats().quarantined_blocks); }, "state=\"quarantined\"");
@@ -120,7 +120,7 @@ int Run() {
     r->StopAccepting();
     service.Drain(deadline);
   };
-  serve.health = pdctl::WorkerHealthCheck(
+  serve.health = WorkerHealthCheck(
       *rt, [&service] { return service.draining(); },
       [&service, r] {
         const kv::KvReceiver::Stats rs = r->stats();

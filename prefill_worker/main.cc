@@ -22,7 +22,7 @@
 #include "kv_transfer/sender.h"
 #include "kv_transfer/ucx_transport.h"
 #include "prefill_worker/prefill_service.h"
-#include "tools/pdctl/worker_flags.h"
+#include "common/engine/worker_runtime.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:0", "gRPC address (port 0: any free port)");
 ABSL_FLAG(std::string, ready_file, "", "write {\"grpc_port\":..} here once serving");
@@ -41,12 +41,12 @@ namespace {
 int Run() {
   using namespace pdserve;
   int start_code = 0;
-  absl::StatusOr<pdctl::WorkerRuntime> rt = pdctl::StartWorkerRuntime("prefill", &start_code);
+  absl::StatusOr<WorkerRuntime> rt = StartWorkerRuntime("prefill", &start_code);
   if (!rt.ok()) return start_code;
   kv::UcxTransport* transport = rt->transport.get();
-  pdctl::WorkerEngine* w = &rt->engine;
-  pdctl::Engine* engine = &w->engine;
-  pdctl::CheckWorkerTransport(*rt, "");
+  WorkerModel* w = &rt->engine;
+  ModelStack* engine = &w->engine;
+  CheckWorkerTransport(*rt, "");
   int exit_code = 0;
   {
     kv::KvSender sender(transport, engine->kv->storage(), {.model = engine->model->identity(), .timeout = absl::Seconds(absl::GetFlag(FLAGS_kv_timeout_s))});
@@ -59,7 +59,7 @@ int Run() {
     prefill::PrefillService service(engine->model.get(), engine->kv.get(), w->tokenizer.get(), &sender, so);
 
     MetricsRegistry metrics;
-    pdctl::AddKvPoolMetrics(metrics, engine->kv.get());
+    AddKvPoolMetrics(metrics, engine->kv.get());
     const KvManager* kv = engine->kv.get();
     auto pool_gauge = [kv](auto read) {
       return [kv, read] { return static_cast<double>(read(kv->Counts().prefix)); };
@@ -89,7 +89,7 @@ int Run() {
     serve.ready_file = absl::GetFlag(FLAGS_ready_file);
     serve.role = "prefill";
     serve.on_drain = [&service](absl::Time deadline) { service.Drain(deadline); };
-    serve.health = pdctl::WorkerHealthCheck(
+    serve.health = WorkerHealthCheck(
         *rt, [&service] { return service.draining(); },
         [&service] { return service.idle(); },
         [&service](std::string why) { service.set_unhealthy_reason(std::move(why)); });

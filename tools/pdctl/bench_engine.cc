@@ -56,10 +56,10 @@ absl::Status RunBenchEngine(const BenchEngineOptions& o) {
     positions = std::max<int64_t>(
         positions, 2 * (o.prefix_hit_cached + o.prefix_hit_new + 2 * eo_block));
   }
-  EngineOptions eo = o.engine;
+  ModelStackOptions eo = o.engine;
   eo.kv_positions = positions;
   Progress(absl::StrCat("loading ", eo.model_dir));
-  absl::StatusOr<Engine> engine = MakeEngine(eo);
+  absl::StatusOr<ModelStack> engine = LoadModelStack(eo);
   if (!engine.ok()) return engine.status();
   Model& model = *engine->model;
   KvManager& kv = *engine->kv;

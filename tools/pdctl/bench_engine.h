@@ -18,12 +18,12 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "tools/pdctl/engine_setup.h"
+#include "common/engine/model_stack.h"
 
 namespace pdserve::pdctl {
 
 struct BenchEngineOptions {
-  EngineOptions engine;
+  ModelStackOptions engine;
   std::vector<int> prefill_lengths = {128, 512, 2048};
   std::vector<int> decode_batches = {1, 8, 32};
   std::vector<int> decode_histories = {128, 512, 4096};

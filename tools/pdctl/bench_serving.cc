@@ -22,7 +22,7 @@
 #include "tools/pdctl/bench_svg.h"
 #include "tools/pdctl/bench_trace.h"
 #include "tools/pdctl/bench_workload.h"
-#include "tools/pdctl/engine_setup.h"
+#include "common/engine/model_stack.h"
 
 namespace pdserve::pdctl {
 namespace {
@@ -118,11 +118,11 @@ class RouterTarget final : public Target {
 class InProcessTarget final : public Target {
  public:
   static absl::StatusOr<std::unique_ptr<InProcessTarget>> Create(const std::string& model_dir, int threads) {
-    EngineOptions eo;
+    ModelStackOptions eo;
     eo.model_dir = model_dir;
     eo.threads = threads;
     eo.kv_positions = 65536;
-    absl::StatusOr<Engine> e = MakeEngine(eo);
+    absl::StatusOr<ModelStack> e = LoadModelStack(eo);
     if (!e.ok()) return e.status();
     return std::unique_ptr<InProcessTarget>(new InProcessTarget(*std::move(e)));
   }
@@ -165,7 +165,7 @@ class InProcessTarget final : public Target {
   }
 
  private:
-  explicit InProcessTarget(Engine e) : e_(std::move(e)) {
+  explicit InProcessTarget(ModelStack e) : e_(std::move(e)) {
     engine_ = std::make_unique<BatchEngine>(*e_.model, *e_.kv, BatchEngineOptions{.max_batch = 256});
     loop_ = std::thread([this] {
       while (!stop_) {
@@ -174,7 +174,7 @@ class InProcessTarget final : public Target {
       }
     });
   }
-  Engine e_;
+  ModelStack e_;
   std::unique_ptr<BatchEngine> engine_;
   std::atomic<bool> stop_{false};
   std::atomic<uint64_t> next_{1};

@@ -16,9 +16,9 @@ namespace {
 
 }  // namespace
 
-absl::Status PrintLogits(const EngineOptions& options, const std::vector<int32_t>& ids,
+absl::Status PrintLogits(const ModelStackOptions& options, const std::vector<int32_t>& ids,
                          bool all_positions) {
-  absl::StatusOr<Engine> engine = MakeEngine(options);
+  absl::StatusOr<ModelStack> engine = LoadModelStack(options);
   if (!engine.ok()) return engine.status();
   SequenceKv seq = engine->kv->NewSequence();
   ForwardSequence fs{&seq, ids, all_positions ? LogitsMode::kAll : LogitsMode::kLast};
@@ -40,9 +40,9 @@ absl::Status PrintLogits(const EngineOptions& options, const std::vector<int32_t
   return absl::OkStatus();
 }
 
-absl::Status Generate(const EngineOptions& options, const std::vector<int32_t>& prompt,
+absl::Status Generate(const ModelStackOptions& options, const std::vector<int32_t>& prompt,
                       SamplingParams params, const TextOutput& text) {
-  absl::StatusOr<Engine> engine = MakeEngine(options);
+  absl::StatusOr<ModelStack> engine = LoadModelStack(options);
   if (!engine.ok()) return engine.status();
   const ModelConfig& config = engine->model->config();
   if (absl::Status s = ValidateSamplingParams(params, config.vocab_size); !s.ok()) return s;

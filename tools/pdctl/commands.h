@@ -8,13 +8,13 @@
 #include "absl/status/status.h"
 #include "common/sampling.h"
 #include "common/tokenizer/tokenizer.h"
-#include "tools/pdctl/engine_setup.h"
+#include "common/engine/model_stack.h"
 
 namespace pdserve::pdctl {
 
 // Prints one JSON array of logits per line: every position of `ids` with
 // `all_positions`, else the last one.
-absl::Status PrintLogits(const EngineOptions& options, const std::vector<int32_t>& ids,
+absl::Status PrintLogits(const ModelStackOptions& options, const std::vector<int32_t>& ids,
                          bool all_positions);
 
 // Generates with `params` (greedy when temperature is 0; a seed is assigned
@@ -27,7 +27,7 @@ struct TextOutput {
   const tok::Tokenizer* tokenizer = nullptr;
   std::vector<std::string> stop_strings;
 };
-absl::Status Generate(const EngineOptions& options, const std::vector<int32_t>& prompt,
+absl::Status Generate(const ModelStackOptions& options, const std::vector<int32_t>& prompt,
                       SamplingParams params, const TextOutput& text = {});
 
 }  // namespace pdserve::pdctl

@@ -131,8 +131,8 @@ absl::StatusOr<std::vector<int32_t>> ParseIds(const std::string& flag, const std
   return ids;
 }
 
-EngineOptions EngineFlags() {
-  EngineOptions o;
+ModelStackOptions EngineFlags() {
+  ModelStackOptions o;
   o.model_dir = ModelDir();
   o.weights = absl::GetFlag(FLAGS_weights);
   o.kv = absl::GetFlag(FLAGS_kv);
@@ -145,7 +145,7 @@ EngineOptions EngineFlags() {
 absl::Status RunLogits() {
   absl::StatusOr<std::vector<int32_t>> ids = ParseIds("token-ids", absl::GetFlag(FLAGS_token_ids));
   if (!ids.ok()) return ids.status();
-  EngineOptions o = EngineFlags();
+  ModelStackOptions o = EngineFlags();
   o.kv_positions = static_cast<int64_t>(ids->size());
   return PrintLogits(o, *ids, absl::GetFlag(FLAGS_all_positions));
 }
@@ -235,7 +235,7 @@ absl::Status RunGenerate() {
   if (ids->empty()) return absl::InvalidArgumentError("the prompt is empty");
   const int max_tokens = absl::GetFlag(FLAGS_max_tokens);
   if (max_tokens < 1) return absl::InvalidArgumentError("--max-tokens must be at least 1");
-  EngineOptions o = EngineFlags();
+  ModelStackOptions o = EngineFlags();
   o.kv_positions = static_cast<int64_t>(ids->size()) + max_tokens;
   SamplingParams p;
   p.max_tokens = max_tokens;

@@ -1,8 +1,10 @@
 // The engine flags both worker binaries take (--model, --threads, --weights,
 // --kv, --block_size, --kv_positions), defined once, and the engine +
-// tokenizer they load. Linked by the workers only (pdctl has its own flags).
-#ifndef PDSERVE_TOOLS_PDCTL_WORKER_FLAGS_H_
-#define PDSERVE_TOOLS_PDCTL_WORKER_FLAGS_H_
+// tokenizer they load, the KV transport, the health check and the pool's
+// metrics: what both worker binaries run on. Linked by the workers only
+// (pdctl has its own flags).
+#ifndef PDSERVE_COMMON_ENGINE_WORKER_RUNTIME_H_
+#define PDSERVE_COMMON_ENGINE_WORKER_RUNTIME_H_
 
 #include <functional>
 #include <memory>
@@ -14,12 +16,12 @@
 #include "common/tokenizer/tokenizer.h"
 #include "kv_transfer/self_check.h"
 #include "kv_transfer/ucx_transport.h"
-#include "tools/pdctl/engine_setup.h"
+#include "common/engine/model_stack.h"
 
-namespace pdserve::pdctl {
+namespace pdserve {
 
-struct WorkerEngine {
-  Engine engine;
+struct WorkerModel {
+  ModelStack engine;
   std::unique_ptr<tok::Tokenizer> tokenizer;
 };
 
@@ -30,7 +32,7 @@ struct WorkerEngine {
 // the engine, the transport last, as the pool requires.
 struct WorkerRuntime {
   std::unique_ptr<kv::UcxTransport> transport;
-  WorkerEngine engine;
+  WorkerModel engine;
   // --fault_leak_kv_blocks: blocks held by nobody's work (given back
   // before the engine goes).
   SequenceKv leaked_kv;
@@ -59,6 +61,6 @@ std::function<std::string()> WorkerHealthCheck(WorkerRuntime& rt,
 // The pool's gauges pdserve_kv_blocks{state=used|free}, from the KV manager.
 void AddKvPoolMetrics(MetricsRegistry& metrics, const KvManager* kv);
 
-}  // namespace pdserve::pdctl
+}  // namespace pdserve
 
-#endif  // PDSERVE_TOOLS_PDCTL_WORKER_FLAGS_H_
+#endif  // PDSERVE_COMMON_ENGINE_WORKER_RUNTIME_H_

@@ -1,12 +1,12 @@
-#include "tools/pdctl/engine_setup.h"
+#include "common/engine/model_stack.h"
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 
-namespace pdserve::pdctl {
+namespace pdserve {
 
-absl::StatusOr<Engine> MakeEngine(const EngineOptions& o) {
-  Engine e;
+absl::StatusOr<ModelStack> LoadModelStack(const ModelStackOptions& o) {
+  ModelStack e;
   kernels::cpu::CpuBackendOptions bo;
   bo.num_threads = o.threads;
   if (!o.isa.empty()) {
@@ -44,4 +44,4 @@ absl::StatusOr<Engine> MakeEngine(const EngineOptions& o) {
   return e;
 }
 
-}  // namespace pdserve::pdctl
+}  // namespace pdserve

@@ -1,7 +1,8 @@
-// Shared setup of pdctl's engine commands: backend, model and KV pool from
-// flags.
-#ifndef PDSERVE_TOOLS_PDCTL_ENGINE_SETUP_H_
-#define PDSERVE_TOOLS_PDCTL_ENGINE_SETUP_H_
+// The compute stack a worker or a pdctl command runs on: a CPU backend,
+// the model on it, and the KV manager whose pool the model's forward
+// reads and writes, loaded from options (the workers' and pdctl's flags).
+#ifndef PDSERVE_COMMON_ENGINE_MODEL_STACK_H_
+#define PDSERVE_COMMON_ENGINE_MODEL_STACK_H_
 
 #include <memory>
 #include <optional>
@@ -12,9 +13,9 @@
 #include "common/model.h"
 #include "kernels/cpu/cpu_backend.h"
 
-namespace pdserve::pdctl {
+namespace pdserve {
 
-struct EngineOptions {
+struct ModelStackOptions {
   std::string model_dir;
   std::string weights;  // "", "f32", "bf16"
   std::string kv;       // "", "f32", "bf16"
@@ -27,14 +28,14 @@ struct EngineOptions {
   KvRegionAllocator* allocator = nullptr;
 };
 
-struct Engine {
+struct ModelStack {
   std::unique_ptr<kernels::cpu::CpuBackend> backend;
   std::unique_ptr<Model> model;
   std::unique_ptr<KvManager> kv;
 };
 
-absl::StatusOr<Engine> MakeEngine(const EngineOptions& options);
+absl::StatusOr<ModelStack> LoadModelStack(const ModelStackOptions& options);
 
-}  // namespace pdserve::pdctl
+}  // namespace pdserve
 
-#endif  // PDSERVE_TOOLS_PDCTL_ENGINE_SETUP_H_
+#endif  // PDSERVE_COMMON_ENGINE_MODEL_STACK_H_

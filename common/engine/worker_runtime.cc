@@ -1,4 +1,4 @@
-#include "tools/pdctl/worker_flags.h"
+#include "common/engine/worker_runtime.h"
 
 #include <memory>
 #include <string>
@@ -23,12 +23,12 @@ ABSL_FLAG(double, wedge_after_s, 5, "NOT_SERVING once the KV transport's event l
 ABSL_FLAG(int, fault_leak_kv_blocks, 0, "fault tests only: take this many KV blocks at start and never free them");
 ABSL_FLAG(double, fault_wedge_kv_after_s, 0, "fault tests only: block the KV transport's loop this long after start (0: never)");
 
-namespace pdserve::pdctl {
+namespace pdserve {
 
 namespace {
 
-absl::StatusOr<WorkerEngine> LoadWorkerEngine(KvRegionAllocator* allocator) {
-  EngineOptions eo;
+absl::StatusOr<WorkerModel> LoadWorkerModel(KvRegionAllocator* allocator) {
+  ModelStackOptions eo;
   eo.model_dir = absl::GetFlag(FLAGS_model);
   if (eo.model_dir.empty()) return absl::InvalidArgumentError("--model is required");
   eo.threads = absl::GetFlag(FLAGS_threads);
@@ -37,8 +37,8 @@ absl::StatusOr<WorkerEngine> LoadWorkerEngine(KvRegionAllocator* allocator) {
   eo.block_size = absl::GetFlag(FLAGS_block_size);
   eo.kv_positions = absl::GetFlag(FLAGS_kv_positions);
   eo.allocator = allocator;
-  WorkerEngine w;
-  absl::StatusOr<Engine> engine = MakeEngine(eo);
+  WorkerModel w;
+  absl::StatusOr<ModelStack> engine = LoadModelStack(eo);
   if (!engine.ok()) return engine.status();
   w.engine = *std::move(engine);
   absl::StatusOr<std::unique_ptr<tok::Tokenizer>> tokenizer = tok::Tokenizer::Load(eo.model_dir);
@@ -58,7 +58,7 @@ absl::StatusOr<WorkerRuntime> StartWorkerRuntime(const std::string& name, int* e
     return transport.status();
   }
   rt.transport = *std::move(transport);
-  absl::StatusOr<WorkerEngine> w = LoadWorkerEngine(&rt.transport->region_allocator());
+  absl::StatusOr<WorkerModel> w = LoadWorkerModel(&rt.transport->region_allocator());
   if (!w.ok()) {
     LogEvent("error", "load_failed", {{"error", std::string(w.status().message())}});
     *exit_code = absl::IsInvalidArgument(w.status()) ? 2 : 1;
@@ -136,4 +136,4 @@ std::function<std::string()> WorkerHealthCheck(WorkerRuntime& rt,
   };
 }
 
-}  // namespace pdserve::pdctl
+}  // namespace pdserve

@@ -20,11 +20,32 @@ grpc::Status ToGrpc(const absl::Status& s) {
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
 }
 
+// What the engine tells one Decode call: a token, or the end (status).
+struct StreamEvent {
+  absl::Status status;
+  bool end = false;
+  TokenEvent token;
+  int32_t cached_tokens = 0;
+};
+
 // Events of one Decode call, filled by the engine thread.
 struct Stream {
   absl::Mutex mu;
-  std::deque<EngineEvent> events ABSL_GUARDED_BY(mu);
+  std::deque<StreamEvent> events ABSL_GUARDED_BY(mu);
 };
+
+engine::RequestCallbacks StreamCallbacks(const std::shared_ptr<Stream>& stream) {
+  engine::RequestCallbacks c;
+  c.on_token = [stream](const TokenEvent& t, int32_t cached) {
+    absl::MutexLock lock(&stream->mu);
+    stream->events.push_back({absl::OkStatus(), false, t, cached});
+  };
+  c.on_end = [stream](const absl::Status& s) {
+    absl::MutexLock lock(&stream->mu);
+    stream->events.push_back({s, true, {}, 0});
+  };
+  return c;
+}
 
 }  // namespace
 
@@ -36,7 +57,8 @@ DecodeService::DecodeService(Model* model, KvManager* kv, const tok::Tokenizer* 
       options_(std::move(options)),
       engine_(*model, *kv, options_.engine) {
   kv_->set_listener(&kv_events_);
-  engine_thread_ = std::thread([this] { EngineLoop(); });
+  engine_.Start();
+  sweep_thread_ = std::thread([this] { SweepLoop(); });
 }
 
 DecodeService::~DecodeService() {
@@ -48,41 +70,23 @@ DecodeService::~DecodeService() {
 
 void DecodeService::Shutdown() {
   {
-    absl::MutexLock lock(&wake_mu_);
-    if (stop_) return;
-    stop_ = true;
+    absl::MutexLock lock(&sweep_mu_);
+    if (stop_sweeping_) return;
+    stop_sweeping_ = true;
   }
-  if (engine_thread_.joinable()) engine_thread_.join();
-  failed_ = true;
+  if (sweep_thread_.joinable()) sweep_thread_.join();
+  engine_.Stop();
+  stopped_ = true;
 }
 
-void DecodeService::Wake() {
-  absl::MutexLock lock(&wake_mu_);
-  work_ = true;
-}
-
-void DecodeService::EngineLoop() {
+void DecodeService::SweepLoop() {
+  absl::MutexLock lock(&sweep_mu_);
   while (true) {
-    {
-      absl::MutexLock lock(&wake_mu_);
-      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(wake_mu_) { return work_ || stop_; };
-      wake_mu_.AwaitWithTimeout(absl::Condition(&ready), absl::Milliseconds(20));
-      if (stop_) return;
-      work_ = false;
-    }
+    auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(sweep_mu_) { return stop_sweeping_; };
+    if (sweep_mu_.AwaitWithTimeout(absl::Condition(&stop), absl::Milliseconds(100))) return;
+    sweep_mu_.Unlock();
     SweepHandoffs();
-    while (true) {
-      const absl::StatusOr<bool> stepped = engine_.Step();
-      if (!stepped.ok()) {
-        std::fprintf(stderr, "{\"level\":\"error\",\"event\":\"engine_failed\",\"error\":\"%s\"}\n",
-                     std::string(stepped.status().message()).c_str());
-        failed_ = true;
-        return;
-      }
-      if (!*stepped) break;
-      absl::MutexLock lock(&wake_mu_);
-      if (stop_) return;
-    }
+    sweep_mu_.Lock();
   }
 }
 
@@ -119,7 +123,7 @@ void DecodeService::SweepHandoffs() {
 
 bool DecodeService::idle() {
   if (active_calls_.load() > 0) return false;
-  const BatchEngineStats st = engine_.stats();
+  const engine::EngineStats st = engine_.stats();
   if (st.running > 0 || st.waiting > 0) return false;
   absl::MutexLock lock(&handoff_mu_);
   return committed_.empty();
@@ -135,7 +139,7 @@ void DecodeService::Drain(absl::Time deadline) {
 
 grpc::Status DecodeService::Decode(grpc::ServerContext* ctx, const worker::v1::DecodeRequest* req,
                                    grpc::ServerWriter<DecodeEvent>* writer) {
-  if (failed_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "decode engine is not running");
+  if (!healthy()) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "decode engine is not running");
   if (draining_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "decode worker is draining");
   ++active_calls_;
   struct Leave {
@@ -178,18 +182,17 @@ grpc::Status DecodeService::Decode(grpc::ServerContext* ctx, const worker::v1::D
   std::unique_ptr<Generation> gen = *std::move(made);
   if (gen->finished()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "generated_ids: already finished");
   auto stream = std::make_shared<Stream>();
-  EventSink sink = [stream](const EngineEvent& e) {
-    absl::MutexLock lock(&stream->mu);
-    stream->events.push_back(e);
-  };
-  const uint64_t id = next_id_++;
+  engine::RequestId id(w.request_id().empty() ? absl::StrCat("local-", next_id_++) : w.request_id());
   const auto start = std::chrono::steady_clock::now();
   int32_t completion_tokens = 0;
+  std::shared_ptr<engine::Request> request;
   if (req->prefill_here()) {
     if (!options_.allow_prefill) {
       return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "this decode worker does not prefill (--prefill-local)");
     }
-    engine_.SubmitPrefill(id, std::move(gen), std::move(sink));
+    request = std::make_shared<engine::Request>(std::move(id), engine::RequestMode::kLocal, std::move(gen),
+                                                StreamCallbacks(stream));
+    engine_.Submit(request);
   } else {
     // Wait for the prefill worker's handoff of this request.
     HandedOff seq;
@@ -222,9 +225,12 @@ grpc::Status DecodeService::Decode(grpc::ServerContext* ctx, const worker::v1::D
       writer->Write(fin);
       return grpc::Status::OK;
     }
-    engine_.SubmitDecode(id, std::move(gen), std::move(seq.kv), std::move(sink));
+    request = std::make_shared<engine::Request>(std::move(id), engine::RequestMode::kDecodeOnly, std::move(gen),
+                                                StreamCallbacks(stream));
+    request->kv = std::move(seq.kv);
+    (void)request->lifecycle.Transition(engine::RequestState::kWaitingForKv);
+    engine_.Submit(request);
   }
-  Wake();
 
   double max_itl = 0, sum_itl = 0;
   int32_t gaps = 0;
@@ -234,7 +240,7 @@ grpc::Status DecodeService::Decode(grpc::ServerContext* ctx, const worker::v1::D
   const bool unparseable = fault_unparseable_.Take();
   int32_t chunks_written = 0;
   while (true) {
-    std::deque<EngineEvent> batch;
+    std::deque<StreamEvent> batch;
     {
       absl::MutexLock lock(&stream->mu);
       auto ready = [&stream]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(stream->mu) { return !stream->events.empty(); };
@@ -242,17 +248,15 @@ grpc::Status DecodeService::Decode(grpc::ServerContext* ctx, const worker::v1::D
       std::swap(batch, stream->events);
     }
     if (ctx->IsCancelled()) {
-      engine_.Cancel(id);
-      Wake();
+      engine_.Cancel(request, absl::CancelledError("cancelled by the caller"));
       return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the caller");
     }
     if (evict_) {
-      engine_.Cancel(id);
-      Wake();
+      engine_.Cancel(request, absl::UnavailableError("decode worker drained: continue elsewhere"));
       return grpc::Status(grpc::StatusCode::UNAVAILABLE, "decode worker drained: continue elsewhere");
     }
     if (batch.empty()) {
-      if (failed_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "decode engine stopped");
+      if (!healthy()) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "decode engine stopped");
       continue;
     }
     const auto now = std::chrono::steady_clock::now();
@@ -260,9 +264,9 @@ grpc::Status DecodeService::Decode(grpc::ServerContext* ctx, const worker::v1::D
     v1::TokenChunk* chunk = out.mutable_chunk();
     FinishReason finish = FinishReason::kNone;
     absl::Status error;
-    for (const EngineEvent& e : batch) {
-      if (!e.status.ok()) {
-        error = e.status;
+    for (const StreamEvent& e : batch) {
+      if (e.end) {
+        error = e.status;  // OK: the finish came with the last token.
         break;
       }
       rpc::AppendToken(e.token, logprobs, chunk);
@@ -282,8 +286,7 @@ grpc::Status DecodeService::Decode(grpc::ServerContext* ctx, const worker::v1::D
       last = now;
       if (unparseable && ++chunks_written == 2) chunk->mutable_text()->append("\xff");
       if (!writer->Write(out)) {
-        engine_.Cancel(id);
-        Wake();
+        engine_.Cancel(request, absl::CancelledError("the caller went away"));
         return grpc::Status(grpc::StatusCode::CANCELLED, "the caller went away");
       }
     }
@@ -309,7 +312,7 @@ grpc::Status DecodeService::Status(grpc::ServerContext*, const worker::v1::Worke
                                    worker::v1::WorkerInfo* out) {
   rpc::FillKvEvents(kv_events_, *req, out);
   rpc::FillPrefixHash(model_->identity(), kv_->spec().dtype, kv_->spec().block_size, out);
-  const BatchEngineStats st = engine_.stats();
+  const engine::EngineStats st = engine_.stats();
   v1::WorkerStatus* s = out->mutable_status();
   s->set_kv_cached_blocks(static_cast<int64_t>(kv_events_.num_cached()));
   s->set_role("decode");
@@ -332,7 +335,7 @@ grpc::Status DecodeService::Status(grpc::ServerContext*, const worker::v1::Worke
   {
     absl::MutexLock lock(&handoff_mu_);
     out->set_kv_address(kv_address_);
-    std::string why = failed_ ? "decode engine is not running" : draining_ ? "draining" : unhealthy_reason_;
+    std::string why = !healthy() ? "decode engine is not running" : draining_ ? "draining" : unhealthy_reason_;
     s->set_healthy(why.empty());
     out->set_unhealthy_reason(std::move(why));
   }

@@ -1,5 +1,5 @@
-// The decode worker's gRPC service: a BatchEngine on its own thread, fed by
-// Decode calls (colocated: prefill here; disaggregated: a committed KV
+// The decode worker's gRPC service: an engine (common/engine) on its own
+// thread, fed by Decode calls (colocated: prefill here; disaggregated: a committed KV
 // handoff for the request), streaming each token to the caller as the
 // engine produces it.
 //
@@ -20,14 +20,14 @@
 #include "common/kv_events.h"
 #include "common/model.h"
 #include "common/tokenizer/tokenizer.h"
-#include "decode_worker/batch_engine.h"
+#include "common/engine/engine.h"
 #include "pdserve/v1/worker.grpc.pb.h"
 #include "proto/received.h"
 
 namespace pdserve::decode {
 
 struct DecodeServiceOptions {
-  BatchEngineOptions engine;
+  engine::EngineOptions engine;
   bool allow_prefill = true;  // Colocated requests (prefill_here) accepted.
   // How long a Decode call waits for its handoff to be committed.
   double handoff_wait_seconds = 30;
@@ -62,7 +62,7 @@ class DecodeService final : public worker::v1::DecodeWorker::Service {
   grpc::Status Status(grpc::ServerContext* ctx, const worker::v1::WorkerStatusRequest* req,
                       worker::v1::WorkerInfo* out) override;
 
-  bool healthy() const { return !failed_.load(); }
+  bool healthy() const { return !stopped_.load() && !engine_.failed(); }
   bool draining() const { return draining_.load(); }
   // No Decode call, running or waiting sequence, or unclaimed handoff.
   bool idle();
@@ -71,13 +71,13 @@ class DecodeService final : public worker::v1::DecodeWorker::Service {
     absl::MutexLock lock(&handoff_mu_);
     unhealthy_reason_ = std::move(why);
   }
-  BatchEngineStats engine_stats() const { return engine_.stats(); }
+  engine::EngineStats engine_stats() const { return engine_.stats(); }
   // Where prefill workers send KV (reported by Status); set before serving.
   void set_kv_address(std::string a) {
     absl::MutexLock lock(&handoff_mu_);
     kv_address_ = std::move(a);
   }
-  // Stops the engine thread (pending calls end with UNAVAILABLE).
+  // Stops the engine (pending calls end with UNAVAILABLE).
   void Shutdown();
   // SIGTERM: new Decode calls get UNAVAILABLE (the router goes elsewhere)
   // and Status reports not healthy; running streams finish until
@@ -86,8 +86,7 @@ class DecodeService final : public worker::v1::DecodeWorker::Service {
   void Drain(absl::Time deadline);
 
  private:
-  void EngineLoop();
-  void Wake();
+  void SweepLoop();
 
   Model* model_;
   KvManager* kv_;
@@ -97,16 +96,15 @@ class DecodeService final : public worker::v1::DecodeWorker::Service {
   // What the prefix cache holds (committed handoffs' prompts, finished
   // local sequences), for the router; Status carries it.
   KvEventLog kv_events_;
-  BatchEngine engine_;
+  engine::Engine engine_;
   std::atomic<uint64_t> next_id_{1};
-  std::atomic<bool> failed_{false};
+  std::atomic<bool> stopped_{false};
   std::atomic<bool> draining_{false};
   std::atomic<bool> evict_{false};   // Drain deadline passed: end streams.
   std::atomic<int32_t> active_calls_{0};
 
-  absl::Mutex wake_mu_;
-  bool work_ ABSL_GUARDED_BY(wake_mu_) = false;
-  bool stop_ ABSL_GUARDED_BY(wake_mu_) = false;
+  absl::Mutex sweep_mu_;
+  bool stop_sweeping_ ABSL_GUARDED_BY(sweep_mu_) = false;
 
   absl::Mutex handoff_mu_;
   absl::flat_hash_map<std::string, HandedOff> committed_ ABSL_GUARDED_BY(handoff_mu_);
@@ -118,7 +116,7 @@ class DecodeService final : public worker::v1::DecodeWorker::Service {
   std::string kv_address_ ABSL_GUARDED_BY(handoff_mu_);
   std::string unhealthy_reason_ ABSL_GUARDED_BY(handoff_mu_);
 
-  std::thread engine_thread_;
+  std::thread sweep_thread_;
 };
 
 }  // namespace pdserve::decode

@@ -53,7 +53,7 @@ int Run() {
   ModelStack* engine = &w->engine;
   decode::DecodeServiceOptions so;
   so.engine.max_batch = absl::GetFlag(FLAGS_max_batch);
-  so.engine.prefill_chunk_tokens = absl::GetFlag(FLAGS_prefill_chunk);
+  so.engine.chunk_tokens = absl::GetFlag(FLAGS_prefill_chunk);
   so.engine.itl_target_seconds = absl::GetFlag(FLAGS_itl_target_ms) / 1e3;
   so.engine.prefix_cache = absl::GetFlag(FLAGS_prefix_cache);
   so.allow_prefill = absl::GetFlag(FLAGS_prefill_local);

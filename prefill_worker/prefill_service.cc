@@ -33,11 +33,11 @@ grpc::Status ToGrpc(const absl::Status& s) {
 struct PrefillService::Job {
   std::string request_id;
   std::string decode_address;
-  std::unique_ptr<Generation> gen;
+  std::unique_ptr<Generation> gen;  // Until the engine has the request.
+  // Set (under mu) when handed to the engine.
+  std::shared_ptr<engine::Request> request;
   std::vector<int32_t> context;  // Prompt + generated_ids: what is prefilled.
-  SequenceKv kv;
-  int32_t fed = 0;  // Prompt positions in kv (cached or computed).
-  int32_t cached = 0;  // Of them, from the prefix cache.
+  SequenceKv kv;  // From the engine, after the first token: what is committed.
   std::unique_ptr<kv::Handoff> handoff;
   Clock::time_point queued_at, started_at, first_at;
   TokenEvent first;
@@ -62,10 +62,14 @@ PrefillService::PrefillService(Model* model, KvManager* kv, const tok::Tokenizer
       sender_(sender),
       options_(options),
       fault_unparseable_(options.fault_unparseable_streams),
-      hasher_(model->identity(), kv->spec().dtype, kv->spec().block_size) {
+      engine_(*model, *kv,
+              engine::EngineOptions{.max_batch = options.max_batch,
+                                    .chunk_tokens = options.chunk_tokens,
+                                    .prefix_cache = true,
+                                    .fault_stall_forward = absl::Milliseconds(options.fault_stall_prefill_ms)}) {
   kv_->set_listener(&kv_events_);
+  engine_.Start();
   reserve_thread_ = std::thread([this] { ReserveLoop(); });
-  compute_thread_ = std::thread([this] { ComputeLoop(); });
   commit_thread_ = std::thread([this] { CommitLoop(); });
 }
 
@@ -81,7 +85,7 @@ void PrefillService::Shutdown() {
     stop_ = true;
   }
   if (reserve_thread_.joinable()) reserve_thread_.join();
-  if (compute_thread_.joinable()) compute_thread_.join();
+  engine_.Stop();  // What it holds ends with UNAVAILABLE.
   {
     absl::MutexLock lock(&mu_);
     commits_closed_ = true;
@@ -89,9 +93,7 @@ void PrefillService::Shutdown() {
   if (commit_thread_.joinable()) commit_thread_.join();
   absl::MutexLock lock(&mu_);
   for (auto& j : queue_) FinishJob(j, absl::UnavailableError("prefill worker shutting down"));
-  for (auto& j : reserved_) FinishJob(j, absl::UnavailableError("prefill worker shutting down"));
   queue_.clear();
-  reserved_.clear();
 }
 
 void PrefillService::FinishJob(const std::shared_ptr<Job>& job, absl::Status status) {
@@ -152,9 +154,9 @@ void PrefillService::ReserveLoop() {
     {
       absl::MutexLock lock(&mu_);
       // A bounded lookahead: a reservation is a lease on the decode side's
-      // blocks, so only as many jobs as one forward takes wait reserved.
+      // blocks, so only about two forwards' worth wait reserved.
       auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return stop_ || (!queue_.empty() && static_cast<int32_t>(reserved_.size()) < options_.max_batch);
+        return stop_ || (!queue_.empty() && in_engine_ < 2 * options_.max_batch);
       };
       mu_.Await(absl::Condition(&ready));
       if (stop_) return;
@@ -166,127 +168,79 @@ void PrefillService::ReserveLoop() {
       continue;
     }
     job->started_at = Clock::now();
-    const std::vector<int32_t>& prompt = job->context;
-    // Never reuse the whole prompt: its last position must be computed
-    // for the first token's logits.
-    job->fed = AttachCachedPrefix(*kv_, hasher_, absl::MakeConstSpan(prompt).first(prompt.size() - 1), job->kv);
-    job->cached = job->fed;
     if (absl::Status st = StartHandoff(*job); !st.ok()) {
       FinishJob(job, st);
       continue;
     }
-    absl::MutexLock lock(&mu_);
-    reserved_.push_back(std::move(job));
+    Submit(job);
   }
 }
 
-void PrefillService::ComputeLoop() {
-  std::vector<std::shared_ptr<Job>> active;  // Reserved, prompt not done.
-  while (true) {
-    bool stopping = false;
+void PrefillService::Submit(const std::shared_ptr<Job>& job) {
+  engine::RequestCallbacks c;
+  Job* j = job.get();  // The engine's callbacks end before the job does (FinishJob).
+  c.on_layer_written = [j](int32_t layer, const SequenceKv& kv) { return j->handoff->SendLayer(layer, kv.block_table()); };
+  c.on_token = [j](const TokenEvent& first, int32_t cached) {
+    const auto now = Clock::now();
+    j->first = first;
+    j->first_at = now;
+    PrefillEvent ev;
+    worker::v1::FirstToken* f = ev.mutable_first();
+    f->mutable_token()->set_token_id(first.token);
+    f->mutable_token()->set_logprob(first.logprob);
+    for (const auto& [id, lp] : first.top_logprobs) {
+      v1::TopLogprob* t = f->mutable_token()->add_top();
+      t->set_token_id(id);
+      t->set_logprob(lp);
+    }
+    f->set_finish_reason(rpc::ToProto(first.finish));
+    f->set_cached_tokens(cached);
+    f->set_queue_seconds(Seconds(j->queued_at, j->started_at));
+    f->set_prefill_seconds(Seconds(j->started_at, now));
+    j->Push(std::move(ev));
+  };
+  c.on_handoff = [this, job](const TokenEvent&, SequenceKv kv) {
+    job->kv = std::move(kv);
+    absl::MutexLock lock(&mu_);
+    --in_engine_;
+    commits_.push_back(job);
+  };
+  // Ended inside the engine: the first token ended the request (OK: the
+  // handoff is aborted, nothing to decode), or cancelled, or an error.
+  c.on_end = [this, job](const absl::Status& status) {
     {
       absl::MutexLock lock(&mu_);
-      auto ready = [this, &active]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return stop_ || !reserved_.empty() || !active.empty();
-      };
-      mu_.AwaitWithTimeout(absl::Condition(&ready), absl::Milliseconds(50));
-      stopping = stop_;
-      while (!stopping && !reserved_.empty() && static_cast<int32_t>(active.size()) < options_.max_batch) {
-        active.push_back(reserved_.front());
-        reserved_.pop_front();
-      }
+      --in_engine_;
     }
-    if (stopping) break;
-    if (active.empty()) continue;
-    std::vector<std::shared_ptr<Job>> runnable;
-    for (auto& job : active) {
-      if (job->cancelled) {
-        FinishJob(job, absl::CancelledError("cancelled"));
-        continue;
-      }
-      runnable.push_back(job);
+    if (!status.ok() && !absl::IsCancelled(status) && !absl::IsUnavailable(status)) {
+      LogEvent("error", "prefill_failed", {{"request_id", job->request_id}, {"error", std::string(status.message())}});
     }
-    active.clear();
-    // One forward: chunks of every runnable job within the budget.
-    int32_t budget = options_.chunk_tokens;
-    std::vector<ForwardSequence> batch;
-    std::vector<std::shared_ptr<Job>> in_batch, finishing;
-    for (auto& job : runnable) {
-      const std::vector<int32_t>& prompt = job->context;
-      const int32_t left = static_cast<int32_t>(prompt.size()) - job->fed;
-      const int32_t n = budget > 0 ? std::min(budget, left) : 0;
-      if (n == 0) {
-        active.push_back(job);  // Next step.
-        continue;
-      }
-      budget -= n;
-      const bool last = n == left;
-      batch.push_back({&job->kv, absl::MakeConstSpan(prompt).subspan(job->fed, n),
-                       last ? LogitsMode::kLast : LogitsMode::kNone});
-      in_batch.push_back(job);
-      if (last) finishing.push_back(job);
-    }
-    if (batch.empty()) continue;
-    ForwardOptions fo;
-    absl::Status send_status;
-    fo.on_layer_kv_written = [&finishing, &send_status](int32_t layer) {
-      for (auto& job : finishing) {
-        absl::Status st = job->handoff->SendLayer(layer, job->kv.block_table());
-        if (!st.ok() && send_status.ok()) send_status = st;
-      }
-    };
-    if (options_.fault_stall_prefill_ms > 0) absl::SleepFor(absl::Milliseconds(options_.fault_stall_prefill_ms));
-    // The KV manager's lock is held for the allocation only; the forward
-    // (and the per-layer sends inside it) run without it.
-    const absl::StatusOr<ForwardResult> res = ForwardGrowing(*model_, *kv_, batch, fo);
-    const auto now = Clock::now();
-    if (!res.ok()) {
-      LogEvent("error", "prefill_failed", {{"error", std::string(res.status().message())}});
-      for (auto& job : in_batch) FinishJob(job, res.status());
-      continue;
-    }
-    for (size_t b = 0; b < in_batch.size(); ++b) {
-      Job& job = *in_batch[b];
-      job.fed += static_cast<int32_t>(batch[b].tokens.size());
-      if (batch[b].logits == LogitsMode::kNone) {
-        active.push_back(in_batch[b]);
-        continue;
-      }
-      PublishFullBlocks(*kv_, hasher_, job.context, job.kv);
-      absl::StatusOr<TokenEvent> first = job.gen->Accept(res->Last(b));
-      if (!first.ok()) {
-        FinishJob(in_batch[b], first.status());
-        continue;
-      }
-      job.first = *first;
-      job.first_at = now;
-      PrefillEvent ev;
-      worker::v1::FirstToken* f = ev.mutable_first();
-      f->mutable_token()->set_token_id(first->token);
-      f->mutable_token()->set_logprob(first->logprob);
-      for (const auto& [id, lp] : first->top_logprobs) {
-        v1::TopLogprob* t = f->mutable_token()->add_top();
-        t->set_token_id(id);
-        t->set_logprob(lp);
-      }
-      f->set_finish_reason(rpc::ToProto(first->finish));
-      f->set_cached_tokens(job.cached);
-      f->set_queue_seconds(Seconds(job.queued_at, job.started_at));
-      f->set_prefill_seconds(Seconds(job.started_at, now));
-      job.Push(std::move(ev));
-      if (first->finish != FinishReason::kNone) {
-        FinishJob(in_batch[b], absl::OkStatus());  // Aborts the handoff: nothing to decode.
-        continue;
-      }
-      if (!send_status.ok()) {
-        FinishJob(in_batch[b], send_status);
-        continue;
-      }
-      absl::MutexLock lock(&mu_);
-      commits_.push_back(in_batch[b]);
-    }
+    FinishJob(job, status);
+  };
+  auto request = std::make_shared<engine::Request>(engine::RequestId(job->request_id),
+                                                  engine::RequestMode::kPrefillOnly, std::move(job->gen), std::move(c));
+  {
+    absl::MutexLock lock(&job->mu);
+    job->request = request;
   }
-  for (auto& job : active) FinishJob(job, absl::UnavailableError("prefill worker shutting down"));
+  {
+    absl::MutexLock lock(&mu_);
+    ++in_engine_;
+  }
+  engine_.Submit(request);
+  // A cancel that came while the job was reserving (Cancel saw no request).
+  if (job->cancelled) engine_.Cancel(request, absl::CancelledError("cancelled"));
+}
+
+void PrefillService::Cancel(Job& job) {
+  if (job.cancelled.exchange(true)) return;
+  std::shared_ptr<engine::Request> request;
+  {
+    absl::MutexLock lock(&job.mu);
+    request = job.request;
+  }
+  // Not in the engine yet: the reserve thread sees the flag.
+  if (request != nullptr) engine_.Cancel(request, absl::CancelledError("cancelled"));
 }
 
 void PrefillService::CommitLoop() {
@@ -304,7 +258,8 @@ void PrefillService::CommitLoop() {
     if (options_.fault_stall_before_commit_ms > 0) {
       absl::SleepFor(absl::Milliseconds(options_.fault_stall_before_commit_ms));
     }
-    const GenerationRequest& r = job->gen->request();
+    const Generation& gen = *job->request->gen;
+    const GenerationRequest& r = gen.request();
     kv::Commit c;
     c.request_id = job->request_id;
     c.num_positions = static_cast<int32_t>(job->context.size());
@@ -313,8 +268,8 @@ void PrefillService::CommitLoop() {
     c.first_logprob = job->first.logprob;
     c.top_logprobs = job->first.top_logprobs;
     c.sampling = r.params;
-    c.seed = job->gen->seed();
-    c.generated = static_cast<int32_t>(job->gen->generated().size());
+    c.seed = gen.seed();
+    c.generated = static_cast<int32_t>(gen.generated().size());
     c.finish_reason = static_cast<uint8_t>(job->first.finish);
     absl::Status st = job->handoff->Commit(std::move(c));
     if (st.ok()) {
@@ -322,13 +277,15 @@ void PrefillService::CommitLoop() {
       ev.mutable_done()->set_handoff_seconds(Seconds(job->first_at, Clock::now()));
       job->Push(std::move(ev));
     }
+    (void)job->request->lifecycle.Transition(engine::RequestState::kFinished,
+                                             st.ok() ? engine::EndReason::kHandedOff : engine::EndReason::kError);
     FinishJob(job, st);
   }
 }
 
 PrefillService::Stats PrefillService::stats() {
   absl::MutexLock lock(&mu_);
-  return {static_cast<int32_t>(queue_.size() + reserved_.size()), queued_tokens_, in_flight_};
+  return {static_cast<int32_t>(queue_.size()) + engine_.stats().waiting, queued_tokens_, in_flight_};
 }
 
 bool PrefillService::draining() {
@@ -338,7 +295,7 @@ bool PrefillService::draining() {
 
 bool PrefillService::idle() {
   absl::MutexLock lock(&mu_);
-  return in_flight_ == 0 && queue_.empty() && reserved_.empty() && commits_.empty();
+  return in_flight_ == 0 && queue_.empty() && in_engine_ == 0 && commits_.empty();
 }
 
 void PrefillService::Drain(absl::Time deadline) {
@@ -369,7 +326,6 @@ grpc::Status PrefillService::Prefill(grpc::ServerContext* ctx, const worker::v1:
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "decode_kv_address: empty");
   }
   auto job = std::make_shared<Job>();
-  job->kv = kv_->NewSequence();
   job->request_id = req->request().request_id();
   job->decode_address = req->decode_kv_address();
   absl::StatusOr<std::unique_ptr<Generation>> made = rpc::MakeGeneration(
@@ -412,13 +368,13 @@ grpc::Status PrefillService::Prefill(grpc::ServerContext* ctx, const worker::v1:
         rpc::MakeUnparseable(&e);
         unparseable = false;
       }
-      if (!writer->Write(e)) job->cancelled = true;
+      if (!writer->Write(e)) Cancel(*job);
     }
     if (done) {
       if (!status.ok()) result = ToGrpc(status);
       break;
     }
-    if (ctx->IsCancelled()) job->cancelled = true;
+    if (ctx->IsCancelled()) Cancel(*job);
   }
   absl::MutexLock lock(&mu_);
   if (!first_seen) queued_tokens_ -= tokens;
@@ -439,7 +395,7 @@ grpc::Status PrefillService::Status(grpc::ServerContext*, const worker::v1::Work
     out->set_unhealthy_reason(std::move(why));
     out->set_instance_id(ProcessInstanceId());
     s->set_running(in_flight_);
-    s->set_queued(static_cast<int32_t>(queue_.size() + reserved_.size()));
+    s->set_queued(static_cast<int32_t>(queue_.size()) + engine_.stats().waiting);
     s->set_queued_prefill_tokens(queued_tokens_);
   }
   {

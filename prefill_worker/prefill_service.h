@@ -1,11 +1,13 @@
 // The prefill worker's gRPC service. Requests go through three threads in
 // order. For each request,
-//   1. the reserve thread looks up its prompt in the local prefix cache and
-//      reserves KV blocks on the chosen decode worker (kv_transfer; a
-//      network round trip the compute thread never waits for), keeping at
-//      most max_batch requests reserved ahead of the compute;
-// then the compute thread runs chunked prefill over the reserved requests
-// with a per-step token budget (several prompts per forward), and
+//   1. the reserve thread reserves KV blocks on the chosen decode worker
+//      (kv_transfer; a network round trip the compute thread never waits
+//      for), keeping at most 2 x max_batch requests reserved ahead of the
+//      compute, and hands the request to the engine (common/engine, a
+//      prefill-only request);
+// then the engine's thread runs chunked prefill over its requests with a
+// per-step token budget (several prompts per forward; the longest cached
+// prefix of each prompt is reused), and
 //   2. streams every layer's KV to them from the last chunk's forward, as
 //      soon as the layer is written, while later layers still compute,
 //   3. samples the first token and sends it to the router at once (TTFT),
@@ -26,7 +28,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
-#include "common/block_hash.h"
+#include "common/engine/engine.h"
 #include "common/kv_manager.h"
 #include "common/kv_events.h"
 #include "common/model.h"
@@ -86,11 +88,14 @@ class PrefillService final : public worker::v1::PrefillWorker::Service {
 
  private:
   struct Job;
-  // Prefix-cache attach and the decode side's reservation, a network round
-  // trip: on a thread of their own, so the compute thread never waits for
-  // one.
+  // The decode side's reservation, a network round trip: on a thread of
+  // its own, so the engine's thread never waits for one.
   void ReserveLoop();
-  void ComputeLoop();
+  // Hands a reserved job to the engine.
+  void Submit(const std::shared_ptr<Job>& job);
+  // The caller went away: the job ends where it is (queued, reserving, or
+  // in the engine).
+  void Cancel(Job& job);
   void CommitLoop();
   // Connects (once per address) and reserves; errors end the job.
   absl::Status StartHandoff(Job& job);
@@ -103,13 +108,12 @@ class PrefillService final : public worker::v1::PrefillWorker::Service {
   kv::KvSender* sender_;
   const PrefillServiceOptions options_;
   rpc::UnparseableFault fault_unparseable_;
-  const BlockHasher hasher_;
   // What the prefix cache holds, for the router (Status carries it).
   KvEventLog kv_events_;
 
   absl::Mutex mu_;
-  std::deque<std::shared_ptr<Job>> queue_ ABSL_GUARDED_BY(mu_);     // Not reserved yet.
-  std::deque<std::shared_ptr<Job>> reserved_ ABSL_GUARDED_BY(mu_);  // Ready to compute.
+  std::deque<std::shared_ptr<Job>> queue_ ABSL_GUARDED_BY(mu_);  // Not reserved yet.
+  int32_t in_engine_ ABSL_GUARDED_BY(mu_) = 0;  // Reserved; in the engine until the first token.
   std::deque<std::shared_ptr<Job>> commits_ ABSL_GUARDED_BY(mu_);
   int64_t queued_tokens_ ABSL_GUARDED_BY(mu_) = 0;
   int32_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
@@ -121,8 +125,8 @@ class PrefillService final : public worker::v1::PrefillWorker::Service {
   // Reserve thread only.
   absl::flat_hash_map<std::string, kv::Connection*> connections_;
 
+  engine::Engine engine_;
   std::thread reserve_thread_;
-  std::thread compute_thread_;
   std::thread commit_thread_;
 };
 

@@ -14,7 +14,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "common/generation.h"
-#include "decode_worker/batch_engine.h"
+#include "common/engine/engine.h"
 #include "grpcpp/grpcpp.h"
 #include "nlohmann/json.hpp"
 #include "pdserve/v1/generation.grpc.pb.h"
@@ -126,10 +126,7 @@ class InProcessTarget final : public Target {
     if (!e.ok()) return e.status();
     return std::unique_ptr<InProcessTarget>(new InProcessTarget(*std::move(e)));
   }
-  ~InProcessTarget() override {
-    stop_ = true;
-    loop_.join();
-  }
+  ~InProcessTarget() override { engine_->Stop(); }
   RequestResult Run(const WorkloadRequest& w) override {
     GenerationRequest gr;
     gr.prompt = w.prompt;
@@ -145,18 +142,22 @@ class InProcessTarget final : public Target {
     };
     auto sh = std::make_shared<Shared>();
     sh->r.sent = Clock::now();
-    engine_->SubmitPrefill(next_++, std::make_unique<Generation>(std::move(gr), nullptr),
-                           [sh](const EngineEvent& e) {
-                             absl::MutexLock lock(&sh->mu);
-                             if (!e.status.ok()) {
-                               sh->r.s.error = std::string(e.status.message());
-                               sh->rejected = absl::IsResourceExhausted(e.status);
-                               sh->done = true;
-                               return;
-                             }
-                             sh->r.Chunk(1, Clock::now());
-                             if (e.token.finish != FinishReason::kNone) sh->done = true;
-                           });
+    engine::RequestCallbacks c;
+    c.on_token = [sh](const TokenEvent&, int32_t) {
+      absl::MutexLock lock(&sh->mu);
+      sh->r.Chunk(1, Clock::now());
+    };
+    c.on_end = [sh](const absl::Status& s) {
+      absl::MutexLock lock(&sh->mu);
+      if (!s.ok()) {
+        sh->r.s.error = std::string(s.message());
+        sh->rejected = absl::IsResourceExhausted(s);
+      }
+      sh->done = true;
+    };
+    engine_->Submit(std::make_shared<engine::Request>(engine::RequestId(absl::StrCat("bench-", next_++)),
+                                                      engine::RequestMode::kLocal,
+                                                      std::make_unique<Generation>(std::move(gr), nullptr), c));
     absl::MutexLock lock(&sh->mu);
     sh->mu.Await(absl::Condition(&sh->done));
     sh->r.s.e2e = Seconds(sh->r.sent, Clock::now());
@@ -166,19 +167,12 @@ class InProcessTarget final : public Target {
 
  private:
   explicit InProcessTarget(ModelStack e) : e_(std::move(e)) {
-    engine_ = std::make_unique<BatchEngine>(*e_.model, *e_.kv, BatchEngineOptions{.max_batch = 256});
-    loop_ = std::thread([this] {
-      while (!stop_) {
-        absl::StatusOr<bool> r = engine_->Step();
-        if (!r.ok() || !*r) std::this_thread::sleep_for(std::chrono::microseconds(200));
-      }
-    });
+    engine_ = std::make_unique<engine::Engine>(*e_.model, *e_.kv, engine::EngineOptions{.max_batch = 256});
+    engine_->Start();
   }
   ModelStack e_;
-  std::unique_ptr<BatchEngine> engine_;
-  std::atomic<bool> stop_{false};
+  std::unique_ptr<engine::Engine> engine_;
   std::atomic<uint64_t> next_{1};
-  std::thread loop_;
 };
 
 // One run of `work` against `target`: open loop at `arrivals` (seconds after

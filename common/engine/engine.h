@@ -1,0 +1,191 @@
+// The engine both worker roles run: requests in, one compute thread, the
+// scheduler and the model. Each step is
+//
+//   plan (scheduler.h, from the sequences' KV needs and the pool's counts)
+//   → allocate (the KV manager; its lock covers this bookkeeping only)
+//   → forward (Model::Forward over ready block tables; never allocates)
+//   → apply (sample, stream tokens, move requests between states).
+//
+// Requests come in three modes:
+//   kLocal        prefill here, then decode (a colocated request, and a
+//                 preempted one's recomputation);
+//   kPrefillOnly  prefill here, and after the first token hand the KV to
+//                 its owner (the prefill worker commits it to a decode
+//                 worker); the KV of every layer is reported while the last
+//                 chunk's forward still computes later layers;
+//   kDecodeOnly   its KV came by handoff and its first token was sampled
+//                 elsewhere (replayed into its Generation): it decodes.
+// Preemption frees a running request's KV and recomputes its prompt +
+// generated tokens later; sampling is keyed by (seed, position), so its
+// stream goes on with the same tokens.
+//
+// Other threads hand the engine work through Submit and Cancel (a queue
+// drained at every step). Callbacks run on the engine's thread and must not
+// block.
+//
+// Thread safety: Submit, Cancel, stats and Stop are thread-safe; Step runs
+// on one thread (the engine's own after Start, or the caller's when it
+// never starts it: tests and benchmarks).
+#ifndef PDSERVE_COMMON_ENGINE_ENGINE_H_
+#define PDSERVE_COMMON_ENGINE_ENGINE_H_
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/block_hash.h"
+#include "common/engine/request.h"
+#include "common/engine/scheduler.h"
+#include "common/generation.h"
+#include "common/kv_manager.h"
+#include "common/model.h"
+
+namespace pdserve::engine {
+
+struct EngineOptions {
+  int32_t max_batch = 64;
+  // Context tokens prefilled per step across all waiting requests.
+  int32_t chunk_tokens = 256;
+  // 0: no inter-token-latency cap; else no new request starts while the
+  // measured step time (an exponential average) exceeds it.
+  double itl_target_seconds = 0;
+  // Prefills start from the longest cached prefix of their context, and a
+  // request that ends (or is preempted) publishes its full blocks.
+  bool prefix_cache = false;
+  // Fault tests only: every forward waits this long first.
+  absl::Duration fault_stall_forward = absl::ZeroDuration();
+};
+
+enum class RequestMode { kLocal, kPrefillOnly, kDecodeOnly };
+
+struct RequestCallbacks {
+  // A sampled token; the first of a prefill carries the context positions
+  // that came from the prefix cache.
+  std::function<void(const TokenEvent& token, int32_t cached_tokens)> on_token;
+  // The request ended inside the engine: OK (stop or length), CANCELLED,
+  // or its error. Called once, after its last token. (A kPrefillOnly
+  // request that hands off ends with its owner instead.)
+  std::function<void(const absl::Status& status)> on_end;
+  // kPrefillOnly: every position of the context has layer `layer`'s KV
+  // written (called during the last chunk's forward). An error ends the
+  // request once the forward is done.
+  std::function<absl::Status(int32_t layer, const SequenceKv& kv)> on_layer_written;
+  // kPrefillOnly: the first token (already given to on_token) did not end
+  // the request; it is handing off now and its KV goes to the callee.
+  std::function<void(const TokenEvent& first, SequenceKv kv)> on_handoff;
+};
+
+// One request. Made by a worker, shared by it and the engine.
+struct Request {
+  Request(RequestId id, RequestMode mode, std::unique_ptr<Generation> gen, RequestCallbacks callbacks)
+      : id(std::move(id)), mode(mode), gen(std::move(gen)), callbacks(std::move(callbacks)) {}
+
+  const RequestId id;
+  const RequestMode mode;
+  RequestLifecycle lifecycle;
+  const absl::Time arrived = absl::Now();
+
+  // Set before Submit, then the engine thread's only.
+  std::unique_ptr<Generation> gen;
+  SequenceKv kv;  // kDecodeOnly: the handed-off KV.
+  RequestCallbacks callbacks;
+
+  // Engine thread only.
+  std::vector<int32_t> context;  // Waiting: what to prefill; fed of it is in kv.
+  int32_t fed = 0;
+  int32_t cached = 0;  // Of fed, from the prefix cache.
+  bool first_sent = false;
+  absl::Status layer_status;  // kPrefillOnly: the first on_layer_written error.
+};
+
+struct EngineStats {
+  int64_t steps = 0;
+  int64_t preemptions = 0;
+  int32_t running = 0;
+  int32_t waiting = 0;
+  double step_seconds_avg = 0;  // Exponential average of steps with decode rows.
+  double mean_history = 0;      // Mean positions per running request, last step.
+};
+
+class Engine {
+ public:
+  // REQUIRES: model and kv outlive the engine.
+  Engine(Model& model, KvManager& kv, EngineOptions options);
+  // Stops the thread; requests still inside end with UNAVAILABLE.
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Runs steps on a thread of the engine's own until Stop.
+  void Start();
+  // Joins the thread (a step in progress finishes) and ends every request
+  // still inside with UNAVAILABLE. Idempotent.
+  void Stop();
+
+  // REQUIRES: kLocal and kPrefillOnly requests are waiting; kDecodeOnly
+  // ones are waiting-for-KV with their kv set, and not finished by their
+  // replayed first token.
+  void Submit(std::shared_ptr<Request> request);
+  // Ends the request at the next step with `why` (CANCELLED, or e.g.
+  // UNAVAILABLE for a drain): its KV is freed then and on_end gets `why`.
+  // A request that is no longer inside is left alone.
+  void Cancel(const std::shared_ptr<Request>& request, absl::Status why);
+
+  // One step. Returns whether it did anything (false: nothing to do, or
+  // waiting for KV that others hold). An error is fatal for the engine:
+  // every request inside has ended with it.
+  absl::StatusOr<bool> Step();
+
+  EngineStats stats() const;
+  // The engine's thread hit an error (every request ended with it).
+  bool failed() const;
+
+ private:
+  struct Inbox {
+    std::vector<std::shared_ptr<Request>> requests;
+    std::vector<std::pair<std::shared_ptr<Request>, absl::Status>> cancels;
+  };
+
+  void Run();
+  void DrainInbox();
+  void End(Request& r, absl::Status status, EndReason reason);
+  void EndAll(const absl::Status& status);
+  void Publish(const Request& r);
+  void Preempt(std::shared_ptr<Request> r);
+  SchedulerInput Describe() const;
+  // Samples the token ending r's row; false when r ended (or handed off).
+  bool AcceptToken(Request& r, absl::Span<const float> logits);
+  void PublishStats();
+
+  Model& model_;
+  KvManager& kv_;
+  const EngineOptions options_;
+  const BlockHasher hasher_;
+
+  mutable absl::Mutex mu_;
+  Inbox inbox_ ABSL_GUARDED_BY(mu_);
+  EngineStats stats_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  bool failed_ ABSL_GUARDED_BY(mu_) = false;
+  bool work_ ABSL_GUARDED_BY(mu_) = false;
+
+  // Engine thread only.
+  std::vector<std::shared_ptr<Request>> running_;  // Admission order (newest last).
+  std::deque<std::shared_ptr<Request>> waiting_;
+  double step_avg_ = 0;
+  int64_t preemptions_ = 0;
+  int64_t steps_ = 0;
+
+  std::thread thread_;
+};
+
+}  // namespace pdserve::engine
+
+#endif  // PDSERVE_COMMON_ENGINE_ENGINE_H_

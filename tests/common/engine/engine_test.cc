@@ -1,0 +1,419 @@
+// The engine against the one-sequence-at-a-time generator on the shipped
+// model: batching, chunked prefill, queueing, preemption with
+// recomputation, prefill-only requests handing off, handed-off sequences
+// and cancellation must not change a single token or byte of text, and
+// every request must end in the state its path leads to.
+#include "common/engine/engine.h"
+
+#include <map>
+#include <thread>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/generation.h"
+#include "common/model.h"
+#include "common/tokenizer/tokenizer.h"
+#include "absl/synchronization/notification.h"
+#include "gtest/gtest.h"
+#include "tests/support/default_model.h"
+
+namespace pdserve::engine {
+namespace {
+
+
+struct Output {
+  std::vector<int32_t> tokens;
+  std::string text;
+  FinishReason finish = FinishReason::kNone;
+  absl::Status status;
+};
+
+class EngineTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    absl::StatusOr<testing_support::DefaultModel> m = testing_support::LoadDefaultModel(2);
+    ASSERT_TRUE(m.ok()) << m.status();
+    loaded_ = new testing_support::DefaultModel(*std::move(m));
+    model_ = loaded_->model.get();
+    tokenizer_ = loaded_->tokenizer.get();
+  }
+
+  std::unique_ptr<KvManager> MakeKv(int32_t blocks) {
+    auto kv = KvManager::Create(model_->MakeKvSpec(DType::kF32, 16, blocks));
+    EXPECT_TRUE(kv.ok());
+    return *std::move(kv);
+  }
+
+  GenerationRequest MakeReq(const std::string& text, int max_tokens, float temperature,
+                            uint64_t seed, std::vector<std::string> stops = {}) {
+    GenerationRequest r;
+    r.prompt = *tokenizer_->Encode(text);
+    r.params.temperature = temperature;
+    r.params.top_p = temperature > 0 ? 0.9f : 1.0f;
+    r.params.max_tokens = max_tokens;
+    r.params.seed = seed;
+    r.stop_strings = std::move(stops);
+    r.eos_ids = model_->config().eos_token_ids;
+    return r;
+  }
+
+  // The reference: one sequence, whole-prompt prefill, then decode.
+  Output Alone(const GenerationRequest& req) {
+    auto manager = MakeKv(64);
+    Generation gen(req, tokenizer_);
+    SequenceKv kv = manager->NewSequence();
+    Output out;
+    std::vector<int32_t> feed = req.prompt;
+    while (!gen.finished()) {
+      ForwardSequence fs{&kv, feed, LogitsMode::kLast};
+      auto r = ForwardGrowing(*model_, *manager, {&fs, 1});
+      EXPECT_TRUE(r.ok()) << r.status();
+      auto ev = gen.Accept(r->Last(0));
+      EXPECT_TRUE(ev.ok());
+      out.tokens.push_back(ev->token);
+      out.text += ev->text;
+      out.finish = ev->finish;
+      feed.assign(1, ev->token);
+    }
+    kv.Release();
+    return out;
+  }
+
+  static RequestCallbacks Collect(Output* out) {
+    RequestCallbacks c;
+    c.on_token = [out](const TokenEvent& t, int32_t) {
+      out->tokens.push_back(t.token);
+      out->text += t.text;
+      out->finish = t.finish;
+    };
+    c.on_end = [out](const absl::Status& s) { out->status = s; };
+    return c;
+  }
+
+  // A request that prefills and decodes here.
+  std::shared_ptr<Request> Local(int id, const GenerationRequest& req, RequestCallbacks callbacks) {
+    return std::make_shared<Request>(RequestId(absl::StrCat("r", id)), RequestMode::kLocal,
+                                     std::make_unique<Generation>(req, tokenizer_), std::move(callbacks));
+  }
+
+  static void RunToIdle(Engine& engine) {
+    for (int i = 0; i < 100000; ++i) {
+      auto r = engine.Step();
+      ASSERT_TRUE(r.ok()) << r.status();
+      if (!*r) return;
+    }
+    FAIL() << "engine never went idle";
+  }
+
+  std::vector<GenerationRequest> Mixed() {
+    std::vector<GenerationRequest> reqs;
+    reqs.push_back(MakeReq("In the beginning God created", 24, 0, 1));
+    reqs.push_back(MakeReq("And the LORD said unto Moses,", 30, 0.8f, 7));
+    // Longer than one prefill chunk (the engine's budget below is 48 tokens).
+    reqs.push_back(MakeReq("And it came to pass, when men began to multiply on the face of the earth, "
+                           "and daughters were born unto them, that the sons of God saw the daughters "
+                           "of men that they were fair; and they took them wives of all which they chose.",
+                           20, 0, 3));
+    reqs.push_back(MakeReq("Blessed are the", 16, 1.0f, 99));
+    reqs.push_back(MakeReq("The LORD is my shepherd;", 28, 0.7f, 5, {"LORD"}));
+    reqs.push_back(MakeReq("Then", 12, 0, 11));
+    return reqs;
+  }
+
+  static testing_support::DefaultModel* loaded_;
+  static Model* model_;
+  static tok::Tokenizer* tokenizer_;
+};
+
+testing_support::DefaultModel* EngineTest::loaded_ = nullptr;
+Model* EngineTest::model_ = nullptr;
+tok::Tokenizer* EngineTest::tokenizer_ = nullptr;
+
+void ExpectSame(const Output& got, const Output& want, int i) {
+  EXPECT_TRUE(got.status.ok()) << "request " << i << ": " << got.status;
+  EXPECT_EQ(got.tokens, want.tokens) << "request " << i;
+  EXPECT_EQ(got.text, want.text) << "request " << i;
+  EXPECT_EQ(got.finish, want.finish) << "request " << i;
+}
+
+TEST_F(EngineTest, BatchedStreamsEqualOneAtATime) {
+  const auto reqs = Mixed();
+  auto kv = MakeKv(128);
+  Engine engine(*model_, *kv, {.max_batch = 4, .chunk_tokens = 48});
+  std::vector<Output> got(reqs.size());
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    engine.Submit(Local(i, reqs[i], Collect(&got[i])));
+  }
+  RunToIdle(engine);
+  for (size_t i = 0; i < reqs.size(); ++i) ExpectSame(got[i], Alone(reqs[i]), static_cast<int>(i));
+  EXPECT_EQ(kv->Counts().used, 0);
+  EXPECT_EQ(engine.stats().preemptions, 0);
+  EXPECT_EQ(engine.stats().running + engine.stats().waiting, 0);
+}
+
+TEST_F(EngineTest, PreemptedSequencesRecomputeAndContinueUnchanged) {
+  const auto reqs = Mixed();
+  // 7 blocks of 16 positions: the longest request alone needs 6 at its end,
+  // all six together about 25.
+  auto kv = MakeKv(7);
+  Engine engine(*model_, *kv, {.max_batch = 6, .chunk_tokens = 48});
+  std::vector<Output> got(reqs.size());
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    engine.Submit(Local(i, reqs[i], Collect(&got[i])));
+  }
+  RunToIdle(engine);
+  EXPECT_GT(engine.stats().preemptions, 0);
+  for (size_t i = 0; i < reqs.size(); ++i) ExpectSame(got[i], Alone(reqs[i]), static_cast<int>(i));
+  EXPECT_EQ(kv->Counts().used, 0);
+}
+
+// With the prefix cache on, preempted sequences publish their blocks and
+// recompute from them, and a second turn of a conversation (the first
+// turn's prompt + output + more) prefills only what is new: no token changes.
+TEST_F(EngineTest, PrefixCacheReusesPublishedBlocksWithoutChangingATokenEvenUnderPreemption) {
+  const auto reqs = Mixed();
+  auto kv = MakeKv(7);
+  Engine engine(*model_, *kv, {.max_batch = 6, .chunk_tokens = 48, .prefix_cache = true});
+  std::vector<Output> got(reqs.size());
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    engine.Submit(Local(i, reqs[i], Collect(&got[i])));
+  }
+  RunToIdle(engine);
+  EXPECT_GT(engine.stats().preemptions, 0);
+  EXPECT_GT(kv->Counts().prefix.hit_blocks, 0) << "recomputes found nothing cached";
+  for (size_t i = 0; i < reqs.size(); ++i) ExpectSame(got[i], Alone(reqs[i]), static_cast<int>(i));
+  EXPECT_EQ(kv->Counts().used, 0);
+
+  // Turn two of request 2 (the long one): prompt + its output + new text.
+  auto big = MakeKv(64);
+  Engine engine2(*model_, *big, {.max_batch = 4, .chunk_tokens = 48, .prefix_cache = true});
+  Output turn1;
+  engine2.Submit(Local(1, reqs[2], Collect(&turn1)));
+  RunToIdle(engine2);
+  GenerationRequest next = reqs[2];
+  next.prompt.insert(next.prompt.end(), turn1.tokens.begin(), turn1.tokens.end());
+  const std::vector<int32_t> more = *tokenizer_->Encode(" And God said,");
+  next.prompt.insert(next.prompt.end(), more.begin(), more.end());
+  Output turn2;
+  int32_t cached = -1;
+  RequestCallbacks sink = Collect(&turn2);
+  sink.on_token = [&, collect = sink.on_token](const TokenEvent& t, int32_t c) {
+    if (cached < 0) cached = c;
+    collect(t, c);
+  };
+  engine2.Submit(Local(2, next, sink));
+  RunToIdle(engine2);
+  // Everything the first turn wrote, in whole blocks.
+  const int32_t written = static_cast<int32_t>(reqs[2].prompt.size() + turn1.tokens.size()) - 1;
+  EXPECT_EQ(cached, written / 16 * 16);
+  ExpectSame(turn2, Alone(next), 2);
+  EXPECT_EQ(big->Counts().used, 0);
+}
+
+TEST_F(EngineTest, HandedOffSequencesContinueFromTheirFirstToken) {
+  const auto reqs = Mixed();
+  auto kv = MakeKv(128);
+  Engine engine(*model_, *kv, {.max_batch = 8});
+  std::vector<Output> got(reqs.size());
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    // What a prefill worker does: prefill, sample the first token.
+    Generation prefill_side(reqs[i], tokenizer_);
+    SequenceKv seq = kv->NewSequence();
+    ForwardSequence fs{&seq, reqs[i].prompt, LogitsMode::kLast};
+    auto r = ForwardGrowing(*model_, *kv, {&fs, 1});
+    ASSERT_TRUE(r.ok());
+    auto first = prefill_side.Accept(r->Last(0));
+    ASSERT_TRUE(first.ok());
+    // The decode side replays it and takes over the KV.
+    auto gen = std::make_unique<Generation>(reqs[i], tokenizer_);
+    auto replayed = gen->Replay(*first);
+    ASSERT_TRUE(replayed.ok());
+    EXPECT_EQ(replayed->text, first->text);
+    got[i].tokens.push_back(first->token);
+    got[i].text += first->text;
+    got[i].finish = first->finish;
+    auto req = std::make_shared<Request>(RequestId(absl::StrCat("r", i)), RequestMode::kDecodeOnly, std::move(gen),
+                                         Collect(&got[i]));
+    req->kv = std::move(seq);
+    ASSERT_TRUE(req->lifecycle.Transition(RequestState::kWaitingForKv).ok());
+    engine.Submit(req);
+  }
+  RunToIdle(engine);
+  for (size_t i = 0; i < reqs.size(); ++i) ExpectSame(got[i], Alone(reqs[i]), static_cast<int>(i));
+  EXPECT_EQ(kv->Counts().used, 0);
+}
+
+TEST_F(EngineTest, CancelFreesTheKvAtOnce) {
+  auto kv = MakeKv(64);
+  Engine engine(*model_, *kv, {});
+  Output a, b;
+  auto first = Local(1, MakeReq("In the beginning", 200, 0, 1), Collect(&a));
+  engine.Submit(first);
+  engine.Submit(Local(2, MakeReq("And God said", 6, 0, 1), Collect(&b)));
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(engine.Step().ok());
+  EXPECT_GT(kv->Counts().used, 0);
+  engine.Cancel(first, absl::CancelledError("cancelled by the test"));
+  ASSERT_TRUE(engine.Step().ok());
+  EXPECT_EQ(a.status.code(), absl::StatusCode::kCancelled);
+  const size_t a_tokens = a.tokens.size();
+  RunToIdle(engine);
+  EXPECT_EQ(a.tokens.size(), a_tokens) << "tokens after cancel";
+  EXPECT_EQ(first->lifecycle.end_reason(), EndReason::kCancelled);
+  EXPECT_TRUE(b.status.ok());
+  EXPECT_EQ(b.tokens.size(), 6u);
+  EXPECT_EQ(kv->Counts().used, 0);
+}
+
+// The prefill role: kPrefillOnly requests are batched and chunked like any
+// other, report every layer's KV during their last chunk's forward, and
+// hand their KV over after the first token; a decode-only engine then
+// continues each one from that KV to the same tokens as one process.
+TEST_F(EngineTest, PrefillOnlyRequestsHandOffAndDecodeOnlyRequestsContinueThem) {
+  const auto reqs = Mixed();
+  auto kv = MakeKv(128);
+  const int32_t layers = static_cast<int32_t>(model_->config().num_layers);
+  struct HandedOff {
+    std::vector<int32_t> layers_seen;
+    int32_t positions_at_first_layer = -1;
+    TokenEvent first;
+    SequenceKv kv;
+    bool handed = false;
+    RequestState state_at_handoff = RequestState::kWaiting;
+    Output out;
+  };
+  std::vector<HandedOff> h(reqs.size());
+  std::vector<std::shared_ptr<Request>> prefills;
+  {
+    Engine prefill(*model_, *kv, {.max_batch = 4, .chunk_tokens = 48, .prefix_cache = true});
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      RequestCallbacks c = Collect(&h[i].out);
+      c.on_layer_written = [&h, i](int32_t layer, const SequenceKv& seq) {
+        if (h[i].layers_seen.empty()) h[i].positions_at_first_layer = static_cast<int32_t>(seq.block_table().size());
+        h[i].layers_seen.push_back(layer);
+        return absl::OkStatus();
+      };
+      c.on_handoff = [&h, i, &prefills](const TokenEvent& first, SequenceKv seq) {
+        h[i].first = first;
+        h[i].kv = std::move(seq);
+        h[i].handed = true;
+        h[i].state_at_handoff = prefills[i]->lifecycle.state();
+      };
+      prefills.push_back(std::make_shared<Request>(RequestId(absl::StrCat("p", i)), RequestMode::kPrefillOnly,
+                                                   std::make_unique<Generation>(reqs[i], tokenizer_), c));
+    }
+    for (auto& r : prefills) prefill.Submit(r);
+    RunToIdle(prefill);
+  }
+  Engine decode(*model_, *kv, {.max_batch = 8});
+  std::vector<Output> got(reqs.size());
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    SCOPED_TRACE(i);
+    ASSERT_TRUE(h[i].handed) << h[i].out.status;
+    EXPECT_EQ(h[i].state_at_handoff, RequestState::kHandingOff);
+    std::vector<int32_t> want(layers);
+    for (int32_t l = 0; l < layers; ++l) want[l] = l;
+    EXPECT_EQ(h[i].layers_seen, want) << "every layer once, in order";
+    EXPECT_GE(h[i].positions_at_first_layer * 16, static_cast<int32_t>(reqs[i].prompt.size()));
+    EXPECT_EQ(h[i].kv.num_positions(), static_cast<int32_t>(reqs[i].prompt.size()));
+    EXPECT_EQ(h[i].out.tokens, std::vector<int32_t>{h[i].first.token});
+    // The owner commits, then the request is done on the prefill side.
+    ASSERT_TRUE(prefills[i]->lifecycle.Transition(RequestState::kFinished, EndReason::kHandedOff).ok());
+
+    auto gen = std::make_unique<Generation>(reqs[i], tokenizer_);
+    ASSERT_TRUE(gen->Replay(h[i].first).ok());
+    got[i].tokens.push_back(h[i].first.token);
+    got[i].text += h[i].first.text;
+    got[i].finish = h[i].first.finish;
+    auto r = std::make_shared<Request>(RequestId(absl::StrCat("d", i)), RequestMode::kDecodeOnly, std::move(gen),
+                                       Collect(&got[i]));
+    r->kv = std::move(h[i].kv);
+    ASSERT_TRUE(r->lifecycle.Transition(RequestState::kWaitingForKv).ok());
+    decode.Submit(r);
+  }
+  RunToIdle(decode);
+  for (size_t i = 0; i < reqs.size(); ++i) ExpectSame(got[i], Alone(reqs[i]), static_cast<int>(i));
+  EXPECT_EQ(kv->Counts().used, 0);
+}
+
+// A layer report that fails ends its request with that error after the
+// forward, and nothing is handed off.
+TEST_F(EngineTest, AFailedLayerReportEndsThePrefillOnlyRequest) {
+  auto kv = MakeKv(64);
+  Engine engine(*model_, *kv, {});
+  Output out;
+  bool handed = false;
+  RequestCallbacks c = Collect(&out);
+  c.on_layer_written = [](int32_t layer, const SequenceKv&) {
+    return layer == 1 ? absl::UnavailableError("the decode worker went away") : absl::OkStatus();
+  };
+  c.on_handoff = [&handed](const TokenEvent&, SequenceKv) { handed = true; };
+  auto r = std::make_shared<Request>(RequestId("p"), RequestMode::kPrefillOnly,
+                                     std::make_unique<Generation>(MakeReq("In the beginning", 8, 0, 1), tokenizer_), c);
+  engine.Submit(r);
+  RunToIdle(engine);
+  EXPECT_FALSE(handed);
+  EXPECT_EQ(out.status.code(), absl::StatusCode::kUnavailable) << out.status;
+  EXPECT_EQ(r->lifecycle.end_reason(), EndReason::kError);
+  EXPECT_EQ(kv->Counts().used, 0);
+}
+
+// On its own thread: work submitted from other threads is served, and Stop
+// ends what is still inside with UNAVAILABLE, its KV freed.
+TEST_F(EngineTest, TheEngineThreadServesOtherThreadsAndStopEndsTheRest) {
+  const auto reqs = Mixed();
+  auto kv = MakeKv(128);
+  Engine engine(*model_, *kv, {.max_batch = 8, .chunk_tokens = 48});
+  engine.Start();
+  std::vector<Output> got(reqs.size());
+  std::vector<absl::Notification> done(reqs.size());
+  std::vector<std::thread> submitters;
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    submitters.emplace_back([&, i] {
+      RequestCallbacks c = Collect(&got[i]);
+      c.on_end = [&, i](const absl::Status& s) {
+        got[i].status = s;
+        done[i].Notify();
+      };
+      engine.Submit(Local(static_cast<int>(i), reqs[i], c));
+    });
+  }
+  for (auto& t : submitters) t.join();
+  for (auto& d : done) ASSERT_TRUE(d.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  for (size_t i = 0; i < reqs.size(); ++i) ExpectSame(got[i], Alone(reqs[i]), static_cast<int>(i));
+
+  Output endless;
+  absl::Notification started, ended;
+  RequestCallbacks c = Collect(&endless);
+  c.on_token = [&](const TokenEvent&, int32_t) {
+    if (!started.HasBeenNotified()) started.Notify();
+  };
+  c.on_end = [&](const absl::Status& s) {
+    endless.status = s;
+    ended.Notify();
+  };
+  auto r = Local(99, MakeReq("In the beginning", 2000, 0, 1), c);
+  engine.Submit(r);
+  ASSERT_TRUE(started.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  engine.Stop();
+  ASSERT_TRUE(ended.HasBeenNotified());
+  EXPECT_EQ(endless.status.code(), absl::StatusCode::kUnavailable) << endless.status;
+  EXPECT_EQ(r->lifecycle.state(), RequestState::kFinished);
+  EXPECT_EQ(kv->Counts().used, 0);
+}
+
+TEST_F(EngineTest, PromptLargerThanThePoolIsRefused) {
+  auto kv = MakeKv(2);  // 32 positions.
+  Engine engine(*model_, *kv, {.chunk_tokens = 16});
+  Output a;
+  std::string long_text;
+  for (int i = 0; i < 12; ++i) long_text += "and the LORD said unto Moses ";
+  engine.Submit(Local(1, MakeReq(long_text, 4, 0, 1), Collect(&a)));
+  RunToIdle(engine);
+  EXPECT_EQ(a.status.code(), absl::StatusCode::kResourceExhausted) << a.status;
+  EXPECT_EQ(kv->Counts().used, 0);
+}
+
+}  // namespace
+}  // namespace pdserve::engine

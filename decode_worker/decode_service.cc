@@ -1,12 +1,11 @@
 #include "decode_worker/decode_service.h"
 
 #include <algorithm>
-#include <chrono>
-#include <cstdio>
-#include <deque>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "common/server_util.h"
 #include "proto/convert.h"
@@ -19,35 +18,311 @@ using worker::v1::DecodeEvent;
 grpc::Status ToGrpc(const absl::Status& s) {
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
 }
-
-// What the engine tells one Decode call: a token, or the end (status).
-struct StreamEvent {
-  absl::Status status;
-  bool end = false;
-  TokenEvent token;
-  int32_t cached_tokens = 0;
-};
-
-// Events of one Decode call, filled by the engine thread.
-struct Stream {
-  absl::Mutex mu;
-  std::deque<StreamEvent> events ABSL_GUARDED_BY(mu);
-};
-
-engine::RequestCallbacks StreamCallbacks(const std::shared_ptr<Stream>& stream) {
-  engine::RequestCallbacks c;
-  c.on_token = [stream](const TokenEvent& t, int32_t cached) {
-    absl::MutexLock lock(&stream->mu);
-    stream->events.push_back({absl::OkStatus(), false, t, cached});
-  };
-  c.on_end = [stream](const absl::Status& s) {
-    absl::MutexLock lock(&stream->mu);
-    stream->events.push_back({s, true, {}, 0});
-  };
-  return c;
+absl::Status ToAbsl(const grpc::Status& s) {
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
 }
 
 }  // namespace
+
+// One Decode stream. It keeps itself alive until gRPC is done with it
+// (OnDone); the engine request's callbacks keep it alive after that until
+// the engine lets the request go, and then find it finished.
+//
+// At most one write is outstanding. What to do next on the stream (write
+// the buffered tokens as one chunk, write the final message, or finish) is
+// decided under mu_ and done outside it; while a write is outstanding or
+// after Finish, nothing else starts, so the reactor cannot go away under a
+// write or a finish that this object started.
+class DecodeCall final : public grpc::ServerWriteReactor<DecodeEvent>,
+                         public std::enable_shared_from_this<DecodeCall> {
+ public:
+  struct Options {
+    bool colocated = false;
+    bool logprobs = false;
+    bool unparseable = false;  // Fault tests: the second chunk's text is not UTF-8.
+    int32_t max_buffered_tokens = 4096;
+  };
+
+  static std::shared_ptr<DecodeCall> Create(DecodeService* service, grpc::CallbackServerContext* ctx,
+                                            Options options) {
+    std::shared_ptr<DecodeCall> call(new DecodeCall(service, ctx, options));
+    call->self_ = call;
+    return call;
+  }
+
+  // Ends the call before anything was written, with `status`.
+  void Reject(const grpc::Status& status) { Abort(status, /*cancel_rpc=*/false); }
+
+  void set_request(std::shared_ptr<engine::Request> r) {
+    absl::MutexLock lock(&mu_);
+    request_ = std::move(r);
+  }
+  std::shared_ptr<engine::Request> request() {
+    absl::MutexLock lock(&mu_);
+    return request_;
+  }
+  void set_waiting_for_kv(bool waiting, absl::Time since = absl::Now()) {
+    absl::MutexLock lock(&mu_);
+    waiting_for_kv_ = waiting;
+    waiting_since_ = since;
+  }
+  // Waiting for its KV handoff since `*since`.
+  bool WaitingForKv(absl::Time* since) {
+    absl::MutexLock lock(&mu_);
+    *since = waiting_since_;
+    return waiting_for_kv_ && !finishing();
+  }
+  // A write outstanding for at least `d`: the client is not reading.
+  bool StalledFor(absl::Duration d, absl::Time now) {
+    absl::MutexLock lock(&mu_);
+    return writing_ && !finishing() && now - write_started_ >= d;
+  }
+  bool aborted() {
+    absl::MutexLock lock(&mu_);
+    return abort_.has_value();
+  }
+  // The disaggregated call counts the prefill worker's first token.
+  void CountFirstToken() {
+    absl::MutexLock lock(&mu_);
+    completion_tokens_ = 1;
+  }
+
+  engine::RequestCallbacks Callbacks() {
+    engine::RequestCallbacks c;
+    std::shared_ptr<DecodeCall> self = shared_from_this();
+    c.on_token = [self](const TokenEvent& t, int32_t cached) { self->OnToken(t, cached); };
+    c.on_end = [self](const absl::Status& s) { self->OnEnd(s); };
+    return c;
+  }
+
+  // The request ended without the engine (its replayed first token
+  // finished it): the final message, then OK.
+  void EndHere(FinishReason finish) {
+    Action a;
+    {
+      absl::MutexLock lock(&mu_);
+      final_finish_ = finish;
+      end_ = absl::OkStatus();
+      a = NextLocked();
+    }
+    Do(a);
+  }
+
+  // The benchmark stand-in: max_tokens one-token chunks, then the final.
+  void StandIn(int32_t max_tokens, int64_t vocab) {
+    Action a;
+    {
+      absl::MutexLock lock(&mu_);
+      one_token_per_chunk_ = true;
+      for (int32_t i = 0; i < max_tokens; ++i) {
+        TokenEvent t;
+        t.token = static_cast<int32_t>(i % vocab);
+        t.text = "x";
+        pending_.push_back(std::move(t));
+      }
+      completion_tokens_ = max_tokens;
+      final_finish_ = FinishReason::kLength;
+      end_ = absl::OkStatus();
+      a = NextLocked();
+    }
+    Do(a);
+  }
+
+  // Ends the stream with `status` and no final message (UNAVAILABLE: the
+  // router continues elsewhere; DEADLINE_EXCEEDED: its KV never came;
+  // CANCELLED: its client stopped reading), after the write in flight if
+  // any; with cancel_rpc the RPC is cancelled too, so that a write the
+  // client will never take completes. Its request leaves the engine.
+  void Abort(const grpc::Status& status, bool cancel_rpc) {
+    std::shared_ptr<engine::Request> cancel;
+    Action a;
+    {
+      absl::MutexLock lock(&mu_);
+      if (finish_called_ || abort_.has_value()) return;
+      abort_ = status;
+      if (!end_.has_value()) cancel = request_;
+      a = NextLocked();
+    }
+    if (cancel != nullptr) service_->engine_.Cancel(cancel, ToAbsl(status));
+    if (cancel_rpc) ctx_->TryCancel();
+    Do(a);
+  }
+
+  void OnWriteDone(bool ok) override {
+    std::shared_ptr<engine::Request> cancel;
+    Action a;
+    {
+      absl::MutexLock lock(&mu_);
+      writing_ = false;
+      if (!ok && !abort_.has_value()) {
+        abort_ = grpc::Status(grpc::StatusCode::CANCELLED, "the caller went away");
+        if (!end_.has_value()) cancel = request_;
+      }
+      a = NextLocked();
+    }
+    if (cancel != nullptr) service_->engine_.Cancel(cancel, absl::CancelledError("the caller went away"));
+    Do(a);
+  }
+
+  void OnCancel() override {
+    Abort(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the caller"), /*cancel_rpc=*/false);
+  }
+
+  void OnDone() override {
+    std::shared_ptr<engine::Request> r;
+    {
+      absl::MutexLock lock(&mu_);
+      done_ = true;
+      r = std::move(request_);  // The engine may still hold it (and us) a little longer.
+    }
+    r.reset();
+    service_->Forget(this);
+    self_.reset();  // May destroy this.
+  }
+
+ private:
+  struct Action {
+    enum Kind { kNone, kWrite, kFinish } kind = kNone;
+    grpc::Status status;
+  };
+
+  DecodeCall(DecodeService* service, grpc::CallbackServerContext* ctx, Options options)
+      : service_(service), ctx_(ctx), options_(options), start_(absl::Now()), last_(start_) {}
+
+  bool finishing() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return finish_called_ || abort_.has_value(); }
+
+  void OnToken(const TokenEvent& t, int32_t cached) {
+    bool overflow = false;
+    Action a;
+    {
+      absl::MutexLock lock(&mu_);
+      if (finishing()) return;
+      const absl::Time now = absl::Now();
+      const double gap = absl::ToDoubleSeconds(now - last_);
+      if (options_.colocated && completion_tokens_ == 0) {
+        prefill_seconds_ = gap;  // Colocated: the first token ends the prefill.
+      } else {
+        sum_itl_ += gap;
+        max_itl_ = std::max(max_itl_, gap);
+        ++gaps_;
+      }
+      last_ = now;
+      ++completion_tokens_;
+      cached_tokens_ = std::max(cached_tokens_, cached);
+      if (t.finish != FinishReason::kNone) final_finish_ = t.finish;
+      pending_.push_back(t);
+      overflow = static_cast<int32_t>(pending_.size()) > options_.max_buffered_tokens;
+      if (!overflow) a = NextLocked();
+    }
+    if (overflow) {
+      service_->stalled_streams_.fetch_add(1);
+      LogEvent("warning", "stream_stalled", {{"request_id", RequestIdForLog()}, {"why", "buffer full"}});
+      Abort(grpc::Status(grpc::StatusCode::CANCELLED,
+                         absl::StrCat("the client stopped reading (", options_.max_buffered_tokens,
+                                      " tokens buffered)")),
+            /*cancel_rpc=*/true);
+      return;
+    }
+    Do(a);
+  }
+
+  void OnEnd(const absl::Status& s) {
+    Action a;
+    {
+      absl::MutexLock lock(&mu_);
+      end_ = s;
+      a = NextLocked();
+    }
+    Do(a);
+  }
+
+  std::string RequestIdForLog() {
+    absl::MutexLock lock(&mu_);
+    return request_ != nullptr ? request_->id.str() : "";
+  }
+
+  Action NextLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (finish_called_ || writing_ || done_) return {};
+    if (abort_.has_value()) {
+      finish_called_ = true;
+      return {Action::kFinish, *abort_};
+    }
+    if (!pending_.empty()) {
+      out_.Clear();
+      v1::TokenChunk* chunk = out_.mutable_chunk();
+      const size_t n = one_token_per_chunk_ ? 1 : pending_.size();
+      for (size_t i = 0; i < n; ++i) rpc::AppendToken(pending_[i], options_.logprobs, chunk);
+      pending_.erase(pending_.begin(), pending_.begin() + static_cast<std::ptrdiff_t>(n));
+      if (options_.unparseable && ++chunks_written_ == 2) chunk->mutable_text()->append("\xff");
+      writing_ = true;
+      write_started_ = absl::Now();
+      return {Action::kWrite, {}};
+    }
+    if (!end_.has_value()) return {};
+    if (final_sent_) {
+      finish_called_ = true;
+      return {Action::kFinish, grpc::Status::OK};
+    }
+    // Ended by the engine: UNAVAILABLE (stopping) and CANCELLED end the
+    // RPC with that status (the router continues elsewhere, or nobody
+    // listens); anything else is the request's own end, in a final message.
+    if (absl::IsUnavailable(*end_) || absl::IsCancelled(*end_)) {
+      finish_called_ = true;
+      return {Action::kFinish, ToGrpc(*end_)};
+    }
+    out_.Clear();
+    worker::v1::DecodeFinal* f = out_.mutable_final();
+    f->set_finish_reason(end_->ok() ? rpc::ToProto(final_finish_) : v1::FINISH_REASON_ERROR);
+    if (!end_->ok()) f->set_error(std::string(end_->message()));
+    f->set_completion_tokens(completion_tokens_);
+    f->set_prefill_seconds(prefill_seconds_);
+    f->set_cached_tokens(cached_tokens_);
+    f->set_mean_itl(gaps_ > 0 ? sum_itl_ / gaps_ : 0);
+    f->set_max_itl(max_itl_);
+    final_sent_ = true;
+    writing_ = true;
+    write_started_ = absl::Now();
+    return {Action::kWrite, {}};
+  }
+
+  void Do(const Action& a) {
+    switch (a.kind) {
+      case Action::kNone: return;
+      case Action::kWrite: StartWrite(&out_); return;
+      case Action::kFinish: Finish(a.status); return;
+    }
+  }
+
+  DecodeService* const service_;
+  grpc::CallbackServerContext* const ctx_;
+  const Options options_;
+  const absl::Time start_;
+  std::shared_ptr<DecodeCall> self_;
+
+  absl::Mutex mu_;
+  std::shared_ptr<engine::Request> request_ ABSL_GUARDED_BY(mu_);
+  std::vector<TokenEvent> pending_ ABSL_GUARDED_BY(mu_);
+  DecodeEvent out_ ABSL_GUARDED_BY(mu_);  // The message being written.
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Time write_started_ ABSL_GUARDED_BY(mu_);
+  bool waiting_for_kv_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Time waiting_since_ ABSL_GUARDED_BY(mu_);
+  std::optional<absl::Status> end_ ABSL_GUARDED_BY(mu_);     // From the engine (or EndHere).
+  std::optional<grpc::Status> abort_ ABSL_GUARDED_BY(mu_);   // Ends the RPC with this.
+  bool final_sent_ ABSL_GUARDED_BY(mu_) = false;
+  bool finish_called_ ABSL_GUARDED_BY(mu_) = false;
+  bool done_ ABSL_GUARDED_BY(mu_) = false;
+  bool one_token_per_chunk_ ABSL_GUARDED_BY(mu_) = false;
+  int32_t chunks_written_ ABSL_GUARDED_BY(mu_) = 0;
+  // What the final message reports.
+  FinishReason final_finish_ ABSL_GUARDED_BY(mu_) = FinishReason::kNone;
+  int32_t completion_tokens_ ABSL_GUARDED_BY(mu_) = 0;
+  int32_t cached_tokens_ ABSL_GUARDED_BY(mu_) = 0;
+  double prefill_seconds_ ABSL_GUARDED_BY(mu_) = 0;
+  double sum_itl_ ABSL_GUARDED_BY(mu_) = 0, max_itl_ ABSL_GUARDED_BY(mu_) = 0;
+  int32_t gaps_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Time last_ ABSL_GUARDED_BY(mu_);
+};
 
 DecodeService::DecodeService(Model* model, KvManager* kv, const tok::Tokenizer* tokenizer,
                              DecodeServiceOptions options)
@@ -65,7 +340,7 @@ DecodeService::~DecodeService() {
   Shutdown();
   kv_->set_listener(nullptr);
   absl::MutexLock h(&handoff_mu_);
-  committed_.clear();  // Their KV goes back to the manager.
+  rendezvous_.clear();  // Committed handoffs' KV goes back to the manager.
 }
 
 void DecodeService::Shutdown() {
@@ -75,39 +350,68 @@ void DecodeService::Shutdown() {
     stop_sweeping_ = true;
   }
   if (sweep_thread_.joinable()) sweep_thread_.join();
-  engine_.Stop();
   stopped_ = true;
+  engine_.Stop();  // Running streams end with UNAVAILABLE.
+  std::vector<std::shared_ptr<DecodeCall>> calls;
+  {
+    absl::MutexLock lock(&calls_mu_);
+    calls.assign(calls_.begin(), calls_.end());
+  }
+  for (auto& c : calls) c->Abort(grpc::Status(grpc::StatusCode::UNAVAILABLE, "decode worker stopped"), false);
 }
 
 void DecodeService::SweepLoop() {
   absl::MutexLock lock(&sweep_mu_);
-  while (true) {
-    auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(sweep_mu_) { return stop_sweeping_; };
-    if (sweep_mu_.AwaitWithTimeout(absl::Condition(&stop), absl::Milliseconds(100))) return;
+  auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(sweep_mu_) { return stop_sweeping_; };
+  while (!sweep_mu_.AwaitWithTimeout(absl::Condition(&stop), absl::Milliseconds(100))) {
     sweep_mu_.Unlock();
-    SweepHandoffs();
+    Sweep();
     sweep_mu_.Lock();
   }
 }
 
-void DecodeService::OnHandoffCommitted(const std::string& request_id, HandedOff seq) {
-  absl::MutexLock lock(&handoff_mu_);
-  seq.arrived = absl::Now();
-  if (claimed_.contains(request_id) || committed_.contains(request_id)) {
-    // A duplicate commit (a retried prefill): keep the first, free this one.
-    LogEvent("warning", "duplicate_handoff", {{"request_id", request_id}});
-    return;  // Its KV goes back with it.
-  }
-  committed_.emplace(request_id, std::move(seq));
-}
-
-void DecodeService::SweepHandoffs() {
+void DecodeService::Sweep() {
   const absl::Time now = absl::Now();
+  const absl::Duration wait = absl::Seconds(options_.handoff_wait_seconds);
+  std::vector<std::shared_ptr<DecodeCall>> calls;
+  {
+    absl::MutexLock lock(&calls_mu_);
+    calls.assign(calls_.begin(), calls_.end());
+  }
+  for (auto& call : calls) {
+    if (call->StalledFor(absl::Seconds(options_.stall_timeout_seconds), now)) {
+      stalled_streams_.fetch_add(1);
+      std::shared_ptr<engine::Request> r = call->request();
+      LogEvent("warning", "stream_stalled", {{"request_id", r != nullptr ? r->id.str() : ""}, {"why", "write stalled"}});
+      call->Abort(grpc::Status(grpc::StatusCode::CANCELLED,
+                               absl::StrFormat("the client stopped reading (no write completed for %.1f s)",
+                                               options_.stall_timeout_seconds)),
+                  /*cancel_rpc=*/true);
+      continue;
+    }
+    absl::Time since;
+    if (call->WaitingForKv(&since) && now - since > wait) {
+      std::shared_ptr<engine::Request> r = call->request();
+      if (r == nullptr) continue;
+      {
+        absl::MutexLock lock(&handoff_mu_);
+        auto it = rendezvous_.find(r->id);
+        if (it != rendezvous_.end() && it->second.waiting == call) rendezvous_.erase(it);
+      }
+      if (!r->lifecycle.Transition(engine::RequestState::kFinished, engine::EndReason::kError).ok()) continue;
+      call->Abort(grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                               absl::StrCat("no KV handoff for request ", r->id.str(), " within ",
+                                            options_.handoff_wait_seconds, " s")),
+                  false);
+    }
+  }
   absl::MutexLock lock(&handoff_mu_);
-  for (auto it = committed_.begin(); it != committed_.end();) {
-    if (now - it->second.arrived > absl::Seconds(options_.handoff_wait_seconds)) {
-      LogEvent("warning", "unclaimed_handoff_freed", {{"request_id", it->first}});
-      committed_.erase(it++);
+  for (auto it = rendezvous_.begin(); it != rendezvous_.end();) {
+    if (it->second.committed.has_value() && now - it->second.since > wait) {
+      LogEvent("warning", "unclaimed_handoff_freed", {{"request_id", it->first.str()}});
+      rendezvous_.erase(it++);
+    } else if (it->second.waiting != nullptr && it->second.waiting->aborted()) {
+      rendezvous_.erase(it++);  // Its call ended (cancelled) before its KV came.
     } else {
       ++it;
     }
@@ -121,195 +425,186 @@ void DecodeService::SweepHandoffs() {
   }
 }
 
+void DecodeService::Forget(DecodeCall* call) {
+  absl::MutexLock lock(&calls_mu_);
+  for (auto it = calls_.begin(); it != calls_.end(); ++it) {
+    if (it->get() == call) {
+      calls_.erase(it);
+      return;
+    }
+  }
+}
+
+void DecodeService::OnHandoffCommitted(const std::string& request_id, HandedOff seq) {
+  const engine::RequestId id(request_id);
+  std::shared_ptr<DecodeCall> call;
+  {
+    absl::MutexLock lock(&handoff_mu_);
+    seq.arrived = absl::Now();
+    auto it = rendezvous_.find(id);
+    if (claimed_.contains(id) || (it != rendezvous_.end() && it->second.committed.has_value())) {
+      // A duplicate commit (a retried prefill): keep the first, free this one.
+      LogEvent("warning", "duplicate_handoff", {{"request_id", request_id}});
+      return;  // Its KV goes back with it.
+    }
+    if (it == rendezvous_.end()) {
+      rendezvous_.emplace(id, Rendezvous{std::move(seq), nullptr, absl::Now()});
+      return;
+    }
+    call = std::move(it->second.waiting);
+    rendezvous_.erase(it);
+    claimed_[id] = absl::Now();
+  }
+  StartHandedOff(call, std::move(seq));
+}
+
+void DecodeService::StartHandedOff(const std::shared_ptr<DecodeCall>& call, HandedOff seq) {
+  std::shared_ptr<engine::Request> r = call->request();
+  // The call ended while its KV was on the way (cancelled, timed out): the
+  // KV goes back with `seq`.
+  if (r == nullptr || r->lifecycle.state() != engine::RequestState::kWaitingForKv || call->aborted()) return;
+  call->set_waiting_for_kv(false);
+  absl::StatusOr<TokenEvent> first = r->gen->Replay(seq.first);
+  if (!first.ok()) {
+    (void)r->lifecycle.Transition(engine::RequestState::kFinished, engine::EndReason::kError);
+    call->Abort(ToGrpc(first.status()), false);
+    return;
+  }
+  if (r->gen->finished()) {
+    (void)r->lifecycle.Transition(engine::RequestState::kFinished, engine::EndReasonFor(r->gen->finish()));
+    call->EndHere(r->gen->finish());
+    return;
+  }
+  r->kv = std::move(seq.kv);
+  engine_.Submit(r);
+  // A cancel that came while this was starting found the request not yet
+  // in the engine: send it again.
+  if (call->aborted()) engine_.Cancel(r, absl::CancelledError("cancelled by the caller"));
+}
+
 bool DecodeService::idle() {
-  if (active_calls_.load() > 0) return false;
+  {
+    absl::MutexLock lock(&calls_mu_);
+    if (!calls_.empty()) return false;
+  }
   const engine::EngineStats st = engine_.stats();
   if (st.running > 0 || st.waiting > 0) return false;
   absl::MutexLock lock(&handoff_mu_);
-  return committed_.empty();
+  for (const auto& [id, r] : rendezvous_) {
+    if (r.committed.has_value()) return false;
+  }
+  return true;
 }
 
 void DecodeService::Drain(absl::Time deadline) {
   draining_ = true;
-  while (active_calls_.load() > 0) {
-    if (absl::Now() > deadline) evict_ = true;
-    absl::SleepFor(absl::Milliseconds(10));
+  auto none = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(calls_mu_) { return calls_.empty(); };
+  std::vector<std::shared_ptr<DecodeCall>> calls;
+  {
+    absl::MutexLock lock(&calls_mu_);
+    if (calls_mu_.AwaitWithDeadline(absl::Condition(&none), deadline)) return;
+    calls.assign(calls_.begin(), calls_.end());
   }
+  // Past the grace period: what still runs continues elsewhere.
+  for (auto& c : calls) {
+    c->Abort(grpc::Status(grpc::StatusCode::UNAVAILABLE, "decode worker drained: continue elsewhere"), false);
+  }
+  {
+    absl::MutexLock lock(&calls_mu_);
+    if (calls_mu_.AwaitWithTimeout(absl::Condition(&none), absl::Seconds(5))) return;
+    calls.assign(calls_.begin(), calls_.end());
+  }
+  // A write its client never takes: cancel the RPC.
+  for (auto& c : calls) c->Abort(grpc::Status(grpc::StatusCode::UNAVAILABLE, "decode worker drained"), true);
 }
 
-grpc::Status DecodeService::Decode(grpc::ServerContext* ctx, const worker::v1::DecodeRequest* req,
-                                   grpc::ServerWriter<DecodeEvent>* writer) {
-  if (!healthy()) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "decode engine is not running");
-  if (draining_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "decode worker is draining");
-  ++active_calls_;
-  struct Leave {
-    std::atomic<int32_t>& n;
-    ~Leave() { --n; }
-  } leave{active_calls_};
+grpc::ServerWriteReactor<DecodeEvent>* DecodeService::Decode(grpc::CallbackServerContext* ctx,
+                                                              const worker::v1::DecodeRequest* req) {
   const worker::v1::WorkRequest& w = req->request();
   GenerationRequest gr = rpc::FromWork(w, model_->config().eos_token_ids);
-  if (gr.prompt.empty()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "prompt_ids: empty");
+  DecodeCall::Options co;
+  co.colocated = req->prefill_here();
+  co.logprobs = gr.params.logprobs > 0;
+  co.max_buffered_tokens = options_.max_buffered_tokens;
+  co.unparseable = !options_.stand_in && fault_unparseable_.Take();
+  std::shared_ptr<DecodeCall> call = DecodeCall::Create(this, ctx, co);
+  auto reject = [&call](grpc::StatusCode code, std::string why) {
+    call->Reject(grpc::Status(code, std::move(why)));
+    return call.get();
+  };
+  if (!healthy()) return reject(grpc::StatusCode::UNAVAILABLE, "decode engine is not running");
+  if (draining_) return reject(grpc::StatusCode::UNAVAILABLE, "decode worker is draining");
+  if (gr.prompt.empty()) return reject(grpc::StatusCode::INVALID_ARGUMENT, "prompt_ids: empty");
   for (int32_t id : gr.prompt) {
     if (id < 0 || id >= model_->config().vocab_size) {
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, absl::StrCat("prompt_ids: ", id, " is outside the vocabulary"));
+      return reject(grpc::StatusCode::INVALID_ARGUMENT, absl::StrCat("prompt_ids: ", id, " is outside the vocabulary"));
     }
   }
-  if (absl::Status s = ValidateSamplingParams(gr.params, model_->config().vocab_size); !s.ok()) return ToGrpc(s);
+  if (absl::Status s = ValidateSamplingParams(gr.params, model_->config().vocab_size); !s.ok()) {
+    return reject(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+  }
   if (gr.prompt.size() + gr.params.max_tokens > static_cast<size_t>(model_->config().max_position_embeddings)) {
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                        absl::StrCat("max_tokens: prompt (", gr.prompt.size(), ") + max_tokens (", gr.params.max_tokens,
-                                     ") exceeds the context (", model_->config().max_position_embeddings, ")"));
+    return reject(grpc::StatusCode::INVALID_ARGUMENT,
+                  absl::StrCat("max_tokens: prompt (", gr.prompt.size(), ") + max_tokens (", gr.params.max_tokens,
+                               ") exceeds the context (", model_->config().max_position_embeddings, ")"));
   }
-  const bool logprobs = gr.params.logprobs > 0;
+  {
+    absl::MutexLock lock(&calls_mu_);
+    calls_.insert(call);
+  }
   if (options_.stand_in) {
-    DecodeEvent ev;
-    v1::TokenChunk* chunk = ev.mutable_chunk();
-    chunk->add_token_ids(0);
-    chunk->set_text("x");
-    for (int32_t i = 0; i < gr.params.max_tokens; ++i) {
-      chunk->set_token_ids(0, i % static_cast<int32_t>(model_->config().vocab_size));
-      if (!writer->Write(ev)) return grpc::Status(grpc::StatusCode::CANCELLED, "the caller went away");
-    }
-    DecodeEvent fin;
-    fin.mutable_final()->set_finish_reason(v1::FINISH_REASON_LENGTH);
-    fin.mutable_final()->set_completion_tokens(gr.params.max_tokens);
-    writer->Write(fin);
-    return grpc::Status::OK;
+    call->StandIn(gr.params.max_tokens, model_->config().vocab_size);
+    return call.get();
   }
   absl::StatusOr<std::unique_ptr<Generation>> made =
       rpc::MakeGeneration(w, model_->config().eos_token_ids, model_->config().vocab_size, tokenizer_);
-  if (!made.ok()) return ToGrpc(made.status());
-  std::unique_ptr<Generation> gen = *std::move(made);
-  if (gen->finished()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "generated_ids: already finished");
-  auto stream = std::make_shared<Stream>();
+  if (!made.ok()) return reject(static_cast<grpc::StatusCode>(made.status().code()), std::string(made.status().message()));
+  if ((*made)->finished()) return reject(grpc::StatusCode::INVALID_ARGUMENT, "generated_ids: already finished");
   engine::RequestId id(w.request_id().empty() ? absl::StrCat("local-", next_id_++) : w.request_id());
-  const auto start = std::chrono::steady_clock::now();
-  int32_t completion_tokens = 0;
-  std::shared_ptr<engine::Request> request;
+
   if (req->prefill_here()) {
     if (!options_.allow_prefill) {
-      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "this decode worker does not prefill (--prefill-local)");
+      return reject(grpc::StatusCode::FAILED_PRECONDITION, "this decode worker does not prefill (--prefill-local)");
     }
-    request = std::make_shared<engine::Request>(std::move(id), engine::RequestMode::kLocal, std::move(gen),
-                                                StreamCallbacks(stream));
-    engine_.Submit(request);
-  } else {
-    // Wait for the prefill worker's handoff of this request.
-    HandedOff seq;
-    {
-      absl::MutexLock lock(&handoff_mu_);
-      const std::string& rid = w.request_id();
-      auto arrived = [this, &rid]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(handoff_mu_) { return committed_.contains(rid); };
-      const absl::Time deadline = absl::Now() + absl::Seconds(options_.handoff_wait_seconds);
-      while (!arrived()) {
-        if (ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled while waiting for the KV handoff");
-        if (evict_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "decode worker drained: continue elsewhere");
-        if (absl::Now() > deadline) {
-          return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
-                              absl::StrCat("no KV handoff for request ", rid, " within ", options_.handoff_wait_seconds, " s"));
-        }
-        handoff_mu_.AwaitWithTimeout(absl::Condition(&arrived), absl::Milliseconds(50));
-      }
-      auto node = committed_.extract(rid);
-      seq = std::move(node.mapped());
-      claimed_[rid] = absl::Now();
-    }
-    absl::StatusOr<TokenEvent> first = gen->Replay(seq.first);
-    completion_tokens = 1;
-    if (!first.ok() || gen->finished()) {
-      seq.kv.Release();
-      if (!first.ok()) return ToGrpc(first.status());
-      DecodeEvent fin;
-      fin.mutable_final()->set_finish_reason(rpc::ToProto(gen->finish()));
-      fin.mutable_final()->set_completion_tokens(completion_tokens);
-      writer->Write(fin);
-      return grpc::Status::OK;
-    }
-    request = std::make_shared<engine::Request>(std::move(id), engine::RequestMode::kDecodeOnly, std::move(gen),
-                                                StreamCallbacks(stream));
-    request->kv = std::move(seq.kv);
-    (void)request->lifecycle.Transition(engine::RequestState::kWaitingForKv);
-    engine_.Submit(request);
+    auto r = std::make_shared<engine::Request>(std::move(id), engine::RequestMode::kLocal, *std::move(made),
+                                               call->Callbacks());
+    call->set_request(r);
+    engine_.Submit(std::move(r));
+    return call.get();
   }
 
-  double max_itl = 0, sum_itl = 0;
-  int32_t gaps = 0;
-  auto last = start;
-  double prefill_seconds = 0;
-  int32_t cached_tokens = 0;
-  const bool unparseable = fault_unparseable_.Take();
-  int32_t chunks_written = 0;
-  while (true) {
-    std::deque<StreamEvent> batch;
-    {
-      absl::MutexLock lock(&stream->mu);
-      auto ready = [&stream]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(stream->mu) { return !stream->events.empty(); };
-      stream->mu.AwaitWithTimeout(absl::Condition(&ready), absl::Milliseconds(100));
-      std::swap(batch, stream->events);
-    }
-    if (ctx->IsCancelled()) {
-      engine_.Cancel(request, absl::CancelledError("cancelled by the caller"));
-      return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the caller");
-    }
-    if (evict_) {
-      engine_.Cancel(request, absl::UnavailableError("decode worker drained: continue elsewhere"));
-      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "decode worker drained: continue elsewhere");
-    }
-    if (batch.empty()) {
-      if (!healthy()) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "decode engine stopped");
-      continue;
-    }
-    const auto now = std::chrono::steady_clock::now();
-    DecodeEvent out;
-    v1::TokenChunk* chunk = out.mutable_chunk();
-    FinishReason finish = FinishReason::kNone;
-    absl::Status error;
-    for (const StreamEvent& e : batch) {
-      if (e.end) {
-        error = e.status;  // OK: the finish came with the last token.
-        break;
-      }
-      rpc::AppendToken(e.token, logprobs, chunk);
-      ++completion_tokens;
-      cached_tokens = std::max(cached_tokens, e.cached_tokens);
-      if (e.token.finish != FinishReason::kNone) finish = e.token.finish;
-    }
-    if (chunk->token_ids_size() > 0) {
-      const double gap = std::chrono::duration<double>(now - last).count();
-      if (completion_tokens == chunk->token_ids_size() && req->prefill_here()) {
-        prefill_seconds = gap;  // Colocated: the first batch carries the first token.
-      } else {
-        sum_itl += gap;
-        max_itl = std::max(max_itl, gap);
-        ++gaps;
-      }
-      last = now;
-      if (unparseable && ++chunks_written == 2) chunk->mutable_text()->append("\xff");
-      if (!writer->Write(out)) {
-        engine_.Cancel(request, absl::CancelledError("the caller went away"));
-        return grpc::Status(grpc::StatusCode::CANCELLED, "the caller went away");
-      }
-    }
-    if (!error.ok() || finish != FinishReason::kNone) {
-      DecodeEvent fin;
-      worker::v1::DecodeFinal* f = fin.mutable_final();
-      f->set_finish_reason(error.ok() ? rpc::ToProto(finish)
-                                      : (absl::IsCancelled(error) ? v1::FINISH_REASON_CANCELLED
-                                                                   : v1::FINISH_REASON_ERROR));
-      if (!error.ok()) f->set_error(std::string(error.message()));
-      f->set_completion_tokens(completion_tokens);
-      f->set_prefill_seconds(prefill_seconds);
-      f->set_cached_tokens(cached_tokens);
-      f->set_mean_itl(gaps > 0 ? sum_itl / gaps : 0);
-      f->set_max_itl(max_itl);
-      writer->Write(fin);
-      return grpc::Status::OK;
+  // Disaggregated: meet the prefill worker's handoff of this request.
+  auto r = std::make_shared<engine::Request>(id, engine::RequestMode::kDecodeOnly, *std::move(made), call->Callbacks());
+  (void)r->lifecycle.Transition(engine::RequestState::kWaitingForKv);
+  call->set_request(r);
+  call->CountFirstToken();
+  call->set_waiting_for_kv(true);
+  std::optional<HandedOff> seq;
+  std::shared_ptr<DecodeCall> displaced;
+  {
+    absl::MutexLock lock(&handoff_mu_);
+    auto it = rendezvous_.find(id);
+    if (it != rendezvous_.end() && it->second.committed.has_value()) {
+      seq = std::move(it->second.committed);
+      rendezvous_.erase(it);
+      claimed_[id] = absl::Now();
+    } else if (it != rendezvous_.end()) {
+      displaced = std::move(it->second.waiting);  // An earlier call for the same request.
+      it->second = Rendezvous{std::nullopt, call, absl::Now()};
+    } else {
+      rendezvous_.emplace(id, Rendezvous{std::nullopt, call, absl::Now()});
     }
   }
+  if (displaced != nullptr) {
+    displaced->Abort(grpc::Status(grpc::StatusCode::CANCELLED, "a newer Decode call took this request"), false);
+  }
+  if (seq.has_value()) StartHandedOff(call, *std::move(seq));
+  return call.get();
 }
 
-grpc::Status DecodeService::Status(grpc::ServerContext*, const worker::v1::WorkerStatusRequest* req,
-                                   worker::v1::WorkerInfo* out) {
+grpc::ServerUnaryReactor* DecodeService::Status(grpc::CallbackServerContext* ctx,
+                                                const worker::v1::WorkerStatusRequest* req,
+                                                worker::v1::WorkerInfo* out) {
   rpc::FillKvEvents(kv_events_, *req, out);
   rpc::FillPrefixHash(model_->identity(), kv_->spec().dtype, kv_->spec().block_size, out);
   const engine::EngineStats st = engine_.stats();
@@ -340,7 +635,9 @@ grpc::Status DecodeService::Status(grpc::ServerContext*, const worker::v1::Worke
     out->set_unhealthy_reason(std::move(why));
   }
   out->set_context_length(static_cast<int32_t>(model_->config().max_position_embeddings));
-  return grpc::Status::OK;
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
 }
 
 }  // namespace pdserve::decode

@@ -1,26 +1,36 @@
-// The decode worker's gRPC service: an engine (common/engine) on its own
-// thread, fed by Decode calls (colocated: prefill here; disaggregated: a committed KV
-// handoff for the request), streaming each token to the caller as the
-// engine produces it.
+// The decode worker's gRPC service (callback API): a thin adapter over an
+// engine (common/engine) that runs on its own thread. A Decode call is
+// either colocated (prefill_here: the engine prefills, then decodes) or
+// disaggregated (its KV comes by handoff from a prefill worker, and the
+// call meets it in one rendezvous map, whichever arrives first).
 //
-// Thread safety: thread-safe (gRPC calls run on gRPC's threads; the engine
-// on its own).
+// Each stream has at most one write outstanding; tokens that the engine
+// produces meanwhile are buffered and go out together in the next chunk. A
+// stream whose write has not completed for stall_timeout (the client
+// stopped reading and its flow-control window stays full), or whose buffer
+// passes max_buffered_tokens, is cancelled: its request ends, its KV is
+// freed and its batch slot goes to the streams that read.
+//
+// Thread safety: thread-safe (gRPC's callback threads, the engine's thread,
+// the KV receiver's thread and the service's sweep thread).
 #ifndef PDSERVE_DECODE_WORKER_DECODE_SERVICE_H_
 #define PDSERVE_DECODE_WORKER_DECODE_SERVICE_H_
 
 #include <atomic>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "common/kv_manager.h"
+#include "common/engine/engine.h"
 #include "common/kv_events.h"
+#include "common/kv_manager.h"
 #include "common/model.h"
 #include "common/tokenizer/tokenizer.h"
-#include "common/engine/engine.h"
 #include "pdserve/v1/worker.grpc.pb.h"
 #include "proto/received.h"
 
@@ -29,8 +39,14 @@ namespace pdserve::decode {
 struct DecodeServiceOptions {
   engine::EngineOptions engine;
   bool allow_prefill = true;  // Colocated requests (prefill_here) accepted.
-  // How long a Decode call waits for its handoff to be committed.
+  // How long a Decode call waits for its handoff to be committed, and a
+  // committed handoff for its Decode call.
   double handoff_wait_seconds = 30;
+  // A stream whose write has been outstanding this long is cancelled.
+  double stall_timeout_seconds = 10;
+  // Tokens a stream may hold behind its outstanding write; one more
+  // cancels it.
+  int32_t max_buffered_tokens = 4096;
   // Benchmark stand-in: answer every Decode at once with max_tokens
   // one-token chunks (no model), to measure the router's relay alone.
   bool stand_in = false;
@@ -47,20 +63,23 @@ struct HandedOff {
   absl::Time arrived;
 };
 
-class DecodeService final : public worker::v1::DecodeWorker::Service {
+class DecodeCall;  // One Decode stream (decode_service.cc).
+
+class DecodeService final : public worker::v1::DecodeWorker::CallbackService {
  public:
   // REQUIRES: model, kv and tokenizer outlive the service.
   DecodeService(Model* model, KvManager* kv, const tok::Tokenizer* tokenizer, DecodeServiceOptions options);
   ~DecodeService() override;
 
-  // A committed handoff for `request_id` (from the KV receiver's thread).
-  // If no Decode call claims it within handoff_wait_seconds its KV is freed.
+  // A committed handoff for `request_id` (from the KV receiver's thread):
+  // it starts decoding if its Decode call is waiting, else waits up to
+  // handoff_wait_seconds for it (then its KV is freed).
   void OnHandoffCommitted(const std::string& request_id, HandedOff seq);
 
-  grpc::Status Decode(grpc::ServerContext* ctx, const worker::v1::DecodeRequest* req,
-                      grpc::ServerWriter<worker::v1::DecodeEvent>* writer) override;
-  grpc::Status Status(grpc::ServerContext* ctx, const worker::v1::WorkerStatusRequest* req,
-                      worker::v1::WorkerInfo* out) override;
+  grpc::ServerWriteReactor<worker::v1::DecodeEvent>* Decode(grpc::CallbackServerContext* ctx,
+                                                           const worker::v1::DecodeRequest* req) override;
+  grpc::ServerUnaryReactor* Status(grpc::CallbackServerContext* ctx, const worker::v1::WorkerStatusRequest* req,
+                                   worker::v1::WorkerInfo* out) override;
 
   bool healthy() const { return !stopped_.load() && !engine_.failed(); }
   bool draining() const { return draining_.load(); }
@@ -77,7 +96,9 @@ class DecodeService final : public worker::v1::DecodeWorker::Service {
     absl::MutexLock lock(&handoff_mu_);
     kv_address_ = std::move(a);
   }
-  // Stops the engine (pending calls end with UNAVAILABLE).
+  // Streams cancelled because their client stopped reading.
+  int64_t stalled_streams() const { return stalled_streams_.load(); }
+  // Stops the engine (running streams end with UNAVAILABLE).
   void Shutdown();
   // SIGTERM: new Decode calls get UNAVAILABLE (the router goes elsewhere)
   // and Status reports not healthy; running streams finish until
@@ -86,7 +107,14 @@ class DecodeService final : public worker::v1::DecodeWorker::Service {
   void Drain(absl::Time deadline);
 
  private:
+  friend class DecodeCall;
+  // Every 100 ms: stalled streams, calls and handoffs that waited too long
+  // for each other, old claims.
   void SweepLoop();
+  void Sweep();
+  // The rendezvous is complete: replay the first token, then decode.
+  void StartHandedOff(const std::shared_ptr<DecodeCall>& call, HandedOff seq);
+  void Forget(DecodeCall* call);
 
   Model* model_;
   KvManager* kv_;
@@ -100,22 +128,28 @@ class DecodeService final : public worker::v1::DecodeWorker::Service {
   std::atomic<uint64_t> next_id_{1};
   std::atomic<bool> stopped_{false};
   std::atomic<bool> draining_{false};
-  std::atomic<bool> evict_{false};   // Drain deadline passed: end streams.
-  std::atomic<int32_t> active_calls_{0};
+  std::atomic<int64_t> stalled_streams_{0};
 
-  absl::Mutex sweep_mu_;
-  bool stop_sweeping_ ABSL_GUARDED_BY(sweep_mu_) = false;
+  absl::Mutex calls_mu_;
+  absl::flat_hash_set<std::shared_ptr<DecodeCall>> calls_ ABSL_GUARDED_BY(calls_mu_);
 
+  // One rendezvous per request id: a committed handoff waiting for its
+  // call, or a call waiting for its handoff.
+  struct Rendezvous {
+    std::optional<HandedOff> committed;
+    std::shared_ptr<DecodeCall> waiting;
+    absl::Time since;
+  };
   absl::Mutex handoff_mu_;
-  absl::flat_hash_map<std::string, HandedOff> committed_ ABSL_GUARDED_BY(handoff_mu_);
+  absl::flat_hash_map<engine::RequestId, Rendezvous> rendezvous_ ABSL_GUARDED_BY(handoff_mu_);
   // Ids whose handoff a Decode call took, for a while: a second commit for
   // one (a retried prefill whose first attempt had committed) is freed.
-  absl::flat_hash_map<std::string, absl::Time> claimed_ ABSL_GUARDED_BY(handoff_mu_);
-  // Frees commits no Decode call claimed in time, forgets old claims.
-  void SweepHandoffs();
+  absl::flat_hash_map<engine::RequestId, absl::Time> claimed_ ABSL_GUARDED_BY(handoff_mu_);
   std::string kv_address_ ABSL_GUARDED_BY(handoff_mu_);
   std::string unhealthy_reason_ ABSL_GUARDED_BY(handoff_mu_);
 
+  absl::Mutex sweep_mu_;
+  bool stop_sweeping_ ABSL_GUARDED_BY(sweep_mu_) = false;
   std::thread sweep_thread_;
 };
 

@@ -32,6 +32,7 @@ ABSL_FLAG(bool, prefill_local, true, "accept colocated requests (prefill here)")
 ABSL_FLAG(bool, stand_in, false, "benchmark stand-in: stream max_tokens dummy tokens at once, no model work");
 ABSL_FLAG(int, fault_unparseable_streams, 0,
           "fault tests only: the first N streams (-1: all) send their second chunk unparseable");
+ABSL_FLAG(int, fault_step_delay_ms, 0, "fault tests only: every engine step waits this long first (a slow model)");
 ABSL_FLAG(std::string, kv_host, "127.0.0.1", "address the KV receiver listens on (UCX)");
 ABSL_FLAG(int, kv_port, 0, "port of the KV receiver (0: any free port)");
 ABSL_FLAG(double, kv_lease_s, 5, "a KV reservation not renewed for this long is aborted");
@@ -39,6 +40,9 @@ ABSL_FLAG(double, kv_quarantine_s, 30,
           "an aborted reservation whose sender neither acknowledges nor disconnects within this is freed "
           "(its connection is dropped)");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:0", "Prometheus /metrics address (port 0: any free; empty: off)");
+ABSL_FLAG(double, stall_timeout_s, 10,
+          "a stream whose client stops reading (no write completes for this long) is cancelled and its KV freed");
+ABSL_FLAG(int, max_buffered_tokens, 4096, "tokens a stream may hold behind a write its client has not taken; more cancels it");
 ABSL_FLAG(double, drain_grace_s, 30, "SIGTERM: seconds to finish running streams before they migrate");
 
 namespace {
@@ -56,8 +60,11 @@ int Run() {
   so.engine.chunk_tokens = absl::GetFlag(FLAGS_prefill_chunk);
   so.engine.itl_target_seconds = absl::GetFlag(FLAGS_itl_target_ms) / 1e3;
   so.engine.prefix_cache = absl::GetFlag(FLAGS_prefix_cache);
+  so.engine.fault_stall_forward = absl::Milliseconds(absl::GetFlag(FLAGS_fault_step_delay_ms));
   so.allow_prefill = absl::GetFlag(FLAGS_prefill_local);
   so.stand_in = absl::GetFlag(FLAGS_stand_in);
+  so.stall_timeout_seconds = absl::GetFlag(FLAGS_stall_timeout_s);
+  so.max_buffered_tokens = absl::GetFlag(FLAGS_max_buffered_tokens);
   so.fault_unparseable_streams = absl::GetFlag(FLAGS_fault_unparseable_streams);
   decode::DecodeService service(engine->model.get(), engine->kv.get(), w->tokenizer.get(), so);
   kv::ReceiverOptions ro;
@@ -97,6 +104,8 @@ int Run() {
                      [&service] { return static_cast<double>(service.engine_stats().waiting); });
     metrics.AddGauge("pdserve_decode_step_seconds", "Decode step time (exponential average).",
                      [&service] { return service.engine_stats().step_seconds_avg; });
+    metrics.AddCounterFunc("pdserve_stalled_streams_total", "Streams cancelled because their client stopped reading.",
+                           [&service] { return static_cast<double>(service.stalled_streams()); });
     metrics.AddCounterFunc("pdserve_preemptions_total", "Sequences preempted for recomputation.",
                            [&service] { return static_cast<double>(service.engine_stats().preemptions); });
     metrics.AddCounterFunc("pdserve_handoff_bytes_total", "KV bytes received by committed handoffs.",

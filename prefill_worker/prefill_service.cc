@@ -1,6 +1,7 @@
 #include "prefill_worker/prefill_service.h"
 
 #include <chrono>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -42,17 +43,148 @@ struct PrefillService::Job {
   Clock::time_point queued_at, started_at, first_at;
   TokenEvent first;
   std::atomic<bool> cancelled{false};
-  // Events for the RPC thread.
   absl::Mutex mu;
-  std::deque<PrefillEvent> events ABSL_GUARDED_BY(mu);
-  bool done ABSL_GUARDED_BY(mu) = false;
-  absl::Status status ABSL_GUARDED_BY(mu);
+  // Its Prefill call: what the threads tell the caller goes there.
+  std::shared_ptr<PrefillCall> call;
 
-  void Push(PrefillEvent e) {
-    absl::MutexLock lock(&mu);
-    events.push_back(std::move(e));
-  }
+  void Push(PrefillEvent e);
 };
+
+// One Prefill stream (callback API): the first token, then HandoffDone,
+// then the job's status. At most one write is outstanding; what to do next
+// is decided under mu_ and done outside it. It keeps itself alive until
+// gRPC is done with it (OnDone), and its job keeps it alive after that.
+class PrefillCall final : public grpc::ServerWriteReactor<PrefillEvent> {
+ public:
+  static std::shared_ptr<PrefillCall> Create(PrefillService* service, int64_t tokens) {
+    std::shared_ptr<PrefillCall> call(new PrefillCall(service, tokens));
+    call->self_ = call;
+    return call;
+  }
+  void set_job(std::shared_ptr<PrefillService::Job> job) {
+    absl::MutexLock lock(&mu_);
+    job_ = std::move(job);
+  }
+  void MakeFirstTokenUnparseable() {
+    absl::MutexLock lock(&mu_);
+    unparseable_ = true;
+  }
+  // Counted in the service's in_flight_ and queued tokens until OnDone.
+  void Admitted() {
+    absl::MutexLock lock(&mu_);
+    admitted_ = true;
+  }
+  void Push(PrefillEvent e) {
+    Action a;
+    {
+      absl::MutexLock lock(&mu_);
+      if (e.has_first() && !first_seen_) {
+        first_seen_ = true;
+        ReleaseQueuedTokens();
+      }
+      if (unparseable_ && e.has_first()) {
+        rpc::MakeUnparseable(&e);
+        unparseable_ = false;
+      }
+      pending_.push_back(std::move(e));
+      a = NextLocked();
+    }
+    Do(a);
+  }
+  // The job's end (once): after what is pending, the RPC finishes with it.
+  void End(const absl::Status& status) {
+    Action a;
+    {
+      absl::MutexLock lock(&mu_);
+      if (end_.has_value()) return;
+      end_ = grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+      a = NextLocked();
+    }
+    Do(a);
+  }
+  void OnWriteDone(bool ok) override {
+    std::shared_ptr<PrefillService::Job> cancel;
+    Action a;
+    {
+      absl::MutexLock lock(&mu_);
+      writing_ = false;
+      if (!ok) {
+        pending_.clear();  // The caller went away.
+        cancel = job_;
+      }
+      a = NextLocked();
+    }
+    if (cancel != nullptr) service_->Cancel(*cancel);
+    Do(a);
+  }
+  void OnCancel() override {
+    std::shared_ptr<PrefillService::Job> job;
+    {
+      absl::MutexLock lock(&mu_);
+      job = job_;
+    }
+    if (job != nullptr) service_->Cancel(*job);  // The job ends; End finishes the RPC.
+  }
+  void OnDone() override {
+    std::shared_ptr<PrefillService::Job> job;
+    {
+      absl::MutexLock lock(&mu_);
+      job = std::move(job_);
+      if (admitted_) {
+        if (!first_seen_) ReleaseQueuedTokens();
+        absl::MutexLock s(&service_->mu_);
+        --service_->in_flight_;
+      }
+    }
+    job.reset();
+    self_.reset();  // May destroy this.
+  }
+
+ private:
+  struct Action {
+    enum Kind { kNone, kWrite, kFinish } kind = kNone;
+    grpc::Status status;
+  };
+  PrefillCall(PrefillService* service, int64_t tokens) : service_(service), tokens_(tokens) {}
+
+  void ReleaseQueuedTokens() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!admitted_) return;
+    absl::MutexLock s(&service_->mu_);
+    service_->queued_tokens_ -= tokens_;
+  }
+  Action NextLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (writing_ || finish_called_) return {};
+    if (!pending_.empty()) {
+      out_ = std::move(pending_.front());
+      pending_.pop_front();
+      writing_ = true;
+      return {Action::kWrite, {}};
+    }
+    if (!end_.has_value()) return {};
+    finish_called_ = true;
+    return {Action::kFinish, *end_};
+  }
+  void Do(const Action& a) {
+    if (a.kind == Action::kWrite) StartWrite(&out_);
+    if (a.kind == Action::kFinish) Finish(a.status);
+  }
+
+  PrefillService* const service_;
+  const int64_t tokens_;
+  std::shared_ptr<PrefillCall> self_;
+  absl::Mutex mu_;
+  std::shared_ptr<PrefillService::Job> job_ ABSL_GUARDED_BY(mu_);
+  bool unparseable_ ABSL_GUARDED_BY(mu_) = false;
+  bool admitted_ ABSL_GUARDED_BY(mu_) = false;
+  bool first_seen_ ABSL_GUARDED_BY(mu_) = false;
+  std::deque<PrefillEvent> pending_ ABSL_GUARDED_BY(mu_);
+  PrefillEvent out_ ABSL_GUARDED_BY(mu_);
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  std::optional<grpc::Status> end_ ABSL_GUARDED_BY(mu_);
+  bool finish_called_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+void PrefillService::Job::Push(PrefillEvent e) { call->Push(std::move(e)); }
 
 PrefillService::PrefillService(Model* model, KvManager* kv, const tok::Tokenizer* tokenizer, kv::KvSender* sender,
                                PrefillServiceOptions options)
@@ -102,9 +234,7 @@ void PrefillService::FinishJob(const std::shared_ptr<Job>& job, absl::Status sta
   }
   job->handoff.reset();
   job->kv.Release();
-  absl::MutexLock lock(&job->mu);
-  job->status = std::move(status);
-  job->done = true;
+  job->call->End(status);
 }
 
 absl::StatusOr<kv::Connection*> PrefillService::ConnectionTo(const std::string& address) {
@@ -312,78 +442,50 @@ void PrefillService::Drain(absl::Time deadline) {
   mu_.AwaitWithTimeout(absl::Condition(&idle), absl::Seconds(5));
 }
 
-grpc::Status PrefillService::Prefill(grpc::ServerContext* ctx, const worker::v1::PrefillRequest* req,
-                                     grpc::ServerWriter<PrefillEvent>* writer) {
+grpc::ServerWriteReactor<PrefillEvent>* PrefillService::Prefill(grpc::CallbackServerContext* ctx,
+                                                                const worker::v1::PrefillRequest* req) {
   GenerationRequest gr = rpc::FromWork(req->request(), model_->config().eos_token_ids);
-  if (gr.prompt.empty()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "prompt_ids: empty");
+  const int64_t tokens = static_cast<int64_t>(gr.prompt.size() + req->request().generated_ids_size());
+  std::shared_ptr<PrefillCall> call = PrefillCall::Create(this, tokens);
+  auto reject = [&call](const absl::Status& s) {
+    call->End(s);
+    return call.get();
+  };
+  if (gr.prompt.empty()) return reject(absl::InvalidArgumentError("prompt_ids: empty"));
   for (int32_t id : gr.prompt) {
     if (id < 0 || id >= model_->config().vocab_size) {
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, absl::StrCat("prompt_ids: ", id, " is outside the vocabulary"));
+      return reject(absl::InvalidArgumentError(absl::StrCat("prompt_ids: ", id, " is outside the vocabulary")));
     }
   }
-  if (absl::Status s = ValidateSamplingParams(gr.params, model_->config().vocab_size); !s.ok()) return ToGrpc(s);
-  if (req->decode_kv_address().empty()) {
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "decode_kv_address: empty");
-  }
+  if (absl::Status s = ValidateSamplingParams(gr.params, model_->config().vocab_size); !s.ok()) return reject(s);
+  if (req->decode_kv_address().empty()) return reject(absl::InvalidArgumentError("decode_kv_address: empty"));
   auto job = std::make_shared<Job>();
   job->request_id = req->request().request_id();
   job->decode_address = req->decode_kv_address();
   absl::StatusOr<std::unique_ptr<Generation>> made = rpc::MakeGeneration(
       req->request(), model_->config().eos_token_ids, model_->config().vocab_size, tokenizer_);
-  if (!made.ok()) return ToGrpc(made.status());
+  if (!made.ok()) return reject(made.status());
   job->gen = *std::move(made);
-  if (job->gen->finished()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "generated_ids: already finished");
+  if (job->gen->finished()) return reject(absl::InvalidArgumentError("generated_ids: already finished"));
   job->context = job->gen->AllTokens();
-  const int64_t tokens = static_cast<int64_t>(job->context.size());
   job->queued_at = Clock::now();
+  job->call = call;
   {
     absl::MutexLock lock(&mu_);
-    if (stop_ || draining_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "prefill worker draining");
+    if (stop_ || draining_) return reject(absl::UnavailableError("prefill worker draining"));
     queue_.push_back(job);
-    queued_tokens_ += tokens;
+    queued_tokens_ += static_cast<int64_t>(job->context.size());
     ++in_flight_;
   }
-  grpc::Status result = grpc::Status::OK;
-  bool first_seen = false;
-  bool unparseable = fault_unparseable_.Take();
-  while (true) {
-    std::deque<PrefillEvent> events;
-    bool done = false;
-    absl::Status status;
-    {
-      absl::MutexLock lock(&job->mu);
-      auto ready = [&job]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(job->mu) { return job->done || !job->events.empty(); };
-      job->mu.AwaitWithTimeout(absl::Condition(&ready), absl::Milliseconds(50));
-      std::swap(events, job->events);
-      done = job->done;
-      status = job->status;
-    }
-    for (PrefillEvent& e : events) {
-      if (e.has_first() && !first_seen) {
-        first_seen = true;
-        absl::MutexLock lock(&mu_);
-        queued_tokens_ -= tokens;
-      }
-      if (unparseable && e.has_first()) {
-        rpc::MakeUnparseable(&e);
-        unparseable = false;
-      }
-      if (!writer->Write(e)) Cancel(*job);
-    }
-    if (done) {
-      if (!status.ok()) result = ToGrpc(status);
-      break;
-    }
-    if (ctx->IsCancelled()) Cancel(*job);
-  }
-  absl::MutexLock lock(&mu_);
-  if (!first_seen) queued_tokens_ -= tokens;
-  --in_flight_;
-  return result;
+  call->Admitted();
+  call->set_job(job);
+  if (fault_unparseable_.Take()) call->MakeFirstTokenUnparseable();
+  return call.get();
 }
 
-grpc::Status PrefillService::Status(grpc::ServerContext*, const worker::v1::WorkerStatusRequest* req,
-                                    worker::v1::WorkerInfo* out) {
+grpc::ServerUnaryReactor* PrefillService::Status(grpc::CallbackServerContext* ctx,
+                                                 const worker::v1::WorkerStatusRequest* req,
+                                                 worker::v1::WorkerInfo* out) {
   rpc::FillKvEvents(kv_events_, *req, out);
   rpc::FillPrefixHash(model_->identity(), kv_->spec().dtype, kv_->spec().block_size, out);
   v1::WorkerStatus* s = out->mutable_status();
@@ -408,7 +510,9 @@ grpc::Status PrefillService::Status(grpc::ServerContext*, const worker::v1::Work
   }
   s->set_kv_cached_blocks(static_cast<int64_t>(kv_events_.num_cached()));
   out->set_context_length(static_cast<int32_t>(model_->config().max_position_embeddings));
-  return grpc::Status::OK;
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
 }
 
 }  // namespace pdserve::prefill

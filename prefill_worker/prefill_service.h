@@ -53,17 +53,19 @@ struct PrefillServiceOptions {
   int32_t fault_unparseable_streams = 0;
 };
 
-class PrefillService final : public worker::v1::PrefillWorker::Service {
+class PrefillCall;  // One Prefill stream (prefill_service.cc).
+
+class PrefillService final : public worker::v1::PrefillWorker::CallbackService {
  public:
   // REQUIRES: everything outlives the service.
   PrefillService(Model* model, KvManager* kv, const tok::Tokenizer* tokenizer,
                  kv::KvSender* sender, PrefillServiceOptions options);
   ~PrefillService() override;
 
-  grpc::Status Prefill(grpc::ServerContext* ctx, const worker::v1::PrefillRequest* req,
-                       grpc::ServerWriter<worker::v1::PrefillEvent>* writer) override;
-  grpc::Status Status(grpc::ServerContext* ctx, const worker::v1::WorkerStatusRequest* req,
-                      worker::v1::WorkerInfo* out) override;
+  grpc::ServerWriteReactor<worker::v1::PrefillEvent>* Prefill(grpc::CallbackServerContext* ctx,
+                                                              const worker::v1::PrefillRequest* req) override;
+  grpc::ServerUnaryReactor* Status(grpc::CallbackServerContext* ctx, const worker::v1::WorkerStatusRequest* req,
+                                   worker::v1::WorkerInfo* out) override;
 
   void Shutdown();
   struct Stats {
@@ -87,6 +89,7 @@ class PrefillService final : public worker::v1::PrefillWorker::Service {
   void Drain(absl::Time deadline);
 
  private:
+  friend class PrefillCall;
   struct Job;
   // The decode side's reservation, a network round trip: on a thread of
   // its own, so the engine's thread never waits for one.

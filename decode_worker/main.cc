@@ -60,6 +60,7 @@ int Run() {
   so.engine.chunk_tokens = absl::GetFlag(FLAGS_prefill_chunk);
   so.engine.itl_target_seconds = absl::GetFlag(FLAGS_itl_target_ms) / 1e3;
   so.engine.prefix_cache = absl::GetFlag(FLAGS_prefix_cache);
+  ApplyRequestLifeFlags(so.engine);
   so.engine.fault_stall_forward = absl::Milliseconds(absl::GetFlag(FLAGS_fault_step_delay_ms));
   so.allow_prefill = absl::GetFlag(FLAGS_prefill_local);
   so.stand_in = absl::GetFlag(FLAGS_stand_in);
@@ -104,6 +105,8 @@ int Run() {
                      [&service] { return static_cast<double>(service.engine_stats().waiting); });
     metrics.AddGauge("pdserve_decode_step_seconds", "Decode step time (exponential average).",
                      [&service] { return service.engine_stats().step_seconds_avg; });
+    metrics.AddCounterFunc("pdserve_requests_expired_total", "Requests ended by the bound on a request's life.",
+                           [&service] { return static_cast<double>(service.engine_stats().expired); });
     metrics.AddCounterFunc("pdserve_stalled_streams_total", "Streams cancelled because their client stopped reading.",
                            [&service] { return static_cast<double>(service.stalled_streams()); });
     metrics.AddCounterFunc("pdserve_preemptions_total", "Sequences preempted for recomputation.",

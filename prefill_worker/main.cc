@@ -56,6 +56,13 @@ int Run() {
     so.fault_stall_before_commit_ms = absl::GetFlag(FLAGS_fault_stall_before_commit_ms);
     so.fault_stall_prefill_ms = absl::GetFlag(FLAGS_fault_stall_prefill_ms);
     so.fault_unparseable_streams = absl::GetFlag(FLAGS_fault_unparseable_streams);
+    {
+      engine::EngineOptions life;
+      ApplyRequestLifeFlags(life);
+      so.life_base = life.life_base;
+      so.life_step_factor = life.life_step_factor;
+      so.life_min_per_token = life.life_min_per_token;
+    }
     prefill::PrefillService service(engine->model.get(), engine->kv.get(), w->tokenizer.get(), &sender, so);
 
     MetricsRegistry metrics;
@@ -72,6 +79,8 @@ int Run() {
                            "result=\"miss\"");
     metrics.AddCounterFunc("pdserve_prefix_cache_evictions_total", "Cached blocks reclaimed for new allocations.",
                            pool_gauge([](const PrefixCacheStats& p) { return p.evictions; }));
+    metrics.AddCounterFunc("pdserve_requests_expired_total", "Requests ended by the bound on a request's life.",
+                           [&service] { return static_cast<double>(service.engine_stats().expired); });
     metrics.AddGauge("pdserve_prefill_queue_depth", "Requests waiting for prefill.",
                      [&service] { return static_cast<double>(service.stats().queued); });
     metrics.AddGauge("pdserve_prefill_queued_tokens", "Prompt tokens waiting for prefill.",

@@ -198,6 +198,9 @@ PrefillService::PrefillService(Model* model, KvManager* kv, const tok::Tokenizer
               engine::EngineOptions{.max_batch = options.max_batch,
                                     .chunk_tokens = options.chunk_tokens,
                                     .prefix_cache = true,
+                                    .life_base = options.life_base,
+                                    .life_step_factor = options.life_step_factor,
+                                    .life_min_per_token = options.life_min_per_token,
                                     .fault_stall_forward = absl::Milliseconds(options.fault_stall_prefill_ms)}) {
   kv_->set_listener(&kv_events_);
   engine_.Start();
@@ -499,6 +502,9 @@ grpc::ServerUnaryReactor* PrefillService::Status(grpc::CallbackServerContext* ct
     s->set_running(in_flight_);
     s->set_queued(static_cast<int32_t>(queue_.size()) + engine_.stats().waiting);
     s->set_queued_prefill_tokens(queued_tokens_);
+    const engine::EngineStats es = engine_.stats();
+    s->set_oldest_request_seconds(es.oldest_request_seconds);
+    s->set_requests_expired(es.expired);
   }
   {
     const KvCounts k = kv_->Counts();  // Bookkeeping only: never waits behind a forward.

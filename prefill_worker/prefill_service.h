@@ -51,6 +51,10 @@ struct PrefillServiceOptions {
   // Fault tests only: the first N Prefill streams (-1: every one) send
   // their first token as a message that does not parse.
   int32_t fault_unparseable_streams = 0;
+  // The bound on a request's life (engine::EngineOptions::life_base).
+  absl::Duration life_base = absl::Seconds(60);
+  double life_step_factor = 10;
+  absl::Duration life_min_per_token = absl::Milliseconds(50);
 };
 
 class PrefillCall;  // One Prefill stream (prefill_service.cc).
@@ -74,6 +78,7 @@ class PrefillService final : public worker::v1::PrefillWorker::CallbackService {
     int32_t in_flight = 0;
   };
   Stats stats();
+  engine::EngineStats engine_stats() const { return engine_.stats(); }
   bool draining();
   // No request queued, prefilling or handing off.
   bool idle();

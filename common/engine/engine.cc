@@ -6,6 +6,8 @@
 
 #include "absl/base/internal/raw_logging.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/server_util.h"
 #include "common/prefix_cache.h"
 
 namespace pdserve::engine {
@@ -21,6 +23,10 @@ void Move(Request& r, RequestState to, EndReason reason = EndReason::kNone) {
 // How long an idle engine thread sleeps before it looks again without being
 // woken (a request waiting for KV that others hold gets it back this way).
 constexpr absl::Duration kIdleTick = absl::Milliseconds(20);
+// Steps whose times give the p99 of the life bound; it is recomputed every
+// kP99Every steps.
+constexpr size_t kStepWindow = 1024;
+constexpr int64_t kP99Every = 64;
 
 }  // namespace
 
@@ -31,6 +37,55 @@ Engine::Engine(Model& model, KvManager& kv, EngineOptions options)
       hasher_(model.identity(), kv.spec().dtype, kv.spec().block_size) {}
 
 Engine::~Engine() { Stop(); }
+
+absl::Duration Engine::LifeBound(int32_t max_tokens) const {
+  double p99;
+  {
+    absl::MutexLock lock(&p99_mu_);
+    p99 = p99_step_;
+  }
+  const absl::Duration per_token =
+      std::max(options_.life_min_per_token, absl::Seconds(options_.life_step_factor * p99));
+  return options_.life_base + std::max(max_tokens, 0) * per_token;
+}
+
+void Engine::RecordStep(double seconds) {
+  if (step_times_.size() < kStepWindow) {
+    step_times_.push_back(static_cast<float>(seconds));
+  } else {
+    step_times_[step_next_] = static_cast<float>(seconds);
+    step_next_ = (step_next_ + 1) % kStepWindow;
+  }
+  if (steps_ % kP99Every != 1 && step_times_.size() == kStepWindow) return;
+  std::vector<float> sorted = step_times_;
+  const size_t at = std::min(sorted.size() - 1, sorted.size() * 99 / 100);
+  std::nth_element(sorted.begin(), sorted.begin() + static_cast<std::ptrdiff_t>(at), sorted.end());
+  absl::MutexLock lock(&p99_mu_);
+  p99_step_ = sorted[at];
+}
+
+void Engine::EndExpired() {
+  const absl::Time now = absl::Now();
+  auto expired = [&](const std::shared_ptr<Request>& r) {
+    const int32_t max_tokens = r->gen->request().params.max_tokens;
+    const absl::Duration bound = LifeBound(max_tokens);
+    if (now - r->arrived <= bound) return false;
+    ++expired_;
+    LogEvent("warning", "request_expired",
+             {{"request_id", r->id.str()},
+              {"age_s", absl::StrFormat("%.3f", absl::ToDoubleSeconds(now - r->arrived))},
+              {"bound_s", absl::StrFormat("%.3f", absl::ToDoubleSeconds(bound))},
+              {"state", RequestStateName(r->lifecycle.state())}});
+    End(*r, absl::DeadlineExceededError(absl::StrFormat(
+                "request %s outlived its bound of %.1f s (%.0f s + %d tokens x %.0f ms)", r->id.str(),
+                absl::ToDoubleSeconds(bound), absl::ToDoubleSeconds(options_.life_base), max_tokens,
+                absl::ToDoubleMilliseconds((bound - options_.life_base) / std::max(max_tokens, 1)))),
+        EndReason::kError);
+    return true;
+  };
+  running_.erase(std::remove_if(running_.begin(), running_.end(), expired), running_.end());
+  waiting_.erase(std::remove_if(waiting_.begin(), waiting_.end(), expired), waiting_.end());
+}
 
 void Engine::Start() {
   thread_ = std::thread([this] { Run(); });
@@ -218,7 +273,18 @@ bool Engine::AcceptToken(Request& r, absl::Span<const float> logits) {
 void Engine::PublishStats() {
   double history = 0;
   for (const auto& r : running_) history += r->kv.num_positions();
+  absl::Time oldest = absl::InfiniteFuture();
+  for (const auto& r : running_) oldest = std::min(oldest, r->arrived);
+  for (const auto& r : waiting_) oldest = std::min(oldest, r->arrived);
+  double p99;
+  {
+    absl::MutexLock lock(&p99_mu_);
+    p99 = p99_step_;
+  }
   absl::MutexLock lock(&mu_);
+  stats_.oldest_request_seconds = oldest == absl::InfiniteFuture() ? 0 : absl::ToDoubleSeconds(absl::Now() - oldest);
+  stats_.p99_step_seconds = p99;
+  stats_.expired = expired_;
   stats_.steps = steps_;
   stats_.preemptions = preemptions_;
   stats_.mean_history = running_.empty() ? 0 : history / static_cast<double>(running_.size());
@@ -229,6 +295,7 @@ void Engine::PublishStats() {
 
 absl::StatusOr<bool> Engine::Step() {
   DrainInbox();
+  EndExpired();
   if (running_.empty() && waiting_.empty()) {
     PublishStats();
     return false;
@@ -316,8 +383,9 @@ absl::StatusOr<bool> Engine::Step() {
       }
     };
   }
-  if (options_.fault_stall_forward > absl::ZeroDuration()) absl::SleepFor(options_.fault_stall_forward);
   const auto t0 = std::chrono::steady_clock::now();
+  // A slow model, for fault tests: timed as part of the step.
+  if (options_.fault_stall_forward > absl::ZeroDuration()) absl::SleepFor(options_.fault_stall_forward);
   absl::StatusOr<ForwardResult> res = model_.Forward(kv_.storage(), batch, fo);
   const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (!res.ok()) {
@@ -325,6 +393,7 @@ absl::StatusOr<bool> Engine::Step() {
     return res.status();
   }
   ++steps_;
+  RecordStep(t);
   if (plan.decode_rows > 0) step_avg_ = step_avg_ == 0 ? t : 0.8 * step_avg_ + 0.2 * t;
 
   // Apply: decode rows, then chunks; requests whose context is done sample

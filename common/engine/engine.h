@@ -59,7 +59,15 @@ struct EngineOptions {
   // Prefills start from the longest cached prefix of their context, and a
   // request that ends (or is preempted) publishes its full blocks.
   bool prefix_cache = false;
-  // Fault tests only: every forward waits this long first.
+  // The bound on a request's life in the engine, so that nothing waits on
+  // a client's deadline alone: life_base + max_tokens x max(life_step_factor
+  // x the measured p99 step time, life_min_per_token). A request past it
+  // ends with DEADLINE_EXCEEDED (its KV freed), logged as request_expired.
+  absl::Duration life_base = absl::Seconds(60);
+  double life_step_factor = 10;
+  absl::Duration life_min_per_token = absl::Milliseconds(50);
+  // Fault tests only: every forward waits this long first (a slow model:
+  // the wait counts in the step time).
   absl::Duration fault_stall_forward = absl::ZeroDuration();
 };
 
@@ -112,6 +120,9 @@ struct EngineStats {
   int32_t waiting = 0;
   double step_seconds_avg = 0;  // Exponential average of steps with decode rows.
   double mean_history = 0;      // Mean positions per running request, last step.
+  double p99_step_seconds = 0;  // Over the last 1024 steps.
+  double oldest_request_seconds = 0;  // Age of the oldest request inside (0: none).
+  int64_t expired = 0;          // Requests ended by their life bound.
 };
 
 class Engine {
@@ -144,6 +155,8 @@ class Engine {
   absl::StatusOr<bool> Step();
 
   EngineStats stats() const;
+  // A request of max_tokens may live this long (EngineOptions::life_base).
+  absl::Duration LifeBound(int32_t max_tokens) const;
   // The engine's thread hit an error (every request ended with it).
   bool failed() const;
 
@@ -163,6 +176,9 @@ class Engine {
   // Samples the token ending r's row; false when r ended (or handed off).
   bool AcceptToken(Request& r, absl::Span<const float> logits);
   void PublishStats();
+  // Ends the requests past their life bound.
+  void EndExpired();
+  void RecordStep(double seconds);
 
   Model& model_;
   KvManager& kv_;
@@ -182,6 +198,12 @@ class Engine {
   double step_avg_ = 0;
   int64_t preemptions_ = 0;
   int64_t steps_ = 0;
+  int64_t expired_ = 0;
+  std::vector<float> step_times_;  // Ring of the last kStepWindow steps.
+  size_t step_next_ = 0;
+
+  mutable absl::Mutex p99_mu_;
+  double p99_step_ ABSL_GUARDED_BY(p99_mu_) = 0;
 
   std::thread thread_;
 };

@@ -18,6 +18,10 @@ ABSL_FLAG(std::string, kv, "", "KV cache format (default: the weight format)");
 ABSL_FLAG(int, block_size, 16, "KV block size in positions");
 ABSL_FLAG(int, kv_positions, 16384, "KV pool size in positions");
 
+ABSL_FLAG(double, request_life_base_s, 60,
+          "a request's life in the engine is bounded by this + max_tokens x max(step factor x p99 step, min per token)");
+ABSL_FLAG(double, request_life_step_factor, 10, "see --request_life_base_s");
+ABSL_FLAG(double, request_life_min_token_ms, 50, "see --request_life_base_s");
 ABSL_FLAG(double, leak_grace_s, 10, "NOT_SERVING once KV blocks stay in use this long with no request holding them");
 ABSL_FLAG(double, wedge_after_s, 5, "NOT_SERVING once the KV transport's event loop has not run for this long");
 ABSL_FLAG(int, fault_leak_kv_blocks, 0, "fault tests only: take this many KV blocks at start and never free them");
@@ -104,6 +108,12 @@ void CheckWorkerTransport(WorkerRuntime& rt, const std::string& host) {
   if (const std::string why = rt.transport_check->reason(); !why.empty()) {
     LogEvent("error", "kv_transport_unusable", {{"error", why}});
   }
+}
+
+void ApplyRequestLifeFlags(engine::EngineOptions& options) {
+  options.life_base = absl::Seconds(absl::GetFlag(FLAGS_request_life_base_s));
+  options.life_step_factor = absl::GetFlag(FLAGS_request_life_step_factor);
+  options.life_min_per_token = absl::Milliseconds(absl::GetFlag(FLAGS_request_life_min_token_ms));
 }
 
 void AddKvPoolMetrics(MetricsRegistry& metrics, const KvManager* kv) {

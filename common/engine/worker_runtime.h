@@ -16,6 +16,7 @@
 #include "common/tokenizer/tokenizer.h"
 #include "kv_transfer/self_check.h"
 #include "kv_transfer/ucx_transport.h"
+#include "common/engine/engine.h"
 #include "common/engine/model_stack.h"
 
 namespace pdserve {
@@ -57,6 +58,10 @@ void CheckWorkerTransport(WorkerRuntime& rt, const std::string& host);
 std::function<std::string()> WorkerHealthCheck(WorkerRuntime& rt,
                                                std::function<bool()> draining, std::function<bool()> idle,
                                                std::function<void(std::string)> publish);
+
+// The bound on a request's life from --request_life_base_s,
+// --request_life_step_factor and --request_life_min_token_ms.
+void ApplyRequestLifeFlags(engine::EngineOptions& options);
 
 // The pool's gauges pdserve_kv_blocks{state=used|free}, from the KV manager.
 void AddKvPoolMetrics(MetricsRegistry& metrics, const KvManager* kv);

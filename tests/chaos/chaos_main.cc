@@ -529,7 +529,13 @@ int Run() {
   absl::PrintF("latency (completed) p50 %.3fs, p99 %.3fs\n", absl::ToDoubleSeconds(Percentile(t.latencies, 0.5)),
                absl::ToDoubleSeconds(Percentile(t.latencies, 0.99)));
 
+  // No request may have been ended by a worker's bound on its life: the
+  // bound is for requests nobody waits for, never for a chaos run's.
+  const std::string expired = fleet.Grep("\"event\":\"request_expired\"");
+  absl::PrintF("expired requests    %d\n", static_cast<int>(std::count(expired.begin(), expired.end(), '\n')));
+
   std::vector<std::string> failed;
+  if (!expired.empty()) failed.push_back("requests ended by their life bound:\n" + expired);
   if (t.lost > 0) failed.push_back("requests lost");
   if (t.duplicated_tokens > 0) failed.push_back("tokens duplicated");
   if (t.mismatched > 0) failed.push_back("tokens mismatched");

@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -47,6 +48,53 @@ TEST(OperationsTest, PrefillWorkerKilledMidPrefillIsRetriedElsewhere) {
   ReadToEnd(*reader, got);
   ExpectUndisturbed(got, want, c);
   EXPECT_EQ(AllKvUsedAfterSettling(c), 0) << c.Status().ShortDebugString() << "\n" << c.Logs();
+}
+
+// The output of `pdctl status` for the cluster: its decode row's last
+// column, the age of the oldest request in that worker's engine (-1 when
+// there is no such row).
+double OldestDecodeRequestSeconds(Cluster& c, std::string* out) {
+  const std::string cmd = absl::StrCat(kBin, "/tools/pdctl/pdctl status --router ", c.address(), " 2>&1");
+  FILE* p = popen(cmd.c_str(), "r");
+  if (p == nullptr) return -1;
+  char buf[4096];
+  out->clear();
+  while (fgets(buf, sizeof(buf), p) != nullptr) out->append(buf);
+  pclose(p);
+  for (absl::string_view line : absl::StrSplit(*out, '\n')) {
+    if (!absl::StartsWith(line, "decode ")) continue;
+    std::vector<absl::string_view> fields = absl::StrSplit(line, ' ', absl::SkipEmpty());
+    double v = -1;
+    if (!fields.empty() && absl::SimpleAtod(fields.back(), &v)) return v;
+  }
+  return -1;
+}
+
+// `pdctl status` shows how old the oldest request in each worker is: about
+// the time since a long generation started while it runs, 0 after.
+TEST(OperationsTest, StatusShowsTheOldestRequestsAge) {
+  const std::string dir = TempDir();
+  Cluster c;
+  // 20 ms a step: 100 tokens take about 2 s.
+  ASSERT_TRUE(c.Start(dir, /*colocated=*/true, {"--fault_step_delay_ms", "20"}).ok());
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  const absl::Time start = absl::Now();
+  auto reader = c.stub()->Generate(&ctx, SeededRequest(100));
+  absl::SleepFor(absl::Milliseconds(700));
+  std::string out;
+  const double oldest = OldestDecodeRequestSeconds(c, &out);
+  const double elapsed = absl::ToDoubleSeconds(absl::Now() - start);
+  EXPECT_GT(oldest, 0.3) << out;
+  EXPECT_LE(oldest, elapsed) << out;
+  EXPECT_NE(out.find("oldest s"), std::string::npos) << out;
+  Output got;
+  ReadToEnd(*reader, got);
+  EXPECT_TRUE(got.status.ok()) << got.status.error_message();
+  EXPECT_EQ(got.tokens.size(), 100u);
+  // Idle: the column reads 0 (the engine's stats refresh every 20 ms).
+  absl::SleepFor(absl::Milliseconds(100));
+  EXPECT_EQ(OldestDecodeRequestSeconds(c, &out), 0) << out;
 }
 
 // SIGTERM to a prefill worker with a request inside its prefill: with a

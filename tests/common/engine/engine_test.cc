@@ -403,6 +403,55 @@ TEST_F(EngineTest, TheEngineThreadServesOtherThreadsAndStopEndsTheRest) {
   EXPECT_EQ(kv->Counts().used, 0);
 }
 
+// A request past its life bound ends with DEADLINE_EXCEEDED and its KV is
+// freed, whatever its state; one within its bound runs to the end.
+TEST_F(EngineTest, RequestsPastTheirLifeBoundEnd) {
+  auto kv = MakeKv(64);
+  // 100 ms + 1 ms a token; each step at least 20 ms.
+  Engine engine(*model_, *kv,
+                {.life_base = absl::Milliseconds(100),
+                 .life_step_factor = 0,
+                 .life_min_per_token = absl::Milliseconds(1),
+                 .fault_stall_forward = absl::Milliseconds(20)});
+  Output doomed, fine;
+  auto a = Local(1, MakeReq("In the beginning", 200, 0, 1), Collect(&doomed));  // Bound 300 ms: ~15 steps.
+  auto b = Local(2, MakeReq("And God said", 3, 0, 1), Collect(&fine));          // Bound 103 ms: 4 steps.
+  const absl::Time start = absl::Now();
+  engine.Submit(a);
+  engine.Submit(b);
+  ASSERT_TRUE(engine.Step().ok());
+  EXPECT_GT(engine.stats().oldest_request_seconds, 0);
+  RunToIdle(engine);
+  EXPECT_EQ(doomed.status.code(), absl::StatusCode::kDeadlineExceeded) << doomed.status;
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(300)) << "ended before its bound";
+  EXPECT_LT(doomed.tokens.size(), 200u);
+  EXPECT_EQ(a->lifecycle.end_reason(), EndReason::kError);
+  EXPECT_TRUE(fine.status.ok()) << fine.status;
+  EXPECT_EQ(fine.tokens.size(), 3u);
+  EXPECT_EQ(engine.stats().expired, 1);
+  EXPECT_EQ(engine.stats().oldest_request_seconds, 0);
+  EXPECT_EQ(kv->Counts().used, 0);
+}
+
+// The bound's per-token part follows the measured p99 step time (x the
+// factor) once that exceeds the floor.
+TEST_F(EngineTest, TheLifeBoundFollowsTheMeasuredP99StepTime) {
+  auto kv = MakeKv(64);
+  Engine engine(*model_, *kv,
+                {.life_base = absl::Seconds(1),
+                 .life_step_factor = 10,
+                 .life_min_per_token = absl::Milliseconds(1),
+                 .fault_stall_forward = absl::Milliseconds(10)});
+  EXPECT_EQ(engine.LifeBound(100), absl::Seconds(1) + 100 * absl::Milliseconds(1));
+  Output out;
+  engine.Submit(Local(1, MakeReq("In the beginning", 20, 0, 1), Collect(&out)));
+  RunToIdle(engine);
+  ASSERT_TRUE(out.status.ok()) << out.status;
+  EXPECT_GE(engine.stats().p99_step_seconds, 0.010);
+  // Every step took at least 10 ms: at least 10 x 10 ms a token.
+  EXPECT_GE(engine.LifeBound(100), absl::Seconds(1) + 100 * absl::Milliseconds(100));
+}
+
 TEST_F(EngineTest, PromptLargerThanThePoolIsRefused) {
   auto kv = MakeKv(2);  // 32 positions.
   Engine engine(*model_, *kv, {.chunk_tokens = 16});

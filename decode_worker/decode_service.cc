@@ -1,5 +1,7 @@
 #include "decode_worker/decode_service.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <utility>
 #include <vector>
@@ -164,6 +166,18 @@ class DecodeCall final : public grpc::ServerWriteReactor<DecodeEvent>,
     Do(a);
   }
 
+  // On the writer thread: starts what is due (the engine's thread only
+  // buffers, so that its steps never wait for a socket).
+  void Pump() {
+    Action a;
+    {
+      absl::MutexLock lock(&mu_);
+      kick_queued_ = false;
+      a = NextLocked();
+    }
+    Do(a);
+  }
+
   void OnCancel() override {
     Abort(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the caller"), /*cancel_rpc=*/false);
   }
@@ -193,7 +207,7 @@ class DecodeCall final : public grpc::ServerWriteReactor<DecodeEvent>,
 
   void OnToken(const TokenEvent& t, int32_t cached) {
     bool overflow = false;
-    Action a;
+    bool kick = false;
     {
       absl::MutexLock lock(&mu_);
       if (finishing()) return;
@@ -212,8 +226,9 @@ class DecodeCall final : public grpc::ServerWriteReactor<DecodeEvent>,
       if (t.finish != FinishReason::kNone) final_finish_ = t.finish;
       pending_.push_back(t);
       overflow = static_cast<int32_t>(pending_.size()) > options_.max_buffered_tokens;
-      if (!overflow) a = NextLocked();
+      kick = !overflow && NeedsKickLocked();
     }
+    if (kick) service_->Kick(shared_from_this());
     if (overflow) {
       service_->stalled_streams_.fetch_add(1);
       LogEvent("warning", "stream_stalled", {{"request_id", RequestIdForLog()}, {"why", "buffer full"}});
@@ -223,17 +238,24 @@ class DecodeCall final : public grpc::ServerWriteReactor<DecodeEvent>,
             /*cancel_rpc=*/true);
       return;
     }
-    Do(a);
   }
 
   void OnEnd(const absl::Status& s) {
-    Action a;
+    bool kick;
     {
       absl::MutexLock lock(&mu_);
       end_ = s;
-      a = NextLocked();
+      kick = NeedsKickLocked();
     }
-    Do(a);
+    if (kick) service_->Kick(shared_from_this());
+  }
+
+  // Whether the writer thread must look at this call: nothing is being
+  // written, and it was not asked to look already.
+  bool NeedsKickLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (writing_ || finish_called_ || done_ || kick_queued_) return false;
+    kick_queued_ = true;
+    return true;
   }
 
   std::string RequestIdForLog() {
@@ -313,6 +335,7 @@ class DecodeCall final : public grpc::ServerWriteReactor<DecodeEvent>,
   bool finish_called_ ABSL_GUARDED_BY(mu_) = false;
   bool done_ ABSL_GUARDED_BY(mu_) = false;
   bool one_token_per_chunk_ ABSL_GUARDED_BY(mu_) = false;
+  bool kick_queued_ ABSL_GUARDED_BY(mu_) = false;
   int32_t chunks_written_ ABSL_GUARDED_BY(mu_) = 0;
   // What the final message reports.
   FinishReason final_finish_ ABSL_GUARDED_BY(mu_) = FinishReason::kNone;
@@ -334,6 +357,28 @@ DecodeService::DecodeService(Model* model, KvManager* kv, const tok::Tokenizer* 
   kv_->set_listener(&kv_events_);
   engine_.Start();
   sweep_thread_ = std::thread([this] { SweepLoop(); });
+  writer_thread_ = std::thread([this] { WriterLoop(); });
+}
+
+void DecodeService::Kick(std::shared_ptr<DecodeCall> call) {
+  absl::MutexLock lock(&writer_mu_);
+  kicks_.push_back(std::move(call));
+}
+
+void DecodeService::WriterLoop() {
+  pthread_setname_np(pthread_self(), "stream-writer");
+  std::vector<std::shared_ptr<DecodeCall>> batch;
+  while (true) {
+    {
+      absl::MutexLock lock(&writer_mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(writer_mu_) { return !kicks_.empty() || stop_writer_; };
+      writer_mu_.Await(absl::Condition(&ready));
+      if (kicks_.empty()) return;  // Stopping, and nothing left to start.
+      batch.swap(kicks_);
+    }
+    for (auto& c : batch) c->Pump();
+    batch.clear();
+  }
 }
 
 DecodeService::~DecodeService() {
@@ -352,6 +397,11 @@ void DecodeService::Shutdown() {
   if (sweep_thread_.joinable()) sweep_thread_.join();
   stopped_ = true;
   engine_.Stop();  // Running streams end with UNAVAILABLE.
+  {
+    absl::MutexLock lock(&writer_mu_);
+    stop_writer_ = true;
+  }
+  if (writer_thread_.joinable()) writer_thread_.join();
   std::vector<std::shared_ptr<DecodeCall>> calls;
   {
     absl::MutexLock lock(&calls_mu_);

@@ -5,7 +5,9 @@
 // call meets it in one rendezvous map, whichever arrives first).
 //
 // Each stream has at most one write outstanding; tokens that the engine
-// produces meanwhile are buffered and go out together in the next chunk. A
+// produces meanwhile are buffered and go out together in the next chunk.
+// The engine's thread only buffers: a writer thread starts the writes, so
+// a step never waits for a socket. A
 // stream whose write has not completed for stall_timeout (the client
 // stopped reading and its flow-control window stays full), or whose buffer
 // passes max_buffered_tokens, is cancelled: its request ends, its KV is
@@ -115,6 +117,9 @@ class DecodeService final : public worker::v1::DecodeWorker::CallbackService {
   // The rendezvous is complete: replay the first token, then decode.
   void StartHandedOff(const std::shared_ptr<DecodeCall>& call, HandedOff seq);
   void Forget(DecodeCall* call);
+  // Asks the writer thread to start `call`'s next write (or its finish).
+  void Kick(std::shared_ptr<DecodeCall> call);
+  void WriterLoop();
 
   Model* model_;
   KvManager* kv_;
@@ -147,6 +152,13 @@ class DecodeService final : public worker::v1::DecodeWorker::CallbackService {
   absl::flat_hash_map<engine::RequestId, absl::Time> claimed_ ABSL_GUARDED_BY(handoff_mu_);
   std::string kv_address_ ABSL_GUARDED_BY(handoff_mu_);
   std::string unhealthy_reason_ ABSL_GUARDED_BY(handoff_mu_);
+
+  // The engine's thread hands calls with something to write to this thread,
+  // which starts the writes: a step never waits for a socket.
+  absl::Mutex writer_mu_;
+  std::vector<std::shared_ptr<DecodeCall>> kicks_ ABSL_GUARDED_BY(writer_mu_);
+  bool stop_writer_ ABSL_GUARDED_BY(writer_mu_) = false;
+  std::thread writer_thread_;
 
   absl::Mutex sweep_mu_;
   bool stop_sweeping_ ABSL_GUARDED_BY(sweep_mu_) = false;

@@ -1,5 +1,7 @@
 #include "common/engine/engine.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <chrono>
 #include <utility>
@@ -88,7 +90,10 @@ void Engine::EndExpired() {
 }
 
 void Engine::Start() {
-  thread_ = std::thread([this] { Run(); });
+  thread_ = std::thread([this] {
+    pthread_setname_np(pthread_self(), "engine");
+    Run();
+  });
 }
 
 void Engine::Stop() {

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "common/grpc_status.h"
 #include "common/server_util.h"
 #include "proto/convert.h"
 
@@ -17,12 +18,6 @@ namespace {
 
 using worker::v1::DecodeEvent;
 
-grpc::Status ToGrpc(const absl::Status& s) {
-  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
-}
-absl::Status ToAbsl(const grpc::Status& s) {
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
-}
 
 }  // namespace
 
@@ -145,7 +140,7 @@ class DecodeCall final : public grpc::ServerWriteReactor<DecodeEvent>,
       if (!end_.has_value()) cancel = request_;
       a = NextLocked();
     }
-    if (cancel != nullptr) service_->engine_.Cancel(cancel, ToAbsl(status));
+    if (cancel != nullptr) service_->engine_.Cancel(cancel, FromGrpcStatus(status));
     if (cancel_rpc) ctx_->TryCancel();
     Do(a);
   }
@@ -290,7 +285,7 @@ class DecodeCall final : public grpc::ServerWriteReactor<DecodeEvent>,
     // listens); anything else is the request's own end, in a final message.
     if (absl::IsUnavailable(*end_) || absl::IsCancelled(*end_)) {
       finish_called_ = true;
-      return {Action::kFinish, ToGrpc(*end_)};
+      return {Action::kFinish, ToGrpcStatus(*end_)};
     }
     out_.Clear();
     worker::v1::DecodeFinal* f = out_.mutable_final();
@@ -517,7 +512,7 @@ void DecodeService::StartHandedOff(const std::shared_ptr<DecodeCall>& call, Hand
   absl::StatusOr<TokenEvent> first = r->gen->Replay(seq.first);
   if (!first.ok()) {
     (void)r->lifecycle.Transition(engine::RequestState::kFinished, engine::EndReason::kError);
-    call->Abort(ToGrpc(first.status()), false);
+    call->Abort(ToGrpcStatus(first.status()), false);
     return;
   }
   if (r->gen->finished()) {
@@ -591,7 +586,8 @@ grpc::ServerWriteReactor<DecodeEvent>* DecodeService::Decode(grpc::CallbackServe
     }
   }
   if (absl::Status s = ValidateSamplingParams(gr.params, model_->config().vocab_size); !s.ok()) {
-    return reject(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+    call->Reject(ToGrpcStatus(s));
+    return call.get();
   }
   if (gr.prompt.size() + gr.params.max_tokens > static_cast<size_t>(model_->config().max_position_embeddings)) {
     return reject(grpc::StatusCode::INVALID_ARGUMENT,
@@ -608,7 +604,10 @@ grpc::ServerWriteReactor<DecodeEvent>* DecodeService::Decode(grpc::CallbackServe
   }
   absl::StatusOr<std::unique_ptr<Generation>> made =
       rpc::MakeGeneration(w, model_->config().eos_token_ids, model_->config().vocab_size, tokenizer_);
-  if (!made.ok()) return reject(static_cast<grpc::StatusCode>(made.status().code()), std::string(made.status().message()));
+  if (!made.ok()) {
+    call->Reject(ToGrpcStatus(made.status()));
+    return call.get();
+  }
   if ((*made)->finished()) return reject(grpc::StatusCode::INVALID_ARGUMENT, "generated_ids: already finished");
   engine::RequestId id(w.request_id().empty() ? absl::StrCat("local-", next_id_++) : w.request_id());
 

@@ -11,6 +11,7 @@
 #include "absl/time/clock.h"
 #include "common/generation.h"
 #include "common/prefix_cache.h"
+#include "common/grpc_status.h"
 #include "common/server_util.h"
 #include "proto/convert.h"
 #include "proto/received.h"
@@ -25,9 +26,6 @@ double Seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
 
-grpc::Status ToGrpc(const absl::Status& s) {
-  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
-}
 
 }  // namespace
 
@@ -97,7 +95,7 @@ class PrefillCall final : public grpc::ServerWriteReactor<PrefillEvent> {
     {
       absl::MutexLock lock(&mu_);
       if (end_.has_value()) return;
-      end_ = grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+      end_ = ToGrpcStatus(status);
       a = NextLocked();
     }
     Do(a);

@@ -11,6 +11,7 @@
 #include "absl/time/clock.h"
 #include "google/protobuf/unknown_field_set.h"
 #include "grpcpp/grpcpp.h"
+#include "common/grpc_status.h"
 #include "common/server_util.h"
 #include "proto/convert.h"
 #include "proto/received.h"
@@ -28,7 +29,7 @@ double Seconds(SteadyClock::time_point a, SteadyClock::time_point b) {
 }
 
 grpc::Status Invalid(const absl::Status& s) {
-  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+  return ToGrpcStatus(s);
 }
 
 std::shared_ptr<grpc::Channel> Channel(const std::string& address) {

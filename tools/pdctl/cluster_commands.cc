@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "google/protobuf/util/json_util.h"
+#include "common/grpc_status.h"
 #include "grpcpp/grpcpp.h"
 #include "pdserve/v1/generation.grpc.pb.h"
 
@@ -13,7 +14,8 @@ namespace pdserve::pdctl {
 namespace {
 
 absl::Status FromGrpc(const grpc::Status& s, const std::string& what) {
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), absl::StrCat(what, ": ", s.error_message()));
+  const absl::Status st = FromGrpcStatus(s);
+  return absl::Status(st.code(), absl::StrCat(what, ": ", st.message()));
 }
 
 const char* FinishName(v1::FinishReason f) {

@@ -42,7 +42,10 @@ absl::StatusOr<std::unique_ptr<KvManager>> KvManager::Create(const KvCacheSpec& 
 }
 
 KvManager::KvManager(std::unique_ptr<BlockPool> pool)
-    : pool_(std::move(pool)), storage_(pool_->storage()), owners_(pool_->spec().num_blocks) {}
+    : pool_(std::move(pool)),
+      storage_(pool_->storage()),
+      region_(&pool_->region()),
+      owners_(pool_->spec().num_blocks) {}
 
 KvManager::~KvManager() {
   absl::MutexLock lock(&mu_);

@@ -88,7 +88,7 @@ class KvManager {
   const KvCacheSpec& spec() const { return storage_.spec; }
   // Where the blocks' bytes are: for the forward and the transfers.
   const KvStorage& storage() const { return storage_; }
-  KvRegion& region() { return pool_->region(); }
+  KvRegion& region() { return *region_; }
 
   // A new owner of this manager's blocks, holding none yet.
   SequenceKv NewSequence();
@@ -145,6 +145,7 @@ class KvManager {
   mutable absl::Mutex mu_;
   std::unique_ptr<BlockPool> pool_ ABSL_PT_GUARDED_BY(mu_);
   KvStorage storage_;  // Immutable after construction.
+  KvRegion* const region_;  // The pool's; the pointer is immutable (the bytes are the holders').
   // Who holds each block (an owner appears once per reference it holds).
   std::vector<absl::InlinedVector<uint64_t, 2>> owners_ ABSL_GUARDED_BY(mu_);
   uint64_t next_owner_ ABSL_GUARDED_BY(mu_) = 1;

@@ -12,6 +12,7 @@ PACKAGES=(
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   libucx-dev ucx-utils libmicrohttpd-dev
   dnsmasq-base iproute2
+  clang
 )
 
 missing=()

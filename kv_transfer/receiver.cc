@@ -187,9 +187,11 @@ void KvReceiver::HandleCommit(Connection& c, Commit& m) {
     out.kv = std::move(h.kv);
     out.kv.SetNumPositions(m.num_positions);
   }
-  c.Send(Encode(reply));
+  // The consumer has the sequence before the sender learns of the commit:
+  // an acknowledged commit is one the decode side already holds.
   out.state = std::move(m);
   on_committed_(std::move(out));
+  c.Send(Encode(reply));
 }
 
 void KvReceiver::HandleAbort(Connection& c, const kv::Abort& m) {

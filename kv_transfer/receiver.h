@@ -26,7 +26,9 @@
 // blocks are reserved, published and given back through the KV manager,
 // whose lock covers bookkeeping only: the loop thread never waits for a
 // forward. stats()/metrics() may be read from any thread. The committed
-// callback runs on the loop thread without locks.
+// callback runs on the loop thread without locks, before the sender's
+// commit is answered: a sender that sees its commit succeed knows the
+// owner has the sequence.
 // Lifetime: destroy the receiver before the transport; it must outlive
 // every connection's traffic (Shutdown() stops accepting it).
 #ifndef PDSERVE_KV_TRANSFER_RECEIVER_H_

@@ -10,6 +10,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "common/grpc_status.h"
+#include "common/one_write_stream.h"
 #include "common/server_util.h"
 #include "proto/convert.h"
 
@@ -25,13 +26,10 @@ using worker::v1::DecodeEvent;
 // (OnDone); the engine request's callbacks keep it alive after that until
 // the engine lets the request go, and then find it finished.
 //
-// At most one write is outstanding. What to do next on the stream (write
-// the buffered tokens as one chunk, write the final message, or finish) is
-// decided under mu_ and done outside it; while a write is outstanding or
-// after Finish, nothing else starts, so the reactor cannot go away under a
-// write or a finish that this object started.
-class DecodeCall final : public grpc::ServerWriteReactor<DecodeEvent>,
-                         public std::enable_shared_from_this<DecodeCall> {
+// What it writes next (the buffered tokens as one chunk, the final
+// message, or the finish) follows OneWriteStream's rule: decided under
+// mu_, done outside it.
+class DecodeCall final : public OneWriteStream<DecodeEvent>, public std::enable_shared_from_this<DecodeCall> {
  public:
   struct Options {
     bool colocated = false;
@@ -72,7 +70,7 @@ class DecodeCall final : public grpc::ServerWriteReactor<DecodeEvent>,
   // A write outstanding for at least `d`: the client is not reading.
   bool StalledFor(absl::Duration d, absl::Time now) {
     absl::MutexLock lock(&mu_);
-    return writing_ && !finishing() && now - write_started_ >= d;
+    return writing() && !finishing() && now - write_started_ >= d;
   }
   bool aborted() {
     absl::MutexLock lock(&mu_);
@@ -135,7 +133,7 @@ class DecodeCall final : public grpc::ServerWriteReactor<DecodeEvent>,
     Action a;
     {
       absl::MutexLock lock(&mu_);
-      if (finish_called_ || abort_.has_value()) return;
+      if (finish_called() || abort_.has_value()) return;
       abort_ = status;
       if (!end_.has_value()) cancel = request_;
       a = NextLocked();
@@ -150,7 +148,7 @@ class DecodeCall final : public grpc::ServerWriteReactor<DecodeEvent>,
     Action a;
     {
       absl::MutexLock lock(&mu_);
-      writing_ = false;
+      WriteDoneLocked();
       if (!ok && !abort_.has_value()) {
         abort_ = grpc::Status(grpc::StatusCode::CANCELLED, "the caller went away");
         if (!end_.has_value()) cancel = request_;
@@ -190,15 +188,10 @@ class DecodeCall final : public grpc::ServerWriteReactor<DecodeEvent>,
   }
 
  private:
-  struct Action {
-    enum Kind { kNone, kWrite, kFinish } kind = kNone;
-    grpc::Status status;
-  };
-
   DecodeCall(DecodeService* service, grpc::CallbackServerContext* ctx, Options options)
       : service_(service), ctx_(ctx), options_(options), start_(absl::Now()), last_(start_) {}
 
-  bool finishing() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return finish_called_ || abort_.has_value(); }
+  bool finishing() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return finish_called() || abort_.has_value(); }
 
   void OnToken(const TokenEvent& t, int32_t cached) {
     bool overflow = false;
@@ -248,7 +241,7 @@ class DecodeCall final : public grpc::ServerWriteReactor<DecodeEvent>,
   // Whether the writer thread must look at this call: nothing is being
   // written, and it was not asked to look already.
   bool NeedsKickLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (writing_ || finish_called_ || done_ || kick_queued_) return false;
+    if (busy() || done_ || kick_queued_) return false;
     kick_queued_ = true;
     return true;
   }
@@ -259,11 +252,8 @@ class DecodeCall final : public grpc::ServerWriteReactor<DecodeEvent>,
   }
 
   Action NextLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (finish_called_ || writing_ || done_) return {};
-    if (abort_.has_value()) {
-      finish_called_ = true;
-      return {Action::kFinish, *abort_};
-    }
+    if (busy() || done_) return {};
+    if (abort_.has_value()) return FinishLocked(*abort_);
     if (!pending_.empty()) {
       out_.Clear();
       v1::TokenChunk* chunk = out_.mutable_chunk();
@@ -271,22 +261,15 @@ class DecodeCall final : public grpc::ServerWriteReactor<DecodeEvent>,
       for (size_t i = 0; i < n; ++i) rpc::AppendToken(pending_[i], options_.logprobs, chunk);
       pending_.erase(pending_.begin(), pending_.begin() + static_cast<std::ptrdiff_t>(n));
       if (options_.unparseable && ++chunks_written_ == 2) chunk->mutable_text()->append("\xff");
-      writing_ = true;
       write_started_ = absl::Now();
-      return {Action::kWrite, {}};
+      return WriteLocked();
     }
     if (!end_.has_value()) return {};
-    if (final_sent_) {
-      finish_called_ = true;
-      return {Action::kFinish, grpc::Status::OK};
-    }
+    if (final_sent_) return FinishLocked(grpc::Status::OK);
     // Ended by the engine: UNAVAILABLE (stopping) and CANCELLED end the
     // RPC with that status (the router continues elsewhere, or nobody
     // listens); anything else is the request's own end, in a final message.
-    if (absl::IsUnavailable(*end_) || absl::IsCancelled(*end_)) {
-      finish_called_ = true;
-      return {Action::kFinish, ToGrpcStatus(*end_)};
-    }
+    if (absl::IsUnavailable(*end_) || absl::IsCancelled(*end_)) return FinishLocked(ToGrpcStatus(*end_));
     out_.Clear();
     worker::v1::DecodeFinal* f = out_.mutable_final();
     f->set_finish_reason(end_->ok() ? rpc::ToProto(final_finish_) : v1::FINISH_REASON_ERROR);
@@ -297,17 +280,8 @@ class DecodeCall final : public grpc::ServerWriteReactor<DecodeEvent>,
     f->set_mean_itl(gaps_ > 0 ? sum_itl_ / gaps_ : 0);
     f->set_max_itl(max_itl_);
     final_sent_ = true;
-    writing_ = true;
     write_started_ = absl::Now();
-    return {Action::kWrite, {}};
-  }
-
-  void Do(const Action& a) {
-    switch (a.kind) {
-      case Action::kNone: return;
-      case Action::kWrite: StartWrite(&out_); return;
-      case Action::kFinish: Finish(a.status); return;
-    }
+    return WriteLocked();
   }
 
   DecodeService* const service_;
@@ -316,18 +290,14 @@ class DecodeCall final : public grpc::ServerWriteReactor<DecodeEvent>,
   const absl::Time start_;
   std::shared_ptr<DecodeCall> self_;
 
-  absl::Mutex mu_;
   std::shared_ptr<engine::Request> request_ ABSL_GUARDED_BY(mu_);
   std::vector<TokenEvent> pending_ ABSL_GUARDED_BY(mu_);
-  DecodeEvent out_ ABSL_GUARDED_BY(mu_);  // The message being written.
-  bool writing_ ABSL_GUARDED_BY(mu_) = false;
   absl::Time write_started_ ABSL_GUARDED_BY(mu_);
   bool waiting_for_kv_ ABSL_GUARDED_BY(mu_) = false;
   absl::Time waiting_since_ ABSL_GUARDED_BY(mu_);
   std::optional<absl::Status> end_ ABSL_GUARDED_BY(mu_);     // From the engine (or EndHere).
   std::optional<grpc::Status> abort_ ABSL_GUARDED_BY(mu_);   // Ends the RPC with this.
   bool final_sent_ ABSL_GUARDED_BY(mu_) = false;
-  bool finish_called_ ABSL_GUARDED_BY(mu_) = false;
   bool done_ ABSL_GUARDED_BY(mu_) = false;
   bool one_token_per_chunk_ ABSL_GUARDED_BY(mu_) = false;
   bool kick_queued_ ABSL_GUARDED_BY(mu_) = false;
@@ -400,7 +370,7 @@ void DecodeService::Shutdown() {
   std::vector<std::shared_ptr<DecodeCall>> calls;
   {
     absl::MutexLock lock(&calls_mu_);
-    calls.assign(calls_.begin(), calls_.end());
+    for (const auto& [p, c] : calls_) calls.push_back(c);
   }
   for (auto& c : calls) c->Abort(grpc::Status(grpc::StatusCode::UNAVAILABLE, "decode worker stopped"), false);
 }
@@ -421,7 +391,7 @@ void DecodeService::Sweep() {
   std::vector<std::shared_ptr<DecodeCall>> calls;
   {
     absl::MutexLock lock(&calls_mu_);
-    calls.assign(calls_.begin(), calls_.end());
+    for (const auto& [p, c] : calls_) calls.push_back(c);
   }
   for (auto& call : calls) {
     if (call->StalledFor(absl::Seconds(options_.stall_timeout_seconds), now)) {
@@ -472,12 +442,7 @@ void DecodeService::Sweep() {
 
 void DecodeService::Forget(DecodeCall* call) {
   absl::MutexLock lock(&calls_mu_);
-  for (auto it = calls_.begin(); it != calls_.end(); ++it) {
-    if (it->get() == call) {
-      calls_.erase(it);
-      return;
-    }
-  }
+  calls_.erase(call);
 }
 
 void DecodeService::OnHandoffCommitted(const std::string& request_id, HandedOff seq) {
@@ -548,7 +513,7 @@ void DecodeService::Drain(absl::Time deadline) {
   {
     absl::MutexLock lock(&calls_mu_);
     if (calls_mu_.AwaitWithDeadline(absl::Condition(&none), deadline)) return;
-    calls.assign(calls_.begin(), calls_.end());
+    for (const auto& [p, c] : calls_) calls.push_back(c);
   }
   // Past the grace period: what still runs continues elsewhere.
   for (auto& c : calls) {
@@ -557,7 +522,7 @@ void DecodeService::Drain(absl::Time deadline) {
   {
     absl::MutexLock lock(&calls_mu_);
     if (calls_mu_.AwaitWithTimeout(absl::Condition(&none), absl::Seconds(5))) return;
-    calls.assign(calls_.begin(), calls_.end());
+    for (const auto& [p, c] : calls_) calls.push_back(c);
   }
   // A write its client never takes: cancel the RPC.
   for (auto& c : calls) c->Abort(grpc::Status(grpc::StatusCode::UNAVAILABLE, "decode worker drained"), true);
@@ -596,7 +561,7 @@ grpc::ServerWriteReactor<DecodeEvent>* DecodeService::Decode(grpc::CallbackServe
   }
   {
     absl::MutexLock lock(&calls_mu_);
-    calls_.insert(call);
+    calls_.emplace(call.get(), call);
   }
   if (options_.stand_in) {
     call->StandIn(gr.params.max_tokens, model_->config().vocab_size);

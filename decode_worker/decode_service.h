@@ -25,7 +25,6 @@
 #include <thread>
 
 #include "absl/container/flat_hash_map.h"
-#include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/engine/engine.h"
@@ -136,7 +135,8 @@ class DecodeService final : public worker::v1::DecodeWorker::CallbackService {
   std::atomic<int64_t> stalled_streams_{0};
 
   absl::Mutex calls_mu_;
-  absl::flat_hash_set<std::shared_ptr<DecodeCall>> calls_ ABSL_GUARDED_BY(calls_mu_);
+  // Every call from Decode to OnDone, by its address.
+  absl::flat_hash_map<const DecodeCall*, std::shared_ptr<DecodeCall>> calls_ ABSL_GUARDED_BY(calls_mu_);
 
   // One rendezvous per request id: a committed handoff waiting for its
   // call, or a call waiting for its handoff.

@@ -12,6 +12,7 @@
 #include "common/generation.h"
 #include "common/prefix_cache.h"
 #include "common/grpc_status.h"
+#include "common/one_write_stream.h"
 #include "common/server_util.h"
 #include "proto/convert.h"
 #include "proto/received.h"
@@ -52,7 +53,7 @@ struct PrefillService::Job {
 // then the job's status. At most one write is outstanding; what to do next
 // is decided under mu_ and done outside it. It keeps itself alive until
 // gRPC is done with it (OnDone), and its job keeps it alive after that.
-class PrefillCall final : public grpc::ServerWriteReactor<PrefillEvent> {
+class PrefillCall final : public OneWriteStream<PrefillEvent> {
  public:
   static std::shared_ptr<PrefillCall> Create(PrefillService* service, int64_t tokens) {
     std::shared_ptr<PrefillCall> call(new PrefillCall(service, tokens));
@@ -105,7 +106,7 @@ class PrefillCall final : public grpc::ServerWriteReactor<PrefillEvent> {
     Action a;
     {
       absl::MutexLock lock(&mu_);
-      writing_ = false;
+      WriteDoneLocked();
       if (!ok) {
         pending_.clear();  // The caller went away.
         cancel = job_;
@@ -139,10 +140,6 @@ class PrefillCall final : public grpc::ServerWriteReactor<PrefillEvent> {
   }
 
  private:
-  struct Action {
-    enum Kind { kNone, kWrite, kFinish } kind = kNone;
-    grpc::Status status;
-  };
   PrefillCall(PrefillService* service, int64_t tokens) : service_(service), tokens_(tokens) {}
 
   void ReleaseQueuedTokens() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -151,35 +148,25 @@ class PrefillCall final : public grpc::ServerWriteReactor<PrefillEvent> {
     service_->queued_tokens_ -= tokens_;
   }
   Action NextLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (writing_ || finish_called_) return {};
+    if (busy()) return {};
     if (!pending_.empty()) {
       out_ = std::move(pending_.front());
       pending_.pop_front();
-      writing_ = true;
-      return {Action::kWrite, {}};
+      return WriteLocked();
     }
     if (!end_.has_value()) return {};
-    finish_called_ = true;
-    return {Action::kFinish, *end_};
-  }
-  void Do(const Action& a) {
-    if (a.kind == Action::kWrite) StartWrite(&out_);
-    if (a.kind == Action::kFinish) Finish(a.status);
+    return FinishLocked(*end_);
   }
 
   PrefillService* const service_;
   const int64_t tokens_;
   std::shared_ptr<PrefillCall> self_;
-  absl::Mutex mu_;
   std::shared_ptr<PrefillService::Job> job_ ABSL_GUARDED_BY(mu_);
   bool unparseable_ ABSL_GUARDED_BY(mu_) = false;
   bool admitted_ ABSL_GUARDED_BY(mu_) = false;
   bool first_seen_ ABSL_GUARDED_BY(mu_) = false;
   std::deque<PrefillEvent> pending_ ABSL_GUARDED_BY(mu_);
-  PrefillEvent out_ ABSL_GUARDED_BY(mu_);
-  bool writing_ ABSL_GUARDED_BY(mu_) = false;
   std::optional<grpc::Status> end_ ABSL_GUARDED_BY(mu_);
-  bool finish_called_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 void PrefillService::Job::Push(PrefillEvent e) { call->Push(std::move(e)); }

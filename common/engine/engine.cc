@@ -41,13 +41,8 @@ Engine::Engine(Model& model, KvManager& kv, EngineOptions options)
 Engine::~Engine() { Stop(); }
 
 absl::Duration Engine::LifeBound(int32_t max_tokens) const {
-  double p99;
-  {
-    absl::MutexLock lock(&p99_mu_);
-    p99 = p99_step_;
-  }
-  const absl::Duration per_token =
-      std::max(options_.life_min_per_token, absl::Seconds(options_.life_step_factor * p99));
+  const absl::Duration per_token = std::max(
+      options_.life_min_per_token, absl::Seconds(options_.life_step_factor * p99_step_.load(std::memory_order_relaxed)));
   return options_.life_base + std::max(max_tokens, 0) * per_token;
 }
 
@@ -58,19 +53,24 @@ void Engine::RecordStep(double seconds) {
     step_times_[step_next_] = static_cast<float>(seconds);
     step_next_ = (step_next_ + 1) % kStepWindow;
   }
-  if (steps_ % kP99Every != 1 && step_times_.size() == kStepWindow) return;
-  std::vector<float> sorted = step_times_;
-  const size_t at = std::min(sorted.size() - 1, sorted.size() * 99 / 100);
-  std::nth_element(sorted.begin(), sorted.begin() + static_cast<std::ptrdiff_t>(at), sorted.end());
-  absl::MutexLock lock(&p99_mu_);
-  p99_step_ = sorted[at];
+  // At steps 1, 2, 4, ... 64, then every 64th (into a scratch buffer that
+  // keeps its capacity: no allocation per step).
+  const bool due = steps_ <= kP99Every ? (steps_ & (steps_ - 1)) == 0 : steps_ % kP99Every == 0;
+  if (!due) return;
+  p99_scratch_.assign(step_times_.begin(), step_times_.end());
+  const size_t at = std::min(p99_scratch_.size() - 1, p99_scratch_.size() * 99 / 100);
+  std::nth_element(p99_scratch_.begin(), p99_scratch_.begin() + static_cast<std::ptrdiff_t>(at), p99_scratch_.end());
+  p99_step_.store(p99_scratch_[at], std::memory_order_relaxed);
 }
 
 void Engine::EndExpired() {
   const absl::Time now = absl::Now();
+  // One look at the p99 per step, not one per request.
+  const absl::Duration base = options_.life_base;
+  const absl::Duration per_token = LifeBound(1) - base;
   auto expired = [&](const std::shared_ptr<Request>& r) {
     const int32_t max_tokens = r->gen->request().params.max_tokens;
-    const absl::Duration bound = LifeBound(max_tokens);
+    const absl::Duration bound = base + std::max(max_tokens, 0) * per_token;
     if (now - r->arrived <= bound) return false;
     ++expired_;
     LogEvent("warning", "request_expired",
@@ -80,8 +80,8 @@ void Engine::EndExpired() {
               {"state", RequestStateName(r->lifecycle.state())}});
     End(*r, absl::DeadlineExceededError(absl::StrFormat(
                 "request %s outlived its bound of %.1f s (%.0f s + %d tokens x %.0f ms)", r->id.str(),
-                absl::ToDoubleSeconds(bound), absl::ToDoubleSeconds(options_.life_base), max_tokens,
-                absl::ToDoubleMilliseconds((bound - options_.life_base) / std::max(max_tokens, 1)))),
+                absl::ToDoubleSeconds(bound), absl::ToDoubleSeconds(base), max_tokens,
+                absl::ToDoubleMilliseconds(per_token))),
         EndReason::kError);
     return true;
   };
@@ -281,11 +281,7 @@ void Engine::PublishStats() {
   absl::Time oldest = absl::InfiniteFuture();
   for (const auto& r : running_) oldest = std::min(oldest, r->arrived);
   for (const auto& r : waiting_) oldest = std::min(oldest, r->arrived);
-  double p99;
-  {
-    absl::MutexLock lock(&p99_mu_);
-    p99 = p99_step_;
-  }
+  const double p99 = p99_step_.load(std::memory_order_relaxed);
   absl::MutexLock lock(&mu_);
   stats_.oldest_request_seconds = oldest == absl::InfiniteFuture() ? 0 : absl::ToDoubleSeconds(absl::Now() - oldest);
   stats_.p99_step_seconds = p99;

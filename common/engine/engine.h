@@ -29,6 +29,7 @@
 #ifndef PDSERVE_COMMON_ENGINE_ENGINE_H_
 #define PDSERVE_COMMON_ENGINE_ENGINE_H_
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -201,9 +202,9 @@ class Engine {
   int64_t expired_ = 0;
   std::vector<float> step_times_;  // Ring of the last kStepWindow steps.
   size_t step_next_ = 0;
-
-  mutable absl::Mutex p99_mu_;
-  double p99_step_ ABSL_GUARDED_BY(p99_mu_) = 0;
+  std::vector<float> p99_scratch_;
+  // Written by the engine's thread, read by LifeBound from any thread.
+  std::atomic<double> p99_step_{0};
 
   std::thread thread_;
 };

@@ -9,7 +9,9 @@
 #   tools/bench/side_by_side.sh OLD_BUILD_DIR NEW_BUILD_DIR [RUNS] [WEIGHTS]
 #
 # Defaults: 3 runs, bf16 weights. Each build is used whole: its pdctl and
-# its servers. Raw JSON goes to $OUT (default /tmp/side-by-side); the
+# its servers. SERVING_ONLY=1 skips the engine and KV rows; CONCURRENCY
+# sets the serving rows (default "1:16 8:24 32:96", concurrency:requests),
+# e.g. SERVING_ONLY=1 CONCURRENCY="8:24 32:96" to re-measure the loaded rows. Raw JSON goes to $OUT (default /tmp/side-by-side); the
 # summary (medians, new/old ratio) to stdout. Takes about 10 minutes per
 # run pair on 2 cores.
 set -euo pipefail
@@ -19,9 +21,11 @@ NEW=${2:?new build dir}
 RUNS=${3:-3}
 WEIGHTS=${4:-bf16}
 OUT=${OUT:-/tmp/side-by-side}
+SERVING_ONLY=${SERVING_ONLY:-0}
+CONCURRENCY=${CONCURRENCY:-"1:16 8:24 32:96"}
 mkdir -p "$OUT"
 MODEL125="$OUT/m125-$WEIGHTS"
-[[ -f "$MODEL125/config.json" ]] ||
+[[ $SERVING_ONLY == 1 || -f "$MODEL125/config.json" ]] ||
   "$NEW/tools/pdctl/pdctl" make-model --shape 125m --dtype "$WEIGHTS" --out "$MODEL125" >/dev/null
 
 serving() {  # BUILD TAG RUN
@@ -32,7 +36,7 @@ serving() {  # BUILD TAG RUN
     PDSERVE_BUILD_DIR=$build PDSERVE_CLUSTER_DIR="$OUT/cluster" deploy/cluster.sh start "${flags[@]}" >/dev/null
     local router
     router=$(cat "$OUT/cluster/router.address")
-    for c in 1:16 8:24 32:96; do
+    for c in $CONCURRENCY; do
       "$build/tools/pdctl/pdctl" bench --router "$router" --requests "${c#*:}" --concurrency "${c%%:*}" \
         --prompt-tokens 128 --output-tokens 64 --json > "$OUT/serving-$tag-$mode-c${c%%:*}-$run.json" 2>/dev/null
     done
@@ -45,9 +49,11 @@ for run in $(seq 1 "$RUNS"); do
     build=$OLD
     [[ $side == new ]] && build=$NEW
     echo "run $run/$RUNS: $side ($build)" >&2
-    "$build/tools/pdctl/pdctl" bench-engine --model "$MODEL125" --threads 2 --weights "$WEIGHTS" --kv bf16 --json \
-      > "$OUT/engine-$side-$run.json" 2>/dev/null
-    UCX_TLS=sm,tcp,self "$build/tools/pdctl/pdctl" bench-kv --prompt-len 2048 --json > "$OUT/kv-$side-$run.json" 2>/dev/null
+    if [[ $SERVING_ONLY != 1 ]]; then
+      "$build/tools/pdctl/pdctl" bench-engine --model "$MODEL125" --threads 2 --weights "$WEIGHTS" --kv bf16 --json \
+        > "$OUT/engine-$side-$run.json" 2>/dev/null
+      UCX_TLS=sm,tcp,self "$build/tools/pdctl/pdctl" bench-kv --prompt-len 2048 --json > "$OUT/kv-$side-$run.json" 2>/dev/null
+    fi
     serving "$build" "$side" "$run"
   done
 done
@@ -100,8 +106,10 @@ for mode in ['disaggregated', 'colocated']:
 print(f"{'metric':40s} {'old':>10s} {'new':>10s} {'new/old':>8s}  (medians of {runs})")
 for name, pattern, get in metrics:
     try:
-        o, _ = med('old', pattern, get)
-        n, _ = med('new', pattern, get)
+        o, no = med('old', pattern, get)
+        n, nn = med('new', pattern, get)
+        if no == 0 or nn == 0:
+            continue  # Not measured in this run (SERVING_ONLY, CONCURRENCY).
     except (KeyError, StopIteration, ValueError, TypeError) as e:
         print(f"{name:40s} (missing: {e})")
         continue

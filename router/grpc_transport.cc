@@ -1,0 +1,128 @@
+#include "router/grpc_transport.h"
+
+#include <chrono>
+#include <utility>
+
+#include "absl/synchronization/mutex.h"
+#include "common/grpc_status.h"
+#include "grpcpp/grpcpp.h"
+#include "pdserve/v1/worker.grpc.pb.h"
+#include "proto/received.h"
+#include "router/worker_pool.h"
+
+namespace pdserve::router {
+namespace {
+
+class GrpcConnection final : public WorkerConnection {
+ public:
+  GrpcConnection(const std::string& address, Role role) {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(64 << 20);
+    channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+    if (role == Role::kPrefill) {
+      prefill = worker::v1::PrefillWorker::NewStub(channel);
+    } else {
+      decode = worker::v1::DecodeWorker::NewStub(channel);
+    }
+  }
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<worker::v1::PrefillWorker::Stub> prefill;
+  std::unique_ptr<worker::v1::DecodeWorker::Stub> decode;
+};
+
+GrpcConnection& ConnectionOf(const Worker& w) { return *static_cast<GrpcConnection*>(w.connection()); }
+
+template <typename Event>
+class GrpcStream final : public EventStream<Event> {
+ public:
+  using typename EventStream<Event>::ReadResult;
+  template <typename Request>
+  GrpcStream(grpc::Channel* channel, const char* method, const Request& request, std::optional<absl::Time> deadline)
+      : ctx_(Context(deadline)), reader_(channel, method, ctx_.get(), request) {}
+
+  ReadResult Read(Event* event) override {
+    switch (reader_.Read(event)) {
+      case Reader::Result::kMessage: return ReadResult::kMessage;
+      case Reader::Result::kEnd: return ReadResult::kEnd;
+      case Reader::Result::kUnparseable: return ReadResult::kUnparseable;
+    }
+    return ReadResult::kEnd;
+  }
+  absl::Status Finish() override { return FromGrpcStatus(reader_.Finish()); }
+  absl::Status parse_error() const override { return reader_.parse_error(); }
+  void Cancel() override { ctx_->TryCancel(); }
+
+ private:
+  using Reader = rpc::RawStreamReader<Event>;
+  static std::unique_ptr<grpc::ClientContext> Context(std::optional<absl::Time> deadline) {
+    auto c = std::make_unique<grpc::ClientContext>();
+    if (deadline.has_value()) c->set_deadline(absl::ToChronoTime(*deadline));
+    return c;
+  }
+  // Constructed before the reader, which starts the call on it.
+  std::unique_ptr<grpc::ClientContext> ctx_;
+  Reader reader_;
+};
+
+}  // namespace
+
+std::shared_ptr<WorkerConnection> GrpcTransport::Connect(const std::string& address, Role role) {
+  return std::make_shared<GrpcConnection>(address, role);
+}
+
+std::unique_ptr<PrefillStream> GrpcTransport::Prefill(const Worker& worker, const worker::v1::PrefillRequest& request,
+                                                      std::optional<absl::Time> deadline) {
+  return std::make_unique<GrpcStream<worker::v1::PrefillEvent>>(
+      ConnectionOf(worker).channel.get(), "/pdserve.worker.v1.PrefillWorker/Prefill", request, deadline);
+}
+
+std::unique_ptr<DecodeStream> GrpcTransport::Decode(const Worker& worker, const worker::v1::DecodeRequest& request,
+                                                    std::optional<absl::Time> deadline) {
+  return std::make_unique<GrpcStream<worker::v1::DecodeEvent>>(
+      ConnectionOf(worker).channel.get(), "/pdserve.worker.v1.DecodeWorker/Decode", request, deadline);
+}
+
+std::vector<absl::StatusOr<worker::v1::WorkerInfo>> GrpcTransport::Status(absl::Span<const StatusQuery> queries,
+                                                                          absl::Duration timeout) {
+  struct Call {
+    grpc::ClientContext ctx;
+    worker::v1::WorkerInfo info;
+    grpc::Status status;
+  };
+  std::vector<Call> calls(queries.size());
+  absl::Mutex mu;
+  size_t done = 0;
+  const auto deadline = std::chrono::system_clock::now() + absl::ToChronoMilliseconds(timeout);
+  for (size_t i = 0; i < queries.size(); ++i) {
+    Call* c = &calls[i];
+    c->ctx.set_deadline(deadline);
+    auto on_done = [c, &mu, &done](grpc::Status st) {
+      absl::MutexLock lock(&mu);
+      c->status = std::move(st);
+      ++done;
+    };
+    GrpcConnection& conn = ConnectionOf(*queries[i].worker);
+    if (conn.prefill != nullptr) {
+      conn.prefill->async()->Status(&c->ctx, &queries[i].request, &c->info, on_done);
+    } else {
+      conn.decode->async()->Status(&c->ctx, &queries[i].request, &c->info, on_done);
+    }
+  }
+  {
+    absl::MutexLock lock(&mu);
+    auto all_done = [&done, n = calls.size()] { return done == n; };
+    mu.Await(absl::Condition(&all_done));
+  }
+  std::vector<absl::StatusOr<worker::v1::WorkerInfo>> out;
+  out.reserve(calls.size());
+  for (Call& c : calls) {
+    if (c.status.ok()) {
+      out.emplace_back(std::move(c.info));
+    } else {
+      out.emplace_back(FromGrpcStatus(c.status));
+    }
+  }
+  return out;
+}
+
+}  // namespace pdserve::router

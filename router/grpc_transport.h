@@ -1,0 +1,27 @@
+// The router's WorkerTransport over gRPC: one channel per worker, streams
+// read through rpc::RawStreamReader (every message parsed by the router
+// itself, so a bad one names its field), Status probes all at once on the
+// callback API.
+//
+// Thread safety: thread-safe.
+#ifndef PDSERVE_ROUTER_GRPC_TRANSPORT_H_
+#define PDSERVE_ROUTER_GRPC_TRANSPORT_H_
+
+#include "router/transport.h"
+
+namespace pdserve::router {
+
+class GrpcTransport final : public WorkerTransport {
+ public:
+  std::shared_ptr<WorkerConnection> Connect(const std::string& address, Role role) override;
+  std::unique_ptr<PrefillStream> Prefill(const Worker& worker, const worker::v1::PrefillRequest& request,
+                                         std::optional<absl::Time> deadline) override;
+  std::unique_ptr<DecodeStream> Decode(const Worker& worker, const worker::v1::DecodeRequest& request,
+                                       std::optional<absl::Time> deadline) override;
+  std::vector<absl::StatusOr<worker::v1::WorkerInfo>> Status(absl::Span<const StatusQuery> queries,
+                                                             absl::Duration timeout) override;
+};
+
+}  // namespace pdserve::router
+
+#endif  // PDSERVE_ROUTER_GRPC_TRANSPORT_H_

@@ -1,0 +1,134 @@
+// Where a request runs: a decode worker, whether its context is prefilled
+// there (colocated, or conditional disaggregation) and otherwise which
+// prefill worker computes it. Placement only decides; the relay sends.
+// Admission is given the same decision the request then runs with, made by
+// the configured selectors (placement.h's Place).
+//
+// Thread safety: thread-safe (PromptChains and Exclusions belong to one
+// request).
+#ifndef PDSERVE_ROUTER_PLACEMENT_H_
+#define PDSERVE_ROUTER_PLACEMENT_H_
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "common/block_hash.h"
+#include "router/admission.h"
+#include "router/measured.h"
+#include "router/prefix_index.h"
+#include "router/selection.h"
+#include "router/worker_pool.h"
+
+namespace pdserve::router {
+
+struct PlacementOptions {
+  // Every request to a decode worker, prefilled there (no prefill pool).
+  bool colocated = false;
+  // A decode worker has batch headroom while it runs fewer than its max
+  // batch and, with a target set, its measured step time is under it.
+  absl::Duration itl_target = absl::ZeroDuration();
+  // Conditional disaggregation: a request whose context the chosen decode
+  // worker lacks at most this many positions of (and that has headroom)
+  // is prefilled there. 0: off.
+  int64_t local_prefill_max_tokens = 0;
+  // How long a placed context's blocks count as cached on its worker
+  // before the worker's own KV events confirm them.
+  absl::Duration prefix_expect = absl::Seconds(10);
+  Clock clock = RealClock();
+};
+
+// A request's context hashed per worker hashing scheme (usually one),
+// computed on first use.
+class PromptChains {
+ public:
+  explicit PromptChains(absl::Span<const int32_t> context) : context_(context) {}
+  // The chain a worker hashing with `scheme` would find; empty without one.
+  // The last position is never in it (it is always computed).
+  absl::Span<const BlockHash> For(const std::optional<HashScheme>& scheme);
+  int64_t size() const { return static_cast<int64_t>(context_.size()); }
+
+ private:
+  absl::Span<const int32_t> context_;
+  std::vector<std::pair<HashScheme, std::vector<BlockHash>>> chains_;
+};
+
+// Workers a request gave up on, each in the incarnation it failed in: once
+// it restarts (a new instance id) the request may use it again.
+class Exclusions {
+ public:
+  void Add(const Worker& w, std::string error = {}) {
+    failed_.push_back({&w, w.instance(), w.address(), std::move(error)});
+  }
+  bool Excludes(const Worker& w) const;
+  bool empty() const { return failed_.empty(); }
+  size_t size() const { return failed_.size(); }
+  const std::string& last_address() const { return failed_.back().address; }
+  const std::string& last_error() const { return failed_.back().error; }
+
+ private:
+  struct Failed {
+    const Worker* worker;  // compared, never followed: it may be gone
+    uint64_t instance;
+    std::string address;
+    std::string error;
+  };
+  std::vector<Failed> failed_;
+};
+
+// A placement. decode null: no decode worker can take it now; prefill null
+// with !local: no prefill worker can.
+struct Placed {
+  WorkerPtr decode;
+  bool local = false;  // prefilled on the decode worker
+  WorkerPtr prefill;
+};
+
+class Placement {
+ public:
+  // `pool`, `index` and `measured` must outlive it.
+  Placement(PlacementOptions options, WorkerPool* pool, PrefixIndex* index, MeasuredInputs* measured,
+            std::unique_ptr<Selector> prefill_selector, std::unique_ptr<Selector> decode_selector);
+
+  const PlacementOptions& options() const { return options_; }
+
+  // The whole decision for a context that needs `positions` of KV.
+  Placed Place(int64_t positions, PromptChains& chains, const Exclusions& exclude_decode = {},
+               const Exclusions& exclude_prefill = {});
+  // A serving decode worker with free KV for `positions`, chosen by the
+  // decode selector; if none has room, the one with the most free KV.
+  WorkerPtr PickDecode(int64_t positions, const Exclusions& exclude, PromptChains& chains);
+  // A serving prefill worker chosen by the prefill selector.
+  WorkerPtr PickPrefill(const Exclusions& exclude, PromptChains& chains);
+  // Whether the context is prefilled on decode worker `d` (colocated, or
+  // little of it is missing there and `d` has batch headroom).
+  bool PrefillOnDecode(const Worker& d, PromptChains& chains);
+
+  bool HasHeadroom(const Worker& w) const;
+  // Positions of the context `w` holds in its prefix cache, as the index
+  // sees it.
+  int64_t CachedTokens(const Worker& w, PromptChains& chains);
+  // The context is on its way to `w`: count its blocks there for a while.
+  void Expect(const Worker& w, PromptChains& chains);
+  // What admission weighs for `placed`.
+  AdmissionRequest AdmissionInputs(const Placed& placed, PromptChains& chains, int64_t min_samples);
+
+ private:
+  SelectionCandidate PrefillCandidate(const Worker& w, PromptChains& chains);
+
+  const PlacementOptions options_;
+  WorkerPool* const pool_;
+  PrefixIndex* const index_;
+  MeasuredInputs* const measured_;
+  const std::unique_ptr<Selector> prefill_selector_;
+  const std::unique_ptr<Selector> decode_selector_;
+};
+
+}  // namespace pdserve::router
+
+#endif  // PDSERVE_ROUTER_PLACEMENT_H_

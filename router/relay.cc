@@ -1,0 +1,554 @@
+#include "router/relay.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/server_util.h"
+#include "proto/convert.h"
+
+namespace pdserve::router {
+namespace {
+
+double Between(absl::Time a, absl::Time b) { return absl::ToDoubleSeconds(b - a); }
+
+}  // namespace
+
+RelayMetrics::RelayMetrics(MetricsRegistry& m) {
+  for (const char* o : {"stop", "length", "cancelled", "error", "invalid", "unavailable", "rejected"}) {
+    outcomes[o] = m.AddCounter("pdserve_requests_total", "Requests by how they ended.",
+                               absl::StrCat("outcome=\"", o, "\""));
+  }
+  ttft = m.AddHistogram("pdserve_time_to_first_token_seconds", "Router receipt to first token sent.", LatencyBuckets());
+  itl = m.AddHistogram("pdserve_inter_token_latency_seconds", "Gap between streamed messages.", LatencyBuckets());
+  e2e = m.AddHistogram("pdserve_request_duration_seconds", "Router receipt to final message.", LatencyBuckets());
+  queue = m.AddHistogram("pdserve_queue_seconds", "Waiting for a prefill slot.", LatencyBuckets());
+  prefill_time = m.AddHistogram("pdserve_prefill_seconds", "Prefill compute.", LatencyBuckets());
+  handoff = m.AddHistogram("pdserve_handoff_seconds", "First token to KV committed on the decode worker.",
+                           LatencyBuckets());
+  retries = m.AddCounter("pdserve_prefill_retries_total", "Prefills run again after a worker failed.");
+  migrations = m.AddCounter("pdserve_migrations_total", "Sequences moved off a failed decode worker.");
+  const char* names[] = {"prefill_pool", "decode_local", "colocated"};
+  for (int i = 0; i < 3; ++i) {
+    placements[i] = m.AddCounter(
+        "pdserve_prefill_placements_total",
+        "Prefills by where they ran: a prefill worker (handoff), the decode worker itself (conditional "
+        "disaggregation: short uncached part), or colocated mode.",
+        absl::StrCat("placement=\"", names[i], "\""));
+  }
+  prompt_tokens = m.AddCounter("pdserve_prefill_context_tokens_total", "Context positions prefilled (cached or computed).");
+  cached_tokens = m.AddCounter("pdserve_prefix_cached_tokens_total", "Of them, positions taken from a worker's prefix cache.");
+}
+
+void RelayMetrics::CountOutcome(const char* outcome) const { outcomes.at(outcome)->Add(); }
+
+const char* RelayStateName(RelayState s) {
+  switch (s) {
+    case RelayState::kPlace: return "place";
+    case RelayState::kPrefill: return "prefill";
+    case RelayState::kRetryPrefill: return "retry_prefill";
+    case RelayState::kDecode: return "decode";
+    case RelayState::kMigrate: return "migrate";
+    case RelayState::kFinish: return "finish";
+  }
+  return "?";
+}
+
+Relay::Relay(const RelayContext& context, GenerationRequest request, std::string client_id,
+             std::optional<absl::Time> deadline)
+    : context_(context),
+      request_(std::move(request)),
+      client_id_(std::move(client_id)),
+      deadline_(deadline),
+      prompt_chains_(request_.prompt),
+      replay_(request_, context.tokenizer) {}
+
+void Relay::Cancel() {
+  client_cancelled_.store(true, std::memory_order_relaxed);
+  absl::MutexLock lock(&streams_mu_);
+  if (prefill_stream_ != nullptr) prefill_stream_->Cancel();
+  if (decode_stream_ != nullptr) decode_stream_->Cancel();
+}
+
+void Relay::OpenDecode(std::unique_ptr<DecodeStream> s) {
+  decode_reader_ = s.get();
+  absl::MutexLock lock(&streams_mu_);
+  decode_stream_ = std::move(s);
+  if (client_cancelled()) decode_stream_->Cancel();
+}
+
+void Relay::OpenPrefill(std::unique_ptr<PrefillStream> s) {
+  prefill_reader_ = s.get();
+  absl::MutexLock lock(&streams_mu_);
+  prefill_stream_ = std::move(s);
+  if (client_cancelled()) prefill_stream_->Cancel();
+}
+
+void Relay::ClosePrefill() {
+  prefill_reader_ = nullptr;
+  absl::MutexLock lock(&streams_mu_);
+  prefill_stream_.reset();
+}
+
+void Relay::CloseDecode() {
+  decode_reader_ = nullptr;
+  absl::MutexLock lock(&streams_mu_);
+  decode_stream_.reset();
+}
+
+void Relay::StopDecode() {
+  decode_expected_ = false;
+  if (decode_reader_ != nullptr) decode_reader_->Cancel();
+}
+
+WorkerPtr Relay::PickWaiting(const std::function<WorkerPtr()>& pick) {
+  absl::Time until = Now() + context_.options.pick_wait;
+  if (deadline_.has_value()) until = std::min(until, *deadline_);
+  while (true) {
+    if (WorkerPtr w = pick(); w != nullptr) return w;
+    if (client_cancelled() || Now() >= until) return nullptr;
+    context_.options.sleep(context_.options.pick_poll);
+  }
+}
+
+void Relay::SendChunk(const v1::TokenChunk& chunk) {
+  const absl::Time now = Now();
+  if (completion_ == 0) {
+    timings_.set_ttft(Between(start_, now));
+    if (ticket_.has_value()) ticket_->Release();
+  } else {
+    const double gap = Between(last_token_, now);
+    context_.metrics->itl->Observe(gap);
+    sum_itl_ += gap;
+    max_itl_ = std::max(max_itl_, gap);
+    ++gaps_;
+  }
+  last_token_ = now;
+  completion_ += chunk.token_ids_size();
+  msg_.clear_kind();
+  *msg_.mutable_chunk() = chunk;
+  if (!(*emit_)(msg_)) client_gone_ = true;
+  relay_costs_.push_back(Between(now, Now()));
+}
+
+bool Relay::Unparseable(const char* role, const std::string& address, const absl::Status& why) {
+  LogEvent("warning", "unparseable_message", {{"request_id", internal_id_}, {"role", role}, {"worker", address},
+                                               {"error", std::string(why.message())}});
+  if (++parse_failures_ < 2) return false;
+  error_ = absl::StrCat(role, " worker ", address, " sent ", why.message(), " (after one retry)");
+  internal_ = true;
+  return true;
+}
+
+bool Relay::Admit() {
+  if (context_.admission == nullptr) return true;
+  AdmissionRequest ar = context_.placement->AdmissionInputs(first_, prompt_chains_, context_.admission_min_samples);
+  ar.deadline = deadline_;
+  absl::StatusOr<AdmissionTicket> t = context_.admission->Decide(ar);
+  if (!t.ok()) {
+    error_ = std::string(t.status().message());
+    return false;
+  }
+  ticket_.emplace(*std::move(t));
+  return true;
+}
+
+absl::Status Relay::Run(const std::function<bool(const v1::GenerateResponse&)>& emit) {
+  emit_ = &emit;
+  start_ = Now();
+  last_token_ = start_;
+  context_.measured->RecordArrival();
+  msg_.set_request_id(client_id_);
+  timings_.set_colocated(context_.options.colocated);
+  // The placement admission weighs is the one the first attempt runs with.
+  first_ = context_.placement->Place(static_cast<int64_t>(request_.prompt.size()) + request_.params.max_tokens,
+                                     prompt_chains_);
+  if (!Admit()) {
+    context_.metrics->CountOutcome("rejected");
+    return absl::ResourceExhaustedError(error_);
+  }
+  ++*context_.in_flight;
+  RelayState state = RelayState::kPlace;
+  while (state != RelayState::kFinish) {
+    trace_.push_back(state);
+    switch (state) {
+      case RelayState::kPlace: state = Place(); break;
+      case RelayState::kPrefill: state = Prefill(); break;
+      case RelayState::kRetryPrefill: state = RetryPrefill(); break;
+      case RelayState::kDecode: state = Decode(); break;
+      case RelayState::kMigrate: state = Migrate(); break;
+      case RelayState::kFinish: break;
+    }
+  }
+  trace_.push_back(RelayState::kFinish);
+  --*context_.in_flight;
+  return Finish();
+}
+
+RelayState Relay::Place() {
+  if (!error_.empty() || cancelled_ || finish_ != FinishReason::kNone) return RelayState::kFinish;
+  internal_id_ = absl::StrFormat("%s-%d-%d", client_id_.empty() ? "req" : client_id_, getpid(),
+                                 context_.next_id->fetch_add(1));
+  if (replay_.finished()) {
+    // Every token was streamed before the worker failed (its final message
+    // was lost): the request is complete.
+    finish_ = replay_.finish();
+    return RelayState::kFinish;
+  }
+  // What this attempt prefills: the prompt and any tokens already sent.
+  if (streamed_.empty()) {
+    chains_ = &prompt_chains_;
+  } else {
+    context_tokens_ = request_.prompt;
+    context_tokens_.insert(context_tokens_.end(), streamed_.begin(), streamed_.end());
+    migrated_chains_.emplace(context_tokens_);
+    chains_ = &*migrated_chains_;
+  }
+  PromptChains& chains = *chains_;
+  Placement& placement = *context_.placement;
+  const int64_t positions = static_cast<int64_t>(request_.prompt.size()) + request_.params.max_tokens;
+  const bool first = attempt_ == 0;
+  WorkerPtr d = first && first_.decode != nullptr && first_.decode->healthy() ? first_.decode : nullptr;
+  if (d == nullptr) {
+    d = PickWaiting([&] {
+      WorkerPtr w = placement.PickDecode(positions, failed_decode_, chains);
+      // Every serving worker has failed this request once. A handoff can
+      // fail for reasons that pass (a worker restarted in between, a stale
+      // connection), so they are tried again, up to a bound.
+      if (w == nullptr && attempt_ < context_.options.max_decode_attempts) w = placement.PickDecode(positions, {}, chains);
+      return w;
+    });
+  }
+  if (d == nullptr) {
+    error_ = failed_decode_.empty() ? context_.pool->NoHealthyWorker(Role::kDecode)
+                                    : absl::StrCat("no decode worker left to continue on (last: ",
+                                                   failed_decode_.last_address(), ": ", failed_decode_.last_error(), ")");
+    unavailable_ = true;
+    return RelayState::kFinish;
+  }
+  if (attempt_++ > 0) {
+    context_.metrics->migrations->Add();
+    LogEvent("warning", "migrating", {{"request_id", internal_id_}, {"to", d->address()},
+                                       {"tokens_so_far", std::to_string(streamed_.size())}});
+  }
+  decode_ = d;
+  const bool colocated = context_.options.colocated;
+  local_ = first && d == first_.decode ? first_.local : placement.PrefillOnDecode(*d, chains);
+  // Conditional disaggregation: the decode worker will hold the context.
+  if (local_ && !colocated) placement.Expect(*d, chains);
+  if (attempt_ == 1) {
+    context_.metrics->placements[colocated ? 2 : local_ ? 1 : 0]->Add();
+    timings_.set_local_prefill(local_ && !colocated);
+  }
+  work_.Clear();
+  rpc::ToWork(request_, &work_);
+  work_.set_request_id(internal_id_);
+  work_.mutable_generated_ids()->Assign(streamed_.begin(), streamed_.end());
+  d->in_flight++;
+  worker::v1::DecodeRequest dreq;
+  *dreq.mutable_request() = work_;
+  dreq.set_prefill_here(local_);
+  OpenDecode(context_.transport->Decode(*d, dreq, deadline_));
+  decode_expected_ = true;
+  if (local_) return RelayState::kDecode;
+
+  // Prefill attempts: a prefill worker that fails before its handoff is
+  // committed is marked down and the prefill runs again on another; the
+  // decode worker keeps waiting under the same request id, and the dead
+  // sender's reservation is freed on its side. Sampling is keyed by
+  // (seed, position), so a retried first token is the one already sent.
+  failed_prefill_ = Exclusions();
+  first_sent_ = false;
+  first_token_ = -1;
+  WorkerPtr p = first && first_.prefill != nullptr && first_.prefill->healthy() ? first_.prefill : nullptr;
+  if (p == nullptr) {
+    p = PickWaiting([&] {
+      WorkerPtr w = placement.PickPrefill(avoid_prefill_, chains);
+      return w != nullptr ? w : placement.PickPrefill(failed_prefill_, chains);
+    });
+  }
+  if (p == nullptr) {
+    error_ = context_.pool->NoHealthyWorker(Role::kPrefill);
+    unavailable_ = true;
+    StopDecode();
+    return RelayState::kDecode;
+  }
+  prefill_ = std::move(p);
+  return RelayState::kPrefill;
+}
+
+RelayState Relay::Prefill() {
+  Worker& p = *prefill_;
+  Worker& d = *decode_;
+  PromptChains& chains = *chains_;
+  const int64_t context_tokens = chains.size();
+  // Its queue grows by what it will compute; its cache will hold the
+  // context's blocks (counted until its own events say so).
+  const int64_t queued = context_tokens - context_.placement->CachedTokens(p, chains);
+  context_.placement->Expect(p, chains);
+  p.in_flight++;
+  p.queued_tokens += queued;
+  worker::v1::PrefillRequest preq;
+  *preq.mutable_request() = work_;
+  preq.set_decode_kv_address(d.report().kv_address);
+  OpenPrefill(context_.transport->Prefill(p, preq, deadline_));
+  worker::v1::PrefillEvent ev;
+  bool first_seen = false;
+  bool handed_off = false;
+  PrefillStream::ReadResult read;
+  while ((read = prefill_reader_->Read(&ev)) == PrefillStream::ReadResult::kMessage) {
+    if (ev.has_first() && !first_seen) {
+      first_seen = true;
+      p.queued_tokens -= queued;
+      const worker::v1::FirstToken& f = ev.first();
+      if (first_sent_) {
+        if (f.token().token_id() != first_token_) {
+          error_ = absl::StrCat("prefill retried on ", p.address(), " gave token ", f.token().token_id(), ", not ",
+                                first_token_);
+        }
+        continue;
+      }
+      TokenEvent te;
+      te.token = f.token().token_id();
+      te.logprob = f.token().logprob();
+      for (const v1::TopLogprob& t : f.token().top()) te.top_logprobs.emplace_back(t.token_id(), t.logprob());
+      absl::StatusOr<TokenEvent> text = replay_.Replay(te);
+      if (!text.ok()) {
+        error_ = std::string(text.status().message());
+        break;
+      }
+      first_sent_ = true;
+      first_token_ = te.token;
+      streamed_.push_back(te.token);
+      if (attempt_ == 1) {
+        timings_.set_queue(f.queue_seconds());
+        timings_.set_prefill(f.prefill_seconds());
+        timings_.set_cached_prompt_tokens(f.cached_tokens());
+      }
+      context_.measured->RecordPrefill(p.address(), context_tokens, context_tokens - f.cached_tokens(),
+                                       f.prefill_seconds());
+      context_.metrics->prompt_tokens->Add(static_cast<double>(context_tokens));
+      context_.metrics->cached_tokens->Add(f.cached_tokens());
+      v1::TokenChunk chunk;
+      rpc::AppendToken(*text, request_.params.logprobs > 0, &chunk);
+      SendChunk(chunk);
+      if (text->finish != FinishReason::kNone) {
+        finish_ = text->finish;
+        StopDecode();
+      }
+    } else if (ev.has_done()) {
+      handed_off = true;
+      // The decode worker publishes the context's full blocks on commit.
+      context_.placement->Expect(d, chains);
+      if (attempt_ == 1) {
+        timings_.set_handoff(ev.done().handoff_seconds());
+        context_.measured->RecordHandoff(p.address(), d.address(),
+                                         static_cast<double>(context_tokens * d.report().kv_bytes_per_position),
+                                         ev.done().handoff_seconds());
+      }
+    }
+  }
+  const absl::Status ps = prefill_reader_->Finish();
+  const absl::Status parse_error = prefill_reader_->parse_error();
+  ClosePrefill();
+  if (!first_seen) p.queued_tokens -= queued;
+  p.in_flight--;
+  if (read == PrefillStream::ReadResult::kUnparseable && error_.empty() && !handed_off) {
+    if (Unparseable("prefill", p.address(), parse_error)) {
+      StopDecode();
+      return RelayState::kDecode;
+    }
+    // Whether the KV was committed is not known: the whole attempt runs
+    // again (a new request id, on another prefill worker if there is one).
+    // No worker is marked down.
+    avoid_prefill_.Add(p);
+    migration_ = Migration{};
+    return RelayState::kMigrate;
+  }
+  // After `done` the KV is committed on the decode worker, which carries
+  // the request on: a prefill worker dying now costs nothing.
+  if (ps.ok() || !error_.empty() || handed_off || !decode_expected_) {
+    if (!error_.empty()) StopDecode();
+    return RelayState::kDecode;
+  }
+  if (client_cancelled() || absl::IsCancelled(ps)) {
+    cancelled_ = true;
+    StopDecode();
+    return RelayState::kDecode;
+  }
+  if (absl::IsInvalidArgument(ps)) {
+    error_ = absl::StrCat("prefill worker ", p.address(), ": ", ps.message());
+    StopDecode();
+    return RelayState::kDecode;
+  }
+  // A prefill worker that still answers failed because of the decode side
+  // (its reservation or transfer): move the sequence to another decode
+  // worker instead of retrying the same handoff.
+  StatusQuery q;
+  q.worker = &p;
+  const std::vector<absl::StatusOr<worker::v1::WorkerInfo>> still =
+      context_.transport->Status({&q, 1}, context_.options.handoff_check_timeout);
+  if (still[0].ok() && still[0]->status().healthy()) {
+    LogEvent("warning", "handoff_failed", {{"request_id", internal_id_}, {"prefill", p.address()},
+                                           {"decode", d.address()}, {"error", std::string(ps.message())}});
+    migration_ = Migration{true, true, absl::StrCat("prefill worker ", p.address(), ": ", ps.message())};
+    return RelayState::kMigrate;
+  }
+  prefill_status_ = ps;
+  return RelayState::kRetryPrefill;
+}
+
+RelayState Relay::RetryPrefill() {
+  Worker& p = *prefill_;
+  const std::string why(prefill_status_.message());
+  p.MarkFailed();
+  failed_prefill_.Add(p, why);
+  context_.metrics->retries->Add();
+  LogEvent("warning", "prefill_retry", {{"request_id", internal_id_}, {"worker", p.address()}, {"error", why}});
+  PromptChains& chains = *chains_;
+  WorkerPtr next = PickWaiting([&] { return context_.placement->PickPrefill(failed_prefill_, chains); });
+  if (next == nullptr) {
+    error_ = absl::StrCat("no prefill worker could serve the request (last: ", p.address(), ": ", why, ")");
+    unavailable_ = true;
+    StopDecode();
+    return RelayState::kDecode;
+  }
+  prefill_ = std::move(next);
+  return RelayState::kPrefill;
+}
+
+RelayState Relay::Decode() {
+  Worker& d = *decode_;
+  worker::v1::DecodeEvent dev;
+  bool decode_final = false;
+  DecodeStream::ReadResult read;
+  while ((read = decode_reader_->Read(&dev)) == DecodeStream::ReadResult::kMessage) {
+    if (!decode_expected_) continue;
+    if (dev.has_chunk() && dev.chunk().token_ids_size() > 0) {
+      for (int32_t t : dev.chunk().token_ids()) {
+        TokenEvent te;
+        te.token = t;
+        (void)replay_.Replay(te);  // Keeps the router's state in step for a migration.
+        streamed_.push_back(t);
+      }
+      SendChunk(dev.chunk());
+      if (client_gone_) decode_reader_->Cancel();
+    } else if (dev.has_final()) {
+      decode_final = true;
+      const worker::v1::DecodeFinal& f = dev.final();
+      if (f.finish_reason() == v1::FINISH_REASON_CANCELLED) {
+        cancelled_ = true;
+      } else if (f.finish_reason() == v1::FINISH_REASON_ERROR) {
+        error_ = absl::StrCat("decode worker ", d.address(), ": ", f.error());
+      } else {
+        finish_ = rpc::FromProto(f.finish_reason());
+      }
+      if (local_ && attempt_ == 1) {
+        timings_.set_prefill(f.prefill_seconds());
+        timings_.set_cached_prompt_tokens(f.cached_tokens());
+      }
+      if (local_) {
+        context_.metrics->prompt_tokens->Add(static_cast<double>(chains_->size()));
+        context_.metrics->cached_tokens->Add(f.cached_tokens());
+      }
+    }
+  }
+  const absl::Status ds = decode_reader_->Finish();
+  const absl::Status parse_error = decode_reader_->parse_error();
+  CloseDecode();
+  d.in_flight--;
+  if (read == DecodeStream::ReadResult::kUnparseable && decode_expected_ && !decode_final && error_.empty() &&
+      !cancelled_) {
+    if (Unparseable("decode", d.address(), parse_error)) return RelayState::kFinish;
+    // Migrate, to another worker if there is one; this one stays serving.
+    migration_ = Migration{true, false, std::string(parse_error.message())};
+    return RelayState::kMigrate;
+  }
+  if (!decode_expected_ || decode_final || !error_.empty() || cancelled_) return RelayState::kFinish;
+  if (client_cancelled() || client_gone_ || absl::IsCancelled(ds)) {
+    cancelled_ = true;
+    return RelayState::kFinish;
+  }
+  if (ds.ok() || absl::IsInvalidArgument(ds)) {
+    if (!ds.ok()) error_ = absl::StrCat("decode worker ", d.address(), ": ", ds.message());
+    return RelayState::kFinish;
+  }
+  // The decode worker failed mid-stream: migrate the sequence.
+  LogEvent("warning", "decode_failed", {{"request_id", internal_id_}, {"worker", d.address()},
+                                        {"error", std::string(ds.message())}});
+  migration_ = Migration{true, true, std::string(ds.message())};
+  return RelayState::kMigrate;
+}
+
+RelayState Relay::Migrate() {
+  Worker& d = *decode_;
+  if (decode_reader_ != nullptr) {
+    // The attempt's decode stream is still open: end it.
+    decode_reader_->Cancel();
+    worker::v1::DecodeEvent ignored;
+    while (decode_reader_->Read(&ignored) == DecodeStream::ReadResult::kMessage) {
+    }
+    (void)decode_reader_->Finish();
+    CloseDecode();
+    d.in_flight--;
+  }
+  if (migration_.mark_failed) d.MarkFailed();
+  if (migration_.exclude_decode) failed_decode_.Add(d, migration_.why);
+  return RelayState::kPlace;
+}
+
+absl::Status Relay::Finish() {
+  const RelayMetrics& m = *context_.metrics;
+  if (client_cancelled()) {
+    m.CountOutcome("cancelled");
+    return absl::CancelledError("cancelled by the client");
+  }
+  if (unavailable_ && completion_ == 0) {
+    m.CountOutcome("unavailable");
+    return absl::UnavailableError(error_);
+  }
+  if (completion_ > 0) m.ttft->Observe(timings_.ttft());
+  if (!context_.options.colocated && !timings_.local_prefill()) {
+    m.queue->Observe(timings_.queue());
+    m.handoff->Observe(timings_.handoff());
+  }
+  m.prefill_time->Observe(timings_.prefill());
+  if (!relay_costs_.empty()) {
+    std::sort(relay_costs_.begin(), relay_costs_.end());
+    timings_.set_router_relay_p50(relay_costs_[relay_costs_.size() / 2]);
+    timings_.set_router_relay_p99(
+        relay_costs_[std::min(relay_costs_.size() - 1, static_cast<size_t>(0.99 * relay_costs_.size()))]);
+  }
+  timings_.set_mean_itl(gaps_ > 0 ? sum_itl_ / gaps_ : 0);
+  timings_.set_max_itl(max_itl_);
+  timings_.set_total(Between(start_, Now()));
+  msg_.clear_kind();
+  v1::GenerateFinal* fin = msg_.mutable_final();
+  const bool ended_early = cancelled_ || finish_ == FinishReason::kNone;
+  if (!error_.empty()) {
+    fin->set_finish_reason(v1::FINISH_REASON_ERROR);
+    fin->set_error(error_);
+  } else if (ended_early) {
+    fin->set_finish_reason(v1::FINISH_REASON_CANCELLED);
+  } else {
+    fin->set_finish_reason(rpc::ToProto(finish_));
+  }
+  if (error_.empty() && !ended_early) context_.measured->RecordFinished(completion_);
+  m.CountOutcome(!error_.empty()                   ? "error"
+                 : ended_early                     ? "cancelled"
+                 : finish_ == FinishReason::kStop  ? "stop"
+                                                   : "length");
+  m.e2e->Observe(timings_.total());
+  if (internal_) return absl::InternalError(error_);
+  fin->mutable_usage()->set_prompt_tokens(static_cast<int32_t>(request_.prompt.size()));
+  fin->mutable_usage()->set_completion_tokens(completion_);
+  fin->set_seed(*request_.params.seed);
+  *fin->mutable_timings() = timings_;
+  (*emit_)(msg_);
+  return absl::OkStatus();
+}
+
+}  // namespace pdserve::router

@@ -1,0 +1,227 @@
+// One request's way through the cluster, as an explicit state machine:
+//
+//   kPlace ──(local)──────────────────────────────► kDecode ──► kFinish
+//     │                                               ▲  │
+//     └──► kPrefill ──(first token, handoff done)─────┘  │
+//            │   ▲                                        │
+//            │   └── kRetryPrefill (prefill worker died   │
+//            │        before its handoff committed)       │
+//            └──► kMigrate ◄──────────────────────────────┘
+//                 (handoff refused by the decode side, a decode worker
+//                  died mid-stream, a message that did not parse)
+//                   └──► kPlace (prompt + every token sent so far)
+//
+// kPlace picks a decode worker (the placement admission was given, on the
+// first attempt) and opens its stream; kPrefill runs one prefill attempt,
+// relaying the first token as soon as it is sampled; kDecode relays the
+// decode worker's tokens; kMigrate abandons a decode attempt; kFinish
+// sends the final message. The router's own replay of every token gives
+// the text and the state a migration continues from, so a stream is the
+// same byte for byte whatever failed on the way.
+//
+// Every worker call goes through a WorkerTransport and every reading of
+// time through the injected clock, so relays run in-process in tests with
+// fake workers and a fake clock (tests/router/relay_test.cc).
+//
+// Thread safety: Run on one thread; Cancel from any.
+#ifndef PDSERVE_ROUTER_RELAY_H_
+#define PDSERVE_ROUTER_RELAY_H_
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/generation.h"
+#include "common/metrics.h"
+#include "common/tokenizer/tokenizer.h"
+#include "pdserve/v1/generation.pb.h"
+#include "router/admission.h"
+#include "router/measured.h"
+#include "router/placement.h"
+#include "router/transport.h"
+#include "router/worker_pool.h"
+
+namespace pdserve::router {
+
+// The router's request metrics, registered once and shared by every relay.
+struct RelayMetrics {
+  explicit RelayMetrics(MetricsRegistry& registry);
+  // "stop", "length", "cancelled", "error", "invalid", "unavailable", "rejected".
+  void CountOutcome(const char* outcome) const;
+
+  absl::flat_hash_map<std::string, Counter*> outcomes;
+  Histogram* ttft;
+  Histogram* itl;
+  Histogram* e2e;
+  Histogram* queue;
+  Histogram* prefill_time;
+  Histogram* handoff;
+  Counter* retries;
+  Counter* migrations;
+  Counter* placements[3];  // prefill_pool, decode_local, colocated
+  Counter* prompt_tokens;
+  Counter* cached_tokens;
+};
+
+struct RelayOptions {
+  bool colocated = false;
+  // How long a request waits for a pool with no usable worker before it
+  // ends with UNAVAILABLE (capped by the client's deadline).
+  absl::Duration pick_wait = absl::Seconds(3);
+  absl::Duration pick_poll = absl::Milliseconds(20);
+  // Decode attempts per request (the first and its migrations) that may
+  // go back to workers that already failed it.
+  int max_decode_attempts = 8;
+  // Whether a prefill worker whose call failed still answers (then the
+  // decode side refused the handoff): its Status, within this.
+  absl::Duration handoff_check_timeout = absl::Milliseconds(300);
+  Clock clock = RealClock();
+  std::function<void(absl::Duration)> sleep = [](absl::Duration d) { absl::SleepFor(d); };
+};
+
+// What every relay of one router shares; all must outlive the relays.
+struct RelayContext {
+  RelayOptions options;
+  WorkerPool* pool = nullptr;
+  Placement* placement = nullptr;
+  WorkerTransport* transport = nullptr;
+  MeasuredInputs* measured = nullptr;
+  AdmissionController* admission = nullptr;  // none: every request is taken
+  int64_t admission_min_samples = 20;
+  const tok::Tokenizer* tokenizer = nullptr;
+  const RelayMetrics* metrics = nullptr;
+  std::atomic<int64_t>* in_flight = nullptr;  // requests being relayed
+  std::atomic<uint64_t>* next_id = nullptr;   // internal request ids
+};
+
+enum class RelayState { kPlace, kPrefill, kRetryPrefill, kDecode, kMigrate, kFinish };
+const char* RelayStateName(RelayState s);
+
+class Relay {
+ public:
+  // `request` is validated (router/resolve.h). `deadline`: the client's.
+  Relay(const RelayContext& context, GenerationRequest request, std::string client_id,
+        std::optional<absl::Time> deadline);
+  Relay(const Relay&) = delete;
+  Relay& operator=(const Relay&) = delete;
+
+  // Runs the request to its end. `emit` gets every message for the client
+  // (false: the client is gone). OK: the final message was emitted. Else
+  // the status the client gets instead of one: CANCELLED (by the client),
+  // RESOURCE_EXHAUSTED (admission), UNAVAILABLE (no worker of a pool could
+  // take it before any token), INTERNAL (a second message that did not
+  // parse, naming the field).
+  absl::Status Run(const std::function<bool(const v1::GenerateResponse&)>& emit);
+
+  // The client went away: ends every call in progress. Thread-safe.
+  void Cancel();
+  // Also asked whether the client went away, wherever the relay checks
+  // (a server context's IsCancelled). Set before Run.
+  void set_cancel_check(std::function<bool()> check) { cancel_check_ = std::move(check); }
+
+  // Every state entered, in order (tests assert the path taken).
+  const std::vector<RelayState>& trace() const { return trace_; }
+
+ private:
+  RelayState Place();
+  RelayState Prefill();
+  RelayState RetryPrefill();
+  RelayState Decode();
+  RelayState Migrate();
+  absl::Status Finish();
+
+  bool Admit();
+  // Picks, waiting up to pick_wait (and the deadline) while none is usable.
+  WorkerPtr PickWaiting(const std::function<WorkerPtr()>& pick);
+  // Sends a chunk to the client; keeps the TTFT, ITL and relay cost.
+  void SendChunk(const v1::TokenChunk& chunk);
+  // The first bad message costs one retry; the second ends the request
+  // (true) with INTERNAL naming the field.
+  bool Unparseable(const char* role, const std::string& address, const absl::Status& why);
+  // The decode stream's tokens are no longer wanted: it is cancelled and
+  // drained by kDecode.
+  void StopDecode();
+  void OpenDecode(std::unique_ptr<DecodeStream> s);
+  void OpenPrefill(std::unique_ptr<PrefillStream> s);
+  void ClosePrefill();
+  void CloseDecode();
+  bool client_cancelled() const {
+    return client_cancelled_.load(std::memory_order_relaxed) || (cancel_check_ && cancel_check_());
+  }
+  absl::Time Now() const { return context_.options.clock(); }
+
+  const RelayContext& context_;
+  const GenerationRequest request_;
+  const std::string client_id_;
+  const std::optional<absl::Time> deadline_;
+  const std::function<bool(const v1::GenerateResponse&)>* emit_ = nullptr;
+  std::vector<RelayState> trace_;
+
+  absl::Time start_;
+  PromptChains prompt_chains_;
+  Placed first_;  // the placement admission saw, for the first attempt
+  std::optional<AdmissionTicket> ticket_;
+  Generation replay_;
+  std::vector<int32_t> streamed_;  // every token sent to the client
+  v1::GenerateResponse msg_;
+  v1::Timings timings_;
+  int32_t completion_ = 0;
+  FinishReason finish_ = FinishReason::kNone;
+  std::string error_;
+  bool cancelled_ = false;    // ended early (by the client, or a CANCELLED call)
+  bool unavailable_ = false;  // no worker of a pool could take it
+  bool internal_ = false;
+  int parse_failures_ = 0;
+  double max_itl_ = 0, sum_itl_ = 0;
+  int32_t gaps_ = 0;
+  absl::Time last_token_;
+  bool client_gone_ = false;
+  std::vector<double> relay_costs_;  // read to written, per relayed message
+
+  // Decode attempts.
+  int attempt_ = 0;
+  Exclusions failed_decode_;
+  Exclusions avoid_prefill_;  // sent a message that did not parse
+  std::string internal_id_;
+  std::vector<int32_t> context_tokens_;  // prompt + streamed, after a migration
+  std::optional<PromptChains> migrated_chains_;
+  PromptChains* chains_ = nullptr;
+  WorkerPtr decode_;
+  bool local_ = false;
+  worker::v1::WorkRequest work_;
+  bool decode_expected_ = false;
+  // The prefill attempts of this decode attempt.
+  WorkerPtr prefill_;
+  Exclusions failed_prefill_;
+  absl::Status prefill_status_;
+  bool first_sent_ = false;
+  int32_t first_token_ = -1;
+  // Why kMigrate abandons the decode attempt.
+  struct Migration {
+    bool exclude_decode = false;  // this worker no more for this request
+    bool mark_failed = false;     // nor for any, until a probe says it serves
+    std::string why;
+  } migration_;
+
+  std::atomic<bool> client_cancelled_{false};
+  std::function<bool()> cancel_check_;
+  absl::Mutex streams_mu_;
+  std::unique_ptr<PrefillStream> prefill_stream_ ABSL_GUARDED_BY(streams_mu_);
+  std::unique_ptr<DecodeStream> decode_stream_ ABSL_GUARDED_BY(streams_mu_);
+  // The same streams, read by Run's thread (null: none open).
+  PrefillStream* prefill_reader_ = nullptr;
+  DecodeStream* decode_reader_ = nullptr;
+};
+
+}  // namespace pdserve::router
+
+#endif  // PDSERVE_ROUTER_RELAY_H_

@@ -1,0 +1,115 @@
+#include "router/resolve.h"
+
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "google/protobuf/unknown_field_set.h"
+
+namespace pdserve::router {
+
+absl::StatusOr<std::unique_ptr<RequestResolver>> RequestResolver::Create(const std::string& model_dir,
+                                                                         std::string model_name) {
+  std::unique_ptr<RequestResolver> r(new RequestResolver());
+  r->model_name_ = std::move(model_name);
+  absl::StatusOr<ModelConfig> config = LoadModelConfig(model_dir);
+  if (!config.ok()) return config.status();
+  r->config_ = *std::move(config);
+  absl::StatusOr<std::unique_ptr<tok::Tokenizer>> tokenizer = tok::Tokenizer::Load(model_dir);
+  if (!tokenizer.ok()) return tokenizer.status();
+  r->tokenizer_ = *std::move(tokenizer);
+  if (!r->tokenizer_->chat_template().empty()) {
+    absl::StatusOr<tok::ChatFormat> f = tok::DetectChatFormat(r->tokenizer_->chat_template());
+    if (f.ok()) r->chat_format_ = *f;
+  }
+  return r;
+}
+
+absl::StatusOr<GenerationRequest> RequestResolver::Resolve(const v1::GenerateRequest& req) const {
+  if (!req.model().empty() && req.model() != model_name_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("model: unknown model '", req.model(), "' (this cluster serves '", model_name_, "')"));
+  }
+  const google::protobuf::UnknownFieldSet& unknown = req.GetReflection()->GetUnknownFields(req);
+  if (!unknown.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown field number ", unknown.field(0).number(), " (not part of pdserve.v1.GenerateRequest)"));
+  }
+  GenerationRequest r;
+  switch (req.prompt_case()) {
+    case v1::GenerateRequest::kText: {
+      if (req.text().empty()) return absl::InvalidArgumentError("text: the prompt is empty");
+      absl::StatusOr<std::vector<int32_t>> ids = tokenizer_->Encode(req.text(), false);
+      if (!ids.ok()) return absl::InvalidArgumentError(absl::StrCat("text: ", ids.status().message()));
+      r.prompt = *std::move(ids);
+      break;
+    }
+    case v1::GenerateRequest::kChat: {
+      if (req.chat().messages().empty()) return absl::InvalidArgumentError("chat.messages: empty");
+      if (!chat_format_.has_value()) {
+        return absl::InvalidArgumentError("chat: this model has no recognised chat template; send text or token_ids");
+      }
+      std::vector<tok::ChatMessage> messages;
+      for (const v1::ChatMessage& m : req.chat().messages()) messages.push_back({m.role(), m.content()});
+      absl::StatusOr<std::string> text = tok::RenderChat(*chat_format_, messages, /*add_generation_prompt=*/true,
+                                                         tokenizer_->bos_token(), tokenizer_->eos_token());
+      if (!text.ok()) return absl::InvalidArgumentError(absl::StrCat("chat.", text.status().message()));
+      absl::StatusOr<std::vector<int32_t>> ids = tokenizer_->Encode(*text, false);
+      if (!ids.ok()) return absl::InvalidArgumentError(absl::StrCat("chat: ", ids.status().message()));
+      r.prompt = *std::move(ids);
+      break;
+    }
+    case v1::GenerateRequest::kTokenIds: {
+      if (req.token_ids().ids().empty()) return absl::InvalidArgumentError("token_ids: the prompt is empty");
+      for (int i = 0; i < req.token_ids().ids_size(); ++i) {
+        const int32_t id = req.token_ids().ids(i);
+        if (id < 0 || id >= config_.vocab_size) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("token_ids.ids[", i, "]: ", id, " is outside the vocabulary (", config_.vocab_size, ")"));
+        }
+      }
+      r.prompt.assign(req.token_ids().ids().begin(), req.token_ids().ids().end());
+      break;
+    }
+    case v1::GenerateRequest::PROMPT_NOT_SET:
+      return absl::InvalidArgumentError("prompt: one of text, chat or token_ids is required");
+  }
+  if (r.prompt.empty()) return absl::InvalidArgumentError("prompt: it tokenizes to nothing");
+  if (req.max_tokens() < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("max_tokens: must be at least 1, got ", req.max_tokens()));
+  }
+  const int64_t context = config_.max_position_embeddings;
+  if (static_cast<int64_t>(r.prompt.size()) + req.max_tokens() > context) {
+    return absl::InvalidArgumentError(absl::StrCat("max_tokens: the prompt (", r.prompt.size(), " tokens) + max_tokens (",
+                                                   req.max_tokens(), ") exceeds the model's context (", context, ")"));
+  }
+  SamplingParams& p = r.params;
+  const v1::SamplingParams& s = req.sampling();
+  if (s.has_temperature()) p.temperature = s.temperature();
+  if (s.has_top_k()) p.top_k = s.top_k();
+  if (s.has_top_p()) p.top_p = s.top_p();
+  if (s.has_min_p()) p.min_p = s.min_p();
+  if (s.has_repetition_penalty()) p.repetition_penalty = s.repetition_penalty();
+  if (s.has_presence_penalty()) p.presence_penalty = s.presence_penalty();
+  if (s.has_seed()) p.seed = s.seed();
+  p.max_tokens = req.max_tokens();
+  p.ignore_eos = req.ignore_eos();
+  p.logprobs = req.logprobs();
+  for (int i = 0; i < req.stop_token_ids_size(); ++i) {
+    const int32_t id = req.stop_token_ids(i);
+    if (id < 0 || id >= config_.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("stop_token_ids[", i, "]: ", id, " is outside the vocabulary"));
+    }
+    p.stop_token_ids.push_back(id);
+  }
+  if (absl::Status st = ValidateSamplingParams(p, config_.vocab_size); !st.ok()) return st;
+  p.seed = ResolveSeed(p);
+  for (int i = 0; i < req.stop_size(); ++i) {
+    if (req.stop(i).empty()) return absl::InvalidArgumentError(absl::StrCat("stop[", i, "]: empty string"));
+    r.stop_strings.push_back(req.stop(i));
+  }
+  r.eos_ids = config_.eos_token_ids;
+  return r;
+}
+
+}  // namespace pdserve::router

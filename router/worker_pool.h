@@ -1,0 +1,210 @@
+// The router's picture of its workers: who they are (discovered from the
+// targets, again every resolve interval), whether each serves (a Status
+// probe every probe period, backing off on failures), what each reports
+// (free KV, batch, step time, KV address, hashing scheme) and what each
+// caches (its KV events, applied to the prefix index).
+//
+// Thread safety: thread-safe. Start() runs the probe and discovery loops on
+// threads of their own; the destructor stops them.
+#ifndef PDSERVE_ROUTER_WORKER_POOL_H_
+#define PDSERVE_ROUTER_WORKER_POOL_H_
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/block_hash.h"
+#include "common/dtype.h"
+#include "common/metrics.h"
+#include "router/discovery.h"
+#include "router/measured.h"
+#include "router/prefix_index.h"
+#include "router/transport.h"
+
+namespace pdserve::router {
+
+// How a worker hashes its KV blocks (block_hash.h): prompts hashed the
+// same way match its index.
+struct HashScheme {
+  ModelIdentity model;
+  DType kv_dtype = DType::kF32;
+  int32_t block_size = 0;
+  friend bool operator==(const HashScheme& a, const HashScheme& b) {
+    return a.model == b.model && a.kv_dtype == b.kv_dtype && a.block_size == b.block_size;
+  }
+};
+
+// What a worker's last answered Status said.
+struct WorkerReport {
+  bool healthy = false;
+  std::string unhealthy_reason;
+  uint64_t instance = 0;        // its process's id; a new one: it restarted
+  std::string kv_address;       // decode: where its KV receiver listens
+  std::optional<HashScheme> prefix_hash;
+  int64_t free_positions = -1;  // -1: not known yet
+  int64_t kv_bytes_per_position = 0;
+  int32_t max_batch = 0;
+  int32_t running = 0;          // decode: sequences running
+  double step_seconds = 0;      // decode: its average step time
+};
+
+// The report of a Status answer.
+WorkerReport ReportFromInfo(const worker::v1::WorkerInfo& info);
+
+class Worker {
+ public:
+  Worker(std::string address, Role role, std::shared_ptr<WorkerConnection> connection)
+      : address_(std::move(address)), role_(role), connection_(std::move(connection)) {}
+
+  const std::string& address() const { return address_; }
+  Role role() const { return role_; }
+  bool prefill_role() const { return role_ == Role::kPrefill; }
+  WorkerConnection* connection() const { return connection_.get(); }
+
+  // Serving in the router's view: its last probe said so and no request
+  // has seen it fail since. False until the first probe answers healthy.
+  bool healthy() const { return healthy_.load(std::memory_order_relaxed); }
+  // A request saw it fail: picked no more until a probe finds it serving.
+  void MarkFailed() { healthy_.store(false, std::memory_order_relaxed); }
+  uint64_t instance() const { return instance_.load(std::memory_order_relaxed); }
+  // No longer named by its target: picked no more; requests on it finish.
+  bool removed() const { return removed_.load(std::memory_order_relaxed); }
+
+  WorkerReport report() const {
+    absl::MutexLock lock(&mu_);
+    return report_;
+  }
+  // Why the last probe found it not serving ("" when serving).
+  std::string ejection_reason() const {
+    absl::MutexLock lock(&mu_);
+    return ejection_reason_;
+  }
+
+  // The router's own load on it: its requests in flight here, and (prefill)
+  // the uncached prompt tokens it has sent and not yet seen answered.
+  std::atomic<int32_t> in_flight{0};
+  std::atomic<int64_t> queued_tokens{0};
+
+ private:
+  friend class WorkerPool;
+
+  const std::string address_;
+  const Role role_;
+  const std::shared_ptr<WorkerConnection> connection_;
+  std::atomic<bool> healthy_{false};
+  std::atomic<uint64_t> instance_{0};
+  std::atomic<bool> removed_{false};
+  mutable absl::Mutex mu_;
+  WorkerReport report_ ABSL_GUARDED_BY(mu_);
+  std::string ejection_reason_ ABSL_GUARDED_BY(mu_);
+};
+using WorkerPtr = std::shared_ptr<Worker>;
+
+struct WorkerPoolOptions {
+  std::vector<WorkerTarget> prefill_targets;
+  std::vector<WorkerTarget> decode_targets;
+  absl::Duration resolve_interval = absl::Seconds(5);
+  absl::Duration resolve_timeout = absl::Seconds(2);
+  // Status probes of each worker; one that fails is retried with
+  // exponential backoff from probe_period up to max_backoff.
+  absl::Duration probe_period = absl::Milliseconds(100);
+  absl::Duration probe_timeout = absl::Milliseconds(500);
+  absl::Duration max_backoff = absl::Seconds(2);
+  Clock clock = RealClock();
+  // Counted each time a worker stops serving in the router's view
+  // (nullable).
+  Counter* prefill_ejections = nullptr;
+  Counter* decode_ejections = nullptr;
+  // Run by the probe thread after each round (the router refreshes its
+  // admission load there).
+  std::function<void()> after_probe_round;
+};
+
+class WorkerPool {
+ public:
+  // `transport`, `measured` and `index` must outlive the pool.
+  WorkerPool(WorkerPoolOptions options, WorkerTransport* transport, MeasuredInputs* measured, PrefixIndex* index);
+  ~WorkerPool();
+  WorkerPool(const WorkerPool&) = delete;
+  WorkerPool& operator=(const WorkerPool&) = delete;
+
+  // The pool's workers now, in the order they were added.
+  std::vector<WorkerPtr> Snapshot(Role role) const;
+
+  // Adds `address` (discovery does this; tests call it directly). An
+  // address already there is returned as it is.
+  WorkerPtr Add(Role role, const std::string& address);
+  // Drops `address`: picked no more, its measurements and index forgotten.
+  void Remove(Role role, const std::string& address);
+
+  // Resolves every target of both pools; adds new addresses, removes gone
+  // ones. A target that fails to resolve keeps its previous addresses.
+  void Discover();
+  // One round of Status probes (those due, or all), concurrently.
+  void ProbeDue(bool force_all);
+
+  // Discovers and probes until every worker answers (decode workers also
+  // with their KV address when `need_kv_address`), or, once each pool in
+  // `pools` has one that does, for at most two more seconds; then starts
+  // the loops. Errors: UNAVAILABLE naming the pool with no live worker and
+  // the silent addresses.
+  absl::Status WaitForWorkers(absl::Duration timeout, std::vector<Role> pools, bool need_kv_address);
+  // Starts the probe and discovery loops (WaitForWorkers does).
+  void Start();
+
+  // "no healthy decode worker (ADDRESS: why it is not serving; ...)".
+  std::string NoHealthyWorker(Role role) const;
+  // Serving workers of `role`, and the largest decode batch reported.
+  int64_t Serving(Role role) const;
+  int64_t MaxDecodeBatch() const;
+
+ private:
+  // The prober's own bookkeeping per worker.
+  struct ProbeState {
+    int failures = 0;
+    absl::Time next_probe = absl::InfinitePast();
+    std::string last_reason;
+    int64_t last_steps = 0;  // decode steps seen at the last probe
+  };
+  void Probe(const absl::Time now, bool force_all) ABSL_EXCLUSIVE_LOCKS_REQUIRED(probe_mu_);
+  void Ingest(Worker& w, ProbeState& ps, const worker::v1::WorkerInfo& info, absl::Time now);
+  void ProbeLoop();
+  void DiscoverLoop();
+  // Waits `d` or until stopping; true when stopping.
+  bool WaitOrStop(absl::Duration d);
+
+  const WorkerPoolOptions options_;
+  WorkerTransport* const transport_;
+  MeasuredInputs* const measured_;
+  PrefixIndex* const index_;
+
+  mutable absl::Mutex mu_;
+  std::vector<WorkerPtr> prefill_ ABSL_GUARDED_BY(mu_);
+  std::vector<WorkerPtr> decode_ ABSL_GUARDED_BY(mu_);
+
+  absl::Mutex probe_mu_;  // one probe round at a time
+  absl::flat_hash_map<const Worker*, ProbeState> probes_ ABSL_GUARDED_BY(probe_mu_);
+
+  absl::Mutex discover_mu_;  // one discovery at a time
+  // Per target, its addresses at the last successful resolve.
+  absl::flat_hash_map<std::string, std::vector<std::string>> resolved_ ABSL_GUARDED_BY(discover_mu_);
+
+  absl::Mutex stop_mu_;
+  bool stop_ ABSL_GUARDED_BY(stop_mu_) = false;
+  std::thread prober_;
+  std::thread discoverer_;  // a slow name server never delays the probes
+};
+
+}  // namespace pdserve::router
+
+#endif  // PDSERVE_ROUTER_WORKER_POOL_H_

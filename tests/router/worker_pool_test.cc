@@ -1,0 +1,141 @@
+// The worker pool in-process: probes (health, reports, ejection reasons,
+// backoff on the injected clock), restarts, KV-event ingestion into the
+// prefix index, and discovery of fixed targets.
+#include "router/worker_pool.h"
+
+#include "gtest/gtest.h"
+#include "tests/router/in_process_router.h"
+
+namespace pdserve::router::testing {
+namespace {
+
+TEST(WorkerPoolTest, AProbeAdmitsAWorkerAndKeepsItsReport) {
+  InProcessRouter rig;
+  FakeWorker& d = rig.AddWorker(Role::kDecode, "d0");
+  d.kv_blocks_free = 7;
+  d.max_batch = 12;
+  const WorkerPtr w = rig.Find(Role::kDecode, "d0");
+  EXPECT_FALSE(w->healthy());  // not probed yet
+  EXPECT_EQ(rig.pool->NoHealthyWorker(Role::kDecode), "no healthy decode worker (d0: not probed yet)");
+  rig.ProbeAll();
+  EXPECT_TRUE(w->healthy());
+  const WorkerReport r = w->report();
+  EXPECT_EQ(r.free_positions, 7 * 16);
+  EXPECT_EQ(r.max_batch, 12);
+  EXPECT_EQ(r.kv_address, "d0-kv");
+  ASSERT_TRUE(r.prefix_hash.has_value());
+  EXPECT_EQ(r.prefix_hash->block_size, 16);
+  EXPECT_EQ(rig.pool->Serving(Role::kDecode), 1);
+  EXPECT_EQ(rig.pool->MaxDecodeBatch(), 12);
+}
+
+TEST(WorkerPoolTest, AWorkerThatStopsAnsweringIsEjectedAndProbedWithBackoff) {
+  InProcessRouter rig;
+  FakeWorker& d = rig.AddWorker(Role::kDecode, "d0");
+  rig.ProbeAll();
+  d.alive = false;
+  rig.ProbeAll();
+  const WorkerPtr w = rig.Find(Role::kDecode, "d0");
+  EXPECT_FALSE(w->healthy());
+  EXPECT_EQ(rig.pool->NoHealthyWorker(Role::kDecode),
+            "no healthy decode worker (d0: failed to connect to all addresses)");
+  // Failures back off: 100 ms, 200, 400, ... up to max_backoff (2 s). Step
+  // the clock 10 ms at a time for 3 s and count the probes sent.
+  const int before = d.status_calls;
+  for (int i = 0; i < 300; ++i) {
+    rig.clock.now += absl::Milliseconds(10);
+    rig.pool->ProbeDue(/*force_all=*/false);
+  }
+  // Due at +100, +300, +700, +1500, +3100: four within 3 s.
+  EXPECT_EQ(d.status_calls - before, 4);
+  d.alive = true;
+  rig.clock.now += absl::Seconds(2);
+  rig.pool->ProbeDue(false);
+  EXPECT_TRUE(w->healthy());
+  EXPECT_EQ(rig.pool->NoHealthyWorker(Role::kDecode), "no healthy decode worker");
+}
+
+TEST(WorkerPoolTest, ANotServingAnswerCarriesTheWorkersReason) {
+  InProcessRouter rig;
+  FakeWorker& p = rig.AddWorker(Role::kPrefill, "p0");
+  p.serving = false;
+  p.unhealthy_reason = "draining";
+  rig.ProbeAll();
+  EXPECT_FALSE(rig.Find(Role::kPrefill, "p0")->healthy());
+  EXPECT_EQ(rig.pool->NoHealthyWorker(Role::kPrefill), "no healthy prefill worker (p0: draining)");
+  EXPECT_EQ(rig.Find(Role::kPrefill, "p0")->ejection_reason(), "draining");
+}
+
+TEST(WorkerPoolTest, KvEventsReachThePrefixIndexAndADeadWorkersEntriesAreDropped) {
+  InProcessRouter rig;
+  FakeWorker& d = rig.AddWorker(Role::kDecode, "d0");
+  worker::v1::KvEvents ke;
+  ke.set_snapshot(true);
+  for (uint64_t i = 1; i <= 3; ++i) {
+    worker::v1::KvEvent* e = ke.add_events();
+    e->set_id(i);
+    e->set_kind(worker::v1::KvEvent::STORED);
+    e->set_hash_lo(i);
+    e->set_parent_lo(i - 1);
+  }
+  ke.set_last_id(3);
+  d.kv_events = ke;
+  rig.ProbeAll();
+  EXPECT_EQ(rig.index.NumBlocks("d0"), 3);
+  EXPECT_EQ(rig.index.NextAfter("d0"), 3u);
+  d.alive = false;
+  rig.ProbeAll();
+  EXPECT_EQ(rig.index.NumBlocks("d0"), 0);
+}
+
+TEST(WorkerPoolTest, ARestartIsSeenAsANewInstance) {
+  InProcessRouter rig;
+  FakeWorker& d = rig.AddWorker(Role::kDecode, "d0");
+  rig.ProbeAll();
+  const WorkerPtr w = rig.Find(Role::kDecode, "d0");
+  EXPECT_EQ(w->instance(), 1u);
+  d.instance = 9;
+  rig.ProbeAll();
+  EXPECT_EQ(w->instance(), 9u);
+}
+
+TEST(WorkerPoolTest, DiscoveryAddsFixedTargetsAndRemovesNothingThatStays) {
+  FakeWorkers workers;
+  workers.Add(Role::kPrefill, "127.0.0.1:5001");
+  workers.Add(Role::kDecode, "127.0.0.1:5002");
+  workers.Add(Role::kDecode, "[::1]:5003");
+  MeasuredInputs measured;
+  PrefixIndex index;
+  WorkerPoolOptions o;
+  o.prefill_targets.push_back(*ParseWorkerTarget("127.0.0.1:5001"));
+  o.decode_targets.push_back(*ParseWorkerTarget("127.0.0.1:5002"));
+  o.decode_targets.push_back(*ParseWorkerTarget("[::1]:5003"));
+  WorkerPool pool(o, &workers, &measured, &index);
+  pool.Discover();
+  pool.Discover();
+  ASSERT_EQ(pool.Snapshot(Role::kPrefill).size(), 1u);
+  ASSERT_EQ(pool.Snapshot(Role::kDecode).size(), 2u);
+  EXPECT_EQ(pool.Snapshot(Role::kDecode)[1]->address(), "[::1]:5003");
+  const absl::Status st = pool.WaitForWorkers(absl::Seconds(1), {Role::kPrefill, Role::kDecode}, true);
+  EXPECT_TRUE(st.ok()) << st;
+  pool.Remove(Role::kDecode, "[::1]:5003");
+  EXPECT_EQ(pool.Snapshot(Role::kDecode).size(), 1u);
+}
+
+TEST(WorkerPoolTest, WaitForWorkersNamesTheEmptyPoolAndTheSilentAddresses) {
+  FakeWorkers workers;
+  workers.Add(Role::kPrefill, "127.0.0.1:5001").alive = false;
+  workers.Add(Role::kDecode, "127.0.0.1:5002");
+  MeasuredInputs measured;
+  PrefixIndex index;
+  WorkerPoolOptions o;
+  o.prefill_targets.push_back(*ParseWorkerTarget("127.0.0.1:5001"));
+  o.decode_targets.push_back(*ParseWorkerTarget("127.0.0.1:5002"));
+  WorkerPool pool(o, &workers, &measured, &index);
+  const absl::Status st = pool.WaitForWorkers(absl::Milliseconds(150), {Role::kPrefill, Role::kDecode}, true);
+  EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(st.message(), "no live prefill worker; not answering: 127.0.0.1:5001 (failed to connect to all addresses)");
+}
+
+}  // namespace
+}  // namespace pdserve::router::testing

@@ -1,6 +1,8 @@
 #include "router/grpc_transport.h"
 
 #include <chrono>
+#include <functional>
+#include <optional>
 #include <utility>
 
 #include "absl/synchronization/mutex.h"
@@ -38,18 +40,23 @@ class GrpcStream final : public EventStream<Event> {
   using typename EventStream<Event>::ReadResult;
   template <typename Request>
   GrpcStream(grpc::Channel* channel, const char* method, const Request& request, std::optional<absl::Time> deadline)
-      : ctx_(Context(deadline)), reader_(channel, method, ctx_.get(), request) {}
+      : ctx_(Context(deadline)), start_([this, channel, method, request] {
+          reader_.emplace(channel, method, ctx_.get(), request);
+        }) {}
 
+  // A cancel before (or during) the start is kept by the context and ends
+  // the call as soon as it exists.
+  void Start() override { start_(); }
   ReadResult Read(Event* event) override {
-    switch (reader_.Read(event)) {
+    switch (reader_->Read(event)) {
       case Reader::Result::kMessage: return ReadResult::kMessage;
       case Reader::Result::kEnd: return ReadResult::kEnd;
       case Reader::Result::kUnparseable: return ReadResult::kUnparseable;
     }
     return ReadResult::kEnd;
   }
-  absl::Status Finish() override { return FromGrpcStatus(reader_.Finish()); }
-  absl::Status parse_error() const override { return reader_.parse_error(); }
+  absl::Status Finish() override { return FromGrpcStatus(reader_->Finish()); }
+  absl::Status parse_error() const override { return reader_->parse_error(); }
   void Cancel() override { ctx_->TryCancel(); }
 
  private:
@@ -59,9 +66,9 @@ class GrpcStream final : public EventStream<Event> {
     if (deadline.has_value()) c->set_deadline(absl::ToChronoTime(*deadline));
     return c;
   }
-  // Constructed before the reader, which starts the call on it.
   std::unique_ptr<grpc::ClientContext> ctx_;
-  Reader reader_;
+  std::function<void()> start_;
+  std::optional<Reader> reader_;  // the call, once started
 };
 
 }  // namespace

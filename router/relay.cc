@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -16,6 +17,14 @@ namespace {
 double Between(absl::Time a, absl::Time b) { return absl::ToDoubleSeconds(b - a); }
 
 }  // namespace
+
+Clock MonotonicClock() {
+  // The wall time at the first call, advanced by the steady clock: never
+  // steps back, and close enough to the wall clock for clients' deadlines.
+  static const absl::Time base = absl::Now();
+  static const std::chrono::steady_clock::time_point steady_base = std::chrono::steady_clock::now();
+  return [] { return base + absl::FromChrono(std::chrono::steady_clock::now() - steady_base); };
+}
 
 RelayMetrics::RelayMetrics(MetricsRegistry& m) {
   for (const char* o : {"stop", "length", "cancelled", "error", "invalid", "unavailable", "rejected"}) {
@@ -58,11 +67,12 @@ const char* RelayStateName(RelayState s) {
 }
 
 Relay::Relay(const RelayContext& context, GenerationRequest request, std::string client_id,
-             std::optional<absl::Time> deadline)
+             std::optional<absl::Time> deadline, std::optional<absl::Time> received)
     : context_(context),
       request_(std::move(request)),
       client_id_(std::move(client_id)),
       deadline_(deadline),
+      received_(received),
       prompt_chains_(request_.prompt),
       replay_(request_, context.tokenizer) {}
 
@@ -73,18 +83,25 @@ void Relay::Cancel() {
   if (decode_stream_ != nullptr) decode_stream_->Cancel();
 }
 
+// Reachable by Cancel before it starts: a start that blocks can be ended.
 void Relay::OpenDecode(std::unique_ptr<DecodeStream> s) {
   decode_reader_ = s.get();
-  absl::MutexLock lock(&streams_mu_);
-  decode_stream_ = std::move(s);
-  if (client_cancelled()) decode_stream_->Cancel();
+  {
+    absl::MutexLock lock(&streams_mu_);
+    decode_stream_ = std::move(s);
+    if (client_cancelled()) decode_stream_->Cancel();
+  }
+  decode_reader_->Start();
 }
 
 void Relay::OpenPrefill(std::unique_ptr<PrefillStream> s) {
   prefill_reader_ = s.get();
-  absl::MutexLock lock(&streams_mu_);
-  prefill_stream_ = std::move(s);
-  if (client_cancelled()) prefill_stream_->Cancel();
+  {
+    absl::MutexLock lock(&streams_mu_);
+    prefill_stream_ = std::move(s);
+    if (client_cancelled()) prefill_stream_->Cancel();
+  }
+  prefill_reader_->Start();
 }
 
 void Relay::ClosePrefill() {
@@ -158,7 +175,7 @@ bool Relay::Admit() {
 
 absl::Status Relay::Run(const std::function<bool(const v1::GenerateResponse&)>& emit) {
   emit_ = &emit;
-  start_ = Now();
+  start_ = received_.value_or(Now());
   last_token_ = start_;
   context_.measured->RecordArrival();
   msg_.set_request_id(client_id_);
@@ -211,7 +228,7 @@ RelayState Relay::Place() {
   Placement& placement = *context_.placement;
   const int64_t positions = static_cast<int64_t>(request_.prompt.size()) + request_.params.max_tokens;
   const bool first = attempt_ == 0;
-  WorkerPtr d = first && first_.decode != nullptr && first_.decode->healthy() ? first_.decode : nullptr;
+  WorkerPtr d = first && first_.decode != nullptr && first_.decode->healthy() && !first_.decode->removed() ? first_.decode : nullptr;
   if (d == nullptr) {
     d = PickWaiting([&] {
       WorkerPtr w = placement.PickDecode(positions, failed_decode_, chains);
@@ -263,7 +280,8 @@ RelayState Relay::Place() {
   failed_prefill_ = Exclusions();
   first_sent_ = false;
   first_token_ = -1;
-  WorkerPtr p = first && first_.prefill != nullptr && first_.prefill->healthy() ? first_.prefill : nullptr;
+  WorkerPtr p = first && first_.prefill != nullptr && first_.prefill->healthy() && !first_.prefill->removed() ? first_.prefill
+                                                                                                   : nullptr;
   if (p == nullptr) {
     p = PickWaiting([&] {
       WorkerPtr w = placement.PickPrefill(avoid_prefill_, chains);

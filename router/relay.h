@@ -72,6 +72,10 @@ struct RelayMetrics {
   Counter* cached_tokens;
 };
 
+// Wall time that never steps back (the steady clock from a wall-clock
+// base): the relay's durations stay true across NTP steps.
+Clock MonotonicClock();
+
 struct RelayOptions {
   bool colocated = false;
   // How long a request waits for a pool with no usable worker before it
@@ -84,7 +88,7 @@ struct RelayOptions {
   // Whether a prefill worker whose call failed still answers (then the
   // decode side refused the handoff): its Status, within this.
   absl::Duration handoff_check_timeout = absl::Milliseconds(300);
-  Clock clock = RealClock();
+  Clock clock = MonotonicClock();
   std::function<void(absl::Duration)> sleep = [](absl::Duration d) { absl::SleepFor(d); };
 };
 
@@ -108,9 +112,11 @@ const char* RelayStateName(RelayState s);
 
 class Relay {
  public:
-  // `request` is validated (router/resolve.h). `deadline`: the client's.
+  // `request` is validated (router/resolve.h). `deadline`: the client's;
+  // `received`: when the router got it (on the relay's clock; default: when
+  // Run starts), the start of its TTFT and duration.
   Relay(const RelayContext& context, GenerationRequest request, std::string client_id,
-        std::optional<absl::Time> deadline);
+        std::optional<absl::Time> deadline, std::optional<absl::Time> received = std::nullopt);
   Relay(const Relay&) = delete;
   Relay& operator=(const Relay&) = delete;
 
@@ -163,6 +169,7 @@ class Relay {
   const GenerationRequest request_;
   const std::string client_id_;
   const std::optional<absl::Time> deadline_;
+  const std::optional<absl::Time> received_;
   const std::function<bool(const v1::GenerateResponse&)>* emit_ = nullptr;
   std::vector<RelayState> trace_;
 

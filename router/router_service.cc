@@ -168,12 +168,13 @@ void RouterService::WatchLoop() {
 
 grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequest& req,
                                 const std::function<bool(const v1::GenerateResponse&)>& emit) {
+  const absl::Time received = relay_context_.options.clock();  // TTFT counts tokenizing too
   absl::StatusOr<GenerationRequest> resolved = resolver_->Resolve(req);
   if (!resolved.ok()) {
     relay_metrics_->CountOutcome("invalid");
     return ToGrpcStatus(resolved.status());
   }
-  Relay relay(relay_context_, *std::move(resolved), req.request_id(), DeadlineOf(*ctx));
+  Relay relay(relay_context_, *std::move(resolved), req.request_id(), DeadlineOf(*ctx), received);
   relay.set_cancel_check([ctx] { return ctx->IsCancelled(); });
   {
     absl::MutexLock lock(&watch_mu_);

@@ -40,6 +40,10 @@ class EventStream {
  public:
   enum class ReadResult { kMessage, kEnd, kUnparseable };
   virtual ~EventStream() = default;
+  // Sends the request. Split from construction so that the caller can make
+  // the stream reachable by Cancel first: starting may block (a worker that
+  // does not read), and a cancel must be able to end that wait.
+  virtual void Start() {}
   // The next event. kUnparseable: the call is cancelled and parse_error()
   // says which field; Finish() then returns at once.
   virtual ReadResult Read(Event* event) = 0;
@@ -64,7 +68,8 @@ class WorkerTransport {
   // Called once per worker the pool learns of; null is allowed (a transport
   // that needs nothing per worker).
   virtual std::shared_ptr<WorkerConnection> Connect(const std::string& address, Role role) = 0;
-  // Starts a call; `deadline`: the client's, carried downstream.
+  // A call, started by its Start(); `deadline`: the client's, carried
+  // downstream.
   virtual std::unique_ptr<PrefillStream> Prefill(const Worker& worker, const worker::v1::PrefillRequest& request,
                                                  std::optional<absl::Time> deadline) = 0;
   virtual std::unique_ptr<DecodeStream> Decode(const Worker& worker, const worker::v1::DecodeRequest& request,

@@ -110,11 +110,11 @@ void WorkerPool::ProbeDue(bool force_all) {
 void WorkerPool::Probe(const absl::Time now, bool force_all) {
   std::vector<WorkerPtr> workers;
   std::vector<StatusQuery> queries;
-  absl::flat_hash_set<const Worker*> present;
+  absl::flat_hash_set<WorkerPtr> present;
   for (const Role role : {Role::kPrefill, Role::kDecode}) {
     for (WorkerPtr& w : Snapshot(role)) {
-      present.insert(w.get());
-      ProbeState& ps = probes_[w.get()];
+      present.insert(w);
+      ProbeState& ps = probes_[w];
       if (!force_all && now < ps.next_probe) continue;
       StatusQuery q;
       q.worker = w.get();
@@ -130,7 +130,7 @@ void WorkerPool::Probe(const absl::Time now, bool force_all) {
       transport_->Status(queries, options_.probe_timeout);
   for (size_t i = 0; i < workers.size(); ++i) {
     Worker& w = *workers[i];
-    ProbeState& ps = probes_[&w];
+    ProbeState& ps = probes_[workers[i]];
     const absl::StatusOr<worker::v1::WorkerInfo>& a = answers[i];
     const bool healthy = a.ok() && a->status().healthy();
     const std::string reason = a.ok() ? a->unhealthy_reason() : std::string(a.status().message());
@@ -216,7 +216,7 @@ void WorkerPool::Start() {
 }
 
 absl::Status WorkerPool::WaitForWorkers(absl::Duration timeout, std::vector<Role> pools, bool need_kv_address) {
-  const absl::Time deadline = absl::Now() + timeout;
+  const absl::Time deadline = options_.clock() + timeout;
   std::optional<absl::Time> pools_served_since;
   while (true) {
     Discover();
@@ -236,13 +236,13 @@ absl::Status WorkerPool::WaitForWorkers(absl::Duration timeout, std::vector<Role
       }
       if (!any) absl::StrAppend(&empty_pool, empty_pool.empty() ? "" : " and ", RoleName(role));
     }
-    if (empty_pool.empty() && !pools_served_since.has_value()) pools_served_since = absl::Now();
+    if (empty_pool.empty() && !pools_served_since.has_value()) pools_served_since = options_.clock();
     if (silent.empty()) break;
-    if (empty_pool.empty() && absl::Now() - *pools_served_since > absl::Seconds(2)) {
+    if (empty_pool.empty() && options_.clock() - *pools_served_since > absl::Seconds(2)) {
       LogEvent("warning", "workers_not_ready", {{"workers", silent}});
       break;
     }
-    if (absl::Now() > deadline) {
+    if (options_.clock() > deadline) {
       if (!empty_pool.empty()) {
         return absl::UnavailableError(absl::StrCat("no live ", empty_pool, " worker; not answering:", silent));
       }

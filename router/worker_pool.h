@@ -193,7 +193,9 @@ class WorkerPool {
   std::vector<WorkerPtr> decode_ ABSL_GUARDED_BY(mu_);
 
   absl::Mutex probe_mu_;  // one probe round at a time
-  absl::flat_hash_map<const Worker*, ProbeState> probes_ ABSL_GUARDED_BY(probe_mu_);
+  // Keyed by the worker itself (held until it leaves the pool), so a new
+  // worker never inherits a removed one's backoff.
+  absl::flat_hash_map<WorkerPtr, ProbeState> probes_ ABSL_GUARDED_BY(probe_mu_);
 
   absl::Mutex discover_mu_;  // one discovery at a time
   // Per target, its addresses at the last successful resolve.

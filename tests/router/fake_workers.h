@@ -41,6 +41,7 @@ enum class PrefillFault {
   kRefuseHandoff,   // the decode side refused the handoff: UNAVAILABLE, but the worker still answers
   kUnparseable,     // its first message does not parse
   kInvalid,         // INVALID_ARGUMENT
+  kHoldStart,       // the call cannot even be sent (a worker that does not read) until cancelled
 };
 
 enum class DecodeFault {
@@ -78,8 +79,14 @@ template <typename Event>
 class ScriptedStream final : public EventStream<Event> {
  public:
   using typename EventStream<Event>::ReadResult;
-  ScriptedStream(std::vector<Event> events, absl::Status end, bool unparseable, bool hold)
-      : events_(std::move(events)), end_(std::move(end)), unparseable_(unparseable), hold_(hold) {}
+  ScriptedStream(std::vector<Event> events, absl::Status end, bool unparseable, bool hold, bool hold_start = false)
+      : events_(std::move(events)), end_(std::move(end)), unparseable_(unparseable), hold_(hold),
+        hold_start_(hold_start) {}
+
+  void Start() override {
+    absl::MutexLock lock(&mu_);
+    if (hold_start_) mu_.Await(absl::Condition(&cancelled_));
+  }
 
   ReadResult Read(Event* event) override {
     absl::MutexLock lock(&mu_);
@@ -114,6 +121,7 @@ class ScriptedStream final : public EventStream<Event> {
   absl::Status end_;
   bool unparseable_;
   bool hold_;
+  bool hold_start_;
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
 };
 
@@ -174,6 +182,9 @@ class FakeWorkers final : public WorkerTransport {
             std::vector<worker::v1::PrefillEvent>{}, absl::OkStatus(), true, false);
       case PrefillFault::kInvalid:
         return Ended<worker::v1::PrefillEvent>(absl::InvalidArgumentError("prompt_ids: empty"));
+      case PrefillFault::kHoldStart:
+        return std::make_unique<ScriptedStream<worker::v1::PrefillEvent>>(
+            std::vector{first, done}, absl::OkStatus(), false, false, /*hold_start=*/true);
     }
     return nullptr;
   }

@@ -324,6 +324,23 @@ TEST_F(RelayTest, ACancellingClientEndsTheDecodeCallItWaitsOn) {
   ExpectNoLoad(rig_);
 }
 
+TEST_F(RelayTest, ACancelWhileADownstreamCallIsStillStartingEndsIt) {
+  Cluster(1, 1);
+  // The prefill worker takes no request: the call's start blocks.
+  rig_.workers.at("p0").prefill_faults.push_back(PrefillFault::kHoldStart);
+  std::thread canceller;
+  const Relayed got = rig_.Run(InProcessRouter::Request(5), [&](Relay& relay) {
+    canceller = std::thread([&relay] {
+      absl::SleepFor(absl::Milliseconds(50));
+      relay.Cancel();
+    });
+  });
+  canceller.join();
+  EXPECT_EQ(got.status.code(), absl::StatusCode::kCancelled);
+  EXPECT_TRUE(got.tokens.empty());
+  ExpectNoLoad(rig_);
+}
+
 TEST_F(RelayTest, TheRelayCostAndTimingsAreMeasuredOnTheInjectedClock) {
   Cluster(1, 1);
   rig_.context.options.clock = [this] {

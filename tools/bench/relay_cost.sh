@@ -44,9 +44,10 @@ import json, statistics, sys
 out, runs = sys.argv[1], int(sys.argv[2])
 rows = []
 for r in range(1, runs + 1):
-    j = json.load(open(f"{out}/bench-{r}.json"))
-    j = j.get("results", [j])[0] if isinstance(j.get("results"), list) else j
-    tps = j.get("output_tokens_per_s") or j.get("throughput", {}).get("output_tokens_per_s")
+    j = json.load(open(f"{out}/bench-{r}.json"))["runs"][0]
+    if j["failed"]:
+        sys.exit(f"run {r}: {j['failed']} requests failed")
+    tps = j["output_tokens_per_second"]
     relay = j["router_relay_seconds"]
     rows.append((tps, relay["p50"] * 1e6, relay["p99"] * 1e6))
     print(f"run {r}: {tps:,.0f} tokens/s through the router, relay p50 {relay['p50']*1e6:.1f} us, p99 {relay['p99']*1e6:.0f} us")

@@ -40,6 +40,9 @@ absl::Status ValidateSamplingParams(const SamplingParams& p, int64_t vocab_size)
   if (!(p.presence_penalty >= -2 && p.presence_penalty <= 2)) {
     return Bad("presence_penalty", "must be in [-2, 2]");
   }
+  if (!(p.frequency_penalty >= -2 && p.frequency_penalty <= 2)) {
+    return Bad("frequency_penalty", "must be in [-2, 2]");
+  }
   if (p.max_tokens < 1) return Bad("max_tokens", "must be at least 1");
   if (p.logprobs < 0 || p.logprobs > 20) return Bad("logprobs", "must be in [0, 20]");
   for (int32_t t : p.stop_token_ids) {
@@ -78,8 +81,10 @@ SampledToken SampleToken(absl::Span<const float> logits, const SamplingParams& p
       l[t] = l[t] > 0 ? l[t] / p.repetition_penalty : l[t] * p.repetition_penalty;
     }
   }
-  if (p.presence_penalty != 0.0f) {
-    for (const auto& [t, n] : penalties.generated()) l[t] -= p.presence_penalty;
+  if (p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f) {
+    for (const auto& [t, n] : penalties.generated()) {
+      l[t] -= p.presence_penalty + p.frequency_penalty * static_cast<float>(n);
+    }
   }
 
   if (p.temperature == 0.0f) {

@@ -5,7 +5,9 @@
 // GPU sampler must agree):
 //   1. penalties on the logits: repetition (HF/vLLM form: a positive logit is
 //      divided by the penalty, a negative one multiplied) over the prompt and
-//      the generated tokens; presence (subtracted once) over generated tokens;
+//      the generated tokens; then, over generated tokens, presence (subtracted
+//      once) and frequency (subtracted once per occurrence): the OpenAI form
+//      logit -= presence * (count > 0) + frequency * count;
 //   2. temperature (0 = greedy: argmax of the penalised logits);
 //   3. candidates sorted by (logit desc, id asc) — ties go to the lower id;
 //      top-k keeps the first k;
@@ -44,6 +46,7 @@ struct SamplingParams {
   float min_p = 0.0f;        // [0, 1].
   float repetition_penalty = 1.0f;  // > 0; 1 = off.
   float presence_penalty = 0.0f;    // [-2, 2]; 0 = off.
+  float frequency_penalty = 0.0f;   // [-2, 2]; 0 = off.
   std::optional<uint64_t> seed;     // Unset: the engine assigns one (and reports it).
   std::vector<int32_t> stop_token_ids;
   bool ignore_eos = false;

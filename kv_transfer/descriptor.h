@@ -22,7 +22,7 @@
 
 namespace pdserve::kv {
 
-inline constexpr uint32_t kKvProtocolVersion = 1;
+inline constexpr uint32_t kKvProtocolVersion = 2;  // 2: frequency_penalty in the sampling state
 
 // The in-block arrangement of common/kv_cache.h: K [head][dim][slot], V
 // [head][slot][dim], then for int8 F32 scales [K|V][head][slot]. A future

@@ -95,6 +95,7 @@ void Put(Writer& w, const SamplingParams& p) {
   w.Pod(p.min_p);
   w.Pod(p.repetition_penalty);
   w.Pod(p.presence_penalty);
+  w.Pod(p.frequency_penalty);
   w.Pod(static_cast<uint8_t>(p.seed.has_value()));
   w.Pod(p.seed.value_or(0));
   w.Vec(p.stop_token_ids);
@@ -107,7 +108,7 @@ bool Get(Reader& r, SamplingParams& p) {
   uint8_t has_seed = 0, ignore_eos = 0;
   uint64_t seed = 0;
   const bool ok = r.Pod(p.temperature) && r.Pod(p.top_k) && r.Pod(p.top_p) && r.Pod(p.min_p) &&
-                  r.Pod(p.repetition_penalty) && r.Pod(p.presence_penalty) && r.Pod(has_seed) &&
+                  r.Pod(p.repetition_penalty) && r.Pod(p.presence_penalty) && r.Pod(p.frequency_penalty) && r.Pod(has_seed) &&
                   r.Pod(seed) && r.Vec(p.stop_token_ids) && r.Pod(ignore_eos) &&
                   r.Pod(p.max_tokens) && r.Pod(p.logprobs);
   if (has_seed) p.seed = seed;

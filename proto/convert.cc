@@ -14,6 +14,7 @@ GenerationRequest FromWork(const worker::v1::WorkRequest& w, const std::vector<i
   p.min_p = w.min_p();
   p.repetition_penalty = w.repetition_penalty();
   p.presence_penalty = w.presence_penalty();
+  p.frequency_penalty = w.frequency_penalty();
   p.seed = w.seed();
   p.max_tokens = w.max_tokens();
   p.stop_token_ids.assign(w.stop_token_ids().begin(), w.stop_token_ids().end());
@@ -51,6 +52,7 @@ void ToWork(const GenerationRequest& r, worker::v1::WorkRequest* w) {
   w->set_min_p(p.min_p);
   w->set_repetition_penalty(p.repetition_penalty);
   w->set_presence_penalty(p.presence_penalty);
+  w->set_frequency_penalty(p.frequency_penalty);
   w->set_seed(p.seed.value_or(0));
   w->set_max_tokens(p.max_tokens);
   w->mutable_stop_token_ids()->Assign(p.stop_token_ids.begin(), p.stop_token_ids.end());

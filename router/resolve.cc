@@ -91,6 +91,7 @@ absl::StatusOr<GenerationRequest> RequestResolver::Resolve(const v1::GenerateReq
   if (s.has_min_p()) p.min_p = s.min_p();
   if (s.has_repetition_penalty()) p.repetition_penalty = s.repetition_penalty();
   if (s.has_presence_penalty()) p.presence_penalty = s.presence_penalty();
+  if (s.has_frequency_penalty()) p.frequency_penalty = s.frequency_penalty();
   if (s.has_seed()) p.seed = s.seed();
   p.max_tokens = req.max_tokens();
   p.ignore_eos = req.ignore_eos();

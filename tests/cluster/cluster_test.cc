@@ -73,6 +73,7 @@ class ClusterTest : public ::testing::Test {
     r.params.min_p = s.min_p();
     r.params.repetition_penalty = s.has_repetition_penalty() ? s.repetition_penalty() : 1.0f;
     r.params.presence_penalty = s.presence_penalty();
+    r.params.frequency_penalty = s.frequency_penalty();
     r.params.seed = s.seed();
     r.params.stop_token_ids.assign(req.stop_token_ids().begin(), req.stop_token_ids().end());
     r.params.ignore_eos = req.ignore_eos();
@@ -156,6 +157,7 @@ std::vector<v1::GenerateRequest> Requests() {
   knobs.mutable_sampling()->set_min_p(0.05f);
   knobs.mutable_sampling()->set_repetition_penalty(1.3f);
   knobs.mutable_sampling()->set_presence_penalty(0.5f);
+  knobs.mutable_sampling()->set_frequency_penalty(0.4f);
   knobs.add_stop_token_ids(47);
   knobs.set_logprobs(3);
   reqs.push_back(knobs);

@@ -125,6 +125,31 @@ TEST(SamplingTest, RepetitionAndPresencePenalties) {
   EXPECT_LT(ChiSquare(kLogits, p, Softmax(l), 40000, pen), kChi5);
 }
 
+TEST(SamplingTest, FrequencyPenaltyCountsEachOccurrenceAfterPresence) {
+  SamplingParams p;
+  p.repetition_penalty = 1.5f;
+  p.presence_penalty = 0.25f;
+  p.frequency_penalty = 0.5f;
+  PenaltyState pen(std::vector<int32_t>{2});  // The prompt: repetition only.
+  pen.AddGenerated(3);
+  pen.AddGenerated(3);
+  pen.AddGenerated(0);
+  std::vector<float> l = kLogits;
+  l[2] = l[2] > 0 ? l[2] / 1.5f : l[2] * 1.5f;
+  // Generated: repetition, then presence once, then frequency per count.
+  l[3] = (l[3] > 0 ? l[3] / 1.5f : l[3] * 1.5f) - 0.25f - 2 * 0.5f;
+  l[0] = (l[0] > 0 ? l[0] / 1.5f : l[0] * 1.5f) - 0.25f - 1 * 0.5f;
+  EXPECT_LT(ChiSquare(kLogits, p, Softmax(l), 40000, pen), kChi5);
+}
+
+TEST(SamplingTest, FrequencyPenaltyOutOfRangeIsRefusedNamingIt) {
+  SamplingParams p;
+  p.frequency_penalty = 2.5f;
+  const absl::Status st = ValidateSamplingParams(p, 100);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("frequency_penalty"), std::string::npos) << st;
+}
+
 TEST(SamplingTest, SeededRunsRepeatAndSeedsDiffer) {
   SamplingParams p;
   std::vector<int32_t> a, b, c;

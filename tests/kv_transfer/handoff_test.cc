@@ -156,6 +156,8 @@ class HandoffTest : public ::testing::Test {
     c.sampling.temperature = 0.7f;
     c.sampling.top_k = 20;
     c.sampling.seed = 1234;
+    c.sampling.presence_penalty = 0.25f;
+    c.sampling.frequency_penalty = -0.75f;
     c.sampling.stop_token_ids = {2, 3};
     c.seed = 1234;
     c.generated = 1;
@@ -184,6 +186,8 @@ class HandoffTest : public ::testing::Test {
     EXPECT_EQ(got.state.top_logprobs.size(), 2u);
     EXPECT_EQ(got.state.sampling.top_k, 20);
     EXPECT_EQ(got.state.sampling.seed, std::optional<uint64_t>(1234));
+    EXPECT_EQ(got.state.sampling.presence_penalty, 0.25f);
+    EXPECT_EQ(got.state.sampling.frequency_penalty, -0.75f);
     EXPECT_EQ(got.state.sampling.stop_token_ids, (std::vector<int32_t>{2, 3}));
     const auto want = PositionChecksums(sender_.kv->spec(), sender_.kv->storage().base, seq.block_table(),
                                         expected_held, n, 4);
@@ -247,7 +251,7 @@ TEST_F(HandoffTest, DifferentDTypeOrModelIsRefused) {
   b.model = HashBytes("other");
   EXPECT_NE(CheckCompatible(a, b).message().find("model identity differs"), std::string::npos);
   b = a;
-  b.protocol_version = 2;
+  b.protocol_version = kKvProtocolVersion + 1;
   EXPECT_NE(CheckCompatible(a, b).message().find("protocol version differs"), std::string::npos);
   b = a;
   b.block_size = 32;

@@ -53,6 +53,7 @@ ABSL_FLAG(float, top_p, 1.0f, "generate: nucleus sampling mass");
 ABSL_FLAG(float, min_p, 0.0f, "generate: drop tokens below min_p x the best probability");
 ABSL_FLAG(float, repetition_penalty, 1.0f, "generate: repetition penalty (1 = off)");
 ABSL_FLAG(float, presence_penalty, 0.0f, "generate: presence penalty (0 = off)");
+ABSL_FLAG(float, frequency_penalty, 0.0f, "generate: frequency penalty, per occurrence in the output (0 = off)");
 ABSL_FLAG(std::string, stop_token_ids, "", "generate: extra comma-separated stop token ids");
 ABSL_FLAG(bool, ignore_eos, false, "generate: do not stop at the model's EOS ids");
 ABSL_FLAG(int, logprobs, 0, "generate: also print the chosen token's logprob and the top-n");
@@ -188,6 +189,7 @@ absl::Status RunRemoteGenerate(const std::string& prompt, const std::string& cha
   s->set_min_p(absl::GetFlag(FLAGS_min_p));
   s->set_repetition_penalty(absl::GetFlag(FLAGS_repetition_penalty));
   s->set_presence_penalty(absl::GetFlag(FLAGS_presence_penalty));
+  s->set_frequency_penalty(absl::GetFlag(FLAGS_frequency_penalty));
   absl::StatusOr<std::optional<uint64_t>> seed = SeedFlag();
   if (!seed.ok()) return seed.status();
   if (seed->has_value()) s->set_seed(**seed);
@@ -245,6 +247,7 @@ absl::Status RunGenerate() {
   p.min_p = absl::GetFlag(FLAGS_min_p);
   p.repetition_penalty = absl::GetFlag(FLAGS_repetition_penalty);
   p.presence_penalty = absl::GetFlag(FLAGS_presence_penalty);
+  p.frequency_penalty = absl::GetFlag(FLAGS_frequency_penalty);
   p.ignore_eos = absl::GetFlag(FLAGS_ignore_eos);
   p.logprobs = absl::GetFlag(FLAGS_logprobs);
   const std::string stops = absl::GetFlag(FLAGS_stop_token_ids);

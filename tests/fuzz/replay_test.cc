@@ -23,6 +23,7 @@
 #include "kv_transfer/wire.h"
 #include "pdserve/v1/worker.pb.h"
 #include "proto/received.h"
+#include "router/openai/request.h"
 #include "tools/pdctl/bench_trace.h"
 
 // The fuzz targets, compiled under these names for this test (see
@@ -34,6 +35,7 @@ extern "C" int FuzzTokenize(const uint8_t* data, size_t size);
 extern "C" int FuzzWire(const uint8_t* data, size_t size);
 extern "C" int FuzzBenchTrace(const uint8_t* data, size_t size);
 extern "C" int FuzzReceived(const uint8_t* data, size_t size);
+extern "C" int FuzzOpenAiRequest(const uint8_t* data, size_t size);
 
 namespace pdserve {
 namespace {
@@ -146,6 +148,15 @@ TEST(FuzzCorpusReplayTest, ReceivedWorkerMessages) {
 }
 
 // Every tokenize seed is valid input; the target itself checks its promises.
+TEST(FuzzCorpusReplayTest, OpenAiRequestBodies) {
+  Replay("openai", 10, FuzzOpenAiRequest, [](const Seed& s) {
+    if (s.bytes.empty()) return false;
+    const auto endpoint = s.bytes[0] % 2 == 0 ? router::openai::Endpoint::kCompletions
+                                              : router::openai::Endpoint::kChatCompletions;
+    return router::openai::DecodeRequest(endpoint, absl::string_view(s.bytes).substr(1)).ok();
+  });
+}
+
 TEST(FuzzCorpusReplayTest, Tokenize) {
   const std::vector<Seed> seeds = ReadCorpus("tokenize");
   ASSERT_GE(seeds.size(), 8u);

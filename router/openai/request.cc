@@ -1,0 +1,335 @@
+#include "router/openai/request.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <utility>
+
+#include "absl/strings/cord.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "nlohmann/json.hpp"
+
+namespace pdserve::router::openai {
+namespace {
+
+using json = nlohmann::json;
+
+constexpr char kParamPayload[] = "type.pdserve.dev/openai.param";
+
+absl::Status Bad(const std::string& param, absl::string_view why) {
+  absl::Status s = absl::InvalidArgumentError(absl::StrCat(param, ": ", why));
+  s.SetPayload(kParamPayload, absl::Cord(param));
+  return s;
+}
+
+// Refuses bodies nested deeper than `max_depth` before the parser (which
+// recurses) sees them.
+absl::Status CheckDepth(absl::string_view body, int32_t max_depth) {
+  int32_t depth = 0;
+  bool in_string = false, escaped = false;
+  for (const char c : body) {
+    if (in_string) {
+      if (escaped) {
+        escaped = false;
+      } else if (c == '\\') {
+        escaped = true;
+      } else if (c == '"') {
+        in_string = false;
+      }
+      continue;
+    }
+    if (c == '"') {
+      in_string = true;
+    } else if (c == '{' || c == '[') {
+      if (++depth > max_depth) return Bad("body", absl::StrCat("nested deeper than ", max_depth, " levels"));
+    } else if (c == '}' || c == ']') {
+      --depth;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<double> Number(const std::string& param, const json& v) {
+  if (!v.is_number()) return Bad(param, "must be a number");
+  const double d = v.get<double>();
+  if (!std::isfinite(d)) return Bad(param, "must be finite");
+  return d;
+}
+
+absl::StatusOr<int64_t> Integer(const std::string& param, const json& v, int64_t lo, int64_t hi) {
+  if (!v.is_number_integer()) return Bad(param, "must be an integer");
+  if (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(hi)) {
+    return Bad(param, absl::StrCat("must be at most ", hi));
+  }
+  const int64_t i = v.get<int64_t>();
+  if (i < lo || i > hi) return Bad(param, absl::StrCat("must be in [", lo, ", ", hi, "]"));
+  return i;
+}
+
+absl::StatusOr<bool> Bool(const std::string& param, const json& v) {
+  if (!v.is_boolean()) return Bad(param, "must be true or false");
+  return v.get<bool>();
+}
+
+absl::StatusOr<std::string> String(const std::string& param, const json& v) {
+  if (!v.is_string()) return Bad(param, "must be a string");
+  return v.get<std::string>();
+}
+
+#define PDSERVE_ASSIGN(lhs, expr)          \
+  do {                                     \
+    auto pdserve_v = (expr);               \
+    if (!pdserve_v.ok()) return pdserve_v.status(); \
+    lhs = *std::move(pdserve_v);           \
+  } while (0)
+
+absl::Status DecodeStop(const json& v, const DecodeLimits& limits, v1::GenerateRequest& g) {
+  std::vector<std::string> stops;
+  if (v.is_string()) {
+    stops.push_back(v.get<std::string>());
+  } else if (v.is_array()) {
+    if (static_cast<int64_t>(v.size()) > limits.max_stop) {
+      return Bad("stop", absl::StrCat("at most ", limits.max_stop, " stop strings"));
+    }
+    for (size_t i = 0; i < v.size(); ++i) {
+      std::string s;
+      PDSERVE_ASSIGN(s, String(absl::StrCat("stop[", i, "]"), v[i]));
+      stops.push_back(std::move(s));
+    }
+  } else {
+    return Bad("stop", "must be a string or a list of strings");
+  }
+  for (size_t i = 0; i < stops.size(); ++i) {
+    const std::string param = v.is_array() ? absl::StrCat("stop[", i, "]") : "stop";
+    if (stops[i].empty()) return Bad(param, "empty string");
+    if (static_cast<int64_t>(stops[i].size()) > limits.max_stop_bytes) {
+      return Bad(param, absl::StrCat("longer than ", limits.max_stop_bytes, " bytes"));
+    }
+    g.add_stop(stops[i]);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DecodePrompt(const json& v, v1::GenerateRequest& g) {
+  if (v.is_string()) {
+    g.set_text(v.get<std::string>());
+    return absl::OkStatus();
+  }
+  if (!v.is_array()) return Bad("prompt", "must be a string or an array of token ids");
+  if (!v.empty() && (v[0].is_string() || v[0].is_array())) {
+    return Bad("prompt", "a list of prompts is not supported (send one request per prompt)");
+  }
+  for (size_t i = 0; i < v.size(); ++i) {
+    int64_t id = 0;
+    PDSERVE_ASSIGN(id, Integer(absl::StrCat("prompt[", i, "]"), v[i], 0, std::numeric_limits<int32_t>::max()));
+    g.mutable_token_ids()->add_ids(static_cast<int32_t>(id));
+  }
+  if (v.empty()) return Bad("prompt", "empty");
+  return absl::OkStatus();
+}
+
+absl::Status DecodeMessages(const json& v, const DecodeLimits& limits, v1::GenerateRequest& g) {
+  if (!v.is_array()) return Bad("messages", "must be an array of messages");
+  if (v.empty()) return Bad("messages", "empty");
+  if (static_cast<int64_t>(v.size()) > limits.max_messages) {
+    return Bad("messages", absl::StrCat("more than ", limits.max_messages, " messages"));
+  }
+  for (size_t i = 0; i < v.size(); ++i) {
+    const std::string at = absl::StrCat("messages[", i, "]");
+    const json& m = v[i];
+    if (!m.is_object()) return Bad(at, "must be an object");
+    v1::ChatMessage* out = g.mutable_chat()->add_messages();
+    bool has_role = false;
+    for (const auto& [key, value] : m.items()) {
+      const std::string param = absl::StrCat(at, ".", key);
+      if (key == "role") {
+        std::string role;
+        PDSERVE_ASSIGN(role, String(param, value));
+        if (role == "developer") role = "system";  // the newer name for the same thing
+        if (role != "system" && role != "user" && role != "assistant") {
+          return Bad(param, absl::StrCat("'", role, "' is not supported (system, developer, user or assistant)"));
+        }
+        out->set_role(role);
+        has_role = true;
+      } else if (key == "content") {
+        if (value.is_null()) continue;
+        if (value.is_string()) {
+          out->set_content(value.get<std::string>());
+          continue;
+        }
+        if (!value.is_array()) return Bad(param, "must be a string or an array of text parts");
+        std::string text;
+        for (size_t j = 0; j < value.size(); ++j) {
+          const std::string part = absl::StrCat(param, "[", j, "]");
+          const json& p = value[j];
+          if (!p.is_object() || !p.contains("type")) return Bad(part, "must be an object with a type");
+          std::string type;
+          PDSERVE_ASSIGN(type, String(part + ".type", p["type"]));
+          if (type != "text") {
+            return Bad(part + ".type", absl::StrCat("'", type, "' parts are not supported (text only)"));
+          }
+          std::string t;
+          PDSERVE_ASSIGN(t, String(part + ".text", p.contains("text") ? p["text"] : json()));
+          text += t;
+        }
+        out->set_content(std::move(text));
+      } else if (value.is_null()) {
+        continue;
+      } else {
+        // name, tool_calls, tool_call_id, audio...: each would change what
+        // the model sees.
+        return Bad(param, "not supported");
+      }
+    }
+    if (!has_role) return Bad(at + ".role", "required");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::string ParamOf(const absl::Status& status) {
+  const absl::optional<absl::Cord> p = status.GetPayload(kParamPayload);
+  return p.has_value() ? std::string(*p) : "";
+}
+
+absl::StatusOr<OpenAiRequest> DecodeRequest(Endpoint endpoint, absl::string_view body, const DecodeLimits& limits) {
+  if (static_cast<int64_t>(body.size()) > limits.max_body_bytes) {
+    return Bad("body", absl::StrCat("larger than ", limits.max_body_bytes, " bytes"));
+  }
+  if (absl::Status st = CheckDepth(body, limits.max_depth); !st.ok()) return st;
+  json j;
+  try {
+    j = json::parse(body.begin(), body.end());
+  } catch (const json::exception& e) {
+    std::string why = e.what();
+    if (const size_t at = why.find("] "); absl::StartsWith(why, "[json.exception") && at != std::string::npos) {
+      why = why.substr(at + 2);
+    }
+    return Bad("body", absl::StrCat("not valid JSON: ", why));
+  }
+  if (!j.is_object()) return Bad("body", "must be a JSON object");
+
+  const bool chat = endpoint == Endpoint::kChatCompletions;
+  OpenAiRequest r;
+  r.endpoint = endpoint;
+  v1::GenerateRequest& g = r.generate;
+  v1::SamplingParams& s = *g.mutable_sampling();
+  std::optional<int64_t> max_tokens, max_completion_tokens;
+  bool has_prompt = false;
+  std::optional<int64_t> top_logprobs;
+  for (const auto& [key, v] : j.items()) {
+    if (v.is_null()) continue;  // null is "not given", for every field
+    double d = 0;
+    int64_t i = 0;
+    bool b = false;
+    if (key == "model") {
+      std::string m;
+      PDSERVE_ASSIGN(m, String(key, v));
+      g.set_model(m);
+    } else if (key == "prompt" && !chat) {
+      if (absl::Status st = DecodePrompt(v, g); !st.ok()) return st;
+      has_prompt = true;
+    } else if (key == "messages" && chat) {
+      if (absl::Status st = DecodeMessages(v, limits, g); !st.ok()) return st;
+      has_prompt = true;
+    } else if (key == "stream") {
+      PDSERVE_ASSIGN(r.stream, Bool(key, v));
+    } else if (key == "stream_options") {
+      if (!v.is_object()) return Bad(key, "must be an object");
+      // Its other options (e.g. continuous usage) only shape the chunks.
+      if (v.contains("include_usage") && !v["include_usage"].is_null()) {
+        PDSERVE_ASSIGN(r.include_usage, Bool("stream_options.include_usage", v["include_usage"]));
+      }
+    } else if (key == "max_tokens") {
+      PDSERVE_ASSIGN(max_tokens, Integer(key, v, 1, std::numeric_limits<int32_t>::max()));
+    } else if (key == "max_completion_tokens" && chat) {
+      PDSERVE_ASSIGN(max_completion_tokens, Integer(key, v, 1, std::numeric_limits<int32_t>::max()));
+    } else if (key == "temperature") {
+      PDSERVE_ASSIGN(d, Number(key, v));
+      s.set_temperature(static_cast<float>(d));
+    } else if (key == "top_p") {
+      PDSERVE_ASSIGN(d, Number(key, v));
+      s.set_top_p(static_cast<float>(d));
+    } else if (key == "min_p") {
+      PDSERVE_ASSIGN(d, Number(key, v));
+      s.set_min_p(static_cast<float>(d));
+    } else if (key == "top_k") {
+      PDSERVE_ASSIGN(i, Integer(key, v, -1, std::numeric_limits<int32_t>::max()));
+      s.set_top_k(i < 0 ? 0 : static_cast<int32_t>(i));  // -1: off, as 0
+    } else if (key == "seed") {
+      PDSERVE_ASSIGN(i, Integer(key, v, 0, std::numeric_limits<int64_t>::max()));
+      s.set_seed(static_cast<uint64_t>(i));
+    } else if (key == "presence_penalty") {
+      PDSERVE_ASSIGN(d, Number(key, v));
+      s.set_presence_penalty(static_cast<float>(d));
+    } else if (key == "frequency_penalty") {
+      PDSERVE_ASSIGN(d, Number(key, v));
+      s.set_frequency_penalty(static_cast<float>(d));
+    } else if (key == "repetition_penalty") {
+      PDSERVE_ASSIGN(d, Number(key, v));
+      s.set_repetition_penalty(static_cast<float>(d));
+    } else if (key == "stop") {
+      if (absl::Status st = DecodeStop(v, limits, g); !st.ok()) return st;
+    } else if (key == "stop_token_ids") {
+      if (!v.is_array()) return Bad(key, "must be an array of token ids");
+      for (size_t k = 0; k < v.size(); ++k) {
+        PDSERVE_ASSIGN(i, Integer(absl::StrCat(key, "[", k, "]"), v[k], 0, std::numeric_limits<int32_t>::max()));
+        g.add_stop_token_ids(static_cast<int32_t>(i));
+      }
+    } else if (key == "ignore_eos") {
+      PDSERVE_ASSIGN(b, Bool(key, v));
+      g.set_ignore_eos(b);
+    } else if (key == "n") {
+      PDSERVE_ASSIGN(i, Integer(key, v, 1, std::numeric_limits<int32_t>::max()));
+      if (i != 1) return Bad(key, "only 1 is supported (send n requests with different seeds)");
+    } else if (key == "logprobs" && chat) {
+      PDSERVE_ASSIGN(r.logprobs, Bool(key, v));
+    } else if (key == "top_logprobs" && chat) {
+      PDSERVE_ASSIGN(top_logprobs, Integer(key, v, 0, 20));
+    } else if (key == "logprobs") {
+      PDSERVE_ASSIGN(i, Integer(key, v, 0, 20));
+      r.logprobs = true;
+      r.top_logprobs = static_cast<int32_t>(i);
+    } else if (key == "logit_bias") {
+      if (!v.is_object()) return Bad(key, "must be an object");
+      if (!v.empty()) return Bad(key, "not supported");
+    } else if (key == "best_of" && !chat) {
+      PDSERVE_ASSIGN(i, Integer(key, v, 1, std::numeric_limits<int32_t>::max()));
+      if (i != 1) return Bad(key, "only 1 is supported");
+    } else if (key == "echo" && !chat) {
+      PDSERVE_ASSIGN(b, Bool(key, v));
+      if (b) return Bad(key, "not supported");
+    } else if (key == "suffix" && !chat) {
+      std::string sfx;
+      PDSERVE_ASSIGN(sfx, String(key, v));
+      if (!sfx.empty()) return Bad(key, "not supported");
+    } else if (key == "response_format" && chat) {
+      if (!v.is_object() || !v.contains("type") || v["type"] != "text" || v.size() != 1) {
+        return Bad(key, "only {\"type\": \"text\"} is supported");
+      }
+    } else if (key == "tools" || key == "tool_choice" || key == "functions" || key == "function_call" ||
+               key == "prediction" || key == "audio" || key == "modalities" || key == "web_search_options" ||
+               key == "reasoning_effort") {
+      return Bad(key, "not supported");
+    } else if (std::find(std::begin(kIgnoredFields), std::end(kIgnoredFields), key) != std::end(kIgnoredFields)) {
+      continue;  // cannot change the output
+    } else {
+      return Bad(key, chat ? "unknown field for /v1/chat/completions" : "unknown field for /v1/completions");
+    }
+  }
+  if (!has_prompt) return Bad(chat ? "messages" : "prompt", "required");
+  if (max_completion_tokens.has_value()) max_tokens = max_completion_tokens;
+  if (max_tokens.has_value()) g.set_max_tokens(static_cast<int32_t>(*max_tokens));
+  if (chat) {
+    if (top_logprobs.has_value()) {
+      if (!r.logprobs && *top_logprobs > 0) return Bad("top_logprobs", "requires logprobs: true");
+      r.top_logprobs = static_cast<int32_t>(*top_logprobs);
+    }
+  }
+  if (r.logprobs) g.set_logprobs(std::max(1, r.top_logprobs));
+  return r;
+}
+
+}  // namespace pdserve::router::openai

@@ -1,0 +1,154 @@
+// The OpenAI API's request bodies as GenerateRequests: every field maps,
+// is accepted because it cannot change the output, or is refused naming it.
+#include "router/openai/request.h"
+
+#include <string>
+
+#include "absl/strings/match.h"
+#include "gtest/gtest.h"
+
+namespace pdserve::router::openai {
+namespace {
+
+absl::StatusOr<OpenAiRequest> Completion(const std::string& body) {
+  return DecodeRequest(Endpoint::kCompletions, body);
+}
+absl::StatusOr<OpenAiRequest> Chat(const std::string& body) { return DecodeRequest(Endpoint::kChatCompletions, body); }
+
+// The refusal of `r` names `param`, in the message and for the error's "param".
+void ExpectRefused(const absl::StatusOr<OpenAiRequest>& r, const std::string& param, const std::string& why = "") {
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParamOf(r.status()), param) << r.status();
+  EXPECT_TRUE(absl::StartsWith(r.status().message(), param + ": ")) << r.status();
+  EXPECT_TRUE(absl::StrContains(r.status().message(), why)) << r.status();
+}
+
+TEST(OpenAiRequestTest, ACompletionMapsEverySamplingField) {
+  const absl::StatusOr<OpenAiRequest> r = Completion(R"({
+    "model": "kjv-tiny", "prompt": "In the beginning", "max_tokens": 12, "temperature": 0.5, "top_p": 0.9,
+    "top_k": 40, "min_p": 0.05, "seed": 7, "presence_penalty": 0.25, "frequency_penalty": -0.5,
+    "repetition_penalty": 1.1, "stop": ["\n", "LORD"], "logprobs": 3, "ignore_eos": true, "stream": true,
+    "stream_options": {"include_usage": true}, "stop_token_ids": [9]})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  const v1::GenerateRequest& g = r->generate;
+  EXPECT_EQ(g.model(), "kjv-tiny");
+  EXPECT_EQ(g.text(), "In the beginning");
+  EXPECT_EQ(g.max_tokens(), 12);
+  EXPECT_FLOAT_EQ(g.sampling().temperature(), 0.5f);
+  EXPECT_FLOAT_EQ(g.sampling().top_p(), 0.9f);
+  EXPECT_EQ(g.sampling().top_k(), 40);
+  EXPECT_FLOAT_EQ(g.sampling().min_p(), 0.05f);
+  EXPECT_EQ(g.sampling().seed(), 7u);
+  EXPECT_FLOAT_EQ(g.sampling().presence_penalty(), 0.25f);
+  EXPECT_FLOAT_EQ(g.sampling().frequency_penalty(), -0.5f);
+  EXPECT_FLOAT_EQ(g.sampling().repetition_penalty(), 1.1f);
+  ASSERT_EQ(g.stop_size(), 2);
+  EXPECT_EQ(g.stop(1), "LORD");
+  EXPECT_EQ(g.stop_token_ids(0), 9);
+  EXPECT_TRUE(g.ignore_eos());
+  EXPECT_TRUE(r->stream);
+  EXPECT_TRUE(r->include_usage);
+  EXPECT_TRUE(r->logprobs);
+  EXPECT_EQ(r->top_logprobs, 3);
+  EXPECT_EQ(g.logprobs(), 3);
+}
+
+TEST(OpenAiRequestTest, UnsetFieldsStayUnsetAndNullIsUnset) {
+  const absl::StatusOr<OpenAiRequest> r =
+      Completion(R"({"prompt": [1, 2, 3], "temperature": null, "seed": null, "stop": null, "n": 1, "user": "u"})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  const v1::GenerateRequest& g = r->generate;
+  EXPECT_EQ(g.token_ids().ids_size(), 3);
+  EXPECT_FALSE(g.sampling().has_temperature());
+  EXPECT_FALSE(g.sampling().has_seed());
+  EXPECT_EQ(g.max_tokens(), 0);  // the endpoint's default applies
+  EXPECT_FALSE(r->stream);
+  EXPECT_FALSE(r->logprobs);
+  EXPECT_EQ(g.logprobs(), 0);
+}
+
+TEST(OpenAiRequestTest, AChatJoinsTextPartsAndMapsDeveloperToSystem) {
+  const absl::StatusOr<OpenAiRequest> r = Chat(R"({"messages": [
+      {"role": "developer", "content": "Be brief."},
+      {"role": "user", "content": [{"type": "text", "text": "Who was "}, {"type": "text", "text": "Isaac?"}]}],
+    "max_tokens": 5, "max_completion_tokens": 9, "logprobs": true})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  const v1::GenerateRequest& g = r->generate;
+  ASSERT_EQ(g.chat().messages_size(), 2);
+  EXPECT_EQ(g.chat().messages(0).role(), "system");
+  EXPECT_EQ(g.chat().messages(1).content(), "Who was Isaac?");
+  EXPECT_EQ(g.max_tokens(), 9);  // max_completion_tokens wins
+  // logprobs without alternatives: the chosen token's logprob only.
+  EXPECT_TRUE(r->logprobs);
+  EXPECT_EQ(r->top_logprobs, 0);
+  EXPECT_EQ(g.logprobs(), 1);
+}
+
+TEST(OpenAiRequestTest, FieldsThatWouldChangeTheOutputAreRefusedByName) {
+  const std::string msgs = R"("messages": [{"role": "user", "content": "x"}])";
+  ExpectRefused(Chat("{" + msgs + R"(, "tools": [{"type": "function"}]})"), "tools", "not supported");
+  ExpectRefused(Chat("{" + msgs + R"(, "tool_choice": "auto"})"), "tool_choice");
+  ExpectRefused(Chat("{" + msgs + R"(, "response_format": {"type": "json_object"}})"), "response_format");
+  ExpectRefused(Chat("{" + msgs + R"(, "n": 2})"), "n", "only 1");
+  ExpectRefused(Chat("{" + msgs + R"(, "top_logprobs": 2})"), "top_logprobs", "requires logprobs");
+  ExpectRefused(Chat("{" + msgs + R"(, "logit_bias": {"5": 100}})"), "logit_bias");
+  ExpectRefused(Chat(R"({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]})"),
+                "messages[0].content[0].type", "'image_url' parts are not supported");
+  ExpectRefused(Chat(R"({"messages": [{"role": "user", "content": "x", "name": "bob"}]})"), "messages[0].name");
+  ExpectRefused(Chat(R"({"messages": [{"role": "tool", "content": "x"}]})"), "messages[0].role");
+  ExpectRefused(Completion(R"({"prompt": "x", "best_of": 2})"), "best_of");
+  ExpectRefused(Completion(R"({"prompt": "x", "echo": true})"), "echo");
+  ExpectRefused(Completion(R"({"prompt": "x", "suffix": "end"})"), "suffix");
+  ExpectRefused(Completion(R"({"prompt": ["a", "b"]})"), "prompt", "a list of prompts");
+  ExpectRefused(Completion(R"({"prompt": "x", "temprature": 1})"), "temprature", "unknown field");
+  // A chat-only field on the completions endpoint is unknown there.
+  ExpectRefused(Completion(R"({"prompt": "x", "max_completion_tokens": 4})"), "max_completion_tokens");
+}
+
+TEST(OpenAiRequestTest, FieldsThatCannotChangeTheOutputAreAccepted) {
+  for (const char* body :
+       {R"({"prompt": "x", "user": "u", "n": 1, "best_of": 1, "echo": false, "suffix": "", "logit_bias": {}})",
+        R"({"prompt": "x", "metadata": {"a": "b"}, "store": false, "stream_options": {"include_usage": false}})"}) {
+    EXPECT_TRUE(Completion(body).ok()) << body;
+  }
+  EXPECT_TRUE(Chat(R"({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "text"},
+                       "parallel_tool_calls": true, "service_tier": "auto"})")
+                  .ok());
+}
+
+TEST(OpenAiRequestTest, BadValuesNameTheirField) {
+  ExpectRefused(Completion(R"({"prompt": "x", "temperature": "hot"})"), "temperature", "must be a number");
+  ExpectRefused(Completion(R"({"prompt": "x", "max_tokens": 1.5})"), "max_tokens", "must be an integer");
+  ExpectRefused(Completion(R"({"prompt": "x", "max_tokens": 0})"), "max_tokens");
+  ExpectRefused(Completion(R"({"prompt": "x", "seed": -1})"), "seed");
+  ExpectRefused(Completion(R"({"prompt": "x", "logprobs": 21})"), "logprobs");
+  ExpectRefused(Completion(R"({"prompt": [1, -2]})"), "prompt[1]");
+  ExpectRefused(Completion(R"({"prompt": "x", "stop": ["a", ""]})"), "stop[1]", "empty");
+  ExpectRefused(Completion(R"({"prompt": "x", "stop": 5})"), "stop");
+  ExpectRefused(Completion(R"({"prompt": "x", "stream": "yes"})"), "stream");
+  ExpectRefused(Completion(R"({"max_tokens": 3})"), "prompt", "required");
+  ExpectRefused(Chat(R"({"messages": []})"), "messages", "empty");
+  ExpectRefused(Chat(R"({"messages": [{"content": "x"}]})"), "messages[0].role", "required");
+}
+
+TEST(OpenAiRequestTest, MalformedBodiesAreRefusedAsTheBody) {
+  ExpectRefused(Completion(R"({"prompt": "x",)"), "body", "not valid JSON");
+  ExpectRefused(Completion("[1, 2]"), "body", "must be a JSON object");
+  ExpectRefused(Completion("{\"prompt\": \"\xff\xfe\"}"), "body", "not valid JSON");
+  ExpectRefused(Completion("{\"prompt\": " + std::string(100, '[') + std::string(100, ']') + "}"), "body",
+                "nested deeper than 32");
+  DecodeLimits small;
+  small.max_body_bytes = 16;
+  ExpectRefused(DecodeRequest(Endpoint::kCompletions, R"({"prompt": "a long enough prompt"})", small), "body",
+                "larger than 16 bytes");
+  DecodeLimits few;
+  few.max_stop = 1;
+  ExpectRefused(DecodeRequest(Endpoint::kCompletions, R"({"prompt": "x", "stop": ["a", "b"]})", few), "stop",
+                "at most 1");
+  // Brackets inside strings do not count as nesting.
+  EXPECT_TRUE(Completion("{\"prompt\": \"" + std::string(100, '[') + "\"}").ok());
+}
+
+}  // namespace
+}  // namespace pdserve::router::openai

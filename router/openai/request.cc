@@ -17,7 +17,8 @@ using json = nlohmann::json;
 
 constexpr char kParamPayload[] = "type.pdserve.dev/openai.param";
 
-absl::Status Bad(const std::string& param, absl::string_view why) {
+absl::Status Bad(std::string param, absl::string_view why) {
+  if (param.empty()) param = "\"\"";  // a field named by the empty string
   absl::Status s = absl::InvalidArgumentError(absl::StrCat(param, ": ", why));
   s.SetPayload(kParamPayload, absl::Cord(param));
   return s;
@@ -197,6 +198,11 @@ std::string ParamOf(const absl::Status& status) {
 absl::StatusOr<OpenAiRequest> DecodeRequest(Endpoint endpoint, absl::string_view body, const DecodeLimits& limits) {
   if (static_cast<int64_t>(body.size()) > limits.max_body_bytes) {
     return Bad("body", absl::StrCat("larger than ", limits.max_body_bytes, " bytes"));
+  }
+  // JSON has no raw NUL anywhere (in strings it is escaped); the parser
+  // would stop at one and ignore what follows.
+  if (const size_t nul = body.find('\0'); nul != absl::string_view::npos) {
+    return Bad("body", absl::StrCat("not valid JSON: a NUL byte at offset ", nul));
   }
   if (absl::Status st = CheckDepth(body, limits.max_depth); !st.ok()) return st;
   json j;

@@ -135,6 +135,8 @@ TEST(OpenAiRequestTest, BadValuesNameTheirField) {
 TEST(OpenAiRequestTest, MalformedBodiesAreRefusedAsTheBody) {
   ExpectRefused(Completion(R"({"prompt": "x",)"), "body", "not valid JSON");
   ExpectRefused(Completion("[1, 2]"), "body", "must be a JSON object");
+  ExpectRefused(Completion(std::string("{\"prompt\": \"x\"}\0trailing", 24)), "body", "a NUL byte at offset 15");
+  ExpectRefused(Completion(R"({"": 1})"), "\"\"", "unknown field");
   ExpectRefused(Completion("{\"prompt\": \"\xff\xfe\"}"), "body", "not valid JSON");
   ExpectRefused(Completion("{\"prompt\": " + std::string(100, '[') + std::string(100, ']') + "}"), "body",
                 "nested deeper than 32");

@@ -51,6 +51,9 @@ ABSL_FLAG(bool, admission, false,
 ABSL_FLAG(int64_t, max_queued, 256, "admission: most requests between arrival and first token");
 ABSL_FLAG(double, ttft_target_ms, 0, "admission: reject requests predicted to exceed this TTFT (0: deadlines only)");
 ABSL_FLAG(int64_t, admission_min_samples, 20, "admission: samples an input needs before the rate and TTFT rules use it");
+ABSL_FLAG(std::string, api_keys_file, "",
+          "API keys, one ID:SHA256HEX line each (sha256 of the key), read again when the file changes; clients send "
+          "'authorization: Bearer KEY' (gRPC metadata). Empty: no keys (every client accepted)");
 ABSL_FLAG(bool, colocated, false, "send whole requests to decode workers (no handoff)");
 ABSL_FLAG(double, worker_wait_s, 60, "how long to wait at start for every worker to answer");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:0", "Prometheus /metrics address (port 0: any free; empty: off)");
@@ -74,6 +77,7 @@ int Run() {
   o.prefill_workers = absl::GetFlag(FLAGS_prefill);
   o.decode_workers = absl::GetFlag(FLAGS_decode);
   o.colocated = absl::GetFlag(FLAGS_colocated);
+  o.api_keys_file = absl::GetFlag(FLAGS_api_keys_file);
   o.resolve_interval = absl::Seconds(absl::GetFlag(FLAGS_resolve_interval_s));
   o.max_backoff = absl::Seconds(absl::GetFlag(FLAGS_max_backoff_s));
   o.pick_wait = absl::Seconds(absl::GetFlag(FLAGS_pick_wait_s));

@@ -55,7 +55,8 @@ namespace pdserve::router {
 // The router's request metrics, registered once and shared by every relay.
 struct RelayMetrics {
   explicit RelayMetrics(MetricsRegistry& registry);
-  // "stop", "length", "cancelled", "error", "invalid", "unavailable", "rejected".
+  // "stop", "length", "cancelled", "error", "invalid", "unavailable", "rejected",
+  // "unauthenticated".
   void CountOutcome(const char* outcome) const;
 
   absl::flat_hash_map<std::string, Counter*> outcomes;

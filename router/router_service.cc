@@ -78,6 +78,11 @@ absl::StatusOr<std::unique_ptr<RouterService>> RouterService::Create(RouterOptio
   absl::StatusOr<std::unique_ptr<RequestResolver>> resolver = RequestResolver::Create(o.model_dir, o.model_name);
   if (!resolver.ok()) return resolver.status();
   r->resolver_ = *std::move(resolver);
+  if (!o.api_keys_file.empty()) {
+    absl::StatusOr<std::unique_ptr<ApiKeys>> keys = ApiKeys::Load(o.api_keys_file);
+    if (!keys.ok()) return absl::InvalidArgumentError(absl::StrCat("--api_keys_file: ", keys.status().message()));
+    r->api_keys_ = *std::move(keys);
+  }
 
   WorkerPoolOptions po;
   for (const auto& [flag, specs, targets] :
@@ -166,9 +171,26 @@ void RouterService::WatchLoop() {
   }
 }
 
+grpc::Status RouterService::Authenticate(grpc::ServerContext* ctx) {
+  if (api_keys_ == nullptr) return grpc::Status::OK;
+  std::string authorization;
+  const auto& md = ctx->client_metadata();
+  if (auto it = md.find("authorization"); it != md.end()) authorization.assign(it->second.data(), it->second.size());
+  const absl::StatusOr<std::string> id = api_keys_->Check(authorization);
+  if (!id.ok()) {
+    relay_metrics_->CountOutcome("unauthenticated");
+    LogEvent("warning", "unauthenticated", {{"peer", ctx->peer()}, {"error", std::string(id.status().message())}});
+    return ToGrpcStatus(id.status());
+  }
+  if (LogLevelEnabled("debug")) LogEvent("debug", "authenticated", {{"key_id", *id}});
+  return grpc::Status::OK;
+}
+
 grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequest& req,
                                 const std::function<bool(const v1::GenerateResponse&)>& emit) {
   const absl::Time received = relay_context_.options.clock();  // TTFT counts tokenizing too
+  // Refused before any tokenization or placement.
+  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
   absl::StatusOr<GenerationRequest> resolved = resolver_->Resolve(req);
   if (!resolved.ok()) {
     relay_metrics_->CountOutcome("invalid");
@@ -208,8 +230,9 @@ grpc::Status RouterService::Complete(grpc::ServerContext* ctx, const v1::Generat
   });
 }
 
-grpc::Status RouterService::ListModels(grpc::ServerContext*, const v1::ListModelsRequest*,
+grpc::Status RouterService::ListModels(grpc::ServerContext* ctx, const v1::ListModelsRequest*,
                                        v1::ListModelsResponse* out) {
+  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
   v1::ModelInfo* m = out->add_models();
   m->set_name(options_.model_name);
   m->set_context_length(static_cast<int32_t>(resolver_->config().max_position_embeddings));

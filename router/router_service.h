@@ -31,6 +31,7 @@
 #include "common/metrics.h"
 #include "pdserve/v1/generation.grpc.pb.h"
 #include "router/admission.h"
+#include "router/api_keys.h"
 #include "router/measured.h"
 #include "router/placement.h"
 #include "router/prefix_index.h"
@@ -77,6 +78,8 @@ struct RouterOptions {
   // How long a routed prompt's blocks count as cached on the chosen worker
   // before its own KV events confirm them.
   absl::Duration prefix_expect = absl::Seconds(10);
+  // API keys (router/api_keys.h): "" accepts every client.
+  std::string api_keys_file;
 };
 
 class RouterService final : public v1::Generation::Service {
@@ -109,6 +112,9 @@ class RouterService final : public v1::Generation::Service {
   };
 
   explicit RouterService(RouterOptions options);
+  // OK when keys are off or the client's "authorization" metadata holds a
+  // valid key; else UNAUTHENTICATED (counted, and logged by key id only).
+  grpc::Status Authenticate(grpc::ServerContext* ctx);
   // Runs the request; `emit` gets every response message (false: stop).
   grpc::Status Run(grpc::ServerContext* ctx, const v1::GenerateRequest& req,
                    const std::function<bool(const v1::GenerateResponse&)>& emit);
@@ -122,6 +128,7 @@ class RouterService final : public v1::Generation::Service {
   MetricsRegistry metrics_;
   std::unique_ptr<RelayMetrics> relay_metrics_;
   std::unique_ptr<RequestResolver> resolver_;
+  std::unique_ptr<ApiKeys> api_keys_;  // null: keys off
   // What the router observes of each stage (measured.h).
   MeasuredInputs measured_;
   // Every worker's prefix cache, from the KV events in its Status answers.

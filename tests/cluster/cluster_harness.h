@@ -163,9 +163,11 @@ class Cluster {
     return absl::OkStatus();
   }
 
-  Output Generate(const v1::GenerateRequest& req) {
+  // `authorization`: sent as that metadata when not empty (API keys).
+  Output Generate(const v1::GenerateRequest& req, const std::string& authorization = "") {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+    if (!authorization.empty()) ctx.AddMetadata("authorization", authorization);
     auto reader = stub_->Generate(&ctx, req);
     Output out;
     v1::GenerateResponse m;

@@ -10,6 +10,8 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <filesystem>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <thread>
@@ -21,6 +23,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
+#include "router/api_keys.h"
 #include "tests/cluster/cluster_harness.h"
 #include "tests/support/dnsmasq.h"
 
@@ -306,6 +309,49 @@ TEST(OperationsTest, DecodePoolScalesBehindADnsName) {
 // Admission control with a bounded queue: with every prefill held up, at
 // most --max_queued requests wait for their first token; the rest end at once
 // with RESOURCE_EXHAUSTED saying why, and the admitted ones complete.
+TEST(OperationsTest, ApiKeysGateTheClientApiAndAreReadAgainWhenTheFileChanges) {
+  const std::string dir = TempDir();
+  const std::string keys = dir + "/api_keys";
+  std::filesystem::create_directories(dir);
+  std::ofstream(keys) << "# id:sha256 of the key\nalice:" << router::Sha256Hex("sk-test-alice") << "\n";
+  Cluster c;
+  c.extra_router_flags = {"--api_keys_file", keys};
+  absl::Status s = c.Start(dir + "/keys", false);
+  ASSERT_TRUE(s.ok()) << s;
+  const Output none = c.Generate(SeededRequest(4));
+  EXPECT_EQ(none.status.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_TRUE(absl::StartsWith(none.status.error_message(), "no API key")) << none.status.error_message();
+  const Output wrong = c.Generate(SeededRequest(4), "Bearer sk-test-mallory");
+  EXPECT_EQ(wrong.status.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(wrong.status.error_message(), "invalid API key");
+  const Output ok = c.Generate(SeededRequest(4), "Bearer sk-test-alice");
+  ASSERT_TRUE(ok.status.ok()) << ok.status.error_message();
+  EXPECT_EQ(ok.tokens.size(), 4u);
+  // Rotation: a new file (as a Secret update writes it) is read within a
+  // second or so, without a signal.
+  {
+    std::ofstream(keys + ".new") << "bob:" << router::Sha256Hex("sk-test-bob") << "\n";
+    std::filesystem::rename(keys + ".new", keys);
+  }
+  Output rotated;
+  rotated.status = grpc::Status(grpc::StatusCode::UNKNOWN, "not tried");
+  for (int i = 0; i < 40 && !rotated.status.ok(); ++i) {
+    absl::SleepFor(absl::Milliseconds(100));
+    rotated = c.Generate(SeededRequest(2), "Bearer sk-test-bob");
+  }
+  EXPECT_TRUE(rotated.status.ok()) << rotated.status.error_message();
+  EXPECT_EQ(c.Generate(SeededRequest(2), "Bearer sk-test-alice").status.error_code(),
+            grpc::StatusCode::UNAUTHENTICATED);
+  // Keys never reach the logs; refusals are counted.
+  EXPECT_FALSE(absl::StrContains(c.Logs(), "sk-test-")) << c.Logs();
+  const std::string metrics = HttpGet(c.router_metrics(), "/metrics");
+  // Two before the rotation, the tries that came before it was read, one after.
+  const std::string key = "pdserve_requests_total{outcome=\"unauthenticated\"} ";
+  const size_t at = metrics.find(key);
+  ASSERT_NE(at, std::string::npos) << metrics;
+  EXPECT_GE(std::stod(metrics.substr(at + key.size())), 3) << metrics;
+}
+
 TEST(OperationsTest, AdmissionRejectsBeyondTheQueueBound) {
   const std::string dir = TempDir();
   Cluster c;

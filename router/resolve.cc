@@ -25,7 +25,7 @@ absl::StatusOr<std::unique_ptr<RequestResolver>> RequestResolver::Create(const s
   return r;
 }
 
-absl::StatusOr<GenerationRequest> RequestResolver::Resolve(const v1::GenerateRequest& req) const {
+absl::StatusOr<GenerationRequest> RequestResolver::Resolve(const v1::GenerateRequest& req, MaxTokens unset) const {
   if (!req.model().empty() && req.model() != model_name_) {
     return absl::InvalidArgumentError(
         absl::StrCat("model: unknown model '", req.model(), "' (this cluster serves '", model_name_, "')"));
@@ -75,13 +75,21 @@ absl::StatusOr<GenerationRequest> RequestResolver::Resolve(const v1::GenerateReq
       return absl::InvalidArgumentError("prompt: one of text, chat or token_ids is required");
   }
   if (r.prompt.empty()) return absl::InvalidArgumentError("prompt: it tokenizes to nothing");
-  if (req.max_tokens() < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("max_tokens: must be at least 1, got ", req.max_tokens()));
-  }
   const int64_t context = config_.max_position_embeddings;
-  if (static_cast<int64_t>(r.prompt.size()) + req.max_tokens() > context) {
+  int64_t max_tokens = req.max_tokens();
+  if (max_tokens == 0 && unset == MaxTokens::kToContext) {
+    max_tokens = context - static_cast<int64_t>(r.prompt.size());
+    if (max_tokens < 1) {
+      return absl::InvalidArgumentError(absl::StrCat("messages: the prompt (", r.prompt.size(),
+                                                     " tokens) fills the model's context (", context, ")"));
+    }
+  }
+  if (max_tokens < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("max_tokens: must be at least 1, got ", max_tokens));
+  }
+  if (static_cast<int64_t>(r.prompt.size()) + max_tokens > context) {
     return absl::InvalidArgumentError(absl::StrCat("max_tokens: the prompt (", r.prompt.size(), " tokens) + max_tokens (",
-                                                   req.max_tokens(), ") exceeds the model's context (", context, ")"));
+                                                   max_tokens, ") exceeds the model's context (", context, ")"));
   }
   SamplingParams& p = r.params;
   const v1::SamplingParams& s = req.sampling();
@@ -93,7 +101,7 @@ absl::StatusOr<GenerationRequest> RequestResolver::Resolve(const v1::GenerateReq
   if (s.has_presence_penalty()) p.presence_penalty = s.presence_penalty();
   if (s.has_frequency_penalty()) p.frequency_penalty = s.frequency_penalty();
   if (s.has_seed()) p.seed = s.seed();
-  p.max_tokens = req.max_tokens();
+  p.max_tokens = static_cast<int32_t>(max_tokens);
   p.ignore_eos = req.ignore_eos();
   p.logprobs = req.logprobs();
   for (int i = 0; i < req.stop_token_ids_size(); ++i) {

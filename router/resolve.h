@@ -27,8 +27,14 @@ class RequestResolver {
   // name requests may give.
   static absl::StatusOr<std::unique_ptr<RequestResolver>> Create(const std::string& model_dir, std::string model_name);
 
+  // What an unset (0) max_tokens means: an error (the gRPC API requires
+  // it), or whatever room the context leaves after the prompt (OpenAI's
+  // chat completions).
+  enum class MaxTokens { kRequired, kToContext };
+
   // The validated engine request. Errors: INVALID_ARGUMENT naming the field.
-  absl::StatusOr<GenerationRequest> Resolve(const v1::GenerateRequest& req) const;
+  absl::StatusOr<GenerationRequest> Resolve(const v1::GenerateRequest& req,
+                                            MaxTokens unset = MaxTokens::kRequired) const;
 
   const tok::Tokenizer& tokenizer() const { return *tokenizer_; }
   const ModelConfig& config() const { return config_; }

@@ -234,7 +234,20 @@ std::string ResponseWriter::Body(const v1::GenerateFinal& final) const {
 HttpError ErrorFor(const absl::Status& status) {
   HttpError e;
   std::string type = "server_error", code;
-  const std::string param = ParamOf(status);
+  std::string param = ParamOf(status);
+  if (param.empty() && status.code() == absl::StatusCode::kInvalidArgument) {
+    // The resolver's errors start with the field too ("max_tokens: ...").
+    const absl::string_view m = status.message();
+    const size_t colon = m.find(": ");
+    if (colon != absl::string_view::npos && m.substr(0, colon).find(' ') == absl::string_view::npos) {
+      param = std::string(m.substr(0, colon));
+      // The sampler's checks: "sampling: 'top_p' must be ...".
+      if (param == "sampling" && m.size() > colon + 3 && m[colon + 2] == '\'') {
+        const size_t end = m.find('\'', colon + 3);
+        if (end != absl::string_view::npos) param = std::string(m.substr(colon + 3, end - colon - 3));
+      }
+    }
+  }
   switch (status.code()) {
     case absl::StatusCode::kInvalidArgument:
       e.status = 400;

@@ -195,6 +195,11 @@ TEST(OpenAiErrorTest, StatusesMapToOpenAiErrorsAndHttpCodes) {
   e = ErrorFor(absl::InvalidArgumentError("model: unknown model 'gpt-4' (this cluster serves 'kjv-tiny')"));
   EXPECT_EQ(e.status, 404);
   EXPECT_EQ(json::parse(e.body)["error"]["code"], "model_not_found");
+  EXPECT_EQ(json::parse(ErrorFor(absl::InvalidArgumentError("max_tokens: must be at least 1")).body)["error"]["param"],
+            "max_tokens");
+  EXPECT_EQ(json::parse(ErrorFor(absl::InvalidArgumentError("sampling: 'top_p' must be in (0, 1]")).body)["error"]
+                       ["param"],
+            "top_p");
   EXPECT_EQ(ErrorFor(absl::UnauthenticatedError("no API key")).status, 401);
   EXPECT_EQ(ErrorFor(absl::ResourceExhaustedError("admission queue full")).status, 429);
   EXPECT_EQ(ErrorFor(absl::UnavailableError("no healthy decode worker")).status, 503);

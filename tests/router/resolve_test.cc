@@ -1,0 +1,74 @@
+// The request resolver: prompts (text, chat, ids) to ids, checks naming the
+// field, and what an unset max_tokens means per API.
+#include "router/resolve.h"
+
+#include <memory>
+#include <string>
+
+#include "absl/strings/match.h"
+#include "gtest/gtest.h"
+
+namespace pdserve::router {
+namespace {
+
+class ResolveTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    absl::StatusOr<std::unique_ptr<RequestResolver>> r =
+        RequestResolver::Create(std::string(PDSERVE_SOURCE_DIR) + "/deploy/models/kjv-tiny", "kjv-tiny");
+    ASSERT_TRUE(r.ok()) << r.status();
+    resolver_ = *std::move(r);
+  }
+  static void ExpectField(const absl::Status& s, const std::string& field) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_TRUE(absl::StartsWith(s.message(), field + ": ")) << s;
+  }
+  std::unique_ptr<RequestResolver> resolver_;
+};
+
+TEST_F(ResolveTest, TextIsTokenizedAndSamplingDefaultsAndTheSeedAreFilledIn) {
+  v1::GenerateRequest req;
+  req.set_text("In the beginning");
+  req.set_max_tokens(5);
+  req.mutable_sampling()->set_frequency_penalty(0.5f);
+  const absl::StatusOr<GenerationRequest> r = resolver_->Resolve(req);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(r->prompt.empty());
+  EXPECT_EQ(r->params.max_tokens, 5);
+  EXPECT_FLOAT_EQ(r->params.frequency_penalty, 0.5f);
+  EXPECT_TRUE(r->params.seed.has_value());
+  EXPECT_EQ(r->eos_ids, resolver_->config().eos_token_ids);
+}
+
+TEST_F(ResolveTest, AnUnsetMaxTokensIsAnErrorForGrpcAndTheContextsRoomForChat) {
+  v1::GenerateRequest req;
+  req.mutable_chat()->add_messages()->set_content("Who was Isaac?");
+  req.mutable_chat()->mutable_messages(0)->set_role("user");
+  ExpectField(resolver_->Resolve(req).status(), "max_tokens");
+  const absl::StatusOr<GenerationRequest> r = resolver_->Resolve(req, RequestResolver::MaxTokens::kToContext);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->prompt.size() + r->params.max_tokens, resolver_->config().max_position_embeddings);
+}
+
+TEST_F(ResolveTest, BadFieldsAreNamed) {
+  v1::GenerateRequest req;
+  req.set_max_tokens(4);
+  ExpectField(resolver_->Resolve(req).status(), "prompt");
+  req.mutable_token_ids()->add_ids(1 << 30);
+  ExpectField(resolver_->Resolve(req).status(), "token_ids.ids[0]");
+  req.mutable_token_ids()->set_ids(0, 5);
+  req.set_model("gpt-4");
+  ExpectField(resolver_->Resolve(req).status(), "model");
+  req.clear_model();
+  req.mutable_sampling()->set_frequency_penalty(3);
+  // Sampling checks (common/sampling.h) say "sampling: 'FIELD' ...".
+  const absl::Status sampling = resolver_->Resolve(req).status();
+  ExpectField(sampling, "sampling");
+  EXPECT_TRUE(absl::StrContains(sampling.message(), "'frequency_penalty' must be in [-2, 2]")) << sampling;
+  req.mutable_sampling()->clear_frequency_penalty();
+  req.set_max_tokens(1 << 20);
+  ExpectField(resolver_->Resolve(req).status(), "max_tokens");
+}
+
+}  // namespace
+}  // namespace pdserve::router

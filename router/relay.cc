@@ -288,14 +288,16 @@ RelayState Relay::Place() {
       return w != nullptr ? w : placement.PickPrefill(failed_prefill_, chains);
     });
   }
-  if (p == nullptr) {
-    error_ = context_.pool->NoHealthyWorker(Role::kPrefill);
-    unavailable_ = true;
-    StopDecode();
-    return RelayState::kDecode;
-  }
+  if (p == nullptr) return NoPrefillWorker(context_.pool->NoHealthyWorker(Role::kPrefill));
   prefill_ = std::move(p);
   return RelayState::kPrefill;
+}
+
+RelayState Relay::NoPrefillWorker(std::string error) {
+  error_ = std::move(error);
+  unavailable_ = true;
+  StopDecode();  // kDecode drains the cancelled call
+  return RelayState::kDecode;
 }
 
 RelayState Relay::Prefill() {
@@ -429,10 +431,8 @@ RelayState Relay::RetryPrefill() {
   PromptChains& chains = *chains_;
   WorkerPtr next = PickWaiting([&] { return context_.placement->PickPrefill(failed_prefill_, chains); });
   if (next == nullptr) {
-    error_ = absl::StrCat("no prefill worker could serve the request (last: ", p.address(), ": ", why, ")");
-    unavailable_ = true;
-    StopDecode();
-    return RelayState::kDecode;
+    return NoPrefillWorker(
+        absl::StrCat("no prefill worker could serve the request (last: ", p.address(), ": ", why, ")"));
   }
   prefill_ = std::move(next);
   return RelayState::kPrefill;

@@ -145,6 +145,9 @@ class Relay {
   RelayState Decode();
   RelayState Migrate();
   absl::Status Finish();
+  // No prefill worker can take the attempt: the request ends UNAVAILABLE
+  // with `error`, after its decode call is drained.
+  RelayState NoPrefillWorker(std::string error);
 
   bool Admit();
   // Picks, waiting up to pick_wait (and the deadline) while none is usable.

@@ -91,7 +91,16 @@ ResponseWriter::ResponseWriter(const OpenAiRequest& request, std::string id, int
       id_(std::move(id)),
       created_(created),
       model_(std::move(model)),
-      tokenizer_(tokenizer) {}
+      tokenizer_(tokenizer) {
+  json head = {{"id", id_},
+               {"object", endpoint_ == Endpoint::kChatCompletions ? "chat.completion.chunk" : "text_completion"},
+               {"created", created_},
+               {"model", model_}};
+  if (include_usage_) head["usage"] = nullptr;
+  chunk_head_ = Dump(head);
+  chunk_head_.pop_back();  // the closing brace
+  chunk_head_ = absl::StrCat("data: ", chunk_head_, ",\"choices\":[");
+}
 
 std::vector<ResponseWriter::Entry> ResponseWriter::Entries(const v1::TokenChunk& chunk) {
   std::vector<Entry> out;
@@ -143,15 +152,7 @@ json LogprobsJson(Endpoint endpoint, const auto& entries) {
 }  // namespace
 
 std::string ResponseWriter::Chunk(const std::string& choice_json) const {
-  // Spliced, not parsed again: this runs once per streamed message.
-  json head = {{"id", id_},
-               {"object", endpoint_ == Endpoint::kChatCompletions ? "chat.completion.chunk" : "text_completion"},
-               {"created", created_},
-               {"model", model_}};
-  if (include_usage_) head["usage"] = nullptr;
-  std::string out = Dump(head);
-  out.pop_back();  // the closing brace
-  return absl::StrCat("data: ", out, ",\"choices\":[", choice_json, "]}\n\n");
+  return absl::StrCat(chunk_head_, choice_json, "]}\n\n");
 }
 
 std::string ResponseWriter::ChunkEvents(const v1::TokenChunk& chunk) {

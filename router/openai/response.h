@@ -77,6 +77,9 @@ class ResponseWriter {
   const int64_t created_;
   const std::string model_;
   const tok::Tokenizer* const tokenizer_;
+  // Every chunk's fields before "choices" ("data: {...,"), made once: the
+  // chunk is spliced per streamed message, not built and dumped again.
+  std::string chunk_head_;
   bool role_sent_ = false;
   int64_t text_bytes_ = 0;  // completions' text_offset runs over the whole text
   std::string text_;        // not streaming: everything so far

@@ -46,11 +46,16 @@ int ServeUntilSignal(const ServeOptions& o, std::initializer_list<grpc::Service*
   std::vector<std::pair<std::string, std::string>> fields = {{"role", o.role}, {"grpc_port", std::to_string(port)}};
   if (metrics_server != nullptr) fields.emplace_back("metrics_port", std::to_string(metrics_server->port()));
   for (const auto& [k, v] : o.log_fields) fields.emplace_back(k, v);
+  std::string more_ports;
+  for (const auto& [k, v] : o.ports) {
+    fields.emplace_back(k, std::to_string(v));
+    absl::StrAppend(&more_ports, ",\"", k, "\":", v);
+  }
   LogEvent("info", "serving", fields);
   if (!o.ready_file.empty()) {
     absl::Status st = WriteReadyFile(
         o.ready_file, absl::StrCat("{\"grpc_port\":", port, ",\"metrics_port\":",
-                                   metrics_server != nullptr ? metrics_server->port() : 0, "}"));
+                                   metrics_server != nullptr ? metrics_server->port() : 0, more_ports, "}"));
     if (!st.ok()) LogEvent("error", "ready_file", {{"error", std::string(st.message())}});
   }
   absl::Notification stop_health;

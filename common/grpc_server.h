@@ -25,6 +25,9 @@ struct ServeOptions {
   const class MetricsRegistry* metrics = nullptr;
   std::string metrics_address = "127.0.0.1:0";
   std::vector<std::pair<std::string, std::string>> log_fields;  // Extra "serving" fields.
+  // More listening ports for the ready file and the "serving" line
+  // ({"http_port", 8000}).
+  std::vector<std::pair<std::string, int>> ports;
   // Runs first after the signal, with health already NOT_SERVING: stop
   // taking new work and finish what is in flight, returning by `deadline`.
   std::function<void(absl::Time deadline)> on_drain;

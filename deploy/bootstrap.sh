@@ -10,7 +10,7 @@ PACKAGES=(
   libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libyaml-cpp-dev libxxhash-dev libpcre2-dev libutf8proc-dev libopenblas-dev
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
-  libucx-dev ucx-utils libmicrohttpd-dev
+  libucx-dev ucx-utils libmicrohttpd-dev libevent-dev
   dnsmasq-base iproute2
   clang
 )

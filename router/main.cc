@@ -2,6 +2,7 @@
 //
 //   pdserve-router --model DIR --prefill 127.0.0.1:7001 --decode 127.0.0.1:7002
 //                  --listen 127.0.0.1:7000 [--colocated]
+//   (with the OpenAI HTTP API on --http_listen, default 127.0.0.1:8000)
 //   pdserve-router --model DIR --prefill dns:///prefill.pdserve:7001
 //                  --decode dns://10.0.0.10/decode.pdserve:7002
 //
@@ -18,6 +19,7 @@
 #include "absl/time/time.h"
 #include "common/server_util.h"
 #include "common/grpc_server.h"
+#include "router/openai/server.h"
 #include "router/router_service.h"
 
 ABSL_FLAG(std::string, model, "", "model directory (tokenizer, config, chat template)");
@@ -56,6 +58,10 @@ ABSL_FLAG(std::string, api_keys_file, "",
           "'authorization: Bearer KEY' (gRPC metadata). Empty: no keys (every client accepted)");
 ABSL_FLAG(bool, colocated, false, "send whole requests to decode workers (no handoff)");
 ABSL_FLAG(double, worker_wait_s, 60, "how long to wait at start for every worker to answer");
+ABSL_FLAG(std::string, http_listen, "127.0.0.1:8000",
+          "OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health) address, "
+          "HOST:PORT or [V6]:PORT (port 0: any free; empty: off)");
+ABSL_FLAG(int64_t, http_max_body_bytes, 8 << 20, "largest HTTP request body (larger: 413)");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:0", "Prometheus /metrics address (port 0: any free; empty: off)");
 
 namespace {
@@ -110,7 +116,24 @@ int Run() {
     LogEvent("error", "workers_unavailable", {{"error", std::string(st.message())}});
     return 1;
   }
+  std::unique_ptr<router::openai::HttpServer> http;
+  if (const std::string address = absl::GetFlag(FLAGS_http_listen); !address.empty()) {
+    router::openai::HttpServerOptions ho;
+    ho.address = address;
+    ho.max_body_bytes = absl::GetFlag(FLAGS_http_max_body_bytes);
+    absl::StatusOr<std::unique_ptr<router::openai::HttpServer>> h =
+        router::openai::HttpServer::Start(ho, (*service)->HttpBackend());
+    if (!h.ok()) {
+      LogEvent("error", "http_listen_failed", {{"address", address}, {"error", std::string(h.status().message())}});
+      return 1;
+    }
+    http = *std::move(h);
+  }
   ServeOptions so;
+  if (http != nullptr) {
+    so.ports.emplace_back("http_port", http->port());
+    so.on_drain = [&http](absl::Time deadline) { http->Drain(deadline); };
+  }
   so.address = absl::GetFlag(FLAGS_listen);
   so.ready_file = absl::GetFlag(FLAGS_ready_file);
   so.role = "router";

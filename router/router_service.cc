@@ -171,19 +171,45 @@ void RouterService::WatchLoop() {
   }
 }
 
+absl::StatusOr<std::string> RouterService::CheckKey(absl::string_view authorization, absl::string_view peer) {
+  if (api_keys_ == nullptr) return std::string();
+  absl::StatusOr<std::string> id = api_keys_->Check(authorization);
+  if (!id.ok()) {
+    relay_metrics_->CountOutcome("unauthenticated");
+    LogEvent("warning", "unauthenticated", {{"peer", std::string(peer)}, {"error", std::string(id.status().message())}});
+    return id.status();
+  }
+  if (LogLevelEnabled("debug")) LogEvent("debug", "authenticated", {{"key_id", *id}});
+  return id;
+}
+
 grpc::Status RouterService::Authenticate(grpc::ServerContext* ctx) {
   if (api_keys_ == nullptr) return grpc::Status::OK;
   std::string authorization;
   const auto& md = ctx->client_metadata();
   if (auto it = md.find("authorization"); it != md.end()) authorization.assign(it->second.data(), it->second.size());
-  const absl::StatusOr<std::string> id = api_keys_->Check(authorization);
-  if (!id.ok()) {
-    relay_metrics_->CountOutcome("unauthenticated");
-    LogEvent("warning", "unauthenticated", {{"peer", ctx->peer()}, {"error", std::string(id.status().message())}});
-    return ToGrpcStatus(id.status());
+  return ToGrpcStatus(CheckKey(authorization, ctx->peer()).status());
+}
+
+absl::Status RouterService::Ready() {
+  if (pool_->Serving(Role::kDecode) == 0) return absl::UnavailableError("no decode worker is serving");
+  if (!options_.colocated && pool_->Serving(Role::kPrefill) == 0) {
+    return absl::UnavailableError("no prefill worker is serving");
   }
-  if (LogLevelEnabled("debug")) LogEvent("debug", "authenticated", {{"key_id", *id}});
-  return grpc::Status::OK;
+  return absl::OkStatus();
+}
+
+openai::HttpBackend RouterService::HttpBackend() {
+  openai::HttpBackend b;
+  b.resolver = resolver_.get();
+  b.relay = &relay_context_;
+  if (api_keys_ != nullptr) {
+    b.authenticate = [this](absl::string_view authorization, absl::string_view peer) {
+      return CheckKey(authorization, peer);
+    };
+  }
+  b.ready = [this] { return Ready(); };
+  return b;
 }
 
 grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequest& req,

@@ -33,6 +33,7 @@
 #include "router/admission.h"
 #include "router/api_keys.h"
 #include "router/measured.h"
+#include "router/openai/server.h"
 #include "router/placement.h"
 #include "router/prefix_index.h"
 #include "router/relay.h"
@@ -101,6 +102,15 @@ class RouterService final : public v1::Generation::Service {
   // one that does, for at most two more seconds. Errors: UNAVAILABLE naming
   // the pool with no live worker and the silent addresses.
   absl::Status WaitForWorkers(absl::Duration timeout);
+
+  // OK when a request can be placed now: a decode worker serves and, unless
+  // colocated, a prefill worker too. Else UNAVAILABLE saying which pool.
+  absl::Status Ready();
+  // The key id for an "authorization" value ("Bearer KEY"; "" when keys
+  // are off), or UNAUTHENTICATED (counted, and logged by key id only).
+  absl::StatusOr<std::string> CheckKey(absl::string_view authorization, absl::string_view peer);
+  // What the HTTP API (router/openai/server.h) needs; valid while this lives.
+  openai::HttpBackend HttpBackend();
 
   const MetricsRegistry& metrics() const { return metrics_; }
 

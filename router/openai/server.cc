@@ -1,0 +1,613 @@
+#include "router/openai/server.h"
+
+#include <arpa/inet.h>
+#include <event2/buffer.h>
+#include <event2/bufferevent.h>
+#include <event2/event.h>
+#include <event2/http.h>
+#include <event2/keyvalq_struct.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <optional>
+#include <random>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/strip.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "common/server_util.h"
+#include "nlohmann/json.hpp"
+#include "router/openai/request.h"
+#include "router/openai/response.h"
+
+namespace pdserve::router::openai {
+namespace {
+
+const char* Reason(int code) {
+  switch (code) {
+    case 200: return "OK";
+    case 400: return "Bad Request";
+    case 401: return "Unauthorized";
+    case 404: return "Not Found";
+    case 405: return "Method Not Allowed";
+    case 413: return "Payload Too Large";
+    case 429: return "Too Many Requests";
+    case 499: return "Client Closed Request";
+    case 503: return "Service Unavailable";
+    default: return "Internal Server Error";
+  }
+}
+
+std::string ErrorBody(absl::string_view message, absl::string_view type, absl::string_view param = "") {
+  // The same shape as response.h's errors, for the server's own refusals.
+  nlohmann::json e = {{"message", std::string(message)}, {"type", std::string(type)}, {"param", nullptr},
+                      {"code", nullptr}};
+  if (!param.empty()) e["param"] = std::string(param);
+  return nlohmann::json({{"error", e}}).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
+void SetNoDelay(evhttp_connection* conn) {
+  bufferevent* bev = evhttp_connection_get_bufferevent(conn);
+  const evutil_socket_t fd = bev == nullptr ? -1 : bufferevent_getfd(bev);
+  if (fd < 0) return;
+  const int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+}
+
+// One HTTP exchange whose answer comes from another thread.
+struct Call {
+  // The loop thread's alone.
+  evhttp_request* req = nullptr;
+  evhttp_connection* conn = nullptr;  // null once the connection closed
+  bool reply_started = false;
+  bool finished = false;
+  bool queued = false;  // on the wake list (guarded by the server's wake_mu_)
+
+  // Between the generation's thread and the loop.
+  absl::Mutex mu;
+  std::string out ABSL_GUARDED_BY(mu);  // stream bytes not yet handed to libevent
+  bool sse ABSL_GUARDED_BY(mu) = false;   // a 200 event stream has begun
+  bool done ABSL_GUARDED_BY(mu) = false;  // nothing more comes: end after `out`
+  // A whole reply (not streamed, or an error before the stream began).
+  int status ABSL_GUARDED_BY(mu) = 200;
+  std::string body ABSL_GUARDED_BY(mu);
+  std::vector<std::pair<std::string, std::string>> headers ABSL_GUARDED_BY(mu);
+  Relay* relay ABSL_GUARDED_BY(mu) = nullptr;
+  std::atomic<bool> gone{false};  // the client's connection closed
+};
+using CallPtr = std::shared_ptr<Call>;
+
+}  // namespace
+
+absl::StatusOr<std::pair<std::string, int>> SplitHostPort(absl::string_view address) {
+  std::string host;
+  absl::string_view rest;
+  if (absl::StartsWith(address, "[")) {
+    const size_t end = address.find(']');
+    if (end == absl::string_view::npos) return absl::InvalidArgumentError(absl::StrCat("'", address, "': no ']'"));
+    host = std::string(address.substr(1, end - 1));
+    rest = address.substr(end + 1);
+  } else {
+    const size_t colon = address.rfind(':');
+    if (colon == absl::string_view::npos) {
+      return absl::InvalidArgumentError(absl::StrCat("'", address, "': expected HOST:PORT"));
+    }
+    host = std::string(address.substr(0, colon));
+    rest = address.substr(colon);
+  }
+  int port = -1;
+  if (!absl::ConsumePrefix(&rest, ":") || !absl::SimpleAtoi(rest, &port) || port < 0 || port > 65535 ||
+      host.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("'", address, "': expected HOST:PORT with a port in 0-65535"));
+  }
+  return std::pair<std::string, int>(std::move(host), port);
+}
+
+class HttpServer::Impl {
+ public:
+  Impl(HttpServerOptions options, HttpBackend backend)
+      : options_(std::move(options)), backend_(std::move(backend)) {
+    std::random_device rd;
+    id_base_ = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  }
+
+  ~Impl() {
+    if (loop_.joinable()) {
+      stopping_.store(true);
+      Signal();
+      loop_.join();
+    }
+    // The loop is stopped: this thread owns its state now. Every
+    // generation still running is cancelled, then awaited.
+    for (auto& [conn, call] : conns_) {
+      call->gone.store(true);
+      absl::MutexLock lock(&call->mu);
+      if (call->relay != nullptr) call->relay->Cancel();
+    }
+    {
+      absl::MutexLock lock(&threads_mu_);
+      threads_mu_.Await(absl::Condition(
+          +[](int* n) { return *n == 0; }, &running_));
+    }
+    conns_.clear();
+    if (http_ != nullptr) evhttp_free(http_);  // frees the connections and their requests
+    if (wake_event_ != nullptr) event_free(wake_event_);
+    if (check_event_ != nullptr) event_free(check_event_);
+    if (base_ != nullptr) event_base_free(base_);
+    if (wake_fd_ >= 0) close(wake_fd_);
+  }
+
+  absl::Status Start() {
+    absl::StatusOr<std::pair<std::string, int>> hp = SplitHostPort(options_.address);
+    if (!hp.ok()) return hp.status();
+    base_ = event_base_new();
+    if (base_ == nullptr) return absl::InternalError("event_base_new failed");
+    http_ = evhttp_new(base_);
+    if (http_ == nullptr) return absl::InternalError("evhttp_new failed");
+    // Beyond twice the limit libevent refuses the body itself (413)
+    // without reading it; up to there the answer is an OpenAI error body.
+    evhttp_set_max_body_size(http_, static_cast<ev_ssize_t>(2 * options_.max_body_bytes));
+    evhttp_set_max_headers_size(http_, 64 << 10);
+    evhttp_set_timeout(http_, static_cast<int>(absl::ToInt64Seconds(options_.idle_timeout)));
+    evhttp_set_allowed_methods(http_, EVHTTP_REQ_GET | EVHTTP_REQ_POST | EVHTTP_REQ_HEAD | EVHTTP_REQ_OPTIONS);
+    evhttp_set_gencb(http_, &Impl::OnRequest, this);
+    evhttp_bound_socket* bound = evhttp_bind_socket_with_handle(http_, hp->first.c_str(), hp->second);
+    if (bound == nullptr) {
+      return absl::UnavailableError(absl::StrCat("cannot listen on ", options_.address, ": ", std::strerror(errno)));
+    }
+    sockaddr_storage addr{};
+    socklen_t len = sizeof(addr);
+    if (getsockname(evhttp_bound_socket_get_fd(bound), reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+      return absl::InternalError("getsockname failed");
+    }
+    port_ = ntohs(addr.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port
+                                             : reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
+    wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (wake_fd_ < 0) return absl::InternalError("eventfd failed");
+    wake_event_ = event_new(base_, wake_fd_, EV_READ | EV_PERSIST, &Impl::OnWake, this);
+    if (wake_event_ == nullptr || event_add(wake_event_, nullptr) != 0) return absl::InternalError("event_add failed");
+    // libevent reads nothing more from a connection while its request is
+    // being answered, so a client that goes away before the reply's first
+    // write would go unnoticed: the loop looks for the end of each such
+    // stream itself.
+    check_event_ = event_new(base_, -1, EV_PERSIST, &Impl::OnCheck, this);
+    const timeval period = {0, 50'000};
+    if (check_event_ == nullptr || event_add(check_event_, &period) != 0) {
+      return absl::InternalError("event_add failed");
+    }
+    loop_ = std::thread([this] { event_base_dispatch(base_); });
+    return absl::OkStatus();
+  }
+
+  int port() const { return port_; }
+
+  void Drain(absl::Time deadline) {
+    draining_.store(true);
+    absl::MutexLock lock(&threads_mu_);
+    threads_mu_.AwaitWithDeadline(absl::Condition(
+                                      +[](int* n) { return *n == 0; }, &running_),
+                                  deadline);
+  }
+
+ private:
+  enum class Route { kCompletions, kChat, kModels, kHealth, kMetrics, kUnknown };
+
+  static Route RouteOf(std::string_view path) {
+    if (path == "/v1/completions") return Route::kCompletions;
+    if (path == "/v1/chat/completions") return Route::kChat;
+    if (path == "/v1/models") return Route::kModels;
+    if (path == "/health") return Route::kHealth;
+    if (path == "/metrics") return Route::kMetrics;
+    return Route::kUnknown;
+  }
+
+  // --- Loop thread.
+
+  static void OnRequest(evhttp_request* req, void* arg) { static_cast<Impl*>(arg)->Handle(req); }
+
+  void Handle(evhttp_request* req) {
+    const evhttp_uri* uri = evhttp_request_get_evhttp_uri(req);
+    const char* path = uri == nullptr ? nullptr : evhttp_uri_get_path(uri);
+    const Route route = RouteOf(path == nullptr ? "" : path);
+    const evhttp_cmd_type method = evhttp_request_get_command(req);
+    const bool post = route == Route::kCompletions || route == Route::kChat;
+    if (route == Route::kUnknown) {
+      return Send(req, 404, ErrorBody(absl::StrCat("no such path: ", path == nullptr ? "" : path,
+                                                   " (served: POST /v1/completions, POST /v1/chat/completions, GET "
+                                                   "/v1/models, GET /health)"),
+                                      "invalid_request_error"));
+    }
+    if (route == Route::kMetrics) {
+      return Send(req, 404,
+                  ErrorBody("metrics are served on the router's own port (--metrics_listen), not here",
+                            "invalid_request_error"));
+    }
+    if ((post && method != EVHTTP_REQ_POST) || (!post && method != EVHTTP_REQ_GET && method != EVHTTP_REQ_HEAD)) {
+      return Send(req, 405, ErrorBody(absl::StrCat(path, " takes ", post ? "POST" : "GET"), "invalid_request_error"),
+                  {{"Allow", post ? "POST" : "GET, HEAD"}});
+    }
+    evhttp_connection* conn = evhttp_request_get_connection(req);
+    const std::string authorization = Header(req, "Authorization");
+    if (route == Route::kHealth) return Health(req);
+    if (route == Route::kModels) {
+      if (absl::Status st = Authenticate(authorization, conn); !st.ok()) return SendError(req, st);
+      return Models(req);
+    }
+
+    evbuffer* in = evhttp_request_get_input_buffer(req);
+    const size_t size = evbuffer_get_length(in);
+    if (static_cast<int64_t>(size) > options_.max_body_bytes) {
+      return Send(req, 413,
+                  ErrorBody(absl::StrCat("body: ", size, " bytes, more than the limit of ", options_.max_body_bytes),
+                            "invalid_request_error", "body"));
+    }
+    if (draining_.load()) {
+      return Send(req, 503, ErrorBody("the router is shutting down", "server_error"));
+    }
+    std::string body(size, '\0');
+    if (size > 0) evbuffer_remove(in, body.data(), size);
+
+    auto call = std::make_shared<Call>();
+    call->req = req;
+    call->conn = conn;
+    conns_[conn] = call;
+    evhttp_connection_set_closecb(conn, &Impl::OnClose, this);
+    SetNoDelay(conn);
+    {
+      absl::MutexLock lock(&threads_mu_);
+      ++running_;
+    }
+    std::thread([this, call, chat = route == Route::kChat, body = std::move(body), authorization,
+                 peer = Peer(conn), client_id = Header(req, "X-Request-Id")]() mutable {
+      Generate(call, chat ? Endpoint::kChatCompletions : Endpoint::kCompletions, body, authorization, peer,
+               client_id);
+      absl::MutexLock lock(&threads_mu_);
+      --running_;
+    }).detach();
+  }
+
+  static std::string Header(evhttp_request* req, const char* name) {
+    const char* v = evhttp_find_header(evhttp_request_get_input_headers(req), name);
+    return v == nullptr ? "" : v;
+  }
+
+  static std::string Peer(evhttp_connection* conn) {
+    char* host = nullptr;
+    ev_uint16_t port = 0;
+    evhttp_connection_get_peer(conn, &host, &port);
+    return absl::StrCat(host == nullptr ? "?" : host, ":", port);
+  }
+
+  absl::Status Authenticate(const std::string& authorization, evhttp_connection* conn) {
+    if (!backend_.authenticate) return absl::OkStatus();
+    return backend_.authenticate(authorization, Peer(conn)).status();
+  }
+
+  void Health(evhttp_request* req) {
+    absl::Status st = draining_.load() ? absl::UnavailableError("the router is shutting down")
+                      : backend_.ready  ? backend_.ready()
+                                        : absl::OkStatus();
+    if (st.ok()) return Send(req, 200, "{\"status\":\"ok\"}");
+    Send(req, 503, ErrorBody(st.message(), "server_error"));
+  }
+
+  void Models(evhttp_request* req) {
+    const RequestResolver& r = *backend_.resolver;
+    Send(req, 200,
+         absl::StrFormat("{\"object\":\"list\",\"data\":[{\"id\":\"%s\",\"object\":\"model\",\"created\":%d,"
+                         "\"owned_by\":\"pdserve\",\"max_model_len\":%d}]}",
+                         r.model_name(), started_, r.config().max_position_embeddings));
+  }
+
+  void SendError(evhttp_request* req, const absl::Status& st) {
+    const HttpError e = ErrorFor(st);
+    Send(req, e.status, e.body, ExtraHeaders(e.status));
+  }
+
+  static std::vector<std::pair<std::string, std::string>> ExtraHeaders(int status) {
+    if (status == 429) return {{"Retry-After", "1"}};
+    return {};
+  }
+
+  static void Send(evhttp_request* req, int status, const std::string& body,
+                   const std::vector<std::pair<std::string, std::string>>& headers = {}) {
+    evkeyvalq* out = evhttp_request_get_output_headers(req);
+    evhttp_add_header(out, "Content-Type", "application/json");
+    for (const auto& [k, v] : headers) evhttp_add_header(out, k.c_str(), v.c_str());
+    evbuffer* buf = evbuffer_new();
+    evbuffer_add(buf, body.data(), body.size());
+    evhttp_send_reply(req, status, Reason(status), buf);
+    evbuffer_free(buf);
+  }
+
+  static void OnClose(evhttp_connection* conn, void* arg) { static_cast<Impl*>(arg)->Closed(conn); }
+
+  void Closed(evhttp_connection* conn) {
+    if (stopping_.load()) return;
+    auto it = conns_.find(conn);
+    if (it == conns_.end()) return;
+    CallPtr call = it->second;
+    conns_.erase(it);
+    // libevent keeps the request (detached from the connection) until
+    // the reply is ended: Pump does that once the generation is done.
+    call->conn = nullptr;
+    call->gone.store(true);
+    absl::MutexLock lock(&call->mu);
+    if (call->relay != nullptr) call->relay->Cancel();
+    orphans_.push_back(std::move(call));
+  }
+
+  // Every 50 ms: a call whose client closed its side (EOF or an error on
+  // the socket) is cancelled. (A client that half-closes after sending
+  // its request counts as gone.)
+  static void OnCheck(evutil_socket_t, short, void* arg) {
+    auto* self = static_cast<Impl*>(arg);
+    for (auto& [conn, call] : self->conns_) {
+      if (call->gone.load(std::memory_order_relaxed)) continue;
+      bufferevent* bev = evhttp_connection_get_bufferevent(conn);
+      const evutil_socket_t fd = bev == nullptr ? -1 : bufferevent_getfd(bev);
+      if (fd < 0) continue;
+      char byte;
+      const ssize_t n = recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+      if (n > 0 || (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))) continue;
+      call->gone.store(true);
+      absl::MutexLock lock(&call->mu);
+      if (call->relay != nullptr) call->relay->Cancel();
+    }
+  }
+
+  static void OnWake(evutil_socket_t fd, short, void* arg) {
+    auto* self = static_cast<Impl*>(arg);
+    uint64_t n;
+    [[maybe_unused]] ssize_t r = read(fd, &n, sizeof(n));
+    if (self->stopping_.load()) {
+      event_base_loopbreak(self->base_);
+      return;
+    }
+    std::vector<CallPtr> woken;
+    {
+      absl::MutexLock lock(&self->wake_mu_);
+      woken.swap(self->woken_);
+      for (const CallPtr& c : woken) c->queued = false;
+    }
+    for (const CallPtr& c : woken) self->Pump(*c);
+  }
+
+  // Hands the call's new bytes to libevent; ends the reply once done.
+  void Pump(Call& call) {
+    if (call.finished) return;
+    std::string out, body;
+    bool sse, done;
+    int status;
+    std::vector<std::pair<std::string, std::string>> headers;
+    {
+      absl::MutexLock lock(&call.mu);
+      out.swap(call.out);
+      sse = call.sse;
+      done = call.done;
+      status = call.status;
+      if (done) {
+        body.swap(call.body);
+        headers.swap(call.headers);
+      }
+    }
+    if (call.conn == nullptr) {  // The client went away.
+      if (!done) return;
+      // The request, detached from its closed connection, is freed here.
+      if (call.reply_started) {
+        evhttp_send_reply_end(call.req);
+      } else {
+        evhttp_send_reply(call.req, 499, Reason(499), nullptr);
+      }
+      call.finished = true;
+      std::erase_if(orphans_, [&call](const CallPtr& c) { return c.get() == &call; });
+      return;
+    }
+    if (!sse) {
+      if (!done) return;
+      call.finished = true;
+      conns_.erase(call.conn);
+      Send(call.req, status, body, headers);
+      return;
+    }
+    if (!call.reply_started) {
+      evkeyvalq* h = evhttp_request_get_output_headers(call.req);
+      evhttp_add_header(h, "Content-Type", "text/event-stream");
+      evhttp_add_header(h, "Cache-Control", "no-cache");
+      evhttp_add_header(h, "X-Accel-Buffering", "no");
+      evhttp_send_reply_start(call.req, 200, "OK");
+      call.reply_started = true;
+    }
+    if (!out.empty()) {
+      evbuffer* buf = evbuffer_new();
+      evbuffer_add(buf, out.data(), out.size());
+      evhttp_send_reply_chunk(call.req, buf);
+      evbuffer_free(buf);
+    }
+    if (done) {
+      call.finished = true;
+      conns_.erase(call.conn);
+      evhttp_send_reply_end(call.req);
+    }
+  }
+
+  // --- Any thread.
+
+  void Signal() {
+    const uint64_t one = 1;
+    [[maybe_unused]] ssize_t r = write(wake_fd_, &one, sizeof(one));
+  }
+
+  void Wake(const CallPtr& call) {
+    bool signal;
+    {
+      absl::MutexLock lock(&wake_mu_);
+      if (call->queued) return;
+      call->queued = true;
+      signal = woken_.empty();  // otherwise a wake-up is on its way already
+      woken_.push_back(call);
+    }
+    if (signal) Signal();
+  }
+
+  // --- A generation's own thread.
+
+  void Reply(const CallPtr& call, int status, std::string body,
+             std::vector<std::pair<std::string, std::string>> headers = {}) {
+    {
+      absl::MutexLock lock(&call->mu);
+      call->status = status;
+      call->body = std::move(body);
+      call->headers = std::move(headers);
+      call->done = true;
+    }
+    Wake(call);
+  }
+
+  void ReplyError(const CallPtr& call, const absl::Status& st) {
+    const HttpError e = ErrorFor(st);
+    Reply(call, e.status, e.body, ExtraHeaders(e.status));
+  }
+
+  void Stream(const CallPtr& call, std::string events, bool done) {
+    {
+      absl::MutexLock lock(&call->mu);
+      call->sse = true;
+      call->out += events;
+      call->done = done;
+    }
+    Wake(call);
+  }
+
+  void Generate(const CallPtr& call, Endpoint endpoint, const std::string& body, const std::string& authorization,
+                const std::string& peer, const std::string& client_id) {
+    const RelayContext& rc = *backend_.relay;
+    const absl::Time received = rc.options.clock();  // TTFT counts decoding and tokenizing too
+    if (backend_.authenticate) {
+      if (absl::StatusOr<std::string> id = backend_.authenticate(authorization, peer); !id.ok()) {
+        return ReplyError(call, id.status());
+      }
+    }
+    DecodeLimits limits;
+    limits.max_body_bytes = options_.max_body_bytes;
+    absl::StatusOr<OpenAiRequest> request = DecodeRequest(endpoint, body, limits);
+    if (!request.ok()) {
+      rc.metrics->CountOutcome("invalid");
+      return ReplyError(call, request.status());
+    }
+    const bool chat = endpoint == Endpoint::kChatCompletions;
+    if (!chat && request->generate.max_tokens() == 0) {
+      request->generate.set_max_tokens(options_.default_completion_tokens);
+    }
+    absl::StatusOr<GenerationRequest> resolved = backend_.resolver->Resolve(
+        request->generate, chat ? RequestResolver::MaxTokens::kToContext : RequestResolver::MaxTokens::kRequired);
+    if (!resolved.ok()) {
+      rc.metrics->CountOutcome("invalid");
+      return ReplyError(call, resolved.status());
+    }
+    const uint64_t n = next_id_.fetch_add(1);
+    const std::string id = absl::StrCat(chat ? "chatcmpl-" : "cmpl-", absl::Hex(id_base_ + n, absl::kZeroPad16));
+    ResponseWriter writer(*request, id, absl::ToUnixSeconds(absl::Now()), backend_.resolver->model_name(),
+                          &backend_.resolver->tokenizer());
+    Relay relay(rc, *std::move(resolved), client_id.empty() ? id : client_id, std::nullopt, received);
+    relay.set_cancel_check([&call] { return call->gone.load(std::memory_order_relaxed); });
+    {
+      absl::MutexLock lock(&call->mu);
+      call->relay = &relay;
+    }
+    if (call->gone.load()) relay.Cancel();
+    const bool stream = request->stream;
+    v1::GenerateFinal final;
+    const absl::Status st = relay.Run([&](const v1::GenerateResponse& m) {
+      if (call->gone.load(std::memory_order_relaxed)) return false;
+      if (m.has_chunk()) {
+        if (stream) {
+          Stream(call, writer.ChunkEvents(m.chunk()), false);
+        } else {
+          writer.Add(m.chunk());
+        }
+      } else if (m.has_final()) {
+        final = m.final();
+      }
+      return true;
+    });
+    {
+      absl::MutexLock lock(&call->mu);
+      call->relay = nullptr;
+    }
+    bool streaming;
+    {
+      absl::MutexLock lock(&call->mu);
+      streaming = call->sse;
+    }
+    if (st.ok()) {
+      if (stream) return Stream(call, writer.FinalEvents(final), true);
+      return Reply(call, 200, writer.Body(final));
+    }
+    if (streaming) {
+      // The stream began: the error goes in it.
+      v1::GenerateFinal failed;
+      failed.set_error(std::string(st.message()));
+      return Stream(call, writer.FinalEvents(failed), true);
+    }
+    ReplyError(call, st);
+  }
+
+  const HttpServerOptions options_;
+  const HttpBackend backend_;
+  const int64_t started_ = absl::ToUnixSeconds(absl::Now());
+  uint64_t id_base_ = 0;
+  std::atomic<uint64_t> next_id_{0};
+
+  event_base* base_ = nullptr;
+  evhttp* http_ = nullptr;
+  int port_ = 0;
+  int wake_fd_ = -1;
+  event* wake_event_ = nullptr;
+  event* check_event_ = nullptr;
+  std::thread loop_;
+  std::atomic<bool> stopping_{false};
+  std::atomic<bool> draining_{false};
+
+  // The loop thread's: each connection's call in progress, and the calls
+  // whose connection closed before they finished.
+  absl::flat_hash_map<evhttp_connection*, CallPtr> conns_;
+  std::vector<CallPtr> orphans_;
+
+  absl::Mutex wake_mu_;
+  std::vector<CallPtr> woken_ ABSL_GUARDED_BY(wake_mu_);
+
+  absl::Mutex threads_mu_;
+  int running_ ABSL_GUARDED_BY(threads_mu_) = 0;
+};
+
+HttpServer::HttpServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+HttpServer::~HttpServer() = default;
+
+absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(HttpServerOptions options, HttpBackend backend) {
+  if (backend.resolver == nullptr || backend.relay == nullptr) {
+    return absl::InvalidArgumentError("HttpServer: resolver and relay context are required");
+  }
+  auto impl = std::make_unique<Impl>(std::move(options), std::move(backend));
+  if (absl::Status st = impl->Start(); !st.ok()) return st;
+  return std::unique_ptr<HttpServer>(new HttpServer(std::move(impl)));
+}
+
+int HttpServer::port() const { return impl_->port(); }
+void HttpServer::Drain(absl::Time deadline) { impl_->Drain(deadline); }
+
+}  // namespace pdserve::router::openai

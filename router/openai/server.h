@@ -1,0 +1,90 @@
+// The OpenAI-compatible HTTP API on the router (libevent's evhttp; why
+// libevent: tools/bench/http_sse/README.md):
+//
+//   POST /v1/completions, POST /v1/chat/completions   streamed (SSE) or not
+//   GET  /v1/models                                   the served model
+//   GET  /health                                      200 when a request can be placed, else 503
+//
+// One event-loop thread owns every connection. A generation runs on a
+// thread of its own: the body is decoded (request.h), the key checked, the
+// prompt resolved (router/resolve.h, the gRPC path's code) and a Relay run
+// (router/relay.h), exactly as for a gRPC call. The relay thread formats
+// each message (response.h) and hands the bytes to the loop through a list
+// and an eventfd; the loop writes them at once, one chunk per wake-up (the
+// sockets have TCP_NODELAY), so every token leaves as its own event unless
+// the loop is already behind. A connection that closes cancels its relay,
+// which cancels the worker calls and frees the request's KV on both sides.
+//
+// Errors before the first token get their own HTTP status (response.h's
+// ErrorFor: 400 naming the field, 401, 404 unknown model, 413 body too
+// large, 429 with Retry-After, 503); after it, an error event ends the
+// stream.
+//
+// Thread safety: Start and the destructor from one thread; the rest is
+// internal.
+#ifndef PDSERVE_ROUTER_OPENAI_SERVER_H_
+#define PDSERVE_ROUTER_OPENAI_SERVER_H_
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "router/relay.h"
+#include "router/resolve.h"
+
+namespace pdserve::router::openai {
+
+struct HttpServerOptions {
+  // HOST:PORT, [IPV6]:PORT; port 0: any free port.
+  std::string address = "127.0.0.1:8000";
+  // Larger bodies get a 413 (with an OpenAI error body up to twice this;
+  // libevent's own reply beyond, without reading them).
+  int64_t max_body_bytes = 8 << 20;
+  // A connection with nothing read or written for this long is closed.
+  absl::Duration idle_timeout = absl::Seconds(600);
+  // completions' max_tokens when the body gives none (OpenAI's default).
+  int32_t default_completion_tokens = 16;
+};
+
+// What the server asks of the router; everything must outlive it.
+struct HttpBackend {
+  const RequestResolver* resolver = nullptr;
+  const RelayContext* relay = nullptr;
+  // The key id for an Authorization header ("Bearer KEY"), or
+  // UNAUTHENTICATED. Empty: no keys (every client is served).
+  std::function<absl::StatusOr<std::string>(absl::string_view authorization, absl::string_view peer)> authenticate;
+  // OK when a request can be placed now; otherwise why not.
+  std::function<absl::Status()> ready;
+};
+
+class HttpServer {
+ public:
+  // Binds and starts serving. Errors: INVALID_ARGUMENT for a bad address,
+  // UNAVAILABLE when it cannot be bound.
+  static absl::StatusOr<std::unique_ptr<HttpServer>> Start(HttpServerOptions options, HttpBackend backend);
+  // Stops serving: generations still running are cancelled (their KV
+  // freed), then the connections are closed.
+  ~HttpServer();
+  HttpServer(const HttpServer&) = delete;
+  HttpServer& operator=(const HttpServer&) = delete;
+
+  int port() const;
+  // New generations get 503 from now on; waits until those running have
+  // finished or `deadline` passes.
+  void Drain(absl::Time deadline);
+
+ private:
+  class Impl;
+  explicit HttpServer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// "HOST:PORT" / "[V6]:PORT" as its host and port. Errors: INVALID_ARGUMENT.
+absl::StatusOr<std::pair<std::string, int>> SplitHostPort(absl::string_view address);
+
+}  // namespace pdserve::router::openai
+
+#endif  // PDSERVE_ROUTER_OPENAI_SERVER_H_

@@ -8,7 +8,8 @@
 #   deploy/cluster.sh stop
 #
 # State (pids, logs, ready files) lives in $PDSERVE_CLUSTER_DIR (default
-# /tmp/pdserve-cluster). --pin puts prefill workers on core 0 and decode
+# /tmp/pdserve-cluster). The router serves the OpenAI HTTP API on
+# 127.0.0.1:${PDSERVE_HTTP_PORT:-8000}. --pin puts prefill workers on core 0 and decode
 # workers on core 1 (taskset), the split the benchmarks use on 2 cores.
 # Workers run --threads nproc/2 each; with --colocated the decode worker
 # (which then also prefills) runs --threads nproc.
@@ -78,6 +79,10 @@ start() {
   fi
   local rargs=(--model "$model" --decode "$(IFS=,; echo "${decode_addrs[*]}")" --ready_file "$STATE/router.ready"
                --listen "127.0.0.1:${PDSERVE_ROUTER_PORT:-0}")
+  # The OpenAI HTTP API (builds from before it have no such flag).
+  if "$BUILD_DIR/router/pdserve-router" --helpfull 2>/dev/null | grep -q -- --http_listen; then
+    rargs+=(--http_listen "127.0.0.1:${PDSERVE_HTTP_PORT:-8000}")
+  fi
   if ((colocated)); then rargs+=(--colocated); else rargs+=(--prefill "$(IFS=,; echo "${prefill_addrs[*]}")"); fi
   rargs+=("${router_extra[@]}")
   setsid "$BUILD_DIR/router/pdserve-router" "${rargs[@]}" < /dev/null > "$STATE/router.log" 2>&1 &
@@ -85,8 +90,11 @@ start() {
   local port
   port=$(wait_ready "$STATE/router.ready" $! router)
   echo "127.0.0.1:$port" > "$STATE/router.address"
+  local http
+  http=$(sed -n -e 's/.*"http_port":\([0-9]*\).*/\1/p' "$STATE/router.ready")
+  if [[ -n $http ]]; then echo "http://127.0.0.1:$http" > "$STATE/router.http"; else rm -f "$STATE/router.http"; fi
   "$PDCTL" status --router "127.0.0.1:$port" >/dev/null || die "router not answering (log: $STATE/router.log)"
-  echo "cluster: router 127.0.0.1:$port, prefill [${prefill_addrs[*]:-}], decode [${decode_addrs[*]}] (logs in $STATE)"
+  echo "cluster: router 127.0.0.1:$port${http:+ (OpenAI HTTP API: http://127.0.0.1:$http/v1)}, prefill [${prefill_addrs[*]:-}], decode [${decode_addrs[*]}] (logs in $STATE)"
 }
 
 stop() {
@@ -99,7 +107,7 @@ stop() {
     sleep 0.1
   done
   while read -r pid; do kill -KILL "$pid" 2>/dev/null || true; done < "$STATE/pids"
-  rm -f "$STATE/pids" "$STATE/router.address"
+  rm -f "$STATE/pids" "$STATE/router.address" "$STATE/router.http"
   echo "cluster: stopped"
 }
 

@@ -86,7 +86,9 @@ absl::Status Fleet::Start() {
                                          "--decode",
                                          absl::StrJoin(decode, ","),
                                          "--ready_file",
-                                         ready};
+                                         ready,
+                                         "--http_listen",
+                                         "127.0.0.1:0"};
   if (absl::Status s = router_.Start(argv, router_log_); !s.ok()) return s;
   absl::StatusOr<int> port = router_.WaitReady(ready, options_.ready_timeout);
   if (!port.ok()) return absl::UnavailableError(absl::StrCat("router: ", port.status().message()));

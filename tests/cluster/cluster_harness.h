@@ -42,12 +42,13 @@ inline std::string TempDir() {
   return mkdtemp(tmpl);
 }
 
-// The "metrics_port" a server wrote in its ready file (0 if none).
-inline int MetricsPort(const std::string& ready_file) {
+// A port a server wrote in its ready file (0 if none).
+inline int ReadyPort(const std::string& ready_file, const std::string& key) {
   std::ifstream f(ready_file);
   const nlohmann::json j = nlohmann::json::parse(f, nullptr, false);
-  return j.is_object() && j.contains("metrics_port") ? j["metrics_port"].get<int>() : 0;
+  return j.is_object() && j.contains(key) ? j[key].get<int>() : 0;
 }
+inline int MetricsPort(const std::string& ready_file) { return ReadyPort(ready_file, "metrics_port"); }
 
 using testing_support::HttpGet;
 
@@ -130,7 +131,8 @@ class Cluster {
       absl::StrAppend(&decode_list, decode_list.empty() ? "" : ",", "127.0.0.1:", *dport);
     }
     std::vector<std::string> rargs = {kBin + "/router/pdserve-router", "--model", model, "--ready_file",
-                                      dir + "/router.ready", "--decode", decode_list};
+                                      dir + "/router.ready", "--decode", decode_list, "--http_listen",
+                                      "127.0.0.1:0"};
     if (colocated) {
       rargs.push_back("--colocated");
     } else {
@@ -157,6 +159,7 @@ class Cluster {
     if (!rport.ok()) return rport.status();
     address_ = absl::StrCat("127.0.0.1:", *rport);
     router_metrics_ = MetricsPort(dir + "/router.ready");
+    http_port_ = ReadyPort(dir + "/router.ready", "http_port");
     decode_metrics_ = MetricsPort(dir + "/decode0.ready");
     if (!colocated) prefill_metrics_ = MetricsPort(dir + "/prefill0.ready");
     stub_ = v1::Generation::NewStub(grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()));
@@ -220,6 +223,8 @@ class Cluster {
   v1::Generation::Stub* stub() { return stub_.get(); }
   const std::string& address() const { return address_; }
   int router_metrics() const { return router_metrics_; }
+  // The router's OpenAI HTTP API port.
+  int http_port() const { return http_port_; }
   int decode_metrics() const { return decode_metrics_; }
   int prefill_metrics() const { return prefill_metrics_; }
 
@@ -229,7 +234,7 @@ class Cluster {
   std::vector<std::vector<std::string>> decode_args_;
   std::vector<int> decode_ports_;
   std::map<std::string, std::string> decode_env_;
-  int router_metrics_ = 0, decode_metrics_ = 0, prefill_metrics_ = 0;
+  int router_metrics_ = 0, decode_metrics_ = 0, prefill_metrics_ = 0, http_port_ = 0;
   Subprocess router_;
   std::vector<std::unique_ptr<Subprocess>> decode_;
   std::vector<std::unique_ptr<Subprocess>> prefill_;

@@ -268,7 +268,7 @@ TEST(FaultTest, DecodeWorkerWithoutSysIsNotServingWithUcxReason) {
   ASSERT_TRUE(prefill_address.ok()) << prefill_address.status();
   absl::StatusOr<std::string> router_address = StartServer(
       router, dir, "router",
-      {kBin + "/router/pdserve-router", "--model", kModel, "--decode",
+      {kBin + "/router/pdserve-router", "--model", kModel, "--http_listen", "127.0.0.1:0", "--decode",
        absl::StrCat(*broken_address, ",", *healthy_address), "--prefill", *prefill_address, "--pick_wait_s", "1"});
   ASSERT_TRUE(router_address.ok()) << router_address.status();
   healthy.Kill();

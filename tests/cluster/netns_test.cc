@@ -219,7 +219,7 @@ class HandoffLinkTest : public ::testing::Test {
     d2_address_ = absl::StrCat("127.0.0.1:", *d2);
     absl::StatusOr<int> router =
         StartServer(router_, "router", "",
-                    {kBin + "/router/pdserve-router", "--listen", "127.0.0.1:0", "--prefill",
+                    {kBin + "/router/pdserve-router", "--listen", "127.0.0.1:0", "--http_listen", "127.0.0.1:0", "--prefill",
                      absl::StrCat(p1_ip_, ":", *p1), "--decode", absl::StrCat(d1_address_, ",", d2_address_)},
                     {});
     if (!router.ok()) return router.status();

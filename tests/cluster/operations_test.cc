@@ -234,7 +234,8 @@ TEST(OperationsTest, DecodePoolScalesBehindADnsName) {
   absl::StatusOr<int> pport = prefill.WaitReady(dir + "/prefill.ready", absl::Seconds(60));
   ASSERT_TRUE(pport.ok()) << pport.status();
   ASSERT_TRUE(router
-                  .Start({kBin + "/router/pdserve-router", "--model", kModel, "--ready_file", dir + "/router.ready",
+                  .Start({kBin + "/router/pdserve-router", "--model", kModel, "--http_listen", "127.0.0.1:0", "--ready_file",
+                          dir + "/router.ready",
                           "--prefill", absl::StrCat("127.0.0.1:", *pport), "--decode",
                           absl::StrCat("dns://", dns.server(), "/", name, ":", port), "--resolve_interval_s", "0.2"},
                          dir + "/router.log")

@@ -30,7 +30,7 @@ for run in $(seq 1 "$RUNS"); do
     --ready_file "$OUT/decode.ready" > "$OUT/decode.log" 2>&1 &
   dpid=$!
   wait_ready "$OUT/decode.ready"
-  taskset -c 0 "$BUILD/router/pdserve-router" --model "$MODEL" --colocated --metrics_listen= \
+  taskset -c 0 "$BUILD/router/pdserve-router" --model "$MODEL" --colocated --metrics_listen= --http_listen=127.0.0.1:0 \
     --decode "127.0.0.1:$(port_of "$OUT/decode.ready")" --ready_file "$OUT/router.ready" > "$OUT/router.log" 2>&1 &
   rpid=$!
   wait_ready "$OUT/router.ready"

@@ -1,0 +1,72 @@
+// The official `openai` npm client against two real clusters: one with API
+// keys (chat and completions, streamed and not, stop strings, seeds equal
+// to the gRPC stream, logprobs, usage, 401, 400, 404, 64 concurrent
+// streams) and one whose admission queue holds two requests behind a
+// stalled prefill (429 with Retry-After). The checks are in
+// tests/openai_client/test.mjs; the client is pinned by its
+// package-lock.json and installed by deploy/test.sh.
+#include <stdio.h>
+#include <sys/wait.h>
+
+#include <array>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "router/api_keys.h"
+#include "tests/cluster/cluster_harness.h"
+
+namespace pdserve {
+namespace {
+
+const std::string kClientDir = std::string(PDSERVE_SOURCE_DIR) + "/tests/openai_client";
+
+TEST(OpenAiClientTest, TheOfficialClientWorksUnchanged) {
+  ASSERT_TRUE(std::filesystem::exists(kClientDir + "/node_modules/openai/package.json"))
+      << "the openai npm client is not installed: deploy/test.sh installs it (or: npm ci --prefix " << kClientDir
+      << ")";
+  ASSERT_EQ(std::system("node --version > /dev/null 2>&1"), 0) << "node is not installed (deploy/test.sh installs it)";
+  const std::string dir = TempDir();
+  const std::string keys = dir + "/api_keys";
+  std::filesystem::create_directories(dir);
+  std::ofstream(keys) << "npm-test:" << router::Sha256Hex("sk-pdserve-npm") << "\n";
+
+  Cluster main;
+  main.extra_router_flags = {"--api_keys_file", keys};
+  absl::Status s = main.Start(dir + "/main", /*colocated=*/false);
+  ASSERT_TRUE(s.ok()) << s;
+  Cluster admission;
+  admission.extra_router_flags = {"--admission", "--max_queued", "2"};
+  s = admission.Start(dir + "/admission", false, {}, {}, 1, {"--fault_stall_prefill_ms", "1500"});
+  ASSERT_TRUE(s.ok()) << s;
+
+  // test.mjs's GRPC_REQUEST, over gRPC.
+  v1::GenerateRequest req;
+  req.set_text("In the beginning God created");
+  req.set_max_tokens(24);
+  req.mutable_sampling()->set_temperature(0.8f);
+  req.mutable_sampling()->set_seed(4242);
+  const Output grpc = main.Generate(req, "Bearer sk-pdserve-npm");
+  ASSERT_TRUE(grpc.status.ok()) << grpc.status.error_message();
+  std::ofstream(dir + "/grpc_text") << grpc.text;
+
+  const std::string command = absl::StrCat(
+      "cd ", kClientDir, " && PDSERVE_URL=http://127.0.0.1:", main.http_port(), "/v1 PDSERVE_KEY=sk-pdserve-npm ",
+      "PDSERVE_ADMISSION_URL=http://127.0.0.1:", admission.http_port(), "/v1 ",
+      "PDSERVE_GRPC_TEXT=\"$(cat ", dir, "/grpc_text)\" node --test-reporter=tap test.mjs 2>&1");
+  FILE* p = popen(command.c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  std::string output;
+  std::array<char, 4096> buf;
+  while (fgets(buf.data(), buf.size(), p) != nullptr) output += buf.data();
+  const int status = pclose(p);
+  std::cout << output;
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << output << "\n" << main.Logs() << admission.Logs();
+  // Every test ran (none skipped or left out).
+  EXPECT_NE(output.find("# pass 12"), std::string::npos) << output;
+}
+
+}  // namespace
+}  // namespace pdserve

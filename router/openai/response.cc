@@ -43,7 +43,8 @@ json Extra(const v1::GenerateFinal& f) {
           {"timings",
            {{"ttft_s", t.ttft()}, {"queue_s", t.queue()}, {"prefill_s", t.prefill()}, {"handoff_s", t.handoff()},
             {"mean_itl_s", t.mean_itl()}, {"max_itl_s", t.max_itl()}, {"total_s", t.total()},
-            {"colocated", t.colocated()}, {"local_prefill", t.local_prefill()}}}};
+            {"colocated", t.colocated()}, {"local_prefill", t.local_prefill()},
+            {"router_relay_p50_s", t.router_relay_p50()}, {"router_relay_p99_s", t.router_relay_p99()}}}};
 }
 
 json ErrorJson(std::string_view message, std::string_view type, std::string_view param, std::string_view code) {

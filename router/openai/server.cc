@@ -307,10 +307,13 @@ class HttpServer::Impl {
 
   void Models(evhttp_request* req) {
     const RequestResolver& r = *backend_.resolver;
-    Send(req, 200,
-         absl::StrFormat("{\"object\":\"list\",\"data\":[{\"id\":\"%s\",\"object\":\"model\",\"created\":%d,"
-                         "\"owned_by\":\"pdserve\",\"max_model_len\":%d}]}",
-                         r.model_name(), started_, r.config().max_position_embeddings));
+    const nlohmann::json model = {{"id", r.model_name()},
+                                  {"object", "model"},
+                                  {"created", started_},
+                                  {"owned_by", "pdserve"},
+                                  {"max_model_len", r.config().max_position_embeddings},
+                                  {"pdserve", {{"vocab_size", r.config().vocab_size}}}};
+    Send(req, 200, nlohmann::json({{"object", "list"}, {"data", {model}}}).dump());
   }
 
   void SendError(evhttp_request* req, const absl::Status& st) {

@@ -2,18 +2,26 @@
 # The router's relay cost alone: a stand-in decode worker
 # (pdserve-decode-worker --stand_in: streams max_tokens dummy tokens at once,
 # no model work) on core 1, a colocated router on core 0, and pdctl bench
-# through it (64 requests x 400 tokens, concurrency 8 by default). Prints
-# tokens/s through the router and the per-message relay cost (read from the
-# worker to written to the client): the median of the requests' p50s and
-# the largest p99. Targets (issue 20): >= 50k tokens/s, <= 50 us p50.
+# through it (64 requests x 400 tokens, concurrency 8 by default), over
+# the gRPC API and over the OpenAI HTTP API in the same run (each run's two
+# rows share the servers). Prints tokens/s through the router and the
+# per-message relay cost (read from the worker to handed to the client's
+# writer: a gRPC Write returns once gRPC has the message; over HTTP the
+# event is formatted and queued for the event loop, whose socket write is
+# not in the figure but is in the tokens/s): the median of the requests'
+# p50s and the largest p99. Targets (issues 20, 21): >= 50k tokens/s,
+# <= 50 us p50, over either API.
 #
 #   tools/bench/relay_cost.sh [BUILD_DIR] [RUNS]
+#   CONCURRENCY=64 REQUESTS=256 tools/bench/relay_cost.sh   (64 streams)
 #
 # Each run starts fresh servers; the summary gives every run and the median.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BUILD=${1:-build}
 RUNS=${2:-3}
+CONCURRENCY=${CONCURRENCY:-8}
+REQUESTS=${REQUESTS:-64}
 MODEL=deploy/models/kjv-tiny
 OUT=$(mktemp -d /tmp/relay-cost.XXXXXX)
 trap 'kill $(jobs -p) 2>/dev/null || true; wait 2>/dev/null || true' EXIT
@@ -22,7 +30,7 @@ wait_ready() {  # FILE
   for _ in $(seq 1 300); do [[ -s $1 ]] && return 0; sleep 0.1; done
   echo "not ready: $1" >&2; return 1
 }
-port_of() { python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["grpc_port"])' "$1"; }
+port_of() { python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2] if len(sys.argv) > 2 else "grpc_port"])' "$@"; }
 
 for run in $(seq 1 "$RUNS"); do
   rm -f "$OUT"/*.ready
@@ -35,23 +43,31 @@ for run in $(seq 1 "$RUNS"); do
   rpid=$!
   wait_ready "$OUT/router.ready"
   taskset -c 0 "$BUILD/tools/pdctl/pdctl" bench --router "127.0.0.1:$(port_of "$OUT/router.ready")" \
-    --requests 64 --concurrency 8 --prompt-tokens 16 --output-tokens 400 --json > "$OUT/bench-$run.json" 2>/dev/null
+    --openai "http://127.0.0.1:$(port_of "$OUT/router.ready" http_port)" \
+    --requests "$REQUESTS" --concurrency "$CONCURRENCY" --prompt-tokens 16 --output-tokens 400 --json \
+    > "$OUT/bench-$run.json" 2>/dev/null
   kill "$rpid" "$dpid"; wait "$rpid" "$dpid" 2>/dev/null || true
 done
 
-python3 - "$OUT" "$RUNS" <<'PY'
+python3 - "$OUT" "$RUNS" "$CONCURRENCY" <<'PY'
 import json, statistics, sys
-out, runs = sys.argv[1], int(sys.argv[2])
-rows = []
+out, runs, conc = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+rows = {}
 for r in range(1, runs + 1):
-    j = json.load(open(f"{out}/bench-{r}.json"))["runs"][0]
-    if j["failed"]:
-        sys.exit(f"run {r}: {j['failed']} requests failed")
-    tps = j["output_tokens_per_second"]
-    relay = j["router_relay_seconds"]
-    rows.append((tps, relay["p50"] * 1e6, relay["p99"] * 1e6))
-    print(f"run {r}: {tps:,.0f} tokens/s through the router, relay p50 {relay['p50']*1e6:.1f} us, p99 {relay['p99']*1e6:.0f} us")
-print(f"median: {statistics.median(t for t, _, _ in rows):,.0f} tokens/s (target >= 50,000), "
-      f"relay p50 {statistics.median(p for _, p, _ in rows):.1f} us (target <= 50), "
-      f"p99 {statistics.median(p for _, _, p in rows):.0f} us")
+    for j in json.load(open(f"{out}/bench-{r}.json"))["runs"]:
+        api = "gRPC" if j["target"] == "cluster" else "HTTP"
+        if j["failed"]:
+            sys.exit(f"run {r} {api}: {j['failed']} requests failed ({j.get('first_error', '')})")
+        tps = j["output_tokens_per_second"]
+        relay = j["router_relay_seconds"]
+        rows.setdefault(api, []).append((tps, relay["p50"] * 1e6, relay["p99"] * 1e6))
+        print(f"run {r} {api}: {tps:,.0f} tokens/s through the router, relay p50 {relay['p50']*1e6:.1f} us, "
+              f"p99 {relay['p99']*1e6:.0f} us")
+for api, rs in rows.items():
+    print(f"median {api} (concurrency {conc}): {statistics.median(t for t, _, _ in rs):,.0f} tokens/s "
+          f"(target >= 50,000), relay p50 {statistics.median(p for _, p, _ in rs):.1f} us (target <= 50), "
+          f"p99 {statistics.median(p for _, _, p in rs):.0f} us")
+if len(rows) == 2:
+    g = statistics.median(t for t, _, _ in rows["gRPC"]); h = statistics.median(t for t, _, _ in rows["HTTP"])
+    print(f"HTTP / gRPC tokens/s: {h / g:.2f}")
 PY

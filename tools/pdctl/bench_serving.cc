@@ -4,14 +4,24 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <functional>
+#include <map>
 #include <memory>
 #include <thread>
 #include <vector>
 
+#include <event2/buffer.h>
+#include <event2/event.h>
+#include <event2/http.h>
+#include <event2/keyvalq_struct.h>
+
 #include "absl/status/statusor.h"
+#include "absl/strings/match.h"
+#include "absl/strings/strip.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/numbers.h"
 #include "absl/synchronization/mutex.h"
 #include "common/generation.h"
 #include "common/engine/engine.h"
@@ -112,6 +122,165 @@ class RouterTarget final : public Target {
 
  private:
   std::unique_ptr<v1::Generation::Stub> stub_;
+};
+
+// The same requests through the router's OpenAI HTTP API: POST
+// /v1/completions with the prompt as token ids, streamed, usage included.
+// libevent's HTTP client, one keep-alive connection per driving thread.
+// Each SSE event is one chunk the router relayed (one token, unless the
+// decode worker sent several at once: then the ITL gaps are as coarse as
+// the gRPC row's would be for the same chunk).
+class OpenAiTarget final : public Target {
+ public:
+  // `url`: http://HOST:PORT, with or without a trailing /v1.
+  static absl::StatusOr<std::unique_ptr<OpenAiTarget>> Create(const std::string& url) {
+    absl::string_view rest = url;
+    if (!absl::ConsumePrefix(&rest, "http://")) {
+      return absl::InvalidArgumentError(absl::StrCat("--openai: '", url, "' does not start with http://"));
+    }
+    absl::ConsumeSuffix(&rest, "/");
+    absl::ConsumeSuffix(&rest, "/v1");
+    const size_t colon = rest.rfind(':');
+    int port = 0;
+    if (colon == absl::string_view::npos || !absl::SimpleAtoi(rest.substr(colon + 1), &port) || port <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat("--openai: '", url, "': expected http://HOST:PORT[/v1]"));
+    }
+    std::string host(rest.substr(0, colon));
+    if (absl::StartsWith(host, "[")) host = host.substr(1, host.size() - 2);
+    return std::unique_ptr<OpenAiTarget>(new OpenAiTarget(std::move(host), port));
+  }
+
+  // The model's vocabulary size from GET /v1/models (0: failed).
+  int32_t VocabSize() {
+    Exchange x = Send(EVHTTP_REQ_GET, "/v1/models", "");
+    const nlohmann::json j = nlohmann::json::parse(x.body, nullptr, false);
+    if (x.status != 200 || !j.is_object() || !j.contains("data") || j["data"].empty()) return 0;
+    return j["data"][0].value("/pdserve/vocab_size"_json_pointer, 0);
+  }
+
+  RequestResult Run(const WorkloadRequest& w) override {
+    const nlohmann::json body = {{"prompt", w.prompt},          {"max_tokens", w.max_tokens},
+                                 {"ignore_eos", true},          {"temperature", 0},
+                                 {"stream", true},              {"stream_options", {{"include_usage", true}}}};
+    Recorder r;
+    r.sent = Clock::now();
+    int32_t completion_tokens = -1;
+    Exchange x = Send(EVHTTP_REQ_POST, "/v1/completions", body.dump(), [&](const std::string& event) {
+      const nlohmann::json j = nlohmann::json::parse(event, nullptr, false);
+      if (!j.is_object()) return;
+      if (j.contains("error")) {
+        r.s.error = j["error"].value("message", "error event");
+        return;
+      }
+      if (j.contains("usage") && j["usage"].is_object()) {
+        completion_tokens = j["usage"].value("completion_tokens", -1);
+        r.s.prompt_tokens = j["usage"].value("prompt_tokens", 0);
+        r.s.cached_prompt_tokens = j["usage"].value("/prompt_tokens_details/cached_tokens"_json_pointer, 0);
+        const nlohmann::json& t = j["pdserve"]["timings"];
+        r.s.relay_p50 = t.value("router_relay_p50_s", -1.0);
+        r.s.relay_p99 = t.value("router_relay_p99_s", -1.0);
+        r.s.local_prefill = t.value("local_prefill", false);
+      }
+      if (!j.contains("choices") || j["choices"].empty()) return;
+      const nlohmann::json& c = j["choices"][0];
+      if (c["finish_reason"].is_null()) r.Chunk(1, Clock::now());
+    });
+    r.s.e2e = Seconds(r.sent, Clock::now());
+    if (x.status != 200 && r.s.error.empty()) {
+      const nlohmann::json j = nlohmann::json::parse(x.body, nullptr, false);
+      r.s.error = j.is_object() && j.contains("error") ? j["error"].value("message", x.body)
+                                                       : absl::StrCat("HTTP ", x.status, " ", x.body);
+    }
+    // Chunks of several tokens: the usage count is the truth.
+    if (completion_tokens > r.s.tokens && r.s.error.empty()) r.s.tokens = completion_tokens;
+    r.Finish(x.status == 429, w.max_tokens);
+    return std::move(r.s);
+  }
+
+ private:
+  OpenAiTarget(std::string host, int port) : host_(std::move(host)), port_(port) {}
+
+  struct Exchange {
+    int status = 0;
+    std::string body;  // not streamed: the whole body
+  };
+  // This thread's event loop and connection (kept alive across requests).
+  struct Conn {
+    event_base* base = nullptr;
+    evhttp_connection* conn = nullptr;
+    ~Conn() {
+      if (conn != nullptr) evhttp_connection_free(conn);
+      if (base != nullptr) event_base_free(base);
+    }
+  };
+  struct Pending {
+    Exchange x;
+    std::string sse;  // event-stream bytes not yet split into events
+    bool stream = false;
+    const std::function<void(const std::string&)>* on_event = nullptr;
+    bool done = false;
+  };
+
+  static void OnChunk(evhttp_request* req, void* arg) {
+    auto* p = static_cast<Pending*>(arg);
+    evbuffer* in = evhttp_request_get_input_buffer(req);
+    const size_t n = evbuffer_get_length(in);
+    std::string bytes(n, '\0');
+    evbuffer_remove(in, bytes.data(), n);
+    if (evhttp_request_get_response_code(req) != 200 || p->on_event == nullptr) {
+      p->x.body += bytes;
+      return;
+    }
+    p->sse += bytes;
+    size_t end;
+    while ((end = p->sse.find("\n\n")) != std::string::npos) {
+      absl::string_view event(p->sse.data(), end);
+      if (absl::ConsumePrefix(&event, "data: ") && event != "[DONE]") (*p->on_event)(std::string(event));
+      p->sse.erase(0, end + 2);
+    }
+  }
+  static void OnDone(evhttp_request* req, void* arg) {
+    auto* p = static_cast<Pending*>(arg);
+    p->done = true;
+    if (req == nullptr) return;  // connection failed
+    p->x.status = evhttp_request_get_response_code(req);
+    evbuffer* in = evhttp_request_get_input_buffer(req);
+    const size_t n = evbuffer_get_length(in);
+    if (n > 0) {
+      std::string bytes(n, '\0');
+      evbuffer_remove(in, bytes.data(), n);
+      p->x.body += bytes;
+    }
+  }
+
+  Exchange Send(evhttp_cmd_type method, const std::string& path, const std::string& body,
+                const std::function<void(const std::string&)>& on_event = nullptr) {
+    thread_local std::map<const OpenAiTarget*, std::unique_ptr<Conn>> conns;
+    std::unique_ptr<Conn>& c = conns[this];
+    if (c == nullptr) {
+      c = std::make_unique<Conn>();
+      c->base = event_base_new();
+      c->conn = evhttp_connection_base_new(c->base, nullptr, host_.c_str(), static_cast<uint16_t>(port_));
+      evhttp_connection_set_timeout(c->conn, 600);
+    }
+    Pending p;
+    if (on_event) p.on_event = &on_event;
+    evhttp_request* req = evhttp_request_new(&OnDone, &p);
+    evhttp_request_set_chunked_cb(req, &OnChunk);
+    evkeyvalq* h = evhttp_request_get_output_headers(req);
+    const std::string host = absl::StrCat(host_, ":", port_);
+    evhttp_add_header(h, "Host", host.c_str());
+    if (method == EVHTTP_REQ_POST) {
+      evhttp_add_header(h, "Content-Type", "application/json");
+      evbuffer_add(evhttp_request_get_output_buffer(req), body.data(), body.size());
+    }
+    if (evhttp_make_request(c->conn, req, method, path.c_str()) != 0) return p.x;
+    while (!p.done) event_base_loop(c->base, EVLOOP_ONCE);
+    return p.x;
+  }
+
+  const std::string host_;
+  const int port_;
 };
 
 // The same workload through the continuous-batching engine in this process.
@@ -367,7 +536,9 @@ absl::Status WriteFile(const std::string& path, const std::string& text) {
 }  // namespace
 
 absl::Status RunServingBench(const ServingBenchOptions& o) {
-  if (o.router.empty()) return absl::InvalidArgumentError("bench needs --router HOST:PORT");
+  if (o.router.empty() && o.openai.empty()) {
+    return absl::InvalidArgumentError("bench needs --router HOST:PORT and/or --openai http://HOST:PORT");
+  }
   if (o.requests < 1) return absl::InvalidArgumentError("--requests must be at least 1");
   if (!o.rates.empty() && o.rate > 0) return absl::InvalidArgumentError("give --rate or --rates, not both");
   for (double r : o.rates) {
@@ -398,20 +569,48 @@ absl::Status RunServingBench(const ServingBenchOptions& o) {
     if (!trace.ok()) return trace.status();
     wo.trace = *std::move(trace);
   }
-  RouterTarget router(o.router);
-  wo.vocab_size = router.VocabSize();
-  if (wo.vocab_size <= 0) return absl::UnavailableError(absl::StrCat("router ", o.router, ": ListModels failed"));
+  std::unique_ptr<RouterTarget> router;
+  std::unique_ptr<OpenAiTarget> openai;
+  if (!o.router.empty()) {
+    router = std::make_unique<RouterTarget>(o.router);
+    wo.vocab_size = router->VocabSize();
+    if (wo.vocab_size <= 0) return absl::UnavailableError(absl::StrCat("router ", o.router, ": ListModels failed"));
+  }
+  if (!o.openai.empty()) {
+    absl::StatusOr<std::unique_ptr<OpenAiTarget>> t = OpenAiTarget::Create(o.openai);
+    if (!t.ok()) return t.status();
+    openai = *std::move(t);
+    const int32_t vocab = openai->VocabSize();
+    if (vocab <= 0) return absl::UnavailableError(absl::StrCat(o.openai, ": GET /v1/models failed"));
+    if (wo.vocab_size > 0 && vocab != wo.vocab_size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--router and --openai serve different models (vocabularies ", wo.vocab_size, " and ", vocab, ")"));
+    }
+    wo.vocab_size = vocab;
+  }
   absl::StatusOr<std::vector<WorkloadRequest>> work = MakeWorkload(wo);
   if (!work.ok()) return work.status();
   const LatencyTargets targets{o.ttft_target_ms / 1e3, o.itl_target_ms / 1e3};
   const bool per_row = o.PerRowReport();
   const std::vector<double> rates = !o.rates.empty() ? o.rates : std::vector<double>{o.rate};
   std::unique_ptr<InProcessTarget> in_process;
+  // With both APIs in one run, the HTTP row's prompts are the gRPC row's
+  // with every id moved by one: the same lengths and shared-prefix shape,
+  // none of the prefix cache the gRPC row left behind.
+  std::vector<WorkloadRequest> http_work = *work;
+  if (router != nullptr && openai != nullptr) {
+    for (WorkloadRequest& w : http_work) {
+      for (int32_t& t : w.prompt) t = (t + 1) % wo.vocab_size;
+    }
+  }
   std::vector<BenchRow> rows;
   for (double rate : rates) {
     const std::vector<double> arrivals = rate > 0 ? ArrivalTimes(*work, rate) : std::vector<double>{};
-    for (const bool cluster : {true, false}) {
-      const std::string name = cluster ? "cluster" : "in-process";
+    for (const char* which : {"cluster", "http", "in-process"}) {
+      const std::string name = which;
+      const bool cluster = name != "in-process";
+      if (name == "cluster" && router == nullptr) continue;
+      if (name == "http" && openai == nullptr) continue;
       if (!cluster && o.in_process_model.empty()) continue;
       if (!cluster && in_process == nullptr) {
         absl::StatusOr<std::unique_ptr<InProcessTarget>> ip =
@@ -419,9 +618,11 @@ absl::Status RunServingBench(const ServingBenchOptions& o) {
         if (!ip.ok()) return ip.status();
         in_process = *std::move(ip);
       }
-      Target& target = cluster ? static_cast<Target&>(router) : *in_process;
+      Target& target = name == "cluster" ? static_cast<Target&>(*router)
+                       : name == "http"  ? static_cast<Target&>(*openai)
+                                         : *in_process;
       const std::string progress_name = per_row && rate > 0 ? absl::StrCat(name, " ", rate, " req/s") : name;
-      BenchRow row = Drive(target, *work, arrivals, o.concurrency, targets, progress_name);
+      BenchRow row = Drive(target, name == "http" ? http_work : *work, arrivals, o.concurrency, targets, progress_name);
       row.target = name;
       row.rate = rate;
       row.concurrency = rate > 0 ? 0 : o.concurrency;

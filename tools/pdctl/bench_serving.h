@@ -21,7 +21,10 @@
 namespace pdserve::pdctl {
 
 struct ServingBenchOptions {
-  std::string router;            // host:port
+  std::string router;            // host:port (gRPC; "" = no gRPC row)
+  // The router's OpenAI HTTP API, http://host:port[/v1] ("" = no "http"
+  // row); with --router too, both rows come from the same run.
+  std::string openai;
   std::string in_process_model;  // Also run the workload in-process ("" = no).
   int in_process_threads = 1;
   int requests = 64;

@@ -70,6 +70,9 @@ ABSL_FLAG(std::string, chat_template_family, "",
 ABSL_FLAG(std::string, prompt, "", "generate: prompt text (encoded with the tokenizer's special tokens)");
 ABSL_FLAG(std::string, chat_json, "", "generate: chat messages file, rendered with the chat template");
 ABSL_FLAG(std::string, router, "", "generate / status / bench: a router's address (host:port) instead of in-process");
+ABSL_FLAG(std::string, openai, "",
+          "bench: the router's OpenAI HTTP API (http://HOST:PORT); with --router too, gRPC and HTTP rows from the "
+          "same run");
 ABSL_FLAG(double, timeout, 0, "generate --router: deadline in seconds (0: none)");
 ABSL_FLAG(int, requests, 64, "bench: requests to send");
 ABSL_FLAG(int, concurrency, 8, "bench: requests in flight (closed loop, when --rate is 0)");
@@ -382,6 +385,7 @@ absl::Status ParseRange(const std::string& flag, const std::string& text, int* l
 absl::Status RunServingBenchCommand() {
   ServingBenchOptions o;
   o.router = absl::GetFlag(FLAGS_router);
+  o.openai = absl::GetFlag(FLAGS_openai);
   o.in_process_model = absl::GetFlag(FLAGS_in_process_model);
   o.in_process_threads = absl::GetFlag(FLAGS_threads);
   o.requests = absl::GetFlag(FLAGS_requests);
@@ -432,7 +436,8 @@ constexpr char kUsage[] =
     "  generate  generation from --prompt, --chat-json or --prompt-ids (greedy unless --temperature > 0);\n"
     "            in-process, or through a cluster with --router HOST:PORT\n"
     "  status    a cluster's pools, workers and load (--router HOST:PORT)\n"
-    "  bench     serving benchmark against a cluster (--router; --concurrency or --rate, --requests,\n"
+    "  bench     serving benchmark against a cluster (--router and/or --openai URL; --concurrency or --rate,\n"
+    "            --requests,\n"
     "            --prompt-tokens, --output-tokens, --in-process-model DIR for the engine alone; --json);\n"
     "            sweeps and SLOs: --rates 2,4,8 --trace FILE.jsonl --shared-prefix GROUPS:PREFIX_TOKENS\n"
     "            --ttft-target-ms --itl-target-ms (goodput) --svg FILE\n"

@@ -209,6 +209,7 @@ openai::HttpBackend RouterService::HttpBackend() {
     };
   }
   b.ready = [this] { return Ready(); };
+  b.metrics = &metrics_;
   return b;
 }
 

@@ -80,6 +80,7 @@ struct Call {
   // Between the generation's thread and the loop.
   absl::Mutex mu;
   std::string out ABSL_GUARDED_BY(mu);  // stream bytes not yet handed to libevent
+  absl::Time out_since ABSL_GUARDED_BY(mu);  // when the oldest of them was queued
   bool sse ABSL_GUARDED_BY(mu) = false;   // a 200 event stream has begun
   bool done ABSL_GUARDED_BY(mu) = false;  // nothing more comes: end after `out`
   // A whole reply (not streamed, or an error before the stream began).
@@ -123,6 +124,16 @@ class HttpServer::Impl {
       : options_(std::move(options)), backend_(std::move(backend)) {
     std::random_device rd;
     id_base_ = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+    if (MetricsRegistry* m = backend_.metrics; m != nullptr) {
+      for (const int code : {200, 400, 401, 404, 405, 413, 429, 499, 500, 503, 0}) {
+        replies_[code] = m->AddCounter("pdserve_http_replies_total", "OpenAI HTTP API replies by status code.",
+                                       code == 0 ? "code=\"other\"" : absl::StrCat("code=\"", code, "\""));
+      }
+      write_delay_ = m->AddHistogram(
+          "pdserve_http_event_write_delay_seconds",
+          "A streamed event's wait from the relay queueing it to the event loop handing it to the socket.",
+          {1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 1e-2, 1e-1});
+    }
   }
 
   ~Impl() {
@@ -326,8 +337,15 @@ class HttpServer::Impl {
     return {};
   }
 
-  static void Send(evhttp_request* req, int status, const std::string& body,
-                   const std::vector<std::pair<std::string, std::string>>& headers = {}) {
+  void Count(int status) {
+    if (replies_.empty()) return;
+    auto it = replies_.find(status);
+    (it == replies_.end() ? replies_.at(0) : it->second)->Add();
+  }
+
+  void Send(evhttp_request* req, int status, const std::string& body,
+            const std::vector<std::pair<std::string, std::string>>& headers = {}) {
+    Count(status);
     evkeyvalq* out = evhttp_request_get_output_headers(req);
     evhttp_add_header(out, "Content-Type", "application/json");
     for (const auto& [k, v] : headers) evhttp_add_header(out, k.c_str(), v.c_str());
@@ -397,9 +415,11 @@ class HttpServer::Impl {
     bool sse, done;
     int status;
     std::vector<std::pair<std::string, std::string>> headers;
+    absl::Time since;
     {
       absl::MutexLock lock(&call.mu);
       out.swap(call.out);
+      since = call.out_since;
       sse = call.sse;
       done = call.done;
       status = call.status;
@@ -415,6 +435,7 @@ class HttpServer::Impl {
         evhttp_send_reply_end(call.req);
       } else {
         evhttp_send_reply(call.req, 499, Reason(499), nullptr);
+        Count(499);
       }
       call.finished = true;
       std::erase_if(orphans_, [&call](const CallPtr& c) { return c.get() == &call; });
@@ -433,9 +454,11 @@ class HttpServer::Impl {
       evhttp_add_header(h, "Cache-Control", "no-cache");
       evhttp_add_header(h, "X-Accel-Buffering", "no");
       evhttp_send_reply_start(call.req, 200, "OK");
+      Count(200);
       call.reply_started = true;
     }
     if (!out.empty()) {
+      if (write_delay_ != nullptr) write_delay_->Observe(absl::ToDoubleSeconds(absl::Now() - since));
       evbuffer* buf = evbuffer_new();
       evbuffer_add(buf, out.data(), out.size());
       evhttp_send_reply_chunk(call.req, buf);
@@ -490,6 +513,7 @@ class HttpServer::Impl {
     {
       absl::MutexLock lock(&call->mu);
       call->sse = true;
+      if (call->out.empty()) call->out_since = absl::Now();
       call->out += events;
       call->done = done;
     }
@@ -572,6 +596,8 @@ class HttpServer::Impl {
 
   const HttpServerOptions options_;
   const HttpBackend backend_;
+  absl::flat_hash_map<int, Counter*> replies_;  // by status; 0: any other
+  Histogram* write_delay_ = nullptr;
   const int64_t started_ = absl::ToUnixSeconds(absl::Now());
   uint64_t id_base_ = 0;
   std::atomic<uint64_t> next_id_{0};

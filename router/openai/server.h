@@ -32,6 +32,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "common/metrics.h"
 #include "router/relay.h"
 #include "router/resolve.h"
 
@@ -58,6 +59,10 @@ struct HttpBackend {
   std::function<absl::StatusOr<std::string>(absl::string_view authorization, absl::string_view peer)> authenticate;
   // OK when a request can be placed now; otherwise why not.
   std::function<absl::Status()> ready;
+  // Where the server's own metrics go (none: not kept): replies by status
+  // code, and how long a streamed event waits between the relay queueing
+  // it and the loop handing it to the socket.
+  MetricsRegistry* metrics = nullptr;
 };
 
 class HttpServer {

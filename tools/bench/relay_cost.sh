@@ -38,7 +38,7 @@ for run in $(seq 1 "$RUNS"); do
     --ready_file "$OUT/decode.ready" > "$OUT/decode.log" 2>&1 &
   dpid=$!
   wait_ready "$OUT/decode.ready"
-  taskset -c 0 "$BUILD/router/pdserve-router" --model "$MODEL" --colocated --metrics_listen= --http_listen=127.0.0.1:0 \
+  taskset -c 0 "$BUILD/router/pdserve-router" --model "$MODEL" --colocated --metrics_listen=127.0.0.1:0 --http_listen=127.0.0.1:0 \
     --decode "127.0.0.1:$(port_of "$OUT/decode.ready")" --ready_file "$OUT/router.ready" > "$OUT/router.log" 2>&1 &
   rpid=$!
   wait_ready "$OUT/router.ready"
@@ -46,6 +46,10 @@ for run in $(seq 1 "$RUNS"); do
     --openai "http://127.0.0.1:$(port_of "$OUT/router.ready" http_port)" \
     --requests "$REQUESTS" --concurrency "$CONCURRENCY" --prompt-tokens 16 --output-tokens 400 --json \
     > "$OUT/bench-$run.json" 2>/dev/null
+  python3 - "$(port_of "$OUT/router.ready" metrics_port)" > "$OUT/metrics-$run.txt" <<'PY'
+import sys, urllib.request
+print(urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics").read().decode())
+PY
   kill "$rpid" "$dpid"; wait "$rpid" "$dpid" 2>/dev/null || true
 done
 
@@ -63,10 +67,22 @@ for r in range(1, runs + 1):
         rows.setdefault(api, []).append((tps, relay["p50"] * 1e6, relay["p99"] * 1e6))
         print(f"run {r} {api}: {tps:,.0f} tokens/s through the router, relay p50 {relay['p50']*1e6:.1f} us, "
               f"p99 {relay['p99']*1e6:.0f} us")
+# The HTTP loop's share: event queued by the relay -> handed to the socket,
+# from the router's histogram (the bucket holding the median).
+import re
+waits = []
+for r in range(1, runs + 1):
+    buckets = [(float(le), int(float(n))) for le, n in re.findall(
+        r'pdserve_http_event_write_delay_seconds_bucket\{le="([^"]+)"\} (\S+)', open(f"{out}/metrics-{r}.txt").read())]
+    if buckets and buckets[-1][1] > 0:
+        waits.append(next(le for le, n in buckets if n >= buckets[-1][1] / 2))
 for api, rs in rows.items():
     print(f"median {api} (concurrency {conc}): {statistics.median(t for t, _, _ in rs):,.0f} tokens/s "
           f"(target >= 50,000), relay p50 {statistics.median(p for _, p, _ in rs):.1f} us (target <= 50), "
           f"p99 {statistics.median(p for _, _, p in rs):.0f} us")
+if waits:
+    print(f"HTTP event loop: queued -> written to the socket, median bucket <= {statistics.median(waits)*1e6:.0f} us "
+          f"(per run: {', '.join(f'{w*1e6:.0f}' for w in waits)} us)")
 if len(rows) == 2:
     g = statistics.median(t for t, _, _ in rows["gRPC"]); h = statistics.median(t for t, _, _ in rows["HTTP"])
     print(f"HTTP / gRPC tokens/s: {h / g:.2f}")

@@ -36,9 +36,19 @@ MESSAGES=$(mktemp)
 trap 'rm -f "$MESSAGES"' EXIT
 echo '[{"role": "user", "content": "Who was the father of Isaac?"}]' > "$MESSAGES"
 "$PDCTL" generate --router "$ROUTER" --chat-json "$MESSAGES" --max-tokens 40 --seed 7 --temperature 0.7
+if [[ -f "$STATE/router.http" ]]; then
+  HTTP=$(cat "$STATE/router.http")
+  echo
+  echo "== the same cluster through the OpenAI HTTP API ($HTTP/v1) =="
+  BODY='{"model": "kjv-tiny", "prompt": "In the beginning", "max_tokens": 24, "seed": 7}'
+  echo "curl -s $HTTP/v1/completions -H 'Content-Type: application/json' -d '$BODY'"
+  curl -s --max-time 60 "$HTTP/v1/completions" -H 'Content-Type: application/json' -d "$BODY"
+  echo
+fi
 echo
 echo "The cluster is still running (logs in $STATE):"
 echo "  $PDCTL generate --router $ROUTER --prompt 'In the beginning' --max-tokens 40"
 echo "  $PDCTL status --router $ROUTER"
 echo "  gRPC: pdserve.v1.Generation at $ROUTER (server reflection and grpc.health.v1 are on)"
+[[ -n ${HTTP:-} ]] && echo "  OpenAI HTTP API: $HTTP/v1 (README: \"The OpenAI HTTP API\")"
 echo "  stop: deploy/cluster.sh stop"

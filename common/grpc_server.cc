@@ -20,13 +20,31 @@ int ServeUntilSignal(const ServeOptions& o, std::initializer_list<grpc::Service*
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(o.address, grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(o.address, o.credentials != nullptr ? o.credentials : grpc::InsecureServerCredentials(),
+                           &port);
   for (grpc::Service* s : services) builder.RegisterService(s);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
     LogEvent("error", "listen_failed", {{"role", o.role}, {"address", o.address}});
     return 1;
   }
+  // The health-only port: a server with no service of ours, so its default
+  // health service is all it answers.
+  std::unique_ptr<grpc::Server> health_server;
+  int health_port = 0;
+  if (!o.health_address.empty()) {
+    grpc::ServerBuilder hb;
+    hb.AddListeningPort(o.health_address, grpc::InsecureServerCredentials(), &health_port);
+    health_server = hb.BuildAndStart();
+    if (health_server == nullptr || health_port == 0) {
+      LogEvent("error", "listen_failed", {{"role", o.role}, {"address", o.health_address}, {"port", "health"}});
+      return 1;
+    }
+  }
+  auto set_serving = [&](bool serving) {
+    server->GetHealthCheckService()->SetServingStatus(serving);
+    if (health_server != nullptr) health_server->GetHealthCheckService()->SetServingStatus(serving);
+  };
   std::unique_ptr<MetricsHttpServer> metrics_server;
   if (o.metrics != nullptr && !o.metrics_address.empty()) {
     const size_t colon = o.metrics_address.rfind(':');
@@ -42,11 +60,16 @@ int ServeUntilSignal(const ServeOptions& o, std::initializer_list<grpc::Service*
   // The first verdict comes before the ready file: a worker that cannot
   // serve (say, its KV transport failed its self-check) never shows SERVING.
   const std::string first_verdict = o.health ? o.health() : "";
-  server->GetHealthCheckService()->SetServingStatus(first_verdict.empty());
+  set_serving(first_verdict.empty());
   std::vector<std::pair<std::string, std::string>> fields = {{"role", o.role}, {"grpc_port", std::to_string(port)}};
   if (metrics_server != nullptr) fields.emplace_back("metrics_port", std::to_string(metrics_server->port()));
   for (const auto& [k, v] : o.log_fields) fields.emplace_back(k, v);
+  fields.emplace_back("tls", o.credentials != nullptr ? "on" : "OFF (plaintext: --insecure)");
   std::string more_ports;
+  if (health_server != nullptr) {
+    fields.emplace_back("health_port", std::to_string(health_port));
+    absl::StrAppend(&more_ports, ",\"health_port\":", health_port);
+  }
   for (const auto& [k, v] : o.ports) {
     fields.emplace_back(k, std::to_string(v));
     absl::StrAppend(&more_ports, ",\"", k, "\":", v);
@@ -66,7 +89,7 @@ int ServeUntilSignal(const ServeOptions& o, std::initializer_list<grpc::Service*
       std::string why = first_verdict;
       while (true) {
         if (why != last) {
-          server->GetHealthCheckService()->SetServingStatus(why.empty());
+          set_serving(why.empty());
           LogEvent(why.empty() ? "info" : "warning", "health_changed",
                    {{"role", o.role}, {"serving", why.empty() ? "true" : "false"}, {"reason", why}});
           last = why;
@@ -80,7 +103,7 @@ int ServeUntilSignal(const ServeOptions& o, std::initializer_list<grpc::Service*
   stop_health.Notify();
   if (health_thread.joinable()) health_thread.join();
   LogEvent("info", "shutting_down", {{"role", o.role}, {"signal", std::to_string(sig)}});
-  server->GetHealthCheckService()->SetServingStatus(false);
+  set_serving(false);
   if (o.on_drain) {
     const absl::Time start = absl::Now();
     o.on_drain(start + o.drain_grace);
@@ -88,6 +111,7 @@ int ServeUntilSignal(const ServeOptions& o, std::initializer_list<grpc::Service*
   }
   if (o.on_shutdown) o.on_shutdown();
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  if (health_server != nullptr) health_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
   return 0;
 }
 

@@ -7,6 +7,7 @@
 #define PDSERVE_COMMON_GRPC_SERVER_H_
 
 #include <functional>
+#include <memory>
 #include <initializer_list>
 #include <string>
 #include <utility>
@@ -19,6 +20,12 @@ namespace pdserve {
 
 struct ServeOptions {
   std::string address;     // host:port (port 0: any free port)
+  // TLS (common/tls.h); null: plaintext.
+  std::shared_ptr<grpc::ServerCredentials> credentials;
+  // A second, plaintext port serving only gRPC health, mirroring the main
+  // port's status (port 0: any free; "" = none). The ready file gets
+  // "health_port".
+  std::string health_address;
   std::string ready_file;  // "" = none; else {"grpc_port": N} once listening
   std::string role;        // In the log lines.
   // Prometheus /metrics on this host:port (port 0: any free; "" = none).

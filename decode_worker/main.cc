@@ -121,6 +121,7 @@ int Run() {
                            [r] { return static_cast<double>(r->metrics().leases_expired); });
   }
   ServeOptions serve;
+  ApplyWorkerServing(*rt, serve);
   serve.metrics = &metrics;
   serve.metrics_address = absl::GetFlag(FLAGS_metrics_listen);
   serve.address = absl::GetFlag(FLAGS_listen);

@@ -4,9 +4,16 @@
 #
 #   deploy/cluster.sh start [--prefill N] [--decode M] [--colocated] [--pin] [--model DIR]
 #                           [--router-flag FLAG]...   (e.g. --router-flag --admission)
+#                           [--insecure]
 #   deploy/cluster.sh status
 #   deploy/cluster.sh stop
 #
+# TLS by default: deploy/make_certs.sh makes (or keeps) a development CA and
+# a certificate per role in ${PDSERVE_CERTS_DIR:-$PDSERVE_CLUSTER_DIR/certs};
+# the hops between the processes are mutual TLS, the router's gRPC and HTTP
+# ports TLS; clients trust the CA whose path is in $STATE/tls_ca (pdctl
+# --tls_ca, curl --cacert). --insecure runs everything in plaintext, with
+# a warning.
 # State (pids, logs, ready files) lives in $PDSERVE_CLUSTER_DIR (default
 # /tmp/pdserve-cluster). The router serves the OpenAI HTTP API on
 # 127.0.0.1:${PDSERVE_HTTP_PORT:-8000}. --pin puts prefill workers on core 0 and decode
@@ -33,7 +40,7 @@ wait_ready() {  # file, pid, what
 
 start() {
   local prefill=1 decode=1 colocated=0 pin=0 model=${PDSERVE_MODEL:-deploy/models/kjv-tiny}
-  local router_extra=()
+  local router_extra=() insecure=0
   while (($#)); do
     case "$1" in
       --prefill) prefill=$2; shift 2 ;;
@@ -42,24 +49,48 @@ start() {
       --pin) pin=1; shift ;;
       --model) model=$2; shift 2 ;;
       --router-flag) router_extra+=("$2"); shift 2 ;;
+      --insecure) insecure=1; shift ;;
       *) die "unknown option $1" ;;
     esac
   done
   [[ -x "$BUILD_DIR/router/pdserve-router" ]] || die "no build in $BUILD_DIR (run deploy/bootstrap.sh)"
   if [[ -f "$STATE/pids" ]]; then stop; fi
   mkdir -p "$STATE"
-  rm -f "$STATE"/*.ready "$STATE"/pids
+  rm -f "$STATE"/*.ready "$STATE"/pids "$STATE"/tls_ca
+  # tls_flags ROLE: the TLS flags of a process of that role (none for a
+  # build from before TLS).
+  local certs="" help
+  # What this build's router takes (builds from before TLS or the HTTP API
+  # lack those flags).
+  help=$("$BUILD_DIR/router/pdserve-router" --helpfull 2>/dev/null || true)
+  if [[ $help == *--tls_cert* ]]; then
+    if ((insecure)); then
+      echo "cluster: WARNING: --insecure: every port is plaintext and no peer is checked" >&2
+    else
+      certs=$(deploy/make_certs.sh "${PDSERVE_CERTS_DIR:-$STATE/certs}")
+      echo "$certs/ca.pem" > "$STATE/tls_ca"
+    fi
+  fi
+  tls_flags() {
+    if [[ -n $certs ]]; then
+      echo "--tls_cert=$certs/$1.pem --tls_key=$certs/$1.key --tls_ca=$certs/ca.pem"
+    elif ((insecure)); then
+      echo "--insecure"
+    fi
+  }
   # Disaggregated: each worker gets half the cores (one each on 2 cores);
   # colocated: the one worker that prefills and decodes gets them all.
   local threads=$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 ))
   ((colocated)) && threads=$(nproc)
   local decode_addrs=() prefill_addrs=()
-  # launch NAME CORE BINARY: starts one worker (pinned to CORE with --pin)
+  # launch NAME CORE BINARY ROLE: starts one worker (pinned to CORE with --pin)
   # and prints its address once it is ready.
   launch() {
     local pre=()
     ((pin)) && pre=(taskset -c "$2")
-    setsid "${pre[@]}" "$BUILD_DIR/$3" --model "$model" --threads "$threads" \
+    local tls
+    read -r -a tls <<< "$(tls_flags "$4")"
+    setsid "${pre[@]}" "$BUILD_DIR/$3" --model "$model" --threads "$threads" "${tls[@]}" \
       --ready_file "$STATE/$1.ready" < /dev/null > "$STATE/$1.log" 2>&1 &
     echo "$!" >> "$STATE/pids"
     local port
@@ -68,23 +99,25 @@ start() {
   }
   local addr
   for i in $(seq 0 $((decode - 1))); do
-    addr=$(launch "decode$i" 1 decode_worker/pdserve-decode-worker) || exit 1
+    addr=$(launch "decode$i" 1 decode_worker/pdserve-decode-worker decode) || exit 1
     decode_addrs+=("$addr")
   done
   if ((!colocated)); then
     for i in $(seq 0 $((prefill - 1))); do
-      addr=$(launch "prefill$i" 0 prefill_worker/pdserve-prefill-worker) || exit 1
+      addr=$(launch "prefill$i" 0 prefill_worker/pdserve-prefill-worker prefill) || exit 1
       prefill_addrs+=("$addr")
     done
   fi
   local rargs=(--model "$model" --decode "$(IFS=,; echo "${decode_addrs[*]}")" --ready_file "$STATE/router.ready"
                --listen "127.0.0.1:${PDSERVE_ROUTER_PORT:-0}")
   # The OpenAI HTTP API (builds from before it have no such flag).
-  if "$BUILD_DIR/router/pdserve-router" --helpfull 2>/dev/null | grep -q -- --http_listen; then
+  if [[ $help == *--http_listen* ]]; then
     rargs+=(--http_listen "127.0.0.1:${PDSERVE_HTTP_PORT:-8000}")
   fi
   if ((colocated)); then rargs+=(--colocated); else rargs+=(--prefill "$(IFS=,; echo "${prefill_addrs[*]}")"); fi
-  rargs+=("${router_extra[@]}")
+  local rtls
+  read -r -a rtls <<< "$(tls_flags router)"
+  rargs+=("${rtls[@]}" "${router_extra[@]}")
   setsid "$BUILD_DIR/router/pdserve-router" "${rargs[@]}" < /dev/null > "$STATE/router.log" 2>&1 &
   echo "$!" >> "$STATE/pids"
   local port
@@ -92,9 +125,11 @@ start() {
   echo "127.0.0.1:$port" > "$STATE/router.address"
   local http
   http=$(sed -n -e 's/.*"http_port":\([0-9]*\).*/\1/p' "$STATE/router.ready")
-  if [[ -n $http ]]; then echo "http://127.0.0.1:$http" > "$STATE/router.http"; else rm -f "$STATE/router.http"; fi
-  "$PDCTL" status --router "127.0.0.1:$port" >/dev/null || die "router not answering (log: $STATE/router.log)"
-  echo "cluster: router 127.0.0.1:$port${http:+ (OpenAI HTTP API: http://127.0.0.1:$http/v1)}, prefill [${prefill_addrs[*]:-}], decode [${decode_addrs[*]}] (logs in $STATE)"
+  local scheme=http pdctl_tls=()
+  if [[ -n $certs ]]; then scheme=https; pdctl_tls=(--tls_ca "$certs/ca.pem"); fi
+  if [[ -n $http ]]; then echo "$scheme://127.0.0.1:$http" > "$STATE/router.http"; else rm -f "$STATE/router.http"; fi
+  "$PDCTL" status --router "127.0.0.1:$port" "${pdctl_tls[@]}" >/dev/null || die "router not answering (log: $STATE/router.log)"
+  echo "cluster: router 127.0.0.1:$port${http:+ (OpenAI HTTP API: $scheme://127.0.0.1:$http/v1)}, TLS $([[ -n $certs ]] && echo "on (CA $certs/ca.pem)" || echo off), prefill [${prefill_addrs[*]:-}], decode [${decode_addrs[*]}] (logs in $STATE)"
 }
 
 stop() {
@@ -107,7 +142,7 @@ stop() {
     sleep 0.1
   done
   while read -r pid; do kill -KILL "$pid" 2>/dev/null || true; done < "$STATE/pids"
-  rm -f "$STATE/pids" "$STATE/router.address" "$STATE/router.http"
+  rm -f "$STATE/pids" "$STATE/router.address" "$STATE/router.http" "$STATE/tls_ca"
   echo "cluster: stopped"
 }
 
@@ -116,6 +151,8 @@ case "${1:-}" in
   stop) stop ;;
   status)
     [[ -f "$STATE/router.address" ]] || die "not running"
-    "$PDCTL" status --router "$(cat "$STATE/router.address")" ;;
+    tls=()
+    [[ -f "$STATE/tls_ca" ]] && tls=(--tls_ca "$(cat "$STATE/tls_ca")")
+    "$PDCTL" status --router "$(cat "$STATE/router.address")" "${tls[@]}" ;;
   *) die "usage: $0 start|status|stop" ;;
 esac

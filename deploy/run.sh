@@ -21,34 +21,37 @@ echo
 echo "== starting a local cluster =="
 deploy/cluster.sh start "$@"
 ROUTER=$(cat "$STATE/router.address")
-"$PDCTL" status --router "$ROUTER"
+# TLS (the default): pdctl and curl trust the cluster's development CA.
+TLS=() CURL_TLS=()
+if [[ -f "$STATE/tls_ca" ]]; then TLS=(--tls_ca "$(cat "$STATE/tls_ca")"); CURL_TLS=(--cacert "$(cat "$STATE/tls_ca")"); fi
+"$PDCTL" status --router "$ROUTER" "${TLS[@]}"
 
 echo
 echo "== generation through the cluster (router $ROUTER) =="
 echo "prompt: $PROMPT"
 echo "--------"
 printf '%s' "$PROMPT"
-"$PDCTL" generate --router "$ROUTER" --prompt "$PROMPT" --max-tokens 60 --temperature 0.7 --top-p 0.9 --seed 42
+"$PDCTL" generate --router "$ROUTER" "${TLS[@]}" --prompt "$PROMPT" --max-tokens 60 --temperature 0.7 --top-p 0.9 --seed 42
 echo "--------"
 echo
 echo "== a chat turn (the model's ChatML template, rendered by the router) =="
 MESSAGES=$(mktemp)
 trap 'rm -f "$MESSAGES"' EXIT
 echo '[{"role": "user", "content": "Who was the father of Isaac?"}]' > "$MESSAGES"
-"$PDCTL" generate --router "$ROUTER" --chat-json "$MESSAGES" --max-tokens 40 --seed 7 --temperature 0.7
+"$PDCTL" generate --router "$ROUTER" "${TLS[@]}" --chat-json "$MESSAGES" --max-tokens 40 --seed 7 --temperature 0.7
 if [[ -f "$STATE/router.http" ]]; then
   HTTP=$(cat "$STATE/router.http")
   echo
   echo "== the same cluster through the OpenAI HTTP API ($HTTP/v1) =="
   BODY='{"model": "kjv-tiny", "prompt": "In the beginning", "max_tokens": 24, "seed": 7}'
-  echo "curl -s $HTTP/v1/completions -H 'Content-Type: application/json' -d '$BODY'"
-  curl -s --max-time 60 "$HTTP/v1/completions" -H 'Content-Type: application/json' -d "$BODY"
+  echo "curl -s ${CURL_TLS[*]} $HTTP/v1/completions -H 'Content-Type: application/json' -d '$BODY'"
+  curl -s "${CURL_TLS[@]}" --max-time 60 "$HTTP/v1/completions" -H 'Content-Type: application/json' -d "$BODY"
   echo
 fi
 echo
 echo "The cluster is still running (logs in $STATE):"
-echo "  $PDCTL generate --router $ROUTER --prompt 'In the beginning' --max-tokens 40"
-echo "  $PDCTL status --router $ROUTER"
+echo "  $PDCTL generate --router $ROUTER ${TLS[*]} --prompt 'In the beginning' --max-tokens 40"
+echo "  $PDCTL status --router $ROUTER ${TLS[*]}"
 echo "  gRPC: pdserve.v1.Generation at $ROUTER (server reflection and grpc.health.v1 are on)"
 [[ -n ${HTTP:-} ]] && echo "  OpenAI HTTP API: $HTTP/v1 (README: \"The OpenAI HTTP API\")"
 echo "  stop: deploy/cluster.sh stop"

@@ -92,7 +92,8 @@ int Run() {
     metrics.AddCounterFunc("pdserve_handoff_failures_total", "Handoffs that ended without a commit.",
                            [&sender] { return static_cast<double>(sender.metrics().failures); });
     ServeOptions serve;
-    serve.metrics = &metrics;
+    ApplyWorkerServing(*rt, serve);
+  serve.metrics = &metrics;
     serve.metrics_address = absl::GetFlag(FLAGS_metrics_listen);
     serve.address = absl::GetFlag(FLAGS_listen);
     serve.ready_file = absl::GetFlag(FLAGS_ready_file);

@@ -17,10 +17,12 @@ namespace {
 
 class GrpcConnection final : public WorkerConnection {
  public:
-  GrpcConnection(const std::string& address, Role role) {
+  GrpcConnection(const std::string& address, Role role, const TlsFiles& tls) {
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(64 << 20);
-    channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+    channel = grpc::CreateCustomChannel(
+        address, tls.enabled() ? ChannelTlsCredentials(tls, RoleName(role), &args) : grpc::InsecureChannelCredentials(),
+        args);
     if (role == Role::kPrefill) {
       prefill = worker::v1::PrefillWorker::NewStub(channel);
     } else {
@@ -74,7 +76,7 @@ class GrpcStream final : public EventStream<Event> {
 }  // namespace
 
 std::shared_ptr<WorkerConnection> GrpcTransport::Connect(const std::string& address, Role role) {
-  return std::make_shared<GrpcConnection>(address, role);
+  return std::make_shared<GrpcConnection>(address, role, tls_);
 }
 
 std::unique_ptr<PrefillStream> GrpcTransport::Prefill(const Worker& worker, const worker::v1::PrefillRequest& request,

@@ -7,12 +7,19 @@
 #ifndef PDSERVE_ROUTER_GRPC_TRANSPORT_H_
 #define PDSERVE_ROUTER_GRPC_TRANSPORT_H_
 
+#include <utility>
+
+#include "common/tls.h"
 #include "router/transport.h"
 
 namespace pdserve::router {
 
 class GrpcTransport final : public WorkerTransport {
  public:
+  // `tls`: the router's certificate and the cluster CA (mutual TLS, each
+  // worker's certificate checked for the role it is dialled as); none:
+  // plaintext.
+  explicit GrpcTransport(TlsFiles tls = {}) : tls_(std::move(tls)) {}
   std::shared_ptr<WorkerConnection> Connect(const std::string& address, Role role) override;
   std::unique_ptr<PrefillStream> Prefill(const Worker& worker, const worker::v1::PrefillRequest& request,
                                          std::optional<absl::Time> deadline) override;
@@ -20,6 +27,9 @@ class GrpcTransport final : public WorkerTransport {
                                        std::optional<absl::Time> deadline) override;
   std::vector<absl::StatusOr<worker::v1::WorkerInfo>> Status(absl::Span<const StatusQuery> queries,
                                                              absl::Duration timeout) override;
+
+ private:
+  const TlsFiles tls_;
 };
 
 }  // namespace pdserve::router

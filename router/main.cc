@@ -19,6 +19,7 @@
 #include "absl/time/time.h"
 #include "common/server_util.h"
 #include "common/grpc_server.h"
+#include "common/tls_flags.h"
 #include "router/openai/server.h"
 #include "router/router_service.h"
 
@@ -84,6 +85,12 @@ int Run() {
   o.decode_workers = absl::GetFlag(FLAGS_decode);
   o.colocated = absl::GetFlag(FLAGS_colocated);
   o.api_keys_file = absl::GetFlag(FLAGS_api_keys_file);
+  absl::StatusOr<TlsFiles> tls = TlsFilesFromFlags("router");
+  if (!tls.ok()) {
+    LogEvent("error", "bad_flags", {{"error", std::string(tls.status().message())}});
+    return 2;
+  }
+  o.tls = *tls;
   o.resolve_interval = absl::Seconds(absl::GetFlag(FLAGS_resolve_interval_s));
   o.max_backoff = absl::Seconds(absl::GetFlag(FLAGS_max_backoff_s));
   o.pick_wait = absl::Seconds(absl::GetFlag(FLAGS_pick_wait_s));
@@ -121,6 +128,7 @@ int Run() {
     router::openai::HttpServerOptions ho;
     ho.address = address;
     ho.max_body_bytes = absl::GetFlag(FLAGS_http_max_body_bytes);
+    ho.tls = o.tls;
     absl::StatusOr<std::unique_ptr<router::openai::HttpServer>> h =
         router::openai::HttpServer::Start(ho, (*service)->HttpBackend());
     if (!h.ok()) {
@@ -130,6 +138,9 @@ int Run() {
     http = *std::move(h);
   }
   ServeOptions so;
+  // Clients get server-side TLS (API keys say who they are).
+  if (o.tls.enabled()) so.credentials = ServerTlsCredentials(o.tls, "");
+  so.health_address = absl::GetFlag(FLAGS_health_listen);
   if (http != nullptr) {
     so.ports.emplace_back("http_port", http->port());
     so.on_drain = [&http](absl::Time deadline) { http->Drain(deadline); };

@@ -118,7 +118,7 @@ absl::StatusOr<std::unique_ptr<RouterService>> RouterService::Create(RouterOptio
       raw->next_load_update_ = absl::Now() + absl::Milliseconds(250);
     };
   }
-  r->transport_ = std::make_unique<GrpcTransport>();
+  r->transport_ = std::make_unique<GrpcTransport>(o.tls);
   r->pool_ = std::make_unique<WorkerPool>(std::move(po), r->transport_.get(), &r->measured_, &r->prefix_index_);
 
   PlacementOptions pl;

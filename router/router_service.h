@@ -29,6 +29,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "common/metrics.h"
+#include "common/tls.h"
 #include "pdserve/v1/generation.grpc.pb.h"
 #include "router/admission.h"
 #include "router/api_keys.h"
@@ -81,6 +82,9 @@ struct RouterOptions {
   absl::Duration prefix_expect = absl::Seconds(10);
   // API keys (router/api_keys.h): "" accepts every client.
   std::string api_keys_file;
+  // The router's certificate and the cluster CA, presented to the workers
+  // (mutual TLS); none: plaintext to the workers.
+  TlsFiles tls;
 };
 
 class RouterService final : public v1::Generation::Service {

@@ -7,6 +7,8 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
+#include "common/grpc_server.h"
+#include "common/tls_flags.h"
 #include "absl/time/clock.h"
 #include "common/health.h"
 #include "common/server_util.h"
@@ -53,8 +55,20 @@ absl::StatusOr<WorkerModel> LoadWorkerModel(KvRegionAllocator* allocator) {
 
 }  // namespace
 
+void ApplyWorkerServing(const WorkerRuntime& rt, ServeOptions& serve) {
+  if (rt.tls.enabled()) serve.credentials = ServerTlsCredentials(rt.tls, "router");
+  serve.health_address = absl::GetFlag(FLAGS_health_listen);
+}
+
 absl::StatusOr<WorkerRuntime> StartWorkerRuntime(const std::string& name, int* exit_code) {
   WorkerRuntime rt;
+  absl::StatusOr<TlsFiles> tls = TlsFilesFromFlags(name);
+  if (!tls.ok()) {
+    LogEvent("error", "bad_flags", {{"error", std::string(tls.status().message())}});
+    *exit_code = 2;
+    return tls.status();
+  }
+  rt.tls = *std::move(tls);
   absl::StatusOr<std::unique_ptr<kv::UcxTransport>> transport = kv::UcxTransport::Create({.name = name});
   if (!transport.ok()) {
     LogEvent("error", "ucx_failed", {{"error", std::string(transport.status().message())}});

@@ -11,7 +11,9 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/grpc_server.h"
 #include "common/metrics.h"
+#include "common/tls.h"
 #include "common/kv_manager.h"
 #include "common/tokenizer/tokenizer.h"
 #include "kv_transfer/self_check.h"
@@ -32,6 +34,9 @@ struct WorkerModel {
 // (CheckWorkerTransport). Members are destroyed in reverse: the check,
 // the engine, the transport last, as the pool requires.
 struct WorkerRuntime {
+  // --tls_* (common/tls_flags.h): the worker's certificate; none with
+  // --insecure.
+  TlsFiles tls;
   std::unique_ptr<kv::UcxTransport> transport;
   WorkerModel engine;
   // --fault_leak_kv_blocks: blocks held by nobody's work (given back
@@ -40,7 +45,8 @@ struct WorkerRuntime {
   std::unique_ptr<kv::TransportSelfCheck> transport_check;
 };
 
-// Starts the transport and loads what the flags name, logging any error.
+// Checks the TLS flags (a worker's peer must be a router), starts the
+// transport and loads what the flags name, logging any error.
 // Returns the process exit code on failure (2 for bad flags, 1 otherwise).
 absl::StatusOr<WorkerRuntime> StartWorkerRuntime(const std::string& name, int* exit_code);
 
@@ -55,6 +61,10 @@ void CheckWorkerTransport(WorkerRuntime& rt, const std::string& host);
 // the transport's self-check, KV leaks (--leak_grace_s) and a wedged
 // transport (--wedge_after_s) from what the service reports, and publishes
 // the verdict to it (for Status). REQUIRES: CheckWorkerTransport ran.
+// The serving options every worker shares: its gRPC server's credentials
+// (mutual TLS, callers must be routers) and the plaintext health port.
+void ApplyWorkerServing(const WorkerRuntime& rt, ServeOptions& serve);
+
 std::function<std::string()> WorkerHealthCheck(WorkerRuntime& rt,
                                                std::function<bool()> draining, std::function<bool()> idle,
                                                std::function<void(std::string)> publish);

@@ -3,11 +3,15 @@
 #include <arpa/inet.h>
 #include <event2/buffer.h>
 #include <event2/bufferevent.h>
+#include <event2/bufferevent_ssl.h>
 #include <event2/event.h>
 #include <event2/http.h>
 #include <event2/keyvalq_struct.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <openssl/err.h>
+#include <openssl/ssl.h>
+#include <sys/stat.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -66,6 +70,54 @@ void SetNoDelay(evhttp_connection* conn) {
   if (fd < 0) return;
   const int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+}
+
+// The identity of a file's contents, as far as stat tells: a rewrite or a
+// rename over it (a Kubernetes Secret update) changes one of these.
+struct FileStamp {
+  ino_t inode = 0;
+  off_t size = -1;
+  timespec mtime{};
+  bool operator==(const FileStamp& o) const {
+    return inode == o.inode && size == o.size && mtime.tv_sec == o.mtime.tv_sec && mtime.tv_nsec == o.mtime.tv_nsec;
+  }
+};
+FileStamp Stamp(const std::string& path) {
+  struct stat st;
+  FileStamp f;
+  if (stat(path.c_str(), &st) == 0) f = {st.st_ino, st.st_size, st.st_mtim};
+  return f;
+}
+
+std::string OpenSslError() {
+  char buf[256];
+  const unsigned long e = ERR_get_error();
+  ERR_clear_error();
+  if (e == 0) return "unknown error";
+  ERR_error_string_n(e, buf, sizeof(buf));
+  return buf;
+}
+
+// A server SSL_CTX for the certificate chain and key. Errors:
+// INVALID_ARGUMENT saying which file and why.
+absl::StatusOr<SSL_CTX*> MakeSslContext(const TlsFiles& tls) {
+  SSL_CTX* ctx = SSL_CTX_new(TLS_server_method());
+  if (ctx == nullptr) return absl::InternalError("SSL_CTX_new failed");
+  SSL_CTX_set_min_proto_version(ctx, TLS1_2_VERSION);
+  SSL_CTX_set_options(ctx, SSL_OP_NO_RENEGOTIATION);
+  absl::Status st;
+  if (SSL_CTX_use_certificate_chain_file(ctx, tls.cert.c_str()) != 1) {
+    st = absl::InvalidArgumentError(absl::StrCat("certificate ", tls.cert, ": ", OpenSslError()));
+  } else if (SSL_CTX_use_PrivateKey_file(ctx, tls.key.c_str(), SSL_FILETYPE_PEM) != 1) {
+    st = absl::InvalidArgumentError(absl::StrCat("key ", tls.key, ": ", OpenSslError()));
+  } else if (SSL_CTX_check_private_key(ctx) != 1) {
+    st = absl::InvalidArgumentError(absl::StrCat("key ", tls.key, " is not the key of ", tls.cert));
+  }
+  if (!st.ok()) {
+    SSL_CTX_free(ctx);
+    return st;
+  }
+  return ctx;
 }
 
 // One HTTP exchange whose answer comes from another thread.
@@ -160,11 +212,19 @@ class HttpServer::Impl {
     if (check_event_ != nullptr) event_free(check_event_);
     if (base_ != nullptr) event_base_free(base_);
     if (wake_fd_ >= 0) close(wake_fd_);
+    if (ssl_ctx_ != nullptr) SSL_CTX_free(ssl_ctx_);
   }
 
   absl::Status Start() {
     absl::StatusOr<std::pair<std::string, int>> hp = SplitHostPort(options_.address);
     if (!hp.ok()) return hp.status();
+    if (options_.tls.enabled()) {
+      cert_stamp_ = Stamp(options_.tls.cert);
+      key_stamp_ = Stamp(options_.tls.key);
+      absl::StatusOr<SSL_CTX*> ctx = MakeSslContext(options_.tls);
+      if (!ctx.ok()) return ctx.status();
+      ssl_ctx_ = *ctx;
+    }
     base_ = event_base_new();
     if (base_ == nullptr) return absl::InternalError("event_base_new failed");
     http_ = evhttp_new(base_);
@@ -176,6 +236,7 @@ class HttpServer::Impl {
     evhttp_set_timeout(http_, static_cast<int>(absl::ToInt64Seconds(options_.idle_timeout)));
     evhttp_set_allowed_methods(http_, EVHTTP_REQ_GET | EVHTTP_REQ_POST | EVHTTP_REQ_HEAD | EVHTTP_REQ_OPTIONS);
     evhttp_set_gencb(http_, &Impl::OnRequest, this);
+    if (ssl_ctx_ != nullptr) evhttp_set_bevcb(http_, &Impl::NewTlsBufferevent, this);
     evhttp_bound_socket* bound = evhttp_bind_socket_with_handle(http_, hp->first.c_str(), hp->second);
     if (bound == nullptr) {
       return absl::UnavailableError(absl::StrCat("cannot listen on ", options_.address, ": ", std::strerror(errno)));
@@ -377,6 +438,7 @@ class HttpServer::Impl {
   // its request counts as gone.)
   static void OnCheck(evutil_socket_t, short, void* arg) {
     auto* self = static_cast<Impl*>(arg);
+    if (self->ssl_ctx_ != nullptr && ++self->checks_ % 20 == 0) self->ReloadCertificateIfChanged();
     for (auto& [conn, call] : self->conns_) {
       if (call->gone.load(std::memory_order_relaxed)) continue;
       bufferevent* bev = evhttp_connection_get_bufferevent(conn);
@@ -389,6 +451,37 @@ class HttpServer::Impl {
       absl::MutexLock lock(&call->mu);
       if (call->relay != nullptr) call->relay->Cancel();
     }
+  }
+
+  // Each new connection: TLS over the socket libevent accepted, with the
+  // context loaded last.
+  static bufferevent* NewTlsBufferevent(event_base* base, void* arg) {
+    auto* self = static_cast<Impl*>(arg);
+    SSL* ssl = SSL_new(self->ssl_ctx_);
+    if (ssl == nullptr) return nullptr;
+    return bufferevent_openssl_socket_new(base, -1, ssl, BUFFEREVENT_SSL_ACCEPTING, BEV_OPT_CLOSE_ON_FREE);
+  }
+
+  // Loop thread, once a second: a certificate or key file that changed is
+  // loaded for new connections once the pair loads; until then the last
+  // good pair serves (a rotation writes the two files one after the other).
+  void ReloadCertificateIfChanged() {
+    const FileStamp cert = Stamp(options_.tls.cert), key = Stamp(options_.tls.key);
+    if (cert == cert_stamp_ && key == key_stamp_) return;
+    absl::StatusOr<SSL_CTX*> ctx = MakeSslContext(options_.tls);
+    if (!ctx.ok()) {
+      if (!(cert == failed_cert_ && key == failed_key_)) {
+        LogEvent("warning", "http_tls_reload_failed", {{"error", std::string(ctx.status().message())}});
+        failed_cert_ = cert;
+        failed_key_ = key;
+      }
+      return;
+    }
+    SSL_CTX_free(ssl_ctx_);  // connections still using it hold their own reference
+    ssl_ctx_ = *ctx;
+    cert_stamp_ = cert;
+    key_stamp_ = key;
+    LogEvent("info", "http_tls_reloaded", {{"cert", options_.tls.cert}});
   }
 
   static void OnWake(evutil_socket_t fd, short, void* arg) {
@@ -611,6 +704,12 @@ class HttpServer::Impl {
   std::thread loop_;
   std::atomic<bool> stopping_{false};
   std::atomic<bool> draining_{false};
+
+  // HTTPS (loop thread): the context new connections get, and the files it
+  // came from.
+  SSL_CTX* ssl_ctx_ = nullptr;
+  FileStamp cert_stamp_, key_stamp_, failed_cert_, failed_key_;
+  uint64_t checks_ = 0;
 
   // The loop thread's: each connection's call in progress, and the calls
   // whose connection closed before they finished.

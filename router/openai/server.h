@@ -33,6 +33,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "common/metrics.h"
+#include "common/tls.h"
 #include "router/relay.h"
 #include "router/resolve.h"
 
@@ -48,6 +49,12 @@ struct HttpServerOptions {
   absl::Duration idle_timeout = absl::Seconds(600);
   // completions' max_tokens when the body gives none (OpenAI's default).
   int32_t default_completion_tokens = 16;
+  // HTTPS with this certificate and key (common/tls.h; the CA is not used:
+  // clients present no certificate). Both files are looked at every
+  // second; a changed pair is loaded for new connections (ones already
+  // open keep theirs), and a pair that does not load is logged and the
+  // last good one kept. Not enabled: plain HTTP.
+  TlsFiles tls;
 };
 
 // What the server asks of the router; everything must outlive it.
@@ -67,8 +74,8 @@ struct HttpBackend {
 
 class HttpServer {
  public:
-  // Binds and starts serving. Errors: INVALID_ARGUMENT for a bad address,
-  // UNAVAILABLE when it cannot be bound.
+  // Binds and starts serving. Errors: INVALID_ARGUMENT for a bad address
+  // or certificate, UNAVAILABLE when it cannot be bound.
   static absl::StatusOr<std::unique_ptr<HttpServer>> Start(HttpServerOptions options, HttpBackend backend);
   // Stops serving: generations still running are cancelled (their KV
   // freed), then the connections are closed.

@@ -44,6 +44,7 @@
 #include "grpcpp/grpcpp.h"
 #include "pdserve/v1/generation.grpc.pb.h"
 #include "common/server_util.h"
+#include "common/tls.h"
 #include "tests/chaos/fleet.h"
 #include "tests/chaos/verdict.h"
 #include "tests/support/http_get.h"
@@ -62,6 +63,7 @@ ABSL_FLAG(double, request_deadline_s, 60, "each request's gRPC deadline");
 ABSL_FLAG(double, settle_s, 15, "after the load: how long workers get to be healthy with no KV block used");
 ABSL_FLAG(std::vector<std::string>, worker_flags, {},
           "extra flags for every worker, comma-separated (e.g. --worker_flags=--kv_lease_s=2)");
+ABSL_FLAG(bool, tls, true, "mutual TLS between the processes and TLS to the router (deploy/make_certs.sh certificates)");
 ABSL_FLAG(int, log_tail_bytes, 2500, "on failure: bytes printed from the end of each server log");
 
 namespace pdserve::chaos {
@@ -446,6 +448,14 @@ int Run() {
   fo.dir = dir;
   fo.drain_grace_s = absl::GetFlag(FLAGS_drain_grace_s);
   fo.extra_worker_flags = absl::GetFlag(FLAGS_worker_flags);
+  if (absl::GetFlag(FLAGS_tls)) {
+    fo.certs_dir = dir + "/certs";
+    const std::string make = absl::StrCat("'", PDSERVE_SOURCE_DIR, "/deploy/make_certs.sh' '", fo.certs_dir, "' > /dev/null");
+    if (std::system(make.c_str()) != 0) {
+      Say("deploy/make_certs.sh failed");
+      return 2;
+    }
+  }
   Fleet fleet(fo);
   if (absl::Status s = fleet.Start(); !s.ok()) {
     Say(absl::StrCat("the cluster did not start: ", s.message()));
@@ -455,8 +465,15 @@ int Run() {
   for (int w = 0; w < fleet.num_workers(); ++w) absl::StrAppend(&layout, " ", fleet.name(w), ":", fleet.grpc_port(w));
   Say(absl::StrCat("cluster ready: router ", fleet.router_address(), ";", layout));
 
-  const std::shared_ptr<grpc::Channel> channel =
-      grpc::CreateChannel(fleet.router_address(), grpc::InsecureChannelCredentials());
+  std::shared_ptr<grpc::Channel> channel;
+  if (fo.certs_dir.empty()) {
+    channel = grpc::CreateChannel(fleet.router_address(), grpc::InsecureChannelCredentials());
+  } else {
+    TlsFiles ca;
+    ca.ca = fo.certs_dir + "/ca.pem";
+    grpc::ChannelArguments args;
+    channel = grpc::CreateCustomChannel(fleet.router_address(), ChannelTlsCredentials(ca, "", &args), args);
+  }
   const std::unique_ptr<v1::Generation::Stub> stub = v1::Generation::NewStub(channel);
   const std::vector<v1::GenerateRequest> requests = RequestSet(min_tokens, max_tokens);
   absl::StatusOr<std::vector<Reference>> references = ReferencePass(*stub, requests, deadline);

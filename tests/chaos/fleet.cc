@@ -23,6 +23,13 @@ int MetricsPort(const std::string& ready_file) {
   return j.is_object() && j.contains("metrics_port") ? j["metrics_port"].get<int>() : 0;
 }
 
+// A server's TLS flags for `role` (--insecure without certificates).
+std::vector<std::string> TlsFlags(const std::string& certs_dir, const std::string& role) {
+  if (certs_dir.empty()) return {"--insecure"};
+  return {"--tls_cert", absl::StrCat(certs_dir, "/", role, ".pem"), "--tls_key",
+          absl::StrCat(certs_dir, "/", role, ".key"), "--tls_ca", certs_dir + "/ca.pem"};
+}
+
 }  // namespace
 
 Fleet::Fleet(FleetOptions options) : options_(std::move(options)) {
@@ -40,6 +47,7 @@ Fleet::Fleet(FleetOptions options) : options_(std::move(options)) {
               "32",
               "--drain_grace_s",
               grace};
+    for (std::string& f : TlsFlags(options_.certs_dir, prefill ? "prefill" : "decode")) w.argv.push_back(std::move(f));
     w.argv.insert(w.argv.end(), options_.extra_worker_flags.begin(), options_.extra_worker_flags.end());
     w.ready_file = absl::StrCat(options_.dir, "/", w.name, ".ready");
     workers_.push_back(std::move(w));
@@ -78,7 +86,7 @@ absl::Status Fleet::Start() {
   }
   const std::string ready = options_.dir + "/router.ready";
   router_log_ = options_.dir + "/router.log";
-  const std::vector<std::string> argv = {options_.bin_dir + "/router/pdserve-router",
+  std::vector<std::string> argv = {options_.bin_dir + "/router/pdserve-router",
                                          "--model",
                                          options_.model_dir,
                                          "--prefill",
@@ -89,6 +97,7 @@ absl::Status Fleet::Start() {
                                          ready,
                                          "--http_listen",
                                          "127.0.0.1:0"};
+  for (std::string& f : TlsFlags(options_.certs_dir, "router")) argv.push_back(std::move(f));
   if (absl::Status s = router_.Start(argv, router_log_); !s.ok()) return s;
   absl::StatusOr<int> port = router_.WaitReady(ready, options_.ready_timeout);
   if (!port.ok()) return absl::UnavailableError(absl::StrCat("router: ", port.status().message()));

@@ -26,6 +26,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "common/tls.h"
 #include "pdserve/v1/generation.grpc.pb.h"
 #include "tests/support/http_get.h"
 #include "tests/support/subprocess.h"
@@ -40,6 +41,47 @@ inline const std::string kBin = PDSERVE_BINARY_DIR;
 inline std::string TempDir() {
   char tmpl[] = "/tmp/pdserve-cluster-XXXXXX";
   return mkdtemp(tmpl);
+}
+
+// A development CA and a certificate per role (deploy/make_certs.sh), made
+// once per test process.
+inline const std::string& TestCertsDir() {
+  static const std::string dir = [] {
+    const std::string d = TempDir() + "/certs";
+    const std::string cmd = absl::StrCat("'", PDSERVE_SOURCE_DIR, "/deploy/make_certs.sh' '", d, "' > /dev/null");
+    if (std::system(cmd.c_str()) != 0) ADD_FAILURE() << "deploy/make_certs.sh failed";
+    return d;
+  }();
+  return dir;
+}
+
+inline TlsFiles TestTls(const std::string& role) {
+  const std::string& d = TestCertsDir();
+  TlsFiles f;
+  f.cert = absl::StrCat(d, "/", role, ".pem");
+  f.key = absl::StrCat(d, "/", role, ".key");
+  f.ca = d + "/ca.pem";
+  return f;
+}
+
+// A server's TLS flags for `role`: its certificate from TestCertsDir, or
+// --insecure when `tls` is off.
+inline std::vector<std::string> TlsArgs(const std::string& role, bool tls = true) {
+  if (!tls) return {"--insecure"};
+  const TlsFiles f = TestTls(role);
+  return {"--tls_cert", f.cert, "--tls_key", f.key, "--tls_ca", f.ca};
+}
+
+// A channel to a pdserve server as the test's `as_role` would dial it:
+// the router's client API (server_role "") with the CA only, a worker
+// ("prefill"/"decode") with the router's certificate. Plaintext when
+// `tls` is off.
+inline std::shared_ptr<grpc::Channel> TestChannel(const std::string& address, const std::string& server_role = "",
+                                                  bool tls = true, grpc::ChannelArguments args = {}) {
+  if (!tls) return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  TlsFiles f = TestTls("router");
+  if (server_role.empty()) f.cert = f.key = "";
+  return grpc::CreateCustomChannel(address, ChannelTlsCredentials(f, server_role, &args), args);
 }
 
 // A port a server wrote in its ready file (0 if none).
@@ -63,8 +105,10 @@ inline double MetricValue(const std::string& page, const std::string& series) {
 
 // grpc.health.v1.Health/Check for the whole server (an empty request): the
 // answer's status field, 1 SERVING or 2 NOT_SERVING; -1 if the call failed.
-inline int GrpcHealth(const std::string& address) {
-  grpc::GenericStub stub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+// `server_role`: how TestChannel dials it ("" the router; "none":
+// plaintext, a health-only port).
+inline int GrpcHealth(const std::string& address, const std::string& server_role = "decode") {
+  grpc::GenericStub stub(server_role == "none" ? TestChannel(address, "", false) : TestChannel(address, server_role));
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
   grpc::Slice empty("");
@@ -103,6 +147,9 @@ class Cluster {
   std::vector<std::string> extra_router_flags;
   // The model directory every process serves, set before Start.
   std::string model = kModel;
+  // Mutual TLS between the processes and TLS to the router (the default),
+  // or --insecure everywhere. Set before Start.
+  bool tls = true;
 
   // colocated: router --colocated, no prefill worker.
   absl::Status Start(const std::string& dir, bool colocated, const std::vector<std::string>& decode_flags = {},
@@ -115,6 +162,7 @@ class Cluster {
       const std::string ready = absl::StrCat(dir, "/decode", i, ".ready");
       std::vector<std::string> dargs = {kBin + "/decode_worker/pdserve-decode-worker", "--model", model,
                                         "--ready_file", ready, "--prefill_chunk", "32"};
+      for (std::string& a : TlsArgs("decode", tls)) dargs.push_back(std::move(a));
       dargs.insert(dargs.end(), decode_flags.begin(), decode_flags.end());
       if (auto it = extra_decode_flags.find(i); it != extra_decode_flags.end()) {
         dargs.insert(dargs.end(), it->second.begin(), it->second.end());
@@ -133,6 +181,7 @@ class Cluster {
     std::vector<std::string> rargs = {kBin + "/router/pdserve-router", "--model", model, "--ready_file",
                                       dir + "/router.ready", "--decode", decode_list, "--http_listen",
                                       "127.0.0.1:0"};
+    for (std::string& a : TlsArgs("router", tls)) rargs.push_back(std::move(a));
     if (colocated) {
       rargs.push_back("--colocated");
     } else {
@@ -142,6 +191,7 @@ class Cluster {
         const std::string ready = absl::StrCat(dir, "/prefill", i, ".ready");
         std::vector<std::string> pargs = {kBin + "/prefill_worker/pdserve-prefill-worker", "--model", model,
                                           "--ready_file", ready, "--prefill_chunk", "32"};
+        for (std::string& a : TlsArgs("prefill", tls)) pargs.push_back(std::move(a));
         pargs.insert(pargs.end(), prefill_flags.begin(), prefill_flags.end());
         if (absl::Status s = prefill_.back()->Start(pargs, absl::StrCat(dir, "/prefill", i, ".log"), env); !s.ok()) {
           return s;
@@ -162,7 +212,7 @@ class Cluster {
     http_port_ = ReadyPort(dir + "/router.ready", "http_port");
     decode_metrics_ = MetricsPort(dir + "/decode0.ready");
     if (!colocated) prefill_metrics_ = MetricsPort(dir + "/prefill0.ready");
-    stub_ = v1::Generation::NewStub(grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()));
+    stub_ = v1::Generation::NewStub(TestChannel(address_, "", tls));
     return absl::OkStatus();
   }
 

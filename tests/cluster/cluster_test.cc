@@ -374,7 +374,8 @@ TEST_F(ClusterTest, EveryServiceExportsPrometheusMetrics) {
 
 TEST_F(ClusterTest, ServingBenchRunsAgainstTheClusterAndTheEngine) {
   const std::string out = *dir_ + "/bench.json";
-  const std::string cmd = absl::StrCat(kBin, "/tools/pdctl/pdctl bench --router ", disagg_->address(),
+  const std::string cmd = absl::StrCat(kBin, "/tools/pdctl/pdctl bench --tls_ca ", TestTls("router").ca, " --router ",
+                                       disagg_->address(),
                                        " --requests 6 --concurrency 3 --prompt-tokens 20:40 --output-tokens 8",
                                        " --in-process-model ", kModel, " --json > ", out, " 2>/dev/null");
   ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;

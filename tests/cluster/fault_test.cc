@@ -220,7 +220,7 @@ absl::StatusOr<std::string> StartServer(Subprocess& p, const std::string& dir, c
 
 // The decode worker's Status RPC (healthy, unhealthy_reason).
 worker::v1::WorkerInfo DecodeInfo(const std::string& address) {
-  auto stub = worker::v1::DecodeWorker::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  auto stub = worker::v1::DecodeWorker::NewStub(TestChannel(address, "decode"));
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
   worker::v1::WorkerInfo info;
@@ -242,7 +242,8 @@ TEST(FaultTest, DecodeWorkerWithoutSysIsNotServingWithUcxReason) {
   absl::StatusOr<std::string> broken_address =
       StartServer(broken, dir, "broken",
                   {UnshareBinary(), "-m", "sh", "-c", "mount -t tmpfs none /sys && exec \"$0\" \"$@\"", decode_bin,
-                   "--model", kModel});
+                   "--model", kModel, "--tls_cert", TestTls("decode").cert, "--tls_key", TestTls("decode").key,
+                   "--tls_ca", TestTls("decode").ca});
   ASSERT_TRUE(broken_address.ok()) << broken_address.status();
   const absl::Time serving = absl::Now();
   // Polled: the verdict is another process's.
@@ -261,15 +262,19 @@ TEST(FaultTest, DecodeWorkerWithoutSysIsNotServingWithUcxReason) {
   // A router needs one serving decode worker to start: a healthy one,
   // killed once the router is up, leaves only the broken one.
   Subprocess healthy, prefill, router;
-  absl::StatusOr<std::string> healthy_address = StartServer(healthy, dir, "healthy", {decode_bin, "--model", kModel});
+  absl::StatusOr<std::string> healthy_address = StartServer(healthy, dir, "healthy", {decode_bin, "--model", kModel, "--tls_cert", TestTls("decode").cert, "--tls_key",
+                                            TestTls("decode").key, "--tls_ca", TestTls("decode").ca});
   ASSERT_TRUE(healthy_address.ok()) << healthy_address.status();
   absl::StatusOr<std::string> prefill_address =
-      StartServer(prefill, dir, "prefill", {kBin + "/prefill_worker/pdserve-prefill-worker", "--model", kModel});
+      StartServer(prefill, dir, "prefill",
+                  {kBin + "/prefill_worker/pdserve-prefill-worker", "--model", kModel, "--tls_cert",
+                   TestTls("prefill").cert, "--tls_key", TestTls("prefill").key, "--tls_ca", TestTls("prefill").ca});
   ASSERT_TRUE(prefill_address.ok()) << prefill_address.status();
   absl::StatusOr<std::string> router_address = StartServer(
       router, dir, "router",
       {kBin + "/router/pdserve-router", "--model", kModel, "--http_listen", "127.0.0.1:0", "--decode",
-       absl::StrCat(*broken_address, ",", *healthy_address), "--prefill", *prefill_address, "--pick_wait_s", "1"});
+       absl::StrCat(*broken_address, ",", *healthy_address), "--prefill", *prefill_address, "--pick_wait_s", "1",
+       "--tls_cert", TestTls("router").cert, "--tls_key", TestTls("router").key, "--tls_ca", TestTls("router").ca});
   ASSERT_TRUE(router_address.ok()) << router_address.status();
   healthy.Kill();
   // Once the router's own probe has ejected it (the broken worker was never
@@ -282,7 +287,7 @@ TEST(FaultTest, DecodeWorkerWithoutSysIsNotServingWithUcxReason) {
   }
   ASSERT_EQ(MetricValue(HttpGet(router_metrics, "/metrics"), ejections), 1) << router.LogTail();
 
-  auto stub = v1::Generation::NewStub(grpc::CreateChannel(*router_address, grpc::InsecureChannelCredentials()));
+  auto stub = v1::Generation::NewStub(TestChannel(*router_address));
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
   auto reader = stub->Generate(&ctx, SeededRequest(8));

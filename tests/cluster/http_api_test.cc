@@ -51,6 +51,7 @@ class HttpApiTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     cluster_ = new Cluster();
+    cluster_->tls = false;  // plain HTTP for the raw client; HTTPS: openai_client_test, tls_test
     const absl::Status s = cluster_->Start(TempDir() + "/http", /*colocated=*/false);
     ASSERT_TRUE(s.ok()) << s;
     ASSERT_GT(cluster_->http_port(), 0);
@@ -201,6 +202,7 @@ class SlowHttpTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     cluster_ = new Cluster();
+    cluster_->tls = false;
     const absl::Status s =
         cluster_->Start(TempDir() + "/http-slow", /*colocated=*/false, {"--fault_step_delay_ms", "80"});
     ASSERT_TRUE(s.ok()) << s;
@@ -270,6 +272,7 @@ TEST_F(SlowHttpTest, ClosingTheConnectionCancelsTheRequestAndFreesItsKv) {
 // decode pool is the only one), and 200 again when a worker is back.
 TEST(HttpHealthTest, HealthFollowsWhetherARequestCanBePlaced) {
   Cluster c;
+  c.tls = false;
   const absl::Status s = c.Start(TempDir() + "/http-health", /*colocated=*/true);
   ASSERT_TRUE(s.ok()) << s;
   auto health = [&c] { return HttpExchange(c.http_port(), HttpRequest("GET", "/health", "")).status; };

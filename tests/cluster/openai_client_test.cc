@@ -1,4 +1,6 @@
-// The official `openai` npm client against two real clusters: one with API
+// The official `openai` npm client, over HTTPS (the clusters' default TLS;
+// the client trusts the test CA through NODE_EXTRA_CA_CERTS), against two
+// real clusters: one with API
 // keys (chat and completions, streamed and not, stop strings, seeds equal
 // to the gRPC stream, logprobs, usage, 401, 400, 404, 64 concurrent
 // streams) and one whose admission queue holds two requests behind a
@@ -53,8 +55,9 @@ TEST(OpenAiClientTest, TheOfficialClientWorksUnchanged) {
   std::ofstream(dir + "/grpc_text") << grpc.text;
 
   const std::string command = absl::StrCat(
-      "cd ", kClientDir, " && PDSERVE_URL=http://127.0.0.1:", main.http_port(), "/v1 PDSERVE_KEY=sk-pdserve-npm ",
-      "PDSERVE_ADMISSION_URL=http://127.0.0.1:", admission.http_port(), "/v1 ",
+      "cd ", kClientDir, " && NODE_EXTRA_CA_CERTS=", TestTls("router").ca,
+      " PDSERVE_URL=https://127.0.0.1:", main.http_port(), "/v1 PDSERVE_KEY=sk-pdserve-npm ",
+      "PDSERVE_ADMISSION_URL=https://127.0.0.1:", admission.http_port(), "/v1 ",
       "PDSERVE_GRPC_TEXT=\"$(cat ", dir, "/grpc_text)\" node --test-reporter=tap test.mjs 2>&1");
   FILE* p = popen(command.c_str(), "r");
   ASSERT_NE(p, nullptr);

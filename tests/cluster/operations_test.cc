@@ -57,7 +57,8 @@ TEST(OperationsTest, PrefillWorkerKilledMidPrefillIsRetriedElsewhere) {
 // column, the age of the oldest request in that worker's engine (-1 when
 // there is no such row).
 double OldestDecodeRequestSeconds(Cluster& c, std::string* out) {
-  const std::string cmd = absl::StrCat(kBin, "/tools/pdctl/pdctl status --router ", c.address(), " 2>&1");
+  const std::string cmd =
+      absl::StrCat(kBin, "/tools/pdctl/pdctl status --tls_ca ", TestTls("router").ca, " --router ", c.address(), " 2>&1");
   FILE* p = popen(cmd.c_str(), "r");
   if (p == nullptr) return -1;
   char buf[4096];
@@ -217,9 +218,10 @@ TEST(OperationsTest, DecodePoolScalesBehindADnsName) {
   const std::string name = "decode.pdserve.test";
   auto start_decode = [&](Subprocess& p, const std::string& ip) -> absl::Status {
     const std::string ready = absl::StrCat(dir, "/decode-", ip, ".ready");
-    absl::Status s = p.Start({kBin + "/decode_worker/pdserve-decode-worker", "--model", kModel, "--ready_file", ready,
-                              "--listen", absl::StrCat(ip, ":", port), "--drain_grace_s", "5"},
-                             absl::StrCat(dir, "/decode-", ip, ".log"));
+    std::vector<std::string> argv = {kBin + "/decode_worker/pdserve-decode-worker", "--model", kModel, "--ready_file",
+                                     ready, "--listen", absl::StrCat(ip, ":", port), "--drain_grace_s", "5"};
+    for (std::string& a : TlsArgs("decode")) argv.push_back(std::move(a));
+    absl::Status s = p.Start(argv, absl::StrCat(dir, "/decode-", ip, ".log"));
     if (!s.ok()) return s;
     return p.WaitReady(ready, absl::Seconds(60)).status();
   };
@@ -228,7 +230,8 @@ TEST(OperationsTest, DecodePoolScalesBehindADnsName) {
   ASSERT_TRUE(dns.SetHosts({{name, {"127.0.0.2"}}}).ok());
   ASSERT_TRUE(prefill
                   .Start({kBin + "/prefill_worker/pdserve-prefill-worker", "--model", kModel, "--ready_file",
-                          dir + "/prefill.ready"},
+                          dir + "/prefill.ready", "--tls_cert", TestTls("prefill").cert, "--tls_key",
+                          TestTls("prefill").key, "--tls_ca", TestTls("prefill").ca},
                          dir + "/prefill.log")
                   .ok());
   absl::StatusOr<int> pport = prefill.WaitReady(dir + "/prefill.ready", absl::Seconds(60));
@@ -237,13 +240,14 @@ TEST(OperationsTest, DecodePoolScalesBehindADnsName) {
                   .Start({kBin + "/router/pdserve-router", "--model", kModel, "--http_listen", "127.0.0.1:0", "--ready_file",
                           dir + "/router.ready",
                           "--prefill", absl::StrCat("127.0.0.1:", *pport), "--decode",
-                          absl::StrCat("dns://", dns.server(), "/", name, ":", port), "--resolve_interval_s", "0.2"},
+                          absl::StrCat("dns://", dns.server(), "/", name, ":", port), "--resolve_interval_s", "0.2",
+                          "--tls_cert", TestTls("router").cert, "--tls_key", TestTls("router").key, "--tls_ca",
+                          TestTls("router").ca},
                          dir + "/router.log")
                   .ok());
   absl::StatusOr<int> rport = router.WaitReady(dir + "/router.ready", absl::Seconds(60));
   ASSERT_TRUE(rport.ok()) << rport.status();
-  auto stub = v1::Generation::NewStub(
-      grpc::CreateChannel(absl::StrCat("127.0.0.1:", *rport), grpc::InsecureChannelCredentials()));
+  auto stub = v1::Generation::NewStub(TestChannel(absl::StrCat("127.0.0.1:", *rport)));
   auto logs = [&] {
     return absl::StrCat("router:\n", router.LogTail(), "\nd1:\n", d1.LogTail(), "\nd2:\n", d2.LogTail());
   };

@@ -34,6 +34,7 @@ struct Worker {
     const std::string ready = dir + "/decode.ready";
     std::vector<std::string> argv = {kBin + "/decode_worker/pdserve-decode-worker", "--model", kModel,
                                      "--ready_file", ready, "--fault_step_delay_ms", "5"};
+    for (std::string& a : TlsArgs("decode")) argv.push_back(std::move(a));
     argv.insert(argv.end(), flags.begin(), flags.end());
     if (absl::Status s = process.Start(argv, dir + "/decode.log"); !s.ok()) return s;
     absl::StatusOr<int> port = process.WaitReady(ready, absl::Seconds(60));
@@ -44,7 +45,7 @@ struct Worker {
   }
 
   v1::WorkerStatus Status() {
-    auto stub = DecodeWorker::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+    auto stub = DecodeWorker::NewStub(TestChannel(address, "decode"));
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
     worker::v1::WorkerInfo info;
@@ -67,7 +68,7 @@ struct Stream {
     args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
     args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 1024);
     args.SetInt("grpc.use_local_subchannel_pool", 1);  // Not shared with the other streams.
-    channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+    channel = TestChannel(address, "decode", true, args);
     stub = DecodeWorker::NewStub(channel);
     worker::v1::DecodeRequest req;
     req.set_prefill_here(true);

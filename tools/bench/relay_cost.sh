@@ -34,11 +34,11 @@ port_of() { python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))[sys.
 
 for run in $(seq 1 "$RUNS"); do
   rm -f "$OUT"/*.ready
-  taskset -c 1 "$BUILD/decode_worker/pdserve-decode-worker" --model "$MODEL" --stand_in --metrics_listen= \
+  taskset -c 1 "$BUILD/decode_worker/pdserve-decode-worker" --model "$MODEL" --stand_in --metrics_listen= --insecure \
     --ready_file "$OUT/decode.ready" > "$OUT/decode.log" 2>&1 &
   dpid=$!
   wait_ready "$OUT/decode.ready"
-  taskset -c 0 "$BUILD/router/pdserve-router" --model "$MODEL" --colocated --metrics_listen=127.0.0.1:0 --http_listen=127.0.0.1:0 \
+  taskset -c 0 "$BUILD/router/pdserve-router" --model "$MODEL" --colocated --metrics_listen=127.0.0.1:0 --http_listen=127.0.0.1:0 --insecure \
     --decode "127.0.0.1:$(port_of "$OUT/decode.ready")" --ready_file "$OUT/router.ready" > "$OUT/router.log" 2>&1 &
   rpid=$!
   wait_ready "$OUT/router.ready"

@@ -36,8 +36,10 @@ serving() {  # BUILD TAG RUN
     PDSERVE_BUILD_DIR=$build PDSERVE_CLUSTER_DIR="$OUT/cluster" deploy/cluster.sh start "${flags[@]}" >/dev/null
     local router
     router=$(cat "$OUT/cluster/router.address")
+    local tls=()
+    [[ -f "$OUT/cluster/tls_ca" ]] && tls=(--tls_ca "$(cat "$OUT/cluster/tls_ca")")
     for c in $CONCURRENCY; do
-      "$build/tools/pdctl/pdctl" bench --router "$router" --requests "${c#*:}" --concurrency "${c%%:*}" \
+      "$build/tools/pdctl/pdctl" bench --router "$router" "${tls[@]}" --requests "${c#*:}" --concurrency "${c%%:*}" \
         --prompt-tokens 128 --output-tokens 64 --json > "$OUT/serving-$tag-$mode-c${c%%:*}-$run.json" 2>/dev/null
     done
     PDSERVE_BUILD_DIR=$build PDSERVE_CLUSTER_DIR="$OUT/cluster" deploy/cluster.sh stop >/dev/null

@@ -29,6 +29,7 @@
 #include "nlohmann/json.hpp"
 #include "pdserve/v1/generation.grpc.pb.h"
 #include "tools/pdctl/bench_results.h"
+#include "tools/pdctl/cluster_commands.h"
 #include "tools/pdctl/bench_svg.h"
 #include "tools/pdctl/bench_trace.h"
 #include "tools/pdctl/bench_workload.h"
@@ -82,7 +83,7 @@ class Target {
 class RouterTarget final : public Target {
  public:
   explicit RouterTarget(const std::string& address)
-      : stub_(v1::Generation::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()))) {}
+      : stub_(v1::Generation::NewStub(RouterChannel(address))) {}
   RequestResult Run(const WorkloadRequest& w) override {
     v1::GenerateRequest req;
     req.mutable_token_ids()->mutable_ids()->Assign(w.prompt.begin(), w.prompt.end());
@@ -90,6 +91,7 @@ class RouterTarget final : public Target {
     req.set_ignore_eos(true);
     req.mutable_sampling()->set_temperature(0);
     grpc::ClientContext ctx;
+    AddApiKey(ctx);
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(600));
     Recorder r;
     r.sent = Clock::now();
@@ -114,6 +116,7 @@ class RouterTarget final : public Target {
   }
   int32_t VocabSize() {
     grpc::ClientContext ctx;
+    AddApiKey(ctx);
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
     v1::ListModelsResponse out;
     if (!stub_->ListModels(&ctx, {}, &out).ok() || out.models().empty()) return 0;

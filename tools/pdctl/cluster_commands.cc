@@ -2,13 +2,19 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 
+#include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "google/protobuf/util/json_util.h"
 #include "common/grpc_status.h"
+#include "common/tls.h"
+#include "common/tls_flags.h"
 #include "grpcpp/grpcpp.h"
 #include "pdserve/v1/generation.grpc.pb.h"
+
+ABSL_FLAG(std::string, api_key, "", "generate / bench --router: the router's API key (default: $PDSERVE_API_KEY)");
 
 namespace pdserve::pdctl {
 namespace {
@@ -35,10 +41,29 @@ const char* FinishName(v1::FinishReason f) {
 
 }  // namespace
 
+std::shared_ptr<grpc::Channel> RouterChannel(const std::string& router) {
+  const std::string ca = absl::GetFlag(FLAGS_tls_ca);
+  if (ca.empty()) return grpc::CreateChannel(router, grpc::InsecureChannelCredentials());
+  TlsFiles files;
+  files.ca = ca;
+  grpc::ChannelArguments args;
+  return grpc::CreateCustomChannel(router, ChannelTlsCredentials(files, "", &args), args);
+}
+
+void AddApiKey(grpc::ClientContext& ctx) {
+  std::string key = absl::GetFlag(FLAGS_api_key);
+  if (key.empty()) {
+    const char* env = std::getenv("PDSERVE_API_KEY");
+    if (env != nullptr) key = env;
+  }
+  if (!key.empty()) ctx.AddMetadata("authorization", absl::StrCat("Bearer ", key));
+}
+
 absl::Status RemoteGenerate(const std::string& router, const v1::GenerateRequest& request, bool print_ids,
                             double timeout_seconds) {
-  auto stub = v1::Generation::NewStub(grpc::CreateChannel(router, grpc::InsecureChannelCredentials()));
+  auto stub = v1::Generation::NewStub(RouterChannel(router));
   grpc::ClientContext ctx;
+  AddApiKey(ctx);
   if (timeout_seconds > 0) {
     ctx.set_deadline(std::chrono::system_clock::now() +
                      std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1e3)));
@@ -83,7 +108,7 @@ absl::Status RemoteGenerate(const std::string& router, const v1::GenerateRequest
 }
 
 absl::Status RemoteStatus(const std::string& router, bool json) {
-  auto stub = v1::Generation::NewStub(grpc::CreateChannel(router, grpc::InsecureChannelCredentials()));
+  auto stub = v1::Generation::NewStub(RouterChannel(router));
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
   v1::ClusterStatusResponse out;

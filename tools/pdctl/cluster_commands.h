@@ -2,12 +2,20 @@
 #ifndef PDSERVE_TOOLS_PDCTL_CLUSTER_COMMANDS_H_
 #define PDSERVE_TOOLS_PDCTL_CLUSTER_COMMANDS_H_
 
+#include <memory>
 #include <string>
 
 #include "absl/status/status.h"
+#include "grpcpp/grpcpp.h"
 #include "pdserve/v1/generation.pb.h"
 
 namespace pdserve::pdctl {
+
+// A channel to the router: TLS checked against --tls_ca when it is given
+// (the router's certificate must name the address's host), else plaintext.
+std::shared_ptr<grpc::Channel> RouterChannel(const std::string& router);
+// Adds --api_key (or $PDSERVE_API_KEY) as "authorization: Bearer KEY".
+void AddApiKey(grpc::ClientContext& ctx);
 
 // Streams the generation's text to stdout as it arrives (ids too when
 // `print_ids`), then the finish reason, usage, seed and timings on stderr.

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# A development certificate authority and one certificate per pdserve role,
+# for a local or test cluster (Kubernetes: see deploy/ for Secrets made the
+# same way). Idempotent: an existing CA is kept, and so are certificates it
+# signed that are not about to expire.
+#
+#   deploy/make_certs.sh [DIR]        (default: ${PDSERVE_CERTS_DIR:-/tmp/pdserve-certs})
+#
+# Writes DIR/ca.pem (the cluster CA: every service trusts it), DIR/ca.key,
+# and for each role in router, prefill, decode: DIR/ROLE.pem (its
+# certificate, with the CA after it) and DIR/ROLE.key. A role's
+# certificate names it as the DNS name ROLE.pdserve.internal, which is how
+# services check each other's role (router/README: "TLS"); it also holds
+# localhost, 127.0.0.1 and ::1 so that clients on this machine can check
+# the router by the address they dial. Keys are ECDSA P-256; certificates
+# last 30 days; keys are readable by their owner only.
+set -euo pipefail
+DIR=${1:-${PDSERVE_CERTS_DIR:-/tmp/pdserve-certs}}
+DAYS=30
+mkdir -p "$DIR"
+umask 077
+
+if [[ ! -s "$DIR/ca.pem" || ! -s "$DIR/ca.key" ]]; then
+  openssl ecparam -name prime256v1 -genkey -noout -out "$DIR/ca.key"
+  openssl req -x509 -new -key "$DIR/ca.key" -sha256 -days 3650 -subj "/O=pdserve/CN=pdserve development CA" \
+    -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign" \
+    -out "$DIR/ca.pem" 2>/dev/null
+  rm -f "$DIR"/router.pem "$DIR"/prefill.pem "$DIR"/decode.pem
+fi
+
+for role in router prefill decode; do
+  # Kept while it verifies against this CA and has a day left.
+  if [[ -s "$DIR/$role.pem" && -s "$DIR/$role.key" ]] &&
+     openssl verify -CAfile "$DIR/ca.pem" "$DIR/$role.pem" > /dev/null 2>&1 &&
+     openssl x509 -checkend 86400 -noout -in "$DIR/$role.pem" > /dev/null 2>&1; then
+    continue
+  fi
+  openssl ecparam -name prime256v1 -genkey -noout -out "$DIR/$role.key.new"
+  openssl req -new -key "$DIR/$role.key.new" -subj "/O=pdserve/OU=$role/CN=$role.pdserve.internal" \
+    -out "$DIR/$role.csr" 2>/dev/null
+  cat > "$DIR/$role.ext" <<EOF
+basicConstraints=critical,CA:FALSE
+keyUsage=critical,digitalSignature,keyEncipherment
+extendedKeyUsage=serverAuth,clientAuth
+subjectAltName=DNS:$role.pdserve.internal,DNS:localhost,IP:127.0.0.1,IP:::1
+EOF
+  openssl x509 -req -in "$DIR/$role.csr" -CA "$DIR/ca.pem" -CAkey "$DIR/ca.key" -CAcreateserial -days "$DAYS" \
+    -sha256 -extfile "$DIR/$role.ext" -out "$DIR/$role.crt.new" 2>/dev/null
+  cat "$DIR/$role.crt.new" "$DIR/ca.pem" > "$DIR/$role.pem.new"
+  # Renamed into place, key first: a service reloading its files never sees
+  # a half-written one.
+  mv "$DIR/$role.key.new" "$DIR/$role.key"
+  mv "$DIR/$role.pem.new" "$DIR/$role.pem"
+  rm -f "$DIR/$role.csr" "$DIR/$role.ext" "$DIR/$role.crt.new"
+done
+chmod 644 "$DIR"/ca.pem "$DIR"/router.pem "$DIR"/prefill.pem "$DIR"/decode.pem
+echo "$DIR"

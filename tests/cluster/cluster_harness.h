@@ -55,8 +55,9 @@ inline const std::string& TestCertsDir() {
   return dir;
 }
 
-inline TlsFiles TestTls(const std::string& role) {
-  const std::string& d = TestCertsDir();
+// `dir`: another deploy/make_certs.sh output ("" = TestCertsDir()).
+inline TlsFiles TestTls(const std::string& role, const std::string& dir = "") {
+  const std::string& d = dir.empty() ? TestCertsDir() : dir;
   TlsFiles f;
   f.cert = absl::StrCat(d, "/", role, ".pem");
   f.key = absl::StrCat(d, "/", role, ".key");
@@ -66,9 +67,9 @@ inline TlsFiles TestTls(const std::string& role) {
 
 // A server's TLS flags for `role`: its certificate from TestCertsDir, or
 // --insecure when `tls` is off.
-inline std::vector<std::string> TlsArgs(const std::string& role, bool tls = true) {
+inline std::vector<std::string> TlsArgs(const std::string& role, bool tls = true, const std::string& dir = "") {
   if (!tls) return {"--insecure"};
-  const TlsFiles f = TestTls(role);
+  const TlsFiles f = TestTls(role, dir);
   return {"--tls_cert", f.cert, "--tls_key", f.key, "--tls_ca", f.ca};
 }
 
@@ -77,9 +78,10 @@ inline std::vector<std::string> TlsArgs(const std::string& role, bool tls = true
 // ("prefill"/"decode") with the router's certificate. Plaintext when
 // `tls` is off.
 inline std::shared_ptr<grpc::Channel> TestChannel(const std::string& address, const std::string& server_role = "",
-                                                  bool tls = true, grpc::ChannelArguments args = {}) {
+                                                  bool tls = true, grpc::ChannelArguments args = {},
+                                                  const std::string& dir = "") {
   if (!tls) return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
-  TlsFiles f = TestTls("router");
+  TlsFiles f = TestTls("router", dir);
   if (server_role.empty()) f.cert = f.key = "";
   return grpc::CreateCustomChannel(address, ChannelTlsCredentials(f, server_role, &args), args);
 }
@@ -148,8 +150,10 @@ class Cluster {
   // The model directory every process serves, set before Start.
   std::string model = kModel;
   // Mutual TLS between the processes and TLS to the router (the default),
-  // or --insecure everywhere. Set before Start.
+  // or --insecure everywhere; the certificates from `certs_dir` (""
+  // TestCertsDir()). Set before Start.
   bool tls = true;
+  std::string certs_dir;
 
   // colocated: router --colocated, no prefill worker.
   absl::Status Start(const std::string& dir, bool colocated, const std::vector<std::string>& decode_flags = {},
@@ -162,7 +166,7 @@ class Cluster {
       const std::string ready = absl::StrCat(dir, "/decode", i, ".ready");
       std::vector<std::string> dargs = {kBin + "/decode_worker/pdserve-decode-worker", "--model", model,
                                         "--ready_file", ready, "--prefill_chunk", "32"};
-      for (std::string& a : TlsArgs("decode", tls)) dargs.push_back(std::move(a));
+      for (std::string& a : TlsArgs("decode", tls, certs_dir)) dargs.push_back(std::move(a));
       dargs.insert(dargs.end(), decode_flags.begin(), decode_flags.end());
       if (auto it = extra_decode_flags.find(i); it != extra_decode_flags.end()) {
         dargs.insert(dargs.end(), it->second.begin(), it->second.end());
@@ -181,7 +185,7 @@ class Cluster {
     std::vector<std::string> rargs = {kBin + "/router/pdserve-router", "--model", model, "--ready_file",
                                       dir + "/router.ready", "--decode", decode_list, "--http_listen",
                                       "127.0.0.1:0"};
-    for (std::string& a : TlsArgs("router", tls)) rargs.push_back(std::move(a));
+    for (std::string& a : TlsArgs("router", tls, certs_dir)) rargs.push_back(std::move(a));
     if (colocated) {
       rargs.push_back("--colocated");
     } else {
@@ -191,7 +195,7 @@ class Cluster {
         const std::string ready = absl::StrCat(dir, "/prefill", i, ".ready");
         std::vector<std::string> pargs = {kBin + "/prefill_worker/pdserve-prefill-worker", "--model", model,
                                           "--ready_file", ready, "--prefill_chunk", "32"};
-        for (std::string& a : TlsArgs("prefill", tls)) pargs.push_back(std::move(a));
+        for (std::string& a : TlsArgs("prefill", tls, certs_dir)) pargs.push_back(std::move(a));
         pargs.insert(pargs.end(), prefill_flags.begin(), prefill_flags.end());
         if (absl::Status s = prefill_.back()->Start(pargs, absl::StrCat(dir, "/prefill", i, ".log"), env); !s.ok()) {
           return s;
@@ -212,7 +216,7 @@ class Cluster {
     http_port_ = ReadyPort(dir + "/router.ready", "http_port");
     decode_metrics_ = MetricsPort(dir + "/decode0.ready");
     if (!colocated) prefill_metrics_ = MetricsPort(dir + "/prefill0.ready");
-    stub_ = v1::Generation::NewStub(TestChannel(address_, "", tls));
+    stub_ = v1::Generation::NewStub(TestChannel(address_, "", tls, {}, certs_dir));
     return absl::OkStatus();
   }
 

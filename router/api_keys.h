@@ -1,10 +1,14 @@
 // Optional API keys for the router's client APIs (gRPC metadata
 // "authorization", HTTP "Authorization: Bearer KEY").
 //
-// The keys file holds one key per line, `ID:SHA256HEX`: an id that logs and
-// metrics may show, and the SHA-256 of the key in lowercase hex (the file
-// never holds a key itself). Blank lines and lines starting with '#' are
-// skipped. The file is read again when it changes (its modification time,
+// The keys file holds one key per line, `ID:SHA256HEX [rate=R] [burst=B]
+// [concurrency=C]`: an id that logs and metrics may show (letters, digits,
+// '.', '_', '-'), the SHA-256 of the key in lowercase hex (the file never
+// holds a key itself), and optional limits on the key's generations: R
+// requests per second (a token bucket holding B, default max(1, R)), and C
+// requests in flight at once. Blank lines and lines starting with '#' are
+// skipped. A key's limit state (its bucket, its requests in flight) is
+// kept by id across reloads. The file is read again when it changes (its modification time,
 // size or inode), checked at most once per second: a Kubernetes Secret
 // update arrives as a new file and sends no signal. A file that no longer
 // parses keeps the keys last read (and says why in the log).
@@ -18,6 +22,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -30,6 +35,39 @@ namespace pdserve::router {
 // SHA-256 of `bytes`, lowercase hex.
 std::string Sha256Hex(absl::string_view bytes);
 
+// The limits of one key (0: none).
+struct KeyLimits {
+  double rate = 0;   // requests per second
+  double burst = 0;  // the bucket's size
+  int64_t concurrency = 0;
+};
+
+namespace internal {
+struct KeyState;  // a key's bucket and requests in flight
+}
+
+// A generation admitted under a key: the key's id, and its place in the
+// key's concurrency limit, given back when the lease is destroyed. Empty
+// (id "") when keys are off.
+class KeyLease {
+ public:
+  KeyLease() = default;
+  KeyLease(std::string id, std::shared_ptr<internal::KeyState> state);
+  KeyLease(KeyLease&& o) noexcept = default;
+  KeyLease& operator=(KeyLease&& o) noexcept;
+  ~KeyLease();
+  const std::string& id() const { return id_; }
+
+ private:
+  void Release();
+  std::string id_;
+  std::shared_ptr<internal::KeyState> state_;
+};
+
+// A status payload (seconds, as text) saying when a refused request may be
+// sent again; set on the limits' RESOURCE_EXHAUSTED.
+inline constexpr char kRetryAfterPayload[] = "type.pdserve.dev/retry_after_seconds";
+
 class ApiKeys {
  public:
   // Reads `path` (errors: NOT_FOUND, or INVALID_ARGUMENT naming the line).
@@ -40,6 +78,11 @@ class ApiKeys {
   // "invalid API key"), never quoting the key.
   absl::StatusOr<std::string> Check(absl::string_view authorization);
 
+  // Check, then the key's limits for one more generation. Errors:
+  // UNAUTHENTICATED as Check; RESOURCE_EXHAUSTED naming the key id and the
+  // limit, with kRetryAfterPayload.
+  absl::StatusOr<KeyLease> Admit(absl::string_view authorization);
+
   // Reads the file again now if it changed; what Check does once a second.
   void ReloadIfChanged();
   size_t size() const;
@@ -48,7 +91,10 @@ class ApiKeys {
   struct Key {
     std::string id;
     std::string sha256;  // 32 raw bytes
+    KeyLimits limits;
   };
+  // The key `authorization` holds (nullptr: none). REQUIRES: mu_ held.
+  absl::StatusOr<const Key*> Find(absl::string_view authorization) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   struct FileStamp {
     int64_t mtime_ns = 0, size = -1;
     uint64_t inode = 0;
@@ -66,6 +112,7 @@ class ApiKeys {
   std::vector<Key> keys_ ABSL_GUARDED_BY(mu_);
   FileStamp stamp_ ABSL_GUARDED_BY(mu_);
   absl::Time next_check_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  absl::flat_hash_map<std::string, std::shared_ptr<internal::KeyState>> states_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace pdserve::router

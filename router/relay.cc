@@ -27,7 +27,8 @@ Clock MonotonicClock() {
 }
 
 RelayMetrics::RelayMetrics(MetricsRegistry& m) {
-  for (const char* o : {"stop", "length", "cancelled", "error", "invalid", "unavailable", "rejected", "unauthenticated"}) {
+  for (const char* o : {"stop", "length", "cancelled", "error", "invalid", "unavailable", "rejected", "unauthenticated",
+                        "key_limited"}) {
     outcomes[o] = m.AddCounter("pdserve_requests_total", "Requests by how they ended.",
                                absl::StrCat("outcome=\"", o, "\""));
   }

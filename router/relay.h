@@ -56,7 +56,7 @@ namespace pdserve::router {
 struct RelayMetrics {
   explicit RelayMetrics(MetricsRegistry& registry);
   // "stop", "length", "cancelled", "error", "invalid", "unavailable", "rejected",
-  // "unauthenticated".
+  // "unauthenticated", "key_limited" (over an API key's rate or concurrency).
   void CountOutcome(const char* outcome) const;
 
   absl::flat_hash_map<std::string, Counter*> outcomes;

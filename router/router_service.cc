@@ -183,6 +183,44 @@ absl::StatusOr<std::string> RouterService::CheckKey(absl::string_view authorizat
   return id;
 }
 
+void RouterService::CountKey(const std::string& id, const char* outcome) {
+  const std::string k = absl::StrCat(id, "/", outcome);
+  Counter* c;
+  {
+    absl::MutexLock lock(&key_metrics_mu_);
+    Counter*& slot = key_metrics_[k];
+    if (slot == nullptr) {
+      slot = metrics_.AddCounter("pdserve_api_key_requests_total", "Generations by API key id and outcome.",
+                                 absl::StrCat("key=\"", id, "\",outcome=\"", outcome, "\""));
+    }
+    c = slot;
+  }
+  c->Add();
+}
+
+absl::StatusOr<KeyLease> RouterService::AdmitKey(absl::string_view authorization, absl::string_view peer) {
+  if (api_keys_ == nullptr) return KeyLease();
+  absl::StatusOr<KeyLease> lease = api_keys_->Admit(authorization);
+  if (lease.ok()) {
+    CountKey(lease->id(), "admitted");
+    if (LogLevelEnabled("debug")) LogEvent("debug", "authenticated", {{"key_id", lease->id()}});
+    return lease;
+  }
+  if (absl::IsResourceExhausted(lease.status())) {
+    // The message names the key id ("API key 'alice': ..."), never the key.
+    const absl::string_view m = lease.status().message();
+    const size_t a = m.find('\''), b = m.find('\'', a + 1);
+    CountKey(std::string(m.substr(a + 1, b - a - 1)), "limited");
+    relay_metrics_->CountOutcome("key_limited");
+    LogEvent("warning", "key_limited", {{"peer", std::string(peer)}, {"error", std::string(m)}});
+    return lease.status();
+  }
+  relay_metrics_->CountOutcome("unauthenticated");
+  LogEvent("warning", "unauthenticated",
+           {{"peer", std::string(peer)}, {"error", std::string(lease.status().message())}});
+  return lease.status();
+}
+
 grpc::Status RouterService::Authenticate(grpc::ServerContext* ctx) {
   if (api_keys_ == nullptr) return grpc::Status::OK;
   std::string authorization;
@@ -207,6 +245,7 @@ openai::HttpBackend RouterService::HttpBackend() {
     b.authenticate = [this](absl::string_view authorization, absl::string_view peer) {
       return CheckKey(authorization, peer);
     };
+    b.admit = [this](absl::string_view authorization, absl::string_view peer) { return AdmitKey(authorization, peer); };
   }
   b.ready = [this] { return Ready(); };
   b.metrics = &metrics_;
@@ -216,8 +255,12 @@ openai::HttpBackend RouterService::HttpBackend() {
 grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequest& req,
                                 const std::function<bool(const v1::GenerateResponse&)>& emit) {
   const absl::Time received = relay_context_.options.clock();  // TTFT counts tokenizing too
-  // Refused before any tokenization or placement.
-  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
+  // Refused before any tokenization or placement; the lease is held to the end.
+  std::string authorization;
+  const auto& md = ctx->client_metadata();
+  if (auto it = md.find("authorization"); it != md.end()) authorization.assign(it->second.data(), it->second.size());
+  absl::StatusOr<KeyLease> lease = AdmitKey(authorization, ctx->peer());
+  if (!lease.ok()) return ToGrpcStatus(lease.status());
   absl::StatusOr<GenerationRequest> resolved = resolver_->Resolve(req);
   if (!resolved.ok()) {
     relay_metrics_->CountOutcome("invalid");

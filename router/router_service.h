@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "common/metrics.h"
@@ -113,6 +114,10 @@ class RouterService final : public v1::Generation::Service {
   // The key id for an "authorization" value ("Bearer KEY"; "" when keys
   // are off), or UNAUTHENTICATED (counted, and logged by key id only).
   absl::StatusOr<std::string> CheckKey(absl::string_view authorization, absl::string_view peer);
+  // CheckKey, then the key's limits for one generation (api_keys.h): the
+  // lease is held until the generation ends. RESOURCE_EXHAUSTED over a
+  // limit (counted as "key_limited", and per key id).
+  absl::StatusOr<KeyLease> AdmitKey(absl::string_view authorization, absl::string_view peer);
   // What the HTTP API (router/openai/server.h) needs; valid while this lives.
   openai::HttpBackend HttpBackend();
 
@@ -143,6 +148,10 @@ class RouterService final : public v1::Generation::Service {
   std::unique_ptr<RelayMetrics> relay_metrics_;
   std::unique_ptr<RequestResolver> resolver_;
   std::unique_ptr<ApiKeys> api_keys_;  // null: keys off
+  // pdserve_api_key_requests_total{key, outcome}, made as keys are seen.
+  absl::Mutex key_metrics_mu_;
+  absl::flat_hash_map<std::string, Counter*> key_metrics_ ABSL_GUARDED_BY(key_metrics_mu_);
+  void CountKey(const std::string& id, const char* outcome);
   // What the router observes of each stage (measured.h).
   MeasuredInputs measured_;
   // Every worker's prefix cache, from the KV events in its Status answers.

@@ -1,8 +1,13 @@
 #include "router/openai/response.h"
 
+#include <algorithm>
+#include <cmath>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
 #include "router/openai/request.h"
@@ -267,6 +272,10 @@ HttpError ErrorFor(const absl::Status& status) {
     case absl::StatusCode::kResourceExhausted:
       e.status = 429;
       type = "rate_limit_error";
+      if (auto p = status.GetPayload("type.pdserve.dev/retry_after_seconds"); p.has_value()) {
+        double s = 1;
+        if (absl::SimpleAtod(std::string(*p), &s)) e.retry_after_seconds = std::max<int64_t>(1, std::ceil(s));
+      }
       break;
     case absl::StatusCode::kUnavailable:
       e.status = 503;

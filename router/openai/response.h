@@ -93,6 +93,8 @@ class ResponseWriter {
 struct HttpError {
   int status = 500;
   std::string body;
+  // 429's Retry-After: the status's kRetryAfterPayload rounded up, else 1.
+  int64_t retry_after_seconds = 1;
 };
 HttpError ErrorFor(const absl::Status& status);
 

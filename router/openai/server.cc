@@ -390,11 +390,11 @@ class HttpServer::Impl {
 
   void SendError(evhttp_request* req, const absl::Status& st) {
     const HttpError e = ErrorFor(st);
-    Send(req, e.status, e.body, ExtraHeaders(e.status));
+    Send(req, e.status, e.body, ExtraHeaders(e));
   }
 
-  static std::vector<std::pair<std::string, std::string>> ExtraHeaders(int status) {
-    if (status == 429) return {{"Retry-After", "1"}};
+  static std::vector<std::pair<std::string, std::string>> ExtraHeaders(const HttpError& e) {
+    if (e.status == 429) return {{"Retry-After", std::to_string(e.retry_after_seconds)}};
     return {};
   }
 
@@ -599,7 +599,7 @@ class HttpServer::Impl {
 
   void ReplyError(const CallPtr& call, const absl::Status& st) {
     const HttpError e = ErrorFor(st);
-    Reply(call, e.status, e.body, ExtraHeaders(e.status));
+    Reply(call, e.status, e.body, ExtraHeaders(e));
   }
 
   void Stream(const CallPtr& call, std::string events, bool done) {
@@ -617,10 +617,11 @@ class HttpServer::Impl {
                 const std::string& peer, const std::string& client_id) {
     const RelayContext& rc = *backend_.relay;
     const absl::Time received = rc.options.clock();  // TTFT counts decoding and tokenizing too
-    if (backend_.authenticate) {
-      if (absl::StatusOr<std::string> id = backend_.authenticate(authorization, peer); !id.ok()) {
-        return ReplyError(call, id.status());
-      }
+    KeyLease lease;  // held to the end of the generation
+    if (backend_.admit) {
+      absl::StatusOr<KeyLease> l = backend_.admit(authorization, peer);
+      if (!l.ok()) return ReplyError(call, l.status());
+      lease = *std::move(l);
     }
     DecodeLimits limits;
     limits.max_body_bytes = options_.max_body_bytes;

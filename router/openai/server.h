@@ -34,6 +34,7 @@
 #include "absl/time/time.h"
 #include "common/metrics.h"
 #include "common/tls.h"
+#include "router/api_keys.h"
 #include "router/relay.h"
 #include "router/resolve.h"
 
@@ -64,6 +65,10 @@ struct HttpBackend {
   // The key id for an Authorization header ("Bearer KEY"), or
   // UNAUTHENTICATED. Empty: no keys (every client is served).
   std::function<absl::StatusOr<std::string>(absl::string_view authorization, absl::string_view peer)> authenticate;
+  // For a generation: the key checked and its limits taken (the lease is
+  // held until the generation ends); RESOURCE_EXHAUSTED over a limit.
+  // Empty: no keys.
+  std::function<absl::StatusOr<KeyLease>(absl::string_view authorization, absl::string_view peer)> admit;
   // OK when a request can be placed now; otherwise why not.
   std::function<absl::Status()> ready;
   // Where the server's own metrics go (none: not kept): replies by status

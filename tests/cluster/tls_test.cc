@@ -18,6 +18,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "pdserve/v1/worker.grpc.pb.h"
+#include "router/api_keys.h"
 #include "tests/cluster/cluster_harness.h"
 #include "tests/support/http_client.h"
 
@@ -258,6 +259,42 @@ TEST(TlsRotationTest, CertificatesRotateUnderLoadAndNoStreamFails) {
   const std::string curl = absl::StrCat("curl -sf --cacert ", certs, "/ca.pem https://127.0.0.1:", c.http_port(),
                                         "/health > /dev/null");
   EXPECT_EQ(std::system(curl.c_str()), 0);
+}
+
+// A valid key works, over gRPC and HTTPS alike, until its limit: then 429
+// (HTTP, with Retry-After) or RESOURCE_EXHAUSTED (gRPC) naming the key id.
+TEST(ApiKeyLimitsTest, AValidKeyWorksAndIsRateLimitedOnBothApis) {
+  const std::string dir = TempDir();
+  const std::string keys = dir + "/keys";
+  std::filesystem::create_directories(dir);
+  std::ofstream(keys) << "alice:" << router::Sha256Hex("sk-alice") << " rate=0.5 burst=2\n";
+  Cluster c;
+  c.extra_router_flags = {"--api_keys_file", keys};
+  const absl::Status s = c.Start(dir + "/c", /*colocated=*/true);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(c.Generate(SeededRequest(2)).status.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_TRUE(c.Generate(SeededRequest(2), "Bearer sk-alice").status.ok());
+  EXPECT_TRUE(c.Generate(SeededRequest(2), "Bearer sk-alice").status.ok());
+  const Output limited = c.Generate(SeededRequest(2), "Bearer sk-alice");
+  EXPECT_EQ(limited.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_EQ(limited.status.error_message(), "API key 'alice': over its limit of 0.5 requests/s");
+  // HTTPS: the same key's bucket is empty too.
+  const std::string out = dir + "/curl.out";
+  const std::string curl = absl::StrCat(
+      "curl -s -D ", out, ".headers -o ", out, " -w '%{http_code}' --cacert ", TestTls("router").ca,
+      " -H 'Authorization: Bearer sk-alice' https://127.0.0.1:", c.http_port(),
+      "/v1/completions -d '{\"prompt\":\"a\",\"max_tokens\":2}' > ", out, ".code");
+  ASSERT_EQ(std::system(curl.c_str()), 0);
+  EXPECT_EQ(ReadFile(out + ".code"), "429") << ReadFile(out);
+  EXPECT_TRUE(absl::StrContains(ReadFile(out), "over its limit")) << ReadFile(out);
+  const std::string headers = ReadFile(out + ".headers");
+  EXPECT_TRUE(absl::StrContains(headers, "Retry-After: 2") || absl::StrContains(headers, "Retry-After: 1"))
+      << headers;
+  // Counted by key id, never by key.
+  const std::string metrics = HttpGet(c.router_metrics(), "/metrics");
+  EXPECT_EQ(MetricValue(metrics, "pdserve_api_key_requests_total{key=\"alice\",outcome=\"admitted\"}"), 2);
+  EXPECT_EQ(MetricValue(metrics, "pdserve_api_key_requests_total{key=\"alice\",outcome=\"limited\"}"), 2);
+  EXPECT_FALSE(absl::StrContains(c.Logs(), "sk-alice"));
 }
 
 TEST(TlsHealthPortTest, ThePlaintextHealthPortServesHealthAndNothingElse) {

@@ -8,7 +8,9 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -85,6 +87,68 @@ TEST_F(ApiKeysTest, ErrorsNameTheLine) {
   Write("no colon here\n");
   EXPECT_TRUE(absl::StrContains(ApiKeys::Load(path_).status().message(), ":1: expected ID:SHA256HEX"));
   EXPECT_EQ(ApiKeys::Load(path_ + ".missing").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(ApiKeysTest, LimitsParseAndBadOnesNameTheLine) {
+  const std::string h = Sha256Hex("k");
+  Write(absl::StrCat("a:", h, " rate=2.5 concurrency=3\nb:", h.substr(0, 63), "0 burst=4 rate=1\n"));
+  EXPECT_TRUE(ApiKeys::Load(path_, clock_.clock()).ok());
+  for (const std::string& bad : {absl::StrCat("a:", h, " rate=0"), absl::StrCat("a:", h, " rate=x"),
+                                 absl::StrCat("a:", h, " speed=3"), absl::StrCat("a:", h, " concurrency=1.5"),
+                                 absl::StrCat("a b:", h), absl::StrCat("a\"x:", h)}) {
+    Write(bad);
+    absl::StatusOr<std::unique_ptr<ApiKeys>> k = ApiKeys::Load(path_, clock_.clock());
+    EXPECT_EQ(k.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_TRUE(absl::StrContains(k.status().message(), ":1: ")) << k.status();
+  }
+}
+
+TEST_F(ApiKeysTest, ARateLimitedKeyGetsItsBurstThenOneRequestPerInterval) {
+  Write(absl::StrCat("alice:", Sha256Hex("sk-a"), " rate=2 burst=3\nbob:", Sha256Hex("sk-b"), "\n"));
+  std::unique_ptr<ApiKeys> keys = *ApiKeys::Load(path_, clock_.clock());
+  std::vector<KeyLease> held;
+  for (int i = 0; i < 3; ++i) {
+    absl::StatusOr<KeyLease> l = keys->Admit("Bearer sk-a");
+    ASSERT_TRUE(l.ok()) << i << ": " << l.status();
+    EXPECT_EQ(l->id(), "alice");
+    held.push_back(*std::move(l));
+  }
+  const absl::StatusOr<KeyLease> over = keys->Admit("Bearer sk-a");
+  EXPECT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(absl::StrContains(over.status().message(), "API key 'alice': over its limit of 2 requests/s"))
+      << over.status();
+  EXPECT_FALSE(absl::StrContains(over.status().message(), "sk-a"));
+  // An empty bucket refills at 2/s: one more in half a second.
+  EXPECT_EQ(std::string(*over.status().GetPayload(kRetryAfterPayload)), "0.5");
+  clock_.now += absl::Milliseconds(500);
+  EXPECT_TRUE(keys->Admit("Bearer sk-a").ok());
+  EXPECT_FALSE(keys->Admit("Bearer sk-a").ok());
+  // Another key has its own limits (none here).
+  for (int i = 0; i < 10; ++i) EXPECT_TRUE(keys->Admit("Bearer sk-b").ok());
+  // A bad key is refused as before.
+  EXPECT_EQ(keys->Admit("Bearer nope").status().code(), absl::StatusCode::kUnauthenticated);
+}
+
+TEST_F(ApiKeysTest, AConcurrencyLimitCountsLeasesUntilTheyEndAcrossAReload) {
+  Write(absl::StrCat("alice:", Sha256Hex("sk-a"), " concurrency=2\n"));
+  std::unique_ptr<ApiKeys> keys = *ApiKeys::Load(path_, clock_.clock());
+  std::optional<KeyLease> first = *keys->Admit("sk-a");
+  KeyLease second = *keys->Admit("Bearer sk-a");
+  const absl::StatusOr<KeyLease> third = keys->Admit("Bearer sk-a");
+  EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(absl::StrContains(third.status().message(), "2 requests in flight, its limit")) << third.status();
+  first.reset();  // a generation ends
+  KeyLease again = *keys->Admit("Bearer sk-a");
+  EXPECT_EQ(again.id(), "alice");
+  // A reload (a new limit) keeps the key's requests in flight.
+  Write(absl::StrCat("alice:", Sha256Hex("sk-a"), " concurrency=3\n"));
+  clock_.now += absl::Seconds(2);
+  KeyLease third_now = *keys->Admit("Bearer sk-a");
+  EXPECT_FALSE(keys->Admit("Bearer sk-a").ok());
+  // A moved lease is released once.
+  KeyLease moved = std::move(second);
+  moved = KeyLease();
+  EXPECT_TRUE(keys->Admit("Bearer sk-a").ok());
 }
 
 }  // namespace

@@ -22,6 +22,7 @@ int ServeUntilSignal(const ServeOptions& o, std::initializer_list<grpc::Service*
   int port = 0;
   builder.AddListeningPort(o.address, o.credentials != nullptr ? o.credentials : grpc::InsecureServerCredentials(),
                            &port);
+  builder.SetMaxReceiveMessageSize(o.max_receive_message_bytes);
   for (grpc::Service* s : services) builder.RegisterService(s);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {

@@ -26,6 +26,8 @@ struct ServeOptions {
   // port's status (port 0: any free; "" = none). The ready file gets
   // "health_port".
   std::string health_address;
+  // The largest request message a client may send (larger: RESOURCE_EXHAUSTED).
+  int max_receive_message_bytes = 8 << 20;
   std::string ready_file;  // "" = none; else {"grpc_port": N} once listening
   std::string role;        // In the log lines.
   // Prometheus /metrics on this host:port (port 0: any free; "" = none).

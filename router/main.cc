@@ -33,6 +33,9 @@ ABSL_FLAG(std::vector<std::string>, decode, {}, "decode workers, as --prefill");
 ABSL_FLAG(double, resolve_interval_s, 5, "how often DNS worker targets are resolved again");
 ABSL_FLAG(double, max_backoff_s, 2, "a worker that fails is probed again after 0.1 s, doubling up to this");
 ABSL_FLAG(double, pick_wait_s, 3, "how long a request waits for a usable worker before UNAVAILABLE");
+ABSL_FLAG(double, max_request_s, 600,
+          "the longest a request may run: every call to a worker carries a deadline this far from the request's "
+          "arrival, also when the client gave none");
 ABSL_FLAG(std::string, prefill_policy, "prefix_aware",
           "how a prefill worker is chosen: prefix_aware (lowest estimated TTFT: queued + uncached prompt tokens at "
           "the worker's measured speed), least_loaded or round_robin");
@@ -94,6 +97,11 @@ int Run() {
   o.resolve_interval = absl::Seconds(absl::GetFlag(FLAGS_resolve_interval_s));
   o.max_backoff = absl::Seconds(absl::GetFlag(FLAGS_max_backoff_s));
   o.pick_wait = absl::Seconds(absl::GetFlag(FLAGS_pick_wait_s));
+  o.max_request_duration = absl::Seconds(absl::GetFlag(FLAGS_max_request_s));
+  if (!(absl::GetFlag(FLAGS_max_request_s) > 0)) {
+    LogEvent("error", "bad_flags", {{"error", "--max_request_s must be above 0"}});
+    return 2;
+  }
   o.prefill_policy = absl::GetFlag(FLAGS_prefill_policy);
   o.decode_policy = absl::GetFlag(FLAGS_decode_policy);
   o.itl_target = absl::Milliseconds(absl::GetFlag(FLAGS_itl_target_ms));

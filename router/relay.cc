@@ -72,7 +72,12 @@ Relay::Relay(const RelayContext& context, GenerationRequest request, std::string
     : context_(context),
       request_(std::move(request)),
       client_id_(std::move(client_id)),
-      deadline_(deadline),
+      deadline_([&]() -> std::optional<absl::Time> {
+        const absl::Duration most = context.options.max_request_duration;
+        if (most == absl::InfiniteDuration()) return deadline;
+        const absl::Time bound = received.value_or(context.options.clock()) + most;
+        return deadline.has_value() ? std::min(*deadline, bound) : bound;
+      }()),
       received_(received),
       prompt_chains_(request_.prompt),
       replay_(request_, context.tokenizer) {}

@@ -89,6 +89,9 @@ struct RelayOptions {
   // Whether a prefill worker whose call failed still answers (then the
   // decode side refused the handoff): its Status, within this.
   absl::Duration handoff_check_timeout = absl::Milliseconds(300);
+  // Every request's calls to workers end by this long after it arrived,
+  // whatever the client's deadline (none: the client's alone).
+  absl::Duration max_request_duration = absl::InfiniteDuration();
   Clock clock = MonotonicClock();
   std::function<void(absl::Duration)> sleep = [](absl::Duration d) { absl::SleepFor(d); };
 };
@@ -113,7 +116,8 @@ const char* RelayStateName(RelayState s);
 
 class Relay {
  public:
-  // `request` is validated (router/resolve.h). `deadline`: the client's;
+  // `request` is validated (router/resolve.h). `deadline`: the client's
+  // (bounded by options.max_request_duration);
   // `received`: when the router got it (on the relay's clock; default: when
   // Run starts), the start of its TTFT and duration.
   Relay(const RelayContext& context, GenerationRequest request, std::string client_id,

@@ -30,6 +30,31 @@ absl::StatusOr<GenerationRequest> RequestResolver::Resolve(const v1::GenerateReq
     return absl::InvalidArgumentError(
         absl::StrCat("model: unknown model '", req.model(), "' (this cluster serves '", model_name_, "')"));
   }
+  const RequestLimits& lim = limits_;
+  if (static_cast<int64_t>(req.request_id().size()) > lim.max_request_id_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("request_id: ", req.request_id().size(), " bytes, more than ", lim.max_request_id_bytes));
+  }
+  if (req.stop_size() > lim.max_stop) {
+    return absl::InvalidArgumentError(absl::StrCat("stop: ", req.stop_size(), " strings, more than ", lim.max_stop));
+  }
+  if (req.stop_token_ids_size() > lim.max_stop_token_ids) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("stop_token_ids: ", req.stop_token_ids_size(), " ids, more than ", lim.max_stop_token_ids));
+  }
+  if (static_cast<int64_t>(req.text().size()) > lim.max_text_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("text: ", req.text().size(), " bytes, more than ", lim.max_text_bytes));
+  }
+  if (req.chat().messages_size() > lim.max_messages) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("chat.messages: ", req.chat().messages_size(), " messages, more than ", lim.max_messages));
+  }
+  int64_t chat_bytes = 0;
+  for (const v1::ChatMessage& m : req.chat().messages()) chat_bytes += static_cast<int64_t>(m.content().size());
+  if (chat_bytes > lim.max_text_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("chat.messages: ", chat_bytes, " bytes of content, more than ", lim.max_text_bytes));
+  }
   const google::protobuf::UnknownFieldSet& unknown = req.GetReflection()->GetUnknownFields(req);
   if (!unknown.empty()) {
     return absl::InvalidArgumentError(
@@ -115,6 +140,10 @@ absl::StatusOr<GenerationRequest> RequestResolver::Resolve(const v1::GenerateReq
   p.seed = ResolveSeed(p);
   for (int i = 0; i < req.stop_size(); ++i) {
     if (req.stop(i).empty()) return absl::InvalidArgumentError(absl::StrCat("stop[", i, "]: empty string"));
+    if (static_cast<int64_t>(req.stop(i).size()) > lim.max_stop_bytes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("stop[", i, "]: ", req.stop(i).size(), " bytes, more than ", lim.max_stop_bytes));
+    }
     r.stop_strings.push_back(req.stop(i));
   }
   r.eos_ids = config_.eos_token_ids;

@@ -21,6 +21,17 @@
 
 namespace pdserve::router {
 
+// What one request may hold, whatever the API (the gRPC and HTTP servers
+// also bound a whole message: 8 MiB by default).
+struct RequestLimits {
+  int64_t max_text_bytes = 4 << 20;  // text, or all chat contents together
+  int32_t max_messages = 4096;
+  int32_t max_stop = 16;
+  int32_t max_stop_bytes = 256;
+  int32_t max_stop_token_ids = 64;
+  int32_t max_request_id_bytes = 128;
+};
+
 class RequestResolver {
  public:
   // Loads the tokenizer and config of `model_dir`; `model_name` is the
@@ -32,9 +43,12 @@ class RequestResolver {
   // chat completions).
   enum class MaxTokens { kRequired, kToContext };
 
-  // The validated engine request. Errors: INVALID_ARGUMENT naming the field.
+  // The validated engine request, within `limits` (prompt tokens within the
+  // model's context, logprobs at most 20). Errors: INVALID_ARGUMENT naming
+  // the field.
   absl::StatusOr<GenerationRequest> Resolve(const v1::GenerateRequest& req,
                                             MaxTokens unset = MaxTokens::kRequired) const;
+  const RequestLimits& limits() const { return limits_; }
 
   const tok::Tokenizer& tokenizer() const { return *tokenizer_; }
   const ModelConfig& config() const { return config_; }
@@ -44,6 +58,7 @@ class RequestResolver {
   RequestResolver() = default;
 
   std::string model_name_;
+  RequestLimits limits_;
   ModelConfig config_;
   std::unique_ptr<tok::Tokenizer> tokenizer_;
   std::optional<tok::ChatFormat> chat_format_;

@@ -64,6 +64,9 @@ struct RouterOptions {
   // How long a request waits for a pool with no usable worker before it
   // ends with UNAVAILABLE (capped by the client's deadline).
   absl::Duration pick_wait = absl::Seconds(3);
+  // The longest a request may run: its calls to the workers carry a
+  // deadline this far from its arrival even when the client gave none.
+  absl::Duration max_request_duration = absl::Seconds(600);
   // Admission control (router/admission.h); none: every valid request is
   // taken. A ticket is held from arrival to the first token.
   std::optional<AdmissionOptions> admission;

@@ -71,6 +71,8 @@ struct FakeWorker {
   // What it was asked.
   std::vector<worker::v1::PrefillRequest> prefills;
   std::vector<worker::v1::DecodeRequest> decodes;
+  // The deadline each call carried (nullopt: none).
+  std::vector<std::optional<absl::Time>> prefill_deadlines, decode_deadlines;
   int status_calls = 0;
 };
 
@@ -148,10 +150,11 @@ class FakeWorkers final : public WorkerTransport {
   std::shared_ptr<WorkerConnection> Connect(const std::string&, Role) override { return nullptr; }
 
   std::unique_ptr<PrefillStream> Prefill(const Worker& worker, const worker::v1::PrefillRequest& request,
-                                         std::optional<absl::Time>) override {
+                                         std::optional<absl::Time> deadline) override {
     absl::MutexLock lock(&mu_);
     FakeWorker& w = *workers_.at(worker.address());
     w.prefills.push_back(request);
+    w.prefill_deadlines.push_back(deadline);
     if (!w.alive) return Ended<worker::v1::PrefillEvent>(absl::UnavailableError("failed to connect"));
     PrefillFault fault = PrefillFault::kNone;
     if (!w.prefill_faults.empty()) {
@@ -190,10 +193,11 @@ class FakeWorkers final : public WorkerTransport {
   }
 
   std::unique_ptr<DecodeStream> Decode(const Worker& worker, const worker::v1::DecodeRequest& request,
-                                       std::optional<absl::Time>) override {
+                                       std::optional<absl::Time> deadline) override {
     absl::MutexLock lock(&mu_);
     FakeWorker& w = *workers_.at(worker.address());
     w.decodes.push_back(request);
+    w.decode_deadlines.push_back(deadline);
     if (!w.alive) return Ended<worker::v1::DecodeEvent>(absl::UnavailableError("failed to connect"));
     std::pair<DecodeFault, int> fault{DecodeFault::kNone, 0};
     if (!w.decode_faults.empty()) {

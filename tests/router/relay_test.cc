@@ -357,5 +357,30 @@ TEST_F(RelayTest, TheRelayCostAndTimingsAreMeasuredOnTheInjectedClock) {
   EXPECT_DOUBLE_EQ(t.handoff(), 0.002);
 }
 
+// Every call to a worker carries a deadline: the client's, or the router's
+// bound from the request's arrival when the client gave none (or a later one).
+TEST(RelayDeadlineTest, CallsToWorkersAlwaysCarryADeadline) {
+  InProcessRouter rig;
+  rig.AddWorker(Role::kPrefill, "p0");
+  rig.AddWorker(Role::kDecode, "d0");
+  rig.ProbeAll();
+  rig.context.options.max_request_duration = absl::Seconds(600);
+  const absl::Time arrival = rig.clock.now;
+  ASSERT_TRUE(rig.Run(InProcessRouter::Request(3)).status.ok());
+  const FakeWorker& p = rig.workers.at("p0");
+  const FakeWorker& d = rig.workers.at("d0");
+  ASSERT_EQ(p.prefill_deadlines.size(), 1u);
+  ASSERT_EQ(d.decode_deadlines.size(), 1u);
+  EXPECT_EQ(p.prefill_deadlines[0], arrival + absl::Seconds(600));
+  EXPECT_EQ(d.decode_deadlines[0], arrival + absl::Seconds(600));
+  // An earlier client deadline wins; a later one is cut to the bound.
+  for (const absl::Duration client : {absl::Seconds(5), absl::Seconds(6000)}) {
+    const absl::Time now = rig.clock.now;
+    Relay relay(rig.context, InProcessRouter::Request(3), "t", now + client, now);
+    ASSERT_TRUE(relay.Run([](const v1::GenerateResponse&) { return true; }).ok());
+    EXPECT_EQ(d.decode_deadlines.back(), now + std::min(client, absl::Seconds(600)));
+  }
+}
+
 }  // namespace
 }  // namespace pdserve::router::testing

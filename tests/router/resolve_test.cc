@@ -70,5 +70,50 @@ TEST_F(ResolveTest, BadFieldsAreNamed) {
   ExpectField(resolver_->Resolve(req).status(), "max_tokens");
 }
 
+TEST_F(ResolveTest, EveryInputIsBoundedAndTheErrorNamesIt) {
+  const RequestLimits& lim = resolver_->limits();
+  auto base = [] {
+    v1::GenerateRequest req;
+    req.set_text("In the beginning");
+    req.set_max_tokens(2);
+    return req;
+  };
+  v1::GenerateRequest req = base();
+  for (int i = 0; i <= lim.max_stop; ++i) req.add_stop("x");
+  ExpectField(resolver_->Resolve(req).status(), "stop");
+  req = base();
+  req.add_stop(std::string(lim.max_stop_bytes + 1, 'x'));
+  ExpectField(resolver_->Resolve(req).status(), "stop[0]");
+  req = base();
+  for (int i = 0; i <= lim.max_stop_token_ids; ++i) req.add_stop_token_ids(1);
+  ExpectField(resolver_->Resolve(req).status(), "stop_token_ids");
+  req = base();
+  req.set_request_id(std::string(lim.max_request_id_bytes + 1, 'r'));
+  ExpectField(resolver_->Resolve(req).status(), "request_id");
+  req = base();
+  req.set_text(std::string(lim.max_text_bytes + 1, 'a'));
+  ExpectField(resolver_->Resolve(req).status(), "text");
+  req = base();
+  req.clear_text();
+  for (int i = 0; i <= lim.max_messages; ++i) {
+    v1::ChatMessage* m = req.mutable_chat()->add_messages();
+    m->set_role("user");
+    m->set_content("hi");
+  }
+  ExpectField(resolver_->Resolve(req).status(), "chat.messages");
+  req = base();
+  req.set_logprobs(21);
+  EXPECT_TRUE(absl::StrContains(resolver_->Resolve(req).status().message(), "logprobs")) << resolver_->Resolve(req).status();
+  // A prompt past the context: already refused by max_tokens' check.
+  req = base();
+  req.set_max_tokens(resolver_->config().max_position_embeddings);
+  ExpectField(resolver_->Resolve(req).status(), "max_tokens");
+  // At the limits, all is well.
+  req = base();
+  for (int i = 0; i < lim.max_stop; ++i) req.add_stop(std::string(lim.max_stop_bytes, 'a' + i % 26));
+  req.set_request_id(std::string(lim.max_request_id_bytes, 'r'));
+  EXPECT_TRUE(resolver_->Resolve(req).ok()) << resolver_->Resolve(req).status();
+}
+
 }  // namespace
 }  // namespace pdserve::router

@@ -11,6 +11,9 @@
 #include <vector>
 
 #include <event2/buffer.h>
+#include <event2/bufferevent_ssl.h>
+#include <openssl/ssl.h>
+#include <openssl/x509v3.h>
 #include <event2/event.h>
 #include <event2/http.h>
 #include <event2/keyvalq_struct.h>
@@ -135,11 +138,13 @@ class RouterTarget final : public Target {
 // the gRPC row's would be for the same chunk).
 class OpenAiTarget final : public Target {
  public:
-  // `url`: http://HOST:PORT, with or without a trailing /v1.
-  static absl::StatusOr<std::unique_ptr<OpenAiTarget>> Create(const std::string& url) {
+  // `url`: http://HOST:PORT or https://HOST:PORT, with or without a
+  // trailing /v1; https checks the server against `ca` (PEM).
+  static absl::StatusOr<std::unique_ptr<OpenAiTarget>> Create(const std::string& url, const std::string& ca) {
     absl::string_view rest = url;
-    if (!absl::ConsumePrefix(&rest, "http://")) {
-      return absl::InvalidArgumentError(absl::StrCat("--openai: '", url, "' does not start with http://"));
+    const bool https = absl::ConsumePrefix(&rest, "https://");
+    if (!https && !absl::ConsumePrefix(&rest, "http://")) {
+      return absl::InvalidArgumentError(absl::StrCat("--openai: '", url, "' does not start with http:// or https://"));
     }
     absl::ConsumeSuffix(&rest, "/");
     absl::ConsumeSuffix(&rest, "/v1");
@@ -150,7 +155,19 @@ class OpenAiTarget final : public Target {
     }
     std::string host(rest.substr(0, colon));
     if (absl::StartsWith(host, "[")) host = host.substr(1, host.size() - 2);
-    return std::unique_ptr<OpenAiTarget>(new OpenAiTarget(std::move(host), port));
+    auto t = std::unique_ptr<OpenAiTarget>(new OpenAiTarget(std::move(host), port));
+    if (https) {
+      if (ca.empty()) return absl::InvalidArgumentError("--openai https://...: give --tls_ca (the server's CA)");
+      t->ssl_ctx_ = SSL_CTX_new(TLS_client_method());
+      SSL_CTX_set_verify(t->ssl_ctx_, SSL_VERIFY_PEER, nullptr);
+      if (SSL_CTX_load_verify_locations(t->ssl_ctx_, ca.c_str(), nullptr) != 1) {
+        return absl::InvalidArgumentError(absl::StrCat("--tls_ca ", ca, ": cannot be loaded"));
+      }
+    }
+    return t;
+  }
+  ~OpenAiTarget() override {
+    if (ssl_ctx_ != nullptr) SSL_CTX_free(ssl_ctx_);
   }
 
   // The model's vocabulary size from GET /v1/models (0: failed).
@@ -263,7 +280,19 @@ class OpenAiTarget final : public Target {
     if (c == nullptr) {
       c = std::make_unique<Conn>();
       c->base = event_base_new();
-      c->conn = evhttp_connection_base_new(c->base, nullptr, host_.c_str(), static_cast<uint16_t>(port_));
+      if (ssl_ctx_ == nullptr) {
+        c->conn = evhttp_connection_base_new(c->base, nullptr, host_.c_str(), static_cast<uint16_t>(port_));
+      } else {
+        // TLS, the server's certificate checked against the CA and the host.
+        SSL* ssl = SSL_new(ssl_ctx_);
+        SSL_set_tlsext_host_name(ssl, host_.c_str());
+        X509_VERIFY_PARAM* param = SSL_get0_param(ssl);
+        if (X509_VERIFY_PARAM_set1_ip_asc(param, host_.c_str()) != 1) X509_VERIFY_PARAM_set1_host(param, host_.c_str(), 0);
+        bufferevent* bev = bufferevent_openssl_socket_new(c->base, -1, ssl, BUFFEREVENT_SSL_CONNECTING,
+                                                          BEV_OPT_CLOSE_ON_FREE | BEV_OPT_DEFER_CALLBACKS);
+        c->conn = evhttp_connection_base_bufferevent_new(c->base, nullptr, bev, host_.c_str(),
+                                                         static_cast<uint16_t>(port_));
+      }
       evhttp_connection_set_timeout(c->conn, 600);
     }
     Pending p;
@@ -284,6 +313,7 @@ class OpenAiTarget final : public Target {
 
   const std::string host_;
   const int port_;
+  SSL_CTX* ssl_ctx_ = nullptr;  // https
 };
 
 // The same workload through the continuous-batching engine in this process.
@@ -580,7 +610,7 @@ absl::Status RunServingBench(const ServingBenchOptions& o) {
     if (wo.vocab_size <= 0) return absl::UnavailableError(absl::StrCat("router ", o.router, ": ListModels failed"));
   }
   if (!o.openai.empty()) {
-    absl::StatusOr<std::unique_ptr<OpenAiTarget>> t = OpenAiTarget::Create(o.openai);
+    absl::StatusOr<std::unique_ptr<OpenAiTarget>> t = OpenAiTarget::Create(o.openai, o.tls_ca);
     if (!t.ok()) return t.status();
     openai = *std::move(t);
     const int32_t vocab = openai->VocabSize();

@@ -25,6 +25,7 @@ struct ServingBenchOptions {
   // The router's OpenAI HTTP API, http://host:port[/v1] ("" = no "http"
   // row); with --router too, both rows come from the same run.
   std::string openai;
+  std::string tls_ca;  // the CA an https --openai URL is checked against
   std::string in_process_model;  // Also run the workload in-process ("" = no).
   int in_process_threads = 1;
   int requests = 64;

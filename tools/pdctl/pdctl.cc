@@ -25,6 +25,7 @@
 #include "tools/pdctl/bench_engine.h"
 #include "tools/pdctl/bench_kv.h"
 #include "tools/pdctl/bench_serving.h"
+#include "common/tls_flags.h"
 #include "tools/pdctl/cluster_commands.h"
 #include "tools/pdctl/commands.h"
 #include "tools/pdctl/plan_command.h"
@@ -386,6 +387,7 @@ absl::Status RunServingBenchCommand() {
   ServingBenchOptions o;
   o.router = absl::GetFlag(FLAGS_router);
   o.openai = absl::GetFlag(FLAGS_openai);
+  o.tls_ca = absl::GetFlag(FLAGS_tls_ca);
   o.in_process_model = absl::GetFlag(FLAGS_in_process_model);
   o.in_process_threads = absl::GetFlag(FLAGS_threads);
   o.requests = absl::GetFlag(FLAGS_requests);

@@ -12,7 +12,7 @@ PACKAGES=(
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   libucx-dev ucx-utils libmicrohttpd-dev libevent-dev
   dnsmasq-base iproute2 curl
-  clang
+  clang python3-yaml
 )
 
 missing=()

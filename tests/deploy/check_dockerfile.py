@@ -45,11 +45,31 @@ def stages(text):
     return out
 
 
+_owners = None
+
+
 def owner(path):
-    for p in (path, os.path.realpath(path)):
-        r = subprocess.run(["dpkg", "-S", p], capture_output=True, text=True)
-        if r.returncode == 0:
-            return r.stdout.split(":")[0]
+    """The Debian package that installed `path` (dpkg's file lists, read
+    once: what `dpkg -S` answers, without a process per library)."""
+    global _owners
+    if _owners is None:
+        _owners = {}
+        info = "/var/lib/dpkg/info"
+        for name in os.listdir(info):
+            if name.endswith(".list"):
+                pkg = name[:-5].split(":")[0]
+                for line in open(os.path.join(info, name), errors="replace"):
+                    _owners[line.rstrip("\n")] = pkg
+    candidates = [path, os.path.realpath(path)]
+    # usrmerge: a file listed under /lib may be found under /usr/lib and back.
+    for c in list(candidates):
+        if c.startswith("/usr/lib/"):
+            candidates.append(c[4:])
+        elif c.startswith("/lib/"):
+            candidates.append("/usr" + c)
+    for c in candidates:
+        if c in _owners:
+            return _owners[c]
     return None
 
 

@@ -1,0 +1,169 @@
+#!/usr/bin/env python3
+"""Renders every overlay under deploy/k8s/overlays with `kubectl kustomize`
+(offline) and checks the objects against each other and against the
+binaries:
+
+- every Service selects the pods of some Deployment, and each of its
+  target ports is a port those pods' containers expose;
+- every flag in every container's args and in the flagfile they name is a
+  flag the binary defines (asked of the binary: --helpfull);
+- the flagfile an arg names is a key of the ConfigMap mounted there, and
+  every ConfigMap and Secret a pod mounts is rendered too;
+- every probe's port is one of its container's ports;
+- terminationGracePeriodSeconds is above the container's --drain_grace_s.
+
+    check_k8s.py REPO_DIR BUILD_DIR                      all overlays
+    check_k8s.py REPO_DIR BUILD_DIR --rendered FILE --expect-failures
+                                   (a broken fixture: each check must fail)
+Exit 77 (skipped) without kubectl.
+"""
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import yaml
+
+BINARIES = {"pdserve/router": "router/pdserve-router", "pdserve/prefill": "prefill_worker/pdserve-prefill-worker",
+            "pdserve/decode": "decode_worker/pdserve-decode-worker"}
+_flags_cache = {}
+
+
+def binary_flags(build, image):
+    path = os.path.join(build, BINARIES[image.split(":")[0]])
+    if path not in _flags_cache:
+        out = subprocess.run([path, "--helpfull"], capture_output=True, text=True).stdout
+        _flags_cache[path] = set(re.findall(r"^\s+--([A-Za-z0-9_]+) \(", out, re.M))
+    return _flags_cache[path]
+
+
+def flag_names(args):
+    names = []
+    for a in args:
+        m = re.match(r"--([A-Za-z0-9_]+)(?:=|$)", a)
+        if m:
+            names.append((m.group(1), a))
+    return names
+
+
+def check(objects, build, external_secrets=()):
+    errors = []
+    by_kind = {}
+    for o in objects:
+        by_kind.setdefault(o["kind"], []).append(o)
+    names = {(o["kind"], o["metadata"]["name"]) for o in objects}
+    deployments = by_kind.get("Deployment", [])
+    for svc in by_kind.get("Service", []):
+        sel = svc["spec"].get("selector", {})
+        pods = [d for d in deployments
+                if all(d["spec"]["template"]["metadata"]["labels"].get(k) == v for k, v in sel.items())]
+        if not pods:
+            errors.append(f"Service {svc['metadata']['name']}: selects no Deployment's pods ({sel})")
+            continue
+        for p in svc["spec"]["ports"]:
+            target = p.get("targetPort", p["port"])
+            for d in pods:
+                ports = [cp for c in d["spec"]["template"]["spec"]["containers"] for cp in c.get("ports", [])]
+                if not any(cp.get("name") == target or cp["containerPort"] == target for cp in ports):
+                    errors.append(f"Service {svc['metadata']['name']}: targetPort {target} is not a port of "
+                                  f"Deployment {d['metadata']['name']}")
+    configmaps = {o["metadata"]["name"]: o for o in by_kind.get("ConfigMap", [])}
+    for d in deployments:
+        dn = d["metadata"]["name"]
+        spec = d["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        for v in volumes.values():
+            if "configMap" in v and ("ConfigMap", v["configMap"]["name"]) not in names:
+                errors.append(f"Deployment {dn}: volume {v['name']}: no ConfigMap {v['configMap']['name']}")
+            if "secret" in v and ("Secret", v["secret"]["secretName"]) not in names and \
+                    not v["secret"].get("optional") and v["secret"]["secretName"] not in external_secrets:
+                errors.append(f"Deployment {dn}: volume {v['name']}: no Secret {v['secret']['secretName']}")
+        grace = spec.get("terminationGracePeriodSeconds", 30)
+        for c in spec["containers"]:
+            args = list(c.get("args", []))
+            # The flagfile's lines, from the ConfigMap mounted at its directory.
+            for a in list(args):
+                m = re.match(r"--flagfile=(.+)", a)
+                if not m:
+                    continue
+                directory, key = os.path.split(m.group(1))
+                mount = next((vm for vm in c.get("volumeMounts", []) if vm["mountPath"] == directory), None)
+                cm = volumes.get(mount["name"], {}).get("configMap", {}).get("name") if mount else None
+                if cm is None or cm not in configmaps or key not in configmaps[cm].get("data", {}):
+                    errors.append(f"Deployment {dn}: {a}: no ConfigMap key {key} mounted at {directory}")
+                    continue
+                args += [l.strip() for l in configmaps[cm]["data"][key].splitlines() if l.strip()]
+            defined = binary_flags(build, c["image"])
+            for name, a in flag_names(args):
+                # absl's --noFLAG sets a boolean false.
+                if name not in defined and not (name.startswith("no") and name[2:] in defined):
+                    errors.append(f"Deployment {dn}: container {c['name']}: {a}: the binary has no --{name}")
+            ports = c.get("ports", [])
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                p = c.get(probe)
+                if p is None:
+                    errors.append(f"Deployment {dn}: container {c['name']}: no {probe}")
+                    continue
+                action = next((p[k] for k in ("grpc", "httpGet", "tcpSocket") if k in p), {})
+                port = action.get("port")
+                if not any(cp.get("name") == port or cp["containerPort"] == port for cp in ports):
+                    errors.append(f"Deployment {dn}: {probe} port {port} is not a port of container {c['name']}")
+            drain = [float(a.split("=", 1)[1]) for a in args if a.startswith("--drain_grace_s=")]
+            if drain and grace <= drain[-1]:
+                errors.append(f"Deployment {dn}: terminationGracePeriodSeconds {grace} is not above "
+                              f"--drain_grace_s={drain[-1]:g}")
+    return errors
+
+
+def main():
+    repo, build = sys.argv[1], sys.argv[2]
+    expect_failures = "--expect-failures" in sys.argv
+    if "--rendered" in sys.argv:
+        docs = [d for d in yaml.safe_load_all(open(sys.argv[sys.argv.index("--rendered") + 1])) if d]
+        errors = check(docs, build)
+        for e in errors:
+            print("FAIL:", e)
+        kinds = ["selects no", "targetPort", "the binary has no", "is not a port of container", "is not above",
+                 "no ConfigMap key", "no Secret"]
+        missed = [k for k in kinds if not any(k in e for e in errors)]
+        if expect_failures:
+            if missed:
+                print("the broken manifest passed these checks:", missed)
+            return 1 if missed else 0
+        return 1 if errors else 0
+    if shutil.which("kubectl") is None:
+        print("SKIPPED: kubectl is not installed (it renders the kustomize overlays offline)")
+        return 77
+    failed = False
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copytree(os.path.join(repo, "deploy/k8s"), os.path.join(tmp, "k8s"),
+                        ignore=shutil.ignore_patterns("certs"))
+        overlays = sorted(os.listdir(os.path.join(tmp, "k8s/overlays")))
+        for overlay in overlays:
+            d = os.path.join(tmp, "k8s/overlays", overlay)
+            # Overlays that generate their Secrets from certificates get a
+            # development set, as their README says to make.
+            if "certs/" in open(os.path.join(d, "kustomization.yaml")).read():
+                subprocess.run([os.path.join(repo, "deploy/make_certs.sh"), os.path.join(d, "certs")], check=True,
+                               capture_output=True)
+            r = subprocess.run(["kubectl", "kustomize", d], capture_output=True, text=True)
+            if r.returncode != 0:
+                print(f"FAIL: overlay {overlay} does not render: {r.stderr.strip()}")
+                failed = True
+                continue
+            docs = [x for x in yaml.safe_load_all(r.stdout) if x]
+            # Secrets the operator creates, named in the overlay's
+            # "# external secrets:" line.
+            m = re.search(r"^# external secrets: (.*)$", open(os.path.join(d, "kustomization.yaml")).read(), re.M)
+            errors = check(docs, build, m.group(1).split() if m else ())
+            for e in errors:
+                print(f"FAIL: overlay {overlay}: {e}")
+            failed |= bool(errors)
+            print(f"overlay {overlay}: {len(docs)} objects, {len(errors)} problems")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -97,6 +97,18 @@ void MetricsRegistry::AddGauge(const std::string& name, const std::string& help,
   series_.push_back(std::move(s));
 }
 
+void MetricsRegistry::AddOptionalGauge(const std::string& name, const std::string& help,
+                                       std::function<std::optional<double>()> read, const std::string& labels) {
+  auto s = std::make_unique<Series>();
+  s->name = name;
+  s->help = help;
+  s->type = "gauge";
+  s->labels = labels;
+  s->optional_gauge = std::move(read);
+  absl::MutexLock lock(&mu_);
+  series_.push_back(std::move(s));
+}
+
 void MetricsRegistry::AddCounterFunc(const std::string& name, const std::string& help, std::function<double()> read,
                                      const std::string& labels) {
   auto s = std::make_unique<Series>();
@@ -127,6 +139,10 @@ std::string MetricsRegistry::Render() const {
         absl::StrAppend(&out, WithLabels(name, s->labels), " ", Num(s->counter->value()), "\n");
       } else if (s->gauge) {
         absl::StrAppend(&out, WithLabels(name, s->labels), " ", Num(s->gauge()), "\n");
+      } else if (s->optional_gauge) {
+        if (const std::optional<double> v = s->optional_gauge(); v.has_value()) {
+          absl::StrAppend(&out, WithLabels(name, s->labels), " ", Num(*v), "\n");
+        }
       } else {
         const Histogram::Snapshot h = s->histogram->Read();
         for (size_t i = 0; i < h.bounds.size(); ++i) {

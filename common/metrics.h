@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -63,6 +64,10 @@ class MetricsRegistry {
   // A value read at scrape time.
   void AddGauge(const std::string& name, const std::string& help, std::function<double()> read,
                 const std::string& labels = "");
+  // A value read at scrape time that may be unknown: no sample is exposed
+  // while `read` gives none (a scraper sees the series absent, not NaN).
+  void AddOptionalGauge(const std::string& name, const std::string& help,
+                        std::function<std::optional<double>()> read, const std::string& labels = "");
   // A monotonic count kept elsewhere, read at scrape time.
   void AddCounterFunc(const std::string& name, const std::string& help, std::function<double()> read,
                       const std::string& labels = "");
@@ -75,6 +80,7 @@ class MetricsRegistry {
     std::unique_ptr<Counter> counter;
     std::unique_ptr<Histogram> histogram;
     std::function<double()> gauge;
+    std::function<std::optional<double>()> optional_gauge;
   };
   mutable absl::Mutex mu_;
   std::vector<std::unique_ptr<Series>> series_ ABSL_GUARDED_BY(mu_);

@@ -57,6 +57,9 @@ ABSL_FLAG(bool, admission, false,
 ABSL_FLAG(int64_t, max_queued, 256, "admission: most requests between arrival and first token");
 ABSL_FLAG(double, ttft_target_ms, 0, "admission: reject requests predicted to exceed this TTFT (0: deadlines only)");
 ABSL_FLAG(int64_t, admission_min_samples, 20, "admission: samples an input needs before the rate and TTFT rules use it");
+ABSL_FLAG(int64_t, autoscale_min_samples, 20,
+          "pdserve_recommended_workers{pool} (what autoscalers read) is absent until the pool's stage capacity and the "
+          "arrival rate each rest on this many samples");
 ABSL_FLAG(std::string, api_keys_file, "",
           "API keys, one ID:SHA256HEX line each (sha256 of the key), read again when the file changes; clients send "
           "'authorization: Bearer KEY' (gRPC metadata). Empty: no keys (every client accepted)");
@@ -88,6 +91,11 @@ int Run() {
   o.decode_workers = absl::GetFlag(FLAGS_decode);
   o.colocated = absl::GetFlag(FLAGS_colocated);
   o.api_keys_file = absl::GetFlag(FLAGS_api_keys_file);
+  o.autoscale_min_samples = absl::GetFlag(FLAGS_autoscale_min_samples);
+  if (o.autoscale_min_samples < 1) {
+    LogEvent("error", "bad_flags", {{"error", "--autoscale_min_samples must be at least 1"}});
+    return 2;
+  }
   absl::StatusOr<TlsFiles> tls = TlsFilesFromFlags("router");
   if (!tls.ok()) {
     LogEvent("error", "bad_flags", {{"error", std::string(tls.status().message())}});

@@ -469,4 +469,13 @@ std::string FormatMeasuredCapacity(const MeasuredCapacity& c) {
   return out;
 }
 
+std::optional<int64_t> RecommendedWorkers(const MeasuredCapacity& c, capacity::Stage pool, int64_t min_samples) {
+  const std::optional<int64_t>& n =
+      pool == capacity::Stage::kPrefill ? c.prefill_workers_needed : c.decode_workers_needed;
+  if (!n.has_value() || CapacityOf(c, pool).samples < min_samples || c.arrival_rate.samples < min_samples) {
+    return std::nullopt;
+  }
+  return n;
+}
+
 }  // namespace pdserve::router

@@ -279,6 +279,12 @@ const StageCapacity& CapacityOf(const MeasuredCapacity& c, capacity::Stage stage
 // REQUIRES: facts.decode_batch >= 1.
 MeasuredCapacity ComputeMeasuredCapacity(const MeasuredSnapshot& s, const PoolFacts& facts);
 
+// The pool size `pool` ("prefill" or "decode") needs for the observed
+// arrival rate, for an autoscaler: none until that stage's capacity and the
+// arrival rate each rest on at least `min_samples` samples (cold-start
+// estimates must not drive a scale-out).
+std::optional<int64_t> RecommendedWorkers(const MeasuredCapacity& c, capacity::Stage pool, int64_t min_samples);
+
 // "prefill 12.0 req/s (...)" lines plus the bottleneck and pool sizing.
 std::string FormatMeasuredCapacity(const MeasuredCapacity& c);
 

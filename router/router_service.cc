@@ -41,16 +41,18 @@ void RouterService::RegisterMetrics() {
   }
   metrics_.AddGauge("pdserve_arrival_rate_requests_per_second", "Arrivals over the last 10 s.",
                     [this] { return CurrentCapacity().arrival_rate.value.value_or(0); });
-  for (const char* pool : {"prefill", "decode"}) {
-    metrics_.AddGauge(
-        "pdserve_recommended_workers", "Workers each pool needs for the observed arrival rate (NaN: no data).",
-        [this, pool] {
-          const MeasuredCapacity c = CurrentCapacity();
+  // Absent (not NaN) until the stage and the arrival rate each rest on
+  // --autoscale_min_samples samples: what the autoscalers read.
+  for (const capacity::Stage pool : {capacity::Stage::kPrefill, capacity::Stage::kDecode}) {
+    metrics_.AddOptionalGauge(
+        "pdserve_recommended_workers", "Workers each pool needs for the observed arrival rate (absent: too few samples).",
+        [this, pool]() -> std::optional<double> {
           const std::optional<int64_t> n =
-              std::string(pool) == "prefill" ? c.prefill_workers_needed : c.decode_workers_needed;
-          return n.has_value() ? static_cast<double>(*n) : std::nan("");
+              RecommendedWorkers(CurrentCapacity(), pool, options_.autoscale_min_samples);
+          if (!n.has_value()) return std::nullopt;
+          return static_cast<double>(*n);
         },
-        absl::StrCat("pool=\"", pool, "\""));
+        absl::StrCat("pool=\"", capacity::StageName(pool), "\""));
   }
   metrics_.AddGauge("pdserve_requests_in_flight", "Requests being served.",
                     [this] { return static_cast<double>(in_flight_.load()); });

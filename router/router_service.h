@@ -84,6 +84,9 @@ struct RouterOptions {
   // How long a routed prompt's blocks count as cached on the chosen worker
   // before its own KV events confirm them.
   absl::Duration prefix_expect = absl::Seconds(10);
+  // pdserve_recommended_workers is exposed once its inputs have this many
+  // samples each.
+  int64_t autoscale_min_samples = 20;
   // API keys (router/api_keys.h): "" accepts every client.
   std::string api_keys_file;
   // The router's certificate and the cluster CA, presented to the workers

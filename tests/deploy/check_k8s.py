@@ -10,7 +10,9 @@ binaries:
 - the flagfile an arg names is a key of the ConfigMap mounted there, and
   every ConfigMap and Secret a pod mounts is rendered too;
 - every probe's port is one of its container's ports;
-- terminationGracePeriodSeconds is above the container's --drain_grace_s.
+- terminationGracePeriodSeconds is above the container's --drain_grace_s;
+- every HorizontalPodAutoscaler scales a rendered Deployment, on a metric
+  the router exposes, with a scale-down stabilization window.
 
     check_k8s.py REPO_DIR BUILD_DIR                      all overlays
     check_k8s.py REPO_DIR BUILD_DIR --rendered FILE --expect-failures
@@ -114,6 +116,18 @@ def check(objects, build, external_secrets=()):
             if drain and grace <= drain[-1]:
                 errors.append(f"Deployment {dn}: terminationGracePeriodSeconds {grace} is not above "
                               f"--drain_grace_s={drain[-1]:g}")
+    router_source = open(os.path.join(os.path.dirname(__file__), "../../router/router_service.cc")).read()
+    for h in by_kind.get("HorizontalPodAutoscaler", []):
+        hn = h["metadata"]["name"]
+        ref = h["spec"]["scaleTargetRef"]
+        if ref["kind"] != "Deployment" or not any(d["metadata"]["name"] == ref["name"] for d in deployments):
+            errors.append(f"HorizontalPodAutoscaler {hn}: scales {ref['kind']} {ref['name']}, which is not rendered")
+        for m in h["spec"].get("metrics", []):
+            name = m.get("external", {}).get("metric", {}).get("name")
+            if name and f'"{name}"' not in router_source:
+                errors.append(f"HorizontalPodAutoscaler {hn}: the router exposes no metric {name}")
+        if h["spec"].get("behavior", {}).get("scaleDown", {}).get("stabilizationWindowSeconds", 0) < 60:
+            errors.append(f"HorizontalPodAutoscaler {hn}: no scale-down stabilization window")
     return errors
 
 
@@ -126,7 +140,8 @@ def main():
         for e in errors:
             print("FAIL:", e)
         kinds = ["selects no", "targetPort", "the binary has no", "is not a port of container", "is not above",
-                 "no ConfigMap key", "no Secret"]
+                 "no ConfigMap key", "no Secret", "which is not rendered", "exposes no metric",
+                 "no scale-down stabilization"]
         missed = [k for k in kinds if not any(k in e for e in errors)]
         if expect_failures:
             if missed:

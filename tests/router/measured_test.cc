@@ -9,6 +9,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/metrics.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/router/fake_clock.h"
@@ -403,6 +404,31 @@ TEST(MeasuredFormatTest, NumbersHaveThousandsSeparators) {
   EXPECT_EQ(PowerOfTwoBucket(1000).min, 512);
   EXPECT_EQ(PowerOfTwoBucket(1000).max, 1023);
   EXPECT_EQ(PowerOfTwoBucket(1).min, 0);
+}
+
+// What the autoscalers read: a pool size only once both the stage and the
+// arrival rate rest on enough samples; the metric is then present, before
+// that absent (not NaN).
+TEST(RecommendedWorkersTest, AbsentUntilTheInputsHaveEnoughSamples) {
+  MeasuredCapacity c;
+  EXPECT_EQ(RecommendedWorkers(c, capacity::Stage::kPrefill, 20), std::nullopt);
+  c.prefill_workers_needed = 3;
+  c.decode_workers_needed = 5;
+  c.prefill.samples = 25;
+  c.decode.samples = 19;
+  c.arrival_rate.samples = 40;
+  EXPECT_EQ(RecommendedWorkers(c, capacity::Stage::kPrefill, 20), 3);
+  EXPECT_EQ(RecommendedWorkers(c, capacity::Stage::kDecode, 20), std::nullopt);  // 19 < 20
+  EXPECT_EQ(RecommendedWorkers(c, capacity::Stage::kDecode, 19), 5);
+  c.arrival_rate.samples = 10;
+  EXPECT_EQ(RecommendedWorkers(c, capacity::Stage::kPrefill, 20), std::nullopt);
+
+  MetricsRegistry m;
+  std::optional<double> v;
+  m.AddOptionalGauge("pdserve_recommended_workers", "h", [&v] { return v; }, "pool=\"prefill\"");
+  EXPECT_EQ(m.Render().find("pdserve_recommended_workers{"), std::string::npos) << m.Render();
+  v = 3;
+  EXPECT_NE(m.Render().find("pdserve_recommended_workers{pool=\"prefill\"} 3\n"), std::string::npos) << m.Render();
 }
 
 }  // namespace

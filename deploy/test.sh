@@ -4,8 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 deploy/bootstrap.sh
-# The official openai npm client, for the HTTP API's test: Node.js from
-# Debian when the machine has none, the client pinned by its lock file.
+# Node.js from Debian when the machine has none (tests run npm packages).
 if ! command -v npm > /dev/null; then
   echo "test: installing nodejs npm"
   SUDO=""
@@ -13,10 +12,13 @@ if ! command -v npm > /dev/null; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends nodejs npm
 fi
-CLIENT=tests/openai_client
-if [[ ! -f $CLIENT/node_modules/.package-lock.json || $CLIENT/package-lock.json -nt $CLIENT/node_modules/.package-lock.json ]]; then
-  (cd "$CLIENT" && npm ci --no-audit --no-fund --loglevel=error)
-fi
+# npm packages the tests use, each pinned by its lock file: the official
+# openai client (the HTTP API's test) and the Kubernetes schema validator.
+for dir in tests/openai_client tests/k8s_schema; do
+  if [[ ! -f $dir/node_modules/.package-lock.json || $dir/package-lock.json -nt $dir/node_modules/.package-lock.json ]]; then
+    (cd "$dir" && npm ci --no-audit --no-fund --loglevel=error)
+  fi
+done
 BUILD_DIR=${PDSERVE_BUILD_DIR:-build}
 cd "$BUILD_DIR"
 ctest --output-on-failure -j "$(nproc)" "$@"

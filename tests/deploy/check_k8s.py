@@ -14,7 +14,13 @@ binaries:
 - every HorizontalPodAutoscaler scales a rendered Deployment, on a metric
   the router exposes, with a scale-down stabilization window.
 
+Each rendered overlay is also validated against the Kubernetes OpenAPI
+schemas offline, unknown fields refused (tests/k8s_schema/validate.mjs,
+npm packages installed by deploy/test.sh).
+
     check_k8s.py REPO_DIR BUILD_DIR                      all overlays
+    check_k8s.py REPO_DIR BUILD_DIR --schema FILE --expect-failures
+                                   (a manifest the API would refuse)
     check_k8s.py REPO_DIR BUILD_DIR --rendered FILE --expect-failures
                                    (a broken fixture: each check must fail)
 Exit 77 (skipped) without kubectl.
@@ -131,9 +137,24 @@ def check(objects, build, external_secrets=()):
     return errors
 
 
+def schema_check(repo, path):
+    """(ok, output) of validate.mjs on a rendered file."""
+    d = os.path.join(repo, "tests/k8s_schema")
+    if not os.path.isdir(os.path.join(d, "node_modules/kubernetes-models")):
+        return False, "the schema validator's npm packages are not installed (deploy/test.sh installs them)"
+    r = subprocess.run(["node", os.path.join(d, "validate.mjs"), path], capture_output=True, text=True)
+    return r.returncode == 0, (r.stdout + r.stderr).strip()
+
+
 def main():
     repo, build = sys.argv[1], sys.argv[2]
     expect_failures = "--expect-failures" in sys.argv
+    if "--schema" in sys.argv:
+        ok, out = schema_check(repo, sys.argv[sys.argv.index("--schema") + 1])
+        print(out)
+        if expect_failures:
+            return 0 if (not ok and "unknown field" in out and "must be integer" in out) else 1
+        return 0 if ok else 1
     if "--rendered" in sys.argv:
         docs = [d for d in yaml.safe_load_all(open(sys.argv[sys.argv.index("--rendered") + 1])) if d]
         errors = check(docs, build)
@@ -168,6 +189,13 @@ def main():
                 print(f"FAIL: overlay {overlay} does not render: {r.stderr.strip()}")
                 failed = True
                 continue
+            rendered = os.path.join(tmp, f"{overlay}.yaml")
+            with open(rendered, "w") as f:
+                f.write(r.stdout)
+            ok, out = schema_check(repo, rendered)
+            if not ok:
+                print(f"FAIL: overlay {overlay}: schema:\n{out}")
+                failed = True
             docs = [x for x in yaml.safe_load_all(r.stdout) if x]
             # Secrets the operator creates, named in the overlay's
             # "# external secrets:" line.

@@ -12,7 +12,8 @@ binaries:
 - every probe's port is one of its container's ports;
 - terminationGracePeriodSeconds is above the container's --drain_grace_s;
 - every HorizontalPodAutoscaler scales a rendered Deployment, on a metric
-  the router exposes, with a scale-down stabilization window.
+  the router exposes, with a scale-down stabilization window;
+- every metric an alert's expression names is one the servers define.
 
 Each rendered overlay is also validated against the Kubernetes OpenAPI
 schemas offline, unknown fields refused (tests/k8s_schema/validate.mjs,
@@ -134,6 +135,18 @@ def check(objects, build, external_secrets=()):
                 errors.append(f"HorizontalPodAutoscaler {hn}: the router exposes no metric {name}")
         if h["spec"].get("behavior", {}).get("scaleDown", {}).get("stabilizationWindowSeconds", 0) < 60:
             errors.append(f"HorizontalPodAutoscaler {hn}: no scale-down stabilization window")
+    sources = ""
+    root = os.path.join(os.path.dirname(__file__), "../..")
+    for d in ("router", "common", "prefill_worker", "decode_worker", "kv_transfer"):
+        for dirpath, _, files in os.walk(os.path.join(root, d)):
+            sources += "".join(open(os.path.join(dirpath, f)).read() for f in files if f.endswith(".cc"))
+    for rule in by_kind.get("PrometheusRule", []):
+        for g in rule["spec"]["groups"]:
+            for r in g["rules"]:
+                for metric in set(re.findall(r"\b(pdserve_[a-z_]+)", r["expr"])):
+                    base = re.sub(r"_(bucket|count|sum)$", "", metric)
+                    if f'"{base}"' not in sources:
+                        errors.append(f"alert {r.get('alert')}: no server defines the metric {base}")
     return errors
 
 
@@ -162,7 +175,7 @@ def main():
             print("FAIL:", e)
         kinds = ["selects no", "targetPort", "the binary has no", "is not a port of container", "is not above",
                  "no ConfigMap key", "no Secret", "which is not rendered", "exposes no metric",
-                 "no scale-down stabilization"]
+                 "no scale-down stabilization", "no server defines the metric"]
         missed = [k for k in kinds if not any(k in e for e in errors)]
         if expect_failures:
             if missed:

@@ -77,11 +77,46 @@ function walk(value, type, path, errors) {
   }
 }
 
+// Custom resources the projects ship, with no schema in the core models:
+// their documented structure, checked as strictly (unknown fields refused).
+function checkPrometheusRule(doc, errors) {
+  const only = (obj, path, allowed) => {
+    if (typeof obj !== 'object' || obj === null || Array.isArray(obj)) return errors.push(`${path}: expected an object`);
+    for (const k of Object.keys(obj)) if (!allowed.includes(k)) errors.push(`${path}.${k}: unknown field`);
+  };
+  only(doc, '', ['apiVersion', 'kind', 'metadata', 'spec']);
+  walk(doc.metadata, 'V1ObjectMeta', '.metadata', errors);
+  only(doc.spec, '.spec', ['groups']);
+  (doc.spec?.groups ?? []).forEach((g, i) => {
+    const gp = `.spec.groups[${i}]`;
+    only(g, gp, ['name', 'interval', 'rules', 'limit', 'partial_response_strategy']);
+    if (typeof g.name !== 'string') errors.push(`${gp}.name: required string`);
+    (g.rules ?? []).forEach((r, j) => {
+      const rp = `${gp}.rules[${j}]`;
+      only(r, rp, ['alert', 'record', 'expr', 'for', 'keep_firing_for', 'labels', 'annotations']);
+      if ((typeof r.alert === 'string') === (typeof r.record === 'string')) errors.push(`${rp}: one of alert or record`);
+      if (typeof r.expr !== 'string' || !r.expr.trim()) errors.push(`${rp}.expr: required string`);
+      if (r.for !== undefined && !/^(\d+(ms|s|m|h|d|w|y))+$/.test(r.for)) errors.push(`${rp}.for: not a duration`);
+      for (const m of ['labels', 'annotations']) {
+        for (const [k, v] of Object.entries(r[m] ?? {})) if (typeof v !== 'string') errors.push(`${rp}.${m}.${k}: expected string`);
+      }
+    });
+  });
+}
+const CUSTOM = { 'monitoring.coreos.com/v1 PrometheusRule': checkPrometheusRule };
+
 const docs = yaml.loadAll(fs.readFileSync(process.argv[2], 'utf8')).filter(Boolean);
 let problems = 0;
 for (const doc of docs) {
   const name = `${doc.kind}/${doc.metadata?.name}`;
   const errors = [];
+  const custom = CUSTOM[`${doc.apiVersion} ${doc.kind}`];
+  if (custom) {
+    custom(doc, errors);
+    for (const e of errors) console.log(`INVALID ${name}: ${e}`);
+    problems += errors.length;
+    continue;
+  }
   const cls = className(doc.apiVersion ?? '', doc.kind ?? '');
   if (!k8s[cls]) {
     errors.push(`no Kubernetes type ${doc.apiVersion} ${doc.kind}`);

@@ -69,6 +69,10 @@ ABSL_FLAG(std::string, http_listen, "127.0.0.1:8000",
           "OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health) address, "
           "HOST:PORT or [V6]:PORT (port 0: any free; empty: off)");
 ABSL_FLAG(int64_t, http_max_body_bytes, 8 << 20, "largest HTTP request body (larger: 413)");
+ABSL_FLAG(int64_t, http_max_buffered_bytes, 4 << 20,
+          "an HTTP stream with more unsent bytes than this (its client stopped reading) is cancelled");
+ABSL_FLAG(int32_t, http_socket_send_buffer_bytes, 0,
+          "SO_SNDBUF of each HTTP connection (0: the kernel's, autotuned up to net.ipv4.tcp_wmem)");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:0", "Prometheus /metrics address (port 0: any free; empty: off)");
 
 namespace {
@@ -144,6 +148,8 @@ int Run() {
     router::openai::HttpServerOptions ho;
     ho.address = address;
     ho.max_body_bytes = absl::GetFlag(FLAGS_http_max_body_bytes);
+    ho.max_buffered_bytes = absl::GetFlag(FLAGS_http_max_buffered_bytes);
+    ho.socket_send_buffer = absl::GetFlag(FLAGS_http_socket_send_buffer_bytes);
     ho.tls = o.tls;
     absl::StatusOr<std::unique_ptr<router::openai::HttpServer>> h =
         router::openai::HttpServer::Start(ho, (*service)->HttpBackend());

@@ -64,12 +64,14 @@ std::string ErrorBody(absl::string_view message, absl::string_view type, absl::s
   return nlohmann::json({{"error", e}}).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
-void SetNoDelay(evhttp_connection* conn) {
+// TCP_NODELAY (every event leaves at once) and, when set, SO_SNDBUF.
+void SetSocketOptions(evhttp_connection* conn, int send_buffer) {
   bufferevent* bev = evhttp_connection_get_bufferevent(conn);
   const evutil_socket_t fd = bev == nullptr ? -1 : bufferevent_getfd(bev);
   if (fd < 0) return;
   const int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  if (send_buffer > 0) setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &send_buffer, sizeof(send_buffer));
 }
 
 // The identity of a file's contents, as far as stat tells: a rewrite or a
@@ -181,6 +183,8 @@ class HttpServer::Impl {
         replies_[code] = m->AddCounter("pdserve_http_replies_total", "OpenAI HTTP API replies by status code.",
                                        code == 0 ? "code=\"other\"" : absl::StrCat("code=\"", code, "\""));
       }
+      stalled_ = m->AddCounter("pdserve_http_stalled_streams_total",
+                               "HTTP streams cancelled because their client stopped reading.");
       write_delay_ = m->AddHistogram(
           "pdserve_http_event_write_delay_seconds",
           "A streamed event's wait from the relay queueing it to the event loop handing it to the socket.",
@@ -338,7 +342,7 @@ class HttpServer::Impl {
     call->conn = conn;
     conns_[conn] = call;
     evhttp_connection_set_closecb(conn, &Impl::OnClose, this);
-    SetNoDelay(conn);
+    SetSocketOptions(conn, options_.socket_send_buffer);
     {
       absl::MutexLock lock(&threads_mu_);
       ++running_;
@@ -550,6 +554,21 @@ class HttpServer::Impl {
       Count(200);
       call.reply_started = true;
     }
+    if (!out.empty() && !call.gone.load()) {
+      // A client that stopped reading: its bytes pile up here.
+      bufferevent* bev = evhttp_connection_get_bufferevent(call.conn);
+      const size_t unsent = bev == nullptr ? 0 : evbuffer_get_length(bufferevent_get_output(bev));
+      if (static_cast<int64_t>(unsent + out.size()) > options_.max_buffered_bytes) {
+        LogEvent("warning", "http_client_not_reading", {{"unsent_bytes", std::to_string(unsent)}});
+        if (stalled_ != nullptr) stalled_->Add();
+        call.gone.store(true);
+        {
+          absl::MutexLock lock(&call.mu);
+          if (call.relay != nullptr) call.relay->Cancel();
+        }
+        evhttp_connection_set_timeout(call.conn, 5);
+      }
+    }
     if (!out.empty()) {
       if (write_delay_ != nullptr) write_delay_->Observe(absl::ToDoubleSeconds(absl::Now() - since));
       evbuffer* buf = evbuffer_new();
@@ -692,6 +711,7 @@ class HttpServer::Impl {
   const HttpBackend backend_;
   absl::flat_hash_map<int, Counter*> replies_;  // by status; 0: any other
   Histogram* write_delay_ = nullptr;
+  Counter* stalled_ = nullptr;
   const int64_t started_ = absl::ToUnixSeconds(absl::Now());
   uint64_t id_base_ = 0;
   std::atomic<uint64_t> next_id_{0};

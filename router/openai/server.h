@@ -48,6 +48,14 @@ struct HttpServerOptions {
   int64_t max_body_bytes = 8 << 20;
   // A connection with nothing read or written for this long is closed.
   absl::Duration idle_timeout = absl::Seconds(600);
+  // A stream whose unsent bytes (the socket's buffer full, the rest waiting
+  // in the server) pass this is a client that stopped reading: it is
+  // cancelled (its KV freed) and its connection closed 5 s later.
+  int64_t max_buffered_bytes = 4 << 20;
+  // SO_SNDBUF of each connection (0: the kernel's, autotuned): how much a
+  // client that stops reading can leave in the kernel before the server's
+  // own buffer (above) starts to fill.
+  int socket_send_buffer = 0;
   // completions' max_tokens when the body gives none (OpenAI's default).
   int32_t default_completion_tokens = 16;
   // HTTPS with this certificate and key (common/tls.h; the CA is not used:

@@ -268,6 +268,36 @@ TEST_F(SlowHttpTest, ClosingTheConnectionCancelsTheRequestAndFreesItsKv) {
   EXPECT_EQ(Cancelled(), before + 2);
 }
 
+// A client that stops reading: its events pile up in the router until the
+// stream's unsent bytes pass --http_max_buffered_bytes, then the request is
+// cancelled and its KV freed, as a gRPC stall is.
+TEST(HttpStallTest, AClientThatStopsReadingIsCancelledAndItsKvFreed) {
+  Cluster c;
+  c.tls = false;
+  // Small kernel buffers on both sides, so the stream's ~1 MB outgrows them.
+  c.extra_router_flags = {"--http_max_buffered_bytes", "65536", "--http_socket_send_buffer_bytes", "65536"};
+  const absl::Status s = c.Start(TempDir() + "/http-stall", /*colocated=*/false);
+  ASSERT_TRUE(s.ok()) << s;
+  HttpConnection stalled(c.http_port(), /*receive_buffer=*/4096);
+  // Big events: 20 alternatives a token.
+  ASSERT_TRUE(stalled.Send(HttpRequest(
+      "POST", "/v1/completions",
+      R"({"prompt":"In the beginning","max_tokens":480,"ignore_eos":true,"stream":true,"logprobs":20})")));
+  auto metric = [&c](const std::string& series) {
+    return MetricValue(HttpGet(c.router_metrics(), "/metrics"), series);
+  };
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (metric("pdserve_http_stalled_streams_total") < 1 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  EXPECT_EQ(metric("pdserve_http_stalled_streams_total"), 1) << c.Logs();
+  EXPECT_EQ(AllKvUsedAfterSettling(c), 0);
+  EXPECT_EQ(metric("pdserve_requests_total{outcome=\"cancelled\"}"), 1);
+  // Others are served meanwhile.
+  const HttpReply ok = HttpExchange(c.http_port(), HttpRequest("POST", "/v1/completions", R"({"prompt":"a"})"));
+  EXPECT_EQ(ok.status, 200) << ok.body;
+}
+
 // /health answers 503 once no request can be placed (colocated here: the
 // decode pool is the only one), and 200 again when a worker is back.
 TEST(HttpHealthTest, HealthFollowsWhetherARequestCanBePlaced) {

@@ -59,8 +59,9 @@ std::string HttpRequest(const std::string& method, const std::string& path, cons
   return r;
 }
 
-HttpConnection::HttpConnection(int port) {
+HttpConnection::HttpConnection(int port, int receive_buffer) {
   fd_ = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd_ >= 0 && receive_buffer > 0) setsockopt(fd_, SOL_SOCKET, SO_RCVBUF, &receive_buffer, sizeof(receive_buffer));
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_port = htons(static_cast<uint16_t>(port));

@@ -27,8 +27,10 @@ std::string HttpRequest(const std::string& method, const std::string& path, cons
 
 class HttpConnection {
  public:
-  // Connects to 127.0.0.1:port (check ok()).
-  explicit HttpConnection(int port);
+  // Connects to 127.0.0.1:port (check ok()); `receive_buffer` > 0 sets
+  // SO_RCVBUF first (a small one makes a client that does not read fill
+  // up quickly).
+  explicit HttpConnection(int port, int receive_buffer = 0);
   ~HttpConnection();
   HttpConnection(const HttpConnection&) = delete;
   HttpConnection& operator=(const HttpConnection&) = delete;

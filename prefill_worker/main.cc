@@ -102,7 +102,7 @@ int Run() {
     serve.health = WorkerHealthCheck(
         *rt, [&service] { return service.draining(); },
         [&service] { return service.idle(); },
-        [&service](std::string why) { service.set_unhealthy_reason(std::move(why)); });
+        [&service](std::string why) { service.set_unhealthy_reason(std::move(why)); }, &metrics);
     serve.drain_grace = absl::Seconds(absl::GetFlag(FLAGS_drain_grace_s));
     serve.on_shutdown = [&service] { service.Shutdown(); };
     exit_code = ServeUntilSignal(serve, {&service});

@@ -1,11 +1,13 @@
 #include "common/engine/worker_runtime.h"
 
+#include <atomic>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/grpc_server.h"
 #include "common/tls_flags.h"
@@ -139,7 +141,18 @@ void AddKvPoolMetrics(MetricsRegistry& metrics, const KvManager* kv) {
 
 std::function<std::string()> WorkerHealthCheck(WorkerRuntime& rt,
                                                std::function<bool()> draining, std::function<bool()> idle,
-                                               std::function<void(std::string)> publish) {
+                                               std::function<void(std::string)> publish,
+                                               MetricsRegistry* metrics) {
+  // The verdict's kind, for pdserve_worker_unhealthy{reason}.
+  static constexpr const char* kReasons[] = {"draining", "kv_self_check", "kv_wedged", "kv_leak"};
+  auto kind = std::make_shared<std::atomic<int>>(-1);
+  if (metrics != nullptr) {
+    for (int i = 0; i < 4; ++i) {
+      metrics->AddGauge(
+          "pdserve_worker_unhealthy", "1 for why the worker does not serve now (0 everywhere while it serves).",
+          [kind, i] { return kind->load() == i ? 1.0 : 0.0; }, absl::StrCat("reason=\"", kReasons[i], "\""));
+    }
+  }
   auto judge = std::make_shared<HealthJudge>(HealthOptions{
       .leak_grace = absl::Seconds(absl::GetFlag(FLAGS_leak_grace_s)),
       .wedge_after = absl::Seconds(absl::GetFlag(FLAGS_wedge_after_s))});
@@ -155,6 +168,11 @@ std::function<std::string()> WorkerHealthCheck(WorkerRuntime& rt,
     in.idle = in.idle && idle();  // Still idle after the count: the blocks are nobody's.
     in.transport_beat = loop->last_beat();
     std::string why = judge->Judge(in, absl::Now());
+    kind->store(why.empty()                                   ? -1
+                : why == "draining"                           ? 0
+                : absl::StartsWith(why, "KV transport wedged") ? 2
+                : absl::StartsWith(why, "KV pool leak")        ? 3
+                                                              : 1);
     publish(why);
     return why;
   };

@@ -65,9 +65,14 @@ void CheckWorkerTransport(WorkerRuntime& rt, const std::string& host);
 // (mutual TLS, callers must be routers) and the plaintext health port.
 void ApplyWorkerServing(const WorkerRuntime& rt, ServeOptions& serve);
 
+// With `metrics`, the verdict is also exported as
+// pdserve_worker_unhealthy{reason} (1 for the reason that holds now:
+// draining, kv_self_check, kv_wedged, kv_leak; all 0 while serving), for
+// alerts.
 std::function<std::string()> WorkerHealthCheck(WorkerRuntime& rt,
                                                std::function<bool()> draining, std::function<bool()> idle,
-                                               std::function<void(std::string)> publish);
+                                               std::function<void(std::string)> publish,
+                                               MetricsRegistry* metrics = nullptr);
 
 // The bound on a request's life from --request_life_base_s,
 // --request_life_step_factor and --request_life_min_token_ms.

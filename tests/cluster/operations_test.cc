@@ -145,6 +145,7 @@ struct SickWorker {
   const char* name;
   std::vector<std::string> flags;
   const char* reason;
+  const char* metric_reason;  // pdserve_worker_unhealthy{reason=...}
 };
 
 class UnhealthyWorkerTest : public ::testing::TestWithParam<SickWorker> {};
@@ -166,6 +167,11 @@ TEST_P(UnhealthyWorkerTest, IsNotServingAndGetsNoWork) {
   EXPECT_NE(status.unhealthy_reason().find(GetParam().reason), std::string::npos) << status.ShortDebugString();
   EXPECT_EQ(GrpcHealth(sick), 2) << "gRPC health should be NOT_SERVING";
   EXPECT_EQ(GrpcHealth(c.Status().decode(1).address()), 1);
+  // The reason as a metric, for alerts; the healthy worker's are all 0.
+  const std::string page = HttpGet(c.decode_metrics(), "/metrics");
+  EXPECT_EQ(MetricValue(page, absl::StrCat("pdserve_worker_unhealthy{reason=\"", GetParam().metric_reason, "\"}")), 1)
+      << page;
+  EXPECT_EQ(MetricValue(page, "pdserve_worker_unhealthy{reason=\"draining\"}"), 0) << page;
   absl::SleepFor(absl::Milliseconds(300));  // The router's probe has seen it.
   for (int i = 0; i < 4; ++i) {
     const Output got = c.Generate(SeededRequest(8));
@@ -176,10 +182,11 @@ TEST_P(UnhealthyWorkerTest, IsNotServingAndGetsNoWork) {
 
 INSTANTIATE_TEST_SUITE_P(
     Faults, UnhealthyWorkerTest,
-    ::testing::Values(SickWorker{"KvLeak", {"--fault_leak_kv_blocks", "3", "--leak_grace_s", "0.5"}, "KV pool leak: 3"},
+    ::testing::Values(SickWorker{"KvLeak", {"--fault_leak_kv_blocks", "3", "--leak_grace_s", "0.5"}, "KV pool leak: 3",
+                                 "kv_leak"},
                       SickWorker{"WedgedTransport",
                                  {"--fault_wedge_kv_after_s", "0.5", "--wedge_after_s", "1"},
-                                 "wedged"}),
+                                 "wedged", "kv_wedged"}),
     [](const ::testing::TestParamInfo<SickWorker>& i) { return std::string(i.param.name); });
 
 // A port free on both addresses (the pods of a headless Service share one).

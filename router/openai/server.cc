@@ -16,6 +16,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -130,6 +131,7 @@ struct Call {
   bool reply_started = false;
   bool finished = false;
   bool queued = false;  // on the wake list (guarded by the server's wake_mu_)
+  std::string request_id;  // the client's X-Request-Id, echoed ("": none)
 
   // Between the generation's thread and the loop.
   absl::Mutex mu;
@@ -340,6 +342,7 @@ class HttpServer::Impl {
     auto call = std::make_shared<Call>();
     call->req = req;
     call->conn = conn;
+    call->request_id = RequestId(req);
     conns_[conn] = call;
     evhttp_connection_set_closecb(conn, &Impl::OnClose, this);
     SetSocketOptions(conn, options_.socket_send_buffer);
@@ -348,12 +351,21 @@ class HttpServer::Impl {
       ++running_;
     }
     std::thread([this, call, chat = route == Route::kChat, body = std::move(body), authorization,
-                 peer = Peer(conn), client_id = Header(req, "X-Request-Id")]() mutable {
+                 peer = Peer(conn), client_id = call->request_id]() mutable {
       Generate(call, chat ? Endpoint::kChatCompletions : Endpoint::kCompletions, body, authorization, peer,
                client_id);
       absl::MutexLock lock(&threads_mu_);
       --running_;
     }).detach();
+  }
+
+  // The client's X-Request-Id when it is a plausible id (at most 128
+  // printable ASCII characters: it goes into logs); else "" (the response
+  // id is used).
+  static std::string RequestId(evhttp_request* req) {
+    std::string id = Header(req, "X-Request-Id");
+    if (id.size() > 128 || !std::all_of(id.begin(), id.end(), [](char c) { return c > 0x20 && c < 0x7f; })) return "";
+    return id;
   }
 
   static std::string Header(evhttp_request* req, const char* name) {
@@ -538,6 +550,7 @@ class HttpServer::Impl {
       std::erase_if(orphans_, [&call](const CallPtr& c) { return c.get() == &call; });
       return;
     }
+    if (!call.request_id.empty()) headers.emplace_back("X-Request-Id", call.request_id);
     if (!sse) {
       if (!done) return;
       call.finished = true;
@@ -550,6 +563,7 @@ class HttpServer::Impl {
       evhttp_add_header(h, "Content-Type", "text/event-stream");
       evhttp_add_header(h, "Cache-Control", "no-cache");
       evhttp_add_header(h, "X-Accel-Buffering", "no");
+      if (!call.request_id.empty()) evhttp_add_header(h, "X-Request-Id", call.request_id.c_str());
       evhttp_send_reply_start(call.req, 200, "OK");
       Count(200);
       call.reply_started = true;

@@ -90,6 +90,23 @@ TEST_F(OpenAiServerTest, AStreamFromFakeWorkersWithUsageAndMetrics) {
   EXPECT_EQ(rig_.Count("pdserve_http_replies_total", "code=\"404\""), 1);
 }
 
+TEST_F(OpenAiServerTest, APlausibleRequestIdIsEchoedAndOthersAreDropped) {
+  std::unique_ptr<HttpServer> server = Start();
+  ASSERT_NE(server, nullptr);
+  const char kWhole[] = R"({"prompt":[100,101,102],"max_tokens":2})";
+  HttpReply r = HttpExchange(server->port(), HttpRequest("POST", "/v1/completions", kWhole, {"X-Request-Id: trace-42"}));
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(r.headers["x-request-id"], "trace-42");
+  r = HttpExchange(server->port(), HttpRequest("POST", "/v1/completions", kStream, {"X-Request-Id: trace-43"}));
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(r.headers["x-request-id"], "trace-43");
+  // Too long for the logs: not used, not echoed; the request is served.
+  r = HttpExchange(server->port(),
+                   HttpRequest("POST", "/v1/completions", kWhole, {"X-Request-Id: " + std::string(200, 'x')}));
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(r.headers.count("x-request-id"), 0u);
+}
+
 TEST_F(OpenAiServerTest, StoppingTheServerCancelsStreamsInFlight) {
   rig_.workers.at("d0").decode_faults.push_back({DecodeFault::kHoldAfter, 2});
   std::unique_ptr<HttpServer> server = Start();

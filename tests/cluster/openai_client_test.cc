@@ -66,7 +66,14 @@ TEST(OpenAiClientTest, TheOfficialClientWorksUnchanged) {
   while (fgets(buf.data(), buf.size(), p) != nullptr) output += buf.data();
   const int status = pclose(p);
   std::cout << output;
-  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << output << "\n" << main.Logs() << admission.Logs();
+  const bool passed = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+  EXPECT_TRUE(passed) << output << "\n" << main.Logs() << admission.Logs();
+  if (!passed) {
+    // Where requests stand (a stuck stream shows as running somewhere), and
+    // the router's request counters.
+    std::cout << "cluster status: " << main.Status().ShortDebugString() << "\n";
+    std::cout << HttpGet(main.router_metrics(), "/metrics") << "\n";
+  }
   // Every test ran (none skipped or left out).
   EXPECT_NE(output.find("# pass 12"), std::string::npos) << output;
 }

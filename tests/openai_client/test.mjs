@@ -12,7 +12,9 @@ import OpenAI from 'openai';
 const url = process.env.PDSERVE_URL;
 const key = process.env.PDSERVE_KEY;
 assert.ok(url && key, 'PDSERVE_URL and PDSERVE_KEY must be set');
-const client = new OpenAI({ baseURL: url, apiKey: key, maxRetries: 0, timeout: 120_000 });
+// A request taking over 90 s is stuck (they take milliseconds here): fail
+// then, with the cluster's state printed by the wrapper, not at undici's 300 s.
+const client = new OpenAI({ baseURL: url, apiKey: key, maxRetries: 0, timeout: 90_000 });
 const MODEL = 'kjv-tiny';
 const CHAT = [{ role: 'user', content: 'Who was the father of Isaac?' }];
 // Must match openai_client_test.cc's gRPC request.

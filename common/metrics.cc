@@ -85,40 +85,31 @@ Histogram* MetricsRegistry::AddHistogram(const std::string& name, const std::str
   return h;
 }
 
-void MetricsRegistry::AddGauge(const std::string& name, const std::string& help, std::function<double()> read,
-                               const std::string& labels) {
+void MetricsRegistry::AddRead(const std::string& name, const std::string& help, const char* type,
+                              std::function<std::optional<double>()> read, const std::string& labels) {
   auto s = std::make_unique<Series>();
   s->name = name;
   s->help = help;
-  s->type = "gauge";
+  s->type = type;
   s->labels = labels;
-  s->gauge = std::move(read);
+  s->read = std::move(read);
   absl::MutexLock lock(&mu_);
   series_.push_back(std::move(s));
+}
+
+void MetricsRegistry::AddGauge(const std::string& name, const std::string& help, std::function<double()> read,
+                               const std::string& labels) {
+  AddRead(name, help, "gauge", [read = std::move(read)] { return std::optional<double>(read()); }, labels);
 }
 
 void MetricsRegistry::AddOptionalGauge(const std::string& name, const std::string& help,
                                        std::function<std::optional<double>()> read, const std::string& labels) {
-  auto s = std::make_unique<Series>();
-  s->name = name;
-  s->help = help;
-  s->type = "gauge";
-  s->labels = labels;
-  s->optional_gauge = std::move(read);
-  absl::MutexLock lock(&mu_);
-  series_.push_back(std::move(s));
+  AddRead(name, help, "gauge", std::move(read), labels);
 }
 
 void MetricsRegistry::AddCounterFunc(const std::string& name, const std::string& help, std::function<double()> read,
                                      const std::string& labels) {
-  auto s = std::make_unique<Series>();
-  s->name = name;
-  s->help = help;
-  s->type = "counter";
-  s->labels = labels;
-  s->gauge = std::move(read);
-  absl::MutexLock lock(&mu_);
-  series_.push_back(std::move(s));
+  AddRead(name, help, "counter", [read = std::move(read)] { return std::optional<double>(read()); }, labels);
 }
 
 std::string MetricsRegistry::Render() const {
@@ -137,10 +128,8 @@ std::string MetricsRegistry::Render() const {
     for (const Series* s : group) {
       if (s->counter) {
         absl::StrAppend(&out, WithLabels(name, s->labels), " ", Num(s->counter->value()), "\n");
-      } else if (s->gauge) {
-        absl::StrAppend(&out, WithLabels(name, s->labels), " ", Num(s->gauge()), "\n");
-      } else if (s->optional_gauge) {
-        if (const std::optional<double> v = s->optional_gauge(); v.has_value()) {
+      } else if (s->read) {
+        if (const std::optional<double> v = s->read(); v.has_value()) {
           absl::StrAppend(&out, WithLabels(name, s->labels), " ", Num(*v), "\n");
         }
       } else {

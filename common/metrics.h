@@ -79,9 +79,10 @@ class MetricsRegistry {
     std::string name, help, type, labels;
     std::unique_ptr<Counter> counter;
     std::unique_ptr<Histogram> histogram;
-    std::function<double()> gauge;
-    std::function<std::optional<double>()> optional_gauge;
+    std::function<std::optional<double>()> read;  // gauges and counter functions
   };
+  void AddRead(const std::string& name, const std::string& help, const char* type,
+               std::function<std::optional<double>()> read, const std::string& labels);
   mutable absl::Mutex mu_;
   std::vector<std::unique_ptr<Series>> series_ ABSL_GUARDED_BY(mu_);
 };

@@ -212,6 +212,7 @@ absl::StatusOr<KeyLease> ApiKeys::Admit(absl::string_view authorization) {
   auto refuse = [&id](std::string why, double retry_after) {
     absl::Status st = absl::ResourceExhaustedError(absl::StrCat("API key '", *id, "': ", why));
     st.SetPayload(kRetryAfterPayload, absl::Cord(absl::StrCat(retry_after)));
+    st.SetPayload(kKeyIdPayload, absl::Cord(*id));
     return st;
   };
   const absl::Time now = clock_();

@@ -67,6 +67,8 @@ class KeyLease {
 // A status payload (seconds, as text) saying when a refused request may be
 // sent again; set on the limits' RESOURCE_EXHAUSTED.
 inline constexpr char kRetryAfterPayload[] = "type.pdserve.dev/retry_after_seconds";
+// And the id of the key over its limit.
+inline constexpr char kKeyIdPayload[] = "type.pdserve.dev/key_id";
 
 class ApiKeys {
  public:
@@ -80,7 +82,7 @@ class ApiKeys {
 
   // Check, then the key's limits for one more generation. Errors:
   // UNAUTHENTICATED as Check; RESOURCE_EXHAUSTED naming the key id and the
-  // limit, with kRetryAfterPayload.
+  // limit, with kRetryAfterPayload and kKeyIdPayload.
   absl::StatusOr<KeyLease> Admit(absl::string_view authorization);
 
   // Reads the file again now if it changed; what Check does once a second.

@@ -210,12 +210,11 @@ absl::StatusOr<KeyLease> RouterService::AdmitKey(absl::string_view authorization
     return lease;
   }
   if (absl::IsResourceExhausted(lease.status())) {
-    // The message names the key id ("API key 'alice': ..."), never the key.
-    const absl::string_view m = lease.status().message();
-    const size_t a = m.find('\''), b = m.find('\'', a + 1);
-    CountKey(std::string(m.substr(a + 1, b - a - 1)), "limited");
+    const auto id = lease.status().GetPayload(kKeyIdPayload);
+    CountKey(id.has_value() ? std::string(*id) : "?", "limited");
     relay_metrics_->CountOutcome("key_limited");
-    LogEvent("warning", "key_limited", {{"peer", std::string(peer)}, {"error", std::string(m)}});
+    LogEvent("warning", "key_limited",
+             {{"peer", std::string(peer)}, {"error", std::string(lease.status().message())}});
     return lease.status();
   }
   relay_metrics_->CountOutcome("unauthenticated");

@@ -10,6 +10,7 @@
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
+#include "router/api_keys.h"
 #include "router/openai/request.h"
 #include "utf8proc.h"
 
@@ -272,7 +273,7 @@ HttpError ErrorFor(const absl::Status& status) {
     case absl::StatusCode::kResourceExhausted:
       e.status = 429;
       type = "rate_limit_error";
-      if (auto p = status.GetPayload("type.pdserve.dev/retry_after_seconds"); p.has_value()) {
+      if (auto p = status.GetPayload(kRetryAfterPayload); p.has_value()) {
         double s = 1;
         if (absl::SimpleAtod(std::string(*p), &s)) e.retry_after_seconds = std::max<int64_t>(1, std::ceil(s));
       }

@@ -699,13 +699,10 @@ class HttpServer::Impl {
       }
       return true;
     });
-    {
-      absl::MutexLock lock(&call->mu);
-      call->relay = nullptr;
-    }
     bool streaming;
     {
       absl::MutexLock lock(&call->mu);
+      call->relay = nullptr;
       streaming = call->sse;
     }
     if (st.ok()) {

@@ -43,9 +43,11 @@ int ServeUntilSignal(const ServeOptions& o, std::initializer_list<grpc::Service*
     }
   }
   auto set_serving = [&](bool serving) {
-    server->GetHealthCheckService()->SetServingStatus(serving);
-    if (health_server != nullptr) health_server->GetHealthCheckService()->SetServingStatus(serving);
+    server->GetHealthCheckService()->SetServingStatus("", serving);
+    if (health_server != nullptr) health_server->GetHealthCheckService()->SetServingStatus("", serving);
   };
+  server->GetHealthCheckService()->SetServingStatus(kLivenessService, true);
+  if (health_server != nullptr) health_server->GetHealthCheckService()->SetServingStatus(kLivenessService, true);
   std::unique_ptr<MetricsHttpServer> metrics_server;
   if (o.metrics != nullptr && !o.metrics_address.empty()) {
     const size_t colon = o.metrics_address.rfind(':');
@@ -104,11 +106,18 @@ int ServeUntilSignal(const ServeOptions& o, std::initializer_list<grpc::Service*
   stop_health.Notify();
   if (health_thread.joinable()) health_thread.join();
   LogEvent("info", "shutting_down", {{"role", o.role}, {"signal", std::to_string(sig)}});
-  set_serving(false);
+  // Every service NOT_SERVING, liveness too.
+  server->GetHealthCheckService()->SetServingStatus(false);
+  if (health_server != nullptr) health_server->GetHealthCheckService()->SetServingStatus(false);
+  const absl::Time signalled = absl::Now();
   if (o.on_drain) {
-    const absl::Time start = absl::Now();
-    o.on_drain(start + o.drain_grace);
-    LogEvent("info", "drained", {{"role", o.role}, {"seconds", std::to_string(absl::ToDoubleSeconds(absl::Now() - start))}});
+    o.on_drain(signalled + o.drain_grace);
+    LogEvent("info", "drained",
+             {{"role", o.role}, {"seconds", std::to_string(absl::ToDoubleSeconds(absl::Now() - signalled))}});
+  }
+  if (const absl::Duration rest = signalled + o.drain_min - absl::Now(); rest > absl::ZeroDuration()) {
+    LogEvent("info", "draining_until_min", {{"role", o.role}, {"seconds", std::to_string(absl::ToDoubleSeconds(rest))}});
+    absl::SleepFor(rest);
   }
   if (o.on_shutdown) o.on_shutdown();
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));

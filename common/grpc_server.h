@@ -18,13 +18,19 @@
 
 namespace pdserve {
 
+inline constexpr char kLivenessService[] = "liveness";
+
 struct ServeOptions {
   std::string address;     // host:port (port 0: any free port)
   // TLS (common/tls.h); null: plaintext.
   std::shared_ptr<grpc::ServerCredentials> credentials;
   // A second, plaintext port serving only gRPC health, mirroring the main
   // port's status (port 0: any free; "" = none). The ready file gets
-  // "health_port".
+  // "health_port". On both, the whole server's status ("") is the
+  // readiness verdict (`health` below), and the service kLivenessService
+  // is SERVING from start to shutdown: what a liveness probe asks, so that
+  // a process that cannot serve for a while (no worker to place on) is
+  // taken out of rotation, not restarted.
   std::string health_address;
   // The largest request message a client may send (larger: RESOURCE_EXHAUSTED).
   int max_receive_message_bytes = 8 << 20;
@@ -41,6 +47,9 @@ struct ServeOptions {
   // taking new work and finish what is in flight, returning by `deadline`.
   std::function<void(absl::Time deadline)> on_drain;
   absl::Duration drain_grace = absl::Seconds(30);
+  // The least time between the signal and shutting down: after on_drain,
+  // the server stays up (NOT_SERVING, refusing new work) until then.
+  absl::Duration drain_min = absl::ZeroDuration();
   // Judged every health_period while serving: "" = SERVING, else why not
   // (gRPC health goes NOT_SERVING and the change is logged). None: SERVING.
   std::function<std::string()> health;

@@ -70,6 +70,10 @@ absl::Status WriteReadyFile(const std::string& path, const std::string& json) {
 }
 
 void BlockShutdownSignals() {
+  // A write to a peer that has gone (a client reset mid-stream) must be an
+  // EPIPE error, not the end of the process: OpenSSL's and libevent's
+  // socket writes do not pass MSG_NOSIGNAL.
+  signal(SIGPIPE, SIG_IGN);
   sigset_t set;
   sigemptyset(&set);
   sigaddset(&set, SIGINT);

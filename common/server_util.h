@@ -31,8 +31,8 @@ bool LogLevelEnabled(const char* level);
 absl::Status WriteReadyFile(const std::string& path, const std::string& json);
 
 // Blocks SIGINT and SIGTERM in the calling thread (call first in main, so
-// every thread inherits the mask) and returns; WaitForShutdownSignal then
-// waits for one of them and returns its number.
+// every thread inherits the mask), ignores SIGPIPE, and returns;
+// WaitForShutdownSignal then waits for one of them and returns its number.
 void BlockShutdownSignals();
 int WaitForShutdownSignal();
 

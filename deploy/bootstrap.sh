@@ -11,7 +11,7 @@ PACKAGES=(
   nlohmann-json3-dev libyaml-cpp-dev libxxhash-dev libpcre2-dev libutf8proc-dev libopenblas-dev
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   libucx-dev ucx-utils libmicrohttpd-dev libevent-dev
-  dnsmasq-base iproute2 curl
+  dnsmasq-base iproute2 nftables curl
   clang python3-yaml
 )
 

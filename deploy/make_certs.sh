@@ -12,11 +12,16 @@
 # certificate names it as the DNS name ROLE.pdserve.internal, which is how
 # services check each other's role (router/README: "TLS"); it also holds
 # localhost, 127.0.0.1 and ::1 so that clients on this machine can check
-# the router by the address they dial. Keys are ECDSA P-256; certificates
-# last 30 days; keys are readable by their owner only.
+# the router by the address they dial, and the Kubernetes Service names
+# pdserve-ROLE, pdserve-ROLE.NS, pdserve-ROLE.NS.svc and
+# pdserve-ROLE.NS.svc.cluster.local (NS: $PDSERVE_K8S_NAMESPACE, default
+# pdserve, deploy/k8s) so that clients in a cluster can check the router by
+# its Service name. Keys are ECDSA P-256; certificates last 30 days; keys
+# are readable by their owner only.
 set -euo pipefail
 DIR=${1:-${PDSERVE_CERTS_DIR:-/tmp/pdserve-certs}}
 DAYS=30
+NS=${PDSERVE_K8S_NAMESPACE:-pdserve}
 mkdir -p "$DIR"
 umask 077
 
@@ -29,10 +34,14 @@ if [[ ! -s "$DIR/ca.pem" || ! -s "$DIR/ca.key" ]]; then
 fi
 
 for role in router prefill decode; do
-  # Kept while it verifies against this CA and has a day left.
+  service=pdserve-$role
+  # Kept while it verifies against this CA, has a day left and names this
+  # namespace's Service.
   if [[ -s "$DIR/$role.pem" && -s "$DIR/$role.key" ]] &&
      openssl verify -CAfile "$DIR/ca.pem" "$DIR/$role.pem" > /dev/null 2>&1 &&
-     openssl x509 -checkend 86400 -noout -in "$DIR/$role.pem" > /dev/null 2>&1; then
+     openssl x509 -checkend 86400 -noout -in "$DIR/$role.pem" > /dev/null 2>&1 &&
+     openssl x509 -noout -ext subjectAltName -in "$DIR/$role.pem" 2>/dev/null |
+       grep -q "DNS:$service.$NS.svc.cluster.local"; then
     continue
   fi
   openssl ecparam -name prime256v1 -genkey -noout -out "$DIR/$role.key.new"
@@ -42,7 +51,7 @@ for role in router prefill decode; do
 basicConstraints=critical,CA:FALSE
 keyUsage=critical,digitalSignature,keyEncipherment
 extendedKeyUsage=serverAuth,clientAuth
-subjectAltName=DNS:$role.pdserve.internal,DNS:localhost,IP:127.0.0.1,IP:::1
+subjectAltName=DNS:$role.pdserve.internal,DNS:localhost,IP:127.0.0.1,IP:::1,DNS:$service,DNS:$service.$NS,DNS:$service.$NS.svc,DNS:$service.$NS.svc.cluster.local
 EOF
   openssl x509 -req -in "$DIR/$role.csr" -CA "$DIR/ca.pem" -CAkey "$DIR/ca.key" -CAcreateserial -days "$DAYS" \
     -sha256 -extfile "$DIR/$role.ext" -out "$DIR/$role.crt.new" 2>/dev/null

@@ -170,6 +170,12 @@ int Run() {
   so.address = absl::GetFlag(FLAGS_listen);
   so.ready_file = absl::GetFlag(FLAGS_ready_file);
   so.role = "router";
+  // Ready (gRPC health SERVING) only while a request can be placed: a
+  // router with an empty pool is taken out of its Service's endpoints.
+  so.health = [&service]() -> std::string {
+    const absl::Status st = (*service)->Ready();
+    return st.ok() ? "" : std::string(st.message());
+  };
   so.metrics = &(*service)->metrics();
   so.metrics_address = absl::GetFlag(FLAGS_metrics_listen);
   so.log_fields = {{"model", o.model_name}, {"colocated", o.colocated ? "true" : "false"}};

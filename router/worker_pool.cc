@@ -237,7 +237,9 @@ absl::Status WorkerPool::WaitForWorkers(absl::Duration timeout, std::vector<Role
       if (!any) absl::StrAppend(&empty_pool, empty_pool.empty() ? "" : " and ", RoleName(role));
     }
     if (empty_pool.empty() && !pools_served_since.has_value()) pools_served_since = options_.clock();
-    if (silent.empty()) break;
+    // A pool whose targets resolve to no address yet (a headless Service
+    // before its first pod is ready) is empty, not silent: wait for it.
+    if (silent.empty() && empty_pool.empty()) break;
     if (empty_pool.empty() && options_.clock() - *pools_served_since > absl::Seconds(2)) {
       LogEvent("warning", "workers_not_ready", {{"workers", silent}});
       break;

@@ -26,6 +26,10 @@ ABSL_FLAG(double, request_life_base_s, 60,
           "a request's life in the engine is bounded by this + max_tokens x max(step factor x p99 step, min per token)");
 ABSL_FLAG(double, request_life_step_factor, 10, "see --request_life_base_s");
 ABSL_FLAG(double, request_life_min_token_ms, 50, "see --request_life_base_s");
+ABSL_FLAG(double, drain_min_s, 0,
+          "SIGTERM: stay up at least this long, refusing new work as draining, so that routers that still list "
+          "this worker (until their next probe or DNS resolve) are told so instead of sending to a vanished "
+          "address (Kubernetes: a little above the router's --resolve_interval_s)");
 ABSL_FLAG(double, leak_grace_s, 10, "NOT_SERVING once KV blocks stay in use this long with no request holding them");
 ABSL_FLAG(double, wedge_after_s, 5, "NOT_SERVING once the KV transport's event loop has not run for this long");
 ABSL_FLAG(int, fault_leak_kv_blocks, 0, "fault tests only: take this many KV blocks at start and never free them");
@@ -60,6 +64,7 @@ absl::StatusOr<WorkerModel> LoadWorkerModel(KvRegionAllocator* allocator) {
 void ApplyWorkerServing(const WorkerRuntime& rt, ServeOptions& serve) {
   if (rt.tls.enabled()) serve.credentials = ServerTlsCredentials(rt.tls, "router");
   serve.health_address = absl::GetFlag(FLAGS_health_listen);
+  serve.drain_min = absl::Seconds(absl::GetFlag(FLAGS_drain_min_s));
 }
 
 absl::StatusOr<WorkerRuntime> StartWorkerRuntime(const std::string& name, int* exit_code) {

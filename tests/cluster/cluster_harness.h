@@ -22,10 +22,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
-#include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "common/health_check.h"
 #include "common/tls.h"
 #include "pdserve/v1/generation.grpc.pb.h"
 #include "tests/support/http_get.h"
@@ -110,27 +110,9 @@ inline double MetricValue(const std::string& page, const std::string& series) {
 // `server_role`: how TestChannel dials it ("" the router; "none":
 // plaintext, a health-only port).
 inline int GrpcHealth(const std::string& address, const std::string& server_role = "decode") {
-  grpc::GenericStub stub(server_role == "none" ? TestChannel(address, "", false) : TestChannel(address, server_role));
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
-  grpc::Slice empty("");
-  grpc::ByteBuffer request(&empty, 1);
-  grpc::ByteBuffer response;
-  absl::Notification done;
-  grpc::Status status;
-  stub.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &response,
-                 [&](grpc::Status s) {
-                   status = std::move(s);
-                   done.Notify();
-                 });
-  done.WaitForNotification();
-  if (!status.ok()) return -1;
-  std::vector<grpc::Slice> slices;
-  if (!response.Dump(&slices).ok()) return -1;
-  std::string bytes;
-  for (const grpc::Slice& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
-  // Field 1, varint: tag 0x08 then the value (absent: 0, UNKNOWN).
-  return bytes.size() == 2 && bytes[0] == 0x08 ? bytes[1] : (bytes.empty() ? 0 : -1);
+  absl::StatusOr<HealthStatus> s = CheckHealth(
+      server_role == "none" ? TestChannel(address, "", false) : TestChannel(address, server_role), absl::Seconds(2));
+  return s.ok() ? static_cast<int>(*s) : -1;
 }
 
 struct Output {

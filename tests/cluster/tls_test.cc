@@ -3,6 +3,12 @@
 // routers), impostor workers getting no traffic, certificates rotated
 // under load with no stream failing, the plaintext health-only port, and a
 // server that will not start without TLS or --insecure.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <openssl/ssl.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <cstdlib>
 #include <filesystem>
@@ -19,6 +25,7 @@
 #include "gtest/gtest.h"
 #include "pdserve/v1/worker.grpc.pb.h"
 #include "router/api_keys.h"
+#include "common/grpc_server.h"
 #include "tests/cluster/cluster_harness.h"
 #include "tests/support/http_client.h"
 
@@ -309,6 +316,14 @@ TEST(TlsHealthPortTest, ThePlaintextHealthPortServesHealthAndNothingElse) {
   ASSERT_GT(health_port, 0);
   const std::string health = absl::StrCat("127.0.0.1:", health_port);
   EXPECT_EQ(GrpcHealth(health, "none"), 1);  // SERVING, in plaintext
+  // The liveness service (what the manifests' livenessProbe asks) serves
+  // too; an unknown service is NOT_FOUND.
+  absl::StatusOr<HealthStatus> live =
+      CheckHealth(TestChannel(health, "", /*tls=*/false), absl::Seconds(2), kLivenessService);
+  ASSERT_TRUE(live.ok()) << live.status();
+  EXPECT_EQ(*live, HealthStatus::kServing);
+  EXPECT_EQ(CheckHealth(TestChannel(health, "", /*tls=*/false), absl::Seconds(2), "no-such-service").status().code(),
+            absl::StatusCode::kNotFound);
   auto stub = worker::v1::DecodeWorker::NewStub(TestChannel(health, "", /*tls=*/false));
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
@@ -316,6 +331,62 @@ TEST(TlsHealthPortTest, ThePlaintextHealthPortServesHealthAndNothingElse) {
   EXPECT_EQ(stub->Status(&ctx, {}, &info).error_code(), grpc::StatusCode::UNIMPLEMENTED);
   // The main port wants TLS.
   EXPECT_EQ(GrpcHealth(absl::StrCat("127.0.0.1:", *port), "none"), -1);
+}
+
+// One streamed completion over TLS that the client abandons with a reset
+// (SO_LINGER 0, no close_notify) once `reset_after` bytes of the reply
+// have come, or its last event: the router's next writes to it fail. False if it could not
+// even send the request.
+bool StreamThenReset(int port, const std::string& request, size_t reset_after) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) return close(fd), false;
+  SSL_CTX* ctx = SSL_CTX_new(TLS_client_method());
+  SSL* ssl = SSL_new(ctx);
+  SSL_set_fd(ssl, fd);
+  bool sent = SSL_connect(ssl) == 1 && SSL_write(ssl, request.data(), static_cast<int>(request.size())) > 0;
+  timeval t{5, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &t, sizeof t);
+  std::string got;
+  char buf[4096];
+  while (sent && got.size() < reset_after && !absl::StrContains(got, "data: [DONE]")) {
+    const int n = SSL_read(ssl, buf, sizeof buf);
+    if (n <= 0) break;
+    got.append(buf, static_cast<size_t>(n));
+  }
+  linger l{1, 0};
+  setsockopt(fd, SOL_SOCKET, SO_LINGER, &l, sizeof l);
+  close(fd);
+  SSL_free(ssl);
+  SSL_CTX_free(ctx);
+  return sent;
+}
+
+// Clients of the HTTPS API that vanish (reset) mid-stream or just as their
+// stream ends must cost the router nothing. Subprocess gives servers
+// SIGPIPE's default disposition, as a shell or a container runtime does.
+// The router once died of SIGPIPE under the Kubernetes lifecycle test's
+// load (tests/deploy/k8s_lifecycle.py, over veth links); this loopback test
+// did not reproduce that death before the fix (servers now ignore SIGPIPE),
+// so it pins reset handling in general, and the lifecycle test pins that.
+TEST(TlsVanishingClientTest, ClientsThatResetMidStreamCostTheRouterNothing) {
+  const std::string dir = TempDir();
+  Cluster c;
+  const absl::Status s = c.Start(dir + "/c", /*colocated=*/true);
+  ASSERT_TRUE(s.ok()) << s;
+  const std::string body = R"({"prompt":"In the beginning","max_tokens":24,"ignore_eos":true,"stream":true})";
+  const std::string request =
+      absl::StrCat("POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n",
+                   "Content-Length: ", body.size(), "\r\n\r\n", body);
+  int sent = 0;
+  for (int i = 0; i < 300; ++i) sent += StreamThenReset(c.http_port(), request, 1 + (i * 97) % 6000) ? 1 : 0;
+  EXPECT_GT(sent, 250) << c.Logs();
+  // The router still serves (a dead one fails this call).
+  const Output out = c.Generate(SeededRequest(4));
+  EXPECT_TRUE(out.status.ok()) << out.status.error_message() << c.Logs();
 }
 
 TEST(TlsFlagsTest, AServerWithoutTlsOrInsecureDoesNotStart) {

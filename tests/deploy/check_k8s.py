@@ -10,7 +10,9 @@ binaries:
 - the flagfile an arg names is a key of the ConfigMap mounted there, and
   every ConfigMap and Secret a pod mounts is rendered too;
 - every probe's port is one of its container's ports;
-- terminationGracePeriodSeconds is above the container's --drain_grace_s;
+- every gRPC probe asks a health service the servers answer;
+- terminationGracePeriodSeconds is above the container's --drain_grace_s
+  and --drain_min_s;
 - every HorizontalPodAutoscaler scales a rendered Deployment, on a metric
   the router exposes, with a scale-down stabilization window;
 - every metric an alert's expression names is one the servers define.
@@ -119,10 +121,15 @@ def check(objects, build, external_secrets=()):
                 port = action.get("port")
                 if not any(cp.get("name") == port or cp["containerPort"] == port for cp in ports):
                     errors.append(f"Deployment {dn}: {probe} port {port} is not a port of container {c['name']}")
-            drain = [float(a.split("=", 1)[1]) for a in args if a.startswith("--drain_grace_s=")]
-            if drain and grace <= drain[-1]:
-                errors.append(f"Deployment {dn}: terminationGracePeriodSeconds {grace} is not above "
-                              f"--drain_grace_s={drain[-1]:g}")
+                # The gRPC health services every server answers (common/grpc_server.h).
+                if "grpc" in p and p["grpc"].get("service", "") not in ("", "liveness"):
+                    errors.append(f"Deployment {dn}: {probe} asks the health service {p['grpc']['service']!r}, "
+                                  "which no server answers")
+            for flag in ("--drain_grace_s=", "--drain_min_s="):
+                drain = [float(a.split("=", 1)[1]) for a in args if a.startswith(flag)]
+                if drain and grace <= drain[-1]:
+                    errors.append(f"Deployment {dn}: terminationGracePeriodSeconds {grace} is not above "
+                                  f"{flag}{drain[-1]:g}")
     router_source = open(os.path.join(os.path.dirname(__file__), "../../router/router_service.cc")).read()
     for h in by_kind.get("HorizontalPodAutoscaler", []):
         hn = h["metadata"]["name"]
@@ -175,7 +182,7 @@ def main():
             print("FAIL:", e)
         kinds = ["selects no", "targetPort", "the binary has no", "is not a port of container", "is not above",
                  "no ConfigMap key", "no Secret", "which is not rendered", "exposes no metric",
-                 "no scale-down stabilization", "no server defines the metric"]
+                 "no scale-down stabilization", "no server defines the metric", "which no server answers"]
         missed = [k for k in kinds if not any(k in e for e in errors)]
         if expect_failures:
             if missed:

@@ -3,6 +3,7 @@
 // prefix index, and discovery of fixed targets.
 #include "router/worker_pool.h"
 
+#include "absl/strings/match.h"
 #include "gtest/gtest.h"
 #include "tests/router/in_process_router.h"
 
@@ -135,6 +136,26 @@ TEST(WorkerPoolTest, WaitForWorkersNamesTheEmptyPoolAndTheSilentAddresses) {
   const absl::Status st = pool.WaitForWorkers(absl::Milliseconds(150), {Role::kPrefill, Role::kDecode}, true);
   EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(st.message(), "no live prefill worker; not answering: 127.0.0.1:5001 (failed to connect to all addresses)");
+}
+
+// A DNS target that resolves to nothing yet (a headless Service before its
+// first pod is ready) leaves its pool empty: the wait goes on until the
+// deadline instead of declaring the pools ready.
+TEST(WorkerPoolTest, WaitForWorkersWaitsForAPoolWhoseNameResolvesToNothing) {
+  FakeWorkers workers;
+  workers.Add(Role::kDecode, "127.0.0.1:5002");
+  MeasuredInputs measured;
+  PrefixIndex index;
+  WorkerPoolOptions o;
+  o.resolve_timeout = absl::Milliseconds(200);
+  o.prefill_targets.push_back(*ParseWorkerTarget("dns:///pdserve-no-such-service.invalid:7001"));
+  o.decode_targets.push_back(*ParseWorkerTarget("127.0.0.1:5002"));
+  WorkerPool pool(o, &workers, &measured, &index);
+  const absl::Time start = absl::Now();
+  const absl::Status st = pool.WaitForWorkers(absl::Milliseconds(600), {Role::kPrefill, Role::kDecode}, true);
+  EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable) << st;
+  EXPECT_TRUE(absl::StartsWith(st.message(), "no live prefill worker")) << st;
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(600));
 }
 
 }  // namespace

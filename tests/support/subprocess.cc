@@ -33,6 +33,9 @@ absl::Status Subprocess::Start(const std::vector<std::string>& argv, const std::
     sigset_t none;
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, nullptr);
+    // Default dispositions, as a shell or container runtime gives: a
+    // server must not rely on the test ignoring SIGPIPE for it.
+    signal(SIGPIPE, SIG_DFL);
     for (const auto& [k, v] : env) setenv(k.c_str(), v.c_str(), 1);
     std::vector<char*> args;
     for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));

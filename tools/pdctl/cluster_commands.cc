@@ -9,6 +9,7 @@
 #include "absl/strings/str_join.h"
 #include "google/protobuf/util/json_util.h"
 #include "common/grpc_status.h"
+#include "common/health_check.h"
 #include "common/tls.h"
 #include "common/tls_flags.h"
 #include "grpcpp/grpcpp.h"
@@ -145,6 +146,19 @@ absl::Status RemoteStatus(const std::string& router, bool json) {
   for (const auto& w : out.prefill()) row(w);
   for (const auto& w : out.decode()) row(w);
   if (!out.measured_report().empty()) std::printf("\nmeasured by the router:\n%s", out.measured_report().c_str());
+  return absl::OkStatus();
+}
+
+absl::Status Probe(const std::string& address, const std::string& service, double timeout_seconds) {
+  static constexpr const char* kNames[] = {"UNKNOWN", "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN"};
+  absl::StatusOr<HealthStatus> s =
+      CheckHealth(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()),
+                  absl::Seconds(timeout_seconds > 0 ? timeout_seconds : 1), service);
+  if (!s.ok()) return absl::UnavailableError(absl::StrCat(address, ": ", s.status().message()));
+  if (*s != HealthStatus::kServing) {
+    return absl::FailedPreconditionError(absl::StrCat(address, ": ", kNames[static_cast<int>(*s)]));
+  }
+  std::printf("%s: SERVING\n", address.c_str());
   return absl::OkStatus();
 }
 

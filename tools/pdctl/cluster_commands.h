@@ -25,6 +25,12 @@ absl::Status RemoteGenerate(const std::string& router, const v1::GenerateRequest
 // Pools, workers and their load, from the router's ClusterStatus.
 absl::Status RemoteStatus(const std::string& router, bool json);
 
+// One gRPC health check of a server's plaintext health port (what a
+// Kubernetes gRPC probe asks): OK and "SERVING" printed when it serves,
+// else an error saying what it answered or why the call failed.
+// `service`: "" for the whole server (readiness), "liveness" for liveness.
+absl::Status Probe(const std::string& address, const std::string& service, double timeout_seconds);
+
 }  // namespace pdserve::pdctl
 
 #endif  // PDSERVE_TOOLS_PDCTL_CLUSTER_COMMANDS_H_

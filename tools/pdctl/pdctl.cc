@@ -74,7 +74,10 @@ ABSL_FLAG(std::string, router, "", "generate / status / bench: a router's addres
 ABSL_FLAG(std::string, openai, "",
           "bench: the router's OpenAI HTTP API (http://HOST:PORT); with --router too, gRPC and HTTP rows from the "
           "same run");
-ABSL_FLAG(double, timeout, 0, "generate --router: deadline in seconds (0: none)");
+ABSL_FLAG(double, timeout, 0, "generate --router: deadline in seconds (0: none); probe: (0: 1 s)");
+ABSL_FLAG(std::string, addr, "", "probe: a server's plaintext health address (host:port)");
+ABSL_FLAG(std::string, service, "", "probe: the health service to ask (\"\": the whole server, readiness; "
+          "\"liveness\")");
 ABSL_FLAG(int, requests, 64, "bench: requests to send");
 ABSL_FLAG(int, concurrency, 8, "bench: requests in flight (closed loop, when --rate is 0)");
 ABSL_FLAG(double, rate, 0, "bench: Poisson arrivals per second (0: closed loop at --concurrency)");
@@ -438,6 +441,8 @@ constexpr char kUsage[] =
     "  generate  generation from --prompt, --chat-json or --prompt-ids (greedy unless --temperature > 0);\n"
     "            in-process, or through a cluster with --router HOST:PORT\n"
     "  status    a cluster's pools, workers and load (--router HOST:PORT)\n"
+    "  probe     gRPC health check of a server's plaintext health port (--addr HOST:PORT\n"
+    "            [--service liveness] [--timeout S]); exit 0 only when it answers SERVING\n"
     "  bench     serving benchmark against a cluster (--router and/or --openai URL; --concurrency or --rate,\n"
     "            --requests,\n"
     "            --prompt-tokens, --output-tokens, --in-process-model DIR for the engine alone; --json);\n"
@@ -494,6 +499,10 @@ int main(int argc, char** argv) {
     status = absl::GetFlag(FLAGS_router).empty()
                  ? absl::InvalidArgumentError("status needs --router HOST:PORT")
                  : RemoteStatus(absl::GetFlag(FLAGS_router), absl::GetFlag(FLAGS_json));
+  } else if (command == "probe") {
+    status = absl::GetFlag(FLAGS_addr).empty() ? absl::InvalidArgumentError("probe needs --addr HOST:PORT")
+                                                : Probe(absl::GetFlag(FLAGS_addr), absl::GetFlag(FLAGS_service),
+                                                        absl::GetFlag(FLAGS_timeout));
   } else if (command == "generate") {
     status = RunGenerate();
   } else if (command == "tokenize") {

@@ -823,7 +823,7 @@ def main():
             (prom, router, 9090, True), (prom, prefill, 9090, True), (prom, decode, 9090, True),
             (router, prefill, 7001, True), (router, decode, 7002, True), (router, decode, 7300, False),
             (prefill, decode, 7300, True), (prefill, router, 7000, False), (decode, router, 7000, False),
-            (prom, prefill, 7001, False),
+            (prom, prefill, 7001, False), (prefill, decode, 7500, False), (decode, prefill, 7001, False),
         ]
         for src, dst, port, allowed in flows:
             got = can_connect(node, src, dst.ip, port)
@@ -831,6 +831,16 @@ def main():
             node.event("policy: " + line)
             if got != allowed:
                 failed.append(f"network policy: {line}, expected {'open' if allowed else 'dropped'}")
+
+        # UCX's TCP transport listens inside the range the policies open
+        # (UCX_TCP_PORT_RANGE): the handoffs above crossed only those ports.
+        for pod in (prefill, decode):
+            ports = {int(m.group(1)) for m in re.finditer(r":(\d+)\s", sh(pod.exec_argv(["ss", "-Htln"])).stdout)}
+            node.event(f"listening in {pod.name}: {sorted(ports)}")
+            env = {e["name"]: e.get("value") for e in pod.spec["containers"][0].get("env", [])}
+            lo, hi = map(int, env["UCX_TCP_PORT_RANGE"].split("-"))
+            if not any(lo <= p <= hi for p in ports):
+                failed.append(f"{pod.name}: no listener in UCX_TCP_PORT_RANGE {lo}-{hi}: {sorted(ports)}")
 
         open(stop, "w").close()
         load.wait(timeout=90)

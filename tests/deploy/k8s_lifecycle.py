@@ -652,9 +652,12 @@ def load_main(url, ca, out_path, stop_path, concurrency):
         with lock:
             out.write(json.dumps(rec) + "\n")
 
+    # Ends by itself if the test never writes the stop file.
+    give_up = time.time() + 900
+
     def loop(k):
         i = k
-        while not os.path.exists(stop_path):
+        while not os.path.exists(stop_path) and time.time() < give_up and os.getppid() != 1:
             one(i)
             i += concurrency
 
@@ -744,6 +747,7 @@ def main():
     objects, ca = render(repo, tmp)
     node = Node(repo, build, objects, tmp)
     failed = []
+    load = None
     try:
         node.up()
         ns = next(o["metadata"]["name"] for o in objects if o["kind"] == "Namespace")
@@ -879,6 +883,9 @@ def main():
         for p in node.pdserve_pods():
             log(f"--- {p.name} ({p.ip}) log tail:\n{p.log_tail()}")
     finally:
+        if load is not None and load.poll() is None:
+            load.kill()
+            load.wait()
         node.teardown()
         if not keep and not failed:
             shutil.rmtree(tmp, ignore_errors=True)

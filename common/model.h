@@ -85,6 +85,8 @@ class Model {
   ~Model();
 
   const ModelConfig& config() const { return config_; }
+  // The backend the model runs on (its Name() says which kernels).
+  const kernels::Backend& backend() const { return *backend_; }
   DType weight_dtype() const { return weight_dtype_; }
   // Identifies these weights as held in memory (for prefix-cache hashes):
   // XXH3-128 over config.json, the in-memory weight format, and every

@@ -625,6 +625,7 @@ grpc::ServerUnaryReactor* DecodeService::Status(grpc::CallbackServerContext* ctx
   v1::WorkerStatus* s = out->mutable_status();
   s->set_kv_cached_blocks(static_cast<int64_t>(kv_events_.num_cached()));
   s->set_role("decode");
+  s->set_kernels(model_->backend().Name());
   out->set_instance_id(ProcessInstanceId());
   s->set_running(st.running);
   s->set_queued(st.waiting);

@@ -478,6 +478,7 @@ grpc::ServerUnaryReactor* PrefillService::Status(grpc::CallbackServerContext* ct
   rpc::FillPrefixHash(model_->identity(), kv_->spec().dtype, kv_->spec().block_size, out);
   v1::WorkerStatus* s = out->mutable_status();
   s->set_role("prefill");
+  s->set_kernels(model_->backend().Name());
   {
     absl::MutexLock lock(&mu_);
     std::string why = stop_ ? "stopped" : draining_ ? "draining" : unhealthy_reason_;

@@ -14,6 +14,12 @@ absl::StatusOr<ModelStack> LoadModelStack(const ModelStackOptions& o) {
     if (!isa.ok()) return isa.status();
     bo.isa = *isa;
   }
+  bo.choose_matrix_path = true;
+  if (!o.matrix_path.empty()) {
+    absl::StatusOr<kernels::cpu::MatrixPath> path = kernels::cpu::ParseMatrixPath(o.matrix_path);
+    if (!path.ok()) return absl::InvalidArgumentError(absl::StrCat("--matrix_path: ", path.status().message()));
+    bo.matrix_path = *path;
+  }
   absl::StatusOr<std::unique_ptr<kernels::cpu::CpuBackend>> backend =
       kernels::cpu::CpuBackend::Create(bo);
   if (!backend.ok()) return backend.status();

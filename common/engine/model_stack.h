@@ -20,6 +20,7 @@ struct ModelStackOptions {
   std::string weights;  // "", "f32", "bf16"
   std::string kv;       // "", "f32", "bf16"
   std::string isa;      // "" = PDSERVE_ISA or best
+  std::string matrix_path;  // "" = PDSERVE_MATRIX_PATH or the probe's choice; "f32", "fp16"
   int threads = 1;
   int block_size = 16;
   int64_t kv_positions = 0;  // Pool capacity in positions (rounded up to blocks).

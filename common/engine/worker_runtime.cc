@@ -17,6 +17,9 @@
 
 ABSL_FLAG(std::string, model, "", "model directory (Hugging Face layout)");
 ABSL_FLAG(int, threads, 1, "compute threads");
+ABSL_FLAG(std::string, matrix_path, "",
+          "matrix path of BF16 weights: f32 (exact F32 arithmetic) or fp16 (AVX512-FP16, activations rounded to "
+          "FP16); default: $PDSERVE_MATRIX_PATH, else the faster by a probe at start-up");
 ABSL_FLAG(std::string, weights, "", "in-memory weight format: f32, bf16 or int8 (default: as stored)");
 ABSL_FLAG(std::string, kv, "", "KV cache format (default: the weight format)");
 ABSL_FLAG(int, block_size, 16, "KV block size in positions");
@@ -44,6 +47,7 @@ absl::StatusOr<WorkerModel> LoadWorkerModel(KvRegionAllocator* allocator) {
   eo.model_dir = absl::GetFlag(FLAGS_model);
   if (eo.model_dir.empty()) return absl::InvalidArgumentError("--model is required");
   eo.threads = absl::GetFlag(FLAGS_threads);
+  eo.matrix_path = absl::GetFlag(FLAGS_matrix_path);
   eo.weights = absl::GetFlag(FLAGS_weights);
   eo.kv = absl::GetFlag(FLAGS_kv);
   eo.block_size = absl::GetFlag(FLAGS_block_size);
@@ -53,6 +57,10 @@ absl::StatusOr<WorkerModel> LoadWorkerModel(KvRegionAllocator* allocator) {
   absl::StatusOr<ModelStack> engine = LoadModelStack(eo);
   if (!engine.ok()) return engine.status();
   w.engine = *std::move(engine);
+  LogEvent("info", "kernels",
+           {{"backend", w.engine.backend->Name()},
+            {"matrix_path", std::string(kernels::cpu::MatrixPathName(w.engine.backend->matrix_path()))},
+            {"reason", w.engine.backend->matrix_path_reason()}});
   absl::StatusOr<std::unique_ptr<tok::Tokenizer>> tokenizer = tok::Tokenizer::Load(eo.model_dir);
   if (!tokenizer.ok()) return tokenizer.status();
   w.tokenizer = *std::move(tokenizer);

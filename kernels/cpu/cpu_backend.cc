@@ -11,17 +11,26 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "kernels/cpu/linear_fp16.h"
 #include "kernels/cpu/matrix_probes.h"
 
 namespace pdserve::kernels::cpu {
 namespace {
 
 // Panel-packed weights (see kernel_args.h), 64-byte aligned.
+// `f16`: held as FP16 in 32-column panels for the FP16 matrix path
+// (linear_fp16.h), whatever `dtype` the model asked for (BF16).
 class PackedLinear final : public LinearWeight {
  public:
-  PackedLinear(int64_t n, int64_t k, DType dtype)
-      : n_(n), k_(k), dtype_(dtype), num_panels_((n + kPanelWidth - 1) / kPanelWidth) {
-    bytes_ = static_cast<size_t>(num_panels_ * kPanelWidth * k) * DTypeSize(dtype);
+  PackedLinear(int64_t n, int64_t k, DType dtype, bool f16 = false)
+      : n_(n),
+        k_(k),
+        dtype_(dtype),
+        f16_(f16),
+        width_(f16 ? kF16PanelWidth : kPanelWidth),
+        num_panels_((n + width_ - 1) / width_) {
+    bytes_ = static_cast<size_t>(num_panels_ * width_ * k) * (f16 ? 2 : DTypeSize(dtype));
     const size_t alloc = (bytes_ + 63) / 64 * 64;
     data_ = static_cast<char*>(std::aligned_alloc(64, alloc == 0 ? 64 : alloc));
     std::memset(data_, 0, alloc);
@@ -37,6 +46,7 @@ class PackedLinear final : public LinearWeight {
   DType dtype() const override { return dtype_; }
   size_t bytes() const override { return bytes_; }
   int64_t num_panels() const { return num_panels_; }
+  bool f16() const { return f16_; }
   char* data() const { return data_; }
   // kI8: one scale per output row (padded to whole panels).
   std::vector<float>& scales() { return scales_; }
@@ -46,6 +56,8 @@ class PackedLinear final : public LinearWeight {
   std::vector<float> scales_;
   int64_t n_, k_;
   DType dtype_;
+  bool f16_;
+  int64_t width_;
   int64_t num_panels_;
   size_t bytes_;
   char* data_;
@@ -69,7 +81,33 @@ float QuantizeI8(const float* x, int64_t n, int8_t* q, int64_t q_stride) {
   return scale;
 }
 
+// FLOP/s of one thread's multiply-adds on `loop` over about 2 ms (the best
+// of three short runs, so a preemption does not decide the path).
+double ProbeRate(double (*loop)(int64_t)) {
+  constexpr int64_t kIters = 20000;
+  double best = 0;
+  for (int i = 0; i < 3; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const double flops = loop(kIters);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (s > 0) best = std::max(best, flops / s);
+  }
+  return best;
+}
+
+// The FP16 path is taken when its FMA rate beats the F32 one by this much:
+// widening the half sums every kF16Block products costs about 15 %.
+constexpr double kF16MinAdvantage = 1.4;
+
 }  // namespace
+
+absl::string_view MatrixPathName(MatrixPath path) { return path == MatrixPath::kF16 ? "fp16" : "f32"; }
+
+absl::StatusOr<MatrixPath> ParseMatrixPath(absl::string_view name) {
+  if (name == "f32") return MatrixPath::kF32;
+  if (name == "fp16") return MatrixPath::kF16;
+  return absl::InvalidArgumentError(absl::StrCat("unknown matrix path '", name, "' (f32 or fp16)"));
+}
 
 absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(const CpuBackendOptions& options) {
   Isa isa;
@@ -88,13 +126,51 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(const CpuBackendO
     return absl::InvalidArgumentError(
         absl::StrCat("threads must be at least 1, got ", options.num_threads));
   }
-  return std::unique_ptr<CpuBackend>(new CpuBackend(isa, options.num_threads));
+  const bool f16_ok = isa == Isa::kAvx512 && F16PathSupported();
+  std::optional<MatrixPath> path = options.matrix_path;
+  std::string reason = "forced";
+  if (!path.has_value() && !options.choose_matrix_path) {
+    path = MatrixPath::kF32;
+    reason = "default";
+  }
+  if (!path.has_value()) {
+    if (const char* env = std::getenv("PDSERVE_MATRIX_PATH"); env != nullptr && *env != '\0') {
+      absl::StatusOr<MatrixPath> p = ParseMatrixPath(env);
+      if (!p.ok()) return absl::InvalidArgumentError(absl::StrCat("PDSERVE_MATRIX_PATH: ", p.status().message()));
+      path = *p;
+      reason = "PDSERVE_MATRIX_PATH";
+    }
+  }
+  if (path == MatrixPath::kF16 && !f16_ok) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("matrix path fp16 needs AVX512-FP16 and the avx512 ISA (this run: ", IsaName(isa), ", ",
+                     F16PathSupported() ? "with" : "without", " AVX512-FP16)"));
+  }
+  if (!path.has_value()) {
+    if (!f16_ok) {
+      path = MatrixPath::kF32;
+      reason = absl::StrCat("the only path of ISA ", IsaName(isa), " on this CPU");
+    } else {
+      const double f32 = ProbeRate(GetKernelTable(isa).fma_peak_loop);
+      const double f16 = ProbeRate(&Fp16FmaPeakLoop);
+      path = f16 >= kF16MinAdvantage * f32 ? MatrixPath::kF16 : MatrixPath::kF32;
+      reason = absl::StrFormat("probe: FP16 FMA %.0f GFLOP/s, F32 FMA %.0f GFLOP/s per thread (%.2fx; fp16 needs %.1fx)",
+                               f16 * 1e-9, f32 * 1e-9, f32 > 0 ? f16 / f32 : 0.0, kF16MinAdvantage);
+    }
+  }
+  return std::unique_ptr<CpuBackend>(new CpuBackend(isa, *path, std::move(reason), options.num_threads));
 }
 
-CpuBackend::CpuBackend(Isa isa, int num_threads)
-    : isa_(isa), table_(GetKernelTable(isa)), pool_(num_threads) {}
+CpuBackend::CpuBackend(Isa isa, MatrixPath path, std::string path_reason, int num_threads)
+    : isa_(isa),
+      matrix_path_(path),
+      matrix_path_reason_(std::move(path_reason)),
+      table_(GetKernelTable(isa)),
+      pool_(num_threads) {}
 
-std::string CpuBackend::Name() const { return absl::StrCat("cpu/", table_.name); }
+std::string CpuBackend::Name() const {
+  return absl::StrCat("cpu/", table_.name, matrix_path_ == MatrixPath::kF16 ? "+fp16" : "");
+}
 
 absl::StatusOr<std::unique_ptr<LinearWeight>> CpuBackend::PackLinear(
     absl::Span<const MatrixPart> parts, int64_t k, DType storage) {
@@ -107,8 +183,39 @@ absl::StatusOr<std::unique_ptr<LinearWeight>> CpuBackend::PackLinear(
     if (p.dtype == DType::kI8) return absl::InvalidArgumentError("int8 sources are not supported");
     n += p.rows;
   }
-  auto w = std::make_unique<PackedLinear>(n, k, storage);
   std::vector<float> row(static_cast<size_t>(k));
+  // BF16 weights take the FP16 path when it was chosen and every weight is
+  // a finite half (else this matrix stays on the F32 path).
+  bool f16 = matrix_path_ == MatrixPath::kF16 && storage == DType::kBF16;
+  for (const MatrixPart& p : parts) {
+    const size_t in_row_bytes = static_cast<size_t>(k) * DTypeSize(p.dtype);
+    for (int64_t r = 0; f16 && r < p.rows; ++r) {
+      ConvertToF32(p.dtype, static_cast<const char*>(p.data) + r * in_row_bytes, static_cast<size_t>(k), row.data());
+      for (int64_t c = 0; c < k; ++c) {
+        // Through BF16 first: the FP16 copy holds the BF16 weights' values.
+        if (!(std::abs(Bf16ToF32(F32ToBf16(row[c]))) <= kF16Max)) f16 = false;
+      }
+    }
+  }
+  if (f16) {
+    auto w = std::make_unique<PackedLinear>(n, k, storage, /*f16=*/true);
+    std::vector<float> rounded(static_cast<size_t>(k));
+    std::vector<uint16_t> half(static_cast<size_t>(k));
+    uint16_t* dst = reinterpret_cast<uint16_t*>(w->data());
+    int64_t out_row = 0;
+    for (const MatrixPart& p : parts) {
+      const size_t in_row_bytes = static_cast<size_t>(k) * DTypeSize(p.dtype);
+      for (int64_t r = 0; r < p.rows; ++r, ++out_row) {
+        ConvertToF32(p.dtype, static_cast<const char*>(p.data) + r * in_row_bytes, static_cast<size_t>(k), row.data());
+        for (int64_t c = 0; c < k; ++c) rounded[c] = Bf16ToF32(F32ToBf16(row[c]));
+        ConvertF32ToF16(rounded.data(), k, half.data());
+        const int64_t base = out_row / kF16PanelWidth * k * kF16PanelWidth + out_row % kF16PanelWidth;
+        for (int64_t c = 0; c < k; ++c) dst[base + c * kF16PanelWidth] = half[c];
+      }
+    }
+    return std::unique_ptr<LinearWeight>(std::move(w));
+  }
+  auto w = std::make_unique<PackedLinear>(n, k, storage);
   int64_t out_row = 0;
   for (const MatrixPart& p : parts) {
     const size_t in_row_bytes = static_cast<size_t>(k) * DTypeSize(p.dtype);
@@ -136,6 +243,23 @@ absl::StatusOr<std::unique_ptr<LinearWeight>> CpuBackend::PackLinear(
 void CpuBackend::Linear(const LinearWeight& w, const float* x, int64_t m, const float* bias,
                         float* y, bool accumulate) {
   const auto& pw = static_cast<const PackedLinear&>(w);
+  if (pw.f16()) {
+    const int64_t k = pw.k();
+    if (x16_.size() < static_cast<size_t>(m * k)) x16_.resize(static_cast<size_t>(m * k));
+    ConvertF32ToF16(x, m * k, x16_.data());
+    const LinearF16Args a{.x = x16_.data(),
+                          .ldx = k,
+                          .m = m,
+                          .k = k,
+                          .n = pw.n(),
+                          .panels = reinterpret_cast<const uint16_t*>(pw.data()),
+                          .bias = bias,
+                          .y = y,
+                          .ldy = pw.n(),
+                          .accumulate = accumulate};
+    pool_.ParallelFor(pw.num_panels(), [&](int64_t b, int64_t e) { LinearF16(a, b, e); });
+    return;
+  }
   LinearArgs args{.x = x,
                   .ldx = pw.k(),
                   .m = m,
@@ -363,7 +487,8 @@ double CpuBackend::SamplePeakFlops() {
       pool_.num_threads(),
       [&](int64_t b, int64_t e) {
         for (int64_t t = b; t < e; ++t) {
-          flops[t] = table_.fma_peak_loop(isa_ == Isa::kScalar ? kIters / 4 : kIters);
+          flops[t] = matrix_path_ == MatrixPath::kF16 ? Fp16FmaPeakLoop(kIters)
+                                                      : table_.fma_peak_loop(isa_ == Isa::kScalar ? kIters / 4 : kIters);
         }
       },
       1);
@@ -376,21 +501,23 @@ double CpuBackend::SamplePeakFlops() {
 CpuBackend::MatrixPeaks CpuBackend::SampleMatrixPeaks() {
   constexpr int64_t kIters = 2'000'000;
   MatrixPeaks peaks;
-  for (int which = 0; which < 2; ++which) {
+  for (int which = 0; which < 3; ++which) {
     std::vector<double> flops(pool_.num_threads(), 0.0);
     const auto t0 = std::chrono::steady_clock::now();
     pool_.ParallelFor(
         pool_.num_threads(),
         [&](int64_t b, int64_t e) {
           for (int64_t t = b; t < e; ++t) {
-            flops[t] = which == 0 ? Bf16DotPeakLoop(kIters) : Fp16FmaPeakLoop(kIters);
+            flops[t] = which == 0   ? Bf16DotPeakLoop(kIters)
+                       : which == 1 ? Fp16FmaPeakLoop(kIters)
+                                    : table_.fma_peak_loop(isa_ == Isa::kScalar ? kIters / 4 : kIters);
           }
         },
         1);
     const auto t1 = std::chrono::steady_clock::now();
     double total = 0;
     for (double f : flops) total += f;
-    (which == 0 ? peaks.bf16_dot : peaks.fp16_fma) = total / Seconds(t0, t1);
+    (which == 0 ? peaks.bf16_dot : which == 1 ? peaks.fp16_fma : peaks.f32_fma) = total / Seconds(t0, t1);
   }
   return peaks;
 }

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -15,10 +16,28 @@
 
 namespace pdserve::kernels::cpu {
 
+// The matrix path of the linear layers (prefill and batched-decode GEMMs,
+// decode GEMVs) for BF16 weights:
+// - kF32: the ISA's F32 FMA kernels, exact to F32 arithmetic;
+// - kF16: linear_fp16.h, the weights held as FP16 and the activations
+//   rounded to FP16 (AVX512-FP16 only). The KV format, the model identity
+//   and the other weight formats are the same on either path.
+enum class MatrixPath { kF32, kF16 };
+absl::string_view MatrixPathName(MatrixPath path);
+// "f32" or "fp16".
+absl::StatusOr<MatrixPath> ParseMatrixPath(absl::string_view name);
+
 struct CpuBackendOptions {
   int num_threads = 1;
   // Unset: SelectIsa() (PDSERVE_ISA or the best supported).
   std::optional<Isa> isa;
+  // Unset: kF32, unless choose_matrix_path.
+  std::optional<MatrixPath> matrix_path;
+  // With matrix_path unset: $PDSERVE_MATRIX_PATH when set, else the faster
+  // of the paths this CPU supports, by a short probe of their multiply-add
+  // rates (what the servers and pdctl do; tests that compare against F32
+  // references leave it off).
+  bool choose_matrix_path = false;
 };
 
 class CpuBackend final : public Backend {
@@ -26,8 +45,13 @@ class CpuBackend final : public Backend {
   // Errors: the requested ISA is not supported by this CPU.
   static absl::StatusOr<std::unique_ptr<CpuBackend>> Create(const CpuBackendOptions& options);
 
+  // "cpu/ISA" plus "+fp16" on the FP16 matrix path.
   std::string Name() const override;
   Isa isa() const { return isa_; }
+  MatrixPath matrix_path() const { return matrix_path_; }
+  // How the matrix path was chosen ("forced", or the probe's rates), for
+  // logs and benchmarks.
+  const std::string& matrix_path_reason() const { return matrix_path_reason_; }
   int num_threads() const { return pool_.num_threads(); }
 
   absl::StatusOr<std::unique_ptr<LinearWeight>> PackLinear(absl::Span<const MatrixPart> parts,
@@ -44,14 +68,16 @@ class CpuBackend final : public Backend {
   void Attention(const AttentionBatch& batch) override;
 
   // Machine limits on this backend's instruction path and threads, for
-  // benchmarks. One sample of the multiply-add rate in FLOP/s (16
-  // independent FMA chains per thread, all threads):
+  // benchmarks. One sample of the multiply-add rate in FLOP/s of the
+  // matrix path's instruction (F32 FMA, or FP16 FMA on the FP16 path; 16
+  // independent chains per thread, all threads):
   double SamplePeakFlops();
-  // The same, all threads, on the AVX-512 matrix instructions a kernel could
-  // use instead (0 where the CPU lacks them): VDPBF16PS and FP16 FMA.
+  // The same, all threads, on each matrix instruction (0 where the CPU
+  // lacks it): VDPBF16PS, FP16 FMA, and the ISA's F32 FMA.
   struct MatrixPeaks {
     double bf16_dot = 0;
     double fp16_fma = 0;
+    double f32_fma = 0;
   };
   MatrixPeaks SampleMatrixPeaks();
 
@@ -76,7 +102,7 @@ class CpuBackend final : public Backend {
   };
 
  private:
-  CpuBackend(Isa isa, int num_threads);
+  CpuBackend(Isa isa, MatrixPath path, std::string path_reason, int num_threads);
   // How the attention of one batch is cut into work: the per-sequence
   // items (and their chunk bounds), or the cascade plan when the batch is a
   // decode batch whose sequences share blocks. Built once per forward (the
@@ -95,7 +121,11 @@ class CpuBackend final : public Backend {
   void BuildAttentionPlan(const AttentionBatch& batch);
 
   const Isa isa_;
+  const MatrixPath matrix_path_;
+  const std::string matrix_path_reason_;
   const KernelTable& table_;
+  // The activations of an FP16-path product, rounded to FP16.
+  std::vector<uint16_t> x16_;
   ThreadPool pool_;
   AttentionPlan plan_;
 };

@@ -9,6 +9,7 @@
 #include "common/model.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/linear_fp16.h"
 #include "nlohmann/json.hpp"
 
 namespace pdserve {
@@ -22,13 +23,14 @@ struct GoldenCase {
   DType weights;
   DType kv;
   int block_size;
+  kernels::cpu::MatrixPath path = kernels::cpu::MatrixPath::kF32;
 };
 
 std::string Name(const ::testing::TestParamInfo<GoldenCase>& info) {
   const GoldenCase& c = info.param;
   return c.model + "_" + std::string(kernels::cpu::IsaName(c.isa)) + "_w" +
          std::string(DTypeName(c.weights)) + "_kv" + std::string(DTypeName(c.kv)) + "_bs" +
-         std::to_string(c.block_size);
+         std::to_string(c.block_size) + (c.path == kernels::cpu::MatrixPath::kF16 ? "_fp16" : "");
 }
 
 std::vector<GoldenCase> Cases() {
@@ -52,12 +54,21 @@ std::vector<GoldenCase> Cases() {
     out.push_back({"mistral_f32", isa, DType::kI8, DType::kI8, 16});
     out.push_back({"llama_headdim_f32", isa, DType::kI8, DType::kBF16, 16});
   }
+  // The FP16 matrix path (BF16 weights only), where the CPU has it.
+  if (kernels::cpu::F16PathSupported()) {
+    constexpr auto kF16 = kernels::cpu::MatrixPath::kF16;
+    out.push_back({"llama_untied_bf16", Isa::kAvx512, DType::kBF16, DType::kF32, 16, kF16});
+    out.push_back({"llama_sharded_bf16", Isa::kAvx512, DType::kBF16, DType::kF32, 5, kF16});
+    out.push_back({"qwen2_bias_f16", Isa::kAvx512, DType::kBF16, DType::kF32, 16, kF16});
+    out.push_back({"mistral_f32", Isa::kAvx512, DType::kBF16, DType::kBF16, 7, kF16});
+  }
   return out;
 }
 
 void PrintTo(const GoldenCase& c, std::ostream* os) {
   *os << c.model << " " << kernels::cpu::IsaName(c.isa) << " weights " << DTypeName(c.weights)
-      << " kv " << DTypeName(c.kv) << " block " << c.block_size;
+      << " kv " << DTypeName(c.kv) << " block " << c.block_size
+      << (c.path == kernels::cpu::MatrixPath::kF16 ? " fp16 path" : "");
 }
 
 class GoldenLogitsTest : public ::testing::TestWithParam<GoldenCase> {};
@@ -65,7 +76,7 @@ class GoldenLogitsTest : public ::testing::TestWithParam<GoldenCase> {};
 TEST_P(GoldenLogitsTest, MatchesReference) {
   const GoldenCase& gc = GetParam();
   const std::string dir = std::string(PDSERVE_SOURCE_DIR) + "/tests/fixtures/models/" + gc.model;
-  auto backend = kernels::cpu::CpuBackend::Create({.num_threads = 2, .isa = gc.isa});
+  auto backend = kernels::cpu::CpuBackend::Create({.num_threads = 2, .isa = gc.isa, .matrix_path = gc.path});
   ASSERT_TRUE(backend.ok()) << backend.status();
   auto model = Model::Load(dir, {.weight_dtype = gc.weights}, backend->get());
   ASSERT_TRUE(model.ok()) << model.status();
@@ -75,11 +86,15 @@ TEST_P(GoldenLogitsTest, MatchesReference) {
   std::ifstream f(dir + "/reference_logits.json");
   ASSERT_TRUE(f) << dir;
   const nlohmann::json ref = nlohmann::json::parse(f);
-  const bool exact_storage = gc.kv == DType::kF32 && gc.weights != DType::kI8;
+  const bool exact_storage =
+      gc.kv == DType::kF32 && gc.weights != DType::kI8 && gc.path == kernels::cpu::MatrixPath::kF32;
   // Stated tolerances, relative to max|logit|: exact storage 1e-4; BF16 KV
   // 3e-2; int8 weights or int8 KV 3e-2 (measured worst cases are printed:
-  // about 1e-2 with both int8).
-  const double rel_tol = exact_storage ? 1e-4 : 3e-2;
+  // about 1e-2 with both int8); the FP16 matrix path (activations rounded
+  // to FP16) 1e-2.
+  const double rel_tol = exact_storage ? 1e-4 : gc.path == kernels::cpu::MatrixPath::kF16 && gc.kv == DType::kF32
+                                                    ? 1e-2
+                                                    : 3e-2;
   for (const auto& c : ref["cases"]) {
     const std::vector<int32_t> ids = c["token_ids"].get<std::vector<int32_t>>();
     const auto expected = c["logits"].get<std::vector<std::vector<double>>>();

@@ -17,6 +17,7 @@
 #include "common/prefix_cache.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/linear_fp16.h"
 #include "tests/support/isa_printer.h"
 
 namespace pdserve {
@@ -37,10 +38,24 @@ struct Snapshot {
   std::vector<float> logits;              // [vocab]
 };
 
-class RecomputeBitwiseTest : public ::testing::TestWithParam<Isa> {
+// A kernel path: the ISA and the matrix path of its linear layers.
+struct KernelPath {
+  Isa isa;
+  kernels::cpu::MatrixPath matrix = kernels::cpu::MatrixPath::kF32;
+};
+
+std::vector<KernelPath> KernelPaths() {
+  std::vector<KernelPath> out;
+  for (Isa isa : kernels::cpu::SupportedIsas()) out.push_back({isa});
+  if (kernels::cpu::F16PathSupported()) out.push_back({Isa::kAvx512, kernels::cpu::MatrixPath::kF16});
+  return out;
+}
+
+class RecomputeBitwiseTest : public ::testing::TestWithParam<KernelPath> {
  protected:
   void SetUp() override {
-    auto backend = kernels::cpu::CpuBackend::Create({.num_threads = 1, .isa = GetParam()});
+    auto backend =
+        kernels::cpu::CpuBackend::Create({.num_threads = 1, .isa = GetParam().isa, .matrix_path = GetParam().matrix});
     ASSERT_TRUE(backend.ok()) << backend.status();
     backend_ = *std::move(backend);
     auto model = Model::Load(kModel, {}, backend_.get());
@@ -244,8 +259,11 @@ TEST_P(RecomputeBitwiseTest, ChunkedBatchedPrefillEqualsOnePrefill) {
   ExpectSame(OnePrefill(), ChunkedWithNeighbour(), "chunked + batched prefill");
 }
 
-INSTANTIATE_TEST_SUITE_P(Isas, RecomputeBitwiseTest,
-                         ::testing::ValuesIn(kernels::cpu::SupportedIsas()));
+INSTANTIATE_TEST_SUITE_P(Isas, RecomputeBitwiseTest, ::testing::ValuesIn(KernelPaths()),
+                         [](const ::testing::TestParamInfo<KernelPath>& info) {
+                           return std::string(kernels::cpu::IsaName(info.param.isa)) +
+                                  (info.param.matrix == kernels::cpu::MatrixPath::kF16 ? "_fp16" : "");
+                         });
 
 }  // namespace
 }  // namespace pdserve

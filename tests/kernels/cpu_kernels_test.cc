@@ -1,11 +1,13 @@
 // Every CPU kernel path (forced through the dispatch) against naive double
 // precision references, with odd sizes and unaligned tails.
 #include <cmath>
+#include <cstdio>
 #include <random>
 #include <vector>
 
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/linear_fp16.h"
 #include "tests/support/isa_printer.h"
 
 namespace pdserve::kernels::cpu {
@@ -236,6 +238,84 @@ TEST_P(CpuKernelsTest, PagedAttentionMatchesReference) {
       }
     }
   }
+}
+
+// The FP16 matrix path (linear_fp16.h) against a double reference on the
+// BF16-rounded weights: error within the half-precision rounding of x, of
+// each product and of each kF16Block-long half sum; and each row's bits the
+// same whether it is computed alone or in any tile of a larger batch.
+TEST(F16PathTest, LinearMatchesReferenceAndRowsDoNotDependOnTheBatch) {
+  if (!F16PathSupported()) GTEST_SKIP() << "this CPU has no AVX512-FP16: the fp16 matrix path cannot run here";
+  auto b = CpuBackend::Create({.num_threads = 2, .isa = Isa::kAvx512, .matrix_path = MatrixPath::kF16});
+  ASSERT_TRUE(b.ok()) << b.status();
+  CpuBackend& backend = **b;
+  EXPECT_EQ(backend.Name(), "cpu/avx512+fp16");
+  std::mt19937 rng(7);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  for (int64_t m : {1, 2, 3, 8, 9, 29}) {
+    for (int64_t n : {1, 31, 32, 33, 100, 160}) {
+      for (int64_t k : {1, 31, 32, 33, 200}) {
+        for (bool accumulate : {false, true}) {
+          SCOPED_TRACE(::testing::Message() << "m=" << m << " n=" << n << " k=" << k << " acc=" << accumulate);
+          std::vector<float> w(n * k), x(m * k), bias(n), y(m * n);
+          for (float& v : w) v = 0.05f * d(rng);
+          for (float& v : x) v = d(rng);
+          for (float& v : bias) v = d(rng);
+          for (float& v : y) v = d(rng);
+          const std::vector<float> y0 = y;
+          const MatrixPart parts[] = {{DType::kF32, w.data(), n}};
+          auto packed = backend.PackLinear(parts, k, DType::kBF16);
+          ASSERT_TRUE(packed.ok()) << packed.status();
+          backend.Linear(**packed, x.data(), m, bias.data(), y.data(), accumulate);
+          for (int64_t i = 0; i < m; ++i) {
+            for (int64_t j = 0; j < n; ++j) {
+              // First-order error bound of half precision (unit roundoff
+              // u = 2^-11): x and each product are rounded once (2u |p|),
+              // and each addition to a block's running half sum rounds it
+              // (u |partial|); the F32 part adds ~1e-7 relative.
+              constexpr double u = 1.0 / 2048;
+              double want = bias[j] + (accumulate ? y0[i * n + j] : 0.0), bound = 0, partial = 0;
+              for (int64_t c = 0; c < k; ++c) {
+                const double p = static_cast<double>(x[i * k + c]) * Bf16ToF32(F32ToBf16(w[j * k + c]));
+                want += p;
+                if (c % kF16Block == 0) partial = 0;
+                partial += p;
+                bound += 2 * u * std::abs(p) + u * std::abs(partial);
+              }
+              ASSERT_NEAR(y[i * n + j], want, bound + 1e-5 * (std::abs(want) + 1)) << i << "," << j;
+            }
+          }
+          // Row by row, alone: the same bits.
+          for (int64_t i = 0; i < m; ++i) {
+            std::vector<float> one(y0.begin() + i * n, y0.begin() + (i + 1) * n);
+            backend.Linear(**packed, x.data() + i * k, 1, bias.data(), one.data(), accumulate);
+            for (int64_t j = 0; j < n; ++j) {
+              ASSERT_EQ(one[j], y[i * n + j]) << "row " << i << " col " << j << " differs computed alone";
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(F16PathTest, ChoiceIsValidatedAndReported) {
+  EXPECT_EQ(ParseMatrixPath("fp16").value(), MatrixPath::kF16);
+  EXPECT_EQ(ParseMatrixPath("f32").value(), MatrixPath::kF32);
+  EXPECT_EQ(ParseMatrixPath("bf16").status().code(), absl::StatusCode::kInvalidArgument);
+  // Not on a non-AVX-512 path, whatever the CPU.
+  EXPECT_EQ(CpuBackend::Create({.isa = Isa::kScalar, .matrix_path = MatrixPath::kF16}).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  // Default: F32; chosen: a path this CPU runs, with the probe's reason.
+  auto plain = CpuBackend::Create({});
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ((*plain)->matrix_path(), MatrixPath::kF32);
+  auto chosen = CpuBackend::Create({.choose_matrix_path = true});
+  ASSERT_TRUE(chosen.ok());
+  if ((*chosen)->matrix_path() == MatrixPath::kF16) EXPECT_TRUE(F16PathSupported());
+  EXPECT_FALSE((*chosen)->matrix_path_reason().empty());
+  std::printf("chosen matrix path: %s (%s)\n", std::string(MatrixPathName((*chosen)->matrix_path())).c_str(),
+              (*chosen)->matrix_path_reason().c_str());
 }
 
 TEST(IsaTest, EnvironmentOverrideIsValidated) {

@@ -41,6 +41,8 @@ ABSL_FLAG(std::string, weights, "", "in-memory weight format: f32 or bf16 (defau
 ABSL_FLAG(std::string, kv, "", "KV cache format: f32 or bf16 (default: the weight format)");
 ABSL_FLAG(int, threads, 1, "compute threads");
 ABSL_FLAG(std::string, isa, "", "CPU kernel path: scalar, avx2 or avx512 (default: best)");
+ABSL_FLAG(std::string, matrix_path, "",
+          "matrix path of BF16 weights: f32 or fp16 (default: $PDSERVE_MATRIX_PATH, else the faster by a probe)");
 ABSL_FLAG(int, max_tokens, 16, "generate: tokens to generate");
 ABSL_FLAG(int, block_size, 16, "KV block size in positions");
 ABSL_FLAG(std::string, out, "", "make-model: output directory");
@@ -145,6 +147,7 @@ ModelStackOptions EngineFlags() {
   o.weights = absl::GetFlag(FLAGS_weights);
   o.kv = absl::GetFlag(FLAGS_kv);
   o.isa = absl::GetFlag(FLAGS_isa);
+  o.matrix_path = absl::GetFlag(FLAGS_matrix_path);
   o.threads = absl::GetFlag(FLAGS_threads);
   o.block_size = absl::GetFlag(FLAGS_block_size);
   return o;

@@ -1,0 +1,153 @@
+// Compiled with -mavx512fp16 (see linear_fp16.h): call only after
+// F16PathSupported().
+#include "kernels/cpu/linear_fp16.h"
+
+#include <immintrin.h>
+
+namespace pdserve::kernels::cpu {
+namespace {
+
+constexpr int kMaxRows = 8;  // 8 half accumulators + 16 F32 ones in registers.
+// Panels handled per pass over x: their weights stay in L2 while every row
+// tile streams past.
+constexpr int64_t kChunkBytes = 256 * 1024;
+
+// A half from memory in every lane: written so the compiler folds it into
+// the multiply-add as an embedded broadcast ({1to32}), one load-port µop,
+// instead of a VPBROADCASTW, whose shuffle competes with the FMAs for port 5.
+inline __m512h BroadcastHalf(const uint16_t* p) {
+  _Float16 h;
+  __builtin_memcpy(&h, p, sizeof h);
+  return _mm512_set1_ph(h);
+}
+
+inline __mmask16 TailMask(int n) { return static_cast<__mmask16>((1u << n) - 1u); }
+
+// Stores one 16-column half of a row's result (+ bias, + old y).
+inline void StoreCols(float* y, const float* bias, bool accumulate, __m512 v, int n) {
+  if (n <= 0) return;
+  if (n >= 16) {
+    if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias));
+    if (accumulate) v = _mm512_add_ps(v, _mm512_loadu_ps(y));
+    _mm512_storeu_ps(y, v);
+  } else {
+    const __mmask16 m = TailMask(n);
+    if (bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, bias));
+    if (accumulate) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, y));
+    _mm512_mask_storeu_ps(y, m, v);
+  }
+}
+
+// y[0:MR, 0:valid) (+)= x[0:MR, :] * panels^T for NP consecutive 32-column
+// panels (valid counts columns from the first). A row's sums are formed in
+// the same order whatever MR and NP, so its bits do not depend on the tile.
+template <int MR, int NP>
+void MicroKernel(const LinearF16Args& a, const uint16_t* x, const uint16_t* panel, int64_t panel_elems, float* y,
+                 const float* bias, int valid) {
+  __m512 lo[MR][NP], hi[MR][NP];
+  for (int r = 0; r < MR; ++r) {
+    for (int p = 0; p < NP; ++p) lo[r][p] = hi[r][p] = _mm512_setzero_ps();
+  }
+  const int64_t K = a.k;
+  for (int64_t k0 = 0; k0 < K; k0 += kF16Block) {
+    const int64_t k1 = k0 + kF16Block < K ? k0 + kF16Block : K;
+    __m512h acc[MR][NP];
+    for (int r = 0; r < MR; ++r) {
+      for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_setzero_ph();
+    }
+    for (int64_t k = k0; k < k1; ++k) {
+      __m512h b[NP];
+      for (int p = 0; p < NP; ++p) {
+        const uint16_t* w = panel + p * panel_elems + k * kF16PanelWidth;
+        // Few rows: the loop streams the weights from DRAM; prefetch ahead.
+        if constexpr (MR <= 2) __builtin_prefetch(w + 16 * kF16PanelWidth);
+        b[p] = _mm512_castsi512_ph(_mm512_load_si512(w));
+      }
+      for (int r = 0; r < MR; ++r) {
+        const __m512h xr = BroadcastHalf(x + r * a.ldx + k);
+        for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_fmadd_ph(xr, b[p], acc[r][p]);
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      for (int p = 0; p < NP; ++p) {
+        const __m512i bits = _mm512_castph_si512(acc[r][p]);
+        lo[r][p] = _mm512_add_ps(lo[r][p], _mm512_cvtxph_ps(_mm256_castsi256_ph(_mm512_castsi512_si256(bits))));
+        hi[r][p] =
+            _mm512_add_ps(hi[r][p], _mm512_cvtxph_ps(_mm256_castsi256_ph(_mm512_extracti64x4_epi64(bits, 1))));
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    float* yr = y + r * a.ldy;
+    for (int p = 0; p < NP; ++p) {
+      const int c = p * kF16PanelWidth;
+      StoreCols(yr + c, bias != nullptr ? bias + c : nullptr, a.accumulate, lo[r][p], valid - c);
+      StoreCols(yr + c + 16, bias != nullptr ? bias + c + 16 : nullptr, a.accumulate, hi[r][p], valid - c - 16);
+    }
+  }
+}
+
+template <int MR, int NP>
+void DispatchRows(int rows, const LinearF16Args& a, const uint16_t* x, const uint16_t* panel, int64_t panel_elems,
+                  float* y, const float* bias, int valid) {
+  if (rows == MR) {
+    MicroKernel<MR, NP>(a, x, panel, panel_elems, y, bias, valid);
+  } else if constexpr (MR > 1) {
+    DispatchRows<MR - 1, NP>(rows, a, x, panel, panel_elems, y, bias, valid);
+  }
+}
+
+}  // namespace
+
+bool F16PathSupported() {
+  return __builtin_cpu_supports("avx512fp16") && __builtin_cpu_supports("avx512f") &&
+         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512dq");
+}
+
+void LinearF16(const LinearF16Args& a, int64_t panel_begin, int64_t panel_end) {
+  const int64_t panel_elems = a.k * kF16PanelWidth;
+  int64_t chunk = kChunkBytes / (panel_elems * 2);
+  if (chunk < 1) chunk = 1;
+  // One row tile: each weight is read once anyway; no chunks.
+  if (a.m <= kMaxRows) chunk = panel_end - panel_begin;
+  for (int64_t c0 = panel_begin; c0 < panel_end; c0 += chunk) {
+    const int64_t c1 = c0 + chunk < panel_end ? c0 + chunk : panel_end;
+    for (int64_t m0 = 0; m0 < a.m; m0 += kMaxRows) {
+      const int rows = static_cast<int>(a.m - m0 < kMaxRows ? a.m - m0 : kMaxRows);
+      for (int64_t p = c0; p < c1;) {
+        const int64_t col0 = p * kF16PanelWidth;
+        const int64_t left = a.n - col0;
+        const uint16_t* x = a.x + m0 * a.ldx;
+        float* y = a.y + m0 * a.ldy + col0;
+        const float* bias = a.bias != nullptr ? a.bias + col0 : nullptr;
+        // One or two rows (decode): four panels at once, four weight
+        // streams in flight; more rows: one panel, eight rows.
+        if (rows <= 2 && c1 - p >= 4) {
+          const int valid = static_cast<int>(left < 4 * kF16PanelWidth ? left : 4 * kF16PanelWidth);
+          DispatchRows<2, 4>(rows, a, x, a.panels + p * panel_elems, panel_elems, y, bias, valid);
+          p += 4;
+        } else {
+          const int valid = static_cast<int>(left < kF16PanelWidth ? left : kF16PanelWidth);
+          DispatchRows<kMaxRows, 1>(rows, a, x, a.panels + p * panel_elems, panel_elems, y, bias, valid);
+          p += 1;
+        }
+      }
+    }
+  }
+}
+
+void ConvertF32ToF16(const float* x, int64_t n, uint16_t* out) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                        _mm512_cvtps_ph(_mm512_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  if (i < n) {
+    const __mmask16 m = TailMask(static_cast<int>(n - i));
+    _mm256_mask_storeu_epi16(out + i, m,
+                             _mm512_cvtps_ph(_mm512_maskz_loadu_ps(m, x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+}
+
+}  // namespace pdserve::kernels::cpu

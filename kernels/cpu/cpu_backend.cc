@@ -30,7 +30,8 @@ class PackedLinear final : public LinearWeight {
         f16_(f16),
         width_(f16 ? kF16PanelWidth : kPanelWidth),
         num_panels_((n + width_ - 1) / width_) {
-    bytes_ = static_cast<size_t>(num_panels_ * width_ * k) * (f16 ? 2 : DTypeSize(dtype));
+    bytes_ = f16 ? static_cast<size_t>(num_panels_ * F16PanelElems(k)) * 2
+                 : static_cast<size_t>(num_panels_ * width_ * k) * DTypeSize(dtype);
     const size_t alloc = (bytes_ + 63) / 64 * 64;
     data_ = static_cast<char*>(std::aligned_alloc(64, alloc == 0 ? 64 : alloc));
     std::memset(data_, 0, alloc);
@@ -209,8 +210,9 @@ absl::StatusOr<std::unique_ptr<LinearWeight>> CpuBackend::PackLinear(
         ConvertToF32(p.dtype, static_cast<const char*>(p.data) + r * in_row_bytes, static_cast<size_t>(k), row.data());
         for (int64_t c = 0; c < k; ++c) rounded[c] = Bf16ToF32(F32ToBf16(row[c]));
         ConvertF32ToF16(rounded.data(), k, half.data());
-        const int64_t base = out_row / kF16PanelWidth * k * kF16PanelWidth + out_row % kF16PanelWidth;
-        for (int64_t c = 0; c < k; ++c) dst[base + c * kF16PanelWidth] = half[c];
+        uint16_t* panel = dst + out_row / kF16PanelWidth * F16PanelElems(k);
+        const int64_t j = out_row % kF16PanelWidth;
+        for (int64_t c = 0; c < k; ++c) panel[F16PanelIndex(j, c)] = half[c];
       }
     }
     return std::unique_ptr<LinearWeight>(std::move(w));
@@ -245,10 +247,18 @@ void CpuBackend::Linear(const LinearWeight& w, const float* x, int64_t m, const 
   const auto& pw = static_cast<const PackedLinear&>(w);
   if (pw.f16()) {
     const int64_t k = pw.k();
-    if (x16_.size() < static_cast<size_t>(m * k)) x16_.resize(static_cast<size_t>(m * k));
-    ConvertF32ToF16(x, m * k, x16_.data());
+    const int64_t ldx = (k + 1) / 2 * 2;  // Whole k pairs; an odd K's pad is 0.
+    if (x16_.size() < static_cast<size_t>(m * ldx)) x16_.resize(static_cast<size_t>(m * ldx));
+    if (ldx == k) {
+      ConvertF32ToF16(x, m * k, x16_.data());
+    } else {
+      for (int64_t i = 0; i < m; ++i) {
+        ConvertF32ToF16(x + i * k, k, x16_.data() + i * ldx);
+        x16_[i * ldx + k] = 0;
+      }
+    }
     const LinearF16Args a{.x = x16_.data(),
-                          .ldx = k,
+                          .ldx = ldx,
                           .m = m,
                           .k = k,
                           .n = pw.n(),

@@ -7,23 +7,22 @@
 namespace pdserve::kernels::cpu {
 namespace {
 
-constexpr int kMaxRows = 8;  // 8 half accumulators + 16 F32 ones in registers.
+constexpr int kMaxRows = 12;  // 12 rows x 2 panels: 24 half accumulators.
 // Panels handled per pass over x: their weights stay in L2 while every row
 // tile streams past.
 constexpr int64_t kChunkBytes = 256 * 1024;
 
-// A half from memory in every lane: written so the compiler folds it into
-// the multiply-add as an embedded broadcast ({1to32}), one load-port µop,
-// instead of a VPBROADCASTW, whose shuffle competes with the FMAs for port 5.
-inline __m512h BroadcastHalf(const uint16_t* p) {
-  _Float16 h;
-  __builtin_memcpy(&h, p, sizeof h);
-  return _mm512_set1_ph(h);
+// x's halves k and k+1 in every pair of lanes: a 32-bit broadcast, one
+// load-port µop (a 16-bit VPBROADCASTW would need port 5, the FMAs' port).
+inline __m512h BroadcastPair(const uint16_t* p) {
+  int32_t pair;
+  __builtin_memcpy(&pair, p, sizeof pair);
+  return _mm512_castsi512_ph(_mm512_set1_epi32(pair));
 }
 
 inline __mmask16 TailMask(int n) { return static_cast<__mmask16>((1u << n) - 1u); }
 
-// Stores one 16-column half of a row's result (+ bias, + old y).
+// Stores 16 columns of a row's result (+ bias, + old y), the first n valid.
 inline void StoreCols(float* y, const float* bias, bool accumulate, __m512 v, int n) {
   if (n <= 0) return;
   if (n >= 16) {
@@ -38,51 +37,61 @@ inline void StoreCols(float* y, const float* bias, bool accumulate, __m512 v, in
   }
 }
 
-// y[0:MR, 0:valid) (+)= x[0:MR, :] * panels^T for NP consecutive 32-column
-// panels (valid counts columns from the first). A row's sums are formed in
-// the same order whatever MR and NP, so its bits do not depend on the tile.
+// y[0:MR, 0:valid) (+)= x[0:MR, :] * panels^T for NP consecutive panels
+// (valid counts columns from the first). A row's sums are formed in the
+// same order whatever MR and NP, so its bits do not depend on the tile.
 template <int MR, int NP>
 void MicroKernel(const LinearF16Args& a, const uint16_t* x, const uint16_t* panel, int64_t panel_elems, float* y,
                  const float* bias, int valid) {
-  __m512 lo[MR][NP], hi[MR][NP];
+  // F32 sums of each lane (column j, k parity h at lane 2j + h).
+  alignas(64) float sum[MR][NP][32];
   for (int r = 0; r < MR; ++r) {
-    for (int p = 0; p < NP; ++p) lo[r][p] = hi[r][p] = _mm512_setzero_ps();
+    for (int p = 0; p < NP; ++p) {
+      _mm512_store_ps(sum[r][p], _mm512_setzero_ps());
+      _mm512_store_ps(sum[r][p] + 16, _mm512_setzero_ps());
+    }
   }
-  const int64_t K = a.k;
-  for (int64_t k0 = 0; k0 < K; k0 += kF16Block) {
-    const int64_t k1 = k0 + kF16Block < K ? k0 + kF16Block : K;
+  const int64_t pairs = (a.k + 1) / 2;
+  for (int64_t q0 = 0; q0 < pairs; q0 += kF16Block) {
+    const int64_t q1 = q0 + kF16Block < pairs ? q0 + kF16Block : pairs;
     __m512h acc[MR][NP];
     for (int r = 0; r < MR; ++r) {
       for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_setzero_ph();
     }
-    for (int64_t k = k0; k < k1; ++k) {
+    for (int64_t q = q0; q < q1; ++q) {
       __m512h b[NP];
       for (int p = 0; p < NP; ++p) {
-        const uint16_t* w = panel + p * panel_elems + k * kF16PanelWidth;
+        const uint16_t* w = panel + p * panel_elems + q * 2 * kF16PanelWidth;
         // Few rows: the loop streams the weights from DRAM; prefetch ahead.
-        if constexpr (MR <= 2) __builtin_prefetch(w + 16 * kF16PanelWidth);
+        if constexpr (MR <= 2) __builtin_prefetch(w + 16 * 2 * kF16PanelWidth);
         b[p] = _mm512_castsi512_ph(_mm512_load_si512(w));
       }
       for (int r = 0; r < MR; ++r) {
-        const __m512h xr = BroadcastHalf(x + r * a.ldx + k);
+        const __m512h xr = BroadcastPair(x + r * a.ldx + 2 * q);
         for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_fmadd_ph(xr, b[p], acc[r][p]);
       }
     }
     for (int r = 0; r < MR; ++r) {
       for (int p = 0; p < NP; ++p) {
         const __m512i bits = _mm512_castph_si512(acc[r][p]);
-        lo[r][p] = _mm512_add_ps(lo[r][p], _mm512_cvtxph_ps(_mm256_castsi256_ph(_mm512_castsi512_si256(bits))));
-        hi[r][p] =
-            _mm512_add_ps(hi[r][p], _mm512_cvtxph_ps(_mm256_castsi256_ph(_mm512_extracti64x4_epi64(bits, 1))));
+        const __m512 lo = _mm512_cvtxph_ps(_mm256_castsi256_ph(_mm512_castsi512_si256(bits)));
+        const __m512 hi = _mm512_cvtxph_ps(_mm256_castsi256_ph(_mm512_extracti64x4_epi64(bits, 1)));
+        _mm512_store_ps(sum[r][p], _mm512_add_ps(_mm512_load_ps(sum[r][p]), lo));
+        _mm512_store_ps(sum[r][p] + 16, _mm512_add_ps(_mm512_load_ps(sum[r][p] + 16), hi));
       }
     }
   }
+  // Column j = its even-k lane + its odd-k lane.
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
   for (int r = 0; r < MR; ++r) {
     float* yr = y + r * a.ldy;
     for (int p = 0; p < NP; ++p) {
+      const __m512 v0 = _mm512_load_ps(sum[r][p]), v1 = _mm512_load_ps(sum[r][p] + 16);
+      const __m512 cols =
+          _mm512_add_ps(_mm512_permutex2var_ps(v0, even, v1), _mm512_permutex2var_ps(v0, odd, v1));
       const int c = p * kF16PanelWidth;
-      StoreCols(yr + c, bias != nullptr ? bias + c : nullptr, a.accumulate, lo[r][p], valid - c);
-      StoreCols(yr + c + 16, bias != nullptr ? bias + c + 16 : nullptr, a.accumulate, hi[r][p], valid - c - 16);
+      StoreCols(yr + c, bias != nullptr ? bias + c : nullptr, a.accumulate, cols, valid - c);
     }
   }
 }
@@ -106,9 +115,9 @@ bool F16PathSupported() {
 }
 
 void LinearF16(const LinearF16Args& a, int64_t panel_begin, int64_t panel_end) {
-  const int64_t panel_elems = a.k * kF16PanelWidth;
+  const int64_t panel_elems = F16PanelElems(a.k);
   int64_t chunk = kChunkBytes / (panel_elems * 2);
-  if (chunk < 1) chunk = 1;
+  if (chunk < 2) chunk = 2;
   // One row tile: each weight is read once anyway; no chunks.
   if (a.m <= kMaxRows) chunk = panel_end - panel_begin;
   for (int64_t c0 = panel_begin; c0 < panel_end; c0 += chunk) {
@@ -121,17 +130,19 @@ void LinearF16(const LinearF16Args& a, int64_t panel_begin, int64_t panel_end) {
         const uint16_t* x = a.x + m0 * a.ldx;
         float* y = a.y + m0 * a.ldy + col0;
         const float* bias = a.bias != nullptr ? a.bias + col0 : nullptr;
+        const uint16_t* panel = a.panels + p * panel_elems;
         // One or two rows (decode): four panels at once, four weight
-        // streams in flight; more rows: one panel, eight rows.
-        if (rows <= 2 && c1 - p >= 4) {
-          const int valid = static_cast<int>(left < 4 * kF16PanelWidth ? left : 4 * kF16PanelWidth);
-          DispatchRows<2, 4>(rows, a, x, a.panels + p * panel_elems, panel_elems, y, bias, valid);
-          p += 4;
+        // streams in flight; more rows: two panels, up to twelve rows.
+        const int np = rows <= 2 ? (c1 - p >= 4 ? 4 : 1) : (c1 - p >= 2 ? 2 : 1);
+        const int valid = static_cast<int>(left < np * kF16PanelWidth ? left : np * kF16PanelWidth);
+        if (np == 4) {
+          DispatchRows<2, 4>(rows, a, x, panel, panel_elems, y, bias, valid);
+        } else if (np == 2) {
+          DispatchRows<kMaxRows, 2>(rows, a, x, panel, panel_elems, y, bias, valid);
         } else {
-          const int valid = static_cast<int>(left < kF16PanelWidth ? left : kF16PanelWidth);
-          DispatchRows<kMaxRows, 1>(rows, a, x, a.panels + p * panel_elems, panel_elems, y, bias, valid);
-          p += 1;
+          DispatchRows<kMaxRows, 1>(rows, a, x, panel, panel_elems, y, bias, valid);
         }
+        p += np;
       }
     }
   }

@@ -1,10 +1,15 @@
 // The FP16 matrix path: y = x W^T with x and W rounded to IEEE half
-// precision, multiply-adds in AVX512-FP16 (32 lanes), and the half-precision
-// partial sums widened into F32 accumulators every kF16Block products, so
-// rounding error grows with the block, not with K. About twice the F32 FMA
-// rate on CPUs whose FP16 FMA runs at full width (MACHINE_FACTS: the
-// Sapphire Rapids class); the backend chooses it at start-up (cpu_backend.h)
-// and never on a CPU without AVX512-FP16.
+// precision and multiplied in AVX512-FP16, about twice the F32 FMA rate on
+// CPUs whose FP16 FMA runs at full width (MACHINE_FACTS: the Sapphire
+// Rapids class). The backend chooses it at start-up (cpu_backend.h) and
+// never on a CPU without AVX512-FP16.
+//
+// Layout: each 512-bit vector of weights holds 16 output columns x 2
+// consecutive k (pairs interleaved), so one 32-bit broadcast of x's pair
+// (a pure load) feeds every panel of a tile. Each lane sums its products
+// in half precision for kF16Block pairs, then the sums are widened into
+// F32 accumulators, so rounding error grows with the block, not with K;
+// the two k-halves of each column are added at the end.
 //
 // Everything here is compiled with -mavx512fp16 and may only be called when
 // F16PathSupported() is true.
@@ -15,18 +20,23 @@
 
 namespace pdserve::kernels::cpu {
 
-// Output columns per FP16 panel: one 512-bit vector of halves.
-inline constexpr int kF16PanelWidth = 32;
-// Products summed in half precision before they are widened to F32.
+// Output columns per FP16 panel; a panel is [ceil(K/2)][16 columns][2] halves.
+inline constexpr int kF16PanelWidth = 16;
+// K pairs summed in half precision before the sums are widened to F32.
 inline constexpr int kF16Block = 32;
 
+// Elements of one panel (K rounded up to even).
+inline int64_t F16PanelElems(int64_t k) { return (k + 1) / 2 * 2 * kF16PanelWidth; }
+// Index of weight (column j of its panel, k) within the panel.
+inline int64_t F16PanelIndex(int64_t j, int64_t k) { return (k / 2) * 2 * kF16PanelWidth + j * 2 + (k & 1); }
+
 struct LinearF16Args {
-  const uint16_t* x;       // [M, K] halves, row stride ldx
+  const uint16_t* x;       // [M, ldx] halves, ldx = K rounded up to even (the pad is 0)
   int64_t ldx;
   int64_t m;
   int64_t k;
   int64_t n;               // Valid output columns.
-  const uint16_t* panels;  // [ceil(N/32), K, 32] halves, 64-byte aligned
+  const uint16_t* panels;  // [ceil(N/16)] panels, 64-byte aligned
   const float* bias;       // [N] or nullptr
   float* y;                // [M, N] F32, row stride ldy
   int64_t ldy;

@@ -254,7 +254,7 @@ TEST(F16PathTest, LinearMatchesReferenceAndRowsDoNotDependOnTheBatch) {
   std::normal_distribution<float> d(0.0f, 1.0f);
   for (int64_t m : {1, 2, 3, 8, 9, 29}) {
     for (int64_t n : {1, 31, 32, 33, 100, 160}) {
-      for (int64_t k : {1, 31, 32, 33, 200}) {
+      for (int64_t k : {1, 2, 31, 32, 33, 64, 65, 200}) {
         for (bool accumulate : {false, true}) {
           SCOPED_TRACE(::testing::Message() << "m=" << m << " n=" << n << " k=" << k << " acc=" << accumulate);
           std::vector<float> w(n * k), x(m * k), bias(n), y(m * n);
@@ -271,16 +271,17 @@ TEST(F16PathTest, LinearMatchesReferenceAndRowsDoNotDependOnTheBatch) {
             for (int64_t j = 0; j < n; ++j) {
               // First-order error bound of half precision (unit roundoff
               // u = 2^-11): x and each product are rounded once (2u |p|),
-              // and each addition to a block's running half sum rounds it
-              // (u |partial|); the F32 part adds ~1e-7 relative.
+              // and each addition to a lane's running half sum rounds it
+              // (u |partial|); a lane sums the even or the odd k of a block
+              // of kF16Block pairs. The F32 part adds ~1e-7 relative.
               constexpr double u = 1.0 / 2048;
-              double want = bias[j] + (accumulate ? y0[i * n + j] : 0.0), bound = 0, partial = 0;
+              double want = bias[j] + (accumulate ? y0[i * n + j] : 0.0), bound = 0, partial[2] = {0, 0};
               for (int64_t c = 0; c < k; ++c) {
                 const double p = static_cast<double>(x[i * k + c]) * Bf16ToF32(F32ToBf16(w[j * k + c]));
                 want += p;
-                if (c % kF16Block == 0) partial = 0;
-                partial += p;
-                bound += 2 * u * std::abs(p) + u * std::abs(partial);
+                if (c % (2 * kF16Block) == 0) partial[0] = partial[1] = 0;
+                partial[c & 1] += p;
+                bound += 2 * u * std::abs(p) + u * std::abs(partial[c & 1]);
               }
               ASSERT_NEAR(y[i * n + j], want, bound + 1e-5 * (std::abs(want) + 1)) << i << "," << j;
             }

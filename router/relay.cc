@@ -144,6 +144,7 @@ void Relay::SendChunk(const v1::TokenChunk& chunk) {
     if (ticket_.has_value()) ticket_->Release();
   } else {
     const double gap = Between(last_token_, now);
+    if (gaps_ == 0) timings_.set_first_gap(gap);
     context_.metrics->itl->Observe(gap);
     sum_itl_ += gap;
     max_itl_ = std::max(max_itl_, gap);

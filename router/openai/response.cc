@@ -48,7 +48,7 @@ json Extra(const v1::GenerateFinal& f) {
   return {{"seed", f.seed()},
           {"timings",
            {{"ttft_s", t.ttft()}, {"queue_s", t.queue()}, {"prefill_s", t.prefill()}, {"handoff_s", t.handoff()},
-            {"mean_itl_s", t.mean_itl()}, {"max_itl_s", t.max_itl()}, {"total_s", t.total()},
+            {"first_gap_s", t.first_gap()}, {"mean_itl_s", t.mean_itl()}, {"max_itl_s", t.max_itl()}, {"total_s", t.total()},
             {"colocated", t.colocated()}, {"local_prefill", t.local_prefill()},
             {"router_relay_p50_s", t.router_relay_p50()}, {"router_relay_p99_s", t.router_relay_p99()}}}};
 }

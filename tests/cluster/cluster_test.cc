@@ -34,9 +34,14 @@ using testing_support::Subprocess;
 class ClusterTest : public ::testing::Test {
  public:
   static void SetUpTestSuite() {
-    absl::StatusOr<testing_support::DefaultModel> m = testing_support::LoadDefaultModel(1);
+    // The reference engine takes the matrix path the servers would, and the
+    // servers (children of this process) are told that path, so both run
+    // the same arithmetic whatever the start-up probe would say in each.
+    absl::StatusOr<testing_support::DefaultModel> m = testing_support::LoadDefaultModel(1, true);
     ASSERT_TRUE(m.ok()) << m.status();
     loaded_ = new testing_support::DefaultModel(*std::move(m));
+    setenv("PDSERVE_MATRIX_PATH", std::string(kernels::cpu::MatrixPathName(loaded_->backend->matrix_path())).c_str(),
+           1);
     model_ = loaded_->model.get();
     tokenizer_ = loaded_->tokenizer.get();
     dir_ = new std::string(TempDir());
@@ -202,6 +207,7 @@ TEST_F(ClusterTest, TimingsAndUsageAreReported) {
   EXPECT_GT(f.timings().ttft(), 0);
   EXPECT_GT(f.timings().prefill(), 0);
   EXPECT_GT(f.timings().handoff(), 0);
+  EXPECT_GT(f.timings().first_gap(), 0);
   EXPECT_GT(f.timings().total(), f.timings().ttft());
   EXPECT_FALSE(f.timings().colocated());
 }

@@ -21,9 +21,12 @@ struct DefaultModel {
   std::unique_ptr<tok::Tokenizer> tokenizer;
 };
 
-inline absl::StatusOr<DefaultModel> LoadDefaultModel(int threads) {
+// `choose_matrix_path`: the matrix path the servers would take
+// (CpuBackendOptions), else F32.
+inline absl::StatusOr<DefaultModel> LoadDefaultModel(int threads, bool choose_matrix_path = false) {
   kernels::cpu::CpuBackendOptions options;
   options.num_threads = threads;
+  options.choose_matrix_path = choose_matrix_path;
   DefaultModel m;
   absl::StatusOr<std::unique_ptr<kernels::cpu::CpuBackend>> backend = kernels::cpu::CpuBackend::Create(options);
   if (!backend.ok()) return backend.status();

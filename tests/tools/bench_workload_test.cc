@@ -231,6 +231,20 @@ TEST(BenchGoodputTest, AGoodRequestMeetsTtftAndItsOwnP99Itl) {
   EXPECT_FALSE(MeetsTargets(rejected, LatencyTargets{}));
 }
 
+// The first gap (token 1 -> 2, where a handoff shows) apart from the
+// steady gaps after it; one-token requests have neither.
+TEST(BenchGoodputTest, FirstGapIsSummarizedApartFromTheSteadyGaps) {
+  const BenchRow row = Summarize({Completed(0.05, {0.030, 0.010, 0.010}), Completed(0.05, {0.050, 0.012}),
+                                  Completed(0.05, {})},
+                                 1.0, LatencyTargets{});
+  EXPECT_EQ(row.first_gap.sorted, (std::vector<double>{0.030, 0.050}));
+  EXPECT_EQ(row.steady_itl.sorted, (std::vector<double>{0.010, 0.010, 0.012}));
+  EXPECT_EQ(row.itl.sorted.size(), 5u);
+  const auto j = RowJson(row);
+  EXPECT_DOUBLE_EQ(j["first_gap_seconds"]["p99"].get<double>(), 0.050);
+  EXPECT_DOUBLE_EQ(j["steady_itl_seconds"]["p50"].get<double>(), 0.010);
+}
+
 TEST(BenchGoodputTest, SummarizeCountsRejectedApartFromFailedAndComputesGoodput) {
   std::vector<RequestResult> results = {Completed(0.05, {0.01, 0.01}), Completed(0.5, {0.01, 0.01}),
                                         Completed(0.05, {0.01, 0.09})};

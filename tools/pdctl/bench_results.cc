@@ -43,7 +43,7 @@ BenchRow Summarize(const std::vector<RequestResult>& results, double wall_second
   BenchRow row;
   row.requests = static_cast<int>(results.size());
   row.wall_seconds = wall_seconds;
-  std::vector<double> ttft, itl, e2e;
+  std::vector<double> ttft, itl, e2e, first_gap, steady_itl;
   for (const RequestResult& r : results) {
     if (r.outcome != RequestOutcome::kCompleted) {
       ++(r.outcome == RequestOutcome::kRejected ? row.rejected : row.failed);
@@ -59,6 +59,10 @@ BenchRow Summarize(const std::vector<RequestResult>& results, double wall_second
     ttft.push_back(r.ttft);
     e2e.push_back(r.e2e);
     itl.insert(itl.end(), r.itl.begin(), r.itl.end());
+    if (!r.itl.empty()) {
+      first_gap.push_back(r.itl.front());
+      steady_itl.insert(steady_itl.end(), r.itl.begin() + 1, r.itl.end());
+    }
     row.prompt_tokens += r.prompt_tokens;
     row.cached_prompt_tokens += r.cached_prompt_tokens;
     row.local_prefills += r.local_prefill ? 1 : 0;
@@ -76,6 +80,8 @@ BenchRow Summarize(const std::vector<RequestResult>& results, double wall_second
   row.ttft = Distribute(std::move(ttft));
   row.itl = Distribute(std::move(itl));
   row.e2e = Distribute(std::move(e2e));
+  row.first_gap = Distribute(std::move(first_gap));
+  row.steady_itl = Distribute(std::move(steady_itl));
   return row;
 }
 
@@ -95,6 +101,8 @@ nlohmann::ordered_json RowJson(const BenchRow& row) {
   j["ttft_seconds"] = Percentiles(row.ttft);
   j["itl_seconds"] = Percentiles(row.itl);
   j["e2e_seconds"] = Percentiles(row.e2e);
+  j["first_gap_seconds"] = Percentiles(row.first_gap);
+  j["steady_itl_seconds"] = Percentiles(row.steady_itl);
   if (!row.relay_p50.empty()) {
     // Per request the router reports its relay p50/p99; across requests:
     // the median of the medians and the largest p99.

@@ -65,6 +65,10 @@ struct BenchRow {
   double requests_per_second = 0, tokens_per_second = 0;            // Throughput.
   double good_requests_per_second = 0, good_tokens_per_second = 0;  // Goodput.
   Distribution ttft, itl, e2e;                                      // Over completed requests (ITL: every gap).
+  // The gap from the first token to the second (where a KV handoff shows to
+  // a user: DESIGN.md fact 14), one per completed request of 2+ tokens, and
+  // the steady gaps after the second token.
+  Distribution first_gap, steady_itl;
   std::vector<double> relay_p50, relay_p99;                         // Router-reported, per request.
   // Over completed requests: prompt tokens, those a prefix cache supplied
   // (hit rate = cached / prompt), and prefills the decode worker ran itself.
@@ -84,7 +88,8 @@ BenchRow Summarize(const std::vector<RequestResult>& results, double wall_second
 // {target, rate, concurrency?, requests, completed, rejected, failed,
 //  wall_seconds, throughput {requests_per_second, output_tokens_per_second},
 //  goodput {good_requests, requests_per_second, output_tokens_per_second},
-//  ttft_seconds / itl_seconds / e2e_seconds {p50, p90, p99},
+//  ttft_seconds / itl_seconds / e2e_seconds / first_gap_seconds /
+//  steady_itl_seconds {p50, p90, p99},
 //  router_relay_seconds?, prefix_cache? {prompt_tokens, cached_tokens,
 //  hit_rate, local_prefills}, first_error?}.
 nlohmann::ordered_json RowJson(const BenchRow& row);

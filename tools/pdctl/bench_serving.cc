@@ -448,6 +448,8 @@ void PrintSingleRun(const ServingBenchOptions& o, const std::vector<BenchRow>& r
     r["ttft_seconds"] = Percentiles(row.ttft);
     r["itl_seconds"] = Percentiles(row.itl);
     r["e2e_seconds"] = Percentiles(row.e2e);
+    r["first_gap_seconds"] = Percentiles(row.first_gap);
+    r["steady_itl_seconds"] = Percentiles(row.steady_itl);
     const nlohmann::ordered_json full = RowJson(row);
     if (full.contains("router_relay_seconds")) r["router_relay_seconds"] = full["router_relay_seconds"];
     if (full.contains("prefix_cache")) r["prefix_cache"] = full["prefix_cache"];
@@ -474,6 +476,12 @@ void PrintSingleRun(const ServingBenchOptions& o, const std::vector<BenchRow>& r
     const nlohmann::ordered_json& r = runs[i];
     std::printf("%-11s %6d %9.1f %9.2f   %-26s %-26s %-26s\n", row.target.c_str(), row.failed, row.tokens_per_second,
                 row.requests_per_second, Millis(row.ttft).c_str(), Millis(row.itl).c_str(), Millis(row.e2e).c_str());
+    if (!row.first_gap.sorted.empty()) {
+      std::printf("  first gap (token 1 -> 2) ms p50/p99: %.2f / %.2f; steady ITL (after token 2) ms p50/p99: "
+                  "%.2f / %.2f\n",
+                  1e3 * row.first_gap.p50, 1e3 * row.first_gap.p99, 1e3 * row.steady_itl.p50,
+                  1e3 * row.steady_itl.p99);
+    }
     if (r.contains("router_relay_seconds")) {
       std::printf("  router relay per message: p50 %.1f us, p99 %.1f us\n",
                   1e6 * r["router_relay_seconds"]["p50"].get<double>(), 1e6 * r["router_relay_seconds"]["p99"].get<double>());

@@ -95,12 +95,13 @@ absl::Status RemoteGenerate(const std::string& router, const v1::GenerateRequest
   const v1::Timings& t = final.timings();
   std::fprintf(stderr,
                "seed=%llu finish=%s prompt_tokens=%d completion_tokens=%d%s%s\n"
-               "ttft=%.1fms queue=%.1fms prefill=%.1fms handoff=%.1fms itl_mean=%.2fms itl_max=%.2fms total=%.1fms "
+               "ttft=%.1fms queue=%.1fms prefill=%.1fms handoff=%.1fms first_gap=%.2fms itl_mean=%.2fms "
+               "itl_max=%.2fms total=%.1fms "
                "cached_prompt_tokens=%d%s\n",
                static_cast<unsigned long long>(final.seed()), FinishName(final.finish_reason()),
                final.usage().prompt_tokens(), final.usage().completion_tokens(), final.error().empty() ? "" : " error=",
                final.error().c_str(), 1e3 * t.ttft(), 1e3 * t.queue(), 1e3 * t.prefill(), 1e3 * t.handoff(),
-               1e3 * t.mean_itl(), 1e3 * t.max_itl(), 1e3 * t.total(), t.cached_prompt_tokens(),
+               1e3 * t.first_gap(), 1e3 * t.mean_itl(), 1e3 * t.max_itl(), 1e3 * t.total(), t.cached_prompt_tokens(),
                t.colocated()       ? " (colocated)"
                : t.local_prefill() ? " (prefilled on the decode worker)"
                                    : "");

@@ -4,6 +4,7 @@
 #
 #   deploy/cluster.sh start [--prefill N] [--decode M] [--colocated] [--pin] [--model DIR]
 #                           [--router-flag FLAG]...   (e.g. --router-flag --admission)
+#                           [--prefill-flag FLAG]... [--decode-flag FLAG]...
 #                           [--insecure]
 #   deploy/cluster.sh status
 #   deploy/cluster.sh stop
@@ -40,7 +41,7 @@ wait_ready() {  # file, pid, what
 
 start() {
   local prefill=1 decode=1 colocated=0 pin=0 model=${PDSERVE_MODEL:-deploy/models/kjv-tiny}
-  local router_extra=() insecure=0
+  local router_extra=() prefill_extra=() decode_extra=() insecure=0
   while (($#)); do
     case "$1" in
       --prefill) prefill=$2; shift 2 ;;
@@ -49,6 +50,8 @@ start() {
       --pin) pin=1; shift ;;
       --model) model=$2; shift 2 ;;
       --router-flag) router_extra+=("$2"); shift 2 ;;
+      --prefill-flag) prefill_extra+=("$2"); shift 2 ;;
+      --decode-flag) decode_extra+=("$2"); shift 2 ;;
       --insecure) insecure=1; shift ;;
       *) die "unknown option $1" ;;
     esac
@@ -88,9 +91,10 @@ start() {
   launch() {
     local pre=()
     ((pin)) && pre=(taskset -c "$2")
-    local tls
+    local tls extra=()
     read -r -a tls <<< "$(tls_flags "$4")"
-    setsid "${pre[@]}" "$BUILD_DIR/$3" --model "$model" --threads "$threads" "${tls[@]}" \
+    if [[ $4 == prefill ]]; then extra=("${prefill_extra[@]}"); else extra=("${decode_extra[@]}"); fi
+    setsid "${pre[@]}" "$BUILD_DIR/$3" --model "$model" --threads "$threads" "${tls[@]}" "${extra[@]}" \
       --ready_file "$STATE/$1.ready" < /dev/null > "$STATE/$1.log" 2>&1 &
     echo "$!" >> "$STATE/pids"
     local port

@@ -28,6 +28,9 @@ ABSL_FLAG(std::string, listen, "127.0.0.1:0", "gRPC address (port 0: any free po
 ABSL_FLAG(std::string, ready_file, "", "write {\"grpc_port\":..} here once serving");
 ABSL_FLAG(int, prefill_chunk, 512, "prompt tokens per forward, across requests");
 ABSL_FLAG(int, max_batch, 8, "requests per forward");
+ABSL_FLAG(bool, kv_stream_layers, true,
+          "send each layer's KV as the forward finishes it (false: every layer after the forward, only to measure "
+          "what streaming saves: tools/bench/first_gap.sh)");
 ABSL_FLAG(int, fault_stall_before_commit_ms, 0, "fault tests only: stall each handoff before its commit");
 ABSL_FLAG(int, fault_stall_prefill_ms, 0, "fault tests only: stall before each prefill forward");
 ABSL_FLAG(int, fault_unparseable_streams, 0,
@@ -52,6 +55,7 @@ int Run() {
     kv::KvSender sender(transport, engine->kv->storage(), {.model = engine->model->identity(), .timeout = absl::Seconds(absl::GetFlag(FLAGS_kv_timeout_s))});
     prefill::PrefillServiceOptions so;
     so.chunk_tokens = absl::GetFlag(FLAGS_prefill_chunk);
+    so.stream_layers = absl::GetFlag(FLAGS_kv_stream_layers);
     so.max_batch = absl::GetFlag(FLAGS_max_batch);
     so.fault_stall_before_commit_ms = absl::GetFlag(FLAGS_fault_stall_before_commit_ms);
     so.fault_stall_prefill_ms = absl::GetFlag(FLAGS_fault_stall_prefill_ms);

@@ -297,7 +297,11 @@ void PrefillService::ReserveLoop() {
 void PrefillService::Submit(const std::shared_ptr<Job>& job) {
   engine::RequestCallbacks c;
   Job* j = job.get();  // The engine's callbacks end before the job does (FinishJob).
-  c.on_layer_written = [j](int32_t layer, const SequenceKv& kv) { return j->handoff->SendLayer(layer, kv.block_table()); };
+  if (options_.stream_layers) {
+    c.on_layer_written = [j](int32_t layer, const SequenceKv& kv) {
+      return j->handoff->SendLayer(layer, kv.block_table());
+    };
+  }
   c.on_token = [j](const TokenEvent& first, int32_t cached) {
     const auto now = Clock::now();
     j->first = first;
@@ -389,7 +393,12 @@ void PrefillService::CommitLoop() {
     c.seed = gen.seed();
     c.generated = static_cast<int32_t>(gen.generated().size());
     c.finish_reason = static_cast<uint8_t>(job->first.finish);
-    absl::Status st = job->handoff->Commit(std::move(c));
+    absl::Status st = absl::OkStatus();
+    // Not streamed: every layer now, after the forward.
+    for (int32_t l = 0; !options_.stream_layers && st.ok() && l < model_->config().num_layers; ++l) {
+      st = job->handoff->SendLayer(l, job->kv.block_table());
+    }
+    if (st.ok()) st = job->handoff->Commit(std::move(c));
     if (st.ok()) {
       PrefillEvent ev;
       ev.mutable_done()->set_handoff_seconds(Seconds(job->first_at, Clock::now()));

@@ -41,6 +41,9 @@ namespace pdserve::prefill {
 
 struct PrefillServiceOptions {
   int32_t chunk_tokens = 512;  // Prompt tokens per forward, across requests.
+  // Each layer's KV is sent as the forward finishes it; false: every layer
+  // after the forward (only to measure what streaming saves).
+  bool stream_layers = true;
   int32_t max_batch = 8;       // Requests per forward.
   // Fault tests only: hold each handoff this long between the first token
   // and the commit, so a test can kill the worker mid-handoff.

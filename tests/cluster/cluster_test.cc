@@ -212,6 +212,20 @@ TEST_F(ClusterTest, TimingsAndUsageAreReported) {
   EXPECT_FALSE(f.timings().colocated());
 }
 
+// With the prefill worker's layer-by-layer KV streaming off (every layer
+// sent after the forward: tools/bench/first_gap.sh's comparison) the
+// streams are the same and the first gap is still reported.
+TEST_F(ClusterTest, StreamsAreTheSameWithoutLayerStreaming) {
+  Cluster c;
+  const absl::Status s = c.Start(*dir_ + "/unstreamed", false, {}, {}, 1, {"--kv_stream_layers=false"});
+  ASSERT_TRUE(s.ok()) << s;
+  for (const auto& req : Requests()) ExpectSame(c.Generate(req), Reference(req), "unstreamed " + req.ShortDebugString());
+  const Output got = c.Generate(Text("In the beginning", 8, 0, 1));
+  ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+  EXPECT_GT(got.final.timings().handoff(), 0);
+  EXPECT_GT(got.final.timings().first_gap(), 0);
+}
+
 TEST_F(ClusterTest, SixtyFourConcurrentStreams) {
   std::vector<v1::GenerateRequest> reqs;
   for (int i = 0; i < 64; ++i) {

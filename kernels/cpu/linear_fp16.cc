@@ -4,6 +4,8 @@
 
 #include <immintrin.h>
 
+#include "kernels/cpu/matrix_probes.h"
+
 namespace pdserve::kernels::cpu {
 namespace {
 
@@ -109,7 +111,9 @@ void DispatchRows(int rows, const LinearF16Args& a, const uint16_t* x, const uin
 }  // namespace
 
 bool F16PathSupported() {
-  return __builtin_cpu_supports("avx512fp16") && __builtin_cpu_supports("avx512f") &&
+  // HasAvx512Fp16 (matrix_probes.cc): clang 14, which the thread-safety
+  // check compiles this file with, does not know the "avx512fp16" feature.
+  return HasAvx512Fp16() && __builtin_cpu_supports("avx512f") &&
          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
          __builtin_cpu_supports("avx512dq");
 }

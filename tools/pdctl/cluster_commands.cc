@@ -126,18 +126,18 @@ absl::Status RemoteStatus(const std::string& router, bool json) {
     return absl::OkStatus();
   }
   std::printf("requests in flight: %lld\n", static_cast<long long>(out.requests_in_flight()));
-  std::printf("%-8s %-22s %-8s %8s %7s %14s %16s %8s %9s %15s %9s  %s\n", "pool", "address", "health", "running",
-              "queued", "queued tokens", "KV blocks used", "preempt", "step ms", "cached/indexed", "oldest s",
-              "kernels");
+  std::printf("%-8s %-22s %-8s %8s %7s %14s %16s %8s %9s %15s %9s\n", "pool", "address", "health", "running", "queued",
+              "queued tokens", "KV blocks used", "preempt", "step ms", "cached/indexed", "oldest s");
   // cached/indexed: blocks in the worker's prefix cache, and in the
   // router's index of it (they agree once the worker's events are in).
   auto row = [](const v1::WorkerStatus& w) {
-    std::printf("%-8s %-22s %-8s %8d %7d %14lld %9d/%-6d %8lld %9.2f %7lld/%-7lld %9.2f  %s\n", w.role().c_str(),
+    std::printf("%-8s %-22s %-8s %8d %7d %14lld %9d/%-6d %8lld %9.2f %7lld/%-7lld %9.2f\n", w.role().c_str(),
                 w.address().c_str(), w.healthy() ? "serving" : "DOWN", w.running(), w.queued(),
                 static_cast<long long>(w.queued_prefill_tokens()), w.kv_blocks_used(), w.kv_blocks_total(),
                 static_cast<long long>(w.preemptions()), 1e3 * w.step_seconds(),
                 static_cast<long long>(w.kv_cached_blocks()), static_cast<long long>(w.prefix_index_blocks()),
-                w.oldest_request_seconds(), w.kernels().c_str());
+                w.oldest_request_seconds());
+    if (!w.kernels().empty()) std::printf("         kernels: %s\n", w.kernels().c_str());
     if (w.requests_expired() > 0) {
       std::printf("         requests ended by their life bound: %lld\n", static_cast<long long>(w.requests_expired()));
     }

@@ -9,7 +9,9 @@
 #
 #   tools/bench/first_gap.sh [BUILD_DIR] [RUNS]
 #   MODEL=/tmp/m125 PROMPT=1536 REQUESTS=8 OUTPUT=16 (defaults: the embedded model, whose
-#   context is 512 positions, 448, 8, 16; pdctl make-model --shape 125m makes /tmp/m125)
+#   context is 512 positions, 448, 8, 16). The 125M shape: pdctl make-model --shape 125m
+#   --out /tmp/m125, then cp tests/fixtures/tokenizers/llama2/tokenizer*.json /tmp/m125/
+#   (the servers need a tokenizer; its 32000 ids match the shape's vocabulary).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BUILD=${1:-build}

@@ -1,8 +1,11 @@
 #include "tools/pdctl/bench_kv.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -322,6 +325,65 @@ static absl::Status TimeReservationsDuringPrefill(UcxTransport* transport, KvMan
   return absl::OkStatus();
 }
 
+// UCX's own benchmark in the same run: ucx_perftest (ucx-utils) as a
+// server and a client on loopback, ucp_am_bw with `message_bytes` messages,
+// the same UCX_* environment as this process. Its overall bandwidth in
+// bytes/s; NotFound when ucx_perftest is not installed. (ucp_put_bw is not
+// the reference: over tcp its target does not progress the emulated puts,
+// and it measured 0.05-0.09 GB/s here against 2.4 GB/s for ucp_am_bw.)
+absl::StatusOr<double> UcxPerftestBandwidth(int64_t message_bytes, int iterations) {
+  const char* kBin = "/usr/bin/ucx_perftest";
+  if (access(kBin, X_OK) != 0) return absl::NotFoundError("ucx_perftest is not installed (Debian ucx-utils)");
+  // A port that was free a moment ago (perftest binds it itself).
+  const int probe = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  if (bind(probe, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
+      getsockname(probe, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+    close(probe);
+    return absl::InternalError("no free port for ucx_perftest");
+  }
+  const std::string port = std::to_string(ntohs(a.sin_port));
+  close(probe);
+  const pid_t server = fork();
+  if (server < 0) return absl::InternalError("fork failed");
+  if (server == 0) {
+    const int null = open("/dev/null", O_WRONLY);
+    dup2(null, 1);
+    dup2(null, 2);
+    execl(kBin, kBin, "-p", port.c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  std::string output;
+  for (int attempt = 0; attempt < 30 && output.find("Final:") == std::string::npos; ++attempt) {
+    absl::SleepFor(absl::Milliseconds(100));  // The server's listen.
+    const std::string cmd = absl::StrCat(kBin, " 127.0.0.1 -p ", port, " -t ucp_am_bw -s ", message_bytes, " -n ",
+                                         iterations, " 2>&1");
+    FILE* f = popen(cmd.c_str(), "r");
+    if (f == nullptr) break;
+    output.clear();
+    char buf[4096];
+    size_t n;
+    while ((n = fread(buf, 1, sizeof buf, f)) > 0) output.append(buf, n);
+    pclose(f);
+  }
+  kill(server, SIGKILL);
+  waitpid(server, nullptr, 0);
+  // "Final: ITERS P50 AVG OVERALL BW_AVG BW_OVERALL RATE_AVG RATE_OVERALL",
+  // bandwidths in MB/s of 2^20 bytes.
+  const size_t at = output.find("Final:");
+  if (at == std::string::npos) return absl::InternalError(absl::StrCat("ucx_perftest gave no result: ", output));
+  std::vector<std::string> fields =
+      absl::StrSplit(output.substr(at + 6, output.find('\n', at) - at - 6), ' ', absl::SkipEmpty());
+  double mbps = 0;
+  if (fields.size() < 6 || !absl::SimpleAtod(fields[5], &mbps)) {
+    return absl::InternalError(absl::StrCat("ucx_perftest's result did not parse: ", output.substr(at)));
+  }
+  return mbps * 1048576.0;
+}
+
 absl::Status RunBenchKv(const BenchKvCommon& common) {
   absl::StatusOr<DType> kv_dtype = ParseDType(common.kv.empty() ? "bf16" : common.kv);
   if (!kv_dtype.ok()) return kv_dtype.status();
@@ -499,6 +561,14 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
            {"raw_put_ms_median", raw_med * 1e3},
            {"raw_put_gbps", bytes_moved / raw_med / 1e9},
            {"handoff_vs_raw", raw_med / stream_med}};
+    // UCX's own benchmark for the same transport and message size.
+    if (absl::StatusOr<double> perftest = UcxPerftestBandwidth(layer_bytes, iters * spec.num_layers);
+        perftest.ok()) {
+      out["ucx_perftest_am_gbps"] = *perftest / 1e9;
+      out["handoff_vs_ucx_perftest"] = bytes_moved / stream_med / *perftest;
+    } else {
+      out["ucx_perftest_error"] = std::string(perftest.status().message());
+    }
 
     if (with_prefill) {
       std::vector<int32_t> tokens(prompt);
@@ -557,6 +627,12 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
   std::printf("  raw UCX puts + flush     %10.3f ms   %7.2f GB/s  (same sizes, same connection)\n",
               out["raw_put_ms_median"].get<double>(), out["raw_put_gbps"].get<double>());
   std::printf("  handoff / raw bandwidth  %10.1f %%\n", 100 * out["handoff_vs_raw"].get<double>());
+  if (out.contains("ucx_perftest_am_gbps")) {
+    std::printf("  ucx_perftest ucp_am_bw   %10s      %7.2f GB/s  (same transport and message size; handoff at %.1f %%)\n",
+                "", out["ucx_perftest_am_gbps"].get<double>(), 100 * out["handoff_vs_ucx_perftest"].get<double>());
+  } else {
+    std::printf("  ucx_perftest: %s\n", out["ucx_perftest_error"].get<std::string>().c_str());
+  }
   if (with_prefill) {
     std::printf("  prefill forward          %10.3f ms\n", out["prefill_forward_ms"].get<double>());
     std::printf("  unhidden: commit ack - last layer computed %8.3f ms  (one layer's raw transfer %.3f ms)\n",

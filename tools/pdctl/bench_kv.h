@@ -3,7 +3,8 @@
 // receives) and prints the handoff's GB/s and per-request time next to the
 // raw UCX put bandwidth for the same transport (UCX_TLS, inherited by the
 // child) and the same message sizes (one put per layer), measured in the
-// same run on the same connection.
+// same run on the same connection, and UCX's own ucx_perftest (ucp_am_bw,
+// same UCX_* environment and message size), run by this command.
 //
 // Shape: --model DIR, else --kv-layers/--kv-heads/--head-dim (default: the
 // 125M benchmark shape, 12 x 4 x 64), --kv DTYPE, --block-size,

@@ -249,13 +249,24 @@ void CpuBackend::Linear(const LinearWeight& w, const float* x, int64_t m, const 
     const int64_t k = pw.k();
     const int64_t ldx = (k + 1) / 2 * 2;  // Whole k pairs; an odd K's pad is 0.
     if (x16_.size() < static_cast<size_t>(m * ldx)) x16_.resize(static_cast<size_t>(m * ldx));
-    if (ldx == k) {
-      ConvertF32ToF16(x, m * k, x16_.data());
-    } else {
-      for (int64_t i = 0; i < m; ++i) {
-        ConvertF32ToF16(x + i * k, k, x16_.data() + i * ldx);
-        x16_[i * ldx + k] = 0;
+    // Each row on its own: a row whose values would not fit half precision
+    // is divided by a power of two first (its products multiplied back).
+    bool scaled = false;
+    for (int64_t i = 0; i < m; ++i) {
+      const float* row = x + i * k;
+      uint16_t* out = x16_.data() + i * ldx;
+      const float amax = ConvertF32ToF16(row, k, out);
+      if (amax > kF16RowMax && std::isfinite(amax)) {
+        if (!scaled) row_scale_.assign(static_cast<size_t>(m), 1.0f);
+        scaled = true;
+        int e = 0;
+        std::frexp(amax / kF16RowMax, &e);
+        row_scale_[i] = std::ldexp(1.0f, e);
+        x_scaled_.resize(static_cast<size_t>(k));
+        for (int64_t c = 0; c < k; ++c) x_scaled_[c] = std::ldexp(row[c], -e);
+        ConvertF32ToF16(x_scaled_.data(), k, out);
       }
+      if (ldx != k) out[k] = 0;
     }
     const LinearF16Args a{.x = x16_.data(),
                           .ldx = ldx,
@@ -266,7 +277,8 @@ void CpuBackend::Linear(const LinearWeight& w, const float* x, int64_t m, const 
                           .bias = bias,
                           .y = y,
                           .ldy = pw.n(),
-                          .accumulate = accumulate};
+                          .accumulate = accumulate,
+                          .row_scale = scaled ? row_scale_.data() : nullptr};
     pool_.ParallelFor(pw.num_panels(), [&](int64_t b, int64_t e) { LinearF16(a, b, e); });
     return;
   }

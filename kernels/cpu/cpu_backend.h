@@ -124,8 +124,10 @@ class CpuBackend final : public Backend {
   const MatrixPath matrix_path_;
   const std::string matrix_path_reason_;
   const KernelTable& table_;
-  // The activations of an FP16-path product, rounded to FP16.
+  // The activations of an FP16-path product, rounded to FP16; the scales
+  // of rows divided to fit (linear_fp16.h, kF16RowMax).
   std::vector<uint16_t> x16_;
+  std::vector<float> row_scale_, x_scaled_;
   ThreadPool pool_;
   AttentionPlan plan_;
 };

@@ -44,7 +44,7 @@ inline void StoreCols(float* y, const float* bias, bool accumulate, __m512 v, in
 // same order whatever MR and NP, so its bits do not depend on the tile.
 template <int MR, int NP>
 void MicroKernel(const LinearF16Args& a, const uint16_t* x, const uint16_t* panel, int64_t panel_elems, float* y,
-                 const float* bias, int valid) {
+                 const float* bias, const float* row_scale, int valid) {
   // F32 sums of each lane (column j, k parity h at lane 2j + h).
   alignas(64) float sum[MR][NP][32];
   for (int r = 0; r < MR; ++r) {
@@ -90,8 +90,8 @@ void MicroKernel(const LinearF16Args& a, const uint16_t* x, const uint16_t* pane
     float* yr = y + r * a.ldy;
     for (int p = 0; p < NP; ++p) {
       const __m512 v0 = _mm512_load_ps(sum[r][p]), v1 = _mm512_load_ps(sum[r][p] + 16);
-      const __m512 cols =
-          _mm512_add_ps(_mm512_permutex2var_ps(v0, even, v1), _mm512_permutex2var_ps(v0, odd, v1));
+      __m512 cols = _mm512_add_ps(_mm512_permutex2var_ps(v0, even, v1), _mm512_permutex2var_ps(v0, odd, v1));
+      if (row_scale != nullptr) cols = _mm512_mul_ps(cols, _mm512_set1_ps(row_scale[r]));
       const int c = p * kF16PanelWidth;
       StoreCols(yr + c, bias != nullptr ? bias + c : nullptr, a.accumulate, cols, valid - c);
     }
@@ -100,11 +100,11 @@ void MicroKernel(const LinearF16Args& a, const uint16_t* x, const uint16_t* pane
 
 template <int MR, int NP>
 void DispatchRows(int rows, const LinearF16Args& a, const uint16_t* x, const uint16_t* panel, int64_t panel_elems,
-                  float* y, const float* bias, int valid) {
+                  float* y, const float* bias, const float* row_scale, int valid) {
   if (rows == MR) {
-    MicroKernel<MR, NP>(a, x, panel, panel_elems, y, bias, valid);
+    MicroKernel<MR, NP>(a, x, panel, panel_elems, y, bias, row_scale, valid);
   } else if constexpr (MR > 1) {
-    DispatchRows<MR - 1, NP>(rows, a, x, panel, panel_elems, y, bias, valid);
+    DispatchRows<MR - 1, NP>(rows, a, x, panel, panel_elems, y, bias, row_scale, valid);
   }
 }
 
@@ -135,16 +135,17 @@ void LinearF16(const LinearF16Args& a, int64_t panel_begin, int64_t panel_end) {
         float* y = a.y + m0 * a.ldy + col0;
         const float* bias = a.bias != nullptr ? a.bias + col0 : nullptr;
         const uint16_t* panel = a.panels + p * panel_elems;
+        const float* row_scale = a.row_scale != nullptr ? a.row_scale + m0 : nullptr;
         // One or two rows (decode): four panels at once, four weight
         // streams in flight; more rows: two panels, up to twelve rows.
         const int np = rows <= 2 ? (c1 - p >= 4 ? 4 : 1) : (c1 - p >= 2 ? 2 : 1);
         const int valid = static_cast<int>(left < np * kF16PanelWidth ? left : np * kF16PanelWidth);
         if (np == 4) {
-          DispatchRows<2, 4>(rows, a, x, panel, panel_elems, y, bias, valid);
+          DispatchRows<2, 4>(rows, a, x, panel, panel_elems, y, bias, row_scale, valid);
         } else if (np == 2) {
-          DispatchRows<kMaxRows, 2>(rows, a, x, panel, panel_elems, y, bias, valid);
+          DispatchRows<kMaxRows, 2>(rows, a, x, panel, panel_elems, y, bias, row_scale, valid);
         } else {
-          DispatchRows<kMaxRows, 1>(rows, a, x, panel, panel_elems, y, bias, valid);
+          DispatchRows<kMaxRows, 1>(rows, a, x, panel, panel_elems, y, bias, row_scale, valid);
         }
         p += np;
       }
@@ -152,17 +153,28 @@ void LinearF16(const LinearF16Args& a, int64_t panel_begin, int64_t panel_end) {
   }
 }
 
-void ConvertF32ToF16(const float* x, int64_t n, uint16_t* out) {
+float ConvertF32ToF16(const float* x, int64_t n, uint16_t* out) {
+  // The largest |x| as bits: for non-negative floats the integer order is
+  // the float order, and a NaN's bits are above every number's.
+  __m512i amax = _mm512_setzero_si512();
+  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    amax = _mm512_max_epu32(amax, _mm512_and_si512(_mm512_castps_si512(v), abs_mask));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
-                        _mm512_cvtps_ph(_mm512_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                        _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
   if (i < n) {
     const __mmask16 m = TailMask(static_cast<int>(n - i));
-    _mm256_mask_storeu_epi16(out + i, m,
-                             _mm512_cvtps_ph(_mm512_maskz_loadu_ps(m, x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m512 v = _mm512_maskz_loadu_ps(m, x + i);
+    amax = _mm512_max_epu32(amax, _mm512_and_si512(_mm512_castps_si512(v), abs_mask));
+    _mm256_mask_storeu_epi16(out + i, m, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
+  const uint32_t bits = _mm512_reduce_max_epu32(amax);
+  float result;
+  __builtin_memcpy(&result, &bits, sizeof result);
+  return result;
 }
 
 }  // namespace pdserve::kernels::cpu

@@ -41,7 +41,17 @@ struct LinearF16Args {
   float* y;                // [M, N] F32, row stride ldy
   int64_t ldy;
   bool accumulate;         // y += x W^T (+ bias) instead of y = ...
+  // [M] or nullptr: row r's products are multiplied by row_scale[r] (a
+  // power of two) before the bias and the old y are added, for rows whose x
+  // was divided by it to fit half precision.
+  const float* row_scale = nullptr;
 };
+
+// Rows of x whose largest |value| exceeds this are divided by a power of two
+// to come under it before they are rounded to FP16 (the sums of kF16Block
+// products then stay far from the largest half, 65504), and their products
+// multiplied back: no infinity, and the other rows' bits unchanged.
+inline constexpr float kF16RowMax = 4096.0f;
 
 // AVX512-FP16 (with F, BW, VL, DQ) on this CPU.
 bool F16PathSupported();
@@ -50,8 +60,9 @@ bool F16PathSupported();
 // same whatever M and whichever tile the row falls in.
 void LinearF16(const LinearF16Args& args, int64_t panel_begin, int64_t panel_end);
 
-// out[i] = half(x[i]), round to nearest even (overflow: +-inf).
-void ConvertF32ToF16(const float* x, int64_t n, uint16_t* out);
+// out[i] = half(x[i]), round to nearest even (overflow: +-inf); returns
+// max |x[i]| (NaN if any x[i] is NaN).
+float ConvertF32ToF16(const float* x, int64_t n, uint16_t* out);
 
 // The largest finite half, 65504: weights beyond it cannot take this path.
 inline constexpr float kF16Max = 65504.0f;

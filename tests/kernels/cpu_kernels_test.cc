@@ -300,6 +300,46 @@ TEST(F16PathTest, LinearMatchesReferenceAndRowsDoNotDependOnTheBatch) {
   }
 }
 
+// A row whose activations would overflow half precision (up to 2e5 here)
+// is divided by a power of two before rounding and its products multiplied
+// back: finite results within the same error bound, the other rows' bits
+// unchanged.
+TEST(F16PathTest, RowsTooLargeForHalfPrecisionAreScaledNotOverflowed) {
+  if (!F16PathSupported()) GTEST_SKIP() << "this CPU has no AVX512-FP16: the fp16 matrix path cannot run here";
+  auto b = CpuBackend::Create({.num_threads = 2, .isa = Isa::kAvx512, .matrix_path = MatrixPath::kF16});
+  ASSERT_TRUE(b.ok()) << b.status();
+  const int64_t m = 3, k = 100, n = 40;
+  std::mt19937 rng(11);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::vector<float> w(n * k), x(m * k), y(m * n, 0.0f);
+  for (float& v : w) v = 0.05f * d(rng);
+  for (float& v : x) v = d(rng);
+  for (int64_t c = 0; c < k; ++c) x[1 * k + c] *= 5e4f;  // Row 1: |x| up to ~2e5.
+  const MatrixPart parts[] = {{DType::kF32, w.data(), n}};
+  auto packed = (*b)->PackLinear(parts, k, DType::kBF16);
+  ASSERT_TRUE(packed.ok());
+  (*b)->Linear(**packed, x.data(), m, nullptr, y.data(), false);
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      constexpr double u = 1.0 / 2048;
+      double want = 0, bound = 0, partial[2] = {0, 0};
+      for (int64_t c = 0; c < k; ++c) {
+        const double p = static_cast<double>(x[i * k + c]) * Bf16ToF32(F32ToBf16(w[j * k + c]));
+        want += p;
+        if (c % (2 * kF16Block) == 0) partial[0] = partial[1] = 0;
+        partial[c & 1] += p;
+        bound += 2 * u * std::abs(p) + u * std::abs(partial[c & 1]);
+      }
+      ASSERT_TRUE(std::isfinite(y[i * n + j])) << i << "," << j;
+      ASSERT_NEAR(y[i * n + j], want, bound + 1e-5 * (std::abs(want) + 1)) << i << "," << j;
+    }
+  }
+  // Row 0 alone: the same bits as beside the scaled row.
+  std::vector<float> one(n, 0.0f);
+  (*b)->Linear(**packed, x.data(), 1, nullptr, one.data(), false);
+  for (int64_t j = 0; j < n; ++j) ASSERT_EQ(one[j], y[j]) << j;
+}
+
 TEST(F16PathTest, ChoiceIsValidatedAndReported) {
   EXPECT_EQ(ParseMatrixPath("fp16").value(), MatrixPath::kF16);
   EXPECT_EQ(ParseMatrixPath("f32").value(), MatrixPath::kF32);

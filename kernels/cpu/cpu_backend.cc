@@ -185,60 +185,53 @@ absl::StatusOr<std::unique_ptr<LinearWeight>> CpuBackend::PackLinear(
     n += p.rows;
   }
   std::vector<float> row(static_cast<size_t>(k));
-  // BF16 weights take the FP16 path when it was chosen and every weight is
-  // a finite half (else this matrix stays on the F32 path).
-  bool f16 = matrix_path_ == MatrixPath::kF16 && storage == DType::kBF16;
-  for (const MatrixPart& p : parts) {
-    const size_t in_row_bytes = static_cast<size_t>(k) * DTypeSize(p.dtype);
-    for (int64_t r = 0; f16 && r < p.rows; ++r) {
-      ConvertToF32(p.dtype, static_cast<const char*>(p.data) + r * in_row_bytes, static_cast<size_t>(k), row.data());
-      for (int64_t c = 0; c < k; ++c) {
-        // Through BF16 first: the FP16 copy holds the BF16 weights' values.
-        if (!(std::abs(Bf16ToF32(F32ToBf16(row[c]))) <= kF16Max)) f16 = false;
-      }
-    }
-  }
-  if (f16) {
-    auto w = std::make_unique<PackedLinear>(n, k, storage, /*f16=*/true);
-    std::vector<float> rounded(static_cast<size_t>(k));
-    std::vector<uint16_t> half(static_cast<size_t>(k));
-    uint16_t* dst = reinterpret_cast<uint16_t*>(w->data());
+  // Every output row of the parts in order, as F32: fn(out_row, row).
+  // False as soon as fn returns false.
+  auto for_each_row = [&](auto fn) {
     int64_t out_row = 0;
     for (const MatrixPart& p : parts) {
       const size_t in_row_bytes = static_cast<size_t>(k) * DTypeSize(p.dtype);
       for (int64_t r = 0; r < p.rows; ++r, ++out_row) {
         ConvertToF32(p.dtype, static_cast<const char*>(p.data) + r * in_row_bytes, static_cast<size_t>(k), row.data());
-        for (int64_t c = 0; c < k; ++c) rounded[c] = Bf16ToF32(F32ToBf16(row[c]));
-        ConvertF32ToF16(rounded.data(), k, half.data());
-        uint16_t* panel = dst + out_row / kF16PanelWidth * F16PanelElems(k);
-        const int64_t j = out_row % kF16PanelWidth;
-        for (int64_t c = 0; c < k; ++c) panel[F16PanelIndex(j, c)] = half[c];
+        if (!fn(out_row, row.data())) return false;
       }
     }
-    return std::unique_ptr<LinearWeight>(std::move(w));
+    return true;
+  };
+  // BF16 weights take the FP16 path when it was chosen and every weight is
+  // a finite half (else this matrix stays on the F32 path).
+  if (matrix_path_ == MatrixPath::kF16 && storage == DType::kBF16) {
+    auto w = std::make_unique<PackedLinear>(n, k, storage, /*f16=*/true);
+    std::vector<uint16_t> half(static_cast<size_t>(k));
+    uint16_t* dst = reinterpret_cast<uint16_t*>(w->data());
+    const bool fits = for_each_row([&](int64_t out_row, float* r) {
+      // Through BF16 first: the FP16 copy holds the BF16 weights' values.
+      for (int64_t c = 0; c < k; ++c) r[c] = Bf16ToF32(F32ToBf16(r[c]));
+      if (!(ConvertF32ToF16(r, k, half.data()) <= kF16Max)) return false;
+      uint16_t* panel = dst + out_row / kF16PanelWidth * F16PanelElems(k);
+      const int64_t j = out_row % kF16PanelWidth;
+      for (int64_t c = 0; c < k; ++c) panel[F16PanelIndex(j, c)] = half[c];
+      return true;
+    });
+    if (fits) return std::unique_ptr<LinearWeight>(std::move(w));
   }
   auto w = std::make_unique<PackedLinear>(n, k, storage);
-  int64_t out_row = 0;
-  for (const MatrixPart& p : parts) {
-    const size_t in_row_bytes = static_cast<size_t>(k) * DTypeSize(p.dtype);
-    for (int64_t r = 0; r < p.rows; ++r, ++out_row) {
-      ConvertToF32(p.dtype, static_cast<const char*>(p.data) + r * in_row_bytes,
-                   static_cast<size_t>(k), row.data());
-      const int64_t panel = out_row / kPanelWidth;
-      const int64_t j = out_row % kPanelWidth;
-      const int64_t base = panel * k * kPanelWidth + j;
-      if (storage == DType::kF32) {
-        float* dst = reinterpret_cast<float*>(w->data());
-        for (int64_t c = 0; c < k; ++c) dst[base + c * kPanelWidth] = row[c];
-      } else if (storage == DType::kI8) {
-        int8_t* dst = reinterpret_cast<int8_t*>(w->data());
-        w->scales()[out_row] = QuantizeI8(row.data(), k, dst + base, kPanelWidth);
-      } else {
-        uint16_t* dst = reinterpret_cast<uint16_t*>(w->data());
-        for (int64_t c = 0; c < k; ++c) dst[base + c * kPanelWidth] = F32ToBf16(row[c]);
-      }
+  for_each_row([&](int64_t out_row, const float* r) {
+    const int64_t panel = out_row / kPanelWidth;
+    const int64_t j = out_row % kPanelWidth;
+    const int64_t base = panel * k * kPanelWidth + j;
+    if (storage == DType::kF32) {
+      float* dst = reinterpret_cast<float*>(w->data());
+      for (int64_t c = 0; c < k; ++c) dst[base + c * kPanelWidth] = r[c];
+    } else if (storage == DType::kI8) {
+      int8_t* dst = reinterpret_cast<int8_t*>(w->data());
+      w->scales()[out_row] = QuantizeI8(r, k, dst + base, kPanelWidth);
+    } else {
+      uint16_t* dst = reinterpret_cast<uint16_t*>(w->data());
+      for (int64_t c = 0; c < k; ++c) dst[base + c * kPanelWidth] = F32ToBf16(r[c]);
     }
-  }
+    return true;
+  });
   return std::unique_ptr<LinearWeight>(std::move(w));
 }
 

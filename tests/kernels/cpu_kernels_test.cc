@@ -240,6 +240,28 @@ TEST_P(CpuKernelsTest, PagedAttentionMatchesReference) {
   }
 }
 
+// Row i, column j of x W^T in double on the BF16-rounded weights, and the
+// first-order error bound of the FP16 path (unit roundoff u = 2^-11): x and
+// each product are rounded once (2u |p|), and each addition to a lane's
+// running half sum rounds it (u |partial|); a lane sums the even or the odd
+// k of a block of kF16Block pairs. The F32 part adds ~1e-7 relative.
+struct F16Expectation {
+  double want = 0, bound = 0;
+};
+F16Expectation ExpectF16(const std::vector<float>& x, const std::vector<float>& w, int64_t k, int64_t i, int64_t j) {
+  constexpr double u = 1.0 / 2048;
+  F16Expectation e;
+  double partial[2] = {0, 0};
+  for (int64_t c = 0; c < k; ++c) {
+    const double p = static_cast<double>(x[i * k + c]) * Bf16ToF32(F32ToBf16(w[j * k + c]));
+    e.want += p;
+    if (c % (2 * kF16Block) == 0) partial[0] = partial[1] = 0;
+    partial[c & 1] += p;
+    e.bound += 2 * u * std::abs(p) + u * std::abs(partial[c & 1]);
+  }
+  return e;
+}
+
 // The FP16 matrix path (linear_fp16.h) against a double reference on the
 // BF16-rounded weights: error within the half-precision rounding of x, of
 // each product and of each kF16Block-long half sum; and each row's bits the
@@ -269,21 +291,9 @@ TEST(F16PathTest, LinearMatchesReferenceAndRowsDoNotDependOnTheBatch) {
           backend.Linear(**packed, x.data(), m, bias.data(), y.data(), accumulate);
           for (int64_t i = 0; i < m; ++i) {
             for (int64_t j = 0; j < n; ++j) {
-              // First-order error bound of half precision (unit roundoff
-              // u = 2^-11): x and each product are rounded once (2u |p|),
-              // and each addition to a lane's running half sum rounds it
-              // (u |partial|); a lane sums the even or the odd k of a block
-              // of kF16Block pairs. The F32 part adds ~1e-7 relative.
-              constexpr double u = 1.0 / 2048;
-              double want = bias[j] + (accumulate ? y0[i * n + j] : 0.0), bound = 0, partial[2] = {0, 0};
-              for (int64_t c = 0; c < k; ++c) {
-                const double p = static_cast<double>(x[i * k + c]) * Bf16ToF32(F32ToBf16(w[j * k + c]));
-                want += p;
-                if (c % (2 * kF16Block) == 0) partial[0] = partial[1] = 0;
-                partial[c & 1] += p;
-                bound += 2 * u * std::abs(p) + u * std::abs(partial[c & 1]);
-              }
-              ASSERT_NEAR(y[i * n + j], want, bound + 1e-5 * (std::abs(want) + 1)) << i << "," << j;
+              const F16Expectation e = ExpectF16(x, w, k, i, j);
+              const double want = e.want + bias[j] + (accumulate ? y0[i * n + j] : 0.0);
+              ASSERT_NEAR(y[i * n + j], want, e.bound + 1e-5 * (std::abs(want) + 1)) << i << "," << j;
             }
           }
           // Row by row, alone: the same bits.
@@ -321,23 +331,34 @@ TEST(F16PathTest, RowsTooLargeForHalfPrecisionAreScaledNotOverflowed) {
   (*b)->Linear(**packed, x.data(), m, nullptr, y.data(), false);
   for (int64_t i = 0; i < m; ++i) {
     for (int64_t j = 0; j < n; ++j) {
-      constexpr double u = 1.0 / 2048;
-      double want = 0, bound = 0, partial[2] = {0, 0};
-      for (int64_t c = 0; c < k; ++c) {
-        const double p = static_cast<double>(x[i * k + c]) * Bf16ToF32(F32ToBf16(w[j * k + c]));
-        want += p;
-        if (c % (2 * kF16Block) == 0) partial[0] = partial[1] = 0;
-        partial[c & 1] += p;
-        bound += 2 * u * std::abs(p) + u * std::abs(partial[c & 1]);
-      }
+      const F16Expectation e = ExpectF16(x, w, k, i, j);
       ASSERT_TRUE(std::isfinite(y[i * n + j])) << i << "," << j;
-      ASSERT_NEAR(y[i * n + j], want, bound + 1e-5 * (std::abs(want) + 1)) << i << "," << j;
+      ASSERT_NEAR(y[i * n + j], e.want, e.bound + 1e-5 * (std::abs(e.want) + 1)) << i << "," << j;
     }
   }
   // Row 0 alone: the same bits as beside the scaled row.
   std::vector<float> one(n, 0.0f);
   (*b)->Linear(**packed, x.data(), 1, nullptr, one.data(), false);
   for (int64_t j = 0; j < n; ++j) ASSERT_EQ(one[j], y[j]) << j;
+}
+
+// A matrix with a weight beyond the largest half (1e5) stays on the F32
+// path: the F32 path's exact results, not infinities.
+TEST(F16PathTest, WeightsBeyondHalfPrecisionStayOnTheF32Path) {
+  if (!F16PathSupported()) GTEST_SKIP() << "this CPU has no AVX512-FP16: the fp16 matrix path cannot run here";
+  auto f16 = CpuBackend::Create({.num_threads = 1, .isa = Isa::kAvx512, .matrix_path = MatrixPath::kF16});
+  auto f32 = CpuBackend::Create({.num_threads = 1, .isa = Isa::kAvx512, .matrix_path = MatrixPath::kF32});
+  ASSERT_TRUE(f16.ok() && f32.ok());
+  const int64_t m = 2, k = 40, n = 20;
+  std::vector<float> w(n * k, 0.01f), x(m * k, 0.5f), a(m * n), b(m * n);
+  w[3 * k + 7] = 1e5f;
+  const MatrixPart parts[] = {{DType::kF32, w.data(), n}};
+  auto pa = (*f16)->PackLinear(parts, k, DType::kBF16);
+  auto pb = (*f32)->PackLinear(parts, k, DType::kBF16);
+  ASSERT_TRUE(pa.ok() && pb.ok());
+  (*f16)->Linear(**pa, x.data(), m, nullptr, a.data(), false);
+  (*f32)->Linear(**pb, x.data(), m, nullptr, b.data(), false);
+  EXPECT_EQ(a, b);
 }
 
 TEST(F16PathTest, ChoiceIsValidatedAndReported) {

@@ -138,7 +138,7 @@ def selects(selector, labels):
 
 
 def peer_ips(peer, policy_ns, pods):
-    """Addresses a NetworkPolicy peer names, or None for "any"."""
+    """The addresses of the pods a NetworkPolicy peer selects."""
     if set(peer) - {"podSelector", "namespaceSelector"}:
         raise ValueError(f"peer form not supported here: {peer}")
     ips = []
@@ -181,15 +181,14 @@ def nft_ruleset(pod, policies, pods):
             rules = chains.setdefault(hook, [])
             for rule in pol["spec"].get(key) or []:
                 peers = rule.get(peer_key)
-                addr_matches = [""]
+                addr_match = ""  # No peers: any address.
                 if peers:
-                    ips = sorted({ip for peer in peers for ip in (peer_ips(peer, pod.namespace, pods) or [])})
+                    ips = sorted({ip for peer in peers for ip in peer_ips(peer, pod.namespace, pods)})
                     if not ips:
                         continue  # names no pod now: allows nothing
-                    addr_matches = [f"ip {addr} {{ {', '.join(ips)} }} "]
-                for a in addr_matches:
-                    for pm in port_matches(rule.get("ports")) or [""]:
-                        rules.append(f"{a}{pm} accept".strip())
+                    addr_match = f"ip {addr} {{ {', '.join(ips)} }} "
+                for pm in port_matches(rule.get("ports")) or [""]:
+                    rules.append(f"{addr_match}{pm} accept".strip())
     lines = ["table inet pdk {}", "delete table inet pdk", "table inet pdk {"]
     for hook, rules in chains.items():
         iface = "iifname" if hook == "input" else "oifname"
@@ -216,7 +215,7 @@ class Pod:
         self.netns = f"{node.prefix}-{self.n}"
         self.dir = os.path.join(node.dir, name)
         self.proc = None
-        self.started = self.ready = self.terminating = False
+        self.started_up = self.ready = self.terminating = False
         self.exit = None  # how it ended: "exited N" or "SIGKILL after grace"
         self.next_probe = 0.0
         self.startup_failures = self.liveness_failures = 0
@@ -311,7 +310,6 @@ class Pod:
         self.proc = subprocess.Popen(full, stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT,
                                      start_new_session=True)
         self.started_at = time.monotonic()
-        self.started = True
 
     def probe(self, kind):
         c = self.spec["containers"][0]
@@ -536,9 +534,9 @@ class Node:
                 if now < p.next_probe:
                     continue
                 c = p.spec["containers"][0]
-                if not p.ready and p.startup_failures >= 0:
+                if not p.started_up:
                     if p.probe("startupProbe"):
-                        p.startup_failures = -1
+                        p.started_up = True
                         self.event(f"pod {p.name} started up in {time.monotonic() - p.started_at:.1f} s")
                     else:
                         p.startup_failures += 1
@@ -681,7 +679,7 @@ def read_load(path):
 # --- the test
 
 
-def scrape(node, prom, pod, metric):
+def scrape(prom, pod, metric):
     """Sum of `metric` on the pod's metrics port, fetched from the Prometheus pod."""
     port = next(p["containerPort"] for p in pod.spec["containers"][0]["ports"] if p["name"] == "metrics")
     r = sh(prom.exec_argv(["curl", "-sf", "--max-time", "2", f"http://{pod.ip}:{port}/metrics"]), check=False)
@@ -690,7 +688,7 @@ def scrape(node, prom, pod, metric):
     return sum(float(m.group(1)) for m in re.finditer(rf"^{metric}(?:{{[^}}]*}})? (\S+)$", r.stdout, re.M))
 
 
-def can_connect(node, pod, ip, port, timeout=1.0):
+def can_connect(pod, ip, port, timeout=1.0):
     code = (f"import socket,sys\ns=socket.socket()\ns.settimeout({timeout})\n"
             f"try:\n s.connect(('{ip}',{port}));sys.exit(0)\nexcept OSError:\n sys.exit(1)")
     return sh(pod.exec_argv([sys.executable, "-c", code]), check=False).returncode == 0
@@ -780,7 +778,7 @@ def main():
             node.event(f"-- {name} ({done_requests()} requests so far)")
 
         def takes_work(pods):
-            return lambda: all((scrape(node, prom, p, "pdserve_handoff_transfers_total") or 0) > 0 for p in pods)
+            return lambda: all((scrape(prom, p, "pdserve_handoff_transfers_total") or 0) > 0 for p in pods)
 
         wait_for("the first requests", lambda: done_requests() >= 10 or load.poll() is not None, 60, node)
         if load.poll() is not None:
@@ -830,7 +828,7 @@ def main():
             (prom, prefill, 7001, False), (prefill, decode, 7500, False), (decode, prefill, 7001, False),
         ]
         for src, dst, port, allowed in flows:
-            got = can_connect(node, src, dst.ip, port)
+            got = can_connect(src, dst.ip, port)
             line = f"{src.name} -> {dst.name}:{port}: {'open' if got else 'dropped'}"
             node.event("policy: " + line)
             if got != allowed:

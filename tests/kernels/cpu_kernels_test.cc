@@ -1,5 +1,7 @@
 // Every CPU kernel path (forced through the dispatch) against naive double
 // precision references, with odd sizes and unaligned tails.
+#include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdio>
 #include <random>
@@ -234,6 +236,83 @@ TEST_P(CpuKernelsTest, PagedAttentionMatchesReference) {
             ASSERT_NEAR(out[(row * s.heads + h) * s.head_dim + d], want, 2e-5)
                 << "seq " << q << " row " << i << " head " << h << " dim " << d;
           }
+        }
+      }
+    }
+  }
+}
+
+// Prompt rows are attended in tiles of consecutive rows that share each K
+// and V load; a row's output must be bitwise what it is attended alone (as
+// the decode of its position): recompute after preemption and migration
+// rely on it. Prompts that start, end and cross the kernel's 256-key
+// softmax runs, with head dims off the vector width, odd block sizes and
+// every KV format.
+TEST_P(CpuKernelsTest, PromptRowsAreBitwiseTheRowAlone) {
+  const AttnShape shapes[] = {{12, 4, 64, 16, DType::kBF16}, {8, 8, 20, 5, DType::kF32},
+                              {6, 2, 24, 7, DType::kI8},     {16, 1, 8, 1, DType::kBF16},
+                              {4, 1, 64, 16, DType::kF32},   {24, 2, 16, 16, DType::kI8}};
+  struct Prompt {
+    int32_t cached, fresh;
+  };
+  const Prompt prompts[] = {{0, 300}, {250, 13}, {7, 1}, {509, 6}, {0, 2}};
+  for (const AttnShape& s : shapes) {
+    for (const Prompt& pr : prompts) {
+      SCOPED_TRACE(::testing::Message() << "heads " << s.heads << "/" << s.kv_heads << " dim " << s.head_dim
+                                        << " bs " << s.block_size << " kv " << DTypeName(s.kv_type) << " cached "
+                                        << pr.cached << " fresh " << pr.fresh);
+      const int32_t total = pr.cached + pr.fresh;
+      const int32_t nb = (total + s.block_size - 1) / s.block_size;
+      const int64_t half = static_cast<int64_t>(s.kv_heads) * s.block_size * s.head_dim;
+      const int64_t scale_offset = 2 * half;
+      // Element units of the block's dtype; int8 scales (F32) after the data.
+      const int64_t block_elems =
+          s.kv_type == DType::kI8 ? 2 * half + 2LL * s.kv_heads * s.block_size * 4 : 2 * half;
+      std::vector<int32_t> table(nb);
+      for (int32_t b = 0; b < nb; ++b) table[b] = (b * 7 + 3) % nb;
+      const std::vector<float> vals = Random(static_cast<size_t>(nb * block_elems));
+      std::vector<float> kvf;
+      std::vector<uint16_t> kvh;
+      std::vector<int8_t> kvq;
+      void* base = nullptr;
+      if (s.kv_type == DType::kF32) {
+        kvf = vals;
+        base = kvf.data();
+      } else if (s.kv_type == DType::kBF16) {
+        for (float v : vals) kvh.push_back(F32ToBf16(v));
+        base = kvh.data();
+      } else {
+        for (float v : vals) kvq.push_back(static_cast<int8_t>(std::clamp(v * 40.0f, -127.0f, 127.0f)));
+        for (int32_t b = 0; b < nb; ++b) {
+          float* scales = reinterpret_cast<float*>(kvq.data() + b * block_elems + scale_offset);
+          for (int64_t i = 0; i < 2LL * s.kv_heads * s.block_size; ++i) scales[i] = 0.01f + 0.001f * (i % 13);
+        }
+        base = kvq.data();
+      }
+      const KvLayerView view{.base = base,
+                             .dtype = s.kv_type,
+                             .block_stride = block_elems,
+                             .head_stride = static_cast<int64_t>(s.block_size) * s.head_dim,
+                             .v_offset = half,
+                             .block_size = s.block_size,
+                             .scale_offset = s.kv_type == DType::kI8 ? scale_offset : 0};
+      const int64_t row_elems = static_cast<int64_t>(s.heads) * s.head_dim;
+      const std::vector<float> qv = Random(static_cast<size_t>(pr.fresh * row_elems), 2.0f);
+      const float scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim));
+      std::vector<float> tiled(qv.size(), -1.0f);
+      const AttentionSequence prompt[] = {{table, pr.cached, pr.fresh, 0}};
+      backend_->Attention({.q = qv.data(), .out = tiled.data(), .sequences = prompt, .kv = view,
+                           .num_heads = s.heads, .num_kv_heads = s.kv_heads, .head_dim = s.head_dim,
+                           .scale = scale});
+      for (int32_t i = 0; i < pr.fresh; ++i) {
+        std::vector<float> alone(static_cast<size_t>(row_elems), -2.0f);
+        const AttentionSequence one[] = {{table, pr.cached + i, 1, 0}};
+        backend_->Attention({.q = qv.data() + i * row_elems, .out = alone.data(), .sequences = one, .kv = view,
+                             .num_heads = s.heads, .num_kv_heads = s.kv_heads, .head_dim = s.head_dim,
+                             .scale = scale});
+        for (int64_t e = 0; e < row_elems; ++e) {
+          ASSERT_EQ(std::bit_cast<uint32_t>(tiled[i * row_elems + e]), std::bit_cast<uint32_t>(alone[e]))
+              << "row " << i << " element " << e << ": " << tiled[i * row_elems + e] << " vs " << alone[e];
         }
       }
     }

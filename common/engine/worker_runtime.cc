@@ -18,8 +18,9 @@
 ABSL_FLAG(std::string, model, "", "model directory (Hugging Face layout)");
 ABSL_FLAG(int, threads, 1, "compute threads");
 ABSL_FLAG(std::string, matrix_path, "",
-          "matrix path of BF16 weights: f32 (exact F32 arithmetic) or fp16 (AVX512-FP16, activations rounded to "
-          "FP16); default: $PDSERVE_MATRIX_PATH, else the faster by a probe at start-up");
+          "matrix path of BF16 weights: f32 (exact F32 arithmetic), fp16 (AVX512-FP16, activations rounded to "
+          "FP16) or bf16 (AVX512-BF16 dot products, activations rounded to BF16); default: $PDSERVE_MATRIX_PATH, "
+          "else the fastest by a probe at start-up");
 ABSL_FLAG(std::string, weights, "", "in-memory weight format: f32, bf16 or int8 (default: as stored)");
 ABSL_FLAG(std::string, kv, "", "KV cache format (default: the weight format)");
 ABSL_FLAG(int, block_size, 16, "KV block size in positions");

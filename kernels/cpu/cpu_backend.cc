@@ -12,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "kernels/cpu/linear_bf16.h"
 #include "kernels/cpu/linear_fp16.h"
 #include "kernels/cpu/matrix_probes.h"
 
@@ -19,18 +20,19 @@ namespace pdserve::kernels::cpu {
 namespace {
 
 // Panel-packed weights (see kernel_args.h), 64-byte aligned.
-// `f16`: held as FP16 in 32-column panels for the FP16 matrix path
-// (linear_fp16.h), whatever `dtype` the model asked for (BF16).
+// `pairs` kF16 / kBf16: held as FP16 / BF16 in the k-pair panels of those
+// matrix paths (linear_fp16.h, linear_bf16.h), whatever `dtype` the model
+// asked for (BF16); kF32: the ISA kernels' panels of `dtype`.
 class PackedLinear final : public LinearWeight {
  public:
-  PackedLinear(int64_t n, int64_t k, DType dtype, bool f16 = false)
+  PackedLinear(int64_t n, int64_t k, DType dtype, MatrixPath pairs = MatrixPath::kF32)
       : n_(n),
         k_(k),
         dtype_(dtype),
-        f16_(f16),
-        width_(f16 ? kF16PanelWidth : kPanelWidth),
+        pairs_(pairs),
+        width_(pairs != MatrixPath::kF32 ? kF16PanelWidth : kPanelWidth),
         num_panels_((n + width_ - 1) / width_) {
-    bytes_ = f16 ? static_cast<size_t>(num_panels_ * F16PanelElems(k)) * 2
+    bytes_ = pairs != MatrixPath::kF32 ? static_cast<size_t>(num_panels_ * F16PanelElems(k)) * 2
                  : static_cast<size_t>(num_panels_ * width_ * k) * DTypeSize(dtype);
     const size_t alloc = (bytes_ + 63) / 64 * 64;
     data_ = static_cast<char*>(std::aligned_alloc(64, alloc == 0 ? 64 : alloc));
@@ -47,7 +49,8 @@ class PackedLinear final : public LinearWeight {
   DType dtype() const override { return dtype_; }
   size_t bytes() const override { return bytes_; }
   int64_t num_panels() const { return num_panels_; }
-  bool f16() const { return f16_; }
+  // The matrix path these panels are for.
+  MatrixPath pairs() const { return pairs_; }
   char* data() const { return data_; }
   // kI8: one scale per output row (padded to whole panels).
   std::vector<float>& scales() { return scales_; }
@@ -57,7 +60,7 @@ class PackedLinear final : public LinearWeight {
   std::vector<float> scales_;
   int64_t n_, k_;
   DType dtype_;
-  bool f16_;
+  MatrixPath pairs_;
   int64_t width_;
   int64_t num_panels_;
   size_t bytes_;
@@ -99,15 +102,29 @@ double ProbeRate(double (*loop)(int64_t)) {
 // The FP16 path is taken when its FMA rate beats the F32 one by this much:
 // widening the half sums every kF16Block products costs about 15 %.
 constexpr double kF16MinAdvantage = 1.4;
+// The BF16 path (no widening; the activations' rounding to BF16 costs a
+// pass over x) when VDPBF16PS beats the F32 FMA rate by this much.
+constexpr double kBf16MinAdvantage = 1.2;
 
 }  // namespace
 
-absl::string_view MatrixPathName(MatrixPath path) { return path == MatrixPath::kF16 ? "fp16" : "f32"; }
+absl::string_view MatrixPathName(MatrixPath path) {
+  switch (path) {
+    case MatrixPath::kF16:
+      return "fp16";
+    case MatrixPath::kBf16:
+      return "bf16";
+    case MatrixPath::kF32:
+      break;
+  }
+  return "f32";
+}
 
 absl::StatusOr<MatrixPath> ParseMatrixPath(absl::string_view name) {
   if (name == "f32") return MatrixPath::kF32;
   if (name == "fp16") return MatrixPath::kF16;
-  return absl::InvalidArgumentError(absl::StrCat("unknown matrix path '", name, "' (f32 or fp16)"));
+  if (name == "bf16") return MatrixPath::kBf16;
+  return absl::InvalidArgumentError(absl::StrCat("unknown matrix path '", name, "' (f32, fp16 or bf16)"));
 }
 
 absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(const CpuBackendOptions& options) {
@@ -128,6 +145,7 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(const CpuBackendO
         absl::StrCat("threads must be at least 1, got ", options.num_threads));
   }
   const bool f16_ok = isa == Isa::kAvx512 && F16PathSupported();
+  const bool bf16_ok = isa == Isa::kAvx512 && Bf16PathSupported();
   std::optional<MatrixPath> path = options.matrix_path;
   std::string reason = "forced";
   if (!path.has_value() && !options.choose_matrix_path) {
@@ -147,16 +165,35 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(const CpuBackendO
         absl::StrCat("matrix path fp16 needs AVX512-FP16 and the avx512 ISA (this run: ", IsaName(isa), ", ",
                      F16PathSupported() ? "with" : "without", " AVX512-FP16)"));
   }
+  if (path == MatrixPath::kBf16 && !bf16_ok) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("matrix path bf16 needs AVX512-BF16 and the avx512 ISA (this run: ", IsaName(isa), ", ",
+                     Bf16PathSupported() ? "with" : "without", " AVX512-BF16)"));
+  }
   if (!path.has_value()) {
-    if (!f16_ok) {
+    if (!f16_ok && !bf16_ok) {
       path = MatrixPath::kF32;
       reason = absl::StrCat("the only path of ISA ", IsaName(isa), " on this CPU");
     } else {
+      // Each candidate's probed rate, discounted by its own overhead; the
+      // best wins (F32 when neither clears it).
       const double f32 = ProbeRate(GetKernelTable(isa).fma_peak_loop);
-      const double f16 = ProbeRate(&Fp16FmaPeakLoop);
-      path = f16 >= kF16MinAdvantage * f32 ? MatrixPath::kF16 : MatrixPath::kF32;
-      reason = absl::StrFormat("probe: FP16 FMA %.0f GFLOP/s, F32 FMA %.0f GFLOP/s per thread (%.2fx; fp16 needs %.1fx)",
-                               f16 * 1e-9, f32 * 1e-9, f32 > 0 ? f16 / f32 : 0.0, kF16MinAdvantage);
+      const double f16 = f16_ok ? ProbeRate(&Fp16FmaPeakLoop) : 0.0;
+      const double bf16 = bf16_ok ? ProbeRate(&Bf16DotPeakLoop) : 0.0;
+      path = MatrixPath::kF32;
+      double best = f32;
+      if (f16 / kF16MinAdvantage >= best) {
+        path = MatrixPath::kF16;
+        best = f16 / kF16MinAdvantage;
+      }
+      if (bf16 / kBf16MinAdvantage > best) path = MatrixPath::kBf16;
+      auto rate = [&](const char* name, bool ok, double r, double need) {
+        return ok ? absl::StrFormat(", %s %.0f (%.2fx; needs %.1fx)", name, r * 1e-9, f32 > 0 ? r / f32 : 0.0, need)
+                  : absl::StrFormat(", %s absent", name);
+      };
+      reason = absl::StrCat(absl::StrFormat("probe, GFLOP/s per thread: F32 FMA %.0f", f32 * 1e-9),
+                            rate("FP16 FMA", f16_ok, f16, kF16MinAdvantage),
+                            rate("BF16 dot", bf16_ok, bf16, kBf16MinAdvantage));
     }
   }
   return std::unique_ptr<CpuBackend>(new CpuBackend(isa, *path, std::move(reason), options.num_threads));
@@ -170,7 +207,8 @@ CpuBackend::CpuBackend(Isa isa, MatrixPath path, std::string path_reason, int nu
       pool_(num_threads) {}
 
 std::string CpuBackend::Name() const {
-  return absl::StrCat("cpu/", table_.name, matrix_path_ == MatrixPath::kF16 ? "+fp16" : "");
+  if (matrix_path_ == MatrixPath::kF32) return absl::StrCat("cpu/", table_.name);
+  return absl::StrCat("cpu/", table_.name, "+", MatrixPathName(matrix_path_));
 }
 
 absl::StatusOr<std::unique_ptr<LinearWeight>> CpuBackend::PackLinear(
@@ -201,7 +239,7 @@ absl::StatusOr<std::unique_ptr<LinearWeight>> CpuBackend::PackLinear(
   // BF16 weights take the FP16 path when it was chosen and every weight is
   // a finite half (else this matrix stays on the F32 path).
   if (matrix_path_ == MatrixPath::kF16 && storage == DType::kBF16) {
-    auto w = std::make_unique<PackedLinear>(n, k, storage, /*f16=*/true);
+    auto w = std::make_unique<PackedLinear>(n, k, storage, MatrixPath::kF16);
     std::vector<uint16_t> half(static_cast<size_t>(k));
     uint16_t* dst = reinterpret_cast<uint16_t*>(w->data());
     const bool fits = for_each_row([&](int64_t out_row, float* r) {
@@ -214,6 +252,18 @@ absl::StatusOr<std::unique_ptr<LinearWeight>> CpuBackend::PackLinear(
       return true;
     });
     if (fits) return std::unique_ptr<LinearWeight>(std::move(w));
+  }
+  // BF16 weights on the BF16 path: their bits, in k-pair panels.
+  if (matrix_path_ == MatrixPath::kBf16 && storage == DType::kBF16) {
+    auto w = std::make_unique<PackedLinear>(n, k, storage, MatrixPath::kBf16);
+    uint16_t* dst = reinterpret_cast<uint16_t*>(w->data());
+    for_each_row([&](int64_t out_row, const float* r) {
+      uint16_t* panel = dst + out_row / kF16PanelWidth * F16PanelElems(k);
+      const int64_t j = out_row % kF16PanelWidth;
+      for (int64_t c = 0; c < k; ++c) panel[F16PanelIndex(j, c)] = F32ToBf16(r[c]);
+      return true;
+    });
+    return std::unique_ptr<LinearWeight>(std::move(w));
   }
   auto w = std::make_unique<PackedLinear>(n, k, storage);
   for_each_row([&](int64_t out_row, const float* r) {
@@ -238,7 +288,29 @@ absl::StatusOr<std::unique_ptr<LinearWeight>> CpuBackend::PackLinear(
 void CpuBackend::Linear(const LinearWeight& w, const float* x, int64_t m, const float* bias,
                         float* y, bool accumulate) {
   const auto& pw = static_cast<const PackedLinear&>(w);
-  if (pw.f16()) {
+  if (pw.pairs() == MatrixPath::kBf16) {
+    const int64_t k = pw.k();
+    const int64_t ldx = (k + 1) / 2 * 2;  // Whole k pairs; an odd K's pad is 0.
+    if (x16_.size() < static_cast<size_t>(m * ldx)) x16_.resize(static_cast<size_t>(m * ldx));
+    for (int64_t i = 0; i < m; ++i) {
+      uint16_t* out = x16_.data() + i * ldx;
+      ConvertF32ToBf16(x + i * k, k, out);
+      if (ldx != k) out[k] = 0;
+    }
+    const LinearBf16Args a{.x = x16_.data(),
+                           .ldx = ldx,
+                           .m = m,
+                           .k = k,
+                           .n = pw.n(),
+                           .panels = reinterpret_cast<const uint16_t*>(pw.data()),
+                           .bias = bias,
+                           .y = y,
+                           .ldy = pw.n(),
+                           .accumulate = accumulate};
+    pool_.ParallelFor(pw.num_panels(), [&](int64_t b, int64_t e) { LinearBf16(a, b, e); });
+    return;
+  }
+  if (pw.pairs() == MatrixPath::kF16) {
     const int64_t k = pw.k();
     const int64_t ldx = (k + 1) / 2 * 2;  // Whole k pairs; an odd K's pad is 0.
     if (x16_.size() < static_cast<size_t>(m * ldx)) x16_.resize(static_cast<size_t>(m * ldx));
@@ -502,8 +574,9 @@ double CpuBackend::SamplePeakFlops() {
       pool_.num_threads(),
       [&](int64_t b, int64_t e) {
         for (int64_t t = b; t < e; ++t) {
-          flops[t] = matrix_path_ == MatrixPath::kF16 ? Fp16FmaPeakLoop(kIters)
-                                                      : table_.fma_peak_loop(isa_ == Isa::kScalar ? kIters / 4 : kIters);
+          flops[t] = matrix_path_ == MatrixPath::kF16    ? Fp16FmaPeakLoop(kIters)
+                     : matrix_path_ == MatrixPath::kBf16 ? Bf16DotPeakLoop(kIters)
+                                                         : table_.fma_peak_loop(isa_ == Isa::kScalar ? kIters / 4 : kIters);
         }
       },
       1);

@@ -20,11 +20,14 @@ namespace pdserve::kernels::cpu {
 // decode GEMVs) for BF16 weights:
 // - kF32: the ISA's F32 FMA kernels, exact to F32 arithmetic;
 // - kF16: linear_fp16.h, the weights held as FP16 and the activations
-//   rounded to FP16 (AVX512-FP16 only). The KV format, the model identity
-//   and the other weight formats are the same on either path.
-enum class MatrixPath { kF32, kF16 };
+//   rounded to FP16 (AVX512-FP16 only);
+// - kBf16: linear_bf16.h, the BF16 weights as they are and the activations
+//   rounded to BF16, pairs of products summed in F32 (AVX512-BF16 only).
+// The KV format, the model identity and the other weight formats are the
+// same on every path.
+enum class MatrixPath { kF32, kF16, kBf16 };
 absl::string_view MatrixPathName(MatrixPath path);
-// "f32" or "fp16".
+// "f32", "fp16" or "bf16".
 absl::StatusOr<MatrixPath> ParseMatrixPath(absl::string_view name);
 
 struct CpuBackendOptions {
@@ -45,7 +48,7 @@ class CpuBackend final : public Backend {
   // Errors: the requested ISA is not supported by this CPU.
   static absl::StatusOr<std::unique_ptr<CpuBackend>> Create(const CpuBackendOptions& options);
 
-  // "cpu/ISA" plus "+fp16" on the FP16 matrix path.
+  // "cpu/ISA" plus "+fp16" or "+bf16" on those matrix paths.
   std::string Name() const override;
   Isa isa() const { return isa_; }
   MatrixPath matrix_path() const { return matrix_path_; }

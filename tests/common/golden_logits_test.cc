@@ -9,6 +9,7 @@
 #include "common/model.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/linear_bf16.h"
 #include "kernels/cpu/linear_fp16.h"
 #include "nlohmann/json.hpp"
 
@@ -30,7 +31,8 @@ std::string Name(const ::testing::TestParamInfo<GoldenCase>& info) {
   const GoldenCase& c = info.param;
   return c.model + "_" + std::string(kernels::cpu::IsaName(c.isa)) + "_w" +
          std::string(DTypeName(c.weights)) + "_kv" + std::string(DTypeName(c.kv)) + "_bs" +
-         std::to_string(c.block_size) + (c.path == kernels::cpu::MatrixPath::kF16 ? "_fp16" : "");
+         std::to_string(c.block_size) +
+         (c.path == kernels::cpu::MatrixPath::kF32 ? "" : "_" + std::string(kernels::cpu::MatrixPathName(c.path)));
 }
 
 std::vector<GoldenCase> Cases() {
@@ -62,13 +64,21 @@ std::vector<GoldenCase> Cases() {
     out.push_back({"qwen2_bias_f16", Isa::kAvx512, DType::kBF16, DType::kF32, 16, kF16});
     out.push_back({"mistral_f32", Isa::kAvx512, DType::kBF16, DType::kBF16, 7, kF16});
   }
+  // The BF16 matrix path (BF16 weights only), where the CPU has it.
+  if (kernels::cpu::Bf16PathSupported()) {
+    constexpr auto kBf16 = kernels::cpu::MatrixPath::kBf16;
+    out.push_back({"llama_untied_bf16", Isa::kAvx512, DType::kBF16, DType::kF32, 16, kBf16});
+    out.push_back({"llama_sharded_bf16", Isa::kAvx512, DType::kBF16, DType::kF32, 5, kBf16});
+    out.push_back({"qwen2_bias_f16", Isa::kAvx512, DType::kBF16, DType::kF32, 16, kBf16});
+    out.push_back({"mistral_f32", Isa::kAvx512, DType::kBF16, DType::kBF16, 7, kBf16});
+  }
   return out;
 }
 
 void PrintTo(const GoldenCase& c, std::ostream* os) {
   *os << c.model << " " << kernels::cpu::IsaName(c.isa) << " weights " << DTypeName(c.weights)
       << " kv " << DTypeName(c.kv) << " block " << c.block_size
-      << (c.path == kernels::cpu::MatrixPath::kF16 ? " fp16 path" : "");
+      << (c.path == kernels::cpu::MatrixPath::kF32 ? "" : " " + std::string(kernels::cpu::MatrixPathName(c.path)) + " path");
 }
 
 class GoldenLogitsTest : public ::testing::TestWithParam<GoldenCase> {};
@@ -91,10 +101,10 @@ TEST_P(GoldenLogitsTest, MatchesReference) {
   // Stated tolerances, relative to max|logit|: exact storage 1e-4; BF16 KV
   // 3e-2; int8 weights or int8 KV 3e-2 (measured worst cases are printed:
   // about 1e-2 with both int8); the FP16 matrix path (activations rounded
-  // to FP16) 1e-2.
-  const double rel_tol = exact_storage ? 1e-4 : gc.path == kernels::cpu::MatrixPath::kF16 && gc.kv == DType::kF32
-                                                    ? 1e-2
-                                                    : 3e-2;
+  // to FP16) and the BF16 one (activations rounded to BF16) 1e-2.
+  const double rel_tol = exact_storage                                                  ? 1e-4
+                         : gc.path != kernels::cpu::MatrixPath::kF32 && gc.kv == DType::kF32 ? 1e-2
+                                                                                         : 3e-2;
   for (const auto& c : ref["cases"]) {
     const std::vector<int32_t> ids = c["token_ids"].get<std::vector<int32_t>>();
     const auto expected = c["logits"].get<std::vector<std::vector<double>>>();

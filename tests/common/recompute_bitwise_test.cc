@@ -17,6 +17,7 @@
 #include "common/prefix_cache.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/linear_bf16.h"
 #include "kernels/cpu/linear_fp16.h"
 #include "tests/support/isa_printer.h"
 
@@ -48,6 +49,7 @@ std::vector<KernelPath> KernelPaths() {
   std::vector<KernelPath> out;
   for (Isa isa : kernels::cpu::SupportedIsas()) out.push_back({isa});
   if (kernels::cpu::F16PathSupported()) out.push_back({Isa::kAvx512, kernels::cpu::MatrixPath::kF16});
+  if (kernels::cpu::Bf16PathSupported()) out.push_back({Isa::kAvx512, kernels::cpu::MatrixPath::kBf16});
   return out;
 }
 
@@ -262,7 +264,9 @@ TEST_P(RecomputeBitwiseTest, ChunkedBatchedPrefillEqualsOnePrefill) {
 INSTANTIATE_TEST_SUITE_P(Isas, RecomputeBitwiseTest, ::testing::ValuesIn(KernelPaths()),
                          [](const ::testing::TestParamInfo<KernelPath>& info) {
                            return std::string(kernels::cpu::IsaName(info.param.isa)) +
-                                  (info.param.matrix == kernels::cpu::MatrixPath::kF16 ? "_fp16" : "");
+                                  (info.param.matrix == kernels::cpu::MatrixPath::kF32
+                                       ? ""
+                                       : "_" + std::string(kernels::cpu::MatrixPathName(info.param.matrix)));
                          });
 
 }  // namespace

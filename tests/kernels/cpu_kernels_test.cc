@@ -9,6 +9,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/linear_bf16.h"
 #include "kernels/cpu/linear_fp16.h"
 #include "tests/support/isa_printer.h"
 
@@ -440,12 +441,104 @@ TEST(F16PathTest, WeightsBeyondHalfPrecisionStayOnTheF32Path) {
   EXPECT_EQ(a, b);
 }
 
+// Row i, column j of x W^T in double on the BF16-rounded weights, and the
+// first-order error bound of the BF16 path: x rounded to BF16 (unit
+// roundoff 2^-8, each product then exact in F32), and each addition to the
+// F32 lane sum rounded (2^-24 of the running |sum|).
+F16Expectation ExpectBf16(const std::vector<float>& x, const std::vector<float>& w, int64_t k, int64_t i, int64_t j) {
+  F16Expectation e;
+  double running = 0;
+  for (int64_t c = 0; c < k; ++c) {
+    const double p = static_cast<double>(x[i * k + c]) * Bf16ToF32(F32ToBf16(w[j * k + c]));
+    e.want += p;
+    running += std::abs(p);
+    e.bound += std::abs(p) / 256 + running / (1 << 24);
+  }
+  return e;
+}
+
+// The BF16 matrix path (linear_bf16.h) against a double reference on the
+// BF16 weights: error within the BF16 rounding of x and F32 sums; each
+// row's bits the same alone or in any tile of a larger batch; odd K padded.
+TEST(Bf16PathTest, LinearMatchesReferenceAndRowsDoNotDependOnTheBatch) {
+  if (!Bf16PathSupported()) GTEST_SKIP() << "this CPU has no AVX512-BF16: the bf16 matrix path cannot run here";
+  auto b = CpuBackend::Create({.num_threads = 2, .isa = Isa::kAvx512, .matrix_path = MatrixPath::kBf16});
+  ASSERT_TRUE(b.ok()) << b.status();
+  CpuBackend& backend = **b;
+  EXPECT_EQ(backend.Name(), "cpu/avx512+bf16");
+  std::mt19937 rng(9);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  for (int64_t m : {1, 2, 3, 8, 12, 13, 29}) {
+    for (int64_t n : {1, 15, 16, 17, 33, 100, 160}) {
+      for (int64_t k : {1, 2, 31, 32, 33, 64, 65, 200}) {
+        for (bool accumulate : {false, true}) {
+          SCOPED_TRACE(::testing::Message() << "m=" << m << " n=" << n << " k=" << k << " acc=" << accumulate);
+          std::vector<float> w(n * k), x(m * k), bias(n), y(m * n);
+          for (float& v : w) v = 0.05f * d(rng);
+          for (float& v : x) v = d(rng);
+          for (float& v : bias) v = d(rng);
+          for (float& v : y) v = d(rng);
+          const std::vector<float> y0 = y;
+          const MatrixPart parts[] = {{DType::kF32, w.data(), n}};
+          auto packed = backend.PackLinear(parts, k, DType::kBF16);
+          ASSERT_TRUE(packed.ok()) << packed.status();
+          backend.Linear(**packed, x.data(), m, bias.data(), y.data(), accumulate);
+          for (int64_t i = 0; i < m; ++i) {
+            for (int64_t j = 0; j < n; ++j) {
+              const F16Expectation e = ExpectBf16(x, w, k, i, j);
+              const double want = e.want + bias[j] + (accumulate ? y0[i * n + j] : 0.0);
+              ASSERT_NEAR(y[i * n + j], want, e.bound + 1e-6 * (std::abs(want) + 1)) << i << "," << j;
+            }
+          }
+          for (int64_t i = 0; i < m; ++i) {
+            std::vector<float> one(y0.begin() + i * n, y0.begin() + (i + 1) * n);
+            backend.Linear(**packed, x.data() + i * k, 1, bias.data(), one.data(), accumulate);
+            for (int64_t j = 0; j < n; ++j) {
+              ASSERT_EQ(one[j], y[i * n + j]) << "row " << i << " col " << j << " differs computed alone";
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// Activations far beyond half precision's range stay finite on the BF16
+// path (BF16 has F32's exponent range): no scaling needed.
+TEST(Bf16PathTest, LargeActivationsNeedNoScaling) {
+  if (!Bf16PathSupported()) GTEST_SKIP() << "this CPU has no AVX512-BF16: the bf16 matrix path cannot run here";
+  auto b = CpuBackend::Create({.num_threads = 1, .isa = Isa::kAvx512, .matrix_path = MatrixPath::kBf16});
+  ASSERT_TRUE(b.ok()) << b.status();
+  const int64_t m = 2, k = 70, n = 20;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::vector<float> w(n * k), x(m * k), y(m * n);
+  for (float& v : w) v = 0.05f * d(rng);
+  for (float& v : x) v = 1e20f * d(rng);
+  const MatrixPart parts[] = {{DType::kF32, w.data(), n}};
+  auto packed = (*b)->PackLinear(parts, k, DType::kBF16);
+  ASSERT_TRUE(packed.ok());
+  (*b)->Linear(**packed, x.data(), m, nullptr, y.data(), false);
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      const F16Expectation e = ExpectBf16(x, w, k, i, j);
+      ASSERT_NEAR(y[i * n + j], e.want, e.bound) << i << "," << j;
+    }
+  }
+}
+
 TEST(F16PathTest, ChoiceIsValidatedAndReported) {
   EXPECT_EQ(ParseMatrixPath("fp16").value(), MatrixPath::kF16);
   EXPECT_EQ(ParseMatrixPath("f32").value(), MatrixPath::kF32);
-  EXPECT_EQ(ParseMatrixPath("bf16").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParseMatrixPath("bf16").value(), MatrixPath::kBf16);
+  EXPECT_EQ(ParseMatrixPath("amx").status().code(), absl::StatusCode::kInvalidArgument);
+  for (MatrixPath p : {MatrixPath::kF32, MatrixPath::kF16, MatrixPath::kBf16}) {
+    EXPECT_EQ(ParseMatrixPath(MatrixPathName(p)).value(), p);
+  }
   // Not on a non-AVX-512 path, whatever the CPU.
   EXPECT_EQ(CpuBackend::Create({.isa = Isa::kScalar, .matrix_path = MatrixPath::kF16}).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(CpuBackend::Create({.isa = Isa::kAvx2, .matrix_path = MatrixPath::kBf16}).status().code(),
             absl::StatusCode::kFailedPrecondition);
   // Default: F32; chosen: a path this CPU runs, with the probe's reason.
   auto plain = CpuBackend::Create({});
@@ -454,6 +547,7 @@ TEST(F16PathTest, ChoiceIsValidatedAndReported) {
   auto chosen = CpuBackend::Create({.choose_matrix_path = true});
   ASSERT_TRUE(chosen.ok());
   if ((*chosen)->matrix_path() == MatrixPath::kF16) EXPECT_TRUE(F16PathSupported());
+  if ((*chosen)->matrix_path() == MatrixPath::kBf16) EXPECT_TRUE(Bf16PathSupported());
   EXPECT_FALSE((*chosen)->matrix_path_reason().empty());
   std::printf("chosen matrix path: %s (%s)\n", std::string(MatrixPathName((*chosen)->matrix_path())).c_str(),
               (*chosen)->matrix_path_reason().c_str());

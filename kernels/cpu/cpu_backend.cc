@@ -100,7 +100,7 @@ double ProbeRate(double (*loop)(int64_t)) {
 }
 
 // The FP16 path is taken when its FMA rate beats the F32 one by this much:
-// widening the half sums every kF16Block products costs about 15 %.
+// widening the half sums every kF16Block pairs costs about 10 %.
 constexpr double kF16MinAdvantage = 1.4;
 // The BF16 path (no widening; the activations' rounding to BF16 costs a
 // pass over x) when VDPBF16PS beats the F32 FMA rate by this much.

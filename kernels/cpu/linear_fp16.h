@@ -23,7 +23,7 @@ namespace pdserve::kernels::cpu {
 // Output columns per FP16 panel; a panel is [ceil(K/2)][16 columns][2] halves.
 inline constexpr int kF16PanelWidth = 16;
 // K pairs summed in half precision before the sums are widened to F32.
-inline constexpr int kF16Block = 32;
+inline constexpr int kF16Block = 64;
 
 // Elements of one panel (K rounded up to even).
 inline int64_t F16PanelElems(int64_t k) { return (k + 1) / 2 * 2 * kF16PanelWidth; }
@@ -51,7 +51,7 @@ struct LinearF16Args {
 // to come under it before they are rounded to FP16 (the sums of kF16Block
 // products then stay far from the largest half, 65504), and their products
 // multiplied back: no infinity, and the other rows' bits unchanged.
-inline constexpr float kF16RowMax = 4096.0f;
+inline constexpr float kF16RowMax = 2048.0f;
 
 // AVX512-FP16 (with F, BW, VL, DQ) on this CPU.
 bool F16PathSupported();

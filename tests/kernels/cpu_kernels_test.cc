@@ -356,7 +356,7 @@ TEST(F16PathTest, LinearMatchesReferenceAndRowsDoNotDependOnTheBatch) {
   std::normal_distribution<float> d(0.0f, 1.0f);
   for (int64_t m : {1, 2, 3, 8, 9, 29}) {
     for (int64_t n : {1, 31, 32, 33, 100, 160}) {
-      for (int64_t k : {1, 2, 31, 32, 33, 64, 65, 200}) {
+      for (int64_t k : {1, 2, 31, 32, 33, 64, 65, 200, 2048}) {
         for (bool accumulate : {false, true}) {
           SCOPED_TRACE(::testing::Message() << "m=" << m << " n=" << n << " k=" << k << " acc=" << accumulate);
           std::vector<float> w(n * k), x(m * k), bias(n), y(m * n);
@@ -470,7 +470,7 @@ TEST(Bf16PathTest, LinearMatchesReferenceAndRowsDoNotDependOnTheBatch) {
   std::normal_distribution<float> d(0.0f, 1.0f);
   for (int64_t m : {1, 2, 3, 8, 12, 13, 29}) {
     for (int64_t n : {1, 15, 16, 17, 33, 100, 160}) {
-      for (int64_t k : {1, 2, 31, 32, 33, 64, 65, 200}) {
+      for (int64_t k : {1, 2, 31, 32, 33, 64, 65, 200, 2048}) {
         for (bool accumulate : {false, true}) {
           SCOPED_TRACE(::testing::Message() << "m=" << m << " n=" << n << " k=" << k << " acc=" << accumulate);
           std::vector<float> w(n * k), x(m * k), bias(n), y(m * n);

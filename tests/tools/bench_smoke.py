@@ -1,0 +1,77 @@
+#!/usr/bin/env python3
+"""The benchmarks print each figure beside a limit measured in the same run.
+
+Runs pdctl bench-kv (a small request over shared memory) and bench-engine
+(a small random model, forced onto each matrix path this CPU runs) with
+--json, and checks that every figure and its limit are present, positive
+and consistent with each other: the ratios are the figures divided by the
+limits, not separately made-up numbers. Timings are never asserted.
+Usage: bench_smoke.py BUILD_DIR
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+
+def run_json(cmd, env=None):
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, timeout=300)
+    return json.loads(out.stdout)
+
+
+def close(a, b):
+    return abs(a - b) <= 1e-6 + 1e-3 * abs(b)
+
+
+def main():
+    build = sys.argv[1]
+    pdctl = os.path.join(build, "tools", "pdctl", "pdctl")
+    failures = []
+
+    env = dict(os.environ, UCX_TLS="sm,tcp,self")
+    kv = run_json([pdctl, "bench-kv", "--prompt-len", "128", "--iters", "3", "--json"], env)
+    for key in ("handoff_gbps", "raw_put_gbps", "cross_process_copy_gbps", "ucx_perftest_am_gbps"):
+        if not kv.get(key, 0) > 0:
+            failures.append(f"bench-kv: {key} missing or not positive: {kv.get(key)} "
+                            f"({kv.get('ucx_perftest_error') or kv.get('cross_process_copy_error') or ''})")
+    if not failures:
+        if not close(kv["handoff_vs_cross_process_copy"], kv["handoff_gbps"] / kv["cross_process_copy_gbps"]):
+            failures.append("bench-kv: handoff_vs_cross_process_copy is not handoff / copy")
+        if not close(kv["handoff_vs_ucx_perftest"], kv["handoff_gbps"] / kv["ucx_perftest_am_gbps"]):
+            failures.append("bench-kv: handoff_vs_ucx_perftest is not handoff / perftest")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = os.path.join(tmp, "model")
+        subprocess.run([pdctl, "make-model", "--shape", "tiny", "--dtype", "bf16", "--out", model], check=True,
+                       capture_output=True, timeout=300)
+        small = ["--threads", "1", "--prefill", "32", "--decode_history", "16", "--prefix_hit", "64:8",
+                 "--shared_prefix", "2:64:8", "--steps", "2", "--json"]
+        probe = run_json([pdctl, "bench-engine", "--model", model, "--decode_batch", "1"] + small)
+        peaks = probe["matrix_peaks"]
+        paths = ["f32"] + [p for p, key in (("fp16", "fp16_fma"), ("bf16", "bf16_dot")) if peaks.get(key, 0) > 0]
+        for path in paths:
+            r = run_json([pdctl, "bench-engine", "--model", model, "--decode_batch", "1,4", "--matrix_path", path]
+                         + small)
+            if r.get("matrix_path") != path:
+                failures.append(f"bench-engine --matrix_path {path}: reports path {r.get('matrix_path')}")
+            for row in r.get("prefill", []):
+                if not (row["tokens_per_second"] > 0 and row["peak_flops"] > 0 and
+                        close(row["fraction_of_peak"], row["flops_per_second"] / row["peak_flops"])):
+                    failures.append(f"bench-engine {path}: prefill row without a figure or a peak: {row}")
+            for row in r.get("decode", []):
+                if not (row["tokens_per_second"] > 0 and row["read_bandwidth"] > 0 and
+                        close(row["fraction_of_bandwidth"], row["bytes_per_second"] / row["read_bandwidth"])):
+                    failures.append(f"bench-engine {path}: decode row without a figure or a limit: {row}")
+            if not r.get("prefill") or not r.get("decode"):
+                failures.append(f"bench-engine {path}: no prefill or decode rows: {sorted(r)}")
+            print(f"bench-engine --matrix_path {path}: ok")
+
+    for f in failures:
+        print("FAIL:", f)
+    print("bench-kv:", {k: kv.get(k) for k in ("handoff_gbps", "cross_process_copy_gbps", "ucx_perftest_am_gbps")})
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -12,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "kernels/cpu/linear_amx.h"
 #include "kernels/cpu/linear_bf16.h"
 #include "kernels/cpu/linear_fp16.h"
 #include "kernels/cpu/matrix_probes.h"
@@ -32,7 +33,8 @@ class PackedLinear final : public LinearWeight {
         pairs_(pairs),
         width_(pairs != MatrixPath::kF32 ? kF16PanelWidth : kPanelWidth),
         num_panels_((n + width_ - 1) / width_) {
-    bytes_ = pairs != MatrixPath::kF32 ? static_cast<size_t>(num_panels_ * F16PanelElems(k)) * 2
+    bytes_ = pairs == MatrixPath::kAmx   ? static_cast<size_t>(num_panels_ * AmxPanelElems(k)) * 2
+             : pairs != MatrixPath::kF32 ? static_cast<size_t>(num_panels_ * F16PanelElems(k)) * 2
                  : static_cast<size_t>(num_panels_ * width_ * k) * DTypeSize(dtype);
     const size_t alloc = (bytes_ + 63) / 64 * 64;
     data_ = static_cast<char*>(std::aligned_alloc(64, alloc == 0 ? 64 : alloc));
@@ -105,6 +107,9 @@ constexpr double kF16MinAdvantage = 1.4;
 // The BF16 path (no widening; the activations' rounding to BF16 costs a
 // pass over x) when VDPBF16PS beats the F32 FMA rate by this much.
 constexpr double kBf16MinAdvantage = 1.2;
+// The AMX path when its tile rate beats the others by this much: its kernel
+// reaches a smaller share of its peak (tile loads, C tile stores).
+constexpr double kAmxMinAdvantage = 3.0;
 
 }  // namespace
 
@@ -114,6 +119,8 @@ absl::string_view MatrixPathName(MatrixPath path) {
       return "fp16";
     case MatrixPath::kBf16:
       return "bf16";
+    case MatrixPath::kAmx:
+      return "amx";
     case MatrixPath::kF32:
       break;
   }
@@ -124,7 +131,8 @@ absl::StatusOr<MatrixPath> ParseMatrixPath(absl::string_view name) {
   if (name == "f32") return MatrixPath::kF32;
   if (name == "fp16") return MatrixPath::kF16;
   if (name == "bf16") return MatrixPath::kBf16;
-  return absl::InvalidArgumentError(absl::StrCat("unknown matrix path '", name, "' (f32, fp16 or bf16)"));
+  if (name == "amx") return MatrixPath::kAmx;
+  return absl::InvalidArgumentError(absl::StrCat("unknown matrix path '", name, "' (f32, fp16, bf16 or amx)"));
 }
 
 absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(const CpuBackendOptions& options) {
@@ -146,6 +154,7 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(const CpuBackendO
   }
   const bool f16_ok = isa == Isa::kAvx512 && F16PathSupported();
   const bool bf16_ok = isa == Isa::kAvx512 && Bf16PathSupported();
+  const bool amx_ok = isa == Isa::kAvx512 && AmxPathSupported();
   std::optional<MatrixPath> path = options.matrix_path;
   std::string reason = "forced";
   if (!path.has_value() && !options.choose_matrix_path) {
@@ -170,8 +179,13 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(const CpuBackendO
         absl::StrCat("matrix path bf16 needs AVX512-BF16 and the avx512 ISA (this run: ", IsaName(isa), ", ",
                      Bf16PathSupported() ? "with" : "without", " AVX512-BF16)"));
   }
+  if (path == MatrixPath::kAmx && !amx_ok) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("matrix path amx needs AMX-BF16 (and the kernel's permission for its tile data) and the avx512 "
+                     "ISA (this run: ", IsaName(isa), ", ", AmxPathSupported() ? "with" : "without", " AMX)"));
+  }
   if (!path.has_value()) {
-    if (!f16_ok && !bf16_ok) {
+    if (!f16_ok && !bf16_ok && !amx_ok) {
       path = MatrixPath::kF32;
       reason = absl::StrCat("the only path of ISA ", IsaName(isa), " on this CPU");
     } else {
@@ -180,20 +194,26 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(const CpuBackendO
       const double f32 = ProbeRate(GetKernelTable(isa).fma_peak_loop);
       const double f16 = f16_ok ? ProbeRate(&Fp16FmaPeakLoop) : 0.0;
       const double bf16 = bf16_ok ? ProbeRate(&Bf16DotPeakLoop) : 0.0;
+      const double amx = amx_ok ? ProbeRate(&AmxPeakLoop) : 0.0;
       path = MatrixPath::kF32;
       double best = f32;
       if (f16 / kF16MinAdvantage >= best) {
         path = MatrixPath::kF16;
         best = f16 / kF16MinAdvantage;
       }
-      if (bf16 / kBf16MinAdvantage > best) path = MatrixPath::kBf16;
+      if (bf16 / kBf16MinAdvantage > best) {
+        path = MatrixPath::kBf16;
+        best = bf16 / kBf16MinAdvantage;
+      }
+      if (amx / kAmxMinAdvantage > best) path = MatrixPath::kAmx;
       auto rate = [&](const char* name, bool ok, double r, double need) {
         return ok ? absl::StrFormat(", %s %.0f (%.2fx; needs %.1fx)", name, r * 1e-9, f32 > 0 ? r / f32 : 0.0, need)
                   : absl::StrFormat(", %s absent", name);
       };
       reason = absl::StrCat(absl::StrFormat("probe, GFLOP/s per thread: F32 FMA %.0f", f32 * 1e-9),
                             rate("FP16 FMA", f16_ok, f16, kF16MinAdvantage),
-                            rate("BF16 dot", bf16_ok, bf16, kBf16MinAdvantage));
+                            rate("BF16 dot", bf16_ok, bf16, kBf16MinAdvantage),
+                            rate("AMX BF16", amx_ok, amx, kAmxMinAdvantage));
     }
   }
   return std::unique_ptr<CpuBackend>(new CpuBackend(isa, *path, std::move(reason), options.num_threads));
@@ -253,12 +273,14 @@ absl::StatusOr<std::unique_ptr<LinearWeight>> CpuBackend::PackLinear(
     });
     if (fits) return std::unique_ptr<LinearWeight>(std::move(w));
   }
-  // BF16 weights on the BF16 path: their bits, in k-pair panels.
-  if (matrix_path_ == MatrixPath::kBf16 && storage == DType::kBF16) {
-    auto w = std::make_unique<PackedLinear>(n, k, storage, MatrixPath::kBf16);
+  // BF16 weights on the BF16 or AMX path: their bits, in k-pair panels
+  // (AMX: K padded to whole tiles with zeros).
+  if ((matrix_path_ == MatrixPath::kBf16 || matrix_path_ == MatrixPath::kAmx) && storage == DType::kBF16) {
+    auto w = std::make_unique<PackedLinear>(n, k, storage, matrix_path_);
     uint16_t* dst = reinterpret_cast<uint16_t*>(w->data());
+    const int64_t panel_elems = matrix_path_ == MatrixPath::kAmx ? AmxPanelElems(k) : F16PanelElems(k);
     for_each_row([&](int64_t out_row, const float* r) {
-      uint16_t* panel = dst + out_row / kF16PanelWidth * F16PanelElems(k);
+      uint16_t* panel = dst + out_row / kF16PanelWidth * panel_elems;
       const int64_t j = out_row % kF16PanelWidth;
       for (int64_t c = 0; c < k; ++c) panel[F16PanelIndex(j, c)] = F32ToBf16(r[c]);
       return true;
@@ -288,6 +310,33 @@ absl::StatusOr<std::unique_ptr<LinearWeight>> CpuBackend::PackLinear(
 void CpuBackend::Linear(const LinearWeight& w, const float* x, int64_t m, const float* bias,
                         float* y, bool accumulate) {
   const auto& pw = static_cast<const PackedLinear&>(w);
+  if (pw.pairs() == MatrixPath::kAmx) {
+    const int64_t k = pw.k();
+    const int64_t ldx = AmxPaddedK(k);
+    const int64_t rows = (m + kAmxRows - 1) / kAmxRows * kAmxRows;
+    // Whole tiles of rows: the rows past m are read (and their sums thrown
+    // away); the columns past k must be zeros (the weights' pad is).
+    if (x16_.size() < static_cast<size_t>(rows * ldx)) x16_.resize(static_cast<size_t>(rows * ldx), 0);
+    for (int64_t i = 0; i < m; ++i) {
+      uint16_t* out = x16_.data() + i * ldx;
+      ConvertF32ToBf16(x + i * k, k, out);
+      for (int64_t c = k; c < ldx; ++c) out[c] = 0;
+    }
+    const LinearAmxArgs a{.x = x16_.data(),
+                          .ldx = ldx,
+                          .m = m,
+                          .k = k,
+                          .n = pw.n(),
+                          .panels = reinterpret_cast<const uint16_t*>(pw.data()),
+                          .bias = bias,
+                          .y = y,
+                          .ldy = pw.n(),
+                          .accumulate = accumulate};
+    // Whole pairs of panels per thread (the kernel's two-panel blocks).
+    const int64_t pairs = (pw.num_panels() + 1) / 2;
+    pool_.ParallelFor(pairs, [&](int64_t b, int64_t e) { LinearAmx(a, 2 * b, std::min(2 * e, pw.num_panels())); });
+    return;
+  }
   if (pw.pairs() == MatrixPath::kBf16) {
     const int64_t k = pw.k();
     const int64_t ldx = (k + 1) / 2 * 2;  // Whole k pairs; an odd K's pad is 0.
@@ -576,6 +625,7 @@ double CpuBackend::SamplePeakFlops() {
         for (int64_t t = b; t < e; ++t) {
           flops[t] = matrix_path_ == MatrixPath::kF16    ? Fp16FmaPeakLoop(kIters)
                      : matrix_path_ == MatrixPath::kBf16 ? Bf16DotPeakLoop(kIters)
+                     : matrix_path_ == MatrixPath::kAmx  ? AmxPeakLoop(kIters / 16)
                                                          : table_.fma_peak_loop(isa_ == Isa::kScalar ? kIters / 4 : kIters);
         }
       },
@@ -589,7 +639,7 @@ double CpuBackend::SamplePeakFlops() {
 CpuBackend::MatrixPeaks CpuBackend::SampleMatrixPeaks() {
   constexpr int64_t kIters = 2'000'000;
   MatrixPeaks peaks;
-  for (int which = 0; which < 3; ++which) {
+  for (int which = 0; which < 4; ++which) {
     std::vector<double> flops(pool_.num_threads(), 0.0);
     const auto t0 = std::chrono::steady_clock::now();
     pool_.ParallelFor(
@@ -598,6 +648,7 @@ CpuBackend::MatrixPeaks CpuBackend::SampleMatrixPeaks() {
           for (int64_t t = b; t < e; ++t) {
             flops[t] = which == 0   ? Bf16DotPeakLoop(kIters)
                        : which == 1 ? Fp16FmaPeakLoop(kIters)
+                       : which == 3 ? AmxPeakLoop(kIters / 16)
                                     : table_.fma_peak_loop(isa_ == Isa::kScalar ? kIters / 4 : kIters);
           }
         },
@@ -605,7 +656,10 @@ CpuBackend::MatrixPeaks CpuBackend::SampleMatrixPeaks() {
     const auto t1 = std::chrono::steady_clock::now();
     double total = 0;
     for (double f : flops) total += f;
-    (which == 0 ? peaks.bf16_dot : which == 1 ? peaks.fp16_fma : peaks.f32_fma) = total / Seconds(t0, t1);
+    (which == 0   ? peaks.bf16_dot
+     : which == 1 ? peaks.fp16_fma
+     : which == 3 ? peaks.amx_bf16
+                  : peaks.f32_fma) = total / Seconds(t0, t1);
   }
   return peaks;
 }

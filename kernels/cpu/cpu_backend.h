@@ -22,12 +22,13 @@ namespace pdserve::kernels::cpu {
 // - kF16: linear_fp16.h, the weights held as FP16 and the activations
 //   rounded to FP16 (AVX512-FP16 only);
 // - kBf16: linear_bf16.h, the BF16 weights as they are and the activations
-//   rounded to BF16, pairs of products summed in F32 (AVX512-BF16 only).
+//   rounded to BF16, pairs of products summed in F32 (AVX512-BF16 only);
+// - kAmx: linear_amx.h, the same BF16 operands on AMX tiles (AMX-BF16 only).
 // The KV format, the model identity and the other weight formats are the
 // same on every path.
-enum class MatrixPath { kF32, kF16, kBf16 };
+enum class MatrixPath { kF32, kF16, kBf16, kAmx };
 absl::string_view MatrixPathName(MatrixPath path);
-// "f32", "fp16" or "bf16".
+// "f32", "fp16", "bf16" or "amx".
 absl::StatusOr<MatrixPath> ParseMatrixPath(absl::string_view name);
 
 struct CpuBackendOptions {
@@ -48,7 +49,7 @@ class CpuBackend final : public Backend {
   // Errors: the requested ISA is not supported by this CPU.
   static absl::StatusOr<std::unique_ptr<CpuBackend>> Create(const CpuBackendOptions& options);
 
-  // "cpu/ISA" plus "+fp16" or "+bf16" on those matrix paths.
+  // "cpu/ISA" plus "+fp16", "+bf16" or "+amx" on those matrix paths.
   std::string Name() const override;
   Isa isa() const { return isa_; }
   MatrixPath matrix_path() const { return matrix_path_; }
@@ -81,6 +82,7 @@ class CpuBackend final : public Backend {
     double bf16_dot = 0;
     double fp16_fma = 0;
     double f32_fma = 0;
+    double amx_bf16 = 0;
   };
   MatrixPeaks SampleMatrixPeaks();
 

@@ -5,10 +5,12 @@
 #include <cmath>
 #include <cstdio>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/linear_amx.h"
 #include "kernels/cpu/linear_bf16.h"
 #include "kernels/cpu/linear_fp16.h"
 #include "tests/support/isa_printer.h"
@@ -457,18 +459,18 @@ F16Expectation ExpectBf16(const std::vector<float>& x, const std::vector<float>&
   return e;
 }
 
-// The BF16 matrix path (linear_bf16.h) against a double reference on the
-// BF16 weights: error within the BF16 rounding of x and F32 sums; each
-// row's bits the same alone or in any tile of a larger batch; odd K padded.
-TEST(Bf16PathTest, LinearMatchesReferenceAndRowsDoNotDependOnTheBatch) {
-  if (!Bf16PathSupported()) GTEST_SKIP() << "this CPU has no AVX512-BF16: the bf16 matrix path cannot run here";
-  auto b = CpuBackend::Create({.num_threads = 2, .isa = Isa::kAvx512, .matrix_path = MatrixPath::kBf16});
+// The BF16 operands' paths (linear_bf16.h: VDPBF16PS; linear_amx.h: AMX
+// tiles) against a double reference on the BF16 weights: error within the
+// BF16 rounding of x and F32 sums; each row's bits the same alone or in any
+// tile of a larger batch; odd K padded.
+void ExpectBf16OperandPath(MatrixPath path, const std::string& name) {
+  auto b = CpuBackend::Create({.num_threads = 2, .isa = Isa::kAvx512, .matrix_path = path});
   ASSERT_TRUE(b.ok()) << b.status();
   CpuBackend& backend = **b;
-  EXPECT_EQ(backend.Name(), "cpu/avx512+bf16");
+  EXPECT_EQ(backend.Name(), name);
   std::mt19937 rng(9);
   std::normal_distribution<float> d(0.0f, 1.0f);
-  for (int64_t m : {1, 2, 3, 8, 12, 13, 29}) {
+  for (int64_t m : {1, 2, 3, 8, 12, 13, 16, 17, 29, 33, 70}) {
     for (int64_t n : {1, 15, 16, 17, 33, 100, 160}) {
       for (int64_t k : {1, 2, 31, 32, 33, 64, 65, 200, 2048}) {
         for (bool accumulate : {false, true}) {
@@ -503,6 +505,16 @@ TEST(Bf16PathTest, LinearMatchesReferenceAndRowsDoNotDependOnTheBatch) {
   }
 }
 
+TEST(Bf16PathTest, LinearMatchesReferenceAndRowsDoNotDependOnTheBatch) {
+  if (!Bf16PathSupported()) GTEST_SKIP() << "this CPU has no AVX512-BF16: the bf16 matrix path cannot run here";
+  ExpectBf16OperandPath(MatrixPath::kBf16, "cpu/avx512+bf16");
+}
+
+TEST(AmxPathTest, LinearMatchesReferenceAndRowsDoNotDependOnTheBatch) {
+  if (!AmxPathSupported()) GTEST_SKIP() << "this CPU (or its kernel) offers no AMX-BF16: the amx matrix path cannot run here";
+  ExpectBf16OperandPath(MatrixPath::kAmx, "cpu/avx512+amx");
+}
+
 // Activations far beyond half precision's range stay finite on the BF16
 // path (BF16 has F32's exponent range): no scaling needed.
 TEST(Bf16PathTest, LargeActivationsNeedNoScaling) {
@@ -531,14 +543,17 @@ TEST(F16PathTest, ChoiceIsValidatedAndReported) {
   EXPECT_EQ(ParseMatrixPath("fp16").value(), MatrixPath::kF16);
   EXPECT_EQ(ParseMatrixPath("f32").value(), MatrixPath::kF32);
   EXPECT_EQ(ParseMatrixPath("bf16").value(), MatrixPath::kBf16);
-  EXPECT_EQ(ParseMatrixPath("amx").status().code(), absl::StatusCode::kInvalidArgument);
-  for (MatrixPath p : {MatrixPath::kF32, MatrixPath::kF16, MatrixPath::kBf16}) {
+  EXPECT_EQ(ParseMatrixPath("amx").value(), MatrixPath::kAmx);
+  EXPECT_EQ(ParseMatrixPath("tpu").status().code(), absl::StatusCode::kInvalidArgument);
+  for (MatrixPath p : {MatrixPath::kF32, MatrixPath::kF16, MatrixPath::kBf16, MatrixPath::kAmx}) {
     EXPECT_EQ(ParseMatrixPath(MatrixPathName(p)).value(), p);
   }
   // Not on a non-AVX-512 path, whatever the CPU.
   EXPECT_EQ(CpuBackend::Create({.isa = Isa::kScalar, .matrix_path = MatrixPath::kF16}).status().code(),
             absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(CpuBackend::Create({.isa = Isa::kAvx2, .matrix_path = MatrixPath::kBf16}).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(CpuBackend::Create({.isa = Isa::kAvx2, .matrix_path = MatrixPath::kAmx}).status().code(),
             absl::StatusCode::kFailedPrecondition);
   // Default: F32; chosen: a path this CPU runs, with the probe's reason.
   auto plain = CpuBackend::Create({});
@@ -548,6 +563,7 @@ TEST(F16PathTest, ChoiceIsValidatedAndReported) {
   ASSERT_TRUE(chosen.ok());
   if ((*chosen)->matrix_path() == MatrixPath::kF16) EXPECT_TRUE(F16PathSupported());
   if ((*chosen)->matrix_path() == MatrixPath::kBf16) EXPECT_TRUE(Bf16PathSupported());
+  if ((*chosen)->matrix_path() == MatrixPath::kAmx) EXPECT_TRUE(AmxPathSupported());
   EXPECT_FALSE((*chosen)->matrix_path_reason().empty());
   std::printf("chosen matrix path: %s (%s)\n", std::string(MatrixPathName((*chosen)->matrix_path())).c_str(),
               (*chosen)->matrix_path_reason().c_str());

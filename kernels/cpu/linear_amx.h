@@ -1,0 +1,61 @@
+// The AMX matrix path: y = x W^T on Intel AMX tiles (TDPBF16PS): the BF16
+// weights as they are, the activations rounded to BF16, F32 sums in the
+// tile accumulators. One core's tile unit multiplies a 16x32 by a 32x16
+// BF16 tile in 16 cycles, about 6x the AVX512-FP16 FMA rate here (the
+// Sapphire Rapids class), so prefill and batched decode stop being bound by
+// the multiply-adds.
+//
+// Layout: the BF16 path's k-pair panels (linear_fp16.h: 16 output columns x
+// k pairs, interleaved), with K padded to a whole tile depth (kAmxDepth,
+// zeros): 16 consecutive pairs of a panel are one B tile, 1 KiB contiguous.
+// x is BF16 in rows of the padded K, its row count padded to whole tiles.
+// A row's sums are formed by the same tile instructions in the same order
+// whatever M and whichever tile the row falls in (rows are independent in a
+// tile product), so its bits do not depend on the batch.
+//
+// Compiled with -mamx-tile -mamx-bf16; call only when AmxPathSupported().
+#ifndef PDSERVE_KERNELS_CPU_LINEAR_AMX_H_
+#define PDSERVE_KERNELS_CPU_LINEAR_AMX_H_
+
+#include <cstdint>
+
+namespace pdserve::kernels::cpu {
+
+// K elements per tile product (16 pairs: 64 bytes of BF16 per tile row).
+inline constexpr int64_t kAmxDepth = 32;
+// Rows of x per tile.
+inline constexpr int64_t kAmxRows = 16;
+
+inline int64_t AmxPaddedK(int64_t k) { return (k + kAmxDepth - 1) / kAmxDepth * kAmxDepth; }
+// Elements of one panel: padded K x 16 columns.
+inline int64_t AmxPanelElems(int64_t k) { return AmxPaddedK(k) * 16; }
+
+struct LinearAmxArgs {
+  const uint16_t* x;       // [ceil(M/16)*16, ldx] BF16, ldx = AmxPaddedK(K) (the pads are 0)
+  int64_t ldx;
+  int64_t m;
+  int64_t k;
+  int64_t n;               // Valid output columns.
+  const uint16_t* panels;  // [ceil(N/16)] panels (AmxPanelElems(k) each), 64-byte aligned
+  const float* bias;       // [N] or nullptr
+  float* y;                // [M, N] F32, row stride ldy
+  int64_t ldy;
+  bool accumulate;         // y += x W^T (+ bias) instead of y = ...
+};
+
+// AMX-TILE and AMX-BF16 on this CPU, AVX-512 (F, BW, VL, DQ, BF16) beside
+// them, and the kernel's permission to use the tile data (asked for once,
+// process-wide, on the first call).
+bool AmxPathSupported();
+
+// Panels [panel_begin, panel_end) of the product, on the calling thread
+// (which configures its tiles and releases them before it returns).
+void LinearAmx(const LinearAmxArgs& args, int64_t panel_begin, int64_t panel_end);
+
+// Multiply-add rate probe: FLOPs of `iters` rounds of four independent tile
+// products on this thread (0 when AMX is not usable).
+double AmxPeakLoop(int64_t iters);
+
+}  // namespace pdserve::kernels::cpu
+
+#endif  // PDSERVE_KERNELS_CPU_LINEAR_AMX_H_

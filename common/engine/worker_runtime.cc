@@ -19,7 +19,8 @@ ABSL_FLAG(std::string, model, "", "model directory (Hugging Face layout)");
 ABSL_FLAG(int, threads, 1, "compute threads");
 ABSL_FLAG(std::string, matrix_path, "",
           "matrix path of BF16 weights: f32 (exact F32 arithmetic), fp16 (AVX512-FP16, activations rounded to "
-          "FP16) or bf16 (AVX512-BF16 dot products, activations rounded to BF16); default: $PDSERVE_MATRIX_PATH, "
+          "FP16), bf16 (AVX512-BF16 dot products, activations rounded to BF16) or amx (AMX-BF16 tiles, the same "
+          "operands); default: $PDSERVE_MATRIX_PATH, "
           "else the fastest by a probe at start-up");
 ABSL_FLAG(std::string, weights, "", "in-memory weight format: f32, bf16 or int8 (default: as stored)");
 ABSL_FLAG(std::string, kv, "", "KV cache format (default: the weight format)");

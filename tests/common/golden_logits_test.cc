@@ -9,6 +9,7 @@
 #include "common/model.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/linear_amx.h"
 #include "kernels/cpu/linear_bf16.h"
 #include "kernels/cpu/linear_fp16.h"
 #include "nlohmann/json.hpp"
@@ -72,6 +73,14 @@ std::vector<GoldenCase> Cases() {
     out.push_back({"qwen2_bias_f16", Isa::kAvx512, DType::kBF16, DType::kF32, 16, kBf16});
     out.push_back({"mistral_f32", Isa::kAvx512, DType::kBF16, DType::kBF16, 7, kBf16});
   }
+  // The AMX matrix path (BF16 weights only), where the CPU and kernel offer it.
+  if (kernels::cpu::AmxPathSupported()) {
+    constexpr auto kAmx = kernels::cpu::MatrixPath::kAmx;
+    out.push_back({"llama_untied_bf16", Isa::kAvx512, DType::kBF16, DType::kF32, 16, kAmx});
+    out.push_back({"llama_sharded_bf16", Isa::kAvx512, DType::kBF16, DType::kF32, 5, kAmx});
+    out.push_back({"qwen2_bias_f16", Isa::kAvx512, DType::kBF16, DType::kF32, 16, kAmx});
+    out.push_back({"mistral_f32", Isa::kAvx512, DType::kBF16, DType::kBF16, 7, kAmx});
+  }
   return out;
 }
 
@@ -101,7 +110,7 @@ TEST_P(GoldenLogitsTest, MatchesReference) {
   // Stated tolerances, relative to max|logit|: exact storage 1e-4; BF16 KV
   // 3e-2; int8 weights or int8 KV 3e-2 (measured worst cases are printed:
   // about 1e-2 with both int8); the FP16 matrix path (activations rounded
-  // to FP16) and the BF16 one (activations rounded to BF16) 1e-2.
+  // to FP16) and the BF16 and AMX ones (activations rounded to BF16) 1e-2.
   const double rel_tol = exact_storage                                                  ? 1e-4
                          : gc.path != kernels::cpu::MatrixPath::kF32 && gc.kv == DType::kF32 ? 1e-2
                                                                                          : 3e-2;

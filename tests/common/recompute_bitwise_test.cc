@@ -17,6 +17,7 @@
 #include "common/prefix_cache.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/linear_amx.h"
 #include "kernels/cpu/linear_bf16.h"
 #include "kernels/cpu/linear_fp16.h"
 #include "tests/support/isa_printer.h"
@@ -50,6 +51,7 @@ std::vector<KernelPath> KernelPaths() {
   for (Isa isa : kernels::cpu::SupportedIsas()) out.push_back({isa});
   if (kernels::cpu::F16PathSupported()) out.push_back({Isa::kAvx512, kernels::cpu::MatrixPath::kF16});
   if (kernels::cpu::Bf16PathSupported()) out.push_back({Isa::kAvx512, kernels::cpu::MatrixPath::kBf16});
+  if (kernels::cpu::AmxPathSupported()) out.push_back({Isa::kAvx512, kernels::cpu::MatrixPath::kAmx});
   return out;
 }
 

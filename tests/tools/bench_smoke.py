@@ -49,7 +49,7 @@ def main():
                  "--shared_prefix", "2:64:8", "--steps", "2", "--json"]
         probe = run_json([pdctl, "bench-engine", "--model", model, "--decode_batch", "1"] + small)
         peaks = probe["matrix_peaks"]
-        paths = ["f32"] + [p for p, key in (("fp16", "fp16_fma"), ("bf16", "bf16_dot")) if peaks.get(key, 0) > 0]
+        paths = ["f32"] + [p for p, key in (("fp16", "fp16_fma"), ("bf16", "bf16_dot"), ("amx", "amx_bf16")) if peaks.get(key, 0) > 0]
         for path in paths:
             r = run_json([pdctl, "bench-engine", "--model", model, "--decode_batch", "1,4", "--matrix_path", path]
                          + small)

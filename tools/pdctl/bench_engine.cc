@@ -118,17 +118,19 @@ absl::Status RunBenchEngine(const BenchEngineOptions& o) {
   {
     // Every matrix instruction of this CPU, beside the path taken: the
     // fastest one is the limit a prefill is judged against.
-    std::vector<double> bf16, fp16, f32;
+    std::vector<double> bf16, fp16, f32, amx;
     for (int i = 0; i < 3; ++i) {
       const auto p = backend.SampleMatrixPeaks();
       bf16.push_back(p.bf16_dot);
       fp16.push_back(p.fp16_fma);
       f32.push_back(p.f32_fma);
+      amx.push_back(p.amx_bf16);
     }
     out["matrix_peaks"] = {{"f32_fma", Median(f32)},
                            {"bf16_dot", Median(bf16)},
                            {"fp16_fma", Median(fp16)},
-                           {"fastest", std::max({Median(f32), Median(bf16), Median(fp16)})}};
+                           {"amx_bf16", Median(amx)},
+                           {"fastest", std::max({Median(f32), Median(bf16), Median(fp16), Median(amx)})}};
   }
 
   if (o.prefix_hit_cached > 0) {
@@ -354,9 +356,10 @@ absl::Status RunBenchEngine(const BenchEngineOptions& o) {
     std::printf("matrix path: %s (%s)\n", out["matrix_path"].get<std::string>().c_str(),
                 out["matrix_path_reason"].get<std::string>().c_str());
     std::printf("instruction peaks, all threads: f32 FMA %.1f GFLOP/s, AVX512-BF16 dot %.1f (%.2fx), "
-                "AVX512-FP16 FMA %.1f (%.2fx)\n",
+                "AVX512-FP16 FMA %.1f (%.2fx), AMX-BF16 %.1f (%.2fx)\n",
                 f32 / 1e9, mp["bf16_dot"].get<double>() / 1e9, mp["bf16_dot"].get<double>() / f32,
-                mp["fp16_fma"].get<double>() / 1e9, mp["fp16_fma"].get<double>() / f32);
+                mp["fp16_fma"].get<double>() / 1e9, mp["fp16_fma"].get<double>() / f32,
+                mp["amx_bf16"].get<double>() / 1e9, mp["amx_bf16"].get<double>() / f32);
     for (const auto& p : prefill) {
       const double ceiling = p["tokens"].get<double>() * fastest / p["flops"].get<double>();
       std::printf("  prefill %d: %.1f%% of the fastest instruction's peak (%.0f tokens/s at 100%%)\n",

@@ -42,7 +42,7 @@ ABSL_FLAG(std::string, kv, "", "KV cache format: f32 or bf16 (default: the weigh
 ABSL_FLAG(int, threads, 1, "compute threads");
 ABSL_FLAG(std::string, isa, "", "CPU kernel path: scalar, avx2 or avx512 (default: best)");
 ABSL_FLAG(std::string, matrix_path, "",
-          "matrix path of BF16 weights: f32, fp16 or bf16 (default: $PDSERVE_MATRIX_PATH, else the faster by a probe)");
+          "matrix path of BF16 weights: f32, fp16, bf16 or amx (default: $PDSERVE_MATRIX_PATH, else the faster by a probe)");
 ABSL_FLAG(int, max_tokens, 16, "generate: tokens to generate");
 ABSL_FLAG(int, block_size, 16, "KV block size in positions");
 ABSL_FLAG(std::string, out, "", "make-model: output directory");

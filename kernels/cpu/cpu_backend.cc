@@ -87,12 +87,15 @@ float QuantizeI8(const float* x, int64_t n, int8_t* q, int64_t q_stride) {
   return scale;
 }
 
-// FLOP/s of one thread's multiply-adds on `loop` over about 2 ms (the best
-// of three short runs, so a preemption does not decide the path).
+// FLOP/s of one thread's multiply-adds on `loop` over a few ms: a warm-up
+// run (the first use of AMX tiles, or of wide units after a frequency
+// change, runs slow), then the best of five short runs, so a preemption does
+// not decide the path.
 double ProbeRate(double (*loop)(int64_t)) {
   constexpr int64_t kIters = 20000;
+  (void)loop(kIters);
   double best = 0;
-  for (int i = 0; i < 3; ++i) {
+  for (int i = 0; i < 5; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
     const double flops = loop(kIters);
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -107,7 +110,7 @@ constexpr double kF16MinAdvantage = 1.4;
 // The BF16 path (no widening; the activations' rounding to BF16 costs a
 // pass over x) when VDPBF16PS beats the F32 FMA rate by this much.
 constexpr double kBf16MinAdvantage = 1.2;
-// The AMX path when its tile rate beats the others by this much: its kernel
+// The AMX path when its tile rate beats F32 FMA by this much: its kernel
 // reaches a smaller share of its peak (tile loads, C tile stores).
 constexpr double kAmxMinAdvantage = 3.0;
 
@@ -195,17 +198,21 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(const CpuBackendO
       const double f16 = f16_ok ? ProbeRate(&Fp16FmaPeakLoop) : 0.0;
       const double bf16 = bf16_ok ? ProbeRate(&Bf16DotPeakLoop) : 0.0;
       const double amx = amx_ok ? ProbeRate(&AmxPeakLoop) : 0.0;
-      path = MatrixPath::kF32;
-      double best = f32;
-      if (f16 / kF16MinAdvantage >= best) {
+      // A fixed order of preference, each path taken when its rate clears
+      // its threshold over F32 FMA: the thresholds sit far below the rates
+      // measured where each path wins (AMX 6-11x, FP16 2.0x, BF16 dot 2.0x
+      // on the Zen 5 class) and far above where it loses (BF16 dot 0.5x on
+      // the Sapphire Rapids class), so the noise of a short probe does not
+      // split identical machines between paths (their streams would differ).
+      if (amx_ok && amx >= kAmxMinAdvantage * f32) {
+        path = MatrixPath::kAmx;
+      } else if (f16_ok && f16 >= kF16MinAdvantage * f32) {
         path = MatrixPath::kF16;
-        best = f16 / kF16MinAdvantage;
-      }
-      if (bf16 / kBf16MinAdvantage > best) {
+      } else if (bf16_ok && bf16 >= kBf16MinAdvantage * f32) {
         path = MatrixPath::kBf16;
-        best = bf16 / kBf16MinAdvantage;
+      } else {
+        path = MatrixPath::kF32;
       }
-      if (amx / kAmxMinAdvantage > best) path = MatrixPath::kAmx;
       auto rate = [&](const char* name, bool ok, double r, double need) {
         return ok ? absl::StrFormat(", %s %.0f (%.2fx; needs %.1fx)", name, r * 1e-9, f32 > 0 ? r / f32 : 0.0, need)
                   : absl::StrFormat(", %s absent", name);

@@ -29,6 +29,8 @@
 #include <thread>
 #include <vector>
 
+#include "kernels/cpu/cpu_backend.h"
+
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/match.h"
@@ -441,6 +443,23 @@ int Run() {
   Say(absl::StrFormat("pdserve-chaos: seed %d, %gs, %d clients, kill every ~%gs, %g%% SIGTERM, logs in %s", seed,
                       duration_s, clients, absl::GetFlag(FLAGS_kill_period_s),
                       100 * absl::GetFlag(FLAGS_sigterm_fraction), dir));
+
+  // One matrix path for the whole fleet, chosen here as each server's probe
+  // would (unless the caller set one): the verdict needs every restarted
+  // worker to run the same arithmetic as the reference pass, and a short
+  // start-up probe under this test's load must not split identical workers
+  // between paths (operators pin --matrix_path across a fleet for the same
+  // reason).
+  if (const char* pinned = std::getenv("PDSERVE_MATRIX_PATH"); pinned == nullptr || *pinned == '\0') {
+    absl::StatusOr<std::unique_ptr<pdserve::kernels::cpu::CpuBackend>> probe =
+        pdserve::kernels::cpu::CpuBackend::Create({.choose_matrix_path = true});
+    if (!probe.ok()) {
+      Say(absl::StrCat("matrix path probe: ", probe.status().message()));
+      return 2;
+    }
+    setenv("PDSERVE_MATRIX_PATH", std::string(pdserve::kernels::cpu::MatrixPathName((*probe)->matrix_path())).c_str(), 1);
+  }
+  Say(absl::StrCat("matrix path for every server: ", std::getenv("PDSERVE_MATRIX_PATH")));
 
   FleetOptions fo;
   fo.bin_dir = PDSERVE_BINARY_DIR;

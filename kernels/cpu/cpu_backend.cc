@@ -114,6 +114,10 @@ constexpr double kBf16MinAdvantage = 1.2;
 // reaches a smaller share of its peak (tile loads, C tile stores).
 constexpr double kAmxMinAdvantage = 3.0;
 
+// Row-wise work (norms, rotations, conversions) below this many elements
+// stays on the calling thread: a pool hand-off costs more.
+constexpr int64_t kParallelElems = 32 * 1024;
+
 }  // namespace
 
 absl::string_view MatrixPathName(MatrixPath path) {
@@ -324,10 +328,17 @@ void CpuBackend::Linear(const LinearWeight& w, const float* x, int64_t m, const 
     // Whole tiles of rows: the rows past m are read (and their sums thrown
     // away); the columns past k must be zeros (the weights' pad is).
     if (x16_.size() < static_cast<size_t>(rows * ldx)) x16_.resize(static_cast<size_t>(rows * ldx), 0);
-    for (int64_t i = 0; i < m; ++i) {
-      uint16_t* out = x16_.data() + i * ldx;
-      ConvertF32ToBf16(x + i * k, k, out);
-      for (int64_t c = k; c < ldx; ++c) out[c] = 0;
+    auto convert = [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        uint16_t* out = x16_.data() + i * ldx;
+        ConvertF32ToBf16(x + i * k, k, out);
+        for (int64_t c = k; c < ldx; ++c) out[c] = 0;
+      }
+    };
+    if (m * k < kParallelElems) {
+      convert(0, m);
+    } else {
+      pool_.ParallelFor(m, convert);
     }
     const LinearAmxArgs a{.x = x16_.data(),
                           .ldx = ldx,
@@ -348,10 +359,17 @@ void CpuBackend::Linear(const LinearWeight& w, const float* x, int64_t m, const 
     const int64_t k = pw.k();
     const int64_t ldx = (k + 1) / 2 * 2;  // Whole k pairs; an odd K's pad is 0.
     if (x16_.size() < static_cast<size_t>(m * ldx)) x16_.resize(static_cast<size_t>(m * ldx));
-    for (int64_t i = 0; i < m; ++i) {
-      uint16_t* out = x16_.data() + i * ldx;
-      ConvertF32ToBf16(x + i * k, k, out);
-      if (ldx != k) out[k] = 0;
+    auto convert = [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        uint16_t* out = x16_.data() + i * ldx;
+        ConvertF32ToBf16(x + i * k, k, out);
+        if (ldx != k) out[k] = 0;
+      }
+    };
+    if (m * k < kParallelElems) {
+      convert(0, m);
+    } else {
+      pool_.ParallelFor(m, convert);
     }
     const LinearBf16Args a{.x = x16_.data(),
                            .ldx = ldx,
@@ -424,34 +442,48 @@ void CpuBackend::Linear(const LinearWeight& w, const float* x, int64_t m, const 
 
 void CpuBackend::RmsNorm(const float* x, const float* weight, int64_t m, int64_t d, float eps,
                          float* y) {
-  for (int64_t i = 0; i < m; ++i) {
-    const float* xi = x + i * d;
-    double ss = 0.0;
-    for (int64_t j = 0; j < d; ++j) ss += static_cast<double>(xi[j]) * xi[j];
-    const float inv = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(d) + eps));
-    float* yi = y + i * d;
-    for (int64_t j = 0; j < d; ++j) yi[j] = xi[j] * inv * weight[j];
+  // Rows on their own (a prompt's rows in parallel), each the same
+  // arithmetic wherever it runs.
+  auto rows = [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const float* xi = x + i * d;
+      double ss = 0.0;
+      for (int64_t j = 0; j < d; ++j) ss += static_cast<double>(xi[j]) * xi[j];
+      const float inv = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(d) + eps));
+      float* yi = y + i * d;
+      for (int64_t j = 0; j < d; ++j) yi[j] = xi[j] * inv * weight[j];
+    }
+  };
+  if (m * d < kParallelElems) {
+    rows(0, m);
+  } else {
+    pool_.ParallelFor(m, rows);
   }
 }
-
 void CpuBackend::Rope(float* x, int64_t rows, int32_t heads, int32_t head_dim,
                       const int32_t* positions, const float* cos, const float* sin) {
   const int32_t half = head_dim / 2;
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* c = cos + static_cast<int64_t>(positions[r]) * half;
-    const float* s = sin + static_cast<int64_t>(positions[r]) * half;
-    for (int32_t h = 0; h < heads; ++h) {
-      float* v = x + (r * heads + h) * head_dim;
-      for (int32_t i = 0; i < half; ++i) {
-        const float a = v[i];
-        const float b = v[i + half];
-        v[i] = a * c[i] - b * s[i];
-        v[i + half] = b * c[i] + a * s[i];
+  auto some = [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const float* c = cos + static_cast<int64_t>(positions[r]) * half;
+      const float* s = sin + static_cast<int64_t>(positions[r]) * half;
+      for (int32_t h = 0; h < heads; ++h) {
+        float* v = x + (r * heads + h) * head_dim;
+        for (int32_t i = 0; i < half; ++i) {
+          const float a = v[i];
+          const float b2 = v[i + half];
+          v[i] = a * c[i] - b2 * s[i];
+          v[i + half] = b2 * c[i] + a * s[i];
+        }
       }
     }
+  };
+  if (rows * heads * head_dim < kParallelElems) {
+    some(0, rows);
+  } else {
+    pool_.ParallelFor(rows, some);
   }
 }
-
 void CpuBackend::SiluMul(const float* gate_up, int64_t m, int64_t f, float* out) {
   pool_.ParallelFor(m, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {

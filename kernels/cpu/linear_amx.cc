@@ -30,12 +30,24 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-void ConfigureTiles() {
+// `first_rows`: rows of the first row tile (A tile 4, C tiles 0 and 1),
+// fewer than 16 when the whole product has fewer rows (a decode step of a
+// small batch), so its tile loads, products and stores skip the rows that do
+// not exist. Each row's sums are the same either way: rows are independent
+// in a tile product.
+void ConfigureTiles(int first_rows) {
+  // The configuration stays loaded on this thread between calls (the tiles
+  // are not released: a decode step makes dozens of calls, and loading a
+  // configuration costs more than a small product).
+  thread_local int loaded_rows = -1;
+  if (loaded_rows == first_rows) return;
+  loaded_rows = first_rows;
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
     cfg.colsb[t] = 64;
     cfg.rows[t] = 16;
   }
+  cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = static_cast<uint8_t>(first_rows);
   _tile_loadconfig(&cfg);
 }
 
@@ -138,7 +150,8 @@ void Block(const LinearAmxArgs& a, int64_t m0, int64_t p) {
 bool AmxPathSupported() { return PermissionGranted(); }
 
 void LinearAmx(const LinearAmxArgs& a, int64_t panel_begin, int64_t panel_end) {
-  ConfigureTiles();
+  if (a.m <= 0 || panel_begin >= panel_end) return;
+  ConfigureTiles(static_cast<int>(a.m < kAmxRows ? a.m : kAmxRows));
   const int64_t panel_bytes = AmxPanelElems(a.k) * 2;
   int64_t chunk = kChunkBytes / panel_bytes;
   if (chunk < 2) chunk = 2;
@@ -164,12 +177,11 @@ void LinearAmx(const LinearAmxArgs& a, int64_t panel_begin, int64_t panel_end) {
       }
     }
   }
-  _tile_release();
 }
 
 double AmxPeakLoop(int64_t iters) {
   if (!PermissionGranted()) return 0;
-  ConfigureTiles();
+  ConfigureTiles(16);
   alignas(64) uint16_t ab[16 * 32];
   for (uint16_t& v : ab) v = 0x3380;  // ~6e-8: the sums stay finite.
   _tile_zero(0);
@@ -190,7 +202,6 @@ double AmxPeakLoop(int64_t iters) {
   _tile_stored(0, c, 64);
   static volatile float sink;
   sink = c[0];
-  _tile_release();
   return static_cast<double>(iters) * 4 * 16 * 16 * 32 * 2;
 }
 

@@ -49,7 +49,7 @@ struct LinearAmxArgs {
 bool AmxPathSupported();
 
 // Panels [panel_begin, panel_end) of the product, on the calling thread
-// (which configures its tiles and releases them before it returns).
+// (which configures its tiles and keeps them configured for the next call).
 void LinearAmx(const LinearAmxArgs& args, int64_t panel_begin, int64_t panel_end);
 
 // Multiply-add rate probe: FLOPs of `iters` rounds of four independent tile

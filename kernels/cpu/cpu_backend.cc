@@ -321,12 +321,14 @@ absl::StatusOr<std::unique_ptr<LinearWeight>> CpuBackend::PackLinear(
 void CpuBackend::Linear(const LinearWeight& w, const float* x, int64_t m, const float* bias,
                         float* y, bool accumulate) {
   const auto& pw = static_cast<const PackedLinear&>(w);
-  if (pw.pairs() == MatrixPath::kAmx) {
+  if (pw.pairs() == MatrixPath::kAmx || pw.pairs() == MatrixPath::kBf16) {
+    const bool amx = pw.pairs() == MatrixPath::kAmx;
     const int64_t k = pw.k();
-    const int64_t ldx = AmxPaddedK(k);
-    const int64_t rows = (m + kAmxRows - 1) / kAmxRows * kAmxRows;
-    // Whole tiles of rows: the rows past m are read (and their sums thrown
-    // away); the columns past k must be zeros (the weights' pad is).
+    // AMX: rows of whole tile depths, whole tiles of rows (the rows past m
+    // are read and their sums thrown away). BF16: whole k pairs. The
+    // columns past k are zeros, as the weights' pad is.
+    const int64_t ldx = amx ? AmxPaddedK(k) : (k + 1) / 2 * 2;
+    const int64_t rows = amx ? (m + kAmxRows - 1) / kAmxRows * kAmxRows : m;
     if (x16_.size() < static_cast<size_t>(rows * ldx)) x16_.resize(static_cast<size_t>(rows * ldx), 0);
     auto convert = [&](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i) {
@@ -340,48 +342,18 @@ void CpuBackend::Linear(const LinearWeight& w, const float* x, int64_t m, const 
     } else {
       pool_.ParallelFor(m, convert);
     }
-    const LinearAmxArgs a{.x = x16_.data(),
-                          .ldx = ldx,
-                          .m = m,
-                          .k = k,
-                          .n = pw.n(),
-                          .panels = reinterpret_cast<const uint16_t*>(pw.data()),
-                          .bias = bias,
-                          .y = y,
-                          .ldy = pw.n(),
-                          .accumulate = accumulate};
-    // Whole pairs of panels per thread (the kernel's two-panel blocks).
-    const int64_t pairs = (pw.num_panels() + 1) / 2;
-    pool_.ParallelFor(pairs, [&](int64_t b, int64_t e) { LinearAmx(a, 2 * b, std::min(2 * e, pw.num_panels())); });
-    return;
-  }
-  if (pw.pairs() == MatrixPath::kBf16) {
-    const int64_t k = pw.k();
-    const int64_t ldx = (k + 1) / 2 * 2;  // Whole k pairs; an odd K's pad is 0.
-    if (x16_.size() < static_cast<size_t>(m * ldx)) x16_.resize(static_cast<size_t>(m * ldx));
-    auto convert = [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) {
-        uint16_t* out = x16_.data() + i * ldx;
-        ConvertF32ToBf16(x + i * k, k, out);
-        if (ldx != k) out[k] = 0;
-      }
-    };
-    if (m * k < kParallelElems) {
-      convert(0, m);
+    const uint16_t* panels = reinterpret_cast<const uint16_t*>(pw.data());
+    if (amx) {
+      const LinearAmxArgs a{.x = x16_.data(), .ldx = ldx, .m = m, .k = k, .n = pw.n(), .panels = panels,
+                            .bias = bias, .y = y, .ldy = pw.n(), .accumulate = accumulate};
+      // Whole pairs of panels per thread (the kernel's two-panel blocks).
+      const int64_t pairs = (pw.num_panels() + 1) / 2;
+      pool_.ParallelFor(pairs, [&](int64_t b, int64_t e) { LinearAmx(a, 2 * b, std::min(2 * e, pw.num_panels())); });
     } else {
-      pool_.ParallelFor(m, convert);
+      const LinearBf16Args a{.x = x16_.data(), .ldx = ldx, .m = m, .k = k, .n = pw.n(), .panels = panels,
+                             .bias = bias, .y = y, .ldy = pw.n(), .accumulate = accumulate};
+      pool_.ParallelFor(pw.num_panels(), [&](int64_t b, int64_t e) { LinearBf16(a, b, e); });
     }
-    const LinearBf16Args a{.x = x16_.data(),
-                           .ldx = ldx,
-                           .m = m,
-                           .k = k,
-                           .n = pw.n(),
-                           .panels = reinterpret_cast<const uint16_t*>(pw.data()),
-                           .bias = bias,
-                           .y = y,
-                           .ldy = pw.n(),
-                           .accumulate = accumulate};
-    pool_.ParallelFor(pw.num_panels(), [&](int64_t b, int64_t e) { LinearBf16(a, b, e); });
     return;
   }
   if (pw.pairs() == MatrixPath::kF16) {

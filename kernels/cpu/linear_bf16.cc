@@ -22,22 +22,7 @@ inline __m512bh BroadcastPair(const uint16_t* p) {
   return reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
 }
 
-inline __mmask16 TailMask(int n) { return static_cast<__mmask16>((1u << n) - 1u); }
-
-// Stores 16 columns of a row's result (+ bias, + old y), the first n valid.
-inline void StoreCols(float* y, const float* bias, bool accumulate, __m512 v, int n) {
-  if (n <= 0) return;
-  if (n >= 16) {
-    if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias));
-    if (accumulate) v = _mm512_add_ps(v, _mm512_loadu_ps(y));
-    _mm512_storeu_ps(y, v);
-  } else {
-    const __mmask16 m = TailMask(n);
-    if (bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, bias));
-    if (accumulate) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, y));
-    _mm512_mask_storeu_ps(y, m, v);
-  }
-}
+#include "kernels/cpu/pair_panel_store.inc"
 
 // y[0:MR, 0:valid) (+)= x[0:MR, :] * panels^T for NP consecutive panels.
 // A row's sums are formed in the same order whatever MR and NP.

@@ -4,6 +4,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdio>
+#include <initializer_list>
 #include <random>
 #include <string>
 #include <vector>
@@ -344,20 +345,18 @@ F16Expectation ExpectF16(const std::vector<float>& x, const std::vector<float>& 
   return e;
 }
 
-// The FP16 matrix path (linear_fp16.h) against a double reference on the
-// BF16-rounded weights: error within the half-precision rounding of x, of
-// each product and of each kF16Block-long half sum; and each row's bits the
-// same whether it is computed alone or in any tile of a larger batch.
-TEST(F16PathTest, LinearMatchesReferenceAndRowsDoNotDependOnTheBatch) {
-  if (!F16PathSupported()) GTEST_SKIP() << "this CPU has no AVX512-FP16: the fp16 matrix path cannot run here";
-  auto b = CpuBackend::Create({.num_threads = 2, .isa = Isa::kAvx512, .matrix_path = MatrixPath::kF16});
-  ASSERT_TRUE(b.ok()) << b.status();
-  CpuBackend& backend = **b;
-  EXPECT_EQ(backend.Name(), "cpu/avx512+fp16");
-  std::mt19937 rng(7);
+// One pair-panel path (backend) against a double reference: every (m, n,
+// k, accumulate) of the lists, K up to 2048, y within `expect`'s bound (+
+// `rel` of |y|); and each row's bits the same computed alone as in the
+// batch.
+using PathExpectation = F16Expectation (*)(const std::vector<float>&, const std::vector<float>&, int64_t, int64_t,
+                                           int64_t);
+void ExpectPathMatchesReference(CpuBackend& backend, uint32_t seed, std::initializer_list<int64_t> ms,
+                                std::initializer_list<int64_t> ns, PathExpectation expect, double rel) {
+  std::mt19937 rng(seed);
   std::normal_distribution<float> d(0.0f, 1.0f);
-  for (int64_t m : {1, 2, 3, 8, 9, 29}) {
-    for (int64_t n : {1, 31, 32, 33, 100, 160}) {
+  for (int64_t m : ms) {
+    for (int64_t n : ns) {
       for (int64_t k : {1, 2, 31, 32, 33, 64, 65, 200, 2048}) {
         for (bool accumulate : {false, true}) {
           SCOPED_TRACE(::testing::Message() << "m=" << m << " n=" << n << " k=" << k << " acc=" << accumulate);
@@ -373,12 +372,11 @@ TEST(F16PathTest, LinearMatchesReferenceAndRowsDoNotDependOnTheBatch) {
           backend.Linear(**packed, x.data(), m, bias.data(), y.data(), accumulate);
           for (int64_t i = 0; i < m; ++i) {
             for (int64_t j = 0; j < n; ++j) {
-              const F16Expectation e = ExpectF16(x, w, k, i, j);
+              const F16Expectation e = expect(x, w, k, i, j);
               const double want = e.want + bias[j] + (accumulate ? y0[i * n + j] : 0.0);
-              ASSERT_NEAR(y[i * n + j], want, e.bound + 1e-5 * (std::abs(want) + 1)) << i << "," << j;
+              ASSERT_NEAR(y[i * n + j], want, e.bound + rel * (std::abs(want) + 1)) << i << "," << j;
             }
           }
-          // Row by row, alone: the same bits.
           for (int64_t i = 0; i < m; ++i) {
             std::vector<float> one(y0.begin() + i * n, y0.begin() + (i + 1) * n);
             backend.Linear(**packed, x.data() + i * k, 1, bias.data(), one.data(), accumulate);
@@ -390,6 +388,18 @@ TEST(F16PathTest, LinearMatchesReferenceAndRowsDoNotDependOnTheBatch) {
       }
     }
   }
+}
+
+// The FP16 matrix path (linear_fp16.h) against a double reference on the
+// BF16-rounded weights: error within the half-precision rounding of x, of
+// each product and of each kF16Block-long half sum; and each row's bits the
+// same whether it is computed alone or in any tile of a larger batch.
+TEST(F16PathTest, LinearMatchesReferenceAndRowsDoNotDependOnTheBatch) {
+  if (!F16PathSupported()) GTEST_SKIP() << "this CPU has no AVX512-FP16: the fp16 matrix path cannot run here";
+  auto b = CpuBackend::Create({.num_threads = 2, .isa = Isa::kAvx512, .matrix_path = MatrixPath::kF16});
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ((*b)->Name(), "cpu/avx512+fp16");
+  ExpectPathMatchesReference(**b, 7, {1, 2, 3, 8, 9, 29}, {1, 31, 32, 33, 100, 160}, &ExpectF16, 1e-5);
 }
 
 // A row whose activations would overflow half precision (up to 2e5 here)
@@ -466,43 +476,9 @@ F16Expectation ExpectBf16(const std::vector<float>& x, const std::vector<float>&
 void ExpectBf16OperandPath(MatrixPath path, const std::string& name) {
   auto b = CpuBackend::Create({.num_threads = 2, .isa = Isa::kAvx512, .matrix_path = path});
   ASSERT_TRUE(b.ok()) << b.status();
-  CpuBackend& backend = **b;
-  EXPECT_EQ(backend.Name(), name);
-  std::mt19937 rng(9);
-  std::normal_distribution<float> d(0.0f, 1.0f);
-  for (int64_t m : {1, 2, 3, 8, 12, 13, 16, 17, 29, 33, 70}) {
-    for (int64_t n : {1, 15, 16, 17, 33, 100, 160}) {
-      for (int64_t k : {1, 2, 31, 32, 33, 64, 65, 200, 2048}) {
-        for (bool accumulate : {false, true}) {
-          SCOPED_TRACE(::testing::Message() << "m=" << m << " n=" << n << " k=" << k << " acc=" << accumulate);
-          std::vector<float> w(n * k), x(m * k), bias(n), y(m * n);
-          for (float& v : w) v = 0.05f * d(rng);
-          for (float& v : x) v = d(rng);
-          for (float& v : bias) v = d(rng);
-          for (float& v : y) v = d(rng);
-          const std::vector<float> y0 = y;
-          const MatrixPart parts[] = {{DType::kF32, w.data(), n}};
-          auto packed = backend.PackLinear(parts, k, DType::kBF16);
-          ASSERT_TRUE(packed.ok()) << packed.status();
-          backend.Linear(**packed, x.data(), m, bias.data(), y.data(), accumulate);
-          for (int64_t i = 0; i < m; ++i) {
-            for (int64_t j = 0; j < n; ++j) {
-              const F16Expectation e = ExpectBf16(x, w, k, i, j);
-              const double want = e.want + bias[j] + (accumulate ? y0[i * n + j] : 0.0);
-              ASSERT_NEAR(y[i * n + j], want, e.bound + 1e-6 * (std::abs(want) + 1)) << i << "," << j;
-            }
-          }
-          for (int64_t i = 0; i < m; ++i) {
-            std::vector<float> one(y0.begin() + i * n, y0.begin() + (i + 1) * n);
-            backend.Linear(**packed, x.data() + i * k, 1, bias.data(), one.data(), accumulate);
-            for (int64_t j = 0; j < n; ++j) {
-              ASSERT_EQ(one[j], y[i * n + j]) << "row " << i << " col " << j << " differs computed alone";
-            }
-          }
-        }
-      }
-    }
-  }
+  EXPECT_EQ((*b)->Name(), name);
+  ExpectPathMatchesReference(**b, 9, {1, 2, 3, 8, 12, 13, 16, 17, 29, 33, 70}, {1, 15, 16, 17, 33, 100, 160},
+                             &ExpectBf16, 1e-6);
 }
 
 TEST(Bf16PathTest, LinearMatchesReferenceAndRowsDoNotDependOnTheBatch) {

@@ -1,5 +1,7 @@
 #include "kernels/cpu/cpu_backend.h"
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -20,6 +22,8 @@
 namespace pdserve::kernels::cpu {
 namespace {
 
+constexpr size_t kHugePageBytes = 2 << 20;
+
 // Panel-packed weights (see kernel_args.h), 64-byte aligned.
 // `pairs` kF16 / kBf16: held as FP16 / BF16 in the k-pair panels of those
 // matrix paths (linear_fp16.h, linear_bf16.h), whatever `dtype` the model
@@ -36,8 +40,14 @@ class PackedLinear final : public LinearWeight {
     bytes_ = pairs == MatrixPath::kAmx   ? static_cast<size_t>(num_panels_ * AmxPanelElems(k)) * 2
              : pairs != MatrixPath::kF32 ? static_cast<size_t>(num_panels_ * F16PanelElems(k)) * 2
                  : static_cast<size_t>(num_panels_ * width_ * k) * DTypeSize(dtype);
-    const size_t alloc = (bytes_ + 63) / 64 * 64;
-    data_ = static_cast<char*>(std::aligned_alloc(64, alloc == 0 ? 64 : alloc));
+    // A matrix of 2 MiB or more in transparent huge pages: a decode step
+    // streams every weight once, and with 4 KiB pages each page costs a
+    // TLB miss.
+    const bool huge = bytes_ >= kHugePageBytes;
+    const size_t align = huge ? kHugePageBytes : 64;
+    const size_t alloc = bytes_ == 0 ? 64 : (bytes_ + align - 1) / align * align;
+    data_ = static_cast<char*>(std::aligned_alloc(align, alloc));
+    if (huge) madvise(data_, alloc, MADV_HUGEPAGE);
     std::memset(data_, 0, alloc);
     if (dtype == DType::kI8) {
       scales_.assign(num_panels_ * kPanelWidth, 0.0f);
@@ -677,7 +687,13 @@ CpuBackend::MatrixPeaks CpuBackend::SampleMatrixPeaks() {
 
 CpuBackend::ReadProbe::ReadProbe(CpuBackend* backend, size_t bytes) : backend_(backend) {
   n_ = std::max<int64_t>(1024, static_cast<int64_t>(bytes / sizeof(float)) / 1024 * 1024);
-  buf_ = static_cast<float*>(std::aligned_alloc(64, n_ * sizeof(float)));
+  // In huge pages as the weights and the KV pool are, so the limit is the
+  // best read the memory system gives, not one slowed by TLB misses.
+  const size_t bytes_used = static_cast<size_t>(n_) * sizeof(float);
+  const bool huge = bytes_used >= kHugePageBytes;
+  const size_t align = huge ? kHugePageBytes : 64;
+  buf_ = static_cast<float*>(std::aligned_alloc(align, (bytes_used + align - 1) / align * align));
+  if (huge) madvise(buf_, (bytes_used + align - 1) / align * align, MADV_HUGEPAGE);
   for (int64_t i = 0; i < n_; ++i) buf_[i] = static_cast<float>(i & 7);
   passes_ = static_cast<int>(std::max<int64_t>(1, (int64_t{256} << 20) / (n_ * 4)));
   Sample();  // Warm-up: page faults, first touch of the cache hierarchy.

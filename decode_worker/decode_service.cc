@@ -411,7 +411,10 @@ void DecodeService::Sweep() {
       {
         absl::MutexLock lock(&handoff_mu_);
         auto it = rendezvous_.find(r->id);
-        if (it != rendezvous_.end() && it->second.waiting == call) rendezvous_.erase(it);
+        if (it != rendezvous_.end() && it->second.waiting == call) {
+          rendezvous_.erase(it);
+          abandoned_[r->id] = now;
+        }
       }
       if (!r->lifecycle.Transition(engine::RequestState::kFinished, engine::EndReason::kError).ok()) continue;
       call->Abort(grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
@@ -426,16 +429,21 @@ void DecodeService::Sweep() {
       LogEvent("warning", "unclaimed_handoff_freed", {{"request_id", it->first.str()}});
       rendezvous_.erase(it++);
     } else if (it->second.waiting != nullptr && it->second.waiting->aborted()) {
-      rendezvous_.erase(it++);  // Its call ended (cancelled) before its KV came.
+      // Its call ended (cancelled) before its KV came: a commit that still
+      // comes is freed on arrival.
+      abandoned_[it->first] = now;
+      rendezvous_.erase(it++);
     } else {
       ++it;
     }
   }
-  for (auto it = claimed_.begin(); it != claimed_.end();) {
-    if (now - it->second > absl::Minutes(5)) {
-      claimed_.erase(it++);
-    } else {
-      ++it;
+  for (auto* ids : {&claimed_, &abandoned_}) {
+    for (auto it = ids->begin(); it != ids->end();) {
+      if (now - it->second > absl::Minutes(5)) {
+        ids->erase(it++);
+      } else {
+        ++it;
+      }
     }
   }
 }
@@ -455,6 +463,11 @@ void DecodeService::OnHandoffCommitted(const std::string& request_id, HandedOff 
     if (claimed_.contains(id) || (it != rendezvous_.end() && it->second.committed.has_value())) {
       // A duplicate commit (a retried prefill): keep the first, free this one.
       LogEvent("warning", "duplicate_handoff", {{"request_id", request_id}});
+      return;  // Its KV goes back with it.
+    }
+    if (it == rendezvous_.end() && abandoned_.contains(id)) {
+      // Its Decode call ended before this commit came: no one will take it.
+      LogEvent("warning", "abandoned_handoff_freed", {{"request_id", request_id}});
       return;  // Its KV goes back with it.
     }
     if (it == rendezvous_.end()) {
@@ -597,6 +610,7 @@ grpc::ServerWriteReactor<DecodeEvent>* DecodeService::Decode(grpc::CallbackServe
   std::shared_ptr<DecodeCall> displaced;
   {
     absl::MutexLock lock(&handoff_mu_);
+    abandoned_.erase(id);  // This call takes the id's handoff, whenever it comes.
     auto it = rendezvous_.find(id);
     if (it != rendezvous_.end() && it->second.committed.has_value()) {
       seq = std::move(it->second.committed);

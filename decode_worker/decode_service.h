@@ -150,6 +150,11 @@ class DecodeService final : public worker::v1::DecodeWorker::CallbackService {
   // Ids whose handoff a Decode call took, for a while: a second commit for
   // one (a retried prefill whose first attempt had committed) is freed.
   absl::flat_hash_map<engine::RequestId, absl::Time> claimed_ ABSL_GUARDED_BY(handoff_mu_);
+  // Ids whose Decode call ended (cancelled, or out of time) before their KV
+  // came, for a while: a commit that lands afterwards has no taker and is
+  // freed at once, not after handoff_wait_seconds. A new Decode call for
+  // the id takes it off.
+  absl::flat_hash_map<engine::RequestId, absl::Time> abandoned_ ABSL_GUARDED_BY(handoff_mu_);
   std::string kv_address_ ABSL_GUARDED_BY(handoff_mu_);
   std::string unhealthy_reason_ ABSL_GUARDED_BY(handoff_mu_);
 

@@ -77,6 +77,24 @@ TEST_P(UnparseableTest, SecondBadMessageFailsWithInternalNamingTheField) {
   EXPECT_EQ(c.Status().requests_in_flight(), 0);
 }
 
+// The race behind a rare leak: the router gives up on a request (two
+// unparseable first events) and ends its Decode call while the prefill
+// worker's commit is still on its way. The decode worker must free that
+// late commit's KV on arrival, not hold it for the 30 s an unclaimed
+// handoff waits for its call.
+TEST(LateCommitTest, ACommitThatLandsAfterItsDecodeCallEndedIsFreedAtOnce) {
+  const std::string dir = TempDir();
+  Cluster c;
+  ASSERT_TRUE(c.Start(dir, false, {}, {}, 1,
+                      {"--fault_unparseable_streams", "-1", "--fault_stall_before_commit_ms", "600"})
+                  .ok());
+  const Output got = c.Generate(SeededRequest(24));
+  EXPECT_EQ(got.status.error_code(), grpc::StatusCode::INTERNAL) << got.status.error_message() << "\n" << c.Logs();
+  // Both attempts' commits land ~0.6 s after their first events; 5 s is far
+  // below the unclaimed-handoff wait.
+  EXPECT_EQ(AllKvUsedAfterSettling(c, absl::Seconds(5)), 0) << c.Status().ShortDebugString() << "\n" << c.Logs();
+}
+
 INSTANTIATE_TEST_SUITE_P(Hops, UnparseableTest,
                          ::testing::Values(Hop{"PrefillToRouter", true, "pdserve.worker.v1.PrefillEvent.first"},
                                            Hop{"DecodeToRouter", false, "pdserve.v1.TokenChunk.text"}),

@@ -69,9 +69,16 @@ class PrefillCall final : public OneWriteStream<PrefillEvent> {
     unparseable_ = true;
   }
   // Counted in the service's in_flight_ and queued tokens until OnDone.
+  // Marked before the job is queued (the compute thread may push its first
+  // token at once, and that push releases the queued tokens only of an
+  // admitted call); withdrawn if the queue then refuses it.
   void Admitted() {
     absl::MutexLock lock(&mu_);
     admitted_ = true;
+  }
+  void Withdrawn() {
+    absl::MutexLock lock(&mu_);
+    admitted_ = false;
   }
   void Push(PrefillEvent e) {
     Action a;
@@ -467,16 +474,24 @@ grpc::ServerWriteReactor<PrefillEvent>* PrefillService::Prefill(grpc::CallbackSe
   job->context = job->gen->AllTokens();
   job->queued_at = Clock::now();
   job->call = call;
+  // The call is ready before the compute thread can see its job.
+  call->set_job(job);
+  call->Admitted();
+  if (fault_unparseable_.Take()) call->MakeFirstTokenUnparseable();
+  bool queued = false;
   {
     absl::MutexLock lock(&mu_);
-    if (stop_ || draining_) return reject(absl::UnavailableError("prefill worker draining"));
-    queue_.push_back(job);
-    queued_tokens_ += static_cast<int64_t>(job->context.size());
-    ++in_flight_;
+    if (!stop_ && !draining_) {
+      queue_.push_back(job);
+      queued_tokens_ += static_cast<int64_t>(job->context.size());
+      ++in_flight_;
+      queued = true;
+    }
   }
-  call->Admitted();
-  call->set_job(job);
-  if (fault_unparseable_.Take()) call->MakeFirstTokenUnparseable();
+  if (!queued) {
+    call->Withdrawn();
+    return reject(absl::UnavailableError("prefill worker draining"));
+  }
   return call.get();
 }
 

@@ -332,6 +332,22 @@ inline void ExpectUndisturbed(const Output& got, const Output& want, Cluster& c)
 
 // The KV blocks in use on every worker, summed: 0 as soon as it is, else
 // the sum when `wait` runs out (the survivors of a fault must hold none).
+// The prefill workers' queued prompt tokens once every request has ended
+// (each request's tokens are released when its first token is produced, or
+// when its call ends): 0 unless the accounting leaks.
+inline int64_t QueuedPrefillTokensAfterSettling(Cluster& c, absl::Duration wait = absl::Seconds(10)) {
+  const absl::Time deadline = absl::Now() + wait;
+  int64_t queued = -1;
+  while (absl::Now() < deadline) {
+    queued = 0;
+    const v1::ClusterStatusResponse st = c.Status();
+    for (const v1::WorkerStatus& w : st.prefill()) queued += w.queued_prefill_tokens();
+    if (queued == 0) break;
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  return queued;
+}
+
 inline int AllKvUsedAfterSettling(Cluster& c, absl::Duration wait = absl::Seconds(10)) {
   const absl::Time deadline = absl::Now() + wait;
   int used = -1;

@@ -56,6 +56,7 @@ TEST_P(UnparseableTest, FirstBadMessageCostsOneMigrationAndChangesNothing) {
   EXPECT_EQ(AllKvUsedAfterSettling(c), 0) << c.Status().ShortDebugString() << "\n" << c.Logs();
   // The worker goes on serving: the next request meets no fault.
   ExpectUndisturbed(c.Generate(SeededRequest(24)), want, c);
+  EXPECT_EQ(QueuedPrefillTokensAfterSettling(c), 0) << c.Status().ShortDebugString();
 }
 
 TEST_P(UnparseableTest, SecondBadMessageFailsWithInternalNamingTheField) {

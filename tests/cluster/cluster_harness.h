@@ -141,6 +141,12 @@ class Cluster {
   absl::Status Start(const std::string& dir, bool colocated, const std::vector<std::string>& decode_flags = {},
                      const std::map<std::string, std::string>& env = {}, int num_prefill = 1,
                      const std::vector<std::string>& prefill_flags = {}, int num_decode = 1) {
+    // Every server of every cluster a test starts runs one matrix path
+    // (unless the test set one: ClusterTest pins the path its in-process
+    // reference took): tests compare streams across clusters and restarted
+    // workers, and each server's start-up probe under the suite's load
+    // could otherwise pick a different path (different arithmetic).
+    setenv("PDSERVE_MATRIX_PATH", "f32", /*overwrite=*/0);
     std::filesystem::create_directories(dir);
     std::string decode_list;
     for (int i = 0; i < num_decode; ++i) {

@@ -392,9 +392,7 @@ absl::StatusOr<double> UcxPerftestBandwidth(int64_t message_bytes, int iteration
 // another process (a forked child) maps and has made resident, as UCX's
 // shared-memory transports copy into a receiver's mapped pool; both
 // buffers as large as the request, not the one reused, cache-resident
-// buffer of ucx_perftest. (A kernel copy, process_vm_writev as the cma
-// transport makes, measured slower here: 7.1 against 10-11 GB/s.) Median
-// bytes/s of `iterations` copies.
+// buffer of ucx_perftest. Median bytes/s of `iterations` copies.
 absl::StatusOr<double> CrossProcessCopyBandwidth(int64_t bytes, int iterations) {
   std::vector<char> src(static_cast<size_t>(bytes));
   for (int64_t i = 0; i < bytes; i += 4096) src[i] = static_cast<char>(i / 4096);

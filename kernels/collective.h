@@ -30,9 +30,10 @@ class Collective {
   // "threads", "nccl": for logs and Status.
   virtual const char* Name() const = 0;
 
-  // data[0, n) on every rank becomes the element-wise sum over ranks, added
-  // in rank order (0, 1, ..., size-1), so every rank holds the same bits
-  // and a rerun gives the same bits.
+  // data[0, n) on every rank becomes the element-wise sum over ranks; every
+  // rank holds the same bits and a rerun gives the same bits (the thread
+  // implementation adds in rank order 0, 1, ..., size-1; NCCL in its
+  // algorithm's order).
   virtual absl::Status AllReduceSum(float* data, int64_t n) = 0;
   // out[r * bytes, (r + 1) * bytes) = rank r's in[0, bytes), on every rank.
   // `out` holds size() * bytes; `in` may alias out's own slot.

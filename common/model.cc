@@ -29,7 +29,23 @@ std::vector<float> ToF32(const TensorView& t) {
   return out;
 }
 
-kernels::MatrixPart Part(const TensorView& t) { return {t.dtype, t.data, t.shape[0]}; }
+// Rows [first, first + count) of a matrix.
+kernels::MatrixPart Rows(const TensorView& t, int64_t first, int64_t count) {
+  const int64_t width = t.shape[1];
+  return {t.dtype, static_cast<const char*>(t.data) + first * width * DTypeSize(t.dtype), count};
+}
+
+// Columns from `first` on of a matrix (as many as the packed K says), every row.
+kernels::MatrixPart Cols(const TensorView& t, int64_t first) {
+  return {t.dtype, static_cast<const char*>(t.data) + first * DTypeSize(t.dtype), t.shape[0], t.shape[1]};
+}
+
+// Elements [first, first + count) of a tensor, as F32.
+std::vector<float> SliceToF32(const TensorView& t, int64_t first, int64_t count) {
+  std::vector<float> out(static_cast<size_t>(count));
+  ConvertToF32(t.dtype, static_cast<const char*>(t.data) + first * DTypeSize(t.dtype), out.size(), out.data());
+  return out;
+}
 
 template <typename T>
 void Grow(std::vector<T>& v, size_t n) {
@@ -70,7 +86,18 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& model_dir,
     if (!probe.ok()) return probe.status();
     if ((*probe)->dtype == DType::kBF16) storage = DType::kBF16;
   }
+  absl::StatusOr<ShardRanges> ranges = ComputeShardRanges(*config, options.shard);
+  if (!ranges.ok()) return ranges.status();
+  if (options.shard.size > 1) {
+    if (options.collective == nullptr || options.collective->size() != options.shard.size ||
+        options.collective->rank() != options.shard.rank) {
+      return absl::InvalidArgumentError(absl::StrCat("rank ", options.shard.rank, " of ", options.shard.size,
+                                                     " needs a collective of that rank and size"));
+    }
+  }
   auto model = std::unique_ptr<Model>(new Model(*std::move(config), backend));
+  model->ranges_ = *ranges;
+  model->collective_ = options.collective;
   if (absl::Status s = model->LoadWeights(**ckpt, storage); !s.ok()) return s;
   absl::StatusOr<std::string> config_text = ReadFileToString(model_dir + "/config.json");
   if (!config_text.ok()) return config_text.status();
@@ -83,25 +110,29 @@ absl::Status Model::LoadWeights(Checkpoint& ckpt, DType storage) {
   weight_dtype_ = storage;
   const ModelConfig& c = config_;
   const int64_t D = c.hidden_size, F = c.intermediate_size;
-  const int64_t Qd = c.QDim(), KVd = c.KvDim();
+  const int64_t Qd = c.QDim(), KVd = c.KvDim(), Hd = c.head_dim;
+  const IndexRange q_heads = ranges_.q_heads, kv_heads = ranges_.kv_heads, ffn = ranges_.ffn;
 
   absl::StatusOr<const TensorView*> embed = ckpt.Take("model.embed_tokens.weight", {c.vocab_size, D});
   if (!embed.ok()) return embed.status();
-  const size_t embed_elems = static_cast<size_t>(c.vocab_size * D);
+  // This rank's vocabulary rows only.
+  const IndexRange vocab = ranges_.vocab;
+  const size_t embed_elems = static_cast<size_t>(vocab.size() * D);
+  const int64_t embed_first = vocab.begin * D;
   if (storage == DType::kBF16) {
     embed_bf16_.resize(embed_elems);
     if ((*embed)->dtype == DType::kBF16) {
-      std::memcpy(embed_bf16_.data(), (*embed)->data, embed_elems * 2);
+      std::memcpy(embed_bf16_.data(), static_cast<const uint16_t*>((*embed)->data) + embed_first, embed_elems * 2);
     } else {
-      std::vector<float> f = ToF32(**embed);
+      std::vector<float> f = SliceToF32(**embed, embed_first, static_cast<int64_t>(embed_elems));
       for (size_t i = 0; i < embed_elems; ++i) embed_bf16_[i] = F32ToBf16(f[i]);
     }
   } else if (storage == DType::kI8) {
     // One scale per token row, like the per-output-channel weight scales.
-    const std::vector<float> f = ToF32(**embed);
+    const std::vector<float> f = SliceToF32(**embed, embed_first, static_cast<int64_t>(embed_elems));
     embed_i8_.resize(embed_elems);
-    embed_scale_.resize(c.vocab_size);
-    for (int64_t t = 0; t < c.vocab_size; ++t) {
+    embed_scale_.resize(vocab.size());
+    for (int64_t t = 0; t < vocab.size(); ++t) {
       float amax = 0;
       for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::abs(f[t * D + d]));
       embed_scale_[t] = amax / 127.0f;
@@ -112,7 +143,7 @@ absl::Status Model::LoadWeights(Checkpoint& ckpt, DType storage) {
       }
     }
   } else {
-    embed_f32_ = ToF32(**embed);
+    embed_f32_ = SliceToF32(**embed, embed_first, static_cast<int64_t>(embed_elems));
   }
 
   layers_.resize(c.num_layers);
@@ -143,22 +174,30 @@ absl::Status Model::LoadWeights(Checkpoint& ckpt, DType storage) {
       for (const auto* t : {&qb, &kb, &vb}) {
         if (!t->ok()) return t->status();
       }
-      for (const auto* t : {&qb, &kb, &vb}) {
-        std::vector<float> b = ToF32(***t);
+      const std::pair<const TensorView*, IndexRange> slices[] = {
+          {*qb, {q_heads.begin * Hd, q_heads.end * Hd}},
+          {*kb, {kv_heads.begin * Hd, kv_heads.end * Hd}},
+          {*vb, {kv_heads.begin * Hd, kv_heads.end * Hd}}};
+      for (const auto& [t, range] : slices) {
+        std::vector<float> b = SliceToF32(*t, range.begin, range.size());
         layer.qkv_bias.insert(layer.qkv_bias.end(), b.begin(), b.end());
       }
     }
     // Older checkpoints carry a RoPE buffer; it is recomputed, not loaded.
     if (ckpt.Has(p + "self_attn.rotary_emb.inv_freq")) ckpt.Ignore(p + "self_attn.rotary_emb.inv_freq");
 
-    const kernels::MatrixPart qkv_parts[] = {Part(**q), Part(**k), Part(**v)};
-    const kernels::MatrixPart gu_parts[] = {Part(**gate), Part(**up)};
-    const kernels::MatrixPart o_part[] = {Part(**o)};
-    const kernels::MatrixPart down_part[] = {Part(**down)};
+    // Column-parallel q/k/v, gate and up: this rank's output rows;
+    // row-parallel o and down: its input columns.
+    const kernels::MatrixPart qkv_parts[] = {Rows(**q, q_heads.begin * Hd, q_heads.size() * Hd),
+                                             Rows(**k, kv_heads.begin * Hd, kv_heads.size() * Hd),
+                                             Rows(**v, kv_heads.begin * Hd, kv_heads.size() * Hd)};
+    const kernels::MatrixPart gu_parts[] = {Rows(**gate, ffn.begin, ffn.size()), Rows(**up, ffn.begin, ffn.size())};
+    const kernels::MatrixPart o_part[] = {Cols(**o, q_heads.begin * Hd)};
+    const kernels::MatrixPart down_part[] = {Cols(**down, ffn.begin)};
     auto qkv_w = backend_->PackLinear(qkv_parts, D, storage);
-    auto o_w = backend_->PackLinear(o_part, Qd, storage);
+    auto o_w = backend_->PackLinear(o_part, q_heads.size() * Hd, storage);
     auto gu_w = backend_->PackLinear(gu_parts, D, storage);
-    auto down_w = backend_->PackLinear(down_part, F, storage);
+    auto down_w = backend_->PackLinear(down_part, ffn.size(), storage);
     for (const auto* t : {&qkv_w, &o_w, &gu_w, &down_w}) {
       if (!t->ok()) return t->status();
     }
@@ -180,7 +219,7 @@ absl::Status Model::LoadWeights(Checkpoint& ckpt, DType storage) {
   } else if (ckpt.Has("lm_head.weight")) {
     ckpt.Ignore("lm_head.weight");  // A tied copy; the embedding is used.
   }
-  const kernels::MatrixPart head_part[] = {Part(*head)};
+  const kernels::MatrixPart head_part[] = {Rows(*head, vocab.begin, vocab.size())};
   auto head_w = backend_->PackLinear(head_part, D, storage);
   if (!head_w.ok()) return head_w.status();
   lm_head_ = *std::move(head_w);
@@ -210,7 +249,7 @@ size_t Model::WeightBytesPerStep() const {
 KvCacheSpec Model::MakeKvSpec(DType kv_dtype, int32_t block_size, int32_t num_blocks) const {
   KvCacheSpec s;
   s.num_layers = static_cast<int32_t>(config_.num_layers);
-  s.num_kv_heads = static_cast<int32_t>(config_.num_kv_heads);
+  s.num_kv_heads = static_cast<int32_t>(ranges_.kv_heads.size());
   s.head_dim = static_cast<int32_t>(config_.head_dim);
   s.block_size = block_size;
   s.dtype = kv_dtype;
@@ -220,7 +259,7 @@ KvCacheSpec Model::MakeKvSpec(DType kv_dtype, int32_t block_size, int32_t num_bl
 
 absl::Status Model::ValidateBatch(const KvCacheSpec& spec, absl::Span<const ForwardSequence> batch) const {
   const ModelConfig& c = config_;
-  if (spec.num_layers != c.num_layers || spec.num_kv_heads != c.num_kv_heads ||
+  if (spec.num_layers != c.num_layers || spec.num_kv_heads != ranges_.kv_heads.size() ||
       spec.head_dim != c.head_dim) {
     return absl::InvalidArgumentError("KV spec does not match the model");
   }
@@ -268,9 +307,13 @@ absl::StatusOr<ForwardResult> Model::Forward(const KvStorage& kv_storage,
   }
   rope_.EnsurePositions(max_end);
 
-  const int64_t D = c.hidden_size, F = c.intermediate_size;
-  const int64_t Qd = c.QDim(), KVd = c.KvDim();
+  // This rank's share (all of it unsharded).
+  const int64_t D = c.hidden_size, F = ranges_.ffn.size();
   const int32_t H = static_cast<int32_t>(c.head_dim);
+  const int32_t num_heads = static_cast<int32_t>(ranges_.q_heads.size());
+  const int32_t num_kv_heads = static_cast<int32_t>(ranges_.kv_heads.size());
+  const int64_t Qd = num_heads * H, KVd = num_kv_heads * H;
+  const bool sharded = ranges_.shard.size > 1;
   const int32_t bs = spec.block_size;
   Grow(x_, T * D);
   Grow(xn_, T * D);
@@ -299,9 +342,13 @@ absl::StatusOr<ForwardResult> Model::Forward(const KvStorage& kv_storage,
       positions[row] = pos;
       blocks[row] = seq.kv->block_table()[pos / bs];
       slots[row] = pos % bs;
-      const int32_t tok = seq.tokens[i];
+      // The rank holding the token's row writes it, the others zeros; the
+      // all-reduce below makes it every rank's.
+      const int32_t tok = seq.tokens[i] - static_cast<int32_t>(ranges_.vocab.begin);
       float* xr = x_.data() + row * D;
-      if (weight_dtype_ == DType::kBF16) {
+      if (tok < 0 || tok >= ranges_.vocab.size()) {
+        std::fill(xr, xr + D, 0.0f);
+      } else if (weight_dtype_ == DType::kBF16) {
         for (int64_t d = 0; d < D; ++d) xr[d] = Bf16ToF32(embed_bf16_[tok * D + d]);
       } else if (weight_dtype_ == DType::kI8) {
         for (int64_t d = 0; d < D; ++d) xr[d] = embed_i8_[tok * D + d] * embed_scale_[tok];
@@ -313,6 +360,9 @@ absl::StatusOr<ForwardResult> Model::Forward(const KvStorage& kv_storage,
       }
     }
     result.num_rows.push_back(static_cast<int32_t>(logit_rows.size()) - result.first_row.back());
+  }
+  if (sharded) {
+    if (absl::Status s = collective_->AllReduceSum(x_.data(), T * D); !s.ok()) return s;
   }
 
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(H)));
@@ -329,13 +379,10 @@ absl::StatusOr<ForwardResult> Model::Forward(const KvStorage& kv_storage,
       std::memcpy(k_.data() + r * KVd, src + Qd, KVd * sizeof(float));
       std::memcpy(v_.data() + r * KVd, src + Qd + KVd, KVd * sizeof(float));
     }
-    backend_->Rope(q_.data(), T, static_cast<int32_t>(c.num_heads), H, positions.data(), rope_.cos(),
-                   rope_.sin());
-    backend_->Rope(k_.data(), T, static_cast<int32_t>(c.num_kv_heads), H, positions.data(),
-                   rope_.cos(), rope_.sin());
+    backend_->Rope(q_.data(), T, num_heads, H, positions.data(), rope_.cos(), rope_.sin());
+    backend_->Rope(k_.data(), T, num_kv_heads, H, positions.data(), rope_.cos(), rope_.sin());
     const kernels::KvLayerView kv = kv_storage.LayerView(static_cast<int32_t>(l));
-    backend_->WriteKv(kv, static_cast<int32_t>(c.num_kv_heads), H, k_.data(), v_.data(), T,
-                      blocks.data(), slots.data());
+    backend_->WriteKv(kv, num_kv_heads, H, k_.data(), v_.data(), T, blocks.data(), slots.data());
     if (options.on_layer_kv_written) options.on_layer_kv_written(static_cast<int32_t>(l));
     const auto attention_start = std::chrono::steady_clock::now();
     backend_->Attention(kernels::AttentionBatch{
@@ -343,8 +390,8 @@ absl::StatusOr<ForwardResult> Model::Forward(const KvStorage& kv_storage,
         .out = attn_.data(),
         .sequences = attn_seqs,
         .kv = kv,
-        .num_heads = static_cast<int32_t>(c.num_heads),
-        .num_kv_heads = static_cast<int32_t>(c.num_kv_heads),
+        .num_heads = num_heads,
+        .num_kv_heads = num_kv_heads,
         .head_dim = H,
         .scale = scale,
         .group_shared_blocks = options.group_shared_kv,
@@ -353,15 +400,17 @@ absl::StatusOr<ForwardResult> Model::Forward(const KvStorage& kv_storage,
     });
     result.attention_seconds +=
         std::chrono::duration<double>(std::chrono::steady_clock::now() - attention_start).count();
-    backend_->Linear(*layer.o, attn_.data(), T, nullptr, x_.data(), /*accumulate=*/true);
+    if (absl::Status s = RowParallel(*layer.o, attn_.data(), T, x_.data()); !s.ok()) return s;
     backend_->RmsNorm(x_.data(), layer.post_norm.data(), T, D, eps, xn_.data());
     backend_->Linear(*layer.gate_up, xn_.data(), T, nullptr, gate_up_.data(), false);
     backend_->SiluMul(gate_up_.data(), T, F, act_.data());
-    backend_->Linear(*layer.down, act_.data(), T, nullptr, x_.data(), /*accumulate=*/true);
+    if (absl::Status s = RowParallel(*layer.down, act_.data(), T, x_.data()); !s.ok()) return s;
   }
-  for (size_t s = 0; s < batch.size(); ++s) {
-    SequenceKv& kv = *batch[s].kv;
-    kv.SetNumPositions(kv.num_positions() + static_cast<int32_t>(batch[s].tokens.size()));
+  if (options.advance_positions) {
+    for (size_t s = 0; s < batch.size(); ++s) {
+      SequenceKv& kv = *batch[s].kv;
+      kv.SetNumPositions(kv.num_positions() + static_cast<int32_t>(batch[s].tokens.size()));
+    }
   }
 
   const int64_t R = static_cast<int64_t>(logit_rows.size());
@@ -371,9 +420,48 @@ absl::StatusOr<ForwardResult> Model::Forward(const KvStorage& kv_storage,
       std::memcpy(xn_.data() + i * D, x_.data() + logit_rows[i] * D, D * sizeof(float));
     }
     backend_->RmsNorm(xn_.data(), final_norm_.data(), R, D, eps, xn_.data());
-    backend_->Linear(*lm_head_, xn_.data(), R, nullptr, result.logits.data(), false);
+    if (!sharded) {
+      backend_->Linear(*lm_head_, xn_.data(), R, nullptr, result.logits.data(), false);
+    } else if (absl::Status s = GatherLogits(R, result.logits.data()); !s.ok()) {
+      return s;
+    }
   }
   return result;
+}
+
+absl::Status Model::RowParallel(const kernels::LinearWeight& w, const float* x, int64_t m, float* y) {
+  if (ranges_.shard.size == 1) {
+    backend_->Linear(w, x, m, nullptr, y, /*accumulate=*/true);
+    return absl::OkStatus();
+  }
+  const int64_t n = m * config_.hidden_size;
+  Grow(partial_, n);
+  backend_->Linear(w, x, m, nullptr, partial_.data(), /*accumulate=*/false);
+  if (absl::Status s = collective_->AllReduceSum(partial_.data(), n); !s.ok()) return s;
+  for (int64_t i = 0; i < n; ++i) y[i] += partial_[i];
+  return absl::OkStatus();
+}
+
+absl::Status Model::GatherLogits(int64_t rows, float* logits) {
+  // Each rank's slice in its slot of [ranks][rows][chunk], then in place.
+  const int64_t V = config_.vocab_size, chunk = ranges_.vocab_chunk;
+  const int ranks = ranges_.shard.size;
+  const int64_t slot = rows * chunk;
+  Grow(vocab_slices_, (ranks + 1) * slot);
+  float* mine = vocab_slices_.data() + ranks * slot;
+  backend_->Linear(*lm_head_, xn_.data(), rows, nullptr, mine, false);
+  if (absl::Status s = collective_->AllGather(mine, slot * sizeof(float), vocab_slices_.data()); !s.ok()) {
+    return s;
+  }
+  for (int r = 0; r < ranks; ++r) {
+    const int64_t begin = std::min(V, chunk * r), end = std::min(V, chunk * (r + 1));
+    const float* src = vocab_slices_.data() + r * slot;
+    // Rank r's Linear wrote [rows, end - begin] contiguously.
+    for (int64_t i = 0; i < rows; ++i) {
+      std::memcpy(logits + i * V + begin, src + i * (end - begin), (end - begin) * sizeof(float));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<ForwardResult> ForwardGrowing(Model& model, KvManager& kv, absl::Span<const ForwardSequence> batch,

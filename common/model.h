@@ -28,7 +28,9 @@
 #include "common/kv_manager.h"
 #include "common/model_config.h"
 #include "common/rope.h"
+#include "common/tensor_parallel.h"
 #include "kernels/backend.h"
+#include "kernels/collective.h"
 
 namespace pdserve {
 
@@ -37,6 +39,12 @@ struct ModelOptions {
   // scale per output channel, made at load time). Unset: BF16 for BF16
   // checkpoints, F32 otherwise.
   std::optional<DType> weight_dtype;
+  // Tensor parallelism (common/tensor_parallel.h): the slice this model
+  // loads and computes; its ranks meet in `collective` (REQUIRES: set when
+  // shard.size > 1, the same group for every rank, outliving the model).
+  // Each rank's forward is called with the same batch on its own thread.
+  TpShard shard;
+  kernels::Collective* collective = nullptr;
 };
 
 enum class LogitsMode { kNone, kLast, kAll };
@@ -58,6 +66,9 @@ struct ForwardOptions {
   // attention), so a KV handoff can stream the layer while later layers
   // still compute. Runs on the calling thread.
   std::function<void(int32_t layer)> on_layer_kv_written;
+  // Off for the ranks of a tensor-parallel forward: their sequences are
+  // shared, and the driver advances them once all ranks are done.
+  bool advance_positions = true;
 };
 
 struct ForwardResult {
@@ -88,6 +99,8 @@ class Model {
   // The backend the model runs on (its Name() says which kernels).
   const kernels::Backend& backend() const { return *backend_; }
   DType weight_dtype() const { return weight_dtype_; }
+  // What this model holds of the full one (everything when unsharded).
+  const ShardRanges& shard() const { return ranges_; }
   // Identifies these weights as held in memory (for prefix-cache hashes):
   // XXH3-128 over config.json, the in-memory weight format, and every
   // tensor's name, dtype, shape and XXH3-64 of its first and last 4 KiB.
@@ -98,7 +111,7 @@ class Model {
   // embedding row).
   size_t WeightBytesPerStep() const;
 
-  // A KV cache spec matching this model.
+  // A KV cache spec matching this model (this rank's KV heads).
   KvCacheSpec MakeKvSpec(DType kv_dtype, int32_t block_size, int32_t num_blocks) const;
 
   // Runs the batch on the KV in `kv`. Never allocates or frees a block: the
@@ -117,21 +130,29 @@ class Model {
   struct Layer;
   Model(ModelConfig config, kernels::Backend* backend);
   absl::Status LoadWeights(class Checkpoint& ckpt, DType storage);
+  // y += partial: the row-parallel projection's sum over ranks, added to
+  // the residual. Unsharded, the projection accumulates into y directly.
+  absl::Status RowParallel(const kernels::LinearWeight& w, const float* x, int64_t m, float* y);
+  // logits[rows, vocab] from every rank's slice of the LM head over xn_.
+  absl::Status GatherLogits(int64_t rows, float* logits);
 
   ModelConfig config_;
   kernels::Backend* backend_;
+  ShardRanges ranges_;
+  kernels::Collective* collective_ = nullptr;
   DType weight_dtype_ = DType::kF32;
   ModelIdentity identity_;
   std::vector<Layer> layers_;
-  std::vector<uint16_t> embed_bf16_;  // [vocab, hidden] when weights are BF16
-  std::vector<float> embed_f32_;      // [vocab, hidden] when weights are F32
-  std::vector<int8_t> embed_i8_;      // [vocab, hidden] when weights are int8
-  std::vector<float> embed_scale_;    // [vocab]: one scale per int8 row
+  // Rows of this rank's vocabulary slice (all of it unsharded).
+  std::vector<uint16_t> embed_bf16_;  // [vocab slice, hidden] when weights are BF16
+  std::vector<float> embed_f32_;      // [vocab slice, hidden] when weights are F32
+  std::vector<int8_t> embed_i8_;      // [vocab slice, hidden] when weights are int8
+  std::vector<float> embed_scale_;    // [vocab slice]: one scale per int8 row
   std::vector<float> final_norm_;
   std::unique_ptr<kernels::LinearWeight> lm_head_;
   RopeTable rope_;
   // Scratch reused across calls.
-  std::vector<float> x_, xn_, qkv_, q_, k_, v_, attn_, gate_up_, act_;
+  std::vector<float> x_, xn_, qkv_, q_, k_, v_, attn_, gate_up_, act_, partial_, vocab_slices_;
 };
 
 // Grows every sequence of the batch through `kv` for its new tokens (all

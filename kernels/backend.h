@@ -22,11 +22,14 @@
 namespace pdserve::kernels {
 
 // Rows of a weight matrix as they come from a checkpoint: `rows` x K
-// elements of `dtype`, row-major.
+// elements of `dtype`, row-major, `stride` elements apart (0: K). A
+// column slice of a wider matrix (a row-parallel shard) is its first
+// element and the full row length as the stride.
 struct MatrixPart {
   DType dtype;
   const void* data;
   int64_t rows;
+  int64_t stride = 0;
 };
 
 // A linear layer's weight W[N, K] in the backend's layout.

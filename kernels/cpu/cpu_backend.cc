@@ -261,6 +261,9 @@ absl::StatusOr<std::unique_ptr<LinearWeight>> CpuBackend::PackLinear(
   int64_t n = 0;
   for (const MatrixPart& p : parts) {
     if (p.dtype == DType::kI8) return absl::InvalidArgumentError("int8 sources are not supported");
+    if (p.stride != 0 && p.stride < k) {
+      return absl::InvalidArgumentError(absl::StrCat("matrix rows ", p.stride, " apart hold fewer than ", k, " elements"));
+    }
     n += p.rows;
   }
   std::vector<float> row(static_cast<size_t>(k));
@@ -269,7 +272,7 @@ absl::StatusOr<std::unique_ptr<LinearWeight>> CpuBackend::PackLinear(
   auto for_each_row = [&](auto fn) {
     int64_t out_row = 0;
     for (const MatrixPart& p : parts) {
-      const size_t in_row_bytes = static_cast<size_t>(k) * DTypeSize(p.dtype);
+      const size_t in_row_bytes = static_cast<size_t>(p.stride > 0 ? p.stride : k) * DTypeSize(p.dtype);
       for (int64_t r = 0; r < p.rows; ++r, ++out_row) {
         ConvertToF32(p.dtype, static_cast<const char*>(p.data) + r * in_row_bytes, static_cast<size_t>(k), row.data());
         if (!fn(out_row, row.data())) return false;

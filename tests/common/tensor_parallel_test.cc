@@ -1,0 +1,243 @@
+// Tensor parallelism on the CPU (DESIGN.md fact 12): the shard rules, and
+// a model split over 2, 4 and 8 ranks (threads meeting in the in-process
+// collective) giving the unsharded model's logits within 1e-5 of the
+// largest logit in F32, and the same greedy streams, for prompts of
+// several lengths batched together and then decoded, including 8 ranks
+// over 2 KV heads (each KV head on 4 ranks).
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/kv_manager.h"
+#include "common/model.h"
+#include "common/synthetic_model.h"
+#include "common/tensor_parallel.h"
+#include "common/tensor_parallel_model.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu/cpu_backend.h"
+
+namespace pdserve {
+namespace {
+
+ModelConfig Config(int64_t heads, int64_t kv_heads, int64_t ffn, int64_t vocab) {
+  ModelConfig c;
+  c.num_heads = heads;
+  c.num_kv_heads = kv_heads;
+  c.intermediate_size = ffn;
+  c.vocab_size = vocab;
+  c.head_dim = 8;
+  c.hidden_size = heads * 8;
+  c.num_layers = 1;
+  return c;
+}
+
+TEST(ShardRangesTest, HeadsSplitWithTheirGroupsAndReplicateWhenRanksOutnumberKvHeads) {
+  const ModelConfig c = Config(8, 2, 80, 97);
+  auto two = ComputeShardRanges(c, {1, 2});
+  ASSERT_TRUE(two.ok()) << two.status();
+  EXPECT_EQ(two->q_heads, (IndexRange{4, 8}));
+  EXPECT_EQ(two->kv_heads, (IndexRange{1, 2}));
+  EXPECT_EQ(two->kv_copies, 1);
+  EXPECT_EQ(two->ffn, (IndexRange{40, 80}));
+  EXPECT_EQ(two->vocab, (IndexRange{49, 97}));
+
+  // 8 ranks over 2 KV heads: ranks 0-3 hold head 0, ranks 4-7 head 1, and
+  // each rank's query head reads the KV head it holds (h / g, g = 4).
+  for (int r = 0; r < 8; ++r) {
+    auto s = ComputeShardRanges(c, {r, 8});
+    ASSERT_TRUE(s.ok()) << s.status();
+    EXPECT_EQ(s->q_heads, (IndexRange{r, r + 1}));
+    EXPECT_EQ(s->kv_heads, (IndexRange{r / 4, r / 4 + 1}));
+    EXPECT_EQ(s->kv_copies, 4);
+    EXPECT_EQ(s->q_heads.begin / c.GroupSize(), s->kv_heads.begin);
+    EXPECT_EQ(s->vocab_chunk, 13);
+    EXPECT_EQ(s->vocab, (IndexRange{13 * r, std::min<int64_t>(97, 13 * (r + 1))}));
+  }
+}
+
+TEST(ShardRangesTest, ShapesThatCannotBeCutAreRefusedNamingWhy) {
+  auto three = ComputeShardRanges(Config(8, 2, 80, 97), {0, 3});
+  EXPECT_EQ(three.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(three.status().message().find("8 query heads"), std::string::npos) << three.status();
+  // 12 query heads over 4 KV heads on 6 ranks: 6 neither divides 4 nor is divided by it.
+  auto six = ComputeShardRanges(Config(12, 4, 96, 97), {0, 6});
+  EXPECT_EQ(six.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(six.status().message().find("4 KV heads"), std::string::npos) << six.status();
+  EXPECT_EQ(ComputeShardRanges(Config(8, 2, 80, 97), {2, 2}).status().code(), absl::StatusCode::kInvalidArgument);
+  // 9 vocabulary entries over 8 ranks: chunks of 2 leave ranks 5-7 nothing.
+  EXPECT_EQ(ComputeShardRanges(Config(8, 2, 80, 9), {0, 8}).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// One model, unsharded and sharded, each with its own KV.
+class ShardedForwardTest : public testing::TestWithParam<int> {
+ protected:
+  static constexpr int32_t kBlockSize = 4;
+
+  void SetUp() override {
+    dir_ = MakeTempDir("tp");
+    RandomModelSpec spec;  // 8 query heads over 2 KV heads, FFN 80.
+    spec.vocab_size = 97;  // Not a multiple of any rank count.
+    spec.num_layers = 3;
+    spec.seed = 7;
+    ASSERT_TRUE(WriteRandomModel(dir_, spec).ok());
+  }
+
+  std::unique_ptr<kernels::cpu::CpuBackend> Backend() {
+    auto b = kernels::cpu::CpuBackend::Create({.num_threads = 1, .isa = std::nullopt, .matrix_path = std::nullopt});
+    EXPECT_TRUE(b.ok()) << b.status();
+    return b.ok() ? *std::move(b) : nullptr;
+  }
+
+  std::string dir_;
+};
+
+// A greedy run: the logits of every prompt row, then of each decode step.
+struct GreedyRun {
+  std::vector<std::vector<float>> logits;  // One row per step and sequence.
+  std::vector<std::vector<int32_t>> streams;
+};
+
+std::vector<std::vector<int32_t>> Prompts() {
+  std::mt19937_64 rng(3);
+  std::vector<std::vector<int32_t>> prompts;
+  for (int len : {1, 7, 13}) {
+    std::vector<int32_t> p(len);
+    for (auto& t : p) t = static_cast<int32_t>(rng() % 97);
+    prompts.push_back(p);
+  }
+  return prompts;
+}
+
+int32_t Argmax(absl::Span<const float> row) {
+  return static_cast<int32_t>(std::max_element(row.begin(), row.end()) - row.begin());
+}
+
+// Runs prompts then `steps` greedy decode steps through `forward`.
+template <typename ForwardFn>
+GreedyRun Generate(KvManager& kv, ForwardFn forward, int steps) {
+  const auto prompts = Prompts();
+  std::vector<SequenceKv> seqs;
+  for (size_t s = 0; s < prompts.size(); ++s) seqs.push_back(kv.NewSequence());
+  GreedyRun run;
+  run.streams.resize(prompts.size());
+  std::vector<std::vector<int32_t>> next = prompts;
+  for (int step = 0; step <= steps; ++step) {
+    std::vector<ForwardSequence> batch;
+    for (size_t s = 0; s < seqs.size(); ++s) {
+      EXPECT_TRUE(kv.Grow(seqs[s], seqs[s].num_positions() + static_cast<int32_t>(next[s].size())).ok());
+      batch.push_back({&seqs[s], next[s], step == 0 ? LogitsMode::kAll : LogitsMode::kLast});
+    }
+    absl::StatusOr<ForwardResult> r = forward(batch);
+    EXPECT_TRUE(r.ok()) << r.status();
+    if (!r.ok()) return run;
+    for (int64_t row = 0; row * r->vocab_size < static_cast<int64_t>(r->logits.size()); ++row) {
+      const auto v = r->Row(row);
+      run.logits.emplace_back(v.begin(), v.end());
+    }
+    for (size_t s = 0; s < seqs.size(); ++s) {
+      const int32_t t = Argmax(r->Last(s));
+      run.streams[s].push_back(t);
+      next[s] = {t};
+    }
+  }
+  return run;
+}
+
+TEST_P(ShardedForwardTest, LogitsMatchTheUnshardedModelAndGreedyStreamsAreIdentical) {
+  const int tp = GetParam();
+  constexpr int kSteps = 12;
+  ModelOptions options;
+  options.weight_dtype = DType::kF32;
+
+  auto single_backend = Backend();
+  auto single = Model::Load(dir_, options, single_backend.get());
+  ASSERT_TRUE(single.ok()) << single.status();
+  auto single_kv = KvManager::Create((*single)->MakeKvSpec(DType::kF32, kBlockSize, 64));
+  ASSERT_TRUE(single_kv.ok());
+  const GreedyRun want = Generate(**single_kv, [&](absl::Span<const ForwardSequence> b) {
+    return (*single)->Forward((*single_kv)->storage(), b);
+  }, kSteps);
+
+  std::vector<std::unique_ptr<kernels::cpu::CpuBackend>> backends;
+  std::vector<kernels::Backend*> raw;
+  for (int r = 0; r < tp; ++r) {
+    backends.push_back(Backend());
+    raw.push_back(backends.back().get());
+  }
+  auto sharded = TensorParallelModel::Load(dir_, options, raw);
+  ASSERT_TRUE(sharded.ok()) << sharded.status();
+  // Each rank holds its share of the KV heads: c_kv / min(N, N_kv).
+  const KvCacheSpec rank_spec = (*sharded)->rank(0).MakeKvSpec(DType::kF32, kBlockSize, 64);
+  const KvCacheSpec full_spec = (*single)->MakeKvSpec(DType::kF32, kBlockSize, 64);
+  EXPECT_EQ(rank_spec.BytesPerPosition(), full_spec.BytesPerPosition() / std::min(tp, 2));
+  // And a share of the weights: the layers' projections split, the norms kept.
+  EXPECT_LT((*sharded)->rank(0).WeightBytes(), (*single)->WeightBytes() / tp + (*single)->WeightBytes() / 10);
+
+  auto kv = KvManager::Create(rank_spec);
+  ASSERT_TRUE(kv.ok());
+  auto pools = AllocateRankKvPools((*kv)->storage(), tp);
+  ASSERT_TRUE(pools.ok()) << pools.status();
+  const GreedyRun got = Generate(**kv, [&](absl::Span<const ForwardSequence> b) {
+    return (*sharded)->Forward(pools->storages, b);
+  }, kSteps);
+
+  ASSERT_EQ(got.logits.size(), want.logits.size());
+  for (size_t i = 0; i < want.logits.size(); ++i) {
+    float largest = 0;
+    for (float v : want.logits[i]) largest = std::max(largest, std::abs(v));
+    for (size_t j = 0; j < want.logits[i].size(); ++j) {
+      ASSERT_LE(std::abs(got.logits[i][j] - want.logits[i][j]), 1e-5f * largest)
+          << "tp " << tp << " row " << i << " logit " << j;
+    }
+  }
+  EXPECT_EQ(got.streams, want.streams);
+  const auto stats = (*sharded)->group().stats(tp - 1);
+  // Per layer two all-reduces, plus the embedding's and the logits' gather.
+  EXPECT_EQ(stats.calls, (kSteps + 1) * (2 * 3 + 2));
+}
+
+TEST_P(ShardedForwardTest, AFailedCollectiveFailsTheForwardOnEveryRank) {
+  const int tp = GetParam();
+  ModelOptions options;
+  options.weight_dtype = DType::kF32;
+  std::vector<std::unique_ptr<kernels::cpu::CpuBackend>> backends;
+  std::vector<kernels::Backend*> raw;
+  for (int r = 0; r < tp; ++r) {
+    backends.push_back(Backend());
+    raw.push_back(backends.back().get());
+  }
+  auto sharded = TensorParallelModel::Load(dir_, options, raw);
+  ASSERT_TRUE(sharded.ok()) << sharded.status();
+  auto kv = KvManager::Create((*sharded)->rank(0).MakeKvSpec(DType::kF32, kBlockSize, 64));
+  ASSERT_TRUE(kv.ok());
+  auto pools = AllocateRankKvPools((*kv)->storage(), tp);
+  ASSERT_TRUE(pools.ok());
+
+  // A bad batch is refused before any rank computes: the group stays whole.
+  SequenceKv bad = (*kv)->NewSequence();
+  const std::vector<int32_t> outside = {500};
+  ASSERT_TRUE((*kv)->Grow(bad, 1).ok());
+  const ForwardSequence bad_batch[] = {{&bad, outside}};
+  EXPECT_EQ((*sharded)->Forward(pools->storages, bad_batch).status().code(), absl::StatusCode::kInvalidArgument);
+
+  SequenceKv seq = (*kv)->NewSequence();
+  const std::vector<int32_t> tokens = {1, 2, 3, 4, 5};
+  ASSERT_TRUE((*kv)->Grow(seq, 5).ok());
+  const ForwardSequence batch[] = {{&seq, tokens}};
+  (*sharded)->group().InjectFailure(4, absl::UnavailableError("injected: rank link down"));
+  absl::StatusOr<ForwardResult> r = (*sharded)->Forward(pools->storages, batch);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().message(), "injected: rank link down");
+  EXPECT_EQ(seq.num_positions(), 0);  // Nothing advanced.
+  // The group stays broken: the worker must stop serving, not retry.
+  EXPECT_EQ((*sharded)->Forward(pools->storages, batch).status().message(), "injected: rank link down");
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, ShardedForwardTest, testing::Values(2, 4, 8),
+                         [](const testing::TestParamInfo<int>& p) { return "Tp" + std::to_string(p.param); });
+
+}  // namespace
+}  // namespace pdserve

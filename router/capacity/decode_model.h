@@ -40,8 +40,7 @@ int64_t KvCopies(const PlanInputs& in);
 // 1 for head-sharded, N for request-sharded.
 int64_t BatchUnit(const PlanInputs& in);
 
-// Which resource the step time is spent on: compute when the projections'
-// FLOP time exceeds the time to read the weights and the batch's KV.
+// Which resource a time is spent on (see DecodeStep's two labels).
 enum class StepBound { kCompute, kBandwidth };
 absl::string_view StepBoundName(StepBound b);
 
@@ -57,6 +56,12 @@ struct DecodeStep {
   double kv_bytes_per_chip = 0;      // KV_chip(B)
   double memory_bytes_per_chip = 0;  // W_chip + KV_chip(B)
   bool fits = false;                 // memory_bytes_per_chip <= usable memory
+  // The branch of max(projections, weights) the step formula took:
+  // compute when the projections' FLOP time exceeds the weights' read.
+  StepBound projection_bound = StepBound::kBandwidth;
+  // The whole step: compute when the FLOP time it counts (the projections,
+  // if that branch was taken) exceeds the read time it counts (the
+  // weights, if that branch was taken, plus the KV).
   StepBound bound = StepBound::kBandwidth;
   double tokens_per_s = 0;           // B / t_step, the group
   double tokens_per_s_per_chip = 0;  // B / (N * t_step)

@@ -53,6 +53,28 @@ TEST(CapacityDecodeTest, OneChipStepTime) {
   ExpectClose(big.tokens_per_s, 200 / 4.8192e-3);
 }
 
+TEST(CapacityDecodeTest, LabelsSayWhichBranchTheStepFormulaTook) {
+  // Batch 110: projections 2.2 ms > weights 2 ms, so the formula takes the
+  // compute branch: the step is 2.2 ms of FLOPs + 0.45 ms of KV reads,
+  // compute-bound. (Comparing the FLOPs with weights + KV, 2.45 ms, would
+  // call it bandwidth-bound while the formula counts no weight read.)
+  PlanInputs in = BaseInputs();
+  const DecodeStep mid = ComputeDecodeStep(in, 110);
+  ExpectClose(mid.step_s, 2.2e-3 + 110 * 4.096e-6);
+  EXPECT_EQ(mid.projection_bound, StepBound::kCompute);
+  EXPECT_EQ(mid.bound, StepBound::kCompute);
+  // A 32x longer history: the projections still take the compute branch,
+  // but the KV read (14.4 ms) is most of the step: bandwidth-bound.
+  in.workload.history_tokens *= 32;
+  const DecodeStep long_history = ComputeDecodeStep(in, 110);
+  ExpectClose(long_history.step_s, 2.2e-3 + 32 * 110 * 4.096e-6);
+  EXPECT_EQ(long_history.projection_bound, StepBound::kCompute);
+  EXPECT_EQ(long_history.bound, StepBound::kBandwidth);
+  // Batch 1: the weights' read is the branch taken, and bounds the step.
+  EXPECT_EQ(ComputeDecodeStep(in, 1).projection_bound, StepBound::kBandwidth);
+  EXPECT_EQ(ComputeDecodeStep(in, 1).bound, StepBound::kBandwidth);
+}
+
 TEST(CapacityDecodeTest, ComputeBoundBatchIsWeightBytesTimesFlopsOverTwiceBandwidth) {
   PlanInputs in = BaseInputs();
   ExpectClose(Plan(in).compute_bound_batch, 100);  // 2 * 1e14 / (2 * 1e12)

@@ -38,8 +38,14 @@ int64_t KvCacheSpec::LayerBlockBytes() const {
   return BytesPerPosition() / num_layers * block_size;
 }
 
-int64_t KvCacheSpec::TotalBytes() const {
-  return LayerBlockBytes() * num_blocks * num_layers;
+int64_t KvCacheSpec::RankBytes() const { return LayerBlockBytes() * num_blocks * num_layers; }
+
+int64_t KvCacheSpec::TotalBytes() const { return RankBytes() * num_ranks; }
+
+int32_t KvCacheSpec::FirstKvHead(int32_t rank) const {
+  const int32_t model = ModelKvHeads();
+  if (num_ranks * num_kv_heads == model) return rank * num_kv_heads;
+  return rank / (num_ranks / model);  // Replicated: one head per rank.
 }
 
 absl::Status KvCacheSpec::Validate() const {
@@ -57,6 +63,14 @@ absl::Status KvCacheSpec::Validate() const {
   if (dtype != DType::kF32 && dtype != DType::kBF16 && dtype != DType::kI8) {
     return absl::InvalidArgumentError(absl::StrCat("KV cache: dtype ", DTypeName(dtype),
                                                    " is not supported (f32, bf16, int8)"));
+  }
+  const int32_t model = ModelKvHeads();
+  const bool split = num_ranks >= 1 && num_ranks * num_kv_heads == model;
+  const bool replicated = num_ranks >= 1 && num_kv_heads == 1 && num_ranks % model == 0;
+  if (!split && !replicated) {
+    return absl::InvalidArgumentError(absl::StrCat("KV cache: ", num_ranks, " ranks of ", num_kv_heads,
+                                                   " KV heads each do not hold the model's ", model,
+                                                   " heads (split evenly, or one head per rank)"));
   }
   return absl::OkStatus();
 }
@@ -179,7 +193,15 @@ void BlockPool::MarkCached(BlockId b, const BlockHash& hash, const BlockHash& pa
   if (listener_ != nullptr) listener_->OnStored(hash, parent);
 }
 
+KvStorage KvStorage::Rank(int32_t rank) const {
+  KvStorage r{spec, base + static_cast<int64_t>(rank) * spec.RankBytes()};
+  r.spec.num_ranks = 1;
+  r.spec.model_kv_heads = 0;
+  return r;
+}
+
 kernels::KvLayerView KvStorage::LayerView(int32_t layer) const {
+  if (spec.num_ranks != 1) ABSL_RAW_LOG(FATAL, "KvStorage::LayerView of a %d-rank pool (take a Rank first)", spec.num_ranks);
   const int64_t elem = static_cast<int64_t>(DTypeSize(spec.dtype));
   const int64_t half_elems = static_cast<int64_t>(spec.num_kv_heads) * spec.block_size * spec.head_dim;
   return kernels::KvLayerView{
@@ -193,8 +215,9 @@ kernels::KvLayerView KvStorage::LayerView(int32_t layer) const {
   };
 }
 
-void* KvStorage::BlockData(int32_t layer, BlockId block) const {
-  return base + (static_cast<int64_t>(layer) * spec.num_blocks + block.value) * spec.LayerBlockBytes();
+void* KvStorage::BlockData(int32_t layer, BlockId block, int32_t rank) const {
+  return base + rank * spec.RankBytes() +
+         (static_cast<int64_t>(layer) * spec.num_blocks + block.value) * spec.LayerBlockBytes();
 }
 
 }  // namespace pdserve

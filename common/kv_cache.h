@@ -49,12 +49,27 @@ struct KvCacheSpec {
   int32_t block_size = 16;  // Positions per block.
   DType dtype = DType::kF32;  // kF32, kBF16 or kI8.
   int32_t num_blocks = 0;
+  // Tensor parallelism (common/tensor_parallel.h): `num_ranks` pools of
+  // this shape side by side in one region, rank r's RankBytes() * r bytes
+  // in; a block id addresses the same block in each. Each rank holds
+  // num_kv_heads of the model's model_kv_heads (0: num_kv_heads):
+  // consecutive ranges, or, when ranks outnumber the model's heads, one
+  // head each, every head on num_ranks / model_kv_heads ranks.
+  int32_t num_ranks = 1;
+  int32_t model_kv_heads = 0;
 
-  // c_kv: bytes of one position across all layers, K and V (scales included).
+  // c_kv of one rank: bytes of one position across all layers, K and V
+  // (scales included), for the heads the rank holds.
   int64_t BytesPerPosition() const;
-  // One block of one layer.
+  // One block of one layer of one rank.
   int64_t LayerBlockBytes() const;
+  // One rank's pool.
+  int64_t RankBytes() const;
+  // The whole region: every rank's pool.
   int64_t TotalBytes() const;
+  int32_t ModelKvHeads() const { return model_kv_heads > 0 ? model_kv_heads : num_kv_heads; }
+  // The model's KV head that rank r holds as its local head 0.
+  int32_t FirstKvHead(int32_t rank) const;
   absl::Status Validate() const;
 };
 
@@ -64,11 +79,12 @@ struct KvCacheSpec {
 struct KvStorage {
   KvCacheSpec spec;
   char* base = nullptr;  // The region's start.
-
-  // The KV of `layer` as the backend reads it.
+  // Rank r's pool alone (a one-rank spec with its heads).
+  KvStorage Rank(int32_t rank) const;
+  // The KV of `layer` as the backend reads it. REQUIRES: one rank.
   kernels::KvLayerView LayerView(int32_t layer) const;
-  // Start of (layer, block) in the region.
-  void* BlockData(int32_t layer, BlockId block) const;
+  // Start of (layer, block) of `rank` in the region.
+  void* BlockData(int32_t layer, BlockId block, int32_t rank = 0) const;
 };
 
 // Memory the pool lives in. The KV handoff supplies an allocator that

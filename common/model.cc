@@ -8,6 +8,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/checkpoint.h"
+#include "common/tensor_parallel_ranks.h"
 
 namespace pdserve {
 
@@ -62,6 +63,29 @@ Model::~Model() = default;
 absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& model_dir,
                                                    const ModelOptions& options,
                                                    kernels::Backend* backend) {
+  if (options.tp < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor parallelism over ", options.tp, " ranks"));
+  }
+  if (options.tp == 1) return LoadShard(model_dir, options, backend, TpShard{0, 1}, nullptr);
+  if (static_cast<int>(options.rank_backends.size()) != options.tp - 1) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor parallelism over ", options.tp, " ranks needs ",
+                                                   options.tp - 1, " more backends, got ",
+                                                   options.rank_backends.size()));
+  }
+  auto ranks = std::make_unique<TensorParallelRanks>(options.tp);
+  absl::StatusOr<std::unique_ptr<Model>> rank0 =
+      LoadShard(model_dir, options, backend, TpShard{0, options.tp}, &ranks->group().rank(0));
+  if (!rank0.ok()) return rank0.status();
+  if (absl::Status s = ranks->LoadPeers(model_dir, options, options.rank_backends); !s.ok()) return s;
+  (*rank0)->tp_ = std::move(ranks);
+  return rank0;
+}
+
+kernels::cpu::ThreadCollectiveGroup* Model::tp_group() { return tp_ ? &tp_->group() : nullptr; }
+
+absl::StatusOr<std::unique_ptr<Model>> Model::LoadShard(const std::string& model_dir, const ModelOptions& options,
+                                                        kernels::Backend* backend, TpShard shard,
+                                                        kernels::Collective* collective) {
   absl::StatusOr<ModelConfig> config = LoadModelConfig(model_dir);
   if (!config.ok()) return config.status();
   const int64_t g = config->GroupSize();
@@ -86,18 +110,11 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& model_dir,
     if (!probe.ok()) return probe.status();
     if ((*probe)->dtype == DType::kBF16) storage = DType::kBF16;
   }
-  absl::StatusOr<ShardRanges> ranges = ComputeShardRanges(*config, options.shard);
-  if (!ranges.ok()) return ranges.status();
-  if (options.shard.size > 1) {
-    if (options.collective == nullptr || options.collective->size() != options.shard.size ||
-        options.collective->rank() != options.shard.rank) {
-      return absl::InvalidArgumentError(absl::StrCat("rank ", options.shard.rank, " of ", options.shard.size,
-                                                     " needs a collective of that rank and size"));
-    }
-  }
+  absl::StatusOr<ShardRanges> ranges = ComputeShardRanges(*config, shard);
+  if (!ranges.ok()) return absl::InvalidArgumentError(absl::StrCat(model_dir, ": ", ranges.status().message()));
   auto model = std::unique_ptr<Model>(new Model(*std::move(config), backend));
   model->ranges_ = *ranges;
-  model->collective_ = options.collective;
+  model->collective_ = collective;
   if (absl::Status s = model->LoadWeights(**ckpt, storage); !s.ok()) return s;
   absl::StatusOr<std::string> config_text = ReadFileToString(model_dir + "/config.json");
   if (!config_text.ok()) return config_text.status();
@@ -227,6 +244,18 @@ absl::Status Model::LoadWeights(Checkpoint& ckpt, DType storage) {
 }
 
 size_t Model::WeightBytes() const {
+  size_t n = ShardWeightBytes();
+  for (int r = 1; r < tp(); ++r) n += tp_->peer(r).ShardWeightBytes();
+  return n;
+}
+
+size_t Model::WeightBytesPerStep() const {
+  size_t n = ShardWeightBytesPerStep();
+  for (int r = 1; r < tp(); ++r) n += tp_->peer(r).ShardWeightBytesPerStep();
+  return n;
+}
+
+size_t Model::ShardWeightBytes() const {
   size_t n = embed_f32_.size() * 4 + embed_bf16_.size() * 2 + embed_i8_.size() +
              embed_scale_.size() * 4 + lm_head_->bytes() + final_norm_.size() * 4;
   for (const Layer& l : layers_) {
@@ -236,7 +265,7 @@ size_t Model::WeightBytes() const {
   return n;
 }
 
-size_t Model::WeightBytesPerStep() const {
+size_t Model::ShardWeightBytesPerStep() const {
   size_t n = lm_head_->bytes() + final_norm_.size() * 4 +
              static_cast<size_t>(config_.hidden_size) * DTypeSize(weight_dtype_);
   for (const Layer& l : layers_) {
@@ -250,6 +279,8 @@ KvCacheSpec Model::MakeKvSpec(DType kv_dtype, int32_t block_size, int32_t num_bl
   KvCacheSpec s;
   s.num_layers = static_cast<int32_t>(config_.num_layers);
   s.num_kv_heads = static_cast<int32_t>(ranges_.kv_heads.size());
+  s.num_ranks = tp();
+  s.model_kv_heads = static_cast<int32_t>(config_.num_kv_heads);
   s.head_dim = static_cast<int32_t>(config_.head_dim);
   s.block_size = block_size;
   s.dtype = kv_dtype;
@@ -260,6 +291,7 @@ KvCacheSpec Model::MakeKvSpec(DType kv_dtype, int32_t block_size, int32_t num_bl
 absl::Status Model::ValidateBatch(const KvCacheSpec& spec, absl::Span<const ForwardSequence> batch) const {
   const ModelConfig& c = config_;
   if (spec.num_layers != c.num_layers || spec.num_kv_heads != ranges_.kv_heads.size() ||
+      spec.num_ranks != tp() || spec.ModelKvHeads() != c.num_kv_heads ||
       spec.head_dim != c.head_dim) {
     return absl::InvalidArgumentError("KV spec does not match the model");
   }
@@ -288,20 +320,31 @@ absl::Status Model::ValidateBatch(const KvCacheSpec& spec, absl::Span<const Forw
 absl::StatusOr<ForwardResult> Model::Forward(const KvStorage& kv_storage,
                                              absl::Span<const ForwardSequence> batch,
                                              const ForwardOptions& options) {
+  // Validate everything before touching the cache.
+  if (absl::Status s = ValidateBatch(kv_storage.spec, batch); !s.ok()) return s;
+  const int32_t block_size = kv_storage.spec.block_size;
+  for (size_t s = 0; s < batch.size(); ++s) {
+    const ForwardSequence& seq = batch[s];
+    const int64_t end = static_cast<int64_t>(seq.kv->num_positions()) + seq.tokens.size();
+    if (end > seq.kv->capacity(block_size)) {
+      return absl::InvalidArgumentError(absl::StrCat("sequence ", s, " needs ", end, " positions of KV but holds ",
+                                                     seq.kv->capacity(block_size),
+                                                     ": grow it first (KvManager::Grow)"));
+    }
+  }
+  if (tp_ == nullptr) return ForwardShard(kv_storage.Rank(0), batch, options);
+  return tp_->Run(*this, kv_storage, batch, options);
+}
+
+absl::StatusOr<ForwardResult> Model::ForwardShard(const KvStorage& kv_storage, absl::Span<const ForwardSequence> batch,
+                                                  const ForwardOptions& options) {
   const ModelConfig& c = config_;
   const KvCacheSpec& spec = kv_storage.spec;
-  // Validate everything before touching the cache.
-  if (absl::Status s = ValidateBatch(spec, batch); !s.ok()) return s;
   int64_t T = 0;
   int32_t max_end = 0;
   for (size_t s = 0; s < batch.size(); ++s) {
     const ForwardSequence& seq = batch[s];
     const int64_t end = static_cast<int64_t>(seq.kv->num_positions()) + seq.tokens.size();
-    if (end > seq.kv->capacity(spec.block_size)) {
-      return absl::InvalidArgumentError(absl::StrCat("sequence ", s, " needs ", end, " positions of KV but holds ",
-                                                     seq.kv->capacity(spec.block_size),
-                                                     ": grow it first (KvManager::Grow)"));
-    }
     T += static_cast<int64_t>(seq.tokens.size());
     max_end = std::max<int32_t>(max_end, static_cast<int32_t>(end));
   }

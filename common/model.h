@@ -31,6 +31,7 @@
 #include "common/tensor_parallel.h"
 #include "kernels/backend.h"
 #include "kernels/collective.h"
+#include "kernels/cpu/thread_collective.h"
 
 namespace pdserve {
 
@@ -39,12 +40,13 @@ struct ModelOptions {
   // scale per output channel, made at load time). Unset: BF16 for BF16
   // checkpoints, F32 otherwise.
   std::optional<DType> weight_dtype;
-  // Tensor parallelism (common/tensor_parallel.h): the slice this model
-  // loads and computes; its ranks meet in `collective` (REQUIRES: set when
-  // shard.size > 1, the same group for every rank, outliving the model).
-  // Each rank's forward is called with the same batch on its own thread.
-  TpShard shard;
-  kernels::Collective* collective = nullptr;
+  // Tensor parallelism over `tp` ranks (common/tensor_parallel.h): rank 0
+  // runs on Load's backend, rank r >= 1 on rank_backends[r - 1] (each
+  // outliving the model, driven only by the model), each on its own thread
+  // (common/tensor_parallel_ranks.h). The model then needs a KV pool of
+  // MakeKvSpec's ranks.
+  int tp = 1;
+  std::vector<kernels::Backend*> rank_backends;
 };
 
 enum class LogitsMode { kNone, kLast, kAll };
@@ -99,19 +101,24 @@ class Model {
   // The backend the model runs on (its Name() says which kernels).
   const kernels::Backend& backend() const { return *backend_; }
   DType weight_dtype() const { return weight_dtype_; }
-  // What this model holds of the full one (everything when unsharded).
+  // What rank 0 holds of the full model (everything when unsharded).
   const ShardRanges& shard() const { return ranges_; }
+  int tp() const { return ranges_.shard.size; }
+  // The ranks' collective group (null when tp == 1): its stats, and a
+  // failure to inject in tests.
+  kernels::cpu::ThreadCollectiveGroup* tp_group();
   // Identifies these weights as held in memory (for prefix-cache hashes):
   // XXH3-128 over config.json, the in-memory weight format, and every
   // tensor's name, dtype, shape and XXH3-64 of its first and last 4 KiB.
   const ModelIdentity& identity() const { return identity_; }
-  // Bytes of all weights as held in memory.
+  // Bytes of all weights as held in memory (all ranks).
   size_t WeightBytes() const;
-  // Bytes one decode step reads for the weights (every matrix once, one
-  // embedding row).
+  // Bytes one decode step reads for the weights (every matrix of every
+  // rank once, one embedding row).
   size_t WeightBytesPerStep() const;
 
-  // A KV cache spec matching this model (this rank's KV heads).
+  // A KV cache spec matching this model: one pool per rank, each with the
+  // rank's KV heads.
   KvCacheSpec MakeKvSpec(DType kv_dtype, int32_t block_size, int32_t num_blocks) const;
 
   // Runs the batch on the KV in `kv`. Never allocates or frees a block: the
@@ -128,7 +135,18 @@ class Model {
 
  private:
   struct Layer;
+  friend class TensorParallelRanks;
   Model(ModelConfig config, kernels::Backend* backend);
+  // One rank's model (all of it when shard.size == 1), meeting the other
+  // ranks in `collective`.
+  static absl::StatusOr<std::unique_ptr<Model>> LoadShard(const std::string& model_dir, const ModelOptions& options,
+                                                          kernels::Backend* backend, TpShard shard,
+                                                          kernels::Collective* collective);
+  // This rank's forward over its own pool (KvStorage::Rank).
+  absl::StatusOr<ForwardResult> ForwardShard(const KvStorage& kv, absl::Span<const ForwardSequence> batch,
+                                             const ForwardOptions& options);
+  size_t ShardWeightBytes() const;
+  size_t ShardWeightBytesPerStep() const;
   absl::Status LoadWeights(class Checkpoint& ckpt, DType storage);
   // y += partial: the row-parallel projection's sum over ranks, added to
   // the residual. Unsharded, the projection accumulates into y directly.
@@ -140,6 +158,7 @@ class Model {
   kernels::Backend* backend_;
   ShardRanges ranges_;
   kernels::Collective* collective_ = nullptr;
+  std::unique_ptr<class TensorParallelRanks> tp_;  // Rank 0 of tp > 1 only.
   DType weight_dtype_ = DType::kF32;
   ModelIdentity identity_;
   std::vector<Layer> layers_;

@@ -15,7 +15,6 @@
 #include "common/model.h"
 #include "common/synthetic_model.h"
 #include "common/tensor_parallel.h"
-#include "common/tensor_parallel_model.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
 
@@ -91,7 +90,25 @@ class ShardedForwardTest : public testing::TestWithParam<int> {
     return b.ok() ? *std::move(b) : nullptr;
   }
 
+  // A model over `tp` ranks, one single-threaded backend each (null on
+  // failure, with load_error_ set).
+  std::unique_ptr<Model> LoadSharded(int tp, ModelOptions options) {
+    options.tp = tp;
+    options.rank_backends.clear();
+    backends_.clear();
+    for (int r = 0; r < tp; ++r) backends_.push_back(Backend());
+    for (int r = 1; r < tp; ++r) options.rank_backends.push_back(backends_[r].get());
+    auto m = Model::Load(dir_, options, backends_[0].get());
+    if (!m.ok()) {
+      load_error_ = m.status();
+      return nullptr;
+    }
+    return *std::move(m);
+  }
+
   std::string dir_;
+  std::vector<std::unique_ptr<kernels::cpu::CpuBackend>> backends_;
+  absl::Status load_error_;
 };
 
 // A greedy run: the logits of every prompt row, then of each decode step.
@@ -158,30 +175,31 @@ TEST_P(ShardedForwardTest, LogitsMatchTheUnshardedModelAndGreedyStreamsAreIdenti
   auto single_kv = KvManager::Create((*single)->MakeKvSpec(DType::kF32, kBlockSize, 64));
   ASSERT_TRUE(single_kv.ok());
   const GreedyRun want = Generate(**single_kv, [&](absl::Span<const ForwardSequence> b) {
-    return (*single)->Forward((*single_kv)->storage(), b);
+    return ForwardGrowing(**single, **single_kv, b);
   }, kSteps);
 
-  std::vector<std::unique_ptr<kernels::cpu::CpuBackend>> backends;
-  std::vector<kernels::Backend*> raw;
-  for (int r = 0; r < tp; ++r) {
-    backends.push_back(Backend());
-    raw.push_back(backends.back().get());
-  }
-  auto sharded = TensorParallelModel::Load(dir_, options, raw);
-  ASSERT_TRUE(sharded.ok()) << sharded.status();
+  auto sharded = LoadSharded(tp, options);
+  ASSERT_NE(sharded, nullptr);
+  ASSERT_EQ(sharded->tp(), tp);
   // Each rank holds its share of the KV heads: c_kv / min(N, N_kv).
-  const KvCacheSpec rank_spec = (*sharded)->rank(0).MakeKvSpec(DType::kF32, kBlockSize, 64);
+  const KvCacheSpec spec = sharded->MakeKvSpec(DType::kF32, kBlockSize, 64);
   const KvCacheSpec full_spec = (*single)->MakeKvSpec(DType::kF32, kBlockSize, 64);
-  EXPECT_EQ(rank_spec.BytesPerPosition(), full_spec.BytesPerPosition() / std::min(tp, 2));
-  // And a share of the weights: the layers' projections split, the norms kept.
-  EXPECT_LT((*sharded)->rank(0).WeightBytes(), (*single)->WeightBytes() / tp + (*single)->WeightBytes() / 10);
+  EXPECT_EQ(spec.num_ranks, tp);
+  EXPECT_EQ(spec.BytesPerPosition(), full_spec.BytesPerPosition() / std::min(tp, 2));
+  EXPECT_EQ(spec.TotalBytes(), full_spec.TotalBytes() * tp / std::min(tp, 2));
+  // And a share of the weights: every projection and the vocabulary
+  // split, the norms (a few hundred floats) on every rank. Past 2 ranks
+  // the K/V projections replicate with their heads and the narrow slices
+  // pad to the kernels' panels, but no rank holds a full copy (that would
+  // be tp times the weights).
+  const size_t norms = (2 * 3 + 1) * 64 * sizeof(float);
+  if (tp == 2) EXPECT_EQ(sharded->WeightBytes(), (*single)->WeightBytes() + norms);
+  EXPECT_LT(sharded->WeightBytes(), 2 * (*single)->WeightBytes());
 
-  auto kv = KvManager::Create(rank_spec);
-  ASSERT_TRUE(kv.ok());
-  auto pools = AllocateRankKvPools((*kv)->storage(), tp);
-  ASSERT_TRUE(pools.ok()) << pools.status();
+  auto kv = KvManager::Create(spec);
+  ASSERT_TRUE(kv.ok()) << kv.status();
   const GreedyRun got = Generate(**kv, [&](absl::Span<const ForwardSequence> b) {
-    return (*sharded)->Forward(pools->storages, b);
+    return ForwardGrowing(*sharded, **kv, b);
   }, kSteps);
 
   ASSERT_EQ(got.logits.size(), want.logits.size());
@@ -194,7 +212,7 @@ TEST_P(ShardedForwardTest, LogitsMatchTheUnshardedModelAndGreedyStreamsAreIdenti
     }
   }
   EXPECT_EQ(got.streams, want.streams);
-  const auto stats = (*sharded)->group().stats(tp - 1);
+  const auto stats = sharded->tp_group()->stats(tp - 1);
   // Per layer two all-reduces, plus the embedding's and the logits' gather.
   EXPECT_EQ(stats.calls, (kSteps + 1) * (2 * 3 + 2));
 }
@@ -203,37 +221,42 @@ TEST_P(ShardedForwardTest, AFailedCollectiveFailsTheForwardOnEveryRank) {
   const int tp = GetParam();
   ModelOptions options;
   options.weight_dtype = DType::kF32;
-  std::vector<std::unique_ptr<kernels::cpu::CpuBackend>> backends;
-  std::vector<kernels::Backend*> raw;
-  for (int r = 0; r < tp; ++r) {
-    backends.push_back(Backend());
-    raw.push_back(backends.back().get());
-  }
-  auto sharded = TensorParallelModel::Load(dir_, options, raw);
-  ASSERT_TRUE(sharded.ok()) << sharded.status();
-  auto kv = KvManager::Create((*sharded)->rank(0).MakeKvSpec(DType::kF32, kBlockSize, 64));
+  auto sharded = LoadSharded(tp, options);
+  ASSERT_NE(sharded, nullptr);
+  auto kv = KvManager::Create(sharded->MakeKvSpec(DType::kF32, kBlockSize, 64));
   ASSERT_TRUE(kv.ok());
-  auto pools = AllocateRankKvPools((*kv)->storage(), tp);
-  ASSERT_TRUE(pools.ok());
 
   // A bad batch is refused before any rank computes: the group stays whole.
   SequenceKv bad = (*kv)->NewSequence();
   const std::vector<int32_t> outside = {500};
-  ASSERT_TRUE((*kv)->Grow(bad, 1).ok());
   const ForwardSequence bad_batch[] = {{&bad, outside}};
-  EXPECT_EQ((*sharded)->Forward(pools->storages, bad_batch).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ForwardGrowing(*sharded, **kv, bad_batch).status().code(), absl::StatusCode::kInvalidArgument);
+  SequenceKv short_of_blocks = (*kv)->NewSequence();
+  const std::vector<int32_t> five = {1, 2, 3, 4, 5};
+  const ForwardSequence ungrown[] = {{&short_of_blocks, five}};
+  EXPECT_EQ(sharded->Forward((*kv)->storage(), ungrown).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(sharded->tp_group()->broken().ok());
 
   SequenceKv seq = (*kv)->NewSequence();
-  const std::vector<int32_t> tokens = {1, 2, 3, 4, 5};
   ASSERT_TRUE((*kv)->Grow(seq, 5).ok());
-  const ForwardSequence batch[] = {{&seq, tokens}};
-  (*sharded)->group().InjectFailure(4, absl::UnavailableError("injected: rank link down"));
-  absl::StatusOr<ForwardResult> r = (*sharded)->Forward(pools->storages, batch);
+  const ForwardSequence batch[] = {{&seq, five}};
+  sharded->tp_group()->InjectFailure(4, absl::UnavailableError("injected: rank link down"));
+  absl::StatusOr<ForwardResult> r = sharded->Forward((*kv)->storage(), batch);
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().message(), "injected: rank link down");
   EXPECT_EQ(seq.num_positions(), 0);  // Nothing advanced.
   // The group stays broken: the worker must stop serving, not retry.
-  EXPECT_EQ((*sharded)->Forward(pools->storages, batch).status().message(), "injected: rank link down");
+  EXPECT_EQ(sharded->Forward((*kv)->storage(), batch).status().message(), "injected: rank link down");
+}
+
+TEST_F(ShardedForwardTest, AShapeThatCannotBeCutIsRefusedAtLoad) {
+  ModelOptions options;
+  auto sharded = LoadSharded(3, options);  // 8 query heads over 3 ranks.
+  EXPECT_EQ(sharded, nullptr);
+  EXPECT_NE(load_error_.message().find("8 query heads do not split evenly"), std::string::npos) << load_error_;
+  options.tp = 2;  // Without the second rank's backend.
+  auto backend = Backend();
+  EXPECT_EQ(Model::Load(dir_, options, backend.get()).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, ShardedForwardTest, testing::Values(2, 4, 8),

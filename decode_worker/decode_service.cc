@@ -650,7 +650,9 @@ grpc::ServerUnaryReactor* DecodeService::Status(grpc::CallbackServerContext* ctx
   s->set_oldest_request_seconds(st.oldest_request_seconds);
   s->set_requests_expired(st.expired);
   s->set_max_batch(options_.engine.max_batch);
-  s->set_kv_bytes_per_position(kv_->spec().BytesPerPosition());
+  s->set_kv_bytes_per_position(kv_->spec().BytesPerPosition() * kv_->spec().num_ranks);
+  s->set_kv_bytes_per_position_per_rank(kv_->spec().BytesPerPosition());
+  s->set_tp(model_->tp());
   {
     const KvCounts k = kv_->Counts();  // Bookkeeping only: never waits behind a forward.
     s->set_kv_blocks_total(k.total);

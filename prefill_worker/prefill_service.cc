@@ -520,7 +520,9 @@ grpc::ServerUnaryReactor* PrefillService::Status(grpc::CallbackServerContext* ct
     const KvCounts k = kv_->Counts();  // Bookkeeping only: never waits behind a forward.
     s->set_kv_blocks_total(k.total);
     s->set_kv_block_size(k.block_size);
-    s->set_kv_bytes_per_position(kv_->spec().BytesPerPosition());
+    s->set_kv_bytes_per_position(kv_->spec().BytesPerPosition() * kv_->spec().num_ranks);
+    s->set_kv_bytes_per_position_per_rank(kv_->spec().BytesPerPosition());
+    s->set_tp(model_->tp());
     s->set_kv_blocks_used(k.used);
     s->set_kv_blocks_free(k.free);
   }

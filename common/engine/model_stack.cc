@@ -24,8 +24,19 @@ absl::StatusOr<ModelStack> LoadModelStack(const ModelStackOptions& o) {
       kernels::cpu::CpuBackend::Create(bo);
   if (!backend.ok()) return backend.status();
   e.backend = *std::move(backend);
+  if (o.tp < 1) return absl::InvalidArgumentError(absl::StrCat("--tp must be at least 1, got ", o.tp));
+  // Every rank runs rank 0's kernels: a probe per rank could split them.
+  bo.isa = e.backend->isa();
+  bo.matrix_path = e.backend->matrix_path();
+  for (int r = 1; r < o.tp; ++r) {
+    absl::StatusOr<std::unique_ptr<kernels::cpu::CpuBackend>> b = kernels::cpu::CpuBackend::Create(bo);
+    if (!b.ok()) return b.status();
+    e.rank_backends.push_back(*std::move(b));
+  }
 
   ModelOptions mo;
+  mo.tp = o.tp;
+  for (const auto& b : e.rank_backends) mo.rank_backends.push_back(b.get());
   if (!o.weights.empty()) {
     absl::StatusOr<DType> w = ParseDType(o.weights);
     if (!w.ok()) return absl::InvalidArgumentError(absl::StrCat("--weights: ", w.status().message()));

@@ -7,6 +7,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "common/kv_manager.h"
@@ -21,7 +22,8 @@ struct ModelStackOptions {
   std::string kv;       // "", "f32", "bf16"
   std::string isa;      // "" = PDSERVE_ISA or best
   std::string matrix_path;  // "" = PDSERVE_MATRIX_PATH or the probe's choice; "f32", "fp16"
-  int threads = 1;
+  int threads = 1;  // Per tensor-parallel rank.
+  int tp = 1;       // Tensor-parallel ranks (threads of this process).
   int block_size = 16;
   int64_t kv_positions = 0;  // Pool capacity in positions (rounded up to blocks).
   // Where the pool's region comes from (e.g. UCX-registered memory for a
@@ -30,7 +32,9 @@ struct ModelStackOptions {
 };
 
 struct ModelStack {
-  std::unique_ptr<kernels::cpu::CpuBackend> backend;
+  std::unique_ptr<kernels::cpu::CpuBackend> backend;  // Rank 0's.
+  // Ranks 1..tp-1's, on rank 0's ISA and matrix path.
+  std::vector<std::unique_ptr<kernels::cpu::CpuBackend>> rank_backends;
   std::unique_ptr<Model> model;
   std::unique_ptr<KvManager> kv;
 };

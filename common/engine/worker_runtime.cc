@@ -16,7 +16,8 @@
 #include "common/server_util.h"
 
 ABSL_FLAG(std::string, model, "", "model directory (Hugging Face layout)");
-ABSL_FLAG(int, threads, 1, "compute threads");
+ABSL_FLAG(int, threads, 1, "compute threads per tensor-parallel rank");
+ABSL_FLAG(int, tp, 1, "tensor-parallel ranks (threads of this worker, each with --threads compute threads)");
 ABSL_FLAG(std::string, matrix_path, "",
           "matrix path of BF16 weights: f32 (exact F32 arithmetic), fp16 (AVX512-FP16, activations rounded to "
           "FP16), bf16 (AVX512-BF16 dot products, activations rounded to BF16) or amx (AMX-BF16 tiles, the same "
@@ -49,6 +50,7 @@ absl::StatusOr<WorkerModel> LoadWorkerModel(KvRegionAllocator* allocator) {
   eo.model_dir = absl::GetFlag(FLAGS_model);
   if (eo.model_dir.empty()) return absl::InvalidArgumentError("--model is required");
   eo.threads = absl::GetFlag(FLAGS_threads);
+  eo.tp = absl::GetFlag(FLAGS_tp);
   eo.matrix_path = absl::GetFlag(FLAGS_matrix_path);
   eo.weights = absl::GetFlag(FLAGS_weights);
   eo.kv = absl::GetFlag(FLAGS_kv);
@@ -62,7 +64,8 @@ absl::StatusOr<WorkerModel> LoadWorkerModel(KvRegionAllocator* allocator) {
   LogEvent("info", "kernels",
            {{"backend", w.engine.backend->Name()},
             {"matrix_path", std::string(kernels::cpu::MatrixPathName(w.engine.backend->matrix_path()))},
-            {"reason", w.engine.backend->matrix_path_reason()}});
+            {"reason", w.engine.backend->matrix_path_reason()},
+            {"tp", absl::StrCat(w.engine.model->tp())}});
   absl::StatusOr<std::unique_ptr<tok::Tokenizer>> tokenizer = tok::Tokenizer::Load(eo.model_dir);
   if (!tokenizer.ok()) return tokenizer.status();
   w.tokenizer = *std::move(tokenizer);

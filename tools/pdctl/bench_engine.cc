@@ -202,9 +202,11 @@ absl::Status RunBenchEngine(const BenchEngineOptions& o) {
         if (absl::Status st = kv.Grow(s, H); !st.ok()) return st;
         for (size_t b = 0; b < proto.block_table().size(); ++b) {
           for (int32_t l = 0; l < kv.spec().num_layers; ++l) {
-            std::memcpy(kv.storage().BlockData(l, BlockId{s.block_table()[b]}),
-                        kv.storage().BlockData(l, BlockId{proto.block_table()[b]}),
-                        kv.spec().LayerBlockBytes());
+            for (int32_t r = 0; r < kv.spec().num_ranks; ++r) {
+              std::memcpy(kv.storage().BlockData(l, BlockId{s.block_table()[b]}, r),
+                          kv.storage().BlockData(l, BlockId{proto.block_table()[b]}, r),
+                          kv.spec().LayerBlockBytes());
+            }
           }
         }
         s.SetNumPositions(H);

@@ -137,7 +137,10 @@ absl::Status RemoteStatus(const std::string& router, bool json) {
                 static_cast<long long>(w.preemptions()), 1e3 * w.step_seconds(),
                 static_cast<long long>(w.kv_cached_blocks()), static_cast<long long>(w.prefix_index_blocks()),
                 w.oldest_request_seconds());
-    if (!w.kernels().empty()) std::printf("         kernels: %s\n", w.kernels().c_str());
+    if (!w.kernels().empty()) {
+      std::printf("         kernels: %s, tp %d (KV %lld B per position per rank)\n", w.kernels().c_str(),
+                  std::max(1, w.tp()), static_cast<long long>(w.kv_bytes_per_position_per_rank()));
+    }
     if (w.requests_expired() > 0) {
       std::printf("         requests ended by their life bound: %lld\n", static_cast<long long>(w.requests_expired()));
     }

@@ -23,6 +23,7 @@
 #include "absl/strings/str_split.h"
 #include "common/synthetic_model.h"
 #include "tools/pdctl/bench_engine.h"
+#include "tools/pdctl/bench_tp.h"
 #include "tools/pdctl/bench_kv.h"
 #include "tools/pdctl/bench_serving.h"
 #include "common/tls_flags.h"
@@ -39,7 +40,8 @@ ABSL_FLAG(std::string, prompt_ids, "", "generate: comma-separated prompt token i
 ABSL_FLAG(bool, all_positions, false, "logits: print every position, not only the last");
 ABSL_FLAG(std::string, weights, "", "in-memory weight format: f32 or bf16 (default: as stored)");
 ABSL_FLAG(std::string, kv, "", "KV cache format: f32 or bf16 (default: the weight format)");
-ABSL_FLAG(int, threads, 1, "compute threads");
+ABSL_FLAG(int, threads, 1, "compute threads (per tensor-parallel rank)");
+ABSL_FLAG(int, tp, 1, "tensor-parallel ranks of the in-process model (threads, each with --threads)");
 ABSL_FLAG(std::string, isa, "", "CPU kernel path: scalar, avx2 or avx512 (default: best)");
 ABSL_FLAG(std::string, matrix_path, "",
           "matrix path of BF16 weights: f32, fp16, bf16 or amx (default: $PDSERVE_MATRIX_PATH, else the faster by a probe)");
@@ -149,6 +151,7 @@ ModelStackOptions EngineFlags() {
   o.isa = absl::GetFlag(FLAGS_isa);
   o.matrix_path = absl::GetFlag(FLAGS_matrix_path);
   o.threads = absl::GetFlag(FLAGS_threads);
+  o.tp = absl::GetFlag(FLAGS_tp);
   o.block_size = absl::GetFlag(FLAGS_block_size);
   return o;
 }
@@ -350,6 +353,7 @@ absl::Status RunBenchEngineCommand() {
     o.shared_prefix = pre;
     o.shared_private = own;
   }
+  if (o.engine.tp > 1) return RunBenchTp(o);
   return RunBenchEngine(o);
 }
 

@@ -337,7 +337,7 @@ absl::StatusOr<ForwardResult> Model::Forward(const KvStorage& kv_storage,
 }
 
 absl::StatusOr<ForwardResult> Model::ForwardShard(const KvStorage& kv_storage, absl::Span<const ForwardSequence> batch,
-                                                  const ForwardOptions& options) {
+                                                  const ForwardOptions& options, bool sync_layer_kv) {
   const ModelConfig& c = config_;
   const KvCacheSpec& spec = kv_storage.spec;
   int64_t T = 0;
@@ -426,6 +426,9 @@ absl::StatusOr<ForwardResult> Model::ForwardShard(const KvStorage& kv_storage, a
     backend_->Rope(k_.data(), T, num_kv_heads, H, positions.data(), rope_.cos(), rope_.sin());
     const kernels::KvLayerView kv = kv_storage.LayerView(static_cast<int32_t>(l));
     backend_->WriteKv(kv, num_kv_heads, H, k_.data(), v_.data(), T, blocks.data(), slots.data());
+    if (sync_layer_kv) {
+      if (absl::Status s = collective_->Barrier(); !s.ok()) return s;
+    }
     if (options.on_layer_kv_written) options.on_layer_kv_written(static_cast<int32_t>(l));
     const auto attention_start = std::chrono::steady_clock::now();
     backend_->Attention(kernels::AttentionBatch{

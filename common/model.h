@@ -142,9 +142,11 @@ class Model {
   static absl::StatusOr<std::unique_ptr<Model>> LoadShard(const std::string& model_dir, const ModelOptions& options,
                                                           kernels::Backend* backend, TpShard shard,
                                                           kernels::Collective* collective);
-  // This rank's forward over its own pool (KvStorage::Rank).
+  // This rank's forward over its own pool (KvStorage::Rank). With
+  // `sync_layer_kv` every rank meets after writing a layer's KV, so that
+  // rank 0's on_layer_kv_written sees every rank's.
   absl::StatusOr<ForwardResult> ForwardShard(const KvStorage& kv, absl::Span<const ForwardSequence> batch,
-                                             const ForwardOptions& options);
+                                             const ForwardOptions& options, bool sync_layer_kv = false);
   size_t ShardWeightBytes() const;
   size_t ShardWeightBytesPerStep() const;
   absl::Status LoadWeights(class Checkpoint& ckpt, DType storage);

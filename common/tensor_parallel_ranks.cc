@@ -34,7 +34,8 @@ absl::StatusOr<ForwardResult> TensorParallelRanks::RunRank(int r, const Job& job
   // layer, and the handoff reads every rank's pool.
   if (r != 0) o.on_layer_kv_written = nullptr;
   Model& model = r == 0 ? *job.rank0 : peer(r);
-  absl::StatusOr<ForwardResult> result = model.ForwardShard(job.storage.Rank(r), job.batch, o);
+  const bool streaming = job.options->on_layer_kv_written != nullptr;
+  absl::StatusOr<ForwardResult> result = model.ForwardShard(job.storage.Rank(r), job.batch, o, streaming);
   // A rank that fails inside the forward leaves the others waiting in a
   // collective: break the group so they return too.
   if (!result.ok()) group_.Break(result.status());

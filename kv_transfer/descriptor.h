@@ -1,12 +1,16 @@
 // The compatibility descriptor both sides of a KV handoff compare before any
 // byte moves: protocol version, model identity, layers, KV heads, head dim,
-// KV dtype, block size and layout.
+// KV dtype, block size, layout, and the tensor-parallel layout (ranks and
+// KV heads per rank: each rank's heads follow from them, KvCacheSpec).
 //
-// Everything must match except the block size: when the sides use different
-// block sizes, the receiver describes its layout (in the reserve answer) and
-// the sender writes in that layout (kv_transfer/layout_copy.h). A mismatch
-// that cannot be converted is refused with FAILED_PRECONDITION naming the
-// field and both values.
+// Everything must match except the block size and the tensor-parallel
+// layout: when those differ, the receiver describes its layout (in the
+// reserve answer) and the sender writes in that layout
+// (kv_transfer/layout_copy.h): each receiver rank gets its heads from a
+// rank of the sender that holds them, several sender ranks feeding one
+// receiver rank or one feeding several. A mismatch that cannot be
+// converted is refused with FAILED_PRECONDITION naming the field and both
+// layouts.
 //
 // Thread safety: plain values and pure functions.
 #ifndef PDSERVE_KV_TRANSFER_DESCRIPTOR_H_
@@ -22,22 +26,26 @@
 
 namespace pdserve::kv {
 
-inline constexpr uint32_t kKvProtocolVersion = 2;  // 2: frequency_penalty in the sampling state
+// 2: frequency_penalty in the sampling state; 3: the tensor-parallel layout.
+inline constexpr uint32_t kKvProtocolVersion = 3;
 
 // The in-block arrangement of common/kv_cache.h: K [head][dim][slot], V
-// [head][slot][dim], then for int8 F32 scales [K|V][head][slot]. A future
-// tensor-parallel layout gets a new value.
+// [head][slot][dim], then for int8 F32 scales [K|V][head][slot], per rank
+// pool (head-sharded tensor parallelism). A request-sharded layout will get
+// a new value.
 enum class KvLayout : uint8_t { kPagedKTransposedV1 = 1 };
 
 struct KvLayoutDescriptor {
   uint32_t protocol_version = kKvProtocolVersion;
   ModelIdentity model;
   int32_t num_layers = 0;
-  int32_t num_kv_heads = 0;
+  int32_t num_kv_heads = 0;  // The model's.
   int32_t head_dim = 0;
   DType dtype = DType::kF32;
   int32_t block_size = 0;
   KvLayout layout = KvLayout::kPagedKTransposedV1;
+  int32_t tp = 1;                 // Rank pools (KvCacheSpec::num_ranks).
+  int32_t kv_heads_per_rank = 0;  // 0: num_kv_heads (one rank).
 
   static KvLayoutDescriptor FromSpec(const KvCacheSpec& spec, const ModelIdentity& model);
   // The spec of a pool in this layout (num_blocks left to the caller).
@@ -46,8 +54,13 @@ struct KvLayoutDescriptor {
 };
 
 // OK when a sender with `sender` can write into a receiver with `receiver`:
-// all fields equal except possibly the block size.
+// all fields equal except possibly the block size and the tensor-parallel
+// layout (each side's a valid one).
 absl::Status CheckCompatible(const KvLayoutDescriptor& sender, const KvLayoutDescriptor& receiver);
+
+// True when blocks can be copied as they are (same block size and
+// tensor-parallel layout); otherwise the sender packs the receiver's layout.
+bool SameBlockLayout(const KvLayoutDescriptor& a, const KvLayoutDescriptor& b);
 
 }  // namespace pdserve::kv
 

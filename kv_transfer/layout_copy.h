@@ -6,10 +6,16 @@
 // both pools are merged into one copy, so a fresh pool moves a layer in one
 // put.
 //
-// Different block sizes: the K block is transposed per slot, so a position
-// is scattered over the block; the sender packs the receiver's blocks into a
-// staging buffer (PackLayer) and puts those whole. Only the block size may
-// differ (kv_transfer/descriptor.h); everything else is refused earlier.
+// Different block sizes or tensor-parallel layouts: the K block is
+// transposed per slot, so a position is scattered over the block, and a
+// receiver rank's heads may sit on one or several sender ranks; the sender
+// packs the receiver's blocks, rank by rank, into a staging buffer
+// (PackLayer), taking each model head from the first sender rank that
+// holds it, and puts those whole. Only these may differ
+// (kv_transfer/descriptor.h); everything else is refused earlier.
+//
+// Pools with several ranks (KvCacheSpec::num_ranks) copy every rank's
+// blocks; same-layout copies go rank to rank.
 //
 // Positions below `first_position` are not copied (the receiver already
 // holds them). REQUIRES: first_position is a multiple of the receiver's
@@ -34,22 +40,23 @@ struct CopyRun {
   int64_t bytes = 0;
 };
 
-// Byte offset of (layer, block) in a region laid out by `spec`.
-inline int64_t LayerBlockOffset(const KvCacheSpec& spec, int32_t layer, int32_t block) {
-  return (static_cast<int64_t>(layer) * spec.num_blocks + block) * spec.LayerBlockBytes();
+// Byte offset of (layer, block) of `rank` in a region laid out by `spec`.
+inline int64_t LayerBlockOffset(const KvCacheSpec& spec, int32_t layer, int32_t block, int32_t rank = 0) {
+  return rank * spec.RankBytes() + (static_cast<int64_t>(layer) * spec.num_blocks + block) * spec.LayerBlockBytes();
 }
 
-// Same block size: the merged copies of `layer` for positions
-// [first_position, num_positions). Tables hold enough blocks for num_positions.
-// REQUIRES: src.block_size == dst.block_size.
+// Same block size and tensor-parallel layout: the merged copies of `layer`
+// for positions [first_position, num_positions), every rank. Tables hold
+// enough blocks for num_positions.
+// REQUIRES: src and dst have the same block size, ranks and heads per rank.
 std::vector<CopyRun> PlanSameLayout(const KvCacheSpec& src, absl::Span<const int32_t> src_table,
                                     const KvCacheSpec& dst, absl::Span<const int32_t> dst_table,
                                     int32_t layer, int32_t first_position, int32_t num_positions);
 
-// Different block sizes: writes receiver blocks first_position / B_dst ..
+// Other layouts: writes receiver blocks first_position / B_dst ..
 // ceil(num_positions / B_dst) - 1 of `layer`, in the receiver's layout,
-// contiguously into `out` (size PackedLayerBytes); unused tail slots are
-// zero. `src_base` is the sender's region.
+// rank after rank, contiguously into `out` (size PackedLayerBytes); unused
+// tail slots are zero. `src_base` is the sender's region.
 int64_t PackedLayerBytes(const KvCacheSpec& dst, int32_t first_position, int32_t num_positions);
 void PackLayer(const KvCacheSpec& src, const char* src_base, absl::Span<const int32_t> src_table,
                const KvCacheSpec& dst, int32_t layer, int32_t first_position, int32_t num_positions,

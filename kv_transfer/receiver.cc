@@ -180,7 +180,7 @@ void KvReceiver::HandleCommit(Connection& c, Commit& m) {
     handoffs_.erase(it);
     metrics_.RecordTransfer(options_.clock() - h.start);
     metrics_.AddBytes(static_cast<int64_t>(m.num_positions - h.held_positions) *
-                      kv_->spec().BytesPerPosition());
+                      kv_->spec().BytesPerPosition() * kv_->spec().num_ranks);
     const BlockHasher hasher(layout_.model, layout_.dtype, layout_.block_size);
     kv_->Publish(h.kv, hasher.FullBlockHashes(m.tokens));
     out.id = m.id;

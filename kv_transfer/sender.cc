@@ -145,7 +145,7 @@ absl::StatusOr<std::unique_ptr<Handoff>> KvSender::Reserve(Connection* conn, Res
                      st->held_positions % st->dst_spec.block_size != 0)) {
     setup = absl::InternalError("KV handoff: the receiver's reservation does not cover the request");
   }
-  if (setup.ok() && st->receiver.block_size != layout_.block_size) {
+  if (setup.ok() && !SameBlockLayout(st->receiver, layout_)) {
     st->packed_layer_bytes = PackedLayerBytes(st->dst_spec, st->held_positions, st->num_positions);
     absl::StatusOr<std::unique_ptr<KvRegion>> staging =
         transport_->region_allocator().Allocate(st->packed_layer_bytes * layout_.num_layers);

@@ -36,6 +36,10 @@ class Writer {
     Pod(static_cast<uint8_t>(d.dtype));
     Pod(d.block_size);
     Pod(static_cast<uint8_t>(d.layout));
+    if (d.protocol_version >= 3) {  // As Decode reads it.
+      Pod(d.tp);
+      Pod(d.kv_heads_per_rank);
+    }
   }
   std::string Take() { return std::move(out_); }
 
@@ -73,6 +77,9 @@ class Reader {
     uint8_t dtype = 0, layout = 0;
     Pod(d.protocol_version) && Pod(d.model.lo) && Pod(d.model.hi) && Pod(d.num_layers) &&
         Pod(d.num_kv_heads) && Pod(d.head_dim) && Pod(dtype) && Pod(d.block_size) && Pod(layout);
+    // Version 3 added the tensor-parallel layout; an older peer's
+    // descriptor still decodes, to be refused by its version.
+    if (ok_ && d.protocol_version >= 3) Pod(d.tp) && Pod(d.kv_heads_per_rank);
     d.dtype = static_cast<DType>(dtype);
     d.layout = static_cast<KvLayout>(layout);
     return ok_;

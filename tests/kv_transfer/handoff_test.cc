@@ -231,6 +231,104 @@ TEST_P(HandoffDTypeTest, LargerReceiverBlocksAreConverted) {
 INSTANTIATE_TEST_SUITE_P(KvDTypes, HandoffDTypeTest, ::testing::Values(DType::kF32, DType::kBF16, DType::kI8),
                          [](const auto& info) { return std::string(DTypeName(info.param)); });
 
+// Tensor-parallel layouts (KvCacheSpec::num_ranks): 2 model KV heads on
+// `ranks` ranks, split, or replicated past 2 ranks.
+KvCacheSpec TpSpec(DType dtype, int32_t block_size, int32_t num_blocks, int32_t ranks) {
+  KvCacheSpec s = Spec(dtype, block_size, num_blocks);
+  s.num_ranks = ranks;
+  s.model_kv_heads = 2;
+  s.num_kv_heads = ranks <= 2 ? 2 / ranks : 1;
+  return s;
+}
+
+// One position's bytes of one local head in one rank's pool: K [dim], V
+// [dim], then the int8 scales.
+std::string HeadBytes(const KvStorage& kv, absl::Span<const int32_t> table, int32_t layer, int32_t pos,
+                      int32_t rank, int32_t local_head) {
+  const KvCacheSpec& s = kv.spec;
+  const int64_t elem = DTypeSize(s.dtype), slots = s.block_size, dim = s.head_dim, heads = s.num_kv_heads;
+  const char* blk = static_cast<const char*>(kv.BlockData(layer, BlockId{table[pos / slots]}, rank));
+  const int64_t slot = pos % slots;
+  std::string out;
+  for (int64_t d = 0; d < dim; ++d) out.append(blk + ((local_head * dim + d) * slots + slot) * elem, elem);
+  out.append(blk + heads * dim * slots * elem + ((local_head * slots + slot) * dim) * elem, dim * elem);
+  if (s.dtype == DType::kI8) {
+    for (int64_t which = 0; which < 2; ++which) {
+      out.append(blk + 2 * heads * dim * slots * elem + ((which * heads + local_head) * slots + slot) * 4, 4);
+    }
+  }
+  return out;
+}
+
+struct TpPair {
+  int32_t sender_ranks, receiver_ranks, sender_block, receiver_block;
+};
+
+class HandoffTpTest : public HandoffTest, public ::testing::WithParamInterface<TpPair> {};
+
+TEST_P(HandoffTpTest, EveryReceiverRankGetsItsHeadsFromARankThatHoldsThem) {
+  const TpPair p = GetParam();
+  SetUp(TpSpec(DType::kBF16, p.sender_block, 32, p.sender_ranks),
+        TpSpec(DType::kBF16, p.receiver_block, 48, p.receiver_ranks));
+  // A sender's replicas of a head hold the same bytes (its ranks compute
+  // them alike): make the random fill so.
+  const KvCacheSpec& ss = sender_.kv->spec();
+  const KvStorage src = sender_.kv->storage();
+  for (int32_t r = 1; r < ss.num_ranks; ++r) {
+    if (ss.FirstKvHead(r) == ss.FirstKvHead(r - 1)) {
+      std::memcpy(src.base + r * ss.RankBytes(), src.base + (r - 1) * ss.RankBytes(), ss.RankBytes());
+    }
+  }
+  constexpr int32_t kPositions = 23;
+  MoveAndCheck(kPositions);  // Layout-independent checksums agree.
+  absl::MutexLock lock(&committed_mu_);
+  const CommittedSequence& got = committed_.back();
+  SequenceKv sent = sender_.kv->NewSequence();
+  // The sequence MoveAndCheck sent was the pool's first blocks in order.
+  ASSERT_TRUE(sender_.kv->Grow(sent, kPositions).ok());
+  const KvCacheSpec& rs = receiver_.kv->spec();
+  for (int32_t l = 0; l < rs.num_layers; ++l) {
+    for (int32_t pos = 0; pos < kPositions; ++pos) {
+      for (int32_t r = 0; r < rs.num_ranks; ++r) {
+        for (int32_t h = 0; h < rs.num_kv_heads; ++h) {
+          const int32_t model_head = rs.FirstKvHead(r) + h;
+          // The sender's first rank holding it.
+          int32_t sr = 0;
+          while (!(ss.FirstKvHead(sr) <= model_head && model_head < ss.FirstKvHead(sr) + ss.num_kv_heads)) ++sr;
+          ASSERT_EQ(HeadBytes(receiver_.kv->storage(), got.kv.block_table(), l, pos, r, h),
+                    HeadBytes(src, sent.block_table(), l, pos, sr, model_head - ss.FirstKvHead(sr)))
+              << "layer " << l << " position " << pos << " receiver rank " << r << " head " << h;
+        }
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Pairs, HandoffTpTest,
+    ::testing::Values(TpPair{2, 1, 4, 4}, TpPair{1, 2, 4, 4}, TpPair{2, 4, 4, 4}, TpPair{4, 2, 4, 4},
+                      TpPair{4, 1, 4, 4}, TpPair{1, 4, 4, 4}, TpPair{2, 2, 4, 4}, TpPair{4, 4, 4, 4},
+                      TpPair{2, 1, 8, 4}, TpPair{1, 4, 4, 16}),
+    [](const auto& info) {
+      const TpPair& p = info.param;
+      return "Tp" + std::to_string(p.sender_ranks) + "To" + std::to_string(p.receiver_ranks) + "Blocks" +
+             std::to_string(p.sender_block) + "To" + std::to_string(p.receiver_block);
+    });
+
+TEST_F(HandoffTest, ATensorParallelLayoutThatCannotBeConvertedIsRefusedNamingBoth) {
+  KvLayoutDescriptor a = KvLayoutDescriptor::FromSpec(TpSpec(DType::kBF16, 4, 1, 2), kModel);
+  KvLayoutDescriptor b = a;
+  b.tp = 3;  // 3 ranks of one head each cannot hold 2 heads evenly.
+  b.kv_heads_per_rank = 1;
+  const absl::Status s = CheckCompatible(a, b);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.message().find("receiver's tensor-parallel layout"), std::string::npos) << s;
+  EXPECT_NE(s.message().find(a.DebugString()), std::string::npos) << s;
+  EXPECT_NE(s.message().find(b.DebugString()), std::string::npos) << s;
+  EXPECT_FALSE(SameBlockLayout(a, KvLayoutDescriptor::FromSpec(TpSpec(DType::kBF16, 4, 1, 1), kModel)));
+  EXPECT_TRUE(SameBlockLayout(a, KvLayoutDescriptor::FromSpec(TpSpec(DType::kBF16, 4, 9, 2), kModel)));
+}
+
 TEST_F(HandoffTest, IncompatibleLayoutsAreRefusedBeforeAnyByteMoves) {
   SetUp(Spec(DType::kBF16, 4, 16, /*head_dim=*/8), Spec(DType::kBF16, 4, 16, /*head_dim=*/16));
   auto h = sender_obj_->Reserve(conn_, {.num_positions = 5});

@@ -1,0 +1,166 @@
+// Tensor-parallel workers in a real cluster (router, prefill and decode
+// processes on loopback, KV over UCX), prefill and decode with different TP
+// sizes: every stream equals an in-process engine that prefills on a model
+// of the prefill worker's TP, converts the KV to the decode worker's layout
+// as the handoff does (kv_transfer/layout_copy.h) and decodes on a model of
+// the decode worker's TP. The shipped model has 2 KV heads, so TP 4
+// replicates each on 2 ranks.
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/generation.h"
+#include "common/model.h"
+#include "common/tokenizer/tokenizer.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "kv_transfer/layout_copy.h"
+#include "pdserve/v1/generation.grpc.pb.h"
+#include "tests/cluster/cluster_harness.h"
+
+namespace pdserve {
+namespace {
+
+// A model over `tp` ranks of one thread each, on the F32 matrix path (the
+// path the harness pins for the servers).
+struct TpModel {
+  std::vector<std::unique_ptr<kernels::cpu::CpuBackend>> backends;
+  std::unique_ptr<Model> model;
+  std::unique_ptr<KvManager> kv;
+
+  static TpModel Load(int tp) {
+    TpModel m;
+    ModelOptions o;
+    o.tp = tp;
+    for (int r = 0; r < tp; ++r) {
+      m.backends.push_back(*kernels::cpu::CpuBackend::Create(
+          {.num_threads = 1, .isa = std::nullopt, .matrix_path = kernels::cpu::MatrixPath::kF32}));
+      if (r > 0) o.rank_backends.push_back(m.backends.back().get());
+    }
+    m.model = *Model::Load(kModel, o, m.backends[0].get());
+    m.kv = *KvManager::Create(m.model->MakeKvSpec(m.model->weight_dtype(), 16, 64));
+    return m;
+  }
+};
+
+struct Output {
+  std::vector<int32_t> tokens;
+  std::string text;
+};
+
+class TpClusterTest : public ::testing::TestWithParam<std::pair<int, int>> {
+ public:
+  static void SetUpTestSuite() {
+    setenv("PDSERVE_MATRIX_PATH", "f32", 1);
+    tokenizer_ = tok::Tokenizer::Load(kModel)->release();
+  }
+
+  static v1::GenerateRequest Request(const std::string& text, int max_tokens, float temperature, uint64_t seed) {
+    v1::GenerateRequest r;
+    r.set_text(text);
+    r.set_max_tokens(max_tokens);
+    r.mutable_sampling()->set_temperature(temperature);
+    r.mutable_sampling()->set_seed(seed);
+    return r;
+  }
+
+  // Prefill on `prefill`, the KV converted into `decode`'s layout, decode on `decode`.
+  static Output Reference(const v1::GenerateRequest& req, TpModel& prefill, TpModel& decode) {
+    GenerationRequest r;
+    r.prompt = *tokenizer_->Encode(req.text(), false);
+    r.params.temperature = req.sampling().temperature();
+    r.params.seed = req.sampling().seed();
+    r.params.max_tokens = req.max_tokens();
+    r.eos_ids = prefill.model->config().eos_token_ids;
+    Generation gen(r, tokenizer_);
+    Output out;
+    const int32_t n = static_cast<int32_t>(r.prompt.size());
+    SequenceKv src = prefill.kv->NewSequence();
+    ForwardSequence fs{&src, r.prompt, LogitsMode::kLast};
+    auto first = ForwardGrowing(*prefill.model, *prefill.kv, {&fs, 1});
+    EXPECT_TRUE(first.ok()) << first.status();
+    auto ev = gen.Accept(first->Last(0));
+    out.tokens.push_back(ev->token);
+    out.text += ev->text;
+
+    SequenceKv dst = decode.kv->NewSequence();
+    EXPECT_TRUE(decode.kv->Grow(dst, n).ok());
+    const KvCacheSpec& ss = prefill.kv->spec();
+    const KvCacheSpec& ds = decode.kv->spec();
+    std::vector<char> packed(kv::PackedLayerBytes(ds, 0, n));
+    for (int32_t l = 0; l < ss.num_layers; ++l) {
+      kv::PackLayer(ss, prefill.kv->storage().base, src.block_table(), ds, l, 0, n, packed.data());
+      for (const kv::CopyRun& run : kv::PlanPacked(ds, dst.block_table(), l, 0, n, 0)) {
+        std::memcpy(decode.kv->storage().base + run.dst_offset, packed.data() + run.src_offset, run.bytes);
+      }
+    }
+    dst.SetNumPositions(n);
+    src.Release();
+    std::vector<int32_t> feed = {ev->token};
+    while (!gen.finished()) {
+      ForwardSequence step{&dst, feed, LogitsMode::kLast};
+      auto res = ForwardGrowing(*decode.model, *decode.kv, {&step, 1});
+      EXPECT_TRUE(res.ok()) << res.status();
+      ev = gen.Accept(res->Last(0));
+      out.tokens.push_back(ev->token);
+      out.text += ev->text;
+      feed.assign(1, ev->token);
+    }
+    dst.Release();
+    return out;
+  }
+
+  static tok::Tokenizer* tokenizer_;
+};
+
+tok::Tokenizer* TpClusterTest::tokenizer_ = nullptr;
+
+TEST_P(TpClusterTest, StreamsEqualTheInProcessEngineWithTheSameTpSizes) {
+  const auto [prefill_tp, decode_tp] = GetParam();
+  TpModel prefill = TpModel::Load(prefill_tp), decode = TpModel::Load(decode_tp);
+  Cluster c;
+  c.tls = false;
+  const std::string dir = TempDir() + absl::StrCat("/tp", prefill_tp, "to", decode_tp);
+  absl::Status s = c.Start(dir, false, {"--tp", absl::StrCat(decode_tp)}, {}, 1, {"--tp", absl::StrCat(prefill_tp)});
+  ASSERT_TRUE(s.ok()) << s;
+  const std::vector<v1::GenerateRequest> requests = {
+      Request("In the beginning God created", 24, 0.0f, 42),
+      // Longer than a prefill chunk (32 tokens) and a KV block (16).
+      Request("And it came to pass, when men began to multiply on the face of the earth, and daughters were born "
+              "unto them, that the sons of God saw the daughters of men",
+              20, 0.8f, 7),
+  };
+  for (const v1::GenerateRequest& req : requests) {
+    const auto got = c.Generate(req);
+    ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+    const Output want = Reference(req, prefill, decode);
+    EXPECT_EQ(got.tokens, want.tokens) << "prefill tp " << prefill_tp << ", decode tp " << decode_tp << ": "
+                                       << req.text();
+    EXPECT_EQ(got.text, want.text);
+  }
+  // Each worker reports its TP size and its KV bytes per position per
+  // rank, as `pdctl plan` counts them per chip: c_kv / min(N, N_kv), with
+  // c_kv = 2 * layers * KV heads * head dim * 2 bytes (BF16).
+  const ModelConfig& mc = prefill.model->config();
+  const int64_t c_kv = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2;
+  const v1::ClusterStatusResponse st = c.Status();
+  ASSERT_EQ(st.prefill_size(), 1);
+  ASSERT_EQ(st.decode_size(), 1);
+  EXPECT_EQ(st.prefill(0).tp(), prefill_tp);
+  EXPECT_EQ(st.decode(0).tp(), decode_tp);
+  EXPECT_EQ(st.prefill(0).kv_bytes_per_position_per_rank(), c_kv / std::min<int64_t>(prefill_tp, mc.num_kv_heads));
+  EXPECT_EQ(st.decode(0).kv_bytes_per_position_per_rank(), c_kv / std::min<int64_t>(decode_tp, mc.num_kv_heads));
+}
+
+INSTANTIATE_TEST_SUITE_P(Pairings, TpClusterTest,
+                         ::testing::Values(std::make_pair(2, 1), std::make_pair(1, 2), std::make_pair(2, 4),
+                                           std::make_pair(4, 1), std::make_pair(1, 1)),
+                         [](const auto& info) {
+                           return absl::StrCat("Prefill", info.param.first, "Decode", info.param.second);
+                         });
+
+}  // namespace
+}  // namespace pdserve

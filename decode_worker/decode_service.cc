@@ -663,7 +663,10 @@ grpc::ServerUnaryReactor* DecodeService::Status(grpc::CallbackServerContext* ctx
   {
     absl::MutexLock lock(&handoff_mu_);
     out->set_kv_address(kv_address_);
-    std::string why = !healthy() ? "decode engine is not running" : draining_ ? "draining" : unhealthy_reason_;
+    std::string why = !healthy() ? (engine_.failed() ? absl::StrCat("decode engine stopped: ", engine_.failure().message())
+                                                     : "decode engine is not running")
+                      : draining_ ? "draining"
+                                  : unhealthy_reason_;
     s->set_healthy(why.empty());
     out->set_unhealthy_reason(std::move(why));
   }

@@ -129,6 +129,11 @@ bool Engine::failed() const {
   return failed_;
 }
 
+absl::Status Engine::failure() const {
+  absl::MutexLock lock(&mu_);
+  return failure_;
+}
+
 void Engine::Run() {
   while (true) {
     {
@@ -143,6 +148,7 @@ void Engine::Run() {
       if (!stepped.ok()) {
         absl::MutexLock lock(&mu_);
         failed_ = true;
+        failure_ = stepped.status();
         return;
       }
       if (!*stepped) break;

@@ -160,6 +160,8 @@ class Engine {
   absl::Duration LifeBound(int32_t max_tokens) const;
   // The engine's thread hit an error (every request ended with it).
   bool failed() const;
+  // That error (OK while the engine runs).
+  absl::Status failure() const;
 
  private:
   struct Inbox {
@@ -191,6 +193,7 @@ class Engine {
   EngineStats stats_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   bool failed_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status failure_ ABSL_GUARDED_BY(mu_);
   bool work_ ABSL_GUARDED_BY(mu_) = false;
 
   // Engine thread only.

@@ -39,6 +39,8 @@ ABSL_FLAG(double, drain_min_s, 0,
 ABSL_FLAG(double, leak_grace_s, 10, "NOT_SERVING once KV blocks stay in use this long with no request holding them");
 ABSL_FLAG(double, wedge_after_s, 5, "NOT_SERVING once the KV transport's event loop has not run for this long");
 ABSL_FLAG(int, fault_leak_kv_blocks, 0, "fault tests only: take this many KV blocks at start and never free them");
+ABSL_FLAG(int64_t, fault_tp_collective_after, 0,
+          "fault tests only: the tensor-parallel ranks' Nth collective after start fails (0: never)");
 ABSL_FLAG(double, fault_wedge_kv_after_s, 0, "fault tests only: block the KV transport's loop this long after start (0: never)");
 
 namespace pdserve {
@@ -112,6 +114,15 @@ absl::StatusOr<WorkerRuntime> StartWorkerRuntime(const std::string& name, int* e
     const absl::Status leaked = kv.Grow(rt.leaked_kv, n * kv.spec().block_size);
     LogEvent("warning", "fault_leak_kv_blocks", {{"blocks", std::to_string(n)}, {"ok", leaked.ok() ? "true" : "false"}});
   }
+  if (const int64_t n = absl::GetFlag(FLAGS_fault_tp_collective_after); n > 0) {
+    kernels::cpu::ThreadCollectiveGroup* group = rt.engine.engine.model->tp_group();
+    if (group == nullptr) {
+      *exit_code = 2;
+      return absl::InvalidArgumentError("--fault_tp_collective_after needs --tp > 1");
+    }
+    group->InjectFailure(n, absl::UnavailableError("injected fault: a tensor-parallel rank's link failed"));
+    LogEvent("warning", "fault_tp_collective", {{"after", std::to_string(n)}});
+  }
   if (const double s = absl::GetFlag(FLAGS_fault_wedge_kv_after_s); s > 0) {
     kv::EventLoop* loop = &rt.transport->loop();
     std::thread([loop, s] {
@@ -162,10 +173,10 @@ std::function<std::string()> WorkerHealthCheck(WorkerRuntime& rt,
                                                std::function<void(std::string)> publish,
                                                MetricsRegistry* metrics) {
   // The verdict's kind, for pdserve_worker_unhealthy{reason}.
-  static constexpr const char* kReasons[] = {"draining", "kv_self_check", "kv_wedged", "kv_leak"};
+  static constexpr const char* kReasons[] = {"draining", "kv_self_check", "kv_wedged", "kv_leak", "tp_collective"};
   auto kind = std::make_shared<std::atomic<int>>(-1);
   if (metrics != nullptr) {
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < 5; ++i) {
       metrics->AddGauge(
           "pdserve_worker_unhealthy", "1 for why the worker does not serve now (0 everywhere while it serves).",
           [kind, i] { return kind->load() == i ? 1.0 : 0.0; }, absl::StrCat("reason=\"", kReasons[i], "\""));
@@ -177,7 +188,17 @@ std::function<std::string()> WorkerHealthCheck(WorkerRuntime& rt,
   kv::EventLoop* loop = &rt.transport->loop();
   const kv::TransportSelfCheck* check = rt.transport_check.get();
   const KvManager* kv = rt.engine.engine.kv.get();
+  kernels::cpu::ThreadCollectiveGroup* tp_group = rt.engine.engine.model->tp_group();
   return [=] {
+    // A broken tensor-parallel group never heals: every forward would fail.
+    if (tp_group != nullptr) {
+      if (absl::Status broken = tp_group->broken(); !broken.ok()) {
+        std::string why = absl::StrCat("tensor-parallel collective failed: ", broken.message());
+        kind->store(4);
+        publish(why);
+        return why;
+      }
+    }
     HealthInputs in;
     in.draining = draining();
     if (check != nullptr) in.transport_error = check->reason();

@@ -9,6 +9,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -46,7 +47,7 @@ struct TpModel {
   }
 };
 
-struct Output {
+struct RefOutput {
   std::vector<int32_t> tokens;
   std::string text;
 };
@@ -68,7 +69,7 @@ class TpClusterTest : public ::testing::TestWithParam<std::pair<int, int>> {
   }
 
   // Prefill on `prefill`, the KV converted into `decode`'s layout, decode on `decode`.
-  static Output Reference(const v1::GenerateRequest& req, TpModel& prefill, TpModel& decode) {
+  static RefOutput Reference(const v1::GenerateRequest& req, TpModel& prefill, TpModel& decode) {
     GenerationRequest r;
     r.prompt = *tokenizer_->Encode(req.text(), false);
     r.params.temperature = req.sampling().temperature();
@@ -76,7 +77,7 @@ class TpClusterTest : public ::testing::TestWithParam<std::pair<int, int>> {
     r.params.max_tokens = req.max_tokens();
     r.eos_ids = prefill.model->config().eos_token_ids;
     Generation gen(r, tokenizer_);
-    Output out;
+    RefOutput out;
     const int32_t n = static_cast<int32_t>(r.prompt.size());
     SequenceKv src = prefill.kv->NewSequence();
     ForwardSequence fs{&src, r.prompt, LogitsMode::kLast};
@@ -136,7 +137,7 @@ TEST_P(TpClusterTest, StreamsEqualTheInProcessEngineWithTheSameTpSizes) {
   for (const v1::GenerateRequest& req : requests) {
     const auto got = c.Generate(req);
     ASSERT_TRUE(got.status.ok()) << got.status.error_message();
-    const Output want = Reference(req, prefill, decode);
+    const RefOutput want = Reference(req, prefill, decode);
     EXPECT_EQ(got.tokens, want.tokens) << "prefill tp " << prefill_tp << ", decode tp " << decode_tp << ": "
                                        << req.text();
     EXPECT_EQ(got.text, want.text);
@@ -153,6 +154,40 @@ TEST_P(TpClusterTest, StreamsEqualTheInProcessEngineWithTheSameTpSizes) {
   EXPECT_EQ(st.decode(0).tp(), decode_tp);
   EXPECT_EQ(st.prefill(0).kv_bytes_per_position_per_rank(), c_kv / std::min<int64_t>(prefill_tp, mc.num_kv_heads));
   EXPECT_EQ(st.decode(0).kv_bytes_per_position_per_rank(), c_kv / std::min<int64_t>(decode_tp, mc.num_kv_heads));
+}
+
+TEST_F(TpClusterTest, ADecodeWorkerWhoseCollectiveFailsStopsServingAndItsStreamsMigrate) {
+  // Two decode workers of TP 2; the first one's ranks fail their 200th
+  // collective (a few decode steps into the first streams it takes).
+  TpModel prefill = TpModel::Load(2), decode = TpModel::Load(2);
+  Cluster c;
+  c.tls = false;
+  c.extra_decode_flags[0] = {"--fault_tp_collective_after", "200"};
+  absl::Status s = c.Start(TempDir() + "/tp_fault", false, {"--tp", "2"}, {}, 1, {"--tp", "2"}, 2);
+  ASSERT_TRUE(s.ok()) << s;
+  std::vector<v1::GenerateRequest> requests;
+  for (int i = 0; i < 6; ++i) requests.push_back(Request("In the beginning God created", 24, 0.7f, 100 + i));
+  std::vector<Output> got(requests.size());
+  std::vector<std::thread> clients;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    clients.emplace_back([&, i] { got[i] = c.Generate(requests[i]); });
+  }
+  for (std::thread& t : clients) t.join();
+  for (size_t i = 0; i < requests.size(); ++i) {
+    ASSERT_TRUE(got[i].status.ok()) << "stream " << i << ": " << got[i].status.error_message();
+    EXPECT_EQ(got[i].tokens, Reference(requests[i], prefill, decode).tokens) << "stream " << i;
+  }
+  const v1::ClusterStatusResponse st = c.Status();
+  ASSERT_EQ(st.decode_size(), 2);
+  int broken = 0;
+  for (const v1::WorkerStatus& w : st.decode()) {
+    if (!w.healthy()) {
+      ++broken;
+      EXPECT_NE(w.unhealthy_reason().find("injected fault: a tensor-parallel rank's link failed"), std::string::npos)
+          << w.unhealthy_reason();
+    }
+  }
+  EXPECT_EQ(broken, 1) << st.ShortDebugString();
 }
 
 INSTANTIATE_TEST_SUITE_P(Pairings, TpClusterTest,

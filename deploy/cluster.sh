@@ -5,7 +5,7 @@
 #   deploy/cluster.sh start [--prefill N] [--decode M] [--colocated] [--pin] [--model DIR]
 #                           [--router-flag FLAG]...   (e.g. --router-flag --admission)
 #                           [--prefill-flag FLAG]... [--decode-flag FLAG]...
-#                           [--insecure]
+#                           [--prefill-tp N] [--decode-tp N] [--insecure]
 #   deploy/cluster.sh status
 #   deploy/cluster.sh stop
 #
@@ -20,7 +20,10 @@
 # 127.0.0.1:${PDSERVE_HTTP_PORT:-8000}. --pin puts prefill workers on core 0 and decode
 # workers on core 1 (taskset), the split the benchmarks use on 2 cores.
 # Workers run --threads nproc/2 each; with --colocated the decode worker
-# (which then also prefills) runs --threads nproc.
+# (which then also prefills) runs --threads nproc. --prefill-tp/--decode-tp
+# run that pool's workers tensor-parallel over N ranks (threads), sharing
+# the worker's threads (at least one each); pools of different TP sizes
+# hand off to each other.
 # Needs a build (deploy/bootstrap.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -41,7 +44,7 @@ wait_ready() {  # file, pid, what
 
 start() {
   local prefill=1 decode=1 colocated=0 pin=0 model=${PDSERVE_MODEL:-deploy/models/kjv-tiny}
-  local router_extra=() prefill_extra=() decode_extra=() insecure=0
+  local router_extra=() prefill_extra=() decode_extra=() insecure=0 prefill_tp=1 decode_tp=1
   while (($#)); do
     case "$1" in
       --prefill) prefill=$2; shift 2 ;;
@@ -52,6 +55,8 @@ start() {
       --router-flag) router_extra+=("$2"); shift 2 ;;
       --prefill-flag) prefill_extra+=("$2"); shift 2 ;;
       --decode-flag) decode_extra+=("$2"); shift 2 ;;
+      --prefill-tp) prefill_tp=$2; shift 2 ;;
+      --decode-tp) decode_tp=$2; shift 2 ;;
       --insecure) insecure=1; shift ;;
       *) die "unknown option $1" ;;
     esac
@@ -93,8 +98,11 @@ start() {
     ((pin)) && pre=(taskset -c "$2")
     local tls extra=()
     read -r -a tls <<< "$(tls_flags "$4")"
-    if [[ $4 == prefill ]]; then extra=("${prefill_extra[@]}"); else extra=("${decode_extra[@]}"); fi
-    setsid "${pre[@]}" "$BUILD_DIR/$3" --model "$model" --threads "$threads" "${tls[@]}" "${extra[@]}" \
+    local tp=$decode_tp
+    if [[ $4 == prefill ]]; then extra=("${prefill_extra[@]}"); tp=$prefill_tp; else extra=("${decode_extra[@]}"); fi
+    local rank_threads=$(( threads / tp > 0 ? threads / tp : 1 ))
+    ((tp > 1)) && extra=(--tp "$tp" "${extra[@]}")
+    setsid "${pre[@]}" "$BUILD_DIR/$3" --model "$model" --threads "$rank_threads" "${tls[@]}" "${extra[@]}" \
       --ready_file "$STATE/$1.ready" < /dev/null > "$STATE/$1.log" 2>&1 &
     echo "$!" >> "$STATE/pids"
     local port

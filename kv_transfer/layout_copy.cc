@@ -86,8 +86,13 @@ void PackLayer(const KvCacheSpec& src, const char* src_base, absl::Span<const in
         const int32_t len = std::min({src.block_size - ss, dst.block_size - ds, num_positions - p});
         const char* s = src_base + LayerBlockOffset(src, layer, src_table[p / src.block_size], sr);
         char* d = out + dr * rank_bytes + static_cast<int64_t>(p / dst.block_size - first_block) * dst.LayerBlockBytes();
-        for (int64_t k = 0; k < sg.dim; ++k) {
-          std::memcpy(d + dg.KOffset(dh, k, ds), s + sg.KOffset(sh, k, ss), len * sg.elem);
+        if (len == sg.slots && len == dg.slots) {
+          // A whole block of the same size: the head's K is one run.
+          std::memcpy(d + dg.KOffset(dh, 0, 0), s + sg.KOffset(sh, 0, 0), sg.dim * len * sg.elem);
+        } else {
+          for (int64_t k = 0; k < sg.dim; ++k) {
+            std::memcpy(d + dg.KOffset(dh, k, ds), s + sg.KOffset(sh, k, ss), len * sg.elem);
+          }
         }
         std::memcpy(d + dg.VOffset(dh, ds), s + sg.VOffset(sh, ss), len * sg.dim * sg.elem);
         if (int8) {

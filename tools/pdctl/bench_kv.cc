@@ -47,6 +47,9 @@ ABSL_FLAG(int, iters, 20, "bench-kv: timed handoffs (and raw put rounds)");
 ABSL_FLAG(int, kv_layers, 12, "bench-kv: layers (without --model)");
 ABSL_FLAG(int, kv_heads, 4, "bench-kv: KV heads (without --model)");
 ABSL_FLAG(int, head_dim, 64, "bench-kv: head dim (without --model)");
+ABSL_FLAG(int, kv_tp, 1,
+          "bench-kv: the sender's tensor-parallel ranks (without --model; the receiver's in the child)");
+ABSL_FLAG(int, kv_receiver_tp, 0, "bench-kv: the receiver's tensor-parallel ranks (0: --kv-tp)");
 ABSL_FLAG(bool, with_prefill, false, "bench-kv: run a real prefill forward, streaming KV per layer");
 ABSL_FLAG(bool, show_lanes, false, "bench-kv: print the UCX lanes of the connection (stderr)");
 ABSL_FLAG(std::string, kv_role, "", "bench-kv: internal, 'receive' in the child process");
@@ -123,6 +126,16 @@ class ComputeLoad {
   absl::Notification started_, stop_;
   std::thread thread_;
 };
+
+// `shape` (num_kv_heads: the model's, or its model_kv_heads) held over
+// `tp` ranks: split, or one head each when ranks outnumber heads.
+KvCacheSpec TpShape(KvCacheSpec shape, int tp) {
+  const int32_t heads = shape.ModelKvHeads();
+  shape.model_kv_heads = heads;
+  shape.num_ranks = tp;
+  shape.num_kv_heads = tp <= heads ? heads / tp : 1;
+  return shape;
+}
 
 // The receiving process: a pool of --kv-blocks, commits released at once.
 absl::Status RunReceiver(const KvCacheSpec& spec, const ModelIdentity& model) {
@@ -455,9 +468,11 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
     if (id.size() != 2 || !absl::SimpleHexAtoi(id[0], &model.lo) || !absl::SimpleHexAtoi(id[1], &model.hi)) {
       return absl::InvalidArgumentError("--kv-model-identity must be LO:HI in hex");
     }
-    KvCacheSpec spec{.num_layers = absl::GetFlag(FLAGS_kv_layers), .num_kv_heads = absl::GetFlag(FLAGS_kv_heads),
-                     .head_dim = absl::GetFlag(FLAGS_head_dim), .block_size = common.block_size,
-                     .dtype = *kv_dtype, .num_blocks = absl::GetFlag(FLAGS_kv_blocks)};
+    const KvCacheSpec spec = TpShape({.num_layers = absl::GetFlag(FLAGS_kv_layers),
+                                      .num_kv_heads = absl::GetFlag(FLAGS_kv_heads),
+                                      .head_dim = absl::GetFlag(FLAGS_head_dim), .block_size = common.block_size,
+                                      .dtype = *kv_dtype, .num_blocks = absl::GetFlag(FLAGS_kv_blocks)},
+                                     absl::GetFlag(FLAGS_kv_tp));
     return RunReceiver(spec, model);
   }
 
@@ -468,13 +483,20 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
   std::unique_ptr<kernels::cpu::CpuBackend> cpu;
   std::unique_ptr<StreamingBackend> streaming;
   std::unique_ptr<Model> model;
-  KvCacheSpec spec{.num_layers = absl::GetFlag(FLAGS_kv_layers), .num_kv_heads = absl::GetFlag(FLAGS_kv_heads),
-                   .head_dim = absl::GetFlag(FLAGS_head_dim), .block_size = common.block_size,
-                   .dtype = *kv_dtype, .num_blocks = blocks};
+  const int send_tp = absl::GetFlag(FLAGS_kv_tp);
+  const int receive_tp = absl::GetFlag(FLAGS_kv_receiver_tp) > 0 ? absl::GetFlag(FLAGS_kv_receiver_tp) : send_tp;
+  KvCacheSpec spec = TpShape({.num_layers = absl::GetFlag(FLAGS_kv_layers),
+                              .num_kv_heads = absl::GetFlag(FLAGS_kv_heads),
+                              .head_dim = absl::GetFlag(FLAGS_head_dim), .block_size = common.block_size,
+                              .dtype = *kv_dtype, .num_blocks = blocks},
+                             send_tp);
   ModelIdentity identity = HashBytes(absl::StrCat("bench-kv shape ", spec.num_layers, "x", spec.num_kv_heads, "x",
                                                   spec.head_dim));
   std::string model_dir = common.model_dir;
   if (with_prefill || reserve_during_prefill || !model_dir.empty()) {
+    if (send_tp != 1 || receive_tp != 1) {
+      return absl::InvalidArgumentError("bench-kv: --kv-tp and --kv-receiver-tp take the shape flags, not a model");
+    }
     if (model_dir.empty()) {
       model_dir = MakeTempDir("bench-kv-model");
       RandomModelSpec rs = Llama125MSpec();
@@ -505,7 +527,8 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
   ReceiverProcess child;
   std::vector<std::string> child_args = {
       "bench-kv", "--kv_role=receive", absl::StrCat("--kv_layers=", spec.num_layers),
-      absl::StrCat("--kv_heads=", spec.num_kv_heads), absl::StrCat("--head_dim=", spec.head_dim),
+      absl::StrCat("--kv_heads=", spec.ModelKvHeads()), absl::StrCat("--head_dim=", spec.head_dim),
+      absl::StrCat("--kv_tp=", receive_tp),
       absl::StrCat("--kv=", DTypeName(spec.dtype)), absl::StrCat("--block_size=", spec.block_size),
       // Room for the handoffs, and for the receiver's own prefill.
       absl::StrCat("--kv_blocks=", (reserve_during_prefill ? 2 * blocks : blocks) + 8),
@@ -527,8 +550,14 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
     SequenceKv seq = p.NewSequence();
     if (absl::Status s = p.Grow(seq, prompt); !s.ok()) return s;
     seq.SetNumPositions(0);
-    const int64_t bytes_moved = static_cast<int64_t>(seq.block_table().size()) * spec.LayerBlockBytes() * spec.num_layers;
-    const int64_t layer_bytes = bytes_moved / spec.num_layers;
+    // What lands: every receiver rank's blocks of every layer, one put per
+    // layer and receiver rank (the receiver's layout, packed by the sender
+    // when the layouts differ).
+    KvCacheSpec rspec = TpShape(spec, receive_tp);
+    rspec.num_blocks = (reserve_during_prefill ? 2 * blocks : blocks) + 8;
+    const int64_t rank_layer_bytes = static_cast<int64_t>(seq.block_table().size()) * rspec.LayerBlockBytes();
+    const int64_t bytes_moved = rank_layer_bytes * rspec.num_ranks * spec.num_layers;
+    const int64_t layer_bytes = rank_layer_bytes;
 
     // The handoff: reserve, every layer, commit.
     // Reserve happens when the prefill starts (off the critical path); the
@@ -570,24 +599,25 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
       Connection* c = *conn;
       auto remote = t->loop().RunSync([&] { return c->ImportRegion(child.region()); });
       if (!remote.ok()) return remote.status();
-      KvCacheSpec rspec = spec;
-      rspec.num_blocks = blocks + 8;
       const char* base = p.storage().base;
       for (int i = -2; i < iters; ++i) {
         std::promise<absl::Status> done;
         auto fut = done.get_future();
         const absl::Time t0 = absl::Now();
         t->loop().Post([&] {
-          auto left = std::make_shared<int>(spec.num_layers);
+          auto left = std::make_shared<int>(spec.num_layers * rspec.num_ranks);
           auto err = std::make_shared<absl::Status>();
           for (int32_t l = 0; l < spec.num_layers; ++l) {
-            t->loop().AddBusy(1);
-            c->Put(base + kv::LayerBlockOffset(spec, l, 0), layer_bytes, **remote, kv::LayerBlockOffset(rspec, l, 0),
-                   [&, left, err](absl::Status s) {
-                     t->loop().AddBusy(-1);
-                     if (!s.ok()) *err = s;
-                     if (--*left == 0) c->Flush([&, err](absl::Status s) { done.set_value(err->ok() ? s : *err); });
-                   });
+            for (int32_t r = 0; r < rspec.num_ranks; ++r) {
+              t->loop().AddBusy(1);
+              // Any of the sender's bytes: the sizes and places are the point.
+              c->Put(base, layer_bytes, **remote, kv::LayerBlockOffset(rspec, l, 0, r),
+                     [&, left, err](absl::Status s) {
+                       t->loop().AddBusy(-1);
+                       if (!s.ok()) *err = s;
+                       if (--*left == 0) c->Flush([&, err](absl::Status s) { done.set_value(err->ok() ? s : *err); });
+                     });
+            }
           }
         });
         if (absl::Status s = fut.get(); !s.ok()) return s;
@@ -601,7 +631,9 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
     const char* tls = std::getenv("UCX_TLS");
     out = {{"ucx_tls", tls ? tls : "(default)"},
            {"layers", spec.num_layers},
-           {"kv_heads", spec.num_kv_heads},
+           {"kv_heads", spec.ModelKvHeads()},
+           {"sender_tp", spec.num_ranks},
+           {"receiver_tp", rspec.num_ranks},
            {"head_dim", spec.head_dim},
            {"kv_dtype", std::string(DTypeName(spec.dtype))},
            {"block_size", spec.block_size},
@@ -676,12 +708,14 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
     std::printf("%s\n", out.dump(2).c_str());
     return absl::OkStatus();
   }
-  std::printf("bench-kv  UCX_TLS=%s  %d layers x %d KV heads x %d dim, %s KV, block %d, prompt %d\n",
-              out["ucx_tls"].get<std::string>().c_str(), spec.num_layers, spec.num_kv_heads, spec.head_dim,
-              std::string(DTypeName(spec.dtype)).c_str(), spec.block_size, prompt);
-  std::printf("  bytes per request        %10.2f MiB  (%d puts of %.2f MiB, one per layer)\n",
-              out["bytes_per_request"].get<double>() / 1048576, spec.num_layers,
-              out["put_bytes_per_layer"].get<double>() / 1048576);
+  std::printf("bench-kv  UCX_TLS=%s  %d layers x %d KV heads x %d dim, %s KV, block %d, prompt %d, TP %d -> %d\n",
+              out["ucx_tls"].get<std::string>().c_str(), spec.num_layers, spec.ModelKvHeads(), spec.head_dim,
+              std::string(DTypeName(spec.dtype)).c_str(), spec.block_size, prompt, out["sender_tp"].get<int>(),
+              out["receiver_tp"].get<int>());
+  const int receiver_ranks = out["receiver_tp"].get<int>();
+  std::printf("  bytes per request        %10.2f MiB  (%d puts of %.2f MiB, one per layer%s)\n",
+              out["bytes_per_request"].get<double>() / 1048576, spec.num_layers * receiver_ranks,
+              out["put_bytes_per_layer"].get<double>() / 1048576, receiver_ranks > 1 ? " and receiver rank" : "");
   std::printf("  per request (median of %d) %8.3f ms                (reserve %.3f ms + stream + commit ack)\n", iters,
               out["handoff_ms_median"].get<double>(), out["reserve_ms_median"].get<double>());
   std::printf("  handoff stream + commit  %10.3f ms   %7.2f GB/s  (first put -> flush -> commit acknowledged)\n",

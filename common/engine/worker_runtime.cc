@@ -166,6 +166,13 @@ void AddKvPoolMetrics(MetricsRegistry& metrics, const KvManager* kv) {
                    [kv] { return static_cast<double>(kv->Counts().used); }, "state=\"used\"");
   metrics.AddGauge("pdserve_kv_blocks", "KV blocks by state.",
                    [kv] { return static_cast<double>(kv->Counts().free); }, "state=\"free\"");
+  // The layout: constant for the worker's life.
+  const KvCacheSpec spec = kv->spec();
+  metrics.AddGauge("pdserve_tp_ranks", "Tensor-parallel ranks of the worker's model (1: not sharded).",
+                   [spec] { return static_cast<double>(spec.num_ranks); });
+  metrics.AddGauge("pdserve_kv_bytes_per_position_per_rank",
+                   "KV bytes one position takes on one rank (what pdctl plan counts per chip).",
+                   [spec] { return static_cast<double>(spec.BytesPerPosition()); });
 }
 
 std::function<std::string()> WorkerHealthCheck(WorkerRuntime& rt,

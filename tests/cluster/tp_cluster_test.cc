@@ -154,6 +154,11 @@ TEST_P(TpClusterTest, StreamsEqualTheInProcessEngineWithTheSameTpSizes) {
   EXPECT_EQ(st.decode(0).tp(), decode_tp);
   EXPECT_EQ(st.prefill(0).kv_bytes_per_position_per_rank(), c_kv / std::min<int64_t>(prefill_tp, mc.num_kv_heads));
   EXPECT_EQ(st.decode(0).kv_bytes_per_position_per_rank(), c_kv / std::min<int64_t>(decode_tp, mc.num_kv_heads));
+  // And the same on its metrics page.
+  const std::string page = HttpGet(c.decode_metrics(), "/metrics");
+  EXPECT_EQ(MetricValue(page, "pdserve_tp_ranks"), decode_tp) << page;
+  EXPECT_EQ(MetricValue(page, "pdserve_kv_bytes_per_position_per_rank"),
+            c_kv / std::min<int64_t>(decode_tp, mc.num_kv_heads));
 }
 
 TEST_F(TpClusterTest, ADecodeWorkerWhoseCollectiveFailsStopsServingAndItsStreamsMigrate) {

@@ -64,6 +64,11 @@ absl::Status KvCacheSpec::Validate() const {
     return absl::InvalidArgumentError(absl::StrCat("KV cache: dtype ", DTypeName(dtype),
                                                    " is not supported (f32, bf16, int8)"));
   }
+  if (request_ranks < 1 || (request_ranks > 1 && (num_ranks != 1 || num_blocks % request_ranks != 0))) {
+    return absl::InvalidArgumentError(absl::StrCat("KV cache: ", request_ranks, " request-sharded ranks over ",
+                                                   num_blocks, " blocks and ", num_ranks,
+                                                   " head-sharded ranks (want one, and whole ranges)"));
+  }
   const int32_t model = ModelKvHeads();
   const bool split = num_ranks >= 1 && num_ranks * num_kv_heads == model;
   const bool replicated = num_ranks >= 1 && num_kv_heads == 1 && num_ranks % model == 0;
@@ -127,8 +132,9 @@ void BlockPool::LruPushBack(int32_t b) {
   ++num_evictable_;
 }
 
-absl::StatusOr<std::vector<BlockId>> BlockPool::Allocate(int32_t n) {
+absl::StatusOr<std::vector<BlockId>> BlockPool::Allocate(int32_t n, int32_t rank) {
   if (n < 0) return absl::InvalidArgumentError("KV cache: negative block count");
+  if (spec_.request_ranks > 1) return AllocateInRange(n, rank);
   if (n > num_free()) {
     return absl::ResourceExhaustedError(
         absl::StrCat("KV block pool exhausted: ", n, " blocks requested, ", num_free(),
@@ -153,6 +159,43 @@ absl::StatusOr<std::vector<BlockId>> BlockPool::Allocate(int32_t n) {
     ref_counts_[b.value] = 1;
     out.push_back(b);
   }
+  return out;
+}
+
+absl::StatusOr<std::vector<BlockId>> BlockPool::AllocateInRange(int32_t n, int32_t rank) {
+  const int32_t per = spec_.num_blocks / spec_.request_ranks;
+  const int32_t lo = rank * per, hi = lo + per;
+  auto mine = [&](int32_t b) { return b >= lo && b < hi; };
+  std::vector<int32_t> evictable;  // Least recently released first.
+  int32_t free_here = 0;
+  for (BlockId b : free_) free_here += mine(b.value) ? 1 : 0;
+  for (int32_t b = lru_next_[spec_.num_blocks]; b != spec_.num_blocks && free_here + static_cast<int32_t>(evictable.size()) < n;
+       b = lru_next_[b]) {
+    if (mine(b)) evictable.push_back(b);
+  }
+  if (free_here + static_cast<int32_t>(evictable.size()) < n) {
+    return absl::ResourceExhaustedError(absl::StrCat("KV block pool exhausted on rank ", rank, ": ", n,
+                                                     " blocks requested, ", free_here + evictable.size(),
+                                                     " free of its ", per));
+  }
+  std::vector<BlockId> out;
+  out.reserve(n);
+  // Free blocks of the range, most recently freed first.
+  for (size_t i = free_.size(); i-- > 0 && static_cast<int32_t>(out.size()) < n;) {
+    if (!mine(free_[i].value)) continue;
+    out.push_back(free_[i]);
+    free_.erase(free_.begin() + static_cast<ptrdiff_t>(i));
+  }
+  for (size_t e = 0; static_cast<int32_t>(out.size()) < n; ++e) {
+    const int32_t b = evictable[e];
+    LruUnlink(b);
+    cache_.erase(*hash_of_[b]);
+    if (listener_ != nullptr) listener_->OnRemoved(*hash_of_[b]);
+    hash_of_[b].reset();
+    ++stats_.evictions;
+    out.push_back(BlockId{b});
+  }
+  for (BlockId b : out) ref_counts_[b.value] = 1;
   return out;
 }
 

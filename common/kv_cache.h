@@ -57,6 +57,11 @@ struct KvCacheSpec {
   // head each, every head on num_ranks / model_kv_heads ranks.
   int32_t num_ranks = 1;
   int32_t model_kv_heads = 0;
+  // The request-sharded layout (DESIGN.md fact 12): one pool of every KV
+  // head, its blocks cut into request_ranks equal ranges of ids, rank r's
+  // range holding the whole KV of the requests rank r attends for.
+  // REQUIRES (Validate): num_ranks == 1 and num_blocks a multiple of it.
+  int32_t request_ranks = 1;
 
   // c_kv of one rank: bytes of one position across all layers, K and V
   // (scales included), for the heads the rank holds.
@@ -70,6 +75,8 @@ struct KvCacheSpec {
   int32_t ModelKvHeads() const { return model_kv_heads > 0 ? model_kv_heads : num_kv_heads; }
   // The model's KV head that rank r holds as its local head 0.
   int32_t FirstKvHead(int32_t rank) const;
+  // The rank whose range holds block b (0 unless request-sharded).
+  int32_t RankOfBlock(int32_t b) const { return b / (num_blocks / request_ranks); }
   absl::Status Validate() const;
 };
 
@@ -154,7 +161,9 @@ class BlockPool {
   // Takes `n` blocks (reference count 1 each), all or nothing: free blocks
   // first, then evicting cached unreferenced blocks, least recently used
   // first. RESOURCE_EXHAUSTED (naming the counts) when fewer are available.
-  absl::StatusOr<std::vector<BlockId>> Allocate(int32_t n);
+  // In a request-sharded pool, only from `rank`'s range (a scan of the
+  // free list and the evictable blocks: O(blocks)).
+  absl::StatusOr<std::vector<BlockId>> Allocate(int32_t n, int32_t rank = 0);
   // REQUIRES: the block is held (count > 0).
   void AddRef(BlockId b);
   // Drops one reference. At zero the block becomes free, or, if cached,
@@ -195,6 +204,8 @@ class BlockPool {
   std::unique_ptr<KvRegion> region_;
   std::vector<int32_t> ref_counts_;
   std::vector<BlockId> free_;  // LIFO: recently freed blocks are warm in cache.
+  // Allocate in a request-sharded pool.
+  absl::StatusOr<std::vector<BlockId>> AllocateInRange(int32_t n, int32_t rank);
   // Prefix cache.
   std::vector<std::optional<BlockHash>> hash_of_;
   absl::flat_hash_map<BlockHash, int32_t> cache_;

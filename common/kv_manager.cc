@@ -11,7 +11,8 @@ SequenceKv::SequenceKv(SequenceKv&& other) noexcept
     : manager_(std::exchange(other.manager_, nullptr)),
       owner_(std::exchange(other.owner_, 0)),
       block_table_(std::move(other.block_table_)),
-      num_positions_(std::exchange(other.num_positions_, 0)) {
+      num_positions_(std::exchange(other.num_positions_, 0)),
+      rank_(std::exchange(other.rank_, 0)) {
   other.block_table_.clear();
 }
 
@@ -23,6 +24,7 @@ SequenceKv& SequenceKv::operator=(SequenceKv&& other) noexcept {
   block_table_ = std::move(other.block_table_);
   other.block_table_.clear();
   num_positions_ = std::exchange(other.num_positions_, 0);
+  rank_ = std::exchange(other.rank_, 0);
   return *this;
 }
 
@@ -54,9 +56,14 @@ KvManager::~KvManager() {
   }
 }
 
-SequenceKv KvManager::NewSequence() {
+SequenceKv KvManager::NewSequence(int32_t rank) {
+  if (rank < 0 || rank >= storage_.spec.request_ranks) {
+    ABSL_RAW_LOG(FATAL, "a SequenceKv of rank %d in a pool of %d request-sharded ranks", rank,
+                 storage_.spec.request_ranks);
+  }
   SequenceKv seq;
   seq.manager_ = this;
+  seq.rank_ = rank;
   absl::MutexLock lock(&mu_);
   seq.owner_ = next_owner_++;
   return seq;
@@ -82,7 +89,7 @@ absl::Status KvManager::GrowLocked(SequenceKv& seq, int32_t positions) {
   const int32_t bs = storage_.spec.block_size;
   const int32_t need = (positions + bs - 1) / bs - static_cast<int32_t>(seq.block_table_.size());
   if (need <= 0) return absl::OkStatus();
-  absl::StatusOr<std::vector<BlockId>> blocks = pool_->Allocate(need);
+  absl::StatusOr<std::vector<BlockId>> blocks = pool_->Allocate(need, seq.rank_);
   if (!blocks.ok()) return blocks.status();
   for (BlockId b : *blocks) {
     seq.block_table_.push_back(b.value);
@@ -122,16 +129,23 @@ int32_t KvManager::AttachCachedPrefix(SequenceKv& seq, absl::Span<const BlockHas
     ABSL_RAW_LOG(FATAL, "AttachCachedPrefix needs an empty SequenceKv of this manager");
   }
   const std::vector<BlockId> blocks = pool_->AcquireCachedPrefix(hashes);
+  bool on_rank = true;
   for (BlockId b : blocks) {
+    on_rank = on_rank && storage_.spec.RankOfBlock(b.value) == seq.rank_;
+    if (!on_rank) {
+      pool_->Release(b);  // Another rank's: its KV is not where seq attends.
+      continue;
+    }
     seq.block_table_.push_back(b.value);
     AddOwnerLocked(b.value, seq.owner_);
   }
-  seq.num_positions_ = static_cast<int32_t>(blocks.size()) * storage_.spec.block_size;
-  return static_cast<int32_t>(blocks.size());
+  seq.num_positions_ = static_cast<int32_t>(seq.block_table_.size()) * storage_.spec.block_size;
+  return static_cast<int32_t>(seq.block_table_.size());
 }
 
-absl::StatusOr<SequenceKv> KvManager::Reserve(absl::Span<const BlockHash> hashes, int32_t positions) {
-  SequenceKv seq = NewSequence();
+absl::StatusOr<SequenceKv> KvManager::Reserve(absl::Span<const BlockHash> hashes, int32_t positions,
+                                              int32_t rank) {
+  SequenceKv seq = NewSequence(rank);
   AttachCachedPrefix(seq, hashes);
   absl::MutexLock lock(&mu_);
   const size_t attached = seq.block_table_.size();

@@ -51,6 +51,8 @@ class SequenceKv {
   ~SequenceKv();
 
   int32_t num_positions() const { return num_positions_; }
+  // The rank whose block range holds it (request-sharded pools; else 0).
+  int32_t rank() const { return rank_; }
   const std::vector<int32_t>& block_table() const { return block_table_; }
   int32_t capacity(int32_t block_size) const { return static_cast<int32_t>(block_table_.size()) * block_size; }
   bool empty() const { return block_table_.empty(); }
@@ -65,6 +67,7 @@ class SequenceKv {
   uint64_t owner_ = 0;  // Unique per owner, for the manager's checks.
   std::vector<int32_t> block_table_;
   int32_t num_positions_ = 0;
+  int32_t rank_ = 0;
 };
 
 struct KvCounts {
@@ -90,8 +93,10 @@ class KvManager {
   const KvStorage& storage() const { return storage_; }
   KvRegion& region() { return *region_; }
 
-  // A new owner of this manager's blocks, holding none yet.
-  SequenceKv NewSequence();
+  // A new owner of this manager's blocks, holding none yet; in a
+  // request-sharded pool, its blocks come from `rank`'s range.
+  // REQUIRES: 0 <= rank < spec().request_ranks.
+  SequenceKv NewSequence(int32_t rank = 0);
 
   // Makes room in `seq` for `positions` in total (blocks allocated; free
   // blocks first, then the least recently used unreferenced cached ones).
@@ -108,13 +113,15 @@ class KvManager {
   // Attaches to the empty `seq` the cached blocks of the longest cached
   // prefix of `hashes` (one reference each) and marks their positions as
   // filled. Returns the number of blocks attached. Counts hits and misses.
+  // In a request-sharded pool the prefix stops at the first block outside
+  // seq's rank range.
   int32_t AttachCachedPrefix(SequenceKv& seq, absl::Span<const BlockHash> hashes);
   // An owner holding the longest cached prefix of `hashes` and fresh blocks
   // up to `positions` in total, all or nothing: a reservation for an
   // incoming handoff. Its num_positions() is the cached prefix's length;
   // the fresh blocks come in ascending id order (a transfer merges
   // consecutive ones).
-  absl::StatusOr<SequenceKv> Reserve(absl::Span<const BlockHash> hashes, int32_t positions);
+  absl::StatusOr<SequenceKv> Reserve(absl::Span<const BlockHash> hashes, int32_t positions, int32_t rank = 0);
   // Publishes seq's first hashes.size() blocks, fully written, under
   // `hashes` (a chain: hashes[i-1] is block i's parent). A hash already
   // cached under another block keeps that block.

@@ -275,12 +275,18 @@ size_t Model::ShardWeightBytesPerStep() const {
   return n;
 }
 
-KvCacheSpec Model::MakeKvSpec(DType kv_dtype, int32_t block_size, int32_t num_blocks) const {
+KvCacheSpec Model::MakeKvSpec(DType kv_dtype, int32_t block_size, int32_t num_blocks, TpKvLayout layout) const {
   KvCacheSpec s;
   s.num_layers = static_cast<int32_t>(config_.num_layers);
-  s.num_kv_heads = static_cast<int32_t>(ranges_.kv_heads.size());
-  s.num_ranks = tp();
   s.model_kv_heads = static_cast<int32_t>(config_.num_kv_heads);
+  if (layout == TpKvLayout::kRequestSharded) {
+    s.num_kv_heads = s.model_kv_heads;
+    s.request_ranks = tp();
+    num_blocks = (num_blocks + tp() - 1) / tp() * tp();
+  } else {
+    s.num_kv_heads = static_cast<int32_t>(ranges_.kv_heads.size());
+    s.num_ranks = tp();
+  }
   s.head_dim = static_cast<int32_t>(config_.head_dim);
   s.block_size = block_size;
   s.dtype = kv_dtype;
@@ -290,10 +296,24 @@ KvCacheSpec Model::MakeKvSpec(DType kv_dtype, int32_t block_size, int32_t num_bl
 
 absl::Status Model::ValidateBatch(const KvCacheSpec& spec, absl::Span<const ForwardSequence> batch) const {
   const ModelConfig& c = config_;
-  if (spec.num_layers != c.num_layers || spec.num_kv_heads != ranges_.kv_heads.size() ||
-      spec.num_ranks != tp() || spec.ModelKvHeads() != c.num_kv_heads ||
+  const bool request_sharded = spec.request_ranks > 1;
+  const bool heads_match = request_sharded ? spec.request_ranks == tp() && spec.num_ranks == 1 &&
+                                                 spec.num_kv_heads == c.num_kv_heads
+                                           : spec.num_kv_heads == ranges_.kv_heads.size() && spec.num_ranks == tp();
+  if (spec.num_layers != c.num_layers || !heads_match || spec.ModelKvHeads() != c.num_kv_heads ||
       spec.head_dim != c.head_dim) {
     return absl::InvalidArgumentError("KV spec does not match the model");
+  }
+  if (request_sharded) {
+    for (size_t s = 0; s < batch.size(); ++s) {
+      if (batch[s].kv == nullptr) continue;  // Refused below.
+      for (int32_t b : batch[s].kv->block_table()) {
+        if (spec.RankOfBlock(b) != batch[s].kv->rank()) {
+          return absl::InvalidArgumentError(absl::StrCat("sequence ", s, " of rank ", batch[s].kv->rank(),
+                                                         " holds block ", b, " of rank ", spec.RankOfBlock(b)));
+        }
+      }
+    }
   }
   for (size_t s = 0; s < batch.size(); ++s) {
     const ForwardSequence& seq = batch[s];
@@ -424,6 +444,19 @@ absl::StatusOr<ForwardResult> Model::ForwardShard(const KvStorage& kv_storage, a
     }
     backend_->Rope(q_.data(), T, num_heads, H, positions.data(), rope_.cos(), rope_.sin());
     backend_->Rope(k_.data(), T, num_kv_heads, H, positions.data(), rope_.cos(), rope_.sin());
+    if (kv_storage.spec.request_ranks > 1) {
+      if (absl::Status s = AttendRequestSharded(kv_storage, static_cast<int32_t>(l), batch, attn_seqs, blocks.data(),
+                                                slots.data(), T, options, sync_layer_kv, result);
+          !s.ok()) {
+        return s;
+      }
+      if (absl::Status s = RowParallel(*layer.o, attn_.data(), T, x_.data()); !s.ok()) return s;
+      backend_->RmsNorm(x_.data(), layer.post_norm.data(), T, D, eps, xn_.data());
+      backend_->Linear(*layer.gate_up, xn_.data(), T, nullptr, gate_up_.data(), false);
+      backend_->SiluMul(gate_up_.data(), T, F, act_.data());
+      if (absl::Status s = RowParallel(*layer.down, act_.data(), T, x_.data()); !s.ok()) return s;
+      continue;
+    }
     const kernels::KvLayerView kv = kv_storage.LayerView(static_cast<int32_t>(l));
     backend_->WriteKv(kv, num_kv_heads, H, k_.data(), v_.data(), T, blocks.data(), slots.data());
     if (sync_layer_kv) {
@@ -473,6 +506,83 @@ absl::StatusOr<ForwardResult> Model::ForwardShard(const KvStorage& kv_storage, a
     }
   }
   return result;
+}
+
+absl::Status Model::AttendRequestSharded(const KvStorage& kv_storage, int32_t layer,
+                                         absl::Span<const ForwardSequence> batch,
+                                         absl::Span<const kernels::AttentionSequence> seqs, const int32_t* blocks,
+                                         const int32_t* slots, int64_t T, const ForwardOptions& options,
+                                         bool sync_layer_kv, ForwardResult& result) {
+  const ModelConfig& c = config_;
+  const int32_t H = static_cast<int32_t>(c.head_dim);
+  const int64_t q_all = c.num_heads * H, kv_all = c.num_kv_heads * H, width = q_all + 2 * kv_all;
+  const int64_t Qd = ranges_.q_heads.size() * H, KVd = ranges_.kv_heads.size() * H;
+  const int64_t q_at = ranges_.q_heads.begin * H, kv_at = ranges_.kv_heads.begin * H;
+  // Every row's q/k/v, all heads: each rank writes its heads (a replicated
+  // KV head by its first rank only) into zeros, and the sum (exact: the
+  // others add zeros) gives every rank all of them.
+  Grow(all_qkv_, T * width);
+  std::fill(all_qkv_.begin(), all_qkv_.begin() + T * width, 0.0f);
+  const bool writes_kv = ranges_.shard.rank % ranges_.kv_copies == 0;
+  for (int64_t r = 0; r < T; ++r) {
+    float* row = all_qkv_.data() + r * width;
+    std::memcpy(row + q_at, q_.data() + r * Qd, Qd * sizeof(float));
+    if (writes_kv) {
+      std::memcpy(row + q_all + kv_at, k_.data() + r * KVd, KVd * sizeof(float));
+      std::memcpy(row + q_all + kv_all + kv_at, v_.data() + r * KVd, KVd * sizeof(float));
+    }
+  }
+  if (absl::Status s = collective_->AllReduceSum(all_qkv_.data(), T * width); !s.ok()) return s;
+  Grow(all_q_, T * q_all);
+  Grow(all_k_, T * kv_all);
+  Grow(all_v_, T * kv_all);
+  for (int64_t r = 0; r < T; ++r) {
+    const float* row = all_qkv_.data() + r * width;
+    std::memcpy(all_q_.data() + r * q_all, row, q_all * sizeof(float));
+    std::memcpy(all_k_.data() + r * kv_all, row + q_all, kv_all * sizeof(float));
+    std::memcpy(all_v_.data() + r * kv_all, row + q_all + kv_all, kv_all * sizeof(float));
+  }
+  // This rank's requests: their new KV into its block range, then their
+  // attention over every head.
+  const kernels::KvLayerView kv = kv_storage.LayerView(layer);
+  std::vector<kernels::AttentionSequence> mine;
+  for (size_t s = 0; s < batch.size(); ++s) {
+    if (batch[s].kv->rank() != ranges_.shard.rank) continue;
+    mine.push_back(seqs[s]);
+    const int64_t at = seqs[s].row_offset;
+    backend_->WriteKv(kv, static_cast<int32_t>(c.num_kv_heads), H, all_k_.data() + at * kv_all,
+                      all_v_.data() + at * kv_all, seqs[s].num_new, blocks + at, slots + at);
+  }
+  if (sync_layer_kv) {
+    if (absl::Status s = collective_->Barrier(); !s.ok()) return s;
+  }
+  if (options.on_layer_kv_written) options.on_layer_kv_written(layer);
+  Grow(all_attn_, T * q_all);
+  std::fill(all_attn_.begin(), all_attn_.begin() + T * q_all, 0.0f);
+  if (!mine.empty()) {
+    const auto start = std::chrono::steady_clock::now();
+    backend_->Attention(kernels::AttentionBatch{
+        .q = all_q_.data(),
+        .out = all_attn_.data(),
+        .sequences = mine,
+        .kv = kv,
+        .num_heads = static_cast<int32_t>(c.num_heads),
+        .num_kv_heads = static_cast<int32_t>(c.num_kv_heads),
+        .head_dim = H,
+        .scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(H))),
+        .group_shared_blocks = options.group_shared_kv,
+        .kv_bytes_read = &result.kv_bytes_read,
+        .same_sequences_as_previous = layer > 0,
+    });
+    result.attention_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+  // Every row's output (the rows of other ranks' requests are zeros here),
+  // then this rank's heads of it for the row-parallel o projection.
+  if (absl::Status s = collective_->AllReduceSum(all_attn_.data(), T * q_all); !s.ok()) return s;
+  for (int64_t r = 0; r < T; ++r) {
+    std::memcpy(attn_.data() + r * Qd, all_attn_.data() + r * q_all + q_at, Qd * sizeof(float));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Model::RowParallel(const kernels::LinearWeight& w, const float* x, int64_t m, float* y) {

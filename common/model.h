@@ -117,9 +117,13 @@ class Model {
   // rank once, one embedding row).
   size_t WeightBytesPerStep() const;
 
-  // A KV cache spec matching this model: one pool per rank, each with the
-  // rank's KV heads.
-  KvCacheSpec MakeKvSpec(DType kv_dtype, int32_t block_size, int32_t num_blocks) const;
+  // A KV cache spec matching this model: head-sharded, one pool per rank,
+  // each with the rank's KV heads; request-sharded, one pool of every head
+  // whose blocks split into one range per rank (num_blocks rounded up to a
+  // multiple of the ranks). Sequences of a request-sharded pool are
+  // attended by the rank of their range (KvManager::NewSequence(rank)).
+  KvCacheSpec MakeKvSpec(DType kv_dtype, int32_t block_size, int32_t num_blocks,
+                         TpKvLayout layout = TpKvLayout::kHeadSharded) const;
 
   // Runs the batch on the KV in `kv`. Never allocates or frees a block: the
   // caller holds every block the batch touches (see ForwardGrowing).
@@ -155,6 +159,12 @@ class Model {
   absl::Status RowParallel(const kernels::LinearWeight& w, const float* x, int64_t m, float* y);
   // logits[rows, vocab] from every rank's slice of the LM head over xn_.
   absl::Status GatherLogits(int64_t rows, float* logits);
+  // Request-sharded attention of layer `layer` (see ForwardShard): q_, k_,
+  // v_ (this rank's heads, RoPE applied) to attn_ (this rank's heads).
+  absl::Status AttendRequestSharded(const KvStorage& kv, int32_t layer, absl::Span<const ForwardSequence> batch,
+                                    absl::Span<const kernels::AttentionSequence> seqs, const int32_t* blocks,
+                                    const int32_t* slots, int64_t rows, const ForwardOptions& options,
+                                    bool sync_layer_kv, ForwardResult& result);
 
   ModelConfig config_;
   kernels::Backend* backend_;
@@ -174,6 +184,8 @@ class Model {
   RopeTable rope_;
   // Scratch reused across calls.
   std::vector<float> x_, xn_, qkv_, q_, k_, v_, attn_, gate_up_, act_, partial_, vocab_slices_;
+  // Request-sharded: every head of every row.
+  std::vector<float> all_qkv_, all_q_, all_k_, all_v_, all_attn_;
 };
 
 // Grows every sequence of the batch through `kv` for its new tokens (all

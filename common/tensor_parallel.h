@@ -29,6 +29,12 @@ struct IndexRange {
   friend bool operator==(IndexRange a, IndexRange b) { return a.begin == b.begin && a.end == b.end; }
 };
 
+// Where a tensor-parallel model keeps the KV (DESIGN.md fact 12): each
+// rank the heads it computes (head-sharded), or each rank whole requests,
+// every head, attending for them alone (request-sharded, for decode: the
+// ranks exchange the new rows' q/k/v and the attention outputs).
+enum class TpKvLayout { kHeadSharded, kRequestSharded };
+
 struct TpShard {
   int rank = 0;
   int size = 1;

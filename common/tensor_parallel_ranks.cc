@@ -4,7 +4,7 @@
 
 namespace pdserve {
 
-TensorParallelRanks::TensorParallelRanks(int tp) : group_(tp), rank_status_(tp) {}
+TensorParallelRanks::TensorParallelRanks(int tp) : group_(tp), rank_status_(tp), kv_bytes_read_(tp, 0) {}
 
 absl::Status TensorParallelRanks::LoadPeers(const std::string& model_dir, const ModelOptions& options,
                                             absl::Span<kernels::Backend* const> backends) {
@@ -35,7 +35,14 @@ absl::StatusOr<ForwardResult> TensorParallelRanks::RunRank(int r, const Job& job
   if (r != 0) o.on_layer_kv_written = nullptr;
   Model& model = r == 0 ? *job.rank0 : peer(r);
   const bool streaming = job.options->on_layer_kv_written != nullptr;
-  absl::StatusOr<ForwardResult> result = model.ForwardShard(job.storage.Rank(r), job.batch, o, streaming);
+  // Head-sharded: rank r's own pool; request-sharded: the one pool, each
+  // rank in its block range.
+  const KvStorage storage = job.storage.spec.request_ranks > 1 ? job.storage : job.storage.Rank(r);
+  absl::StatusOr<ForwardResult> result = model.ForwardShard(storage, job.batch, o, streaming);
+  if (result.ok()) {
+    absl::MutexLock lock(&mu_);
+    kv_bytes_read_[r] = result->kv_bytes_read;
+  }
   // A rank that fails inside the forward leaves the others waiting in a
   // collective: break the group so they return too.
   if (!result.ok()) group_.Break(result.status());
@@ -83,6 +90,11 @@ absl::StatusOr<ForwardResult> TensorParallelRanks::Run(Model& rank0, const KvSto
   }
   if (!result.ok()) return result.status();
   if (!others.ok()) return others;
+  {
+    // Every rank's attention reads.
+    absl::MutexLock lock(&mu_);
+    for (int r = 1; r < tp(); ++r) result->kv_bytes_read += kv_bytes_read_[r];
+  }
   if (options.advance_positions) {
     for (const ForwardSequence& seq : batch) {
       seq.kv->SetNumPositions(seq.kv->num_positions() + static_cast<int32_t>(seq.tokens.size()));

@@ -71,6 +71,7 @@ class TensorParallelRanks {
   Job job_ ABSL_GUARDED_BY(mu_);
   int pending_ ABSL_GUARDED_BY(mu_) = 0;  // Ranks 1..N-1 still running the job.
   std::vector<absl::Status> rank_status_ ABSL_GUARDED_BY(mu_);
+  std::vector<int64_t> kv_bytes_read_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
 };
 

@@ -133,11 +133,12 @@ int32_t Argmax(absl::Span<const float> row) {
 }
 
 // Runs prompts then `steps` greedy decode steps through `forward`.
+// Sequence s lives on rank rank_of(s) (request-sharded pools).
 template <typename ForwardFn>
-GreedyRun Generate(KvManager& kv, ForwardFn forward, int steps) {
+GreedyRun Generate(KvManager& kv, ForwardFn forward, int steps, int (*rank_of)(size_t) = nullptr) {
   const auto prompts = Prompts();
   std::vector<SequenceKv> seqs;
-  for (size_t s = 0; s < prompts.size(); ++s) seqs.push_back(kv.NewSequence());
+  for (size_t s = 0; s < prompts.size(); ++s) seqs.push_back(kv.NewSequence(rank_of ? rank_of(s) : 0));
   GreedyRun run;
   run.streams.resize(prompts.size());
   std::vector<std::vector<int32_t>> next = prompts;
@@ -247,6 +248,65 @@ TEST_P(ShardedForwardTest, AFailedCollectiveFailsTheForwardOnEveryRank) {
   EXPECT_EQ(seq.num_positions(), 0);  // Nothing advanced.
   // The group stays broken: the worker must stop serving, not retry.
   EXPECT_EQ(sharded->Forward((*kv)->storage(), batch).status().message(), "injected: rank link down");
+}
+
+TEST_P(ShardedForwardTest, RequestShardedDecodeMatchesTheUnshardedModel) {
+  // Each rank holds whole requests (every KV head) in its block range and
+  // attends for them; the ranks exchange the new rows' q/k/v and the
+  // attention outputs. The three sequences sit on ranks 0, 1, 0 (TP 2),
+  // or 1, 3, 2 (TP 4 and 8: some ranks attend for nobody).
+  const int tp = GetParam();
+  constexpr int kSteps = 12;
+  ModelOptions options;
+  options.weight_dtype = DType::kF32;
+  auto single_backend = Backend();
+  auto single = Model::Load(dir_, options, single_backend.get());
+  ASSERT_TRUE(single.ok()) << single.status();
+  auto single_kv = KvManager::Create((*single)->MakeKvSpec(DType::kF32, kBlockSize, 64));
+  ASSERT_TRUE(single_kv.ok());
+  const GreedyRun want = Generate(**single_kv, [&](absl::Span<const ForwardSequence> b) {
+    return ForwardGrowing(**single, **single_kv, b);
+  }, kSteps);
+
+  auto sharded = LoadSharded(tp, options);
+  ASSERT_NE(sharded, nullptr);
+  const KvCacheSpec spec = sharded->MakeKvSpec(DType::kF32, kBlockSize, 64, TpKvLayout::kRequestSharded);
+  EXPECT_EQ(spec.request_ranks, tp);
+  EXPECT_EQ(spec.num_kv_heads, 2);  // Every head: a rank holds whole requests.
+  EXPECT_EQ(spec.BytesPerPosition(), (*single)->MakeKvSpec(DType::kF32, kBlockSize, 64).BytesPerPosition());
+  auto kv = KvManager::Create(spec);
+  ASSERT_TRUE(kv.ok()) << kv.status();
+  int (*rank_of)(size_t) = tp == 2 ? +[](size_t s) { return static_cast<int>(s % 2); }
+                                   : +[](size_t s) { return static_cast<int>(1 + (s * 2) % 3); };
+  const GreedyRun got = Generate(**kv, [&](absl::Span<const ForwardSequence> b) {
+    for (const ForwardSequence& f : b) {
+      for (int32_t block : f.kv->block_table()) EXPECT_EQ(spec.RankOfBlock(block), f.kv->rank());
+    }
+    return ForwardGrowing(*sharded, **kv, b);
+  }, kSteps, rank_of);
+
+  ASSERT_EQ(got.logits.size(), want.logits.size());
+  for (size_t i = 0; i < want.logits.size(); ++i) {
+    float largest = 0;
+    for (float v : want.logits[i]) largest = std::max(largest, std::abs(v));
+    for (size_t j = 0; j < want.logits[i].size(); ++j) {
+      ASSERT_LE(std::abs(got.logits[i][j] - want.logits[i][j]), 1e-5f * largest)
+          << "tp " << tp << " row " << i << " logit " << j;
+    }
+  }
+  EXPECT_EQ(got.streams, want.streams);
+
+  // Each rank allocates only from its own range: filling rank 0's leaves rank 1's free.
+  const int32_t per_rank = spec.num_blocks / tp;
+  SequenceKv fill = (*kv)->NewSequence(0);
+  ASSERT_TRUE((*kv)->Grow(fill, per_rank * kBlockSize).ok());
+  SequenceKv more = (*kv)->NewSequence(0);
+  const absl::Status full = (*kv)->Grow(more, 1);
+  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(full.message().find("on rank 0"), std::string::npos) << full;
+  SequenceKv elsewhere = (*kv)->NewSequence(1);
+  EXPECT_TRUE((*kv)->Grow(elsewhere, kBlockSize).ok());
+  EXPECT_EQ(spec.RankOfBlock(elsewhere.block_table()[0]), 1);
 }
 
 TEST_F(ShardedForwardTest, AShapeThatCannotBeCutIsRefusedAtLoad) {

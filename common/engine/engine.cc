@@ -108,9 +108,18 @@ void Engine::Stop() {
 }
 
 void Engine::Submit(std::shared_ptr<Request> request) {
-  absl::MutexLock lock(&mu_);
-  inbox_.requests.push_back(std::move(request));
-  work_ = true;
+  absl::Status why;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!failed_ && !stop_) {
+      inbox_.requests.push_back(std::move(request));
+      work_ = true;
+      return;
+    }
+    why = failed_ ? failure_ : absl::UnavailableError("the engine stopped");
+  }
+  // No engine thread will take it: it ends here, as the running ones did.
+  End(*request, why, EndReason::kError);
 }
 
 void Engine::Cancel(const std::shared_ptr<Request>& request, absl::Status why) {
@@ -146,9 +155,15 @@ void Engine::Run() {
     while (true) {
       const absl::StatusOr<bool> stepped = Step();
       if (!stepped.ok()) {
-        absl::MutexLock lock(&mu_);
-        failed_ = true;
-        failure_ = stepped.status();
+        {
+          absl::MutexLock lock(&mu_);
+          failed_ = true;
+          failure_ = stepped.status();
+        }
+        // What was submitted before the failure ends with it too; later
+        // submissions end in Submit.
+        DrainInbox();
+        EndAll(stepped.status());
         return;
       }
       if (!*stepped) break;

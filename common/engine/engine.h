@@ -158,7 +158,8 @@ class Engine {
   EngineStats stats() const;
   // A request of max_tokens may live this long (EngineOptions::life_base).
   absl::Duration LifeBound(int32_t max_tokens) const;
-  // The engine's thread hit an error (every request ended with it).
+  // The engine's thread hit an error (every request ended with it, and a
+  // request submitted after it ends at once with the same error).
   bool failed() const;
   // That error (OK while the engine runs).
   absl::Status failure() const;

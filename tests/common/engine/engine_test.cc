@@ -17,6 +17,7 @@
 #include "common/tokenizer/tokenizer.h"
 #include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
+#include "kernels/cpu/cpu_backend.h"
 #include "tests/support/default_model.h"
 
 namespace pdserve::engine {
@@ -400,6 +401,48 @@ TEST_F(EngineTest, TheEngineThreadServesOtherThreadsAndStopEndsTheRest) {
   ASSERT_TRUE(ended.HasBeenNotified());
   EXPECT_EQ(endless.status.code(), absl::StatusCode::kUnavailable) << endless.status;
   EXPECT_EQ(r->lifecycle.state(), RequestState::kFinished);
+  EXPECT_EQ(kv->Counts().used, 0);
+}
+
+// A forward that fails (here a tensor-parallel rank's collective) stops the
+// engine: its requests end with the error, and so does every request
+// submitted afterwards, at once (none may wait for a thread that is gone).
+// A cluster run lost a stream to exactly that: a handoff committed just
+// after the failure queued its request forever.
+TEST_F(EngineTest, RequestsSubmittedAfterTheEngineFailedEndWithItsError) {
+  std::vector<std::unique_ptr<kernels::cpu::CpuBackend>> backends;
+  ModelOptions o;
+  o.tp = 2;
+  for (int r = 0; r < 2; ++r) {
+    backends.push_back(*kernels::cpu::CpuBackend::Create({.num_threads = 1, .isa = std::nullopt,
+                                                          .matrix_path = kernels::cpu::MatrixPath::kF32}));
+  }
+  o.rank_backends = {backends[1].get()};
+  auto sharded = Model::Load(std::string(PDSERVE_SOURCE_DIR) + "/deploy/models/kjv-tiny", o, backends[0].get());
+  ASSERT_TRUE(sharded.ok()) << sharded.status();
+  auto kv = *KvManager::Create((*sharded)->MakeKvSpec(DType::kF32, 16, 64));
+  (*sharded)->tp_group()->InjectFailure(30, absl::UnavailableError("injected: rank link down"));
+  Engine engine(**sharded, *kv, {.max_batch = 8, .chunk_tokens = 48});
+  engine.Start();
+  auto run = [&](int id) {
+    auto out = std::make_shared<Output>();
+    auto ended = std::make_shared<absl::Notification>();
+    RequestCallbacks c = Collect(out.get());
+    c.on_end = [out, ended](const absl::Status& s) {
+      out->status = s;
+      ended->Notify();
+    };
+    engine.Submit(Local(id, MakeReq("In the beginning God created", 40, 0, 1), c));
+    return std::make_pair(out, ended);
+  };
+  auto [first, first_ended] = run(1);
+  ASSERT_TRUE(first_ended->WaitForNotificationWithTimeout(absl::Seconds(60)));
+  EXPECT_EQ(first->status.message(), "injected: rank link down");
+  ASSERT_TRUE(engine.failed());
+  auto [late, late_ended] = run(2);
+  EXPECT_TRUE(late_ended->HasBeenNotified());  // Ended inside Submit.
+  EXPECT_EQ(late->status.message(), "injected: rank link down");
+  engine.Stop();
   EXPECT_EQ(kv->Counts().used, 0);
 }
 

@@ -162,6 +162,15 @@ absl::StatusOr<std::vector<BlockId>> BlockPool::Allocate(int32_t n, int32_t rank
   return out;
 }
 
+int32_t BlockPool::NumFreeInRange(int32_t rank) const {
+  const int32_t per = spec_.num_blocks / spec_.request_ranks;
+  auto mine = [&](int32_t b) { return b / per == rank; };
+  int32_t n = 0;
+  for (BlockId b : free_) n += mine(b.value) ? 1 : 0;
+  for (int32_t b = lru_next_[spec_.num_blocks]; b != spec_.num_blocks; b = lru_next_[b]) n += mine(b) ? 1 : 0;
+  return n;
+}
+
 absl::StatusOr<std::vector<BlockId>> BlockPool::AllocateInRange(int32_t n, int32_t rank) {
   const int32_t per = spec_.num_blocks / spec_.request_ranks;
   const int32_t lo = rank * per, hi = lo + per;

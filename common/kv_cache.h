@@ -184,6 +184,9 @@ class BlockPool {
   bool IsCached(BlockId b) const { return hash_of_[b.value].has_value(); }
 
   int32_t RefCount(BlockId b) const { return ref_counts_[b.value]; }
+  // Blocks an Allocate(n, rank) could take now in `rank`'s range
+  // (request-sharded pools; O(blocks)).
+  int32_t NumFreeInRange(int32_t rank) const;
   // Blocks an Allocate could take now: free + evictable.
   int32_t num_free() const { return static_cast<int32_t>(free_.size()) + num_evictable_; }
   // Blocks referenced by some sequence.

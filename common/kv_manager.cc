@@ -56,6 +56,19 @@ KvManager::~KvManager() {
   }
 }
 
+int32_t KvManager::LeastLoadedRank() const {
+  if (storage_.spec.request_ranks <= 1) return 0;
+  absl::MutexLock lock(&mu_);
+  int32_t best = 0, most = -1;
+  for (int32_t r = 0; r < storage_.spec.request_ranks; ++r) {
+    if (const int32_t n = pool_->NumFreeInRange(r); n > most) {
+      most = n;
+      best = r;
+    }
+  }
+  return best;
+}
+
 SequenceKv KvManager::NewSequence(int32_t rank) {
   if (rank < 0 || rank >= storage_.spec.request_ranks) {
     ABSL_RAW_LOG(FATAL, "a SequenceKv of rank %d in a pool of %d request-sharded ranks", rank,

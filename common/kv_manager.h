@@ -98,6 +98,10 @@ class KvManager {
   // REQUIRES: 0 <= rank < spec().request_ranks.
   SequenceKv NewSequence(int32_t rank = 0);
 
+  // The rank whose range has the most blocks an allocation could take
+  // (the lowest such; 0 unless request-sharded): where a new request goes.
+  int32_t LeastLoadedRank() const;
+
   // Makes room in `seq` for `positions` in total (blocks allocated; free
   // blocks first, then the least recently used unreferenced cached ones).
   // RESOURCE_EXHAUSTED (naming the counts) leaves `seq` unchanged.

@@ -653,6 +653,7 @@ grpc::ServerUnaryReactor* DecodeService::Status(grpc::CallbackServerContext* ctx
   s->set_kv_bytes_per_position(kv_->spec().BytesPerPosition() * kv_->spec().num_ranks);
   s->set_kv_bytes_per_position_per_rank(kv_->spec().BytesPerPosition());
   s->set_tp(model_->tp());
+  for (int32_t rows : st.rank_rows) s->add_rank_rows(rows);
   {
     const KvCounts k = kv_->Counts();  // Bookkeeping only: never waits behind a forward.
     s->set_kv_blocks_total(k.total);

@@ -12,6 +12,8 @@ KvLayoutDescriptor KvLayoutDescriptor::FromSpec(const KvCacheSpec& spec, const M
   d.head_dim = spec.head_dim;
   d.dtype = spec.dtype;
   d.block_size = spec.block_size;
+  // A request-sharded pool (one pool of every head, ranks owning block
+  // ranges) is laid out as one rank's: a sender writes it the same way.
   d.tp = spec.num_ranks;
   d.kv_heads_per_rank = spec.num_kv_heads;
   return d;

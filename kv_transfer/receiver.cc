@@ -123,7 +123,9 @@ void KvReceiver::HandleReserve(Connection& c, const ReserveRequest& m) {
       hasher.FullBlockHashes(absl::MakeConstSpan(m.prompt_tokens).subspan(0, std::max(0, hashable)));
   // The manager's lock covers this bookkeeping only: a reservation never
   // waits for a forward.
-  absl::StatusOr<SequenceKv> reserved = kv_->Reserve(hashes, static_cast<int32_t>(need * bs));
+  // A request-sharded pool: the request lives on the rank with the most room.
+  absl::StatusOr<SequenceKv> reserved =
+      kv_->Reserve(hashes, static_cast<int32_t>(need * bs), kv_->LeastLoadedRank());
   if (!reserved.ok()) {
     metrics_.RecordFailure();
     return refuse(absl::ResourceExhaustedError(absl::StrCat("KV handoff: reservation of ", need, " blocks (",

@@ -217,7 +217,7 @@ void Engine::DrainInbox() {
       continue;
     }
     r->context = r->gen->AllTokens();
-    r->kv = kv_.NewSequence();
+    r->kv = kv_.NewSequence(kv_.LeastLoadedRank());
     r->fed = 0;
     waiting_.push_back(std::move(r));
   }
@@ -303,7 +303,13 @@ void Engine::PublishStats() {
   for (const auto& r : running_) oldest = std::min(oldest, r->arrived);
   for (const auto& r : waiting_) oldest = std::min(oldest, r->arrived);
   const double p99 = p99_step_.load(std::memory_order_relaxed);
+  std::vector<int32_t> rank_rows;
+  if (const int32_t ranks = kv_.spec().request_ranks; ranks > 1) {
+    rank_rows.assign(ranks, 0);
+    for (const auto& r : running_) ++rank_rows[r->kv.rank()];
+  }
   absl::MutexLock lock(&mu_);
+  stats_.rank_rows = std::move(rank_rows);
   stats_.oldest_request_seconds = oldest == absl::InfiniteFuture() ? 0 : absl::ToDoubleSeconds(absl::Now() - oldest);
   stats_.p99_step_seconds = p99;
   stats_.expired = expired_;

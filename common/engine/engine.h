@@ -124,6 +124,9 @@ struct EngineStats {
   double p99_step_seconds = 0;  // Over the last 1024 steps.
   double oldest_request_seconds = 0;  // Age of the oldest request inside (0: none).
   int64_t expired = 0;          // Requests ended by their life bound.
+  // Request-sharded KV: running requests per rank (empty otherwise); the
+  // imbalance is max / mean.
+  std::vector<int32_t> rank_rows;
 };
 
 class Engine {

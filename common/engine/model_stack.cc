@@ -54,8 +54,15 @@ absl::StatusOr<ModelStack> LoadModelStack(const ModelStackOptions& o) {
   }
   if (o.block_size <= 0) return absl::InvalidArgumentError("--block-size must be positive");
   const int64_t blocks = (o.kv_positions + o.block_size - 1) / o.block_size;
+  TpKvLayout layout = TpKvLayout::kHeadSharded;
+  if (o.tp_kv_layout == "request") {
+    layout = TpKvLayout::kRequestSharded;
+  } else if (o.tp_kv_layout != "head") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--tp_kv_layout must be head or request, got '", o.tp_kv_layout, "'"));
+  }
   absl::StatusOr<std::unique_ptr<KvManager>> manager =
-      KvManager::Create(e.model->MakeKvSpec(kv, o.block_size, static_cast<int32_t>(blocks)), o.allocator);
+      KvManager::Create(e.model->MakeKvSpec(kv, o.block_size, static_cast<int32_t>(blocks), layout), o.allocator);
   if (!manager.ok()) return manager.status();
   e.kv = *std::move(manager);
   return e;

@@ -24,6 +24,9 @@ struct ModelStackOptions {
   std::string matrix_path;  // "" = PDSERVE_MATRIX_PATH or the probe's choice; "f32", "fp16"
   int threads = 1;  // Per tensor-parallel rank.
   int tp = 1;       // Tensor-parallel ranks (threads of this process).
+  // "head" (each rank its heads' KV) or "request" (each rank whole
+  // requests' KV: decode workers only).
+  std::string tp_kv_layout = "head";
   int block_size = 16;
   int64_t kv_positions = 0;  // Pool capacity in positions (rounded up to blocks).
   // Where the pool's region comes from (e.g. UCX-registered memory for a

@@ -18,6 +18,9 @@
 ABSL_FLAG(std::string, model, "", "model directory (Hugging Face layout)");
 ABSL_FLAG(int, threads, 1, "compute threads per tensor-parallel rank");
 ABSL_FLAG(int, tp, 1, "tensor-parallel ranks (threads of this worker, each with --threads compute threads)");
+ABSL_FLAG(std::string, tp_kv_layout, "head",
+          "with --tp > 1, where the KV lives: head (each rank its KV heads) or request (each rank whole "
+          "requests, every head; decode workers only)");
 ABSL_FLAG(std::string, matrix_path, "",
           "matrix path of BF16 weights: f32 (exact F32 arithmetic), fp16 (AVX512-FP16, activations rounded to "
           "FP16), bf16 (AVX512-BF16 dot products, activations rounded to BF16) or amx (AMX-BF16 tiles, the same "
@@ -53,6 +56,7 @@ absl::StatusOr<WorkerModel> LoadWorkerModel(KvRegionAllocator* allocator) {
   if (eo.model_dir.empty()) return absl::InvalidArgumentError("--model is required");
   eo.threads = absl::GetFlag(FLAGS_threads);
   eo.tp = absl::GetFlag(FLAGS_tp);
+  eo.tp_kv_layout = absl::GetFlag(FLAGS_tp_kv_layout);
   eo.matrix_path = absl::GetFlag(FLAGS_matrix_path);
   eo.weights = absl::GetFlag(FLAGS_weights);
   eo.kv = absl::GetFlag(FLAGS_kv);
@@ -84,6 +88,11 @@ void ApplyWorkerServing(const WorkerRuntime& rt, ServeOptions& serve) {
 
 absl::StatusOr<WorkerRuntime> StartWorkerRuntime(const std::string& name, int* exit_code) {
   WorkerRuntime rt;
+  if (absl::GetFlag(FLAGS_tp_kv_layout) == "request" && name != "decode") {
+    LogEvent("error", "bad_flags", {{"error", "--tp_kv_layout=request is for decode workers"}});
+    *exit_code = 2;
+    return absl::InvalidArgumentError("--tp_kv_layout=request is for decode workers");
+  }
   absl::StatusOr<TlsFiles> tls = TlsFilesFromFlags(name);
   if (!tls.ok()) {
     LogEvent("error", "bad_flags", {{"error", std::string(tls.status().message())}});

@@ -32,7 +32,7 @@ struct TpModel {
   std::unique_ptr<Model> model;
   std::unique_ptr<KvManager> kv;
 
-  static TpModel Load(int tp) {
+  static TpModel Load(int tp, TpKvLayout layout = TpKvLayout::kHeadSharded) {
     TpModel m;
     ModelOptions o;
     o.tp = tp;
@@ -42,7 +42,7 @@ struct TpModel {
       if (r > 0) o.rank_backends.push_back(m.backends.back().get());
     }
     m.model = *Model::Load(kModel, o, m.backends[0].get());
-    m.kv = *KvManager::Create(m.model->MakeKvSpec(m.model->weight_dtype(), 16, 64));
+    m.kv = *KvManager::Create(m.model->MakeKvSpec(m.model->weight_dtype(), 16, 64, layout));
     return m;
   }
 };
@@ -87,7 +87,7 @@ class TpClusterTest : public ::testing::TestWithParam<std::pair<int, int>> {
     out.tokens.push_back(ev->token);
     out.text += ev->text;
 
-    SequenceKv dst = decode.kv->NewSequence();
+    SequenceKv dst = decode.kv->NewSequence(decode.kv->LeastLoadedRank());
     EXPECT_TRUE(decode.kv->Grow(dst, n).ok());
     const KvCacheSpec& ss = prefill.kv->spec();
     const KvCacheSpec& ds = decode.kv->spec();
@@ -159,6 +159,51 @@ TEST_P(TpClusterTest, StreamsEqualTheInProcessEngineWithTheSameTpSizes) {
   EXPECT_EQ(MetricValue(page, "pdserve_tp_ranks"), decode_tp) << page;
   EXPECT_EQ(MetricValue(page, "pdserve_kv_bytes_per_position_per_rank"),
             c_kv / std::min<int64_t>(decode_tp, mc.num_kv_heads));
+}
+
+// Decode with request-sharded KV: each rank holds and attends for whole
+// requests. Concurrent streams spread over the ranks; each equals the
+// in-process engine with the same layout, and the worker reports rows per rank.
+TEST_F(TpClusterTest, RequestShardedDecodeStreamsEqualTheInProcessEngine) {
+  for (const auto& [prefill_tp, decode_tp] : {std::make_pair(2, 2), std::make_pair(1, 4)}) {
+    TpModel prefill = TpModel::Load(prefill_tp), decode = TpModel::Load(decode_tp, TpKvLayout::kRequestSharded);
+    Cluster c;
+    c.tls = false;
+    const std::string dir = TempDir() + absl::StrCat("/tp", prefill_tp, "to", decode_tp, "r");
+    absl::Status s = c.Start(dir, false, {"--tp", absl::StrCat(decode_tp), "--tp_kv_layout", "request"}, {}, 1,
+                             {"--tp", absl::StrCat(prefill_tp)});
+    ASSERT_TRUE(s.ok()) << s;
+    std::vector<v1::GenerateRequest> requests;
+    for (int i = 0; i < 6; ++i) requests.push_back(Request("And God said, Let there be light", 24, 0.7f, 300 + i));
+    std::vector<Output> got(requests.size());
+    std::vector<std::thread> clients;
+    for (size_t i = 0; i < requests.size(); ++i) {
+      clients.emplace_back([&, i] { got[i] = c.Generate(requests[i]); });
+    }
+    // While they run, the worker reports the rows each rank attends for.
+    int32_t seen_ranks_busy = 0;
+    for (int poll = 0; poll < 200 && seen_ranks_busy < 2; ++poll) {
+      const v1::ClusterStatusResponse st = c.Status();
+      if (st.decode_size() == 1 && st.decode(0).rank_rows_size() == decode_tp) {
+        int32_t busy = 0;
+        for (int32_t rows : st.decode(0).rank_rows()) busy += rows > 0 ? 1 : 0;
+        seen_ranks_busy = std::max(seen_ranks_busy, busy);
+      }
+    }
+    for (std::thread& t : clients) t.join();
+    for (size_t i = 0; i < requests.size(); ++i) {
+      ASSERT_TRUE(got[i].status.ok()) << got[i].status.error_message();
+      EXPECT_EQ(got[i].tokens, Reference(requests[i], prefill, decode).tokens)
+          << "prefill tp " << prefill_tp << ", decode tp " << decode_tp << " request-sharded, stream " << i;
+    }
+    const v1::ClusterStatusResponse st = c.Status();
+    ASSERT_EQ(st.decode_size(), 1);
+    EXPECT_EQ(st.decode(0).rank_rows_size(), decode_tp);
+    // Every head on the rank that holds a request: c_kv per rank, as `pdctl plan` counts request-sharded chips.
+    const ModelConfig& mc = prefill.model->config();
+    EXPECT_EQ(st.decode(0).kv_bytes_per_position_per_rank(), 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2);
+    EXPECT_GE(seen_ranks_busy, 2) << "the streams never spread over the ranks";
+  }
 }
 
 TEST_F(TpClusterTest, ADecodeWorkerWhoseCollectiveFailsStopsServingAndItsStreamsMigrate) {

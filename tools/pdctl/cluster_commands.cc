@@ -141,6 +141,18 @@ absl::Status RemoteStatus(const std::string& router, bool json) {
       std::printf("         kernels: %s, tp %d (KV %lld B per position per rank)\n", w.kernels().c_str(),
                   std::max(1, w.tp()), static_cast<long long>(w.kv_bytes_per_position_per_rank()));
     }
+    if (w.rank_rows_size() > 0) {
+      int32_t most = 0, total = 0;
+      std::string rows;
+      for (int32_t r : w.rank_rows()) {
+        most = std::max(most, r);
+        total += r;
+        absl::StrAppend(&rows, rows.empty() ? "" : "/", r);
+      }
+      const double mean = static_cast<double>(total) / w.rank_rows_size();
+      std::printf("         request-sharded KV: rows per rank %s, imbalance %.2f (max/mean)\n", rows.c_str(),
+                  mean > 0 ? most / mean : 1.0);
+    }
     if (w.requests_expired() > 0) {
       std::printf("         requests ended by their life bound: %lld\n", static_cast<long long>(w.requests_expired()));
     }

@@ -1,6 +1,6 @@
 // Tensor-parallel workers in a real cluster (router, prefill and decode
-// processes on loopback, KV over UCX), prefill and decode with different TP
-// sizes: every stream equals an in-process engine that prefills on a model
+// processes on loopback, KV over UCX), every pairing of prefill TP 1, 2, 4
+// with decode TP 1, 2, 4 head-sharded or 2, 4 request-sharded: every stream equals an in-process engine that prefills on a model
 // of the prefill worker's TP, converts the KV to the decode worker's layout
 // as the handoff does (kv_transfer/layout_copy.h) and decodes on a model of
 // the decode worker's TP. The shipped model has 2 KV heads, so TP 4
@@ -165,7 +165,8 @@ TEST_P(TpClusterTest, StreamsEqualTheInProcessEngineWithTheSameTpSizes) {
 // requests. Concurrent streams spread over the ranks; each equals the
 // in-process engine with the same layout, and the worker reports rows per rank.
 TEST_F(TpClusterTest, RequestShardedDecodeStreamsEqualTheInProcessEngine) {
-  for (const auto& [prefill_tp, decode_tp] : {std::make_pair(2, 2), std::make_pair(1, 4)}) {
+  for (const auto& [prefill_tp, decode_tp] : {std::make_pair(1, 2), std::make_pair(2, 2), std::make_pair(4, 2),
+                                               std::make_pair(1, 4), std::make_pair(2, 4), std::make_pair(4, 4)}) {
     TpModel prefill = TpModel::Load(prefill_tp), decode = TpModel::Load(decode_tp, TpKvLayout::kRequestSharded);
     Cluster c;
     c.tls = false;
@@ -241,8 +242,9 @@ TEST_F(TpClusterTest, ADecodeWorkerWhoseCollectiveFailsStopsServingAndItsStreams
 }
 
 INSTANTIATE_TEST_SUITE_P(Pairings, TpClusterTest,
-                         ::testing::Values(std::make_pair(2, 1), std::make_pair(1, 2), std::make_pair(2, 4),
-                                           std::make_pair(4, 1), std::make_pair(1, 1)),
+                         ::testing::Values(std::make_pair(1, 1), std::make_pair(1, 2), std::make_pair(1, 4),
+                                           std::make_pair(2, 1), std::make_pair(2, 2), std::make_pair(2, 4),
+                                           std::make_pair(4, 1), std::make_pair(4, 2), std::make_pair(4, 4)),
                          [](const auto& info) {
                            return absl::StrCat("Prefill", info.param.first, "Decode", info.param.second);
                          });

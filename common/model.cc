@@ -429,6 +429,22 @@ absl::StatusOr<ForwardResult> Model::ForwardShard(const KvStorage& kv_storage, a
   }
 
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(H)));
+  // Request-sharded KV (spec.request_ranks > 1): this rank attends only for
+  // the sequences in its block range, over every head.
+  const bool request_sharded = spec.request_ranks > 1;
+  std::vector<kernels::AttentionSequence> own_seqs;
+  if (request_sharded) {
+    for (size_t s = 0; s < batch.size(); ++s) {
+      if (batch[s].kv->rank() == ranges_.shard.rank) own_seqs.push_back(attn_seqs[s]);
+    }
+    Grow(all_qkv_, T * (c.QDim() + 2 * c.KvDim()));
+    Grow(all_q_, T * c.QDim());
+    Grow(all_k_, T * c.KvDim());
+    Grow(all_v_, T * c.KvDim());
+    Grow(all_attn_, T * c.QDim());
+  } else {
+    own_seqs = attn_seqs;
+  }
   const float eps = static_cast<float>(c.rms_norm_eps);
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const Layer& layer = layers_[l];
@@ -444,41 +460,46 @@ absl::StatusOr<ForwardResult> Model::ForwardShard(const KvStorage& kv_storage, a
     }
     backend_->Rope(q_.data(), T, num_heads, H, positions.data(), rope_.cos(), rope_.sin());
     backend_->Rope(k_.data(), T, num_kv_heads, H, positions.data(), rope_.cos(), rope_.sin());
-    if (kv_storage.spec.request_ranks > 1) {
-      if (absl::Status s = AttendRequestSharded(kv_storage, static_cast<int32_t>(l), batch, attn_seqs, blocks.data(),
-                                                slots.data(), T, options, sync_layer_kv, result);
-          !s.ok()) {
-        return s;
-      }
-      if (absl::Status s = RowParallel(*layer.o, attn_.data(), T, x_.data()); !s.ok()) return s;
-      backend_->RmsNorm(x_.data(), layer.post_norm.data(), T, D, eps, xn_.data());
-      backend_->Linear(*layer.gate_up, xn_.data(), T, nullptr, gate_up_.data(), false);
-      backend_->SiluMul(gate_up_.data(), T, F, act_.data());
-      if (absl::Status s = RowParallel(*layer.down, act_.data(), T, x_.data()); !s.ok()) return s;
-      continue;
-    }
     const kernels::KvLayerView kv = kv_storage.LayerView(static_cast<int32_t>(l));
-    backend_->WriteKv(kv, num_kv_heads, H, k_.data(), v_.data(), T, blocks.data(), slots.data());
+    if (request_sharded) {
+      // Every head of every row, then this rank's requests' new KV.
+      if (absl::Status s = GatherAllHeads(T); !s.ok()) return s;
+      for (const kernels::AttentionSequence& seq : own_seqs) {
+        const int64_t at = seq.row_offset;
+        backend_->WriteKv(kv, static_cast<int32_t>(c.num_kv_heads), H, all_k_.data() + at * c.KvDim(),
+                          all_v_.data() + at * c.KvDim(), seq.num_new, blocks.data() + at, slots.data() + at);
+      }
+    } else {
+      backend_->WriteKv(kv, num_kv_heads, H, k_.data(), v_.data(), T, blocks.data(), slots.data());
+    }
     if (sync_layer_kv) {
       if (absl::Status s = collective_->Barrier(); !s.ok()) return s;
     }
     if (options.on_layer_kv_written) options.on_layer_kv_written(static_cast<int32_t>(l));
-    const auto attention_start = std::chrono::steady_clock::now();
-    backend_->Attention(kernels::AttentionBatch{
-        .q = q_.data(),
-        .out = attn_.data(),
-        .sequences = attn_seqs,
-        .kv = kv,
-        .num_heads = num_heads,
-        .num_kv_heads = num_kv_heads,
-        .head_dim = H,
-        .scale = scale,
-        .group_shared_blocks = options.group_shared_kv,
-        .kv_bytes_read = &result.kv_bytes_read,
-        .same_sequences_as_previous = l > 0,
-    });
-    result.attention_seconds +=
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - attention_start).count();
+    // Head-sharded: this rank's heads of every row; request-sharded: every
+    // head of its own requests' rows (the other rows stay zero).
+    if (request_sharded) std::fill(all_attn_.begin(), all_attn_.begin() + T * c.QDim(), 0.0f);
+    if (!own_seqs.empty()) {
+      const auto attention_start = std::chrono::steady_clock::now();
+      backend_->Attention(kernels::AttentionBatch{
+          .q = request_sharded ? all_q_.data() : q_.data(),
+          .out = request_sharded ? all_attn_.data() : attn_.data(),
+          .sequences = own_seqs,
+          .kv = kv,
+          .num_heads = request_sharded ? static_cast<int32_t>(c.num_heads) : num_heads,
+          .num_kv_heads = request_sharded ? static_cast<int32_t>(c.num_kv_heads) : num_kv_heads,
+          .head_dim = H,
+          .scale = scale,
+          .group_shared_blocks = options.group_shared_kv,
+          .kv_bytes_read = &result.kv_bytes_read,
+          .same_sequences_as_previous = l > 0,
+      });
+      result.attention_seconds +=
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - attention_start).count();
+    }
+    if (request_sharded) {
+      if (absl::Status s = TakeOwnHeads(T); !s.ok()) return s;
+    }
     if (absl::Status s = RowParallel(*layer.o, attn_.data(), T, x_.data()); !s.ok()) return s;
     backend_->RmsNorm(x_.data(), layer.post_norm.data(), T, D, eps, xn_.data());
     backend_->Linear(*layer.gate_up, xn_.data(), T, nullptr, gate_up_.data(), false);
@@ -508,20 +529,14 @@ absl::StatusOr<ForwardResult> Model::ForwardShard(const KvStorage& kv_storage, a
   return result;
 }
 
-absl::Status Model::AttendRequestSharded(const KvStorage& kv_storage, int32_t layer,
-                                         absl::Span<const ForwardSequence> batch,
-                                         absl::Span<const kernels::AttentionSequence> seqs, const int32_t* blocks,
-                                         const int32_t* slots, int64_t T, const ForwardOptions& options,
-                                         bool sync_layer_kv, ForwardResult& result) {
+absl::Status Model::GatherAllHeads(int64_t T) {
   const ModelConfig& c = config_;
-  const int32_t H = static_cast<int32_t>(c.head_dim);
-  const int64_t q_all = c.num_heads * H, kv_all = c.num_kv_heads * H, width = q_all + 2 * kv_all;
+  const int64_t H = c.head_dim, q_all = c.QDim(), kv_all = c.KvDim(), width = q_all + 2 * kv_all;
   const int64_t Qd = ranges_.q_heads.size() * H, KVd = ranges_.kv_heads.size() * H;
   const int64_t q_at = ranges_.q_heads.begin * H, kv_at = ranges_.kv_heads.begin * H;
-  // Every row's q/k/v, all heads: each rank writes its heads (a replicated
-  // KV head by its first rank only) into zeros, and the sum (exact: the
-  // others add zeros) gives every rank all of them.
-  Grow(all_qkv_, T * width);
+  // Each rank writes its heads (a replicated KV head by its first rank
+  // only) into zeros; the sum (exact: the others add zeros) gives every
+  // rank all of them.
   std::fill(all_qkv_.begin(), all_qkv_.begin() + T * width, 0.0f);
   const bool writes_kv = ranges_.shard.rank % ranges_.kv_copies == 0;
   for (int64_t r = 0; r < T; ++r) {
@@ -533,51 +548,20 @@ absl::Status Model::AttendRequestSharded(const KvStorage& kv_storage, int32_t la
     }
   }
   if (absl::Status s = collective_->AllReduceSum(all_qkv_.data(), T * width); !s.ok()) return s;
-  Grow(all_q_, T * q_all);
-  Grow(all_k_, T * kv_all);
-  Grow(all_v_, T * kv_all);
   for (int64_t r = 0; r < T; ++r) {
     const float* row = all_qkv_.data() + r * width;
     std::memcpy(all_q_.data() + r * q_all, row, q_all * sizeof(float));
     std::memcpy(all_k_.data() + r * kv_all, row + q_all, kv_all * sizeof(float));
     std::memcpy(all_v_.data() + r * kv_all, row + q_all + kv_all, kv_all * sizeof(float));
   }
-  // This rank's requests: their new KV into its block range, then their
-  // attention over every head.
-  const kernels::KvLayerView kv = kv_storage.LayerView(layer);
-  std::vector<kernels::AttentionSequence> mine;
-  for (size_t s = 0; s < batch.size(); ++s) {
-    if (batch[s].kv->rank() != ranges_.shard.rank) continue;
-    mine.push_back(seqs[s]);
-    const int64_t at = seqs[s].row_offset;
-    backend_->WriteKv(kv, static_cast<int32_t>(c.num_kv_heads), H, all_k_.data() + at * kv_all,
-                      all_v_.data() + at * kv_all, seqs[s].num_new, blocks + at, slots + at);
-  }
-  if (sync_layer_kv) {
-    if (absl::Status s = collective_->Barrier(); !s.ok()) return s;
-  }
-  if (options.on_layer_kv_written) options.on_layer_kv_written(layer);
-  Grow(all_attn_, T * q_all);
-  std::fill(all_attn_.begin(), all_attn_.begin() + T * q_all, 0.0f);
-  if (!mine.empty()) {
-    const auto start = std::chrono::steady_clock::now();
-    backend_->Attention(kernels::AttentionBatch{
-        .q = all_q_.data(),
-        .out = all_attn_.data(),
-        .sequences = mine,
-        .kv = kv,
-        .num_heads = static_cast<int32_t>(c.num_heads),
-        .num_kv_heads = static_cast<int32_t>(c.num_kv_heads),
-        .head_dim = H,
-        .scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(H))),
-        .group_shared_blocks = options.group_shared_kv,
-        .kv_bytes_read = &result.kv_bytes_read,
-        .same_sequences_as_previous = layer > 0,
-    });
-    result.attention_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  }
-  // Every row's output (the rows of other ranks' requests are zeros here),
-  // then this rank's heads of it for the row-parallel o projection.
+  return absl::OkStatus();
+}
+
+absl::Status Model::TakeOwnHeads(int64_t T) {
+  const int64_t H = config_.head_dim, q_all = config_.QDim();
+  const int64_t Qd = ranges_.q_heads.size() * H, q_at = ranges_.q_heads.begin * H;
+  // Every row's output (each rank computed its requests' rows), then this
+  // rank's heads of it for the row-parallel o projection.
   if (absl::Status s = collective_->AllReduceSum(all_attn_.data(), T * q_all); !s.ok()) return s;
   for (int64_t r = 0; r < T; ++r) {
     std::memcpy(attn_.data() + r * Qd, all_attn_.data() + r * q_all + q_at, Qd * sizeof(float));

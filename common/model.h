@@ -159,12 +159,12 @@ class Model {
   absl::Status RowParallel(const kernels::LinearWeight& w, const float* x, int64_t m, float* y);
   // logits[rows, vocab] from every rank's slice of the LM head over xn_.
   absl::Status GatherLogits(int64_t rows, float* logits);
-  // Request-sharded attention of layer `layer` (see ForwardShard): q_, k_,
-  // v_ (this rank's heads, RoPE applied) to attn_ (this rank's heads).
-  absl::Status AttendRequestSharded(const KvStorage& kv, int32_t layer, absl::Span<const ForwardSequence> batch,
-                                    absl::Span<const kernels::AttentionSequence> seqs, const int32_t* blocks,
-                                    const int32_t* slots, int64_t rows, const ForwardOptions& options,
-                                    bool sync_layer_kv, ForwardResult& result);
+  // Request-sharded KV (see ForwardShard): every head of every row's q/k/v
+  // from each rank's q_, k_, v_ into all_q_, all_k_, all_v_; then, after
+  // the attention, every row's output from all_attn_, this rank's heads
+  // of it into attn_.
+  absl::Status GatherAllHeads(int64_t rows);
+  absl::Status TakeOwnHeads(int64_t rows);
 
   ModelConfig config_;
   kernels::Backend* backend_;

@@ -56,16 +56,19 @@ KvManager::~KvManager() {
   }
 }
 
-int32_t KvManager::LeastLoadedRank() const {
-  if (storage_.spec.request_ranks <= 1) return 0;
+int32_t KvManager::PickRank() {
+  const int32_t ranks = storage_.spec.request_ranks;
+  if (ranks <= 1) return 0;
   absl::MutexLock lock(&mu_);
   int32_t best = 0, most = -1;
-  for (int32_t r = 0; r < storage_.spec.request_ranks; ++r) {
+  for (int32_t i = 1; i <= ranks; ++i) {
+    const int32_t r = (last_rank_ + i) % ranks;
     if (const int32_t n = pool_->NumFreeInRange(r); n > most) {
       most = n;
       best = r;
     }
   }
+  last_rank_ = best;
   return best;
 }
 

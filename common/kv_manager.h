@@ -98,9 +98,11 @@ class KvManager {
   // REQUIRES: 0 <= rank < spec().request_ranks.
   SequenceKv NewSequence(int32_t rank = 0);
 
-  // The rank whose range has the most blocks an allocation could take
-  // (the lowest such; 0 unless request-sharded): where a new request goes.
-  int32_t LeastLoadedRank() const;
+  // Where a new request goes (0 unless request-sharded): the rank whose
+  // range has the most blocks an allocation could take, ties going round
+  // robin from the last rank chosen, so back-to-back requests on an idle
+  // pool spread too.
+  int32_t PickRank();
 
   // Makes room in `seq` for `positions` in total (blocks allocated; free
   // blocks first, then the least recently used unreferenced cached ones).
@@ -160,6 +162,7 @@ class KvManager {
   // Who holds each block (an owner appears once per reference it holds).
   std::vector<absl::InlinedVector<uint64_t, 2>> owners_ ABSL_GUARDED_BY(mu_);
   uint64_t next_owner_ ABSL_GUARDED_BY(mu_) = 1;
+  int32_t last_rank_ ABSL_GUARDED_BY(mu_) = -1;  // PickRank's last choice.
 };
 
 }  // namespace pdserve

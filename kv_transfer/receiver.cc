@@ -125,7 +125,7 @@ void KvReceiver::HandleReserve(Connection& c, const ReserveRequest& m) {
   // waits for a forward.
   // A request-sharded pool: the request lives on the rank with the most room.
   absl::StatusOr<SequenceKv> reserved =
-      kv_->Reserve(hashes, static_cast<int32_t>(need * bs), kv_->LeastLoadedRank());
+      kv_->Reserve(hashes, static_cast<int32_t>(need * bs), kv_->PickRank());
   if (!reserved.ok()) {
     metrics_.RecordFailure();
     return refuse(absl::ResourceExhaustedError(absl::StrCat("KV handoff: reservation of ", need, " blocks (",

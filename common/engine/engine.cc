@@ -111,12 +111,12 @@ void Engine::Submit(std::shared_ptr<Request> request) {
   absl::Status why;
   {
     absl::MutexLock lock(&mu_);
-    if (!failed_ && !stop_) {
+    if (failure_.ok() && !stop_) {
       inbox_.requests.push_back(std::move(request));
       work_ = true;
       return;
     }
-    why = failed_ ? failure_ : absl::UnavailableError("the engine stopped");
+    why = !failure_.ok() ? failure_ : absl::UnavailableError("the engine stopped");
   }
   // No engine thread will take it: it ends here, as the running ones did.
   End(*request, why, EndReason::kError);
@@ -135,7 +135,7 @@ EngineStats Engine::stats() const {
 
 bool Engine::failed() const {
   absl::MutexLock lock(&mu_);
-  return failed_;
+  return !failure_.ok();
 }
 
 absl::Status Engine::failure() const {
@@ -157,7 +157,6 @@ void Engine::Run() {
       if (!stepped.ok()) {
         {
           absl::MutexLock lock(&mu_);
-          failed_ = true;
           failure_ = stepped.status();
         }
         // What was submitted before the failure ends with it too; later
@@ -217,7 +216,7 @@ void Engine::DrainInbox() {
       continue;
     }
     r->context = r->gen->AllTokens();
-    r->kv = kv_.NewSequence(kv_.LeastLoadedRank());
+    r->kv = kv_.NewSequence(kv_.PickRank());
     r->fed = 0;
     waiting_.push_back(std::move(r));
   }

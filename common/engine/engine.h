@@ -196,8 +196,7 @@ class Engine {
   Inbox inbox_ ABSL_GUARDED_BY(mu_);
   EngineStats stats_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  bool failed_ ABSL_GUARDED_BY(mu_) = false;
-  absl::Status failure_ ABSL_GUARDED_BY(mu_);
+  absl::Status failure_ ABSL_GUARDED_BY(mu_);  // OK until the thread hits an error.
   bool work_ ABSL_GUARDED_BY(mu_) = false;
 
   // Engine thread only.

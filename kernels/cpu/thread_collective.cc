@@ -75,9 +75,9 @@ class ThreadCollectiveGroup::Rank final : public Collective {
   absl::Status Broadcast(void* data, size_t bytes, int root) override {
     ABSL_RAW_CHECK(root >= 0 && root < g_->size_, "broadcast root outside the group");
     return Timed(static_cast<int64_t>(bytes), [&]() -> absl::Status {
-      if (r_ == root) g_->published_in_[0] = data;
+      if (r_ == root) g_->published_root_ = data;
       if (absl::Status s = g_->Meet(); !s.ok()) return s;
-      if (r_ != root) std::memcpy(data, g_->published_in_[0], bytes);
+      if (r_ != root) std::memcpy(data, g_->published_root_, bytes);
       return g_->Meet();
     });
   }
@@ -106,7 +106,7 @@ class ThreadCollectiveGroup::Rank final : public Collective {
 };
 
 ThreadCollectiveGroup::ThreadCollectiveGroup(int size)
-    : size_(size), published_(size, nullptr), published_in_(1, nullptr) {
+    : size_(size), published_(size, nullptr) {
   ABSL_RAW_CHECK(size >= 1, "a group needs a rank");
   for (int r = 0; r < size; ++r) ranks_.push_back(std::make_unique<Rank>(this, r));
 }

@@ -72,7 +72,7 @@ class ThreadCollectiveGroup {
   std::vector<std::unique_ptr<Rank>> ranks_;
   // What each rank published for the current collective.
   std::vector<void*> published_;
-  std::vector<const void*> published_in_;
+  const void* published_root_ = nullptr;  // A broadcast's source.
 
   std::atomic<int> arrived_{0};
   std::atomic<uint64_t> generation_{0};

@@ -87,7 +87,7 @@ class TpClusterTest : public ::testing::TestWithParam<std::pair<int, int>> {
     out.tokens.push_back(ev->token);
     out.text += ev->text;
 
-    SequenceKv dst = decode.kv->NewSequence(decode.kv->LeastLoadedRank());
+    SequenceKv dst = decode.kv->NewSequence(decode.kv->PickRank());
     EXPECT_TRUE(decode.kv->Grow(dst, n).ok());
     const KvCacheSpec& ss = prefill.kv->spec();
     const KvCacheSpec& ds = decode.kv->spec();
@@ -118,6 +118,17 @@ class TpClusterTest : public ::testing::TestWithParam<std::pair<int, int>> {
 };
 
 tok::Tokenizer* TpClusterTest::tokenizer_ = nullptr;
+
+// Every request on its own client thread at once.
+std::vector<Output> GenerateConcurrently(Cluster& c, const std::vector<v1::GenerateRequest>& requests) {
+  std::vector<Output> got(requests.size());
+  std::vector<std::thread> clients;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    clients.emplace_back([&, i] { got[i] = c.Generate(requests[i]); });
+  }
+  for (std::thread& t : clients) t.join();
+  return got;
+}
 
 TEST_P(TpClusterTest, StreamsEqualTheInProcessEngineWithTheSameTpSizes) {
   const auto [prefill_tp, decode_tp] = GetParam();
@@ -162,8 +173,9 @@ TEST_P(TpClusterTest, StreamsEqualTheInProcessEngineWithTheSameTpSizes) {
 }
 
 // Decode with request-sharded KV: each rank holds and attends for whole
-// requests. Concurrent streams spread over the ranks; each equals the
-// in-process engine with the same layout, and the worker reports rows per rank.
+// requests (placement: ShardedForwardTest.RequestShardedDecode...). Each
+// stream equals the in-process engine with the same layout, and the worker
+// reports rows per rank.
 TEST_F(TpClusterTest, RequestShardedDecodeStreamsEqualTheInProcessEngine) {
   for (const auto& [prefill_tp, decode_tp] : {std::make_pair(1, 2), std::make_pair(2, 2), std::make_pair(4, 2),
                                                std::make_pair(1, 4), std::make_pair(2, 4), std::make_pair(4, 4)}) {
@@ -176,22 +188,7 @@ TEST_F(TpClusterTest, RequestShardedDecodeStreamsEqualTheInProcessEngine) {
     ASSERT_TRUE(s.ok()) << s;
     std::vector<v1::GenerateRequest> requests;
     for (int i = 0; i < 6; ++i) requests.push_back(Request("And God said, Let there be light", 24, 0.7f, 300 + i));
-    std::vector<Output> got(requests.size());
-    std::vector<std::thread> clients;
-    for (size_t i = 0; i < requests.size(); ++i) {
-      clients.emplace_back([&, i] { got[i] = c.Generate(requests[i]); });
-    }
-    // While they run, the worker reports the rows each rank attends for.
-    int32_t seen_ranks_busy = 0;
-    for (int poll = 0; poll < 200 && seen_ranks_busy < 2; ++poll) {
-      const v1::ClusterStatusResponse st = c.Status();
-      if (st.decode_size() == 1 && st.decode(0).rank_rows_size() == decode_tp) {
-        int32_t busy = 0;
-        for (int32_t rows : st.decode(0).rank_rows()) busy += rows > 0 ? 1 : 0;
-        seen_ranks_busy = std::max(seen_ranks_busy, busy);
-      }
-    }
-    for (std::thread& t : clients) t.join();
+    const std::vector<Output> got = GenerateConcurrently(c, requests);
     for (size_t i = 0; i < requests.size(); ++i) {
       ASSERT_TRUE(got[i].status.ok()) << got[i].status.error_message();
       EXPECT_EQ(got[i].tokens, Reference(requests[i], prefill, decode).tokens)
@@ -203,7 +200,6 @@ TEST_F(TpClusterTest, RequestShardedDecodeStreamsEqualTheInProcessEngine) {
     // Every head on the rank that holds a request: c_kv per rank, as `pdctl plan` counts request-sharded chips.
     const ModelConfig& mc = prefill.model->config();
     EXPECT_EQ(st.decode(0).kv_bytes_per_position_per_rank(), 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2);
-    EXPECT_GE(seen_ranks_busy, 2) << "the streams never spread over the ranks";
   }
 }
 
@@ -218,12 +214,7 @@ TEST_F(TpClusterTest, ADecodeWorkerWhoseCollectiveFailsStopsServingAndItsStreams
   ASSERT_TRUE(s.ok()) << s;
   std::vector<v1::GenerateRequest> requests;
   for (int i = 0; i < 6; ++i) requests.push_back(Request("In the beginning God created", 24, 0.7f, 100 + i));
-  std::vector<Output> got(requests.size());
-  std::vector<std::thread> clients;
-  for (size_t i = 0; i < requests.size(); ++i) {
-    clients.emplace_back([&, i] { got[i] = c.Generate(requests[i]); });
-  }
-  for (std::thread& t : clients) t.join();
+  const std::vector<Output> got = GenerateConcurrently(c, requests);
   for (size_t i = 0; i < requests.size(); ++i) {
     ASSERT_TRUE(got[i].status.ok()) << "stream " << i << ": " << got[i].status.error_message();
     EXPECT_EQ(got[i].tokens, Reference(requests[i], prefill, decode).tokens) << "stream " << i;

@@ -70,10 +70,12 @@ TEST(ShardRangesTest, ShapesThatCannotBeCutAreRefusedNamingWhy) {
   EXPECT_EQ(ComputeShardRanges(Config(8, 2, 80, 9), {0, 8}).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+constexpr int32_t kTestBlockSize = 4;
+
 // One model, unsharded and sharded, each with its own KV.
 class ShardedForwardTest : public testing::TestWithParam<int> {
  protected:
-  static constexpr int32_t kBlockSize = 4;
+  static constexpr int32_t kBlockSize = kTestBlockSize;
 
   void SetUp() override {
     dir_ = MakeTempDir("tp");
@@ -164,6 +166,27 @@ GreedyRun Generate(KvManager& kv, ForwardFn forward, int steps, int (*rank_of)(s
   return run;
 }
 
+// The unsharded model's run, on a pool of its own.
+GreedyRun Unsharded(Model& model, int steps) {
+  auto kv = KvManager::Create(model.MakeKvSpec(DType::kF32, kTestBlockSize, 64));
+  EXPECT_TRUE(kv.ok()) << kv.status();
+  return Generate(**kv, [&](absl::Span<const ForwardSequence> b) { return ForwardGrowing(model, **kv, b); }, steps);
+}
+
+// Every logit within 1e-5 of its row's largest, and the same greedy streams.
+void ExpectSameWithinF32Rounding(const GreedyRun& got, const GreedyRun& want, int tp) {
+  ASSERT_EQ(got.logits.size(), want.logits.size());
+  for (size_t i = 0; i < want.logits.size(); ++i) {
+    float largest = 0;
+    for (float v : want.logits[i]) largest = std::max(largest, std::abs(v));
+    for (size_t j = 0; j < want.logits[i].size(); ++j) {
+      ASSERT_LE(std::abs(got.logits[i][j] - want.logits[i][j]), 1e-5f * largest)
+          << "tp " << tp << " row " << i << " logit " << j;
+    }
+  }
+  EXPECT_EQ(got.streams, want.streams);
+}
+
 TEST_P(ShardedForwardTest, LogitsMatchTheUnshardedModelAndGreedyStreamsAreIdentical) {
   const int tp = GetParam();
   constexpr int kSteps = 12;
@@ -173,11 +196,7 @@ TEST_P(ShardedForwardTest, LogitsMatchTheUnshardedModelAndGreedyStreamsAreIdenti
   auto single_backend = Backend();
   auto single = Model::Load(dir_, options, single_backend.get());
   ASSERT_TRUE(single.ok()) << single.status();
-  auto single_kv = KvManager::Create((*single)->MakeKvSpec(DType::kF32, kBlockSize, 64));
-  ASSERT_TRUE(single_kv.ok());
-  const GreedyRun want = Generate(**single_kv, [&](absl::Span<const ForwardSequence> b) {
-    return ForwardGrowing(**single, **single_kv, b);
-  }, kSteps);
+  const GreedyRun want = Unsharded(**single, kSteps);
 
   auto sharded = LoadSharded(tp, options);
   ASSERT_NE(sharded, nullptr);
@@ -203,16 +222,7 @@ TEST_P(ShardedForwardTest, LogitsMatchTheUnshardedModelAndGreedyStreamsAreIdenti
     return ForwardGrowing(*sharded, **kv, b);
   }, kSteps);
 
-  ASSERT_EQ(got.logits.size(), want.logits.size());
-  for (size_t i = 0; i < want.logits.size(); ++i) {
-    float largest = 0;
-    for (float v : want.logits[i]) largest = std::max(largest, std::abs(v));
-    for (size_t j = 0; j < want.logits[i].size(); ++j) {
-      ASSERT_LE(std::abs(got.logits[i][j] - want.logits[i][j]), 1e-5f * largest)
-          << "tp " << tp << " row " << i << " logit " << j;
-    }
-  }
-  EXPECT_EQ(got.streams, want.streams);
+  ExpectSameWithinF32Rounding(got, want, tp);
   const auto stats = sharded->tp_group()->stats(tp - 1);
   // Per layer two all-reduces, plus the embedding's and the logits' gather.
   EXPECT_EQ(stats.calls, (kSteps + 1) * (2 * 3 + 2));
@@ -262,11 +272,7 @@ TEST_P(ShardedForwardTest, RequestShardedDecodeMatchesTheUnshardedModel) {
   auto single_backend = Backend();
   auto single = Model::Load(dir_, options, single_backend.get());
   ASSERT_TRUE(single.ok()) << single.status();
-  auto single_kv = KvManager::Create((*single)->MakeKvSpec(DType::kF32, kBlockSize, 64));
-  ASSERT_TRUE(single_kv.ok());
-  const GreedyRun want = Generate(**single_kv, [&](absl::Span<const ForwardSequence> b) {
-    return ForwardGrowing(**single, **single_kv, b);
-  }, kSteps);
+  const GreedyRun want = Unsharded(**single, kSteps);
 
   auto sharded = LoadSharded(tp, options);
   ASSERT_NE(sharded, nullptr);
@@ -285,16 +291,7 @@ TEST_P(ShardedForwardTest, RequestShardedDecodeMatchesTheUnshardedModel) {
     return ForwardGrowing(*sharded, **kv, b);
   }, kSteps, rank_of);
 
-  ASSERT_EQ(got.logits.size(), want.logits.size());
-  for (size_t i = 0; i < want.logits.size(); ++i) {
-    float largest = 0;
-    for (float v : want.logits[i]) largest = std::max(largest, std::abs(v));
-    for (size_t j = 0; j < want.logits[i].size(); ++j) {
-      ASSERT_LE(std::abs(got.logits[i][j] - want.logits[i][j]), 1e-5f * largest)
-          << "tp " << tp << " row " << i << " logit " << j;
-    }
-  }
-  EXPECT_EQ(got.streams, want.streams);
+  ExpectSameWithinF32Rounding(got, want, tp);
 
   // Each rank allocates only from its own range: filling rank 0's leaves rank 1's free.
   const int32_t per_rank = spec.num_blocks / tp;
@@ -307,6 +304,23 @@ TEST_P(ShardedForwardTest, RequestShardedDecodeMatchesTheUnshardedModel) {
   SequenceKv elsewhere = (*kv)->NewSequence(1);
   EXPECT_TRUE((*kv)->Grow(elsewhere, kBlockSize).ok());
   EXPECT_EQ(spec.RankOfBlock(elsewhere.block_table()[0]), 1);
+  // New requests go to the rank with the most room: never full rank 0.
+  for (int i = 0; i < 2 * tp; ++i) EXPECT_NE((*kv)->PickRank(), 0);
+}
+
+TEST_P(ShardedForwardTest, NewRequestsSpreadOverTheRanksOfARequestShardedPool) {
+  const int tp = GetParam();
+  auto sharded = LoadSharded(tp, ModelOptions{});
+  ASSERT_NE(sharded, nullptr);
+  auto kv = KvManager::Create(sharded->MakeKvSpec(DType::kF32, kBlockSize, 64, TpKvLayout::kRequestSharded));
+  ASSERT_TRUE(kv.ok()) << kv.status();
+  // On an idle pool (every rank as free), back-to-back requests take the
+  // ranks in turn.
+  for (int i = 0; i < 2 * tp; ++i) EXPECT_EQ((*kv)->PickRank(), i % tp) << i;
+  // A running request's rank has less room: the next one goes elsewhere.
+  SequenceKv running = (*kv)->NewSequence(1);
+  ASSERT_TRUE((*kv)->Grow(running, kBlockSize).ok());
+  for (int i = 0; i < 2 * tp; ++i) EXPECT_NE((*kv)->PickRank(), 1) << i;
 }
 
 TEST_F(ShardedForwardTest, AShapeThatCannotBeCutIsRefusedAtLoad) {

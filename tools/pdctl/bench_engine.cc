@@ -34,6 +34,21 @@ void Progress(const std::string& what) { std::fprintf(stderr, "bench-engine: %s\
 
 }  // namespace
 
+absl::Status CopyHistory(KvManager& kv, const SequenceKv& proto, SequenceKv& seq, int32_t positions) {
+  if (absl::Status s = kv.Grow(seq, positions); !s.ok()) return s;
+  const KvCacheSpec& spec = kv.spec();
+  for (size_t b = 0; b < seq.block_table().size(); ++b) {
+    for (int32_t l = 0; l < spec.num_layers; ++l) {
+      for (int32_t r = 0; r < spec.num_ranks; ++r) {
+        std::memcpy(kv.storage().BlockData(l, BlockId{seq.block_table()[b]}, r),
+                    kv.storage().BlockData(l, BlockId{proto.block_table()[b]}, r), spec.LayerBlockBytes());
+      }
+    }
+  }
+  seq.SetNumPositions(positions);
+  return absl::OkStatus();
+}
+
 absl::Status RunBenchEngine(const BenchEngineOptions& o) {
   // Pool sized for the largest decode scenario (+ steps) and prefill.
   const int eo_block = o.engine.block_size;
@@ -199,17 +214,7 @@ absl::Status RunBenchEngine(const BenchEngineOptions& o) {
       std::vector<SequenceKv> seqs;
       for (int b = 0; b < B; ++b) seqs.push_back(kv.NewSequence());
       for (SequenceKv& s : seqs) {
-        if (absl::Status st = kv.Grow(s, H); !st.ok()) return st;
-        for (size_t b = 0; b < proto.block_table().size(); ++b) {
-          for (int32_t l = 0; l < kv.spec().num_layers; ++l) {
-            for (int32_t r = 0; r < kv.spec().num_ranks; ++r) {
-              std::memcpy(kv.storage().BlockData(l, BlockId{s.block_table()[b]}, r),
-                          kv.storage().BlockData(l, BlockId{proto.block_table()[b]}, r),
-                          kv.spec().LayerBlockBytes());
-            }
-          }
-        }
-        s.SetNumPositions(H);
+        if (absl::Status st = CopyHistory(kv, proto, s, H); !st.ok()) return st;
       }
       // The probe is sized from the expected reads; the bytes reported are
       // the weights plus the KV bytes the attention kernels counted.

@@ -44,6 +44,12 @@ struct BenchEngineOptions {
 
 absl::Status RunBenchEngine(const BenchEngineOptions& options);
 
+// Grows `seq` to `positions` and copies `proto`'s KV blocks (every layer,
+// every rank's pool) into it: a decode history without a prefill each
+// (timing does not depend on the values).
+// REQUIRES: proto holds at least `positions` positions.
+absl::Status CopyHistory(KvManager& kv, const SequenceKv& proto, SequenceKv& seq, int32_t positions);
+
 }  // namespace pdserve::pdctl
 
 #endif  // PDSERVE_TOOLS_PDCTL_BENCH_ENGINE_H_

@@ -78,16 +78,7 @@ class Runner {
     std::vector<SequenceKv> seqs;
     for (int b = 0; b < B; ++b) seqs.push_back(kv.NewSequence());
     for (SequenceKv& s : seqs) {
-      if (absl::Status st = kv.Grow(s, H); !st.ok()) return st;
-      for (size_t b = 0; b < proto.block_table().size(); ++b) {
-        for (int32_t r = 0; r < kv.spec().num_ranks; ++r) {
-          for (int32_t l = 0; l < kv.spec().num_layers; ++l) {
-            std::memcpy(kv.storage().BlockData(l, BlockId{s.block_table()[b]}, r),
-                        kv.storage().BlockData(l, BlockId{proto.block_table()[b]}, r), kv.spec().LayerBlockBytes());
-          }
-        }
-      }
-      s.SetNumPositions(H);
+      if (absl::Status st = CopyHistory(kv, proto, s, H); !st.ok()) return st;
     }
     std::vector<int32_t> next(B, 1);
     std::vector<double> step_s, coll;

@@ -92,6 +92,8 @@ class DecodeService final : public worker::v1::DecodeWorker::CallbackService {
     unhealthy_reason_ = std::move(why);
   }
   engine::EngineStats engine_stats() const { return engine_.stats(); }
+  // The engine's error once its thread stopped on one (OK while it runs).
+  absl::Status engine_failure() const { return engine_.failure(); }
   // Where prefill workers send KV (reported by Status); set before serving.
   void set_kv_address(std::string a) {
     absl::MutexLock lock(&handoff_mu_);

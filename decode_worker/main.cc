@@ -139,6 +139,7 @@ int Run() {
         const kv::KvReceiver::Stats rs = r->stats();
         return rs.active == 0 && rs.quarantined == 0 && service.idle();
       },
+      [&service] { return service.engine_failure(); },
       [&service](std::string why) { service.set_unhealthy_reason(std::move(why)); }, &metrics);
   serve.drain_grace = absl::Seconds(absl::GetFlag(FLAGS_drain_grace_s));
   serve.on_shutdown = [&service] { service.Shutdown(); };

@@ -106,6 +106,7 @@ int Run() {
     serve.health = WorkerHealthCheck(
         *rt, [&service] { return service.draining(); },
         [&service] { return service.idle(); },
+        [&service] { return service.engine_failure(); },
         [&service](std::string why) { service.set_unhealthy_reason(std::move(why)); }, &metrics);
     serve.drain_grace = absl::Seconds(absl::GetFlag(FLAGS_drain_grace_s));
     serve.on_shutdown = [&service] { service.Shutdown(); };

@@ -82,6 +82,8 @@ class PrefillService final : public worker::v1::PrefillWorker::CallbackService {
   };
   Stats stats();
   engine::EngineStats engine_stats() const { return engine_.stats(); }
+  // The engine's error once its thread stopped on one (OK while it runs).
+  absl::Status engine_failure() const { return engine_.failure(); }
   bool draining();
   // No request queued, prefilling or handing off.
   bool idle();

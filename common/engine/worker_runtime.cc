@@ -186,10 +186,11 @@ void AddKvPoolMetrics(MetricsRegistry& metrics, const KvManager* kv) {
 
 std::function<std::string()> WorkerHealthCheck(WorkerRuntime& rt,
                                                std::function<bool()> draining, std::function<bool()> idle,
+                                               std::function<absl::Status()> engine_failure,
                                                std::function<void(std::string)> publish,
                                                MetricsRegistry* metrics) {
   // The verdict's kind, for pdserve_worker_unhealthy{reason}.
-  static constexpr const char* kReasons[] = {"draining", "kv_self_check", "kv_wedged", "kv_leak", "tp_collective"};
+  static constexpr const char* kReasons[] = {"draining", "kv_self_check", "kv_wedged", "kv_leak", "engine_failed"};
   auto kind = std::make_shared<std::atomic<int>>(-1);
   if (metrics != nullptr) {
     for (int i = 0; i < 5; ++i) {
@@ -204,16 +205,12 @@ std::function<std::string()> WorkerHealthCheck(WorkerRuntime& rt,
   kv::EventLoop* loop = &rt.transport->loop();
   const kv::TransportSelfCheck* check = rt.transport_check.get();
   const KvManager* kv = rt.engine.engine.kv.get();
-  kernels::cpu::ThreadCollectiveGroup* tp_group = rt.engine.engine.model->tp_group();
   return [=] {
-    // A broken tensor-parallel group never heals: every forward would fail.
-    if (tp_group != nullptr) {
-      if (absl::Status broken = tp_group->broken(); !broken.ok()) {
-        std::string why = absl::StrCat("tensor-parallel collective failed: ", broken.message());
-        kind->store(4);
-        publish(why);
-        return why;
-      }
+    if (absl::Status failed = engine_failure(); !failed.ok()) {
+      std::string why = absl::StrCat("engine stopped: ", failed.message());
+      kind->store(4);
+      publish(why);
+      return why;
     }
     HealthInputs in;
     in.draining = draining();

@@ -65,12 +65,15 @@ void CheckWorkerTransport(WorkerRuntime& rt, const std::string& host);
 // (mutual TLS, callers must be routers) and the plaintext health port.
 void ApplyWorkerServing(const WorkerRuntime& rt, ServeOptions& serve);
 
+// `engine_failure`: the engine's error once its thread stopped on one (a
+// failed forward, e.g. a tensor-parallel collective); it never heals.
 // With `metrics`, the verdict is also exported as
 // pdserve_worker_unhealthy{reason} (1 for the reason that holds now:
-// draining, kv_self_check, kv_wedged, kv_leak; all 0 while serving), for
-// alerts.
+// draining, kv_self_check, kv_wedged, kv_leak, engine_failed; all 0 while
+// serving), for alerts.
 std::function<std::string()> WorkerHealthCheck(WorkerRuntime& rt,
                                                std::function<bool()> draining, std::function<bool()> idle,
+                                               std::function<absl::Status()> engine_failure,
                                                std::function<void(std::string)> publish,
                                                MetricsRegistry* metrics = nullptr);
 

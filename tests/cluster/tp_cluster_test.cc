@@ -230,6 +230,14 @@ TEST_F(TpClusterTest, ADecodeWorkerWhoseCollectiveFailsStopsServingAndItsStreams
     }
   }
   EXPECT_EQ(broken, 1) << st.ShortDebugString();
+  // Its health check says why too (for alerts): the engine stopped.
+  const std::string series = "pdserve_worker_unhealthy{reason=\"engine_failed\"}";
+  double engine_failed = 0;
+  for (int i = 0; i < 200 && engine_failed != 1; ++i) {
+    engine_failed = MetricValue(HttpGet(c.decode_metrics(), "/metrics"), series);
+    if (engine_failed != 1) absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_EQ(engine_failed, 1);
 }
 
 INSTANTIATE_TEST_SUITE_P(Pairings, TpClusterTest,

@@ -155,12 +155,13 @@ void Engine::Run() {
     while (true) {
       const absl::StatusOr<bool> stepped = Step();
       if (!stepped.ok()) {
+        // Step failed the engine (Fail) and ended its requests; what was
+        // submitted before the failure ends with it too, later submissions
+        // end in Submit.
         {
           absl::MutexLock lock(&mu_);
-          failure_ = stepped.status();
+          if (failure_.ok()) failure_ = stepped.status();
         }
-        // What was submitted before the failure ends with it too; later
-        // submissions end in Submit.
         DrainInbox();
         EndAll(stepped.status());
         return;
@@ -189,6 +190,16 @@ void Engine::End(Request& r, absl::Status status, EndReason reason) {
   r.context.clear();
   Move(r, RequestState::kFinished, reason);
   if (r.callbacks.on_end) r.callbacks.on_end(status);
+}
+
+void Engine::Fail(const absl::Status& status) {
+  {
+    // Recorded before any request hears of it: whoever sees a request end
+    // with the error also sees failed().
+    absl::MutexLock lock(&mu_);
+    if (failure_.ok()) failure_ = status;
+  }
+  EndAll(status);
 }
 
 void Engine::EndAll(const absl::Status& status) {
@@ -379,7 +390,7 @@ absl::StatusOr<bool> Engine::Step() {
   }
   if (absl::Status s = kv_.GrowAll(grow); !s.ok()) {
     if (!absl::IsResourceExhausted(s)) {
-      EndAll(s);
+      Fail(s);
       return s;
     }
     PublishStats();
@@ -416,7 +427,7 @@ absl::StatusOr<bool> Engine::Step() {
   absl::StatusOr<ForwardResult> res = model_.Forward(kv_.storage(), batch, fo);
   const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (!res.ok()) {
-    EndAll(res.status());
+    Fail(res.status());
     return res.status();
   }
   ++steps_;

@@ -161,8 +161,9 @@ class Engine {
   EngineStats stats() const;
   // A request of max_tokens may live this long (EngineOptions::life_base).
   absl::Duration LifeBound(int32_t max_tokens) const;
-  // The engine's thread hit an error (every request ended with it, and a
-  // request submitted after it ends at once with the same error).
+  // A step hit an error (every request ended with it, and a request
+  // submitted after it ends at once with the same error). Set before any
+  // request's on_end hears of the error.
   bool failed() const;
   // That error (OK while the engine runs).
   absl::Status failure() const;
@@ -177,6 +178,8 @@ class Engine {
   void DrainInbox();
   void End(Request& r, absl::Status status, EndReason reason);
   void EndAll(const absl::Status& status);
+  // Records the engine's failure, then ends every request with it.
+  void Fail(const absl::Status& status);
   void Publish(const Request& r);
   void Preempt(std::shared_ptr<Request> r);
   SchedulerInput Describe() const;
@@ -196,7 +199,7 @@ class Engine {
   Inbox inbox_ ABSL_GUARDED_BY(mu_);
   EngineStats stats_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  absl::Status failure_ ABSL_GUARDED_BY(mu_);  // OK until the thread hits an error.
+  absl::Status failure_ ABSL_GUARDED_BY(mu_);  // OK until a step hits an error.
   bool work_ ABSL_GUARDED_BY(mu_) = false;
 
   // Engine thread only.

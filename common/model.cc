@@ -9,13 +9,14 @@
 #include "absl/strings/str_cat.h"
 #include "common/checkpoint.h"
 #include "common/tensor_parallel_ranks.h"
+#include "kernels/device_array.h"
 
 namespace pdserve {
 
 struct Model::Layer {
-  std::vector<float> input_norm;
-  std::vector<float> post_norm;
-  std::vector<float> qkv_bias;  // Empty unless the architecture has q/k/v biases.
+  kernels::DeviceArray<float> input_norm;
+  kernels::DeviceArray<float> post_norm;
+  kernels::DeviceArray<float> qkv_bias;  // Empty unless the architecture has q/k/v biases.
   std::unique_ptr<kernels::LinearWeight> qkv;      // [Qd + 2 KVd, D]
   std::unique_ptr<kernels::LinearWeight> o;        // [D, Qd]
   std::unique_ptr<kernels::LinearWeight> gate_up;  // [2F, D]: gate rows then up rows
@@ -48,15 +49,39 @@ std::vector<float> SliceToF32(const TensorView& t, int64_t first, int64_t count)
   return out;
 }
 
-template <typename T>
-void Grow(std::vector<T>& v, size_t n) {
-  if (v.size() < n) v.resize(n);
+// Host values into a new array in the backend's memory.
+absl::StatusOr<kernels::DeviceArray<float>> Upload(kernels::Backend* backend, absl::Span<const float> v) {
+  kernels::DeviceArray<float> a(backend);
+  if (absl::Status s = a.Assign(v); !s.ok()) return s;
+  return a;
 }
 
 }  // namespace
 
 Model::Model(ModelConfig config, kernels::Backend* backend)
-    : config_(std::move(config)), backend_(backend), rope_(config_) {}
+    : config_(std::move(config)),
+      backend_(backend),
+      final_norm_(backend),
+      rope_(config_),
+      rope_cos_(backend),
+      rope_sin_(backend),
+      x_(backend),
+      xn_(backend),
+      qkv_(backend),
+      q_(backend),
+      k_(backend),
+      v_(backend),
+      attn_(backend),
+      gate_up_(backend),
+      act_(backend),
+      partial_(backend),
+      vocab_slices_(backend),
+      logits_(backend),
+      all_qkv_(backend),
+      all_q_(backend),
+      all_k_(backend),
+      all_v_(backend),
+      all_attn_(backend) {}
 
 Model::~Model() = default;
 
@@ -134,34 +159,10 @@ absl::Status Model::LoadWeights(Checkpoint& ckpt, DType storage) {
   if (!embed.ok()) return embed.status();
   // This rank's vocabulary rows only.
   const IndexRange vocab = ranges_.vocab;
-  const size_t embed_elems = static_cast<size_t>(vocab.size() * D);
-  const int64_t embed_first = vocab.begin * D;
-  if (storage == DType::kBF16) {
-    embed_bf16_.resize(embed_elems);
-    if ((*embed)->dtype == DType::kBF16) {
-      std::memcpy(embed_bf16_.data(), static_cast<const uint16_t*>((*embed)->data) + embed_first, embed_elems * 2);
-    } else {
-      std::vector<float> f = SliceToF32(**embed, embed_first, static_cast<int64_t>(embed_elems));
-      for (size_t i = 0; i < embed_elems; ++i) embed_bf16_[i] = F32ToBf16(f[i]);
-    }
-  } else if (storage == DType::kI8) {
-    // One scale per token row, like the per-output-channel weight scales.
-    const std::vector<float> f = SliceToF32(**embed, embed_first, static_cast<int64_t>(embed_elems));
-    embed_i8_.resize(embed_elems);
-    embed_scale_.resize(vocab.size());
-    for (int64_t t = 0; t < vocab.size(); ++t) {
-      float amax = 0;
-      for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::abs(f[t * D + d]));
-      embed_scale_[t] = amax / 127.0f;
-      const float inv = amax > 0 ? 127.0f / amax : 0.0f;
-      for (int64_t d = 0; d < D; ++d) {
-        embed_i8_[t * D + d] =
-            static_cast<int8_t>(std::clamp(std::nearbyint(f[t * D + d] * inv), -127.0f, 127.0f));
-      }
-    }
-  } else {
-    embed_f32_ = SliceToF32(**embed, embed_first, static_cast<int64_t>(embed_elems));
-  }
+  absl::StatusOr<std::unique_ptr<kernels::EmbeddingTable>> table =
+      backend_->PackEmbedding(Rows(**embed, vocab.begin, vocab.size()), D, storage);
+  if (!table.ok()) return table.status();
+  embed_ = *std::move(table);
 
   layers_.resize(c.num_layers);
   for (int64_t l = 0; l < c.num_layers; ++l) {
@@ -182,8 +183,12 @@ absl::Status Model::LoadWeights(Checkpoint& ckpt, DType storage) {
     for (const auto* t : {&in_norm, &post_norm, &q, &k, &v, &o, &gate, &up, &down}) {
       if (!t->ok()) return t->status();
     }
-    layer.input_norm = ToF32(**in_norm);
-    layer.post_norm = ToF32(**post_norm);
+    auto in_norm_dev = Upload(backend_, ToF32(**in_norm));
+    auto post_norm_dev = Upload(backend_, ToF32(**post_norm));
+    if (!in_norm_dev.ok()) return in_norm_dev.status();
+    if (!post_norm_dev.ok()) return post_norm_dev.status();
+    layer.input_norm = *std::move(in_norm_dev);
+    layer.post_norm = *std::move(post_norm_dev);
     if (c.qkv_bias) {
       auto qb = take("self_attn.q_proj.bias", {Qd});
       auto kb = take("self_attn.k_proj.bias", {KVd});
@@ -195,10 +200,14 @@ absl::Status Model::LoadWeights(Checkpoint& ckpt, DType storage) {
           {*qb, {q_heads.begin * Hd, q_heads.end * Hd}},
           {*kb, {kv_heads.begin * Hd, kv_heads.end * Hd}},
           {*vb, {kv_heads.begin * Hd, kv_heads.end * Hd}}};
+      std::vector<float> bias;
       for (const auto& [t, range] : slices) {
         std::vector<float> b = SliceToF32(*t, range.begin, range.size());
-        layer.qkv_bias.insert(layer.qkv_bias.end(), b.begin(), b.end());
+        bias.insert(bias.end(), b.begin(), b.end());
       }
+      auto bias_dev = Upload(backend_, bias);
+      if (!bias_dev.ok()) return bias_dev.status();
+      layer.qkv_bias = *std::move(bias_dev);
     }
     // Older checkpoints carry a RoPE buffer; it is recomputed, not loaded.
     if (ckpt.Has(p + "self_attn.rotary_emb.inv_freq")) ckpt.Ignore(p + "self_attn.rotary_emb.inv_freq");
@@ -226,7 +235,9 @@ absl::Status Model::LoadWeights(Checkpoint& ckpt, DType storage) {
 
   auto norm = ckpt.Take("model.norm.weight", {D});
   if (!norm.ok()) return norm.status();
-  final_norm_ = ToF32(**norm);
+  auto final_norm = Upload(backend_, ToF32(**norm));
+  if (!final_norm.ok()) return final_norm.status();
+  final_norm_ = *std::move(final_norm);
 
   const TensorView* head = *embed;
   if (!c.tie_word_embeddings) {
@@ -256,8 +267,7 @@ size_t Model::WeightBytesPerStep() const {
 }
 
 size_t Model::ShardWeightBytes() const {
-  size_t n = embed_f32_.size() * 4 + embed_bf16_.size() * 2 + embed_i8_.size() +
-             embed_scale_.size() * 4 + lm_head_->bytes() + final_norm_.size() * 4;
+  size_t n = embed_->bytes() + lm_head_->bytes() + final_norm_.size() * 4;
   for (const Layer& l : layers_) {
     n += l.qkv->bytes() + l.o->bytes() + l.gate_up->bytes() + l.down->bytes() +
          (l.input_norm.size() + l.post_norm.size() + l.qkv_bias.size()) * 4;
@@ -369,6 +379,13 @@ absl::StatusOr<ForwardResult> Model::ForwardShard(const KvStorage& kv_storage, a
     max_end = std::max<int32_t>(max_end, static_cast<int32_t>(end));
   }
   rope_.EnsurePositions(max_end);
+  if (rope_uploaded_ != rope_.num_positions()) {
+    // The tables grew (or are new): the backend's copies follow.
+    const size_t n = static_cast<size_t>(rope_.num_positions()) * (config_.head_dim / 2);
+    if (absl::Status s = rope_cos_.Assign(absl::MakeConstSpan(rope_.cos(), n)); !s.ok()) return s;
+    if (absl::Status s = rope_sin_.Assign(absl::MakeConstSpan(rope_.sin(), n)); !s.ok()) return s;
+    rope_uploaded_ = rope_.num_positions();
+  }
 
   // This rank's share (all of it unsharded).
   const int64_t D = c.hidden_size, F = ranges_.ffn.size();
@@ -378,17 +395,12 @@ absl::StatusOr<ForwardResult> Model::ForwardShard(const KvStorage& kv_storage, a
   const int64_t Qd = num_heads * H, KVd = num_kv_heads * H;
   const bool sharded = ranges_.shard.size > 1;
   const int32_t bs = spec.block_size;
-  Grow(x_, T * D);
-  Grow(xn_, T * D);
-  Grow(qkv_, T * (Qd + 2 * KVd));
-  Grow(q_, T * Qd);
-  Grow(k_, T * KVd);
-  Grow(v_, T * KVd);
-  Grow(attn_, T * Qd);
-  Grow(gate_up_, T * 2 * F);
-  Grow(act_, T * F);
+  for (auto [a, n] : {std::pair{&x_, T * D}, {&xn_, T * D}, {&qkv_, T * (Qd + 2 * KVd)}, {&q_, T * Qd},
+                      {&k_, T * KVd}, {&v_, T * KVd}, {&attn_, T * Qd}, {&gate_up_, T * 2 * F}, {&act_, T * F}}) {
+    if (absl::Status s = a->Grow(static_cast<size_t>(n)); !s.ok()) return s;
+  }
 
-  std::vector<int32_t> positions(T), blocks(T), slots(T);
+  std::vector<int32_t> positions(T), blocks(T), slots(T), ids(T);
   std::vector<kernels::AttentionSequence> attn_seqs(batch.size());
   std::vector<int64_t> logit_rows;
   ForwardResult result;
@@ -405,25 +417,16 @@ absl::StatusOr<ForwardResult> Model::ForwardShard(const KvStorage& kv_storage, a
       positions[row] = pos;
       blocks[row] = seq.kv->block_table()[pos / bs];
       slots[row] = pos % bs;
-      // The rank holding the token's row writes it, the others zeros; the
-      // all-reduce below makes it every rank's.
-      const int32_t tok = seq.tokens[i] - static_cast<int32_t>(ranges_.vocab.begin);
-      float* xr = x_.data() + row * D;
-      if (tok < 0 || tok >= ranges_.vocab.size()) {
-        std::fill(xr, xr + D, 0.0f);
-      } else if (weight_dtype_ == DType::kBF16) {
-        for (int64_t d = 0; d < D; ++d) xr[d] = Bf16ToF32(embed_bf16_[tok * D + d]);
-      } else if (weight_dtype_ == DType::kI8) {
-        for (int64_t d = 0; d < D; ++d) xr[d] = embed_i8_[tok * D + d] * embed_scale_[tok];
-      } else {
-        std::memcpy(xr, embed_f32_.data() + tok * D, D * sizeof(float));
-      }
+      // Row of this rank's vocabulary slice; another rank's token embeds
+      // as zeros, and the all-reduce below makes it every rank's.
+      ids[row] = seq.tokens[i] - static_cast<int32_t>(ranges_.vocab.begin);
       if (seq.logits == LogitsMode::kAll || (seq.logits == LogitsMode::kLast && i == m - 1)) {
         logit_rows.push_back(row);
       }
     }
     result.num_rows.push_back(static_cast<int32_t>(logit_rows.size()) - result.first_row.back());
   }
+  backend_->Embed(*embed_, ids.data(), T, x_.data());
   if (sharded) {
     if (absl::Status s = collective_->AllReduceSum(x_.data(), T * D); !s.ok()) return s;
   }
@@ -437,29 +440,26 @@ absl::StatusOr<ForwardResult> Model::ForwardShard(const KvStorage& kv_storage, a
     for (size_t s = 0; s < batch.size(); ++s) {
       if (batch[s].kv->rank() == ranges_.shard.rank) own_seqs.push_back(attn_seqs[s]);
     }
-    Grow(all_qkv_, T * (c.QDim() + 2 * c.KvDim()));
-    Grow(all_q_, T * c.QDim());
-    Grow(all_k_, T * c.KvDim());
-    Grow(all_v_, T * c.KvDim());
-    Grow(all_attn_, T * c.QDim());
+    for (auto [a, n] : {std::pair{&all_qkv_, T * (c.QDim() + 2 * c.KvDim())}, {&all_q_, T * c.QDim()},
+                        {&all_k_, T * c.KvDim()}, {&all_v_, T * c.KvDim()}, {&all_attn_, T * c.QDim()}}) {
+      if (absl::Status s = a->Grow(static_cast<size_t>(n)); !s.ok()) return s;
+    }
   } else {
     own_seqs = attn_seqs;
   }
   const float eps = static_cast<float>(c.rms_norm_eps);
+  constexpr size_t kF = sizeof(float);
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const Layer& layer = layers_[l];
     backend_->RmsNorm(x_.data(), layer.input_norm.data(), T, D, eps, xn_.data());
-    backend_->Linear(*layer.qkv, xn_.data(), T,
-                     layer.qkv_bias.empty() ? nullptr : layer.qkv_bias.data(), qkv_.data(), false);
+    backend_->Linear(*layer.qkv, xn_.data(), T, layer.qkv_bias.empty() ? nullptr : layer.qkv_bias.data(),
+                     qkv_.data(), false);
     const int64_t ld = Qd + 2 * KVd;
-    for (int64_t r = 0; r < T; ++r) {
-      const float* src = qkv_.data() + r * ld;
-      std::memcpy(q_.data() + r * Qd, src, Qd * sizeof(float));
-      std::memcpy(k_.data() + r * KVd, src + Qd, KVd * sizeof(float));
-      std::memcpy(v_.data() + r * KVd, src + Qd + KVd, KVd * sizeof(float));
-    }
-    backend_->Rope(q_.data(), T, num_heads, H, positions.data(), rope_.cos(), rope_.sin());
-    backend_->Rope(k_.data(), T, num_kv_heads, H, positions.data(), rope_.cos(), rope_.sin());
+    backend_->Copy2D(q_.data(), Qd * kF, qkv_.data(), ld * kF, Qd * kF, T);
+    backend_->Copy2D(k_.data(), KVd * kF, qkv_.data() + Qd, ld * kF, KVd * kF, T);
+    backend_->Copy2D(v_.data(), KVd * kF, qkv_.data() + Qd + KVd, ld * kF, KVd * kF, T);
+    backend_->Rope(q_.data(), T, num_heads, H, positions.data(), rope_cos_.data(), rope_sin_.data());
+    backend_->Rope(k_.data(), T, num_kv_heads, H, positions.data(), rope_cos_.data(), rope_sin_.data());
     const kernels::KvLayerView kv = kv_storage.LayerView(static_cast<int32_t>(l));
     if (request_sharded) {
       // Every head of every row, then this rank's requests' new KV.
@@ -475,10 +475,14 @@ absl::StatusOr<ForwardResult> Model::ForwardShard(const KvStorage& kv_storage, a
     if (sync_layer_kv) {
       if (absl::Status s = collective_->Barrier(); !s.ok()) return s;
     }
-    if (options.on_layer_kv_written) options.on_layer_kv_written(static_cast<int32_t>(l));
+    if (options.on_layer_kv_written) {
+      // The layer's KV must be in the pool before a handoff reads it.
+      backend_->Synchronize();
+      options.on_layer_kv_written(static_cast<int32_t>(l));
+    }
     // Head-sharded: this rank's heads of every row; request-sharded: every
     // head of its own requests' rows (the other rows stay zero).
-    if (request_sharded) std::fill(all_attn_.begin(), all_attn_.begin() + T * c.QDim(), 0.0f);
+    if (request_sharded) backend_->Zero(all_attn_.data(), T * c.QDim() * kF);
     if (!own_seqs.empty()) {
       const auto attention_start = std::chrono::steady_clock::now();
       backend_->Attention(kernels::AttentionBatch{
@@ -516,56 +520,66 @@ absl::StatusOr<ForwardResult> Model::ForwardShard(const KvStorage& kv_storage, a
   const int64_t R = static_cast<int64_t>(logit_rows.size());
   result.logits.resize(R * c.vocab_size);
   if (R > 0) {
-    for (int64_t i = 0; i < R; ++i) {
-      std::memcpy(xn_.data() + i * D, x_.data() + logit_rows[i] * D, D * sizeof(float));
+    // The logit rows into xn_, consecutive rows in one copy.
+    for (int64_t i = 0; i < R;) {
+      int64_t n = 1;
+      while (i + n < R && logit_rows[i + n] == logit_rows[i] + n) ++n;
+      backend_->Copy2D(xn_.data() + i * D, D * kF, x_.data() + logit_rows[i] * D, D * kF, n * D * kF, 1);
+      i += n;
     }
     backend_->RmsNorm(xn_.data(), final_norm_.data(), R, D, eps, xn_.data());
+    // Host-addressable memory takes the logits in place.
+    float* logits = result.logits.data();
+    if (!backend_->HostAddressable()) {
+      if (absl::Status s = logits_.Grow(R * c.vocab_size); !s.ok()) return s;
+      logits = logits_.data();
+    }
     if (!sharded) {
-      backend_->Linear(*lm_head_, xn_.data(), R, nullptr, result.logits.data(), false);
-    } else if (absl::Status s = GatherLogits(R, result.logits.data()); !s.ok()) {
+      backend_->Linear(*lm_head_, xn_.data(), R, nullptr, logits, false);
+    } else if (absl::Status s = GatherLogits(R, logits); !s.ok()) {
       return s;
     }
+    if (!backend_->HostAddressable()) {
+      backend_->CopyToHost(result.logits.data(), logits, R * c.vocab_size * kF);
+    }
+  } else {
+    backend_->Synchronize();
   }
   return result;
 }
 
 absl::Status Model::GatherAllHeads(int64_t T) {
   const ModelConfig& c = config_;
+  constexpr size_t kF = sizeof(float);
   const int64_t H = c.head_dim, q_all = c.QDim(), kv_all = c.KvDim(), width = q_all + 2 * kv_all;
   const int64_t Qd = ranges_.q_heads.size() * H, KVd = ranges_.kv_heads.size() * H;
   const int64_t q_at = ranges_.q_heads.begin * H, kv_at = ranges_.kv_heads.begin * H;
   // Each rank writes its heads (a replicated KV head by its first rank
   // only) into zeros; the sum (exact: the others add zeros) gives every
   // rank all of them.
-  std::fill(all_qkv_.begin(), all_qkv_.begin() + T * width, 0.0f);
+  backend_->Zero(all_qkv_.data(), T * width * kF);
   const bool writes_kv = ranges_.shard.rank % ranges_.kv_copies == 0;
-  for (int64_t r = 0; r < T; ++r) {
-    float* row = all_qkv_.data() + r * width;
-    std::memcpy(row + q_at, q_.data() + r * Qd, Qd * sizeof(float));
-    if (writes_kv) {
-      std::memcpy(row + q_all + kv_at, k_.data() + r * KVd, KVd * sizeof(float));
-      std::memcpy(row + q_all + kv_all + kv_at, v_.data() + r * KVd, KVd * sizeof(float));
-    }
+  float* rows = all_qkv_.data();
+  backend_->Copy2D(rows + q_at, width * kF, q_.data(), Qd * kF, Qd * kF, T);
+  if (writes_kv) {
+    backend_->Copy2D(rows + q_all + kv_at, width * kF, k_.data(), KVd * kF, KVd * kF, T);
+    backend_->Copy2D(rows + q_all + kv_all + kv_at, width * kF, v_.data(), KVd * kF, KVd * kF, T);
   }
   if (absl::Status s = collective_->AllReduceSum(all_qkv_.data(), T * width); !s.ok()) return s;
-  for (int64_t r = 0; r < T; ++r) {
-    const float* row = all_qkv_.data() + r * width;
-    std::memcpy(all_q_.data() + r * q_all, row, q_all * sizeof(float));
-    std::memcpy(all_k_.data() + r * kv_all, row + q_all, kv_all * sizeof(float));
-    std::memcpy(all_v_.data() + r * kv_all, row + q_all + kv_all, kv_all * sizeof(float));
-  }
+  backend_->Copy2D(all_q_.data(), q_all * kF, rows, width * kF, q_all * kF, T);
+  backend_->Copy2D(all_k_.data(), kv_all * kF, rows + q_all, width * kF, kv_all * kF, T);
+  backend_->Copy2D(all_v_.data(), kv_all * kF, rows + q_all + kv_all, width * kF, kv_all * kF, T);
   return absl::OkStatus();
 }
 
 absl::Status Model::TakeOwnHeads(int64_t T) {
+  constexpr size_t kF = sizeof(float);
   const int64_t H = config_.head_dim, q_all = config_.QDim();
   const int64_t Qd = ranges_.q_heads.size() * H, q_at = ranges_.q_heads.begin * H;
   // Every row's output (each rank computed its requests' rows), then this
   // rank's heads of it for the row-parallel o projection.
   if (absl::Status s = collective_->AllReduceSum(all_attn_.data(), T * q_all); !s.ok()) return s;
-  for (int64_t r = 0; r < T; ++r) {
-    std::memcpy(attn_.data() + r * Qd, all_attn_.data() + r * q_all + q_at, Qd * sizeof(float));
-  }
+  backend_->Copy2D(attn_.data(), Qd * kF, all_attn_.data() + q_at, q_all * kF, Qd * kF, T);
   return absl::OkStatus();
 }
 
@@ -575,31 +589,30 @@ absl::Status Model::RowParallel(const kernels::LinearWeight& w, const float* x, 
     return absl::OkStatus();
   }
   const int64_t n = m * config_.hidden_size;
-  Grow(partial_, n);
+  if (absl::Status s = partial_.Grow(n); !s.ok()) return s;
   backend_->Linear(w, x, m, nullptr, partial_.data(), /*accumulate=*/false);
   if (absl::Status s = collective_->AllReduceSum(partial_.data(), n); !s.ok()) return s;
-  for (int64_t i = 0; i < n; ++i) y[i] += partial_[i];
+  backend_->Add(y, partial_.data(), n);
   return absl::OkStatus();
 }
 
 absl::Status Model::GatherLogits(int64_t rows, float* logits) {
   // Each rank's slice in its slot of [ranks][rows][chunk], then in place.
+  constexpr size_t kF = sizeof(float);
   const int64_t V = config_.vocab_size, chunk = ranges_.vocab_chunk;
   const int ranks = ranges_.shard.size;
   const int64_t slot = rows * chunk;
-  Grow(vocab_slices_, (ranks + 1) * slot);
+  if (absl::Status s = vocab_slices_.Grow((ranks + 1) * slot); !s.ok()) return s;
   float* mine = vocab_slices_.data() + ranks * slot;
   backend_->Linear(*lm_head_, xn_.data(), rows, nullptr, mine, false);
-  if (absl::Status s = collective_->AllGather(mine, slot * sizeof(float), vocab_slices_.data()); !s.ok()) {
+  if (absl::Status s = collective_->AllGather(mine, slot * kF, vocab_slices_.data()); !s.ok()) {
     return s;
   }
   for (int r = 0; r < ranks; ++r) {
     const int64_t begin = std::min(V, chunk * r), end = std::min(V, chunk * (r + 1));
-    const float* src = vocab_slices_.data() + r * slot;
     // Rank r's Linear wrote [rows, end - begin] contiguously.
-    for (int64_t i = 0; i < rows; ++i) {
-      std::memcpy(logits + i * V + begin, src + i * (end - begin), (end - begin) * sizeof(float));
-    }
+    backend_->Copy2D(logits + begin, V * kF, vocab_slices_.data() + r * slot, (end - begin) * kF,
+                     (end - begin) * kF, rows);
   }
   return absl::OkStatus();
 }

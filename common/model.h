@@ -31,6 +31,7 @@
 #include "common/tensor_parallel.h"
 #include "kernels/backend.h"
 #include "kernels/collective.h"
+#include "kernels/device_array.h"
 #include "kernels/cpu/thread_collective.h"
 
 namespace pdserve {
@@ -175,17 +176,17 @@ class Model {
   ModelIdentity identity_;
   std::vector<Layer> layers_;
   // Rows of this rank's vocabulary slice (all of it unsharded).
-  std::vector<uint16_t> embed_bf16_;  // [vocab slice, hidden] when weights are BF16
-  std::vector<float> embed_f32_;      // [vocab slice, hidden] when weights are F32
-  std::vector<int8_t> embed_i8_;      // [vocab slice, hidden] when weights are int8
-  std::vector<float> embed_scale_;    // [vocab slice]: one scale per int8 row
-  std::vector<float> final_norm_;
+  std::unique_ptr<kernels::EmbeddingTable> embed_;  // [vocab slice, hidden]
+  kernels::DeviceArray<float> final_norm_;
   std::unique_ptr<kernels::LinearWeight> lm_head_;
   RopeTable rope_;
-  // Scratch reused across calls.
-  std::vector<float> x_, xn_, qkv_, q_, k_, v_, attn_, gate_up_, act_, partial_, vocab_slices_;
+  // The backend's copies of rope_'s tables, of rope_uploaded_ positions.
+  kernels::DeviceArray<float> rope_cos_, rope_sin_;
+  int32_t rope_uploaded_ = 0;
+  // Scratch in the backend's memory, reused across calls.
+  kernels::DeviceArray<float> x_, xn_, qkv_, q_, k_, v_, attn_, gate_up_, act_, partial_, vocab_slices_, logits_;
   // Request-sharded: every head of every row.
-  std::vector<float> all_qkv_, all_q_, all_k_, all_v_, all_attn_;
+  kernels::DeviceArray<float> all_qkv_, all_q_, all_k_, all_v_, all_attn_;
 };
 
 // Grows every sequence of the batch through `kv` for its new tokens (all

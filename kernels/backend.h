@@ -2,9 +2,12 @@
 // against, once, for every device. kernels/cpu/ implements it always; a CUDA
 // backend implements it where nvcc is found.
 //
-// Buffers passed to a backend live in that backend's memory (host memory for
-// the CPU backend). Activations are F32. Weights are packed once into the
-// backend's own layout by PackLinear.
+// Buffers passed to a backend live in that backend's memory (Allocate; host
+// memory for the CPU backend, GPU memory for the CUDA backend), except the
+// small per-call metadata that says where things go: token ids, positions,
+// KV block ids and slots, and the attention's block tables are host arrays
+// (a device backend uploads them). Activations are F32. Weights are packed
+// once into the backend's own layout by PackLinear and PackEmbedding.
 //
 // Thread safety: a Backend is driven by one thread at a time; it may use its
 // own worker threads inside each call.
@@ -89,12 +92,52 @@ struct AttentionBatch {
   bool same_sequences_as_previous = false;
 };
 
+// An embedding table [rows, dim] in the backend's layout.
+class EmbeddingTable {
+ public:
+  virtual ~EmbeddingTable() = default;
+  virtual int64_t rows() const = 0;
+  virtual int64_t dim() const = 0;
+  virtual DType dtype() const = 0;
+  virtual size_t bytes() const = 0;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
 
-  // "cpu/avx512", "cpu/scalar", ...
+  // "cpu/avx512", "cpu/scalar", "cuda/sm_90", ...
   virtual std::string Name() const = 0;
+
+  // --- Memory. The defaults are host memory (the CPU backend's); a device
+  // backend overrides all of them. Copies between host and backend memory
+  // are complete when they return; the others are ordered with the
+  // backend's kernels.
+
+  // True when backend memory is host memory the caller may touch directly.
+  virtual bool HostAddressable() const { return true; }
+  // 64-byte aligned, uninitialised. RESOURCE_EXHAUSTED when it cannot be had.
+  virtual absl::StatusOr<void*> Allocate(size_t bytes);
+  virtual void Free(void* p);
+  virtual void CopyToDevice(void* dst, const void* host_src, size_t bytes);
+  virtual void CopyToHost(void* host_dst, const void* src, size_t bytes);
+  // `rows` rows of `width` bytes from src (rows `src_pitch` bytes apart) to
+  // dst (`dst_pitch` apart), both in backend memory.
+  virtual void Copy2D(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width,
+                      int64_t rows);
+  virtual void Zero(void* dst, size_t bytes);
+  // y[i] += x[i], in backend memory.
+  virtual void Add(float* y, const float* x, int64_t n);
+  // Waits until every call so far has finished (no-op on the host).
+  virtual void Synchronize() {}
+
+  // --- Embedding. `part` holds `rows` x `dim` elements (F32, F16 or
+  // BF16); `storage` is kF32, kBF16 or kI8 (one scale max|row| / 127 per
+  // row). Embed writes out[i, :] = row ids[i] (host array) dequantised to
+  // F32, or zeros for an id outside [0, rows) (another rank's row).
+  virtual absl::StatusOr<std::unique_ptr<EmbeddingTable>> PackEmbedding(const MatrixPart& part, int64_t dim,
+                                                                        DType storage);
+  virtual void Embed(const EmbeddingTable& table, const int32_t* ids, int64_t n, float* out);
 
   // Concatenates `parts` along the output dimension (N = sum of rows) into
   // one weight of `storage` type: kF32, kBF16, or kI8 (symmetric, one scale

@@ -61,6 +61,9 @@ class InvariantsTest : public ::testing::TestWithParam<Isa> {
   void Load(const RandomModelSpec& spec, DType kv = DType::kF32, int block_size = 16) {
     dir_ = MakeTempDir("inv");
     ASSERT_TRUE(WriteRandomModel(dir_, spec).ok());
+    // The model frees its buffers through its backend: it goes first.
+    kv_.reset();
+    model_.reset();
     auto backend = kernels::cpu::CpuBackend::Create({.num_threads = 2, .isa = GetParam()});
     ASSERT_TRUE(backend.ok()) << backend.status();
     backend_ = *std::move(backend);

@@ -97,10 +97,12 @@ class ShardedForwardTest : public testing::TestWithParam<int> {
   std::unique_ptr<Model> LoadSharded(int tp, ModelOptions options) {
     options.tp = tp;
     options.rank_backends.clear();
-    backends_.clear();
+    // Every model's backends live as long as the fixture (a model frees
+    // its buffers through them), so earlier models stay usable.
+    const size_t first = backends_.size();
     for (int r = 0; r < tp; ++r) backends_.push_back(Backend());
-    for (int r = 1; r < tp; ++r) options.rank_backends.push_back(backends_[r].get());
-    auto m = Model::Load(dir_, options, backends_[0].get());
+    for (int r = 1; r < tp; ++r) options.rank_backends.push_back(backends_[first + r].get());
+    auto m = Model::Load(dir_, options, backends_[first].get());
     if (!m.ok()) {
       load_error_ = m.status();
       return nullptr;

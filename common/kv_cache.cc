@@ -92,6 +92,33 @@ absl::StatusOr<std::unique_ptr<KvRegion>> HostKvRegionAllocator::Allocate(size_t
   return std::unique_ptr<KvRegion>(new HostRegion(p, rounded));
 }
 
+namespace {
+
+class BackendRegion final : public KvRegion {
+ public:
+  BackendRegion(kernels::Backend* backend, void* p, size_t size) : backend_(backend), p_(p), size_(size) {}
+  ~BackendRegion() override { backend_->Free(p_); }
+  void* data() override { return p_; }
+  size_t size() const override { return size_; }
+
+ private:
+  kernels::Backend* backend_;
+  void* p_;
+  size_t size_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<KvRegion>> BackendKvRegionAllocator::Allocate(size_t bytes) {
+  absl::StatusOr<void*> p = backend_->Allocate(bytes);
+  if (!p.ok()) {
+    return absl::ResourceExhaustedError(absl::StrCat("KV cache: ", p.status().message()));
+  }
+  backend_->Zero(*p, bytes);
+  backend_->Synchronize();
+  return std::unique_ptr<KvRegion>(new BackendRegion(backend_, *p, bytes));
+}
+
 absl::StatusOr<std::unique_ptr<BlockPool>> BlockPool::Create(const KvCacheSpec& spec,
                                                              KvRegionAllocator* allocator) {
   if (absl::Status s = spec.Validate(); !s.ok()) return s;

@@ -116,6 +116,18 @@ class HostKvRegionAllocator final : public KvRegionAllocator {
   absl::StatusOr<std::unique_ptr<KvRegion>> Allocate(size_t bytes) override;
 };
 
+// Zeroed memory of a backend (Backend::Allocate: GPU memory for the CUDA
+// backend), which must outlive the regions. Its bytes are the backend's:
+// only its kernels (and its copies) may touch them.
+class BackendKvRegionAllocator final : public KvRegionAllocator {
+ public:
+  explicit BackendKvRegionAllocator(kernels::Backend* backend) : backend_(backend) {}
+  absl::StatusOr<std::unique_ptr<KvRegion>> Allocate(size_t bytes) override;
+
+ private:
+  kernels::Backend* backend_;
+};
+
 struct PrefixCacheStats {
   int64_t lookups = 0;
   int64_t hit_blocks = 0;   // Blocks reused by lookups.

@@ -545,6 +545,7 @@ absl::StatusOr<ForwardResult> Model::ForwardShard(const KvStorage& kv_storage, a
   } else {
     backend_->Synchronize();
   }
+  if (absl::Status s = backend_->status(); !s.ok()) return s;
   return result;
 }
 

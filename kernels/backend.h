@@ -130,6 +130,9 @@ class Backend {
   virtual void Add(float* y, const float* x, int64_t n);
   // Waits until every call so far has finished (no-op on the host).
   virtual void Synchronize() {}
+  // The first error a call hit (a device backend's kernels fail
+  // asynchronously); OK for the CPU backend, whose calls cannot fail.
+  virtual absl::Status status() const { return absl::OkStatus(); }
 
   // --- Embedding. `part` holds `rows` x `dim` elements (F32, F16 or
   // BF16); `storage` is kF32, kBF16 or kI8 (one scale max|row| / 127 per

@@ -2,10 +2,93 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "kernels/cuda/cuda_loader.h"
 
 namespace pdserve {
+namespace {
+
+// Activations, logits and GEMM scratch a GPU forward needs beside the
+// weights and the pool.
+constexpr size_t kGpuWorkspaceReserve = size_t{1} << 30;
+
+absl::StatusOr<DType> KvDType(const ModelStackOptions& o, const Model& model) {
+  if (o.kv.empty()) return model.weight_dtype();
+  absl::StatusOr<DType> k = ParseDType(o.kv);
+  if (!k.ok()) return absl::InvalidArgumentError(absl::StrCat("--kv: ", k.status().message()));
+  return *k;
+}
+
+absl::StatusOr<ModelStack> LoadGpuStack(const ModelStackOptions& o) {
+  if (o.tp != 1) {
+    return absl::UnimplementedError(
+        "--backend=cuda with --tp > 1: the GPU ranks' NCCL group is not wired into the model yet");
+  }
+  if (o.allocator != nullptr) {
+    return absl::UnimplementedError(
+        "--backend=cuda in a worker: the KV handoff from GPU memory (staging through pinned host buffers) is "
+        "not wired yet; the CUDA backend runs in-process (pdctl generate, logits, gpu benchmarks)");
+  }
+  if (o.gpu_memory_fraction < 0 || o.gpu_memory_fraction > 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--gpu_memory_fraction must be in [0, 1], got ", o.gpu_memory_fraction));
+  }
+  ModelStack e;
+  absl::StatusOr<std::unique_ptr<kernels::cuda::CudaBackend>> gpu =
+      kernels::cuda::LoadCudaBackend({.device = o.cuda_device});
+  if (!gpu.ok()) return gpu.status();
+  kernels::cuda::CudaBackend* cuda = gpu->get();
+  e.gpu = *std::move(gpu);
+  ModelOptions mo;
+  if (!o.weights.empty()) {
+    absl::StatusOr<DType> w = ParseDType(o.weights);
+    if (!w.ok()) return absl::InvalidArgumentError(absl::StrCat("--weights: ", w.status().message()));
+    mo.weight_dtype = *w;
+  }
+  absl::StatusOr<std::unique_ptr<Model>> model = Model::Load(o.model_dir, mo, e.gpu.get());
+  if (!model.ok()) return model.status();
+  e.model = *std::move(model);
+  absl::StatusOr<DType> kv = KvDType(o, *e.model);
+  if (!kv.ok()) return kv.status();
+  if (o.block_size <= 0) return absl::InvalidArgumentError("--block-size must be positive");
+  int64_t blocks = (o.kv_positions + o.block_size - 1) / o.block_size;
+  if (o.gpu_memory_fraction > 0) {
+    absl::StatusOr<kernels::cuda::GpuMemoryInfo> mem = cuda->MemoryInfo();
+    if (!mem.ok()) return mem.status();
+    const double used = static_cast<double>(mem->total_bytes - mem->free_bytes);
+    const double budget = o.gpu_memory_fraction * static_cast<double>(mem->total_bytes) - used -
+                          static_cast<double>(kGpuWorkspaceReserve);
+    const int64_t per_block = e.model->MakeKvSpec(*kv, o.block_size, 1).TotalBytes();
+    blocks = budget > 0 ? static_cast<int64_t>(budget / static_cast<double>(per_block)) : 0;
+    if (blocks < 1) {
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "--gpu_memory_fraction=%.2f of %.1f GiB leaves no KV pool: %.1f GiB in use (weights %.1f GiB) and a "
+          "%.1f GiB workspace reserve",
+          o.gpu_memory_fraction, mem->total_bytes / 1073741824.0, used / 1073741824.0,
+          e.model->WeightBytes() / 1073741824.0, kGpuWorkspaceReserve / 1073741824.0));
+    }
+  }
+  e.gpu_kv_memory = std::make_unique<BackendKvRegionAllocator>(e.gpu.get());
+  absl::StatusOr<std::unique_ptr<KvManager>> manager =
+      KvManager::Create(e.model->MakeKvSpec(*kv, o.block_size, static_cast<int32_t>(blocks)), e.gpu_kv_memory.get());
+  if (!manager.ok()) return manager.status();
+  e.kv = *std::move(manager);
+  return e;
+}
+
+}  // namespace
+
+std::string ModelStack::KernelsDescription() const {
+  if (gpu) return gpu->Name();
+  return absl::StrCat(backend->Name(), " (matrix path ", kernels::cpu::MatrixPathName(backend->matrix_path()), ": ",
+                      backend->matrix_path_reason(), ")");
+}
 
 absl::StatusOr<ModelStack> LoadModelStack(const ModelStackOptions& o) {
+  if (o.backend == "cuda") return LoadGpuStack(o);
+  if (o.backend != "cpu") {
+    return absl::InvalidArgumentError(absl::StrCat("--backend must be cpu or cuda, got '", o.backend, "'"));
+  }
   ModelStack e;
   kernels::cpu::CpuBackendOptions bo;
   bo.num_threads = o.threads;
@@ -46,12 +129,9 @@ absl::StatusOr<ModelStack> LoadModelStack(const ModelStackOptions& o) {
   if (!model.ok()) return model.status();
   e.model = *std::move(model);
 
-  DType kv = e.model->weight_dtype();
-  if (!o.kv.empty()) {
-    absl::StatusOr<DType> k = ParseDType(o.kv);
-    if (!k.ok()) return absl::InvalidArgumentError(absl::StrCat("--kv: ", k.status().message()));
-    kv = *k;
-  }
+  absl::StatusOr<DType> kv_dtype = KvDType(o, *e.model);
+  if (!kv_dtype.ok()) return kv_dtype.status();
+  const DType kv = *kv_dtype;
   if (o.block_size <= 0) return absl::InvalidArgumentError("--block-size must be positive");
   const int64_t blocks = (o.kv_positions + o.block_size - 1) / o.block_size;
   TpKvLayout layout = TpKvLayout::kHeadSharded;

@@ -18,6 +18,14 @@ namespace pdserve {
 
 struct ModelStackOptions {
   std::string model_dir;
+  // "cpu" or "cuda" (kernels/cuda/cuda_backend.h: weights, activations and
+  // the KV pool on GPU cuda_device).
+  std::string backend = "cpu";
+  int cuda_device = 0;
+  // cuda: the KV pool takes this fraction of the GPU's memory, less what
+  // is already used (weights, other processes) and a workspace reserve;
+  // 0: kv_positions, like the CPU.
+  double gpu_memory_fraction = 0;
   std::string weights;  // "", "f32", "bf16"
   std::string kv;       // "", "f32", "bf16"
   std::string isa;      // "" = PDSERVE_ISA or best
@@ -35,11 +43,19 @@ struct ModelStackOptions {
 };
 
 struct ModelStack {
-  std::unique_ptr<kernels::cpu::CpuBackend> backend;  // Rank 0's.
+  std::unique_ptr<kernels::cpu::CpuBackend> backend;  // Rank 0's (null on a GPU).
   // Ranks 1..tp-1's, on rank 0's ISA and matrix path.
   std::vector<std::unique_ptr<kernels::cpu::CpuBackend>> rank_backends;
+  std::unique_ptr<kernels::Backend> gpu;  // backend "cuda".
+  std::unique_ptr<KvRegionAllocator> gpu_kv_memory;  // The pool's, in GPU memory.
   std::unique_ptr<Model> model;
   std::unique_ptr<KvManager> kv;
+
+  // The backend the model runs on.
+  kernels::Backend& compute() const { return gpu ? *gpu : *backend; }
+  // What the logs say about the kernels: the backend's name, and on the
+  // CPU its matrix path and why it was chosen.
+  std::string KernelsDescription() const;
 };
 
 absl::StatusOr<ModelStack> LoadModelStack(const ModelStackOptions& options);

@@ -16,6 +16,12 @@
 #include "common/server_util.h"
 
 ABSL_FLAG(std::string, model, "", "model directory (Hugging Face layout)");
+ABSL_FLAG(std::string, backend, "cpu",
+          "compute backend: cpu, or cuda (NVIDIA GPU; needs a build with nvcc; see the README's GPU section)");
+ABSL_FLAG(int, cuda_device, 0, "--backend=cuda: the GPU to run on");
+ABSL_FLAG(double, gpu_memory_fraction, 0.9,
+          "--backend=cuda: fraction of the GPU's memory the worker may use; the KV pool gets what the weights, "
+          "other processes and a 1 GiB workspace leave of it (--kv_positions sizes the pool when 0)");
 ABSL_FLAG(int, threads, 1, "compute threads per tensor-parallel rank");
 ABSL_FLAG(int, tp, 1, "tensor-parallel ranks (threads of this worker, each with --threads compute threads)");
 ABSL_FLAG(std::string, tp_kv_layout, "head",
@@ -54,6 +60,9 @@ absl::StatusOr<WorkerModel> LoadWorkerModel(KvRegionAllocator* allocator) {
   ModelStackOptions eo;
   eo.model_dir = absl::GetFlag(FLAGS_model);
   if (eo.model_dir.empty()) return absl::InvalidArgumentError("--model is required");
+  eo.backend = absl::GetFlag(FLAGS_backend);
+  eo.cuda_device = absl::GetFlag(FLAGS_cuda_device);
+  eo.gpu_memory_fraction = absl::GetFlag(FLAGS_gpu_memory_fraction);
   eo.threads = absl::GetFlag(FLAGS_threads);
   eo.tp = absl::GetFlag(FLAGS_tp);
   eo.tp_kv_layout = absl::GetFlag(FLAGS_tp_kv_layout);
@@ -68,9 +77,10 @@ absl::StatusOr<WorkerModel> LoadWorkerModel(KvRegionAllocator* allocator) {
   if (!engine.ok()) return engine.status();
   w.engine = *std::move(engine);
   LogEvent("info", "kernels",
-           {{"backend", w.engine.backend->Name()},
-            {"matrix_path", std::string(kernels::cpu::MatrixPathName(w.engine.backend->matrix_path()))},
-            {"reason", w.engine.backend->matrix_path_reason()},
+           {{"backend", w.engine.compute().Name()},
+            {"matrix_path", w.engine.backend ? std::string(kernels::cpu::MatrixPathName(w.engine.backend->matrix_path()))
+                                             : std::string("gpu")},
+            {"reason", w.engine.backend ? w.engine.backend->matrix_path_reason() : std::string("gpu")},
             {"tp", absl::StrCat(w.engine.model->tp())}});
   absl::StatusOr<std::unique_ptr<tok::Tokenizer>> tokenizer = tok::Tokenizer::Load(eo.model_dir);
   if (!tokenizer.ok()) return tokenizer.status();

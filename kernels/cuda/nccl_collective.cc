@@ -22,14 +22,6 @@ absl::Status NcclError(const char* what, ncclResult_t r) {
 
 }  // namespace
 
-absl::StatusOr<int> CudaDeviceCount() {
-  int count = 0;  // Left untouched when there is no driver.
-  const cudaError_t e = cudaGetDeviceCount(&count);
-  if (e != cudaSuccess) return CudaError("cudaGetDeviceCount", e);
-  if (count == 0) return absl::UnavailableError("cudaGetDeviceCount: no CUDA device");
-  return count;
-}
-
 struct NcclCollective::State {
   ncclComm_t comm = nullptr;
   cudaStream_t stream = nullptr;

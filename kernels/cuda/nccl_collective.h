@@ -20,12 +20,9 @@
 
 #include "absl/status/statusor.h"
 #include "kernels/collective.h"
+#include "kernels/cuda/cuda_backend.h"  // CudaDeviceCount
 
 namespace pdserve::kernels::cuda {
-
-// The number of CUDA devices, or an error naming why none can be used
-// (no driver, no device): tests skip with its message.
-absl::StatusOr<int> CudaDeviceCount();
 
 class NcclCollective final : public Collective {
  public:

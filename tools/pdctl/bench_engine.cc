@@ -71,6 +71,11 @@ absl::Status RunBenchEngine(const BenchEngineOptions& o) {
     positions = std::max<int64_t>(
         positions, 2 * (o.prefix_hit_cached + o.prefix_hit_new + 2 * eo_block));
   }
+  if (o.engine.backend != "cpu") {
+    return absl::InvalidArgumentError(
+        "this benchmark measures the CPU backend against the CPU's limits; the GPU's is deploy/gpu/check.sh "
+        "(pdserve-gpu-bench)");
+  }
   ModelStackOptions eo = o.engine;
   eo.kv_positions = positions;
   Progress(absl::StrCat("loading ", eo.model_dir));

@@ -111,6 +111,11 @@ absl::Status RunBenchTp(const BenchEngineOptions& o) {
   }
   for (int s : o.prefill_lengths) positions = std::max<int64_t>(positions, s + 2 * o.engine.block_size);
 
+  if (o.engine.backend != "cpu") {
+    return absl::InvalidArgumentError(
+        "this benchmark measures the CPU backend against the CPU's limits; the GPU's is deploy/gpu/check.sh "
+        "(pdserve-gpu-bench)");
+  }
   ModelStackOptions sharded_options = o.engine;
   sharded_options.kv_positions = positions;
   ModelStackOptions single_options = sharded_options;

@@ -41,6 +41,8 @@ ABSL_FLAG(bool, all_positions, false, "logits: print every position, not only th
 ABSL_FLAG(std::string, weights, "", "in-memory weight format: f32 or bf16 (default: as stored)");
 ABSL_FLAG(std::string, kv, "", "KV cache format: f32 or bf16 (default: the weight format)");
 ABSL_FLAG(int, threads, 1, "compute threads (per tensor-parallel rank)");
+ABSL_FLAG(std::string, backend, "cpu", "in-process model's backend: cpu or cuda (NVIDIA GPU, builds with nvcc)");
+ABSL_FLAG(int, cuda_device, 0, "--backend=cuda: the GPU to run on");
 ABSL_FLAG(int, tp, 1, "tensor-parallel ranks of the in-process model (threads, each with --threads)");
 ABSL_FLAG(std::string, isa, "", "CPU kernel path: scalar, avx2 or avx512 (default: best)");
 ABSL_FLAG(std::string, matrix_path, "",
@@ -153,6 +155,8 @@ ModelStackOptions EngineFlags() {
   o.threads = absl::GetFlag(FLAGS_threads);
   o.tp = absl::GetFlag(FLAGS_tp);
   o.block_size = absl::GetFlag(FLAGS_block_size);
+  o.backend = absl::GetFlag(FLAGS_backend);
+  o.cuda_device = absl::GetFlag(FLAGS_cuda_device);
   return o;
 }
 

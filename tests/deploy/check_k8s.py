@@ -15,7 +15,12 @@ binaries:
   and --drain_min_s;
 - every HorizontalPodAutoscaler scales a rendered Deployment, on a metric
   the router exposes, with a scale-down stabilization window;
-- every metric an alert's expression names is one the servers define.
+- every metric an alert's expression names is one the servers define;
+- a container runs --backend=cuda exactly when it has an nvidia.com/gpu
+  limit (no CUDA worker without a GPU, no GPU left to the CPU backend);
+- UCX_TLS names its transports: tcp (the KV listener's connection setup),
+  no shared memory (pods on one node share a boot id, not /dev/shm), and
+  RDMA transports only with an rdma/ device resource.
 
 Each rendered overlay is also validated against the Kubernetes OpenAPI
 schemas offline, unknown fields refused (tests/k8s_schema/validate.mjs,
@@ -48,6 +53,36 @@ def binary_flags(build, image):
         out = subprocess.run([path, "--helpfull"], capture_output=True, text=True).stdout
         _flags_cache[path] = set(re.findall(r"^\s+--([A-Za-z0-9_]+) \(", out, re.M))
     return _flags_cache[path]
+
+
+# UCX transport names (UCX_TLS) by what they need of a pod.
+UCX_SHARED_MEMORY = {"sm", "shm", "posix", "sysv", "cma", "xpmem", "knem"}
+UCX_RDMA = {"ib", "rc", "rc_v", "rc_x", "rc_verbs", "rc_mlx5", "ud", "ud_v", "ud_x", "ud_verbs", "ud_mlx5", "dc",
+            "dc_x", "dc_mlx5"}
+
+
+def check_gpu_and_ucx(where, c, args):
+    """The backend against the GPUs the container has, and its UCX_TLS."""
+    errors = []
+    limits = c.get("resources", {}).get("limits", {})
+    gpus = int(limits.get("nvidia.com/gpu", 0))
+    backend = ([a.split("=", 1)[1] for a in args if a.startswith("--backend=")] or ["cpu"])[-1]
+    if backend == "cuda" and gpus < 1:
+        errors.append(f"{where}: --backend=cuda without a nvidia.com/gpu limit")
+    if gpus and backend != "cuda":
+        errors.append(f"{where}: has {gpus} nvidia.com/gpu but runs --backend={backend}")
+    tls = next((e.get("value", "") for e in c.get("env", []) if e["name"] == "UCX_TLS"), None)
+    if tls is not None:
+        names = set(tls.split(","))
+        if tls.startswith("^") or "all" in names:
+            errors.append(f"{where}: UCX_TLS={tls}: list the transports (no shared memory between pods)")
+        elif "tcp" not in names:
+            errors.append(f"{where}: UCX_TLS={tls}: no tcp, which the KV listener's connection setup needs")
+        if names & UCX_SHARED_MEMORY:
+            errors.append(f"{where}: UCX_TLS={tls}: shared memory between pods")
+        if names & UCX_RDMA and not any(k.startswith("rdma/") for k in limits):
+            errors.append(f"{where}: UCX_TLS={tls}: RDMA without an rdma/ device resource")
+    return errors
 
 
 def flag_names(args):
@@ -111,6 +146,7 @@ def check(objects, build, external_secrets=()):
                 # absl's --noFLAG sets a boolean false.
                 if name not in defined and not (name.startswith("no") and name[2:] in defined):
                     errors.append(f"Deployment {dn}: container {c['name']}: {a}: the binary has no --{name}")
+            errors += check_gpu_and_ucx(f"Deployment {dn}: container {c['name']}", c, args)
             ports = c.get("ports", [])
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
                 p = c.get(probe)
@@ -182,7 +218,9 @@ def main():
             print("FAIL:", e)
         kinds = ["selects no", "targetPort", "the binary has no", "is not a port of container", "is not above",
                  "no ConfigMap key", "no Secret", "which is not rendered", "exposes no metric",
-                 "no scale-down stabilization", "no server defines the metric", "which no server answers"]
+                 "no scale-down stabilization", "no server defines the metric", "which no server answers",
+                 "without a nvidia.com/gpu limit", "nvidia.com/gpu but runs", "list the transports", "no tcp",
+                 "shared memory between pods", "RDMA without an rdma/ device"]
         missed = [k for k in kinds if not any(k in e for e in errors)]
         if expect_failures:
             if missed:

@@ -106,6 +106,70 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& model_dir,
   return rank0;
 }
 
+absl::StatusOr<std::unique_ptr<Model>> Model::CreateRandom(const ModelConfig& config, DType storage,
+                                                         uint64_t seed, kernels::Backend* backend) {
+  if (storage != DType::kF32 && storage != DType::kBF16 && storage != DType::kI8) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("weights cannot be held as ", DTypeName(storage), " (f32, bf16 or int8)"));
+  }
+  if (config.num_layers < 1 || config.hidden_size < 1 || config.vocab_size < 1 || config.num_heads < 1 ||
+      config.num_kv_heads < 1 || config.num_heads % config.num_kv_heads != 0 || config.head_dim < 2 ||
+      config.head_dim % 2 != 0 || config.intermediate_size < 1) {
+    return absl::InvalidArgumentError("a random model needs a whole Llama shape (layers, hidden, heads, FFN, vocab)");
+  }
+  absl::StatusOr<ShardRanges> ranges = ComputeShardRanges(config, TpShard{0, 1});
+  if (!ranges.ok()) return ranges.status();
+  auto model = std::unique_ptr<Model>(new Model(config, backend));
+  model->ranges_ = *ranges;
+  model->weight_dtype_ = storage;
+  const ModelConfig& c = model->config_;
+  const int64_t D = c.hidden_size, F = c.intermediate_size, Qd = c.QDim(), KVd = c.KvDim();
+  uint64_t next = seed;
+  auto random = [&](int64_t n, int64_t k) {
+    next += 0x1000193;
+    return backend->RandomLinear(n, k, storage, 1.0f / std::sqrt(static_cast<float>(k)), next);
+  };
+  auto embed = backend->RandomEmbedding(c.vocab_size, D, storage, 1.0f, seed);
+  if (!embed.ok()) return embed.status();
+  model->embed_ = *std::move(embed);
+  const std::vector<float> ones(static_cast<size_t>(D), 1.0f);
+  model->layers_.resize(c.num_layers);
+  for (Layer& layer : model->layers_) {
+    auto in_norm = Upload(backend, ones);
+    auto post_norm = Upload(backend, ones);
+    if (!in_norm.ok()) return in_norm.status();
+    if (!post_norm.ok()) return post_norm.status();
+    layer.input_norm = *std::move(in_norm);
+    layer.post_norm = *std::move(post_norm);
+    if (c.qkv_bias) {
+      auto bias = Upload(backend, std::vector<float>(static_cast<size_t>(Qd + 2 * KVd), 0.0f));
+      if (!bias.ok()) return bias.status();
+      layer.qkv_bias = *std::move(bias);
+    }
+    auto qkv = random(Qd + 2 * KVd, D);
+    auto o = random(D, Qd);
+    auto gu = random(2 * F, D);
+    auto down = random(D, F);
+    for (const auto* t : {&qkv, &o, &gu, &down}) {
+      if (!t->ok()) return t->status();
+    }
+    layer.qkv = *std::move(qkv);
+    layer.o = *std::move(o);
+    layer.gate_up = *std::move(gu);
+    layer.down = *std::move(down);
+  }
+  auto final_norm = Upload(backend, ones);
+  if (!final_norm.ok()) return final_norm.status();
+  model->final_norm_ = *std::move(final_norm);
+  auto head = random(c.vocab_size, D);
+  if (!head.ok()) return head.status();
+  model->lm_head_ = *std::move(head);
+  model->identity_ = HashBytes(absl::StrCat("random\n", c.num_layers, " ", D, " ", F, " ", c.num_heads, " ",
+                                            c.num_kv_heads, " ", c.head_dim, " ", c.vocab_size, " ", c.rope_theta,
+                                            "\n", DTypeName(storage), "\n", seed));
+  return model;
+}
+
 kernels::cpu::ThreadCollectiveGroup* Model::tp_group() { return tp_ ? &tp_->group() : nullptr; }
 
 absl::StatusOr<std::unique_ptr<Model>> Model::LoadShard(const std::string& model_dir, const ModelOptions& options,

@@ -96,6 +96,13 @@ class Model {
   static absl::StatusOr<std::unique_ptr<Model>> Load(const std::string& model_dir,
                                                      const ModelOptions& options,
                                                      kernels::Backend* backend);
+  // A model of `config`'s shape with random weights made by the backend
+  // (uniform, scaled by 1 / sqrt(fan-in); norms of ones, biases of zeros),
+  // held as `storage`: benchmarks of shapes no checkpoint is shipped for
+  // (an 8B on a GPU is made on the device). Unsharded. Its identity hashes
+  // the config, the format and the seed.
+  static absl::StatusOr<std::unique_ptr<Model>> CreateRandom(const ModelConfig& config, DType storage,
+                                                             uint64_t seed, kernels::Backend* backend);
   ~Model();
 
   const ModelConfig& config() const { return config_; }

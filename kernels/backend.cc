@@ -130,4 +130,37 @@ void Backend::Embed(const EmbeddingTable& table, const int32_t* ids, int64_t n, 
   }
 }
 
+namespace {
+
+// A stateless uniform draw in [-bound, bound] for element i (splitmix64).
+float HashUniform(uint64_t seed, uint64_t i, float bound) {
+  uint64_t z = seed + 0x9e3779b97f4a7c15ull * (i + 1);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  z ^= z >> 31;
+  const float u = static_cast<float>(z >> 40) * (1.0f / 16777216.0f);
+  return (2.0f * u - 1.0f) * bound;
+}
+
+std::vector<float> RandomRows(int64_t n, int64_t k, float bound, uint64_t seed) {
+  std::vector<float> v(static_cast<size_t>(n * k));
+  for (size_t i = 0; i < v.size(); ++i) v[i] = HashUniform(seed, i, bound);
+  return v;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<LinearWeight>> Backend::RandomLinear(int64_t n, int64_t k, DType storage, float bound,
+                                                                    uint64_t seed) {
+  const std::vector<float> rows = RandomRows(n, k, bound, seed);
+  const MatrixPart part{DType::kF32, rows.data(), n, 0};
+  return PackLinear({&part, 1}, k, storage);
+}
+
+absl::StatusOr<std::unique_ptr<EmbeddingTable>> Backend::RandomEmbedding(int64_t rows, int64_t dim, DType storage,
+                                                                         float bound, uint64_t seed) {
+  const std::vector<float> v = RandomRows(rows, dim, bound, seed);
+  return PackEmbedding(MatrixPart{DType::kF32, v.data(), rows, 0}, dim, storage);
+}
+
 }  // namespace pdserve::kernels

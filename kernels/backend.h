@@ -142,6 +142,16 @@ class Backend {
                                                                         DType storage);
   virtual void Embed(const EmbeddingTable& table, const int32_t* ids, int64_t n, float* out);
 
+  // --- Random weights, for benchmarks of shapes no checkpoint is shipped
+  // for: uniform values in [-bound, bound] from `seed`, stored as
+  // `storage`. The defaults draw on the host and pack; a device backend
+  // draws on the device (nothing crosses the bus). The same seed gives the
+  // same weights on one backend, not across backends.
+  virtual absl::StatusOr<std::unique_ptr<LinearWeight>> RandomLinear(int64_t n, int64_t k, DType storage,
+                                                                     float bound, uint64_t seed);
+  virtual absl::StatusOr<std::unique_ptr<EmbeddingTable>> RandomEmbedding(int64_t rows, int64_t dim, DType storage,
+                                                                          float bound, uint64_t seed);
+
   // Concatenates `parts` along the output dimension (N = sum of rows) into
   // one weight of `storage` type: kF32, kBF16, or kI8 (symmetric, one scale
   // max|row| / 127 per output row, made here).

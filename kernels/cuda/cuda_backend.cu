@@ -198,6 +198,25 @@ __global__ void RandomRowsKernel(int64_t k, float bound, uint64_t seed, float* o
   for (int64_t i = threadIdx.x; i < k; i += blockDim.x) out[i] = HashUniform(seed, r * k + i, bound);
 }
 
+// Reads every float4 once; the sum goes to `sink` only if it is an
+// impossible value, so the reads cannot be optimised away.
+__global__ void ReadKernel(const float4* p, size_t n, float* sink) {
+  float acc = 0;
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const float4 v = p[i];
+    acc += v.x + v.y + v.z + v.w;
+  }
+  if (acc == 1234.5f) *sink = acc;
+}
+
+__global__ void FillBf16Kernel(uint16_t* p, int64_t n, uint64_t seed) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    p[i] = ToBf16Bits(HashUniform(seed, i, 1.0f));
+  }
+}
+
 __global__ void DequantizeI8Kernel(const int8_t* w, const float* scales, int64_t n, int64_t k, uint16_t* out) {
   for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < n * k;
        t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -633,38 +652,65 @@ class CudaBackendImpl final : public CudaBackend {
 
   absl::StatusOr<std::unique_ptr<LinearWeight>> RandomLinear(int64_t n, int64_t k, DType storage, float bound,
                                                              uint64_t seed) override {
-    if (storage != DType::kF32 && storage != DType::kBF16 && storage != DType::kI8) {
-      return absl::InvalidArgumentError(absl::StrCat("weights cannot be held as ", DTypeName(storage)));
-    }
-    Use();
     auto w = std::make_unique<CudaLinear>(n, k, storage);
-    absl::StatusOr<void*> data = Allocate(n * k * DTypeSize(storage));
-    if (!data.ok()) return data.status();
-    w->w_ = *data;
-    if (storage == DType::kI8) {
-      absl::StatusOr<void*> sc = Allocate(n * sizeof(float));
-      if (!sc.ok()) return sc.status();
-      w->scales_ = static_cast<float*>(*sc);
-    }
-    // In slabs of rows through an F32 scratch, packed as a checkpoint's would be.
-    const int64_t slab = std::max<int64_t>(1, (int64_t{64} << 20) / (k * 4));
-    absl::StatusOr<void*> scratch = Allocate(std::min(slab, n) * k * sizeof(float));
-    if (!scratch.ok()) return scratch.status();
-    for (int64_t r = 0; r < n; r += slab) {
-      const int64_t rn = std::min(slab, n - r);
-      RandomRowsKernel<<<static_cast<unsigned>(rn), 256, 0, stream_>>>(k, bound, seed + r * k,
-                                                                       static_cast<float*>(*scratch));
-      // Each slab draws from its own seed (seed + its first element).
-      PackRowsKernel<<<static_cast<unsigned>(rn), 256, 0, stream_>>>(
-          static_cast<float*>(*scratch), k, storage,
-          static_cast<char*>(w->w_) + r * k * DTypeSize(storage),
-          w->scales_ != nullptr ? w->scales_ + r : nullptr);
-      Launched("RandomLinear");
-    }
-    Synchronize();
-    Free(*scratch);
-    if (!error_.ok()) return error_;
+    if (absl::Status s = RandomRows(n, k, storage, bound, seed, &w->w_, &w->scales_); !s.ok()) return s;
     return w;
+  }
+  absl::StatusOr<std::unique_ptr<EmbeddingTable>> RandomEmbedding(int64_t rows, int64_t dim, DType storage,
+                                                                  float bound, uint64_t seed) override {
+    auto t = std::make_unique<CudaEmbedding>(rows, dim, storage);
+    if (absl::Status s = RandomRows(rows, dim, storage, bound, seed, &t->data_, &t->scales_); !s.ok()) return s;
+    return t;
+  }
+
+  absl::StatusOr<double> ReadBandwidth(size_t bytes) override {
+    Use();
+    const size_t n4 = bytes / sizeof(float4);
+    absl::StatusOr<void*> buf = Allocate(n4 * sizeof(float4) + sizeof(float));
+    if (!buf.ok()) return buf.status();
+    Zero(*buf, n4 * sizeof(float4));
+    float* sink = reinterpret_cast<float*>(static_cast<float4*>(*buf) + n4);
+    const int threads = 512, blocks = num_sms() * 8;
+    std::vector<double> rates;
+    for (int pass = 0; pass < 6; ++pass) {
+      const double t = TimeOnStream([&] {
+        ReadKernel<<<blocks, threads, 0, stream_>>>(static_cast<const float4*>(*buf), n4, sink);
+      });
+      if (pass > 0) rates.push_back(static_cast<double>(n4 * sizeof(float4)) / t);
+    }
+    Free(*buf);
+    if (!error_.ok()) return error_;
+    std::sort(rates.begin(), rates.end());
+    return rates[rates.size() / 2];
+  }
+
+  absl::StatusOr<double> Bf16GemmRate(int64_t m, int64_t n, int64_t k) override {
+    Use();
+    absl::StatusOr<void*> a = Allocate(m * k * 2), b = Allocate(k * n * 2), c = Allocate(m * n * 4);
+    if (!a.ok() || !b.ok() || !c.ok()) return absl::ResourceExhaustedError("GEMM peak: no memory for the operands");
+    Zero(*a, m * k * 2);
+    Zero(*b, k * n * 2);
+    // Random operands (zeros would flatter the power draw).
+    FillBf16Kernel<<<GridFor(m * k, 256), 256, 0, stream_>>>(static_cast<uint16_t*>(*a), m * k, 7);
+    FillBf16Kernel<<<GridFor(k * n, 256), 256, 0, stream_>>>(static_cast<uint16_t*>(*b), k * n, 8);
+    const float one = 1.0f, zero = 0.0f;
+    std::vector<double> rates;
+    for (int run = 0; run < 6; ++run) {
+      const double t = TimeOnStream([&] {
+        CheckBlas("cublasGemmEx peak",
+                  cublasGemmEx(blas_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(n), static_cast<int>(m),
+                               static_cast<int>(k), &one, *b, CUDA_R_16BF, static_cast<int>(k), *a, CUDA_R_16BF,
+                               static_cast<int>(k), &zero, *c, CUDA_R_32F, static_cast<int>(n), CUBLAS_COMPUTE_32F,
+                               CUBLAS_GEMM_DEFAULT));
+      });
+      if (run > 0) rates.push_back(2.0 * m * n * k / t);
+    }
+    Free(*a);
+    Free(*b);
+    Free(*c);
+    if (!error_.ok()) return error_;
+    std::sort(rates.begin(), rates.end());
+    return rates[rates.size() / 2];
   }
 
   void Linear(const LinearWeight& weight, const float* x, int64_t m, const float* bias, float* y,
@@ -849,6 +895,57 @@ class CudaBackendImpl final : public CudaBackend {
     if (s != CUBLAS_STATUS_SUCCESS) Fail(CublasError(what, s));
   }
   void Launched(const char* what) { Check(what, cudaGetLastError()); }
+
+  // Seconds the work `enqueue` puts on the stream takes (CUDA events).
+  template <typename F>
+  double TimeOnStream(F enqueue) {
+    cudaEvent_t start, stop;
+    cudaEventCreate(&start);
+    cudaEventCreate(&stop);
+    cudaEventRecord(start, stream_);
+    enqueue();
+    cudaEventRecord(stop, stream_);
+    Check("cudaEventSynchronize", cudaEventSynchronize(stop));
+    float ms = 0;
+    cudaEventElapsedTime(&ms, start, stop);
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+    return std::max(1e-9, ms / 1e3);
+  }
+
+  // n x k random values packed as `storage` into new device memory.
+  absl::Status RandomRows(int64_t n, int64_t k, DType storage, float bound, uint64_t seed, void** data,
+                          float** scales) {
+    if (storage != DType::kF32 && storage != DType::kBF16 && storage != DType::kI8) {
+      return absl::InvalidArgumentError(absl::StrCat("weights cannot be held as ", DTypeName(storage)));
+    }
+    Use();
+    absl::StatusOr<void*> d = Allocate(std::max<int64_t>(1, n * k) * DTypeSize(storage));
+    if (!d.ok()) return d.status();
+    *data = *d;
+    if (storage == DType::kI8) {
+      absl::StatusOr<void*> sc = Allocate(std::max<int64_t>(1, n) * sizeof(float));
+      if (!sc.ok()) return sc.status();
+      *scales = static_cast<float*>(*sc);
+    }
+    // In slabs of rows through an F32 scratch, packed as a checkpoint's
+    // would be; each slab draws from its own seed (seed + its first element).
+    const int64_t slab = std::max<int64_t>(1, (int64_t{64} << 20) / std::max<int64_t>(1, k * 4));
+    absl::StatusOr<void*> scratch = Allocate(std::max<int64_t>(1, std::min(slab, n) * k) * sizeof(float));
+    if (!scratch.ok()) return scratch.status();
+    for (int64_t r = 0; r < n; r += slab) {
+      const int64_t rn = std::min(slab, n - r);
+      RandomRowsKernel<<<static_cast<unsigned>(rn), 256, 0, stream_>>>(k, bound, seed + r * k,
+                                                                       static_cast<float*>(*scratch));
+      PackRowsKernel<<<static_cast<unsigned>(rn), 256, 0, stream_>>>(
+          static_cast<float*>(*scratch), k, storage, static_cast<char*>(*data) + r * k * DTypeSize(storage),
+          storage == DType::kI8 ? *scales + r : nullptr);
+      Launched("RandomRows");
+    }
+    Synchronize();
+    Free(*scratch);
+    return error_;
+  }
 
   // Grows a device scratch buffer (contents not kept).
   bool Reserve(void** p, size_t* have, size_t bytes) {

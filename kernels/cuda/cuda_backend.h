@@ -52,11 +52,12 @@ class CudaBackend : public Backend {
   // Streaming multiprocessors of the device.
   virtual int num_sms() const = 0;
 
-  // A weight [n, k] of uniform random values in [-bound, bound] made on
-  // the device (benchmarks of large shapes: nothing is read from disk),
-  // stored as `storage` (kF32, kBF16 or kI8).
-  virtual absl::StatusOr<std::unique_ptr<LinearWeight>> RandomLinear(int64_t n, int64_t k, DType storage,
-                                                                     float bound, uint64_t seed) = 0;
+  // Read bandwidth of a read-only kernel over `bytes` of device memory, in
+  // bytes/s (the median of a few passes): the memory roofline's divisor.
+  virtual absl::StatusOr<double> ReadBandwidth(size_t bytes) = 0;
+  // cuBLAS's BF16 GEMM rate (F32 accumulation) at m x n x k, in FLOP/s
+  // (the median of a few runs): the compute roofline's divisor.
+  virtual absl::StatusOr<double> Bf16GemmRate(int64_t m, int64_t n, int64_t k) = 0;
 };
 
 }  // namespace pdserve::kernels::cuda

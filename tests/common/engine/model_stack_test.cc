@@ -11,7 +11,10 @@
 namespace pdserve {
 namespace {
 
-const std::string kModel = std::string(PDSERVE_SOURCE_DIR) + "/deploy/models/kjv-tiny";
+// $PDSERVE_SOURCE_DIR: the checkout on a GPU machine the binary was carried to.
+const std::string kModel =
+    std::string(std::getenv("PDSERVE_SOURCE_DIR") != nullptr ? std::getenv("PDSERVE_SOURCE_DIR") : PDSERVE_SOURCE_DIR) +
+    "/deploy/models/kjv-tiny";
 
 ModelStackOptions Options(const std::string& backend) {
   ModelStackOptions o;

@@ -25,6 +25,7 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "kernels/backend.h"
 
 namespace pdserve::kernels::cuda {
@@ -58,6 +59,42 @@ class CudaBackend : public Backend {
   // cuBLAS's BF16 GEMM rate (F32 accumulation) at m x n x k, in FLOP/s
   // (the median of a few runs): the compute roofline's divisor.
   virtual absl::StatusOr<double> Bf16GemmRate(int64_t m, int64_t n, int64_t k) = 0;
+};
+
+// One row's sampling (common/sampling.h's pipeline and order, which this
+// mirrors on the GPU): the request's parameters, the token counts its
+// penalties use, and its draw u = PhiloxUniform(seed, position) (made by
+// the caller, so the draw is the CPU's exactly).
+struct SampleRowParams {
+  float temperature = 1.0f;  // 0 = greedy.
+  int32_t top_k = 0;
+  float top_p = 1.0f;
+  float min_p = 0.0f;
+  float repetition_penalty = 1.0f;
+  float presence_penalty = 0.0f;
+  float frequency_penalty = 0.0f;
+  float uniform = 0.0f;
+  absl::Span<const int32_t> seen_ids;             // Prompt + output tokens, once each.
+  absl::Span<const int32_t> generated_ids;        // Output tokens, once each...
+  absl::Span<const int32_t> generated_counts;     // ...and how often.
+};
+
+// Samples on the GPU: penalties, temperature, the (logit desc, id asc)
+// candidate order (a stable radix sort), top-k, top-p, min-p and the draw,
+// with the CPU's F32 operations in the CPU's order (sums taken
+// sequentially in candidate order). It picks the CPU sampler's token for
+// the same logits, except where the draw lands within the last bits of a
+// candidate boundary (the GPU's expf may differ from the CPU's in the
+// last place).
+class CudaSampler {
+ public:
+  virtual ~CudaSampler() = default;
+  // On `backend`'s device, which must outlive the sampler.
+  static absl::StatusOr<std::unique_ptr<CudaSampler>> Create(CudaBackend* backend);
+  // tokens[r] (host) for row r of logits [rows.size(), vocab] in GPU memory,
+  // once every call already enqueued on the backend finished.
+  virtual absl::Status Sample(const float* logits, int64_t vocab, absl::Span<const SampleRowParams> rows,
+                              int32_t* tokens) = 0;
 };
 
 }  // namespace pdserve::kernels::cuda

@@ -19,6 +19,8 @@
 
 #include "common/kv_manager.h"
 #include "common/model.h"
+#include "common/philox.h"
+#include "common/sampling.h"
 #include "common/synthetic_model.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
@@ -281,6 +283,64 @@ TEST_F(CudaBackendTest, PagedAttentionMatchesTheCpu) {
                        .num_heads = c.heads, .num_kv_heads = c.kv_heads, .head_dim = c.head_dim, .scale = scale});
       EXPECT_LE(MaxDiff(Down(og, q.size()), oc), 2e-5f * std::max(1.0f, MaxAbs(oc)));
     }
+  }
+}
+
+// The GPU sampler picks the CPU sampler's token for the same logits over
+// every pipeline step: greedy, temperature, top-k, top-p, min-p and the
+// three penalties, on rows with ties and a real vocabulary size.
+TEST_F(CudaBackendTest, TheSamplerPicksTheCpusToken) {
+  auto sampler = kernels::cuda::CudaSampler::Create(gpu_.get());
+  ASSERT_TRUE(sampler.ok()) << sampler.status();
+  for (int64_t vocab : {97, 32000, 128256}) {
+    SCOPED_TRACE(testing::Message() << "vocab " << vocab);
+    const int rows = 48;
+    std::vector<float> logits = Random(rows * vocab, 60 + vocab, 8.0f);
+    // Ties (equal logits at different ids) in some rows.
+    for (int r = 0; r < rows; r += 5) logits[r * vocab + 3] = logits[r * vocab + 1] = 30.0f;
+    std::vector<SamplingParams> params(rows);
+    std::vector<PenaltyState> states;
+    std::vector<std::vector<int32_t>> seen(rows), gen(rows), counts(rows);
+    std::vector<kernels::cuda::SampleRowParams> gpu_rows(rows);
+    for (int r = 0; r < rows; ++r) {
+      SamplingParams& p = params[r];
+      switch (r % 8) {
+        case 0: p.temperature = 0; break;
+        case 1: p.temperature = 1; break;
+        case 2: p.temperature = 0.7f; p.top_k = 40; break;
+        case 3: p.temperature = 1.3f; p.top_p = 0.9f; break;
+        case 4: p.temperature = 1; p.min_p = 0.05f; break;
+        case 5: p.temperature = 0.8f; p.repetition_penalty = 1.3f; p.presence_penalty = 0.5f; break;
+        case 6: p.temperature = 0; p.frequency_penalty = 1.5f; p.repetition_penalty = 0.7f; break;
+        default: p.temperature = 2; p.top_k = 1000; p.top_p = 0.5f; p.min_p = 0.01f; p.frequency_penalty = -1; break;
+      }
+      std::vector<int32_t> prompt;
+      for (int i = 0; i < 20; ++i) prompt.push_back(static_cast<int32_t>((r * 131 + i * 17) % vocab));
+      states.emplace_back(prompt);
+      for (int i = 0; i < 12; ++i) states.back().AddGenerated(static_cast<int32_t>((r * 7 + i * i) % vocab));
+    }
+    std::vector<int32_t> want(rows);
+    for (int r = 0; r < rows; ++r) {
+      const PenaltyState& st = states[r];
+      for (const auto& [t, n] : st.seen()) seen[r].push_back(t);
+      for (const auto& [t, n] : st.generated()) {
+        gen[r].push_back(t);
+        counts[r].push_back(n);
+      }
+      const uint64_t seed = 1000 + r;
+      const int64_t position = 32 + r;
+      want[r] = SampleToken(absl::MakeConstSpan(logits.data() + r * vocab, vocab), params[r], st, seed, position).token;
+      const SamplingParams& p = params[r];
+      gpu_rows[r] = {.temperature = p.temperature, .top_k = p.top_k, .top_p = p.top_p, .min_p = p.min_p,
+                     .repetition_penalty = p.repetition_penalty, .presence_penalty = p.presence_penalty,
+                     .frequency_penalty = p.frequency_penalty,
+                     .uniform = PhiloxUniform(seed, static_cast<uint64_t>(position)),
+                     .seen_ids = seen[r], .generated_ids = gen[r], .generated_counts = counts[r]};
+    }
+    auto lg = Up(logits);
+    std::vector<int32_t> got(rows, -1);
+    ASSERT_TRUE((*sampler)->Sample(lg.data(), vocab, gpu_rows, got.data()).ok());
+    EXPECT_EQ(got, want);
   }
 }
 

@@ -34,6 +34,8 @@ constexpr int kMaxHeadDim = 256;
 constexpr int kAttnWarps = 4;
 // Decode rows at or below this many use the fused int8 GEMV.
 constexpr int kI8GemvMaxRows = 8;
+// Prefill over int8 weights dequantises this many output rows at a time.
+constexpr int64_t kI8DequantRows = 4096;
 
 __device__ __forceinline__ float WarpSum(float v) {
   for (int o = kWarp / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -195,7 +197,7 @@ __device__ __forceinline__ float HashUniform(uint64_t seed, uint64_t i, float bo
 
 __global__ void RandomRowsKernel(int64_t k, float bound, uint64_t seed, float* out) {
   const int64_t r = blockIdx.x;
-  for (int64_t i = threadIdx.x; i < k; i += blockDim.x) out[i] = HashUniform(seed, r * k + i, bound);
+  for (int64_t i = threadIdx.x; i < k; i += blockDim.x) out[r * k + i] = HashUniform(seed, r * k + i, bound);
 }
 
 // Reads every float4 once; the sum goes to `sink` only if it is an
@@ -479,7 +481,8 @@ __global__ void AttentionMergeKernel(const float* partial, const AttnRow* rows, 
 }
 
 int GridFor(int64_t n, int threads) {
-  return static_cast<int>(std::min<int64_t>((n + threads - 1) / threads, 65535 * 4));
+  // At least one block: a launch of none is an error (and sticky here).
+  return static_cast<int>(std::clamp<int64_t>((n + threads - 1) / threads, 1, 65535 * 4));
 }
 
 class CudaLinear final : public LinearWeight {
@@ -585,6 +588,21 @@ class CudaBackendImpl final : public CudaBackend {
   void Copy2D(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width, int64_t rows) override {
     if (width == 0 || rows == 0) return;
     Use();
+    // cudaMemcpy2D rejects a width above either pitch, which Backend's
+    // contract allows (one row wider than the pitch: the model's copy of
+    // consecutive logit rows): such copies go as plain ones, row by row.
+    if (rows == 1 || (dst_pitch == width && src_pitch == width)) {
+      Check("cudaMemcpyAsync D2D", cudaMemcpyAsync(dst, src, width * rows, cudaMemcpyDeviceToDevice, stream_));
+      return;
+    }
+    if (width > dst_pitch || width > src_pitch) {
+      for (int64_t r = 0; r < rows; ++r) {
+        Check("cudaMemcpyAsync D2D",
+              cudaMemcpyAsync(static_cast<char*>(dst) + r * dst_pitch, static_cast<const char*>(src) + r * src_pitch,
+                              width, cudaMemcpyDeviceToDevice, stream_));
+      }
+      return;
+    }
     Check("cudaMemcpy2DAsync",
           cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, rows, cudaMemcpyDeviceToDevice, stream_));
   }
@@ -609,6 +627,7 @@ class CudaBackendImpl final : public CudaBackend {
     if (storage != DType::kF32 && storage != DType::kBF16 && storage != DType::kI8) {
       return absl::InvalidArgumentError(absl::StrCat("no embedding storage ", DTypeName(storage)));
     }
+    if (part.dtype == DType::kI8) return absl::InvalidArgumentError("an int8 embedding needs its scales");
     auto t = std::make_unique<CudaEmbedding>(part.rows, dim, storage);
     if (absl::Status s = PackRows(part, dim, storage, &t->data_, &t->scales_); !s.ok()) return s;
     return t;
@@ -632,6 +651,9 @@ class CudaBackendImpl final : public CudaBackend {
     int64_t n = 0;
     for (const MatrixPart& p : parts) {
       if (p.dtype == DType::kI8) return absl::InvalidArgumentError("int8 sources are not supported");
+      if (p.stride != 0 && p.stride < k) {
+        return absl::InvalidArgumentError(absl::StrCat("matrix rows ", p.stride, " apart hold fewer than ", k, " elements"));
+      }
       n += p.rows;
     }
     // The parts, converted to F32 rows on the host, one matrix.
@@ -715,10 +737,10 @@ class CudaBackendImpl final : public CudaBackend {
 
   void Linear(const LinearWeight& weight, const float* x, int64_t m, const float* bias, float* y,
               bool accumulate) override {
-    if (m == 0) return;
-    Use();
     const auto& w = static_cast<const CudaLinear&>(weight);
     const int64_t n = w.n(), k = w.k();
+    if (m == 0 || n == 0) return;
+    Use();
     const float one = 1.0f, beta = accumulate ? 1.0f : 0.0f;
     if (w.dtype() == DType::kI8 && m <= kI8GemvMaxRows) {
       const int warps = 8;
@@ -733,23 +755,29 @@ class CudaBackendImpl final : public CudaBackend {
                              CUBLAS_GEMM_DEFAULT));
     } else {
       // BF16 operands, F32 accumulation: the activations rounded to BF16.
-      const void* wb = w.w_;
-      if (w.dtype() == DType::kI8) {
-        // Prefill rows: dequantise the matrix, then the BF16 GEMM.
-        if (!Reserve(&w16_, &w16_bytes_, n * k * 2)) return;
-        DequantizeI8Kernel<<<GridFor(n * k, 256), 256, 0, stream_>>>(static_cast<const int8_t*>(w.w_), w.scales_, n,
-                                                                     k, static_cast<uint16_t*>(w16_));
-        Launched("DequantizeI8");
-        wb = w16_;
-      }
       if (!Reserve(&x16_, &x16_bytes_, m * k * 2)) return;
       F32ToBf16Kernel<<<GridFor(m * k, 256), 256, 0, stream_>>>(x, m * k, static_cast<uint16_t*>(x16_));
       Launched("F32ToBf16");
-      CheckBlas("cublasGemmEx bf16",
-                cublasGemmEx(blas_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(n), static_cast<int>(m),
-                             static_cast<int>(k), &one, wb, CUDA_R_16BF, static_cast<int>(k), x16_, CUDA_R_16BF,
-                             static_cast<int>(k), &beta, y, CUDA_R_32F, static_cast<int>(n), CUBLAS_COMPUTE_32F,
-                             CUBLAS_GEMM_DEFAULT));
+      // Prefill rows of an int8 matrix: dequantise a slab of output rows
+      // at a time (bounded scratch: an LM head whole would take ~1 GiB),
+      // each slab's GEMM writing its columns of y.
+      const int64_t slab = w.dtype() == DType::kI8 ? std::min<int64_t>(n, kI8DequantRows) : n;
+      for (int64_t n0 = 0; n0 < n; n0 += slab) {
+        const int64_t nn = std::min(slab, n - n0);
+        const void* wb = w.w_;
+        if (w.dtype() == DType::kI8) {
+          if (!Reserve(&w16_, &w16_bytes_, slab * k * 2)) return;
+          DequantizeI8Kernel<<<GridFor(nn * k, 256), 256, 0, stream_>>>(
+              static_cast<const int8_t*>(w.w_) + n0 * k, w.scales_ + n0, nn, k, static_cast<uint16_t*>(w16_));
+          Launched("DequantizeI8");
+          wb = w16_;
+        }
+        CheckBlas("cublasGemmEx bf16",
+                  cublasGemmEx(blas_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(nn), static_cast<int>(m),
+                               static_cast<int>(k), &one, wb, CUDA_R_16BF, static_cast<int>(k), x16_, CUDA_R_16BF,
+                               static_cast<int>(k), &beta, y + n0, CUDA_R_32F, static_cast<int>(n),
+                               CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      }
     }
     if (bias != nullptr) {
       AddBiasKernel<<<GridFor(m * n, 256), 256, 0, stream_>>>(y, bias, m, n);

@@ -113,6 +113,23 @@ TEST_F(CudaBackendTest, LinearMatchesTheCpuForEveryWeightFormatAndRowCount) {
   }
 }
 
+// Prefill rows over an int8 matrix of more output rows than one
+// dequantised slab (4096): every slab's columns land in place.
+TEST_F(CudaBackendTest, Int8PrefillOverSeveralDequantisedSlabsMatchesTheCpu) {
+  const int64_t n = 4096 * 2 + 37, k = 33, m = 12;
+  const std::vector<float> wf = Random(n * k, 70, 0.5f);
+  const kernels::MatrixPart part{DType::kF32, wf.data(), n, 0};
+  auto wc = cpu_->PackLinear({&part, 1}, k, DType::kI8);
+  auto wg = gpu_->PackLinear({&part, 1}, k, DType::kI8);
+  ASSERT_TRUE(wc.ok() && wg.ok());
+  const std::vector<float> x = Random(m * k, 71);
+  std::vector<float> yc(m * n);
+  cpu_->Linear(**wc, x.data(), m, nullptr, yc.data(), false);
+  auto xg = Up(x), yg = Up(std::vector<float>(m * n, 5.0f));
+  gpu_->Linear(**wg, xg.data(), m, nullptr, yg.data(), false);
+  EXPECT_LE(MaxDiff(Down(yg, m * n), yc), 2e-2f * MaxAbs(yc));
+}
+
 TEST_F(CudaBackendTest, RowKernelsMatchTheCpu) {
   const int64_t m = 7, d = 96;
   const std::vector<float> x = Random(m * d, 10, 3.0f), w = Random(d, 11);
@@ -162,6 +179,47 @@ TEST_F(CudaBackendTest, RowKernelsMatchTheCpu) {
         const float expect = j < 4 ? x[m * d - 1 - (r * d + 3 + j)] : (r == 0 && j == 9 ? 0.0f : -1.0f);
         EXPECT_EQ(got[r * 10 + j], expect) << r << "," << j;
       }
+    }
+    // One row wider than both pitches, as the forward copies consecutive
+    // logit rows (n rows of D as one row of n * D).
+    auto e = Up(std::vector<float>(m * d, -1.0f));
+    gpu_->Copy2D(e.data() + d, d * sizeof(float), b.data() + 2 * d, d * sizeof(float), 3 * d * sizeof(float), 1);
+    const std::vector<float> wide = Down(e, m * d);
+    for (int64_t i = 0; i < m * d; ++i) {
+      const float expect = i >= d && i < 4 * d ? x[m * d - 1 - (i + d)] : -1.0f;
+      ASSERT_EQ(wide[i], expect) << i;
+    }
+  }
+}
+
+TEST_F(CudaBackendTest, RandomWeightsFillEveryRowAndFollowTheSeed) {
+  // Every row of random tables, read back through Embed (F32: the draws
+  // themselves).
+  const int64_t rows = 300, dim = 257;
+  const float bound = 0.5f;
+  std::vector<int32_t> ids(rows);
+  for (int64_t i = 0; i < rows; ++i) ids[i] = static_cast<int32_t>(i);
+  auto draw = [&](uint64_t seed) {
+    std::vector<float> v;
+    auto t = gpu_->RandomEmbedding(rows, dim, DType::kF32, bound, seed);
+    EXPECT_TRUE(t.ok()) << t.status();
+    if (!t.ok()) return v;
+    auto out = Up(std::vector<float>(rows * dim, 9.0f));
+    gpu_->Embed(**t, ids.data(), rows, out.data());
+    return Down(out, rows * dim);
+  };
+  const std::vector<float> a = draw(5), b = draw(5), c = draw(6);
+  ASSERT_EQ(a.size(), static_cast<size_t>(rows * dim));
+  EXPECT_EQ(a, b) << "the same seed gave other weights";
+  EXPECT_NE(a, c) << "another seed gave the same weights";
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = a.data() + r * dim;
+    float mx = 0;
+    for (int64_t i = 0; i < dim; ++i) mx = std::max(mx, std::abs(row[i]));
+    EXPECT_LE(mx, bound) << "row " << r;
+    EXPECT_GT(mx, bound / 2) << "row " << r;
+    if (r > 0) {
+      EXPECT_FALSE(std::equal(row, row + dim, row - dim)) << "rows " << r - 1 << " and " << r;
     }
   }
 }
@@ -231,13 +289,15 @@ TEST_F(CudaBackendTest, KvWriteBytesAreTheCpusForEveryEncoding) {
 }
 
 // Attention over (S0, m) sequences: prefill, chunked prefill, decode over
-// long histories (split across blocks and merged), GQA 1-8, every KV
+// long histories (split across blocks and merged), GQA 1-8, a head_dim
+// that is no multiple of 32, every KV
 // encoding; the CPU reads the same pool bytes.
 TEST_F(CudaBackendTest, PagedAttentionMatchesTheCpu) {
   struct Case {
     int32_t heads, kv_heads, head_dim;
   };
-  for (const Case c : {Case{8, 8, 64}, Case{8, 4, 64}, Case{8, 2, 128}, Case{8, 1, 32}, Case{16, 2, 128}}) {
+  for (const Case c :
+       {Case{8, 8, 64}, Case{8, 4, 64}, Case{8, 2, 128}, Case{8, 1, 32}, Case{16, 2, 128}, Case{12, 4, 80}}) {
     for (DType dtype : {DType::kF32, DType::kBF16, DType::kI8}) {
       SCOPED_TRACE(testing::Message() << c.heads << "/" << c.kv_heads << " heads of " << c.head_dim << ", "
                                       << DTypeName(dtype));
@@ -272,16 +332,27 @@ TEST_F(CudaBackendTest, PagedAttentionMatchesTheCpu) {
         seqs.push_back({absl::MakeConstSpan(tables[i]), shapes[i].first, shapes[i].second, rows});
         rows += shapes[i].second;
       }
-      const std::vector<float> q = Random(static_cast<size_t>(rows) * c.heads * c.head_dim, 42);
       const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
-      std::vector<float> oc(q.size());
       KvStorage host{p.spec, p.host.data()}, dev{p.spec, p.dev.data()};
-      cpu_->Attention({.q = q.data(), .out = oc.data(), .sequences = seqs, .kv = host.LayerView(0),
-                       .num_heads = c.heads, .num_kv_heads = c.kv_heads, .head_dim = c.head_dim, .scale = scale});
-      auto qg = Up(q), og = Up(std::vector<float>(q.size()));
-      gpu_->Attention({.q = qg.data(), .out = og.data(), .sequences = seqs, .kv = dev.LayerView(0),
-                       .num_heads = c.heads, .num_kv_heads = c.kv_heads, .head_dim = c.head_dim, .scale = scale});
-      EXPECT_LE(MaxDiff(Down(og, q.size()), oc), 2e-5f * std::max(1.0f, MaxAbs(oc)));
+      auto compare = [&](absl::Span<const kernels::AttentionSequence> batch, int32_t batch_rows) {
+        const std::vector<float> q = Random(static_cast<size_t>(batch_rows) * c.heads * c.head_dim, 42);
+        std::vector<float> oc(q.size());
+        cpu_->Attention({.q = q.data(), .out = oc.data(), .sequences = batch, .kv = host.LayerView(0),
+                         .num_heads = c.heads, .num_kv_heads = c.kv_heads, .head_dim = c.head_dim, .scale = scale});
+        auto qg = Up(q), og = Up(std::vector<float>(q.size()));
+        gpu_->Attention({.q = qg.data(), .out = og.data(), .sequences = batch, .kv = dev.LayerView(0),
+                         .num_heads = c.heads, .num_kv_heads = c.kv_heads, .head_dim = c.head_dim, .scale = scale});
+        EXPECT_LE(MaxDiff(Down(og, q.size()), oc), 2e-5f * std::max(1.0f, MaxAbs(oc)));
+      };
+      // The whole mix: enough (row, head) pairs to fill the GPU, one split.
+      compare(seqs, rows);
+      // The two long decodes alone: few (row, head) pairs, so the history
+      // is split across thread blocks and merged (the 700 row's later
+      // splits are empty).
+      SCOPED_TRACE("decodes at 700 and 4000 alone");
+      const std::vector<kernels::AttentionSequence> decodes = {{seqs[3].block_table, 699, 1, 0},
+                                                               {seqs[4].block_table, 3999, 1, 1}};
+      compare(decodes, 2);
     }
   }
 }

@@ -18,8 +18,13 @@ struct Handoff::State {
   int32_t held_positions = 0;
   int32_t num_positions = 0;
   std::shared_ptr<RemoteRegion> remote;
-  std::unique_ptr<KvRegion> staging;  // Receiver-layout packing, when block sizes differ.
+  std::unique_ptr<KvRegion> staging;  // Receiver-layout packing, when layouts differ or the pool is a device's.
   int64_t packed_layer_bytes = 0;
+  // A device pool: one layer of the request's blocks copied to the host,
+  // as a pool of their own (mirror_spec: one layer, block i = the
+  // request's i-th block), packed from there. Compute thread only.
+  KvCacheSpec mirror_spec;
+  std::vector<char> mirror;
   absl::Time start;
   absl::Duration lease;
   // Loop thread only.
@@ -145,7 +150,7 @@ absl::StatusOr<std::unique_ptr<Handoff>> KvSender::Reserve(Connection* conn, Res
                      st->held_positions % st->dst_spec.block_size != 0)) {
     setup = absl::InternalError("KV handoff: the receiver's reservation does not cover the request");
   }
-  if (setup.ok() && !SameBlockLayout(st->receiver, layout_)) {
+  if (setup.ok() && (!SameBlockLayout(st->receiver, layout_) || options_.pool_backend != nullptr)) {
     st->packed_layer_bytes = PackedLayerBytes(st->dst_spec, st->held_positions, st->num_positions);
     absl::StatusOr<std::unique_ptr<KvRegion>> staging =
         transport_->region_allocator().Allocate(st->packed_layer_bytes * layout_.num_layers);
@@ -278,7 +283,39 @@ absl::Status Handoff::SendLayer(int32_t layer, absl::Span<const int32_t> table) 
   }
   std::vector<CopyRun> runs;
   const char* local_base;
-  if (st.staging != nullptr) {
+  if (st.staging != nullptr && sender_->options_.pool_backend != nullptr) {
+    // The request's blocks of this layer, every rank, through the backend.
+    if (st.mirror.empty()) {
+      st.mirror_spec = src;
+      st.mirror_spec.num_layers = 1;
+      st.mirror_spec.num_blocks = static_cast<int32_t>(table.size());
+      st.mirror.resize(static_cast<size_t>(st.mirror_spec.TotalBytes()));
+    }
+    if (static_cast<int64_t>(table.size()) > st.mirror_spec.num_blocks) {
+      return absl::InvalidArgumentError("KV handoff: the block table grew between layers");
+    }
+    const int64_t block_bytes = src.LayerBlockBytes();
+    // Blocks holding positions [held_positions, num_positions) (from the
+    // start of the receiver block the packing begins with).
+    const int32_t first = (st.held_positions / st.dst_spec.block_size * st.dst_spec.block_size) / src.block_size;
+    const int32_t last = (st.num_positions - 1) / src.block_size;
+    for (int32_t i = first; i <= last; ++i) {
+      for (int32_t r = 0; r < src.num_ranks; ++r) {
+        sender_->options_.pool_backend->CopyToHost(st.mirror.data() + LayerBlockOffset(st.mirror_spec, 0, i, r),
+                                                   sender_->storage_.base + LayerBlockOffset(src, layer, table[i], r),
+                                                   block_bytes);
+      }
+    }
+    if (absl::Status s = sender_->options_.pool_backend->status(); !s.ok()) return s;
+    std::vector<int32_t> mirror_table(table.size());
+    for (size_t i = 0; i < mirror_table.size(); ++i) mirror_table[i] = static_cast<int32_t>(i);
+    const int64_t at = st.packed_layer_bytes * layer;
+    char* staging = static_cast<char*>(st.staging->data());
+    PackLayer(st.mirror_spec, st.mirror.data(), mirror_table, st.dst_spec, 0, st.held_positions, st.num_positions,
+              staging + at);
+    runs = PlanPacked(st.dst_spec, st.dst_table, layer, st.held_positions, st.num_positions, at);
+    local_base = staging;
+  } else if (st.staging != nullptr) {
     const int64_t at = st.packed_layer_bytes * layer;
     char* staging = static_cast<char*>(st.staging->data());
     PackLayer(src, sender_->storage_.base, table, st.dst_spec, layer,

@@ -37,6 +37,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "common/kv_cache.h"
+#include "kernels/backend.h"
 #include "kv_transfer/descriptor.h"
 #include "kv_transfer/metrics.h"
 #include "kv_transfer/transport.h"
@@ -47,6 +48,12 @@ namespace pdserve::kv {
 struct SenderOptions {
   ModelIdentity model;
   absl::Duration timeout = absl::Seconds(10);
+  // Set when the pool is in this backend's memory and not host-addressable
+  // (a GPU's): each layer's blocks are copied through it into host memory
+  // and packed into the registered staging region before they are put
+  // (the transport cannot read device memory). Its copies must see the
+  // layer written: SendLayer is called after the forward synchronised.
+  kernels::Backend* pool_backend = nullptr;
 };
 
 struct ReserveArgs {

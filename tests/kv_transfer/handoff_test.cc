@@ -315,6 +315,90 @@ INSTANTIATE_TEST_SUITE_P(
              std::to_string(p.sender_block) + "To" + std::to_string(p.receiver_block);
     });
 
+// A pool in device memory (a GPU's), played by host memory the sender
+// must not read: the sender's pool base is a region of 0xAB bytes, and
+// CopyToHost reads the real bytes at the same offset of the true pool (what
+// a device copy does). A sender that read its pool directly would send 0xAB.
+class FakeDevicePool final : public kernels::Backend {
+ public:
+  FakeDevicePool(const char* device, const char* truth, size_t size) : device_(device), truth_(truth), size_(size) {}
+  std::string Name() const override { return "fake-device"; }
+  bool HostAddressable() const override { return false; }
+  void CopyToHost(void* dst, const void* src, size_t bytes) override {
+    const char* s = static_cast<const char*>(src);
+    if (s < device_ || s + bytes > device_ + size_) {
+      outside_ = true;
+      return;
+    }
+    std::memcpy(dst, truth_ + (s - device_), bytes);
+    bytes_ += static_cast<int64_t>(bytes);
+  }
+  bool outside() const { return outside_; }
+  int64_t bytes() const { return bytes_; }
+  // Compute is never asked of it.
+  absl::StatusOr<std::unique_ptr<kernels::LinearWeight>> PackLinear(absl::Span<const kernels::MatrixPart>, int64_t,
+                                                                    DType) override {
+    return absl::UnimplementedError("fake device");
+  }
+  void Linear(const kernels::LinearWeight&, const float*, int64_t, const float*, float*, bool) override { Never(); }
+  void RmsNorm(const float*, const float*, int64_t, int64_t, float, float*) override { Never(); }
+  void Rope(float*, int64_t, int32_t, int32_t, const int32_t*, const float*, const float*) override { Never(); }
+  void SiluMul(const float*, int64_t, int64_t, float*) override { Never(); }
+  void WriteKv(const kernels::KvLayerView&, int32_t, int32_t, const float*, const float*, int64_t, const int32_t*,
+               const int32_t*) override {
+    Never();
+  }
+  void Attention(const kernels::AttentionBatch&) override { Never(); }
+
+ private:
+  static void Never() { std::abort(); }
+  const char* device_;
+  const char* truth_;
+  size_t size_;
+  bool outside_ = false;
+  int64_t bytes_ = 0;
+};
+
+class HandoffFromDeviceTest : public HandoffTest, public ::testing::WithParamInterface<TpPair> {};
+
+// The sender's pool is a device's: every layer goes through the backend's
+// copies into host memory, packed for the receiver (same or converted
+// layout), and the receiver holds exactly the pool's bytes.
+TEST_P(HandoffFromDeviceTest, TheReceiverGetsTheDevicePoolsBytesNeverTheHostAlias) {
+  const TpPair p = GetParam();
+  SetUp(TpSpec(DType::kBF16, p.sender_block, 32, p.sender_ranks),
+        TpSpec(DType::kBF16, p.receiver_block, 48, p.receiver_ranks));
+  const KvCacheSpec& ss = sender_.kv->spec();
+  for (int32_t r = 1; r < ss.num_ranks; ++r) {
+    if (ss.FirstKvHead(r) == ss.FirstKvHead(r - 1)) {
+      std::memcpy(sender_.kv->storage().base + r * ss.RankBytes(),
+                  sender_.kv->storage().base + (r - 1) * ss.RankBytes(), ss.RankBytes());
+    }
+  }
+  const size_t size = static_cast<size_t>(ss.TotalBytes());
+  std::vector<char> alias(size, static_cast<char>(0xAB));
+  FakeDevicePool device(alias.data(), sender_.kv->storage().base, size);
+  sender_obj_ = std::make_unique<KvSender>(
+      sender_.transport.get(), KvStorage{ss, alias.data()},
+      SenderOptions{.model = kModel, .timeout = absl::Seconds(5), .pool_backend = &device});
+  conn_ = *sender_obj_->Connect("127.0.0.1", port_);
+  MoveAndCheck(23);  // The receiver's checksums are the true pool's.
+  EXPECT_FALSE(device.outside());
+  // Every block the 23 positions touch, every layer and rank, once.
+  const int64_t blocks = (23 + ss.block_size - 1) / ss.block_size;
+  EXPECT_EQ(device.bytes(), blocks * ss.num_layers * ss.num_ranks * ss.LayerBlockBytes());
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Pairs, HandoffFromDeviceTest,
+    ::testing::Values(TpPair{1, 1, 4, 4}, TpPair{1, 1, 4, 16}, TpPair{1, 1, 8, 4}, TpPair{2, 1, 4, 4},
+                      TpPair{1, 2, 4, 8}),
+    [](const auto& info) {
+      const TpPair& p = info.param;
+      return "Tp" + std::to_string(p.sender_ranks) + "To" + std::to_string(p.receiver_ranks) + "Blocks" +
+             std::to_string(p.sender_block) + "To" + std::to_string(p.receiver_block);
+    });
+
 TEST_F(HandoffTest, ATensorParallelLayoutThatCannotBeConvertedIsRefusedNamingBoth) {
   KvLayoutDescriptor a = KvLayoutDescriptor::FromSpec(TpSpec(DType::kBF16, 4, 1, 2), kModel);
   KvLayoutDescriptor b = a;

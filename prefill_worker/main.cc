@@ -52,7 +52,11 @@ int Run() {
   CheckWorkerTransport(*rt, "");
   int exit_code = 0;
   {
-    kv::KvSender sender(transport, engine->kv->storage(), {.model = engine->model->identity(), .timeout = absl::Seconds(absl::GetFlag(FLAGS_kv_timeout_s))});
+    // A GPU's pool is copied out through its backend, layer by layer.
+    kv::KvSender sender(transport, engine->kv->storage(),
+                        {.model = engine->model->identity(),
+                         .timeout = absl::Seconds(absl::GetFlag(FLAGS_kv_timeout_s)),
+                         .pool_backend = engine->gpu.get()});
     prefill::PrefillServiceOptions so;
     so.chunk_tokens = absl::GetFlag(FLAGS_prefill_chunk);
     so.stream_layers = absl::GetFlag(FLAGS_kv_stream_layers);

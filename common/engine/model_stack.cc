@@ -26,8 +26,8 @@ absl::StatusOr<ModelStack> LoadGpuStack(const ModelStackOptions& o) {
   }
   if (o.allocator != nullptr) {
     return absl::UnimplementedError(
-        "--backend=cuda in a worker: the KV handoff from GPU memory (staging through pinned host buffers) is "
-        "not wired yet; the CUDA backend runs in-process (pdctl generate, logits, gpu benchmarks)");
+        "--backend=cuda on a decode worker: receiving a KV handoff into GPU memory (landing in registered host "
+        "memory, then copying to the GPU) is not wired yet; prefill workers and pdctl run on the GPU");
   }
   if (o.gpu_memory_fraction < 0 || o.gpu_memory_fraction > 1) {
     return absl::InvalidArgumentError(

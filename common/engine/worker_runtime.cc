@@ -56,7 +56,10 @@ namespace pdserve {
 
 namespace {
 
-absl::StatusOr<WorkerModel> LoadWorkerModel(KvRegionAllocator* allocator) {
+// `allocator`: the transport's registered memory, for the KV pool. A
+// prefill worker on a GPU keeps its pool in GPU memory instead: its
+// sender copies each layer out through the backend (kv::SenderOptions).
+absl::StatusOr<WorkerModel> LoadWorkerModel(KvRegionAllocator* allocator, absl::string_view name) {
   ModelStackOptions eo;
   eo.model_dir = absl::GetFlag(FLAGS_model);
   if (eo.model_dir.empty()) return absl::InvalidArgumentError("--model is required");
@@ -71,7 +74,7 @@ absl::StatusOr<WorkerModel> LoadWorkerModel(KvRegionAllocator* allocator) {
   eo.kv = absl::GetFlag(FLAGS_kv);
   eo.block_size = absl::GetFlag(FLAGS_block_size);
   eo.kv_positions = absl::GetFlag(FLAGS_kv_positions);
-  eo.allocator = allocator;
+  eo.allocator = eo.backend == "cuda" && name == "prefill" ? nullptr : allocator;
   WorkerModel w;
   absl::StatusOr<ModelStack> engine = LoadModelStack(eo);
   if (!engine.ok()) return engine.status();
@@ -117,7 +120,7 @@ absl::StatusOr<WorkerRuntime> StartWorkerRuntime(const std::string& name, int* e
     return transport.status();
   }
   rt.transport = *std::move(transport);
-  absl::StatusOr<WorkerModel> w = LoadWorkerModel(&rt.transport->region_allocator());
+  absl::StatusOr<WorkerModel> w = LoadWorkerModel(&rt.transport->region_allocator(), name);
   if (!w.ok()) {
     LogEvent("error", "load_failed", {{"error", std::string(w.status().message())}});
     *exit_code = absl::IsInvalidArgument(w.status()) ? 2 : 1;

@@ -69,8 +69,9 @@ TEST(ModelStackTest, TheCudaBackendLoadsOnlyOnRequestAndExplainsAFailure) {
   EXPECT_FALSE(s.status().message().empty());
 }
 
-// A worker's pool must be host memory the KV handoff can send from: a GPU
-// pool is refused there until the staging path is wired.
+// A pool the transport registered (a decode worker's, which receives KV)
+// must be host memory: a GPU pool is refused there until the receiving
+// side of the handoff lands KV in host memory and copies it to the GPU.
 TEST(ModelStackTest, AWorkersGpuPoolIsRefusedUntilTheHandoffCanStageIt) {
   if (!kernels::cuda::LoadCudaBackend({}).ok()) GTEST_SKIP() << "no usable GPU";
   HostKvRegionAllocator host;

@@ -35,6 +35,9 @@ ABSL_FLAG(int, fault_unparseable_streams, 0,
 ABSL_FLAG(int, fault_step_delay_ms, 0, "fault tests only: every engine step waits this long first (a slow model)");
 ABSL_FLAG(std::string, kv_host, "127.0.0.1", "address the KV receiver listens on (UCX)");
 ABSL_FLAG(int, kv_port, 0, "port of the KV receiver (0: any free port)");
+ABSL_FLAG(int, kv_landing_positions, 65536,
+          "--backend=cuda: positions of registered host memory KV handoffs land in before they are copied to the "
+          "GPU (bounds the handoffs in flight)");
 ABSL_FLAG(double, kv_lease_s, 5, "a KV reservation not renewed for this long is aborted");
 ABSL_FLAG(double, kv_quarantine_s, 30,
           "an aborted reservation whose sender neither acknowledges nor disconnects within this is freed "
@@ -72,6 +75,12 @@ int Run() {
   ro.model = engine->model->identity();
   ro.lease = absl::Seconds(absl::GetFlag(FLAGS_kv_lease_s));
   ro.quarantine_timeout = absl::Seconds(absl::GetFlag(FLAGS_kv_quarantine_s));
+  if (engine->gpu != nullptr) {
+    // The pool is GPU memory: handoffs land in host memory, then are copied.
+    const int32_t bs = engine->kv->spec().block_size;
+    ro.pool_backend = engine->gpu.get();
+    ro.landing_blocks = (absl::GetFlag(FLAGS_kv_landing_positions) + bs - 1) / bs;
+  }
   absl::StatusOr<std::unique_ptr<kv::KvReceiver>> receiver = kv::KvReceiver::Create(
       transport, engine->kv.get(), ro, [&service](kv::CommittedSequence c) {
         decode::HandedOff h;

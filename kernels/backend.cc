@@ -63,6 +63,22 @@ void Backend::Copy2D(void* dst, size_t dst_pitch, const void* src, size_t src_pi
   }
 }
 
+namespace {
+
+class HostUploader final : public BackendUploader {
+ public:
+  absl::Status Upload(void* dst, const void* host_src, size_t bytes) override {
+    if (bytes > 0) std::memcpy(dst, host_src, bytes);
+    return absl::OkStatus();
+  }
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<BackendUploader>> Backend::NewUploader() {
+  return std::make_unique<HostUploader>();
+}
+
 void Backend::Zero(void* dst, size_t bytes) {
   if (bytes > 0) std::memset(dst, 0, bytes);
 }

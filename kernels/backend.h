@@ -102,6 +102,16 @@ class EmbeddingTable {
   virtual size_t bytes() const = 0;
 };
 
+// Copies host memory into a backend's memory from a thread other than the
+// one driving the backend, concurrently with its calls (on a GPU: a
+// stream of its own). One thread at a time per uploader.
+class BackendUploader {
+ public:
+  virtual ~BackendUploader() = default;
+  // Complete, and seen by every later call of the backend, when it returns.
+  virtual absl::Status Upload(void* dst, const void* host_src, size_t bytes) = 0;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -130,6 +140,8 @@ class Backend {
   virtual void Add(float* y, const float* x, int64_t n);
   // Waits until every call so far has finished (no-op on the host).
   virtual void Synchronize() {}
+  // An uploader into this backend's memory (the default: memcpy).
+  virtual absl::StatusOr<std::unique_ptr<BackendUploader>> NewUploader();
   // The first error a call hit (a device backend's kernels fail
   // asynchronously); OK for the CPU backend, whose calls cannot fail.
   virtual absl::Status status() const { return absl::OkStatus(); }

@@ -11,10 +11,29 @@ namespace pdserve::kv {
 absl::StatusOr<std::unique_ptr<KvReceiver>> KvReceiver::Create(Transport* transport, KvManager* kv,
                                                                 ReceiverOptions options,
                                                                 CommittedCallback on_committed) {
-  absl::StatusOr<std::string> region = transport->PackRegion(kv->region());
+  std::unique_ptr<KvManager> landing;
+  std::unique_ptr<kernels::BackendUploader> uploader;
+  if (options.pool_backend != nullptr) {
+    if (kv->spec().request_ranks > 1 || options.landing_blocks < 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "KV receiver: a device pool needs landing blocks (", options.landing_blocks,
+          ") and a head-sharded layout"));
+    }
+    KvCacheSpec spec = kv->spec();
+    spec.num_blocks = options.landing_blocks;
+    absl::StatusOr<std::unique_ptr<KvManager>> m = KvManager::Create(spec, &transport->region_allocator());
+    if (!m.ok()) return m.status();
+    landing = *std::move(m);
+    absl::StatusOr<std::unique_ptr<kernels::BackendUploader>> u = options.pool_backend->NewUploader();
+    if (!u.ok()) return u.status();
+    uploader = *std::move(u);
+  }
+  absl::StatusOr<std::string> region = transport->PackRegion(landing ? landing->region() : kv->region());
   if (!region.ok()) return region.status();
   std::unique_ptr<KvReceiver> r(new KvReceiver(transport, kv, std::move(options),
                                                std::move(on_committed), *std::move(region)));
+  r->landing_ = std::move(landing);
+  r->uploader_ = std::move(uploader);
   std::weak_ptr<bool> alive = r->alive_;
   KvReceiver* self = r.get();
   transport->loop().AddTicker(r->options_.lease_check_period, [alive, self] {
@@ -64,6 +83,7 @@ KvReceiver::Stats KvReceiver::stats() const {
       s.quarantined_blocks += static_cast<int32_t>(h.kv.block_table().size());
     }
   }
+  if (landing_ != nullptr) s.landing_blocks_used = landing_->Counts().used;
   return s;
 }
 
@@ -134,7 +154,21 @@ void KvReceiver::HandleReserve(Connection& c, const ReserveRequest& m) {
   }
   std::vector<int32_t> blocks = reserved->block_table();
   reply.held_positions = reserved->num_positions();
+  SequenceKv landing;
+  if (landing_ != nullptr) {
+    // The sender writes into landing blocks, one per pool block (those of
+    // held positions stay unwritten).
+    landing = landing_->NewSequence();
+    if (absl::Status s = landing_->Grow(landing, static_cast<int32_t>(need * bs)); !s.ok()) {
+      metrics_.RecordFailure();
+      return refuse(absl::ResourceExhaustedError(absl::StrCat(
+          "KV handoff: reservation of ", need, " landing blocks refused (handoffs into GPU memory land in ",
+          landing_->spec().num_blocks, " host blocks): ", s.message())));
+    }
+    blocks = landing.block_table();
+  }
   Handoff h;
+  h.landing = std::move(landing);
   h.conn = &c;
   h.kv = *std::move(reserved);
   h.held_positions = reply.held_positions;
@@ -146,7 +180,7 @@ void KvReceiver::HandleReserve(Connection& c, const ReserveRequest& m) {
     reply.id = HandoffId{next_id_++};
     handoffs_.emplace(reply.id, std::move(h));
   }
-  reply.num_blocks = kv_->spec().num_blocks;
+  reply.num_blocks = landing_ != nullptr ? landing_->spec().num_blocks : kv_->spec().num_blocks;
   reply.blocks = std::move(blocks);
   reply.region = region_;
   reply.lease_ms = static_cast<int32_t>(absl::ToInt64Milliseconds(options_.lease));
@@ -157,6 +191,7 @@ void KvReceiver::HandleCommit(Connection& c, Commit& m) {
   CommitReply reply;
   reply.id = m.id;
   CommittedSequence out;
+  Handoff h;
   {
     absl::MutexLock lock(&mu_);
     auto it = handoffs_.find(m.id);
@@ -178,8 +213,22 @@ void KvReceiver::HandleCommit(Connection& c, Commit& m) {
       c.Send(Encode(reply));
       return;
     }
-    Handoff h = std::move(it->second);
+    h = std::move(it->second);
     handoffs_.erase(it);
+  }
+  if (landing_ != nullptr) {
+    // Into the pool before anyone can use the blocks (the decode engine,
+    // or a prefix hit once published).
+    if (absl::Status s = Land(h, h.held_positions, m.num_positions); !s.ok()) {
+      metrics_.RecordFailure();
+      reply.code = static_cast<int32_t>(absl::StatusCode::kUnavailable);
+      reply.message = absl::StrCat("KV handoff: commit for handoff ", m.id.value, " failed copying into the pool: ",
+                                   s.message());
+      c.Send(Encode(reply));
+      return;  // h's blocks go back to their managers.
+    }
+  }
+  {
     metrics_.RecordTransfer(options_.clock() - h.start);
     metrics_.AddBytes(static_cast<int64_t>(m.num_positions - h.held_positions) *
                       kv_->spec().BytesPerPosition() * kv_->spec().num_ranks);
@@ -188,12 +237,31 @@ void KvReceiver::HandleCommit(Connection& c, Commit& m) {
     out.id = m.id;
     out.kv = std::move(h.kv);
     out.kv.SetNumPositions(m.num_positions);
+    h.landing.Release();
   }
   // The consumer has the sequence before the sender learns of the commit:
   // an acknowledged commit is one the decode side already holds.
   out.state = std::move(m);
   on_committed_(std::move(out));
   c.Send(Encode(reply));
+}
+
+absl::Status KvReceiver::Land(const Handoff& h, int32_t from, int32_t to) {
+  const KvCacheSpec& spec = kv_->spec();
+  const KvStorage pool = kv_->storage(), landed = landing_->storage();
+  const int64_t bytes = spec.LayerBlockBytes();
+  for (int32_t b = from / spec.block_size; b < (to + spec.block_size - 1) / spec.block_size; ++b) {
+    for (int32_t l = 0; l < spec.num_layers; ++l) {
+      for (int32_t r = 0; r < spec.num_ranks; ++r) {
+        if (absl::Status s = uploader_->Upload(pool.BlockData(l, BlockId{h.kv.block_table()[b]}, r),
+                                               landed.BlockData(l, BlockId{h.landing.block_table()[b]}, r), bytes);
+            !s.ok()) {
+          return s;
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
 }
 
 void KvReceiver::HandleAbort(Connection& c, const kv::Abort& m) {

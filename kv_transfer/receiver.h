@@ -46,6 +46,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/kv_manager.h"
+#include "kernels/backend.h"
 #include "kv_transfer/descriptor.h"
 #include "kv_transfer/metrics.h"
 #include "kv_transfer/transport.h"
@@ -62,6 +63,13 @@ struct ReceiverOptions {
   // notice) has its connection failed, which frees every handoff on it.
   absl::Duration quarantine_timeout = absl::Seconds(30);
   std::function<absl::Time()> clock = [] { return absl::Now(); };
+  // Set when the pool is in this backend's memory (a GPU's), which the
+  // transport cannot write: senders put into a landing pool of
+  // `landing_blocks` blocks of registered host memory, and a commit copies
+  // the request's new blocks through the backend's uploader into the pool
+  // before the sequence is handed on (or its prefix published).
+  kernels::Backend* pool_backend = nullptr;
+  int32_t landing_blocks = 0;
 };
 
 struct CommittedSequence {
@@ -97,6 +105,7 @@ class KvReceiver final : public ConnectionHandler {
     int32_t active = 0;
     int32_t quarantined = 0;
     int32_t quarantined_blocks = 0;
+    int32_t landing_blocks_used = 0;  // A device pool's landing blocks held by handoffs.
   };
   Stats stats() const;
   KvTransferStats metrics() const { return metrics_.Snapshot(); }
@@ -110,7 +119,8 @@ class KvReceiver final : public ConnectionHandler {
   struct Handoff {
     Connection* conn = nullptr;
     State state = State::kActive;
-    SequenceKv kv;  // The reservation (blocks the sender writes).
+    SequenceKv kv;       // The reservation (blocks the sender writes, unless landing).
+    SequenceKv landing;  // A device pool: where the sender writes them instead.
     int32_t held_positions = 0;
     int32_t reserved_positions = 0;
     absl::Time start;
@@ -119,6 +129,8 @@ class KvReceiver final : public ConnectionHandler {
 
   KvReceiver(Transport* transport, KvManager* kv, ReceiverOptions options, CommittedCallback on_committed,
              std::string region);
+  // A device pool: the landed blocks of positions [from, to) into the pool.
+  absl::Status Land(const Handoff& h, int32_t from, int32_t to);
 
   void HandleReserve(Connection& c, const ReserveRequest& m);
   void HandleCommit(Connection& c, Commit& m);
@@ -132,7 +144,11 @@ class KvReceiver final : public ConnectionHandler {
   ReceiverOptions options_;
   CommittedCallback on_committed_;
   KvLayoutDescriptor layout_;
-  std::string region_;  // Packed once.
+  // A device pool's landing pool (registered host memory) and uploader;
+  // declared before the handoffs that hold its blocks.
+  std::unique_ptr<KvManager> landing_;
+  std::unique_ptr<kernels::BackendUploader> uploader_;
+  std::string region_;  // Packed once: the landing pool's, or the pool's.
   KvTransferMetrics metrics_;
   std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);  // For the ticker.
   std::atomic<bool> accepting_{true};

@@ -25,9 +25,9 @@ absl::StatusOr<ModelStack> LoadGpuStack(const ModelStackOptions& o) {
         "--backend=cuda with --tp > 1: the GPU ranks' NCCL group is not wired into the model yet");
   }
   if (o.allocator != nullptr) {
-    return absl::UnimplementedError(
-        "--backend=cuda on a decode worker: receiving a KV handoff into GPU memory (landing in registered host "
-        "memory, then copying to the GPU) is not wired yet; prefill workers and pdctl run on the GPU");
+    return absl::InvalidArgumentError(
+        "--backend=cuda: the KV pool is GPU memory and cannot come from a host allocator (the workers' KV "
+        "handoff copies through the backend instead)");
   }
   if (o.gpu_memory_fraction < 0 || o.gpu_memory_fraction > 1) {
     return absl::InvalidArgumentError(

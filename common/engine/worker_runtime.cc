@@ -57,9 +57,11 @@ namespace pdserve {
 namespace {
 
 // `allocator`: the transport's registered memory, for the KV pool. A
-// prefill worker on a GPU keeps its pool in GPU memory instead: its
-// sender copies each layer out through the backend (kv::SenderOptions).
-absl::StatusOr<WorkerModel> LoadWorkerModel(KvRegionAllocator* allocator, absl::string_view name) {
+// worker on a GPU keeps its pool in GPU memory instead: a prefill worker's
+// sender copies each layer out through the backend, a decode worker's
+// receiver lands handoffs in registered host memory and copies them in
+// (kv::SenderOptions, kv::ReceiverOptions).
+absl::StatusOr<WorkerModel> LoadWorkerModel(KvRegionAllocator* allocator) {
   ModelStackOptions eo;
   eo.model_dir = absl::GetFlag(FLAGS_model);
   if (eo.model_dir.empty()) return absl::InvalidArgumentError("--model is required");
@@ -74,7 +76,7 @@ absl::StatusOr<WorkerModel> LoadWorkerModel(KvRegionAllocator* allocator, absl::
   eo.kv = absl::GetFlag(FLAGS_kv);
   eo.block_size = absl::GetFlag(FLAGS_block_size);
   eo.kv_positions = absl::GetFlag(FLAGS_kv_positions);
-  eo.allocator = eo.backend == "cuda" && name == "prefill" ? nullptr : allocator;
+  eo.allocator = eo.backend == "cuda" ? nullptr : allocator;
   WorkerModel w;
   absl::StatusOr<ModelStack> engine = LoadModelStack(eo);
   if (!engine.ok()) return engine.status();
@@ -120,7 +122,7 @@ absl::StatusOr<WorkerRuntime> StartWorkerRuntime(const std::string& name, int* e
     return transport.status();
   }
   rt.transport = *std::move(transport);
-  absl::StatusOr<WorkerModel> w = LoadWorkerModel(&rt.transport->region_allocator(), name);
+  absl::StatusOr<WorkerModel> w = LoadWorkerModel(&rt.transport->region_allocator());
   if (!w.ok()) {
     LogEvent("error", "load_failed", {{"error", std::string(w.status().message())}});
     *exit_code = absl::IsInvalidArgument(w.status()) ? 2 : 1;

@@ -525,6 +525,31 @@ class CudaEmbedding final : public EmbeddingTable {
   DType dtype_;
 };
 
+// Its own stream on the backend's device; pageable sources (the transport's
+// registered memory) are staged by the driver.
+class CudaUploader final : public BackendUploader {
+ public:
+  CudaUploader(int device, cudaStream_t stream) : device_(device), stream_(stream) {}
+  ~CudaUploader() override {
+    (void)cudaSetDevice(device_);
+    (void)cudaStreamSynchronize(stream_);
+    (void)cudaStreamDestroy(stream_);
+  }
+  absl::Status Upload(void* dst, const void* host_src, size_t bytes) override {
+    if (bytes == 0) return absl::OkStatus();
+    (void)cudaSetDevice(device_);
+    if (cudaError_t e = cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, stream_); e != cudaSuccess) {
+      return CudaError("upload cudaMemcpyAsync", e);
+    }
+    if (cudaError_t e = cudaStreamSynchronize(stream_); e != cudaSuccess) return CudaError("upload sync", e);
+    return absl::OkStatus();
+  }
+
+ private:
+  const int device_;
+  cudaStream_t stream_;
+};
+
 class CudaBackendImpl final : public CudaBackend {
  public:
   CudaBackendImpl(int device, cudaStream_t stream, cublasHandle_t blas, cudaDeviceProp prop)
@@ -620,6 +645,14 @@ class CudaBackendImpl final : public CudaBackend {
   void Synchronize() override {
     Use();
     Check("cudaStreamSynchronize", cudaStreamSynchronize(stream_));
+  }
+  absl::StatusOr<std::unique_ptr<BackendUploader>> NewUploader() override {
+    Use();
+    cudaStream_t s = nullptr;
+    if (cudaError_t e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking); e != cudaSuccess) {
+      return CudaError("cudaStreamCreate", e);
+    }
+    return std::unique_ptr<BackendUploader>(new CudaUploader(device_, s));
   }
 
   absl::StatusOr<std::unique_ptr<EmbeddingTable>> PackEmbedding(const MatrixPart& part, int64_t dim,

@@ -399,6 +399,116 @@ INSTANTIATE_TEST_SUITE_P(
              std::to_string(p.sender_block) + "To" + std::to_string(p.receiver_block);
     });
 
+// A pool in device memory on the receiving side: senders put into
+// registered landing blocks, and the commit copies them through the
+// backend's uploader into the pool (counted here), before the sequence is
+// handed on.
+class UploadCounter final : public kernels::BackendUploader {
+ public:
+  explicit UploadCounter(int64_t* bytes) : bytes_(bytes) {}
+  absl::Status Upload(void* dst, const void* src, size_t bytes) override {
+    std::memcpy(dst, src, bytes);
+    *bytes_ += static_cast<int64_t>(bytes);
+    return absl::OkStatus();
+  }
+
+ private:
+  int64_t* bytes_;
+};
+
+class CountingDevice final : public kernels::Backend {
+ public:
+  std::string Name() const override { return "counting-device"; }
+  bool HostAddressable() const override { return false; }
+  absl::StatusOr<std::unique_ptr<kernels::BackendUploader>> NewUploader() override {
+    return std::make_unique<UploadCounter>(&uploaded);
+  }
+  absl::StatusOr<std::unique_ptr<kernels::LinearWeight>> PackLinear(absl::Span<const kernels::MatrixPart>, int64_t,
+                                                                    DType) override {
+    return absl::UnimplementedError("counting device");
+  }
+  void Linear(const kernels::LinearWeight&, const float*, int64_t, const float*, float*, bool) override { std::abort(); }
+  void RmsNorm(const float*, const float*, int64_t, int64_t, float, float*) override { std::abort(); }
+  void Rope(float*, int64_t, int32_t, int32_t, const int32_t*, const float*, const float*) override { std::abort(); }
+  void SiluMul(const float*, int64_t, int64_t, float*) override { std::abort(); }
+  void WriteKv(const kernels::KvLayerView&, int32_t, int32_t, const float*, const float*, int64_t, const int32_t*,
+               const int32_t*) override {
+    std::abort();
+  }
+  void Attention(const kernels::AttentionBatch&) override { std::abort(); }
+
+  int64_t uploaded = 0;
+};
+
+class HandoffToDeviceTest : public HandoffTest, public ::testing::WithParamInterface<TpPair> {
+ protected:
+  // The receiver again, its pool a device's with `landing` landing blocks.
+  void UseDevicePool(int32_t landing) {
+    receiver_obj_.reset();
+    ReceiverOptions ro{.model = kModel, .lease = absl::Seconds(30), .lease_check_period = absl::Hours(1),
+                       .clock = [this] { return clock_.Now(); }, .pool_backend = &device_,
+                       .landing_blocks = landing};
+    receiver_obj_ = *KvReceiver::Create(receiver_.transport.get(), receiver_.kv.get(), ro,
+                                        [this](CommittedSequence s) {
+                                          absl::MutexLock lock(&committed_mu_);
+                                          committed_.push_back(std::move(s));
+                                        });
+    port_ = *receiver_obj_->Listen("127.0.0.1", 0);
+    conn_ = *sender_obj_->Connect("127.0.0.1", port_);
+  }
+  CountingDevice device_;
+};
+
+TEST_P(HandoffToDeviceTest, CommittedKvIsCopiedIntoTheDevicePoolFromTheLandingBlocks) {
+  const TpPair p = GetParam();
+  SetUp(TpSpec(DType::kBF16, p.sender_block, 32, p.sender_ranks),
+        TpSpec(DType::kBF16, p.receiver_block, 48, p.receiver_ranks));
+  const KvCacheSpec& ss = sender_.kv->spec();
+  for (int32_t r = 1; r < ss.num_ranks; ++r) {
+    if (ss.FirstKvHead(r) == ss.FirstKvHead(r - 1)) {
+      std::memcpy(sender_.kv->storage().base + r * ss.RankBytes(),
+                  sender_.kv->storage().base + (r - 1) * ss.RankBytes(), ss.RankBytes());
+    }
+  }
+  UseDevicePool(24);
+  MoveAndCheck(23);  // The pool's checksums are the sender's: only the copies put them there.
+  const KvCacheSpec& rs = receiver_.kv->spec();
+  const int64_t blocks = (23 + rs.block_size - 1) / rs.block_size;
+  EXPECT_EQ(device_.uploaded, blocks * rs.num_layers * rs.num_ranks * rs.LayerBlockBytes());
+  EXPECT_EQ(receiver_obj_->stats().landing_blocks_used, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Pairs, HandoffToDeviceTest,
+    ::testing::Values(TpPair{1, 1, 4, 4}, TpPair{1, 1, 8, 4}, TpPair{2, 1, 4, 4}, TpPair{1, 2, 4, 8}),
+    [](const auto& info) {
+      const TpPair& p = info.param;
+      return "Tp" + std::to_string(p.sender_ranks) + "To" + std::to_string(p.receiver_ranks) + "Blocks" +
+             std::to_string(p.sender_block) + "To" + std::to_string(p.receiver_block);
+    });
+
+// Landing blocks are a bounded resource: a reservation beyond them is
+// refused without holding pool blocks, and an aborted handoff gives both
+// back.
+TEST_F(HandoffToDeviceTest, LandingBlocksAreBoundedAndAnAbortFreesThem) {
+  SetUp(Spec(DType::kBF16, 4, 32), Spec(DType::kBF16, 4, 48));
+  UseDevicePool(4);
+  auto big = sender_obj_->Reserve(conn_, {.num_positions = 30});
+  EXPECT_EQ(big.status().code(), absl::StatusCode::kResourceExhausted) << big.status();
+  EXPECT_NE(big.status().message().find("landing blocks"), std::string::npos) << big.status();
+  EXPECT_EQ(receiver_.kv->Counts().used, 0);
+  SequenceKv seq = SenderSequence(10);
+  auto h = sender_obj_->Reserve(conn_, {.num_positions = 10});
+  ASSERT_TRUE(h.ok()) << h.status();
+  EXPECT_EQ(receiver_obj_->stats().landing_blocks_used, 3);
+  ASSERT_TRUE((*h)->SendLayer(0, seq.block_table()).ok());
+  ASSERT_TRUE((*h)->Abort(absl::CancelledError("test")).ok());
+  EXPECT_EQ(receiver_obj_->stats().landing_blocks_used, 0);
+  EXPECT_EQ(receiver_.kv->Counts().used, 0);
+  EXPECT_EQ(device_.uploaded, 0);
+  seq.Release();
+}
+
 TEST_F(HandoffTest, ATensorParallelLayoutThatCannotBeConvertedIsRefusedNamingBoth) {
   KvLayoutDescriptor a = KvLayoutDescriptor::FromSpec(TpSpec(DType::kBF16, 4, 1, 2), kModel);
   KvLayoutDescriptor b = a;

@@ -3,6 +3,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "kernels/cpu/device_contract_backend.h"
 #include "kernels/cuda/cuda_loader.h"
 
 namespace pdserve {
@@ -19,6 +20,8 @@ absl::StatusOr<DType> KvDType(const ModelStackOptions& o, const Model& model) {
   return *k;
 }
 
+// "cuda", or "cpu-device" (the CPU kernels behind a GPU's memory
+// contract, for tests of the GPU paths).
 absl::StatusOr<ModelStack> LoadGpuStack(const ModelStackOptions& o) {
   if (o.tp != 1) {
     return absl::UnimplementedError(
@@ -34,11 +37,26 @@ absl::StatusOr<ModelStack> LoadGpuStack(const ModelStackOptions& o) {
         absl::StrCat("--gpu_memory_fraction must be in [0, 1], got ", o.gpu_memory_fraction));
   }
   ModelStack e;
-  absl::StatusOr<std::unique_ptr<kernels::cuda::CudaBackend>> gpu =
-      kernels::cuda::LoadCudaBackend({.device = o.cuda_device});
-  if (!gpu.ok()) return gpu.status();
-  kernels::cuda::CudaBackend* cuda = gpu->get();
-  e.gpu = *std::move(gpu);
+  kernels::cuda::CudaBackend* cuda = nullptr;
+  if (o.backend == "cuda") {
+    absl::StatusOr<std::unique_ptr<kernels::cuda::CudaBackend>> gpu =
+        kernels::cuda::LoadCudaBackend({.device = o.cuda_device});
+    if (!gpu.ok()) return gpu.status();
+    cuda = gpu->get();
+    e.gpu = *std::move(gpu);
+  } else {
+    kernels::cpu::CpuBackendOptions bo;
+    bo.num_threads = o.threads;
+    bo.choose_matrix_path = true;
+    if (!o.matrix_path.empty()) {
+      absl::StatusOr<kernels::cpu::MatrixPath> path = kernels::cpu::ParseMatrixPath(o.matrix_path);
+      if (!path.ok()) return absl::InvalidArgumentError(absl::StrCat("--matrix_path: ", path.status().message()));
+      bo.matrix_path = *path;
+    }
+    absl::StatusOr<std::unique_ptr<kernels::cpu::CpuBackend>> cpu = kernels::cpu::CpuBackend::Create(bo);
+    if (!cpu.ok()) return cpu.status();
+    e.gpu = std::make_unique<kernels::cpu::DeviceContractBackend>(*std::move(cpu));
+  }
   ModelOptions mo;
   if (!o.weights.empty()) {
     absl::StatusOr<DType> w = ParseDType(o.weights);
@@ -52,7 +70,7 @@ absl::StatusOr<ModelStack> LoadGpuStack(const ModelStackOptions& o) {
   if (!kv.ok()) return kv.status();
   if (o.block_size <= 0) return absl::InvalidArgumentError("--block-size must be positive");
   int64_t blocks = (o.kv_positions + o.block_size - 1) / o.block_size;
-  if (o.gpu_memory_fraction > 0) {
+  if (cuda != nullptr && o.gpu_memory_fraction > 0) {
     absl::StatusOr<kernels::cuda::GpuMemoryInfo> mem = cuda->MemoryInfo();
     if (!mem.ok()) return mem.status();
     const double used = static_cast<double>(mem->total_bytes - mem->free_bytes);
@@ -85,7 +103,7 @@ std::string ModelStack::KernelsDescription() const {
 }
 
 absl::StatusOr<ModelStack> LoadModelStack(const ModelStackOptions& o) {
-  if (o.backend == "cuda") return LoadGpuStack(o);
+  if (o.backend == "cuda" || o.backend == "cpu-device") return LoadGpuStack(o);
   if (o.backend != "cpu") {
     return absl::InvalidArgumentError(absl::StrCat("--backend must be cpu or cuda, got '", o.backend, "'"));
   }

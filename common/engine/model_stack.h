@@ -19,7 +19,8 @@ namespace pdserve {
 struct ModelStackOptions {
   std::string model_dir;
   // "cpu" or "cuda" (kernels/cuda/cuda_backend.h: weights, activations and
-  // the KV pool on GPU cuda_device).
+  // the KV pool on GPU cuda_device); "cpu-device", for tests: the CPU
+  // kernels behind a GPU's memory contract (kernels/cpu/device_contract_backend.h).
   std::string backend = "cpu";
   int cuda_device = 0;
   // cuda: the KV pool takes this fraction of the GPU's memory, less what
@@ -46,7 +47,7 @@ struct ModelStack {
   std::unique_ptr<kernels::cpu::CpuBackend> backend;  // Rank 0's (null on a GPU).
   // Ranks 1..tp-1's, on rank 0's ISA and matrix path.
   std::vector<std::unique_ptr<kernels::cpu::CpuBackend>> rank_backends;
-  std::unique_ptr<kernels::Backend> gpu;  // backend "cuda".
+  std::unique_ptr<kernels::Backend> gpu;  // backend "cuda" (or "cpu-device").
   std::unique_ptr<KvRegionAllocator> gpu_kv_memory;  // The pool's, in GPU memory.
   std::unique_ptr<Model> model;
   std::unique_ptr<KvManager> kv;

@@ -17,7 +17,8 @@
 
 ABSL_FLAG(std::string, model, "", "model directory (Hugging Face layout)");
 ABSL_FLAG(std::string, backend, "cpu",
-          "compute backend: cpu, or cuda (NVIDIA GPU; needs a build with nvcc; see the README's GPU section)");
+          "compute backend: cpu, or cuda (NVIDIA GPU; needs a build with nvcc; see the README's GPU section); "
+          "cpu-device is for tests: the CPU kernels behind a GPU's memory contract");
 ABSL_FLAG(int, cuda_device, 0, "--backend=cuda: the GPU to run on");
 ABSL_FLAG(double, gpu_memory_fraction, 0.9,
           "--backend=cuda: fraction of the GPU's memory the worker may use; the KV pool gets what the weights, "
@@ -76,7 +77,7 @@ absl::StatusOr<WorkerModel> LoadWorkerModel(KvRegionAllocator* allocator) {
   eo.kv = absl::GetFlag(FLAGS_kv);
   eo.block_size = absl::GetFlag(FLAGS_block_size);
   eo.kv_positions = absl::GetFlag(FLAGS_kv_positions);
-  eo.allocator = eo.backend == "cuda" ? nullptr : allocator;
+  eo.allocator = eo.backend == "cpu" ? allocator : nullptr;
   WorkerModel w;
   absl::StatusOr<ModelStack> engine = LoadModelStack(eo);
   if (!engine.ok()) return engine.status();

@@ -248,5 +248,53 @@ INSTANTIATE_TEST_SUITE_P(Pairings, TpClusterTest,
                            return absl::StrCat("Prefill", info.param.first, "Decode", info.param.second);
                          });
 
+// The GPU paths through the real workers, without a GPU: `--backend=cpu-device`
+// runs the CPU kernels behind a GPU's memory contract, so the forward copies
+// its logits out, the pool is outside the transport's registered memory,
+// and the handoff copies through the backend (prefill: out of the pool;
+// decode: landing blocks, then into the pool). Streams equal the
+// in-process CPU engine's for device->CPU, CPU->device and device->device.
+class DevicePathClusterTest : public TpClusterTest {};
+
+TEST_F(DevicePathClusterTest, HandoffsFromAndIntoDevicePoolsKeepStreamsExact) {
+  TpModel prefill = TpModel::Load(1), decode = TpModel::Load(1);
+  const std::vector<v1::GenerateRequest> requests = {
+      Request("In the beginning God created", 20, 0.0f, 42),
+      Request("And it came to pass, when men began to multiply on the face of the earth, and daughters were born "
+              "unto them, that the sons of God saw the daughters of men",
+              16, 0.8f, 7),
+  };
+  const std::vector<std::string> device = {"--backend", "cpu-device"};
+  struct Pairing {
+    const char* name;
+    std::vector<std::string> prefill_flags, decode_flags;
+  };
+  for (const Pairing& p : {Pairing{"device-to-cpu", device, {}}, Pairing{"cpu-to-device", {}, device},
+                           Pairing{"device-to-device", device, device}}) {
+    SCOPED_TRACE(p.name);
+    Cluster c;
+    c.tls = false;
+    absl::Status s = c.Start(TempDir() + "/" + p.name, false, p.decode_flags, {}, 1, p.prefill_flags);
+    ASSERT_TRUE(s.ok()) << s;
+    for (const v1::GenerateRequest& req : requests) {
+      const auto got = c.Generate(req);
+      ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+      const RefOutput want = Reference(req, prefill, decode);
+      EXPECT_EQ(got.tokens, want.tokens) << req.text();
+      EXPECT_EQ(got.text, want.text);
+    }
+    // Both requests went through the handoff (no fallback to a local
+    // prefill on the decode worker).
+    EXPECT_EQ(MetricValue(HttpGet(c.decode_metrics(), "/metrics"), "pdserve_handoff_transfers_total"), 2);
+    EXPECT_EQ(MetricValue(HttpGet(c.prefill_metrics(), "/metrics"), "pdserve_handoff_transfers_total"), 2);
+    // The workers say which kernels they run.
+    const v1::ClusterStatusResponse st = c.Status();
+    ASSERT_EQ(st.prefill_size(), 1);
+    ASSERT_EQ(st.decode_size(), 1);
+    EXPECT_EQ(st.prefill(0).kernels().rfind("cpu-device/", 0) == 0, !p.prefill_flags.empty()) << st.prefill(0).kernels();
+    EXPECT_EQ(st.decode(0).kernels().rfind("cpu-device/", 0) == 0, !p.decode_flags.empty()) << st.decode(0).kernels();
+  }
+}
+
 }  // namespace
 }  // namespace pdserve

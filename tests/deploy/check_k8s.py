@@ -12,7 +12,8 @@ binaries:
 - every probe's port is one of its container's ports;
 - every gRPC probe asks a health service the servers answer;
 - terminationGracePeriodSeconds is above the container's --drain_grace_s
-  and --drain_min_s;
+  and --drain_min_s, and a worker's --drain_min_s above the routers'
+  --resolve_interval_s;
 - every HorizontalPodAutoscaler scales a rendered Deployment, on a metric
   the router exposes, with a scale-down stabilization window;
 - every metric an alert's expression names is one the servers define;
@@ -116,6 +117,7 @@ def check(objects, build, external_secrets=()):
                     errors.append(f"Service {svc['metadata']['name']}: targetPort {target} is not a port of "
                                   f"Deployment {d['metadata']['name']}")
     configmaps = {o["metadata"]["name"]: o for o in by_kind.get("ConfigMap", [])}
+    drain_mins, resolve_intervals = [], []
     for d in deployments:
         dn = d["metadata"]["name"]
         spec = d["spec"]["template"]["spec"]
@@ -128,6 +130,7 @@ def check(objects, build, external_secrets=()):
                 errors.append(f"Deployment {dn}: volume {v['name']}: no Secret {v['secret']['secretName']}")
         grace = spec.get("terminationGracePeriodSeconds", 30)
         for c in spec["containers"]:
+            image = c.get("image", "")
             args = list(c.get("args", []))
             # The flagfile's lines, from the ConfigMap mounted at its directory.
             for a in list(args):
@@ -166,6 +169,21 @@ def check(objects, build, external_secrets=()):
                 if drain and grace <= drain[-1]:
                     errors.append(f"Deployment {dn}: terminationGracePeriodSeconds {grace} is not above "
                                   f"{flag}{drain[-1]:g}")
+            def last(flag, default):
+                values = [float(a.split("=", 1)[1]) for a in args if a.startswith(flag)]
+                return values[-1] if values else default
+            if "pdserve/router" in image:
+                resolve_intervals.append(last("--resolve_interval_s=", 5.0))
+            elif "pdserve/prefill" in image or "pdserve/decode" in image:
+                drain_mins.append((f"Deployment {dn}: container {c['name']}", last("--drain_min_s=", 0.0)))
+    # A draining worker stays up until every router re-resolved the worker
+    # Services, so none sends to a vanished address.
+    for where, drain_min in drain_mins:
+        # Routers rendered elsewhere: the default interval.
+        for resolve in resolve_intervals or [5.0]:
+            if drain_min <= resolve:
+                errors.append(f"{where}: --drain_min_s={drain_min:g} stays up less than the router's "
+                              f"--resolve_interval_s={resolve:g}")
     router_source = open(os.path.join(os.path.dirname(__file__), "../../router/router_service.cc")).read()
     for h in by_kind.get("HorizontalPodAutoscaler", []):
         hn = h["metadata"]["name"]
@@ -220,7 +238,7 @@ def main():
                  "no ConfigMap key", "no Secret", "which is not rendered", "exposes no metric",
                  "no scale-down stabilization", "no server defines the metric", "which no server answers",
                  "without a nvidia.com/gpu limit", "nvidia.com/gpu but runs", "list the transports", "no tcp",
-                 "shared memory between pods", "RDMA without an rdma/ device"]
+                 "shared memory between pods", "RDMA without an rdma/ device", "stays up less than the router's"]
         missed = [k for k in kinds if not any(k in e for e in errors)]
         if expect_failures:
             if missed:

@@ -1,6 +1,7 @@
 #include "kv_transfer/sender.h"
 
 #include <future>
+#include <numeric>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -25,6 +26,7 @@ struct Handoff::State {
   // request's i-th block), packed from there. Compute thread only.
   KvCacheSpec mirror_spec;
   std::vector<char> mirror;
+  std::vector<int32_t> mirror_table;  // 0, 1, ...: the mirror's blocks in the request's order.
   absl::Time start;
   absl::Duration lease;
   // Loop thread only.
@@ -290,6 +292,8 @@ absl::Status Handoff::SendLayer(int32_t layer, absl::Span<const int32_t> table) 
       st.mirror_spec.num_layers = 1;
       st.mirror_spec.num_blocks = static_cast<int32_t>(table.size());
       st.mirror.resize(static_cast<size_t>(st.mirror_spec.TotalBytes()));
+      st.mirror_table.resize(table.size());
+      std::iota(st.mirror_table.begin(), st.mirror_table.end(), 0);
     }
     if (static_cast<int64_t>(table.size()) > st.mirror_spec.num_blocks) {
       return absl::InvalidArgumentError("KV handoff: the block table grew between layers");
@@ -307,12 +311,10 @@ absl::Status Handoff::SendLayer(int32_t layer, absl::Span<const int32_t> table) 
       }
     }
     if (absl::Status s = sender_->options_.pool_backend->status(); !s.ok()) return s;
-    std::vector<int32_t> mirror_table(table.size());
-    for (size_t i = 0; i < mirror_table.size(); ++i) mirror_table[i] = static_cast<int32_t>(i);
     const int64_t at = st.packed_layer_bytes * layer;
     char* staging = static_cast<char*>(st.staging->data());
-    PackLayer(st.mirror_spec, st.mirror.data(), mirror_table, st.dst_spec, 0, st.held_positions, st.num_positions,
-              staging + at);
+    PackLayer(st.mirror_spec, st.mirror.data(), st.mirror_table, st.dst_spec, 0, st.held_positions,
+              st.num_positions, staging + at);
     runs = PlanPacked(st.dst_spec, st.dst_table, layer, st.held_positions, st.num_positions, at);
     local_base = staging;
   } else if (st.staging != nullptr) {

@@ -20,6 +20,25 @@ absl::StatusOr<DType> KvDType(const ModelStackOptions& o, const Model& model) {
   return *k;
 }
 
+// The CPU backend the options ask for: threads, ISA, matrix path (the
+// probe's choice unless forced).
+absl::StatusOr<kernels::cpu::CpuBackendOptions> CpuOptions(const ModelStackOptions& o) {
+  kernels::cpu::CpuBackendOptions bo;
+  bo.num_threads = o.threads;
+  if (!o.isa.empty()) {
+    absl::StatusOr<kernels::cpu::Isa> isa = kernels::cpu::ParseIsa(o.isa);
+    if (!isa.ok()) return isa.status();
+    bo.isa = *isa;
+  }
+  bo.choose_matrix_path = true;
+  if (!o.matrix_path.empty()) {
+    absl::StatusOr<kernels::cpu::MatrixPath> path = kernels::cpu::ParseMatrixPath(o.matrix_path);
+    if (!path.ok()) return absl::InvalidArgumentError(absl::StrCat("--matrix_path: ", path.status().message()));
+    bo.matrix_path = *path;
+  }
+  return bo;
+}
+
 // "cuda", or "cpu-device" (the CPU kernels behind a GPU's memory
 // contract, for tests of the GPU paths).
 absl::StatusOr<ModelStack> LoadGpuStack(const ModelStackOptions& o) {
@@ -45,15 +64,9 @@ absl::StatusOr<ModelStack> LoadGpuStack(const ModelStackOptions& o) {
     cuda = gpu->get();
     e.gpu = *std::move(gpu);
   } else {
-    kernels::cpu::CpuBackendOptions bo;
-    bo.num_threads = o.threads;
-    bo.choose_matrix_path = true;
-    if (!o.matrix_path.empty()) {
-      absl::StatusOr<kernels::cpu::MatrixPath> path = kernels::cpu::ParseMatrixPath(o.matrix_path);
-      if (!path.ok()) return absl::InvalidArgumentError(absl::StrCat("--matrix_path: ", path.status().message()));
-      bo.matrix_path = *path;
-    }
-    absl::StatusOr<std::unique_ptr<kernels::cpu::CpuBackend>> cpu = kernels::cpu::CpuBackend::Create(bo);
+    absl::StatusOr<kernels::cpu::CpuBackendOptions> bo = CpuOptions(o);
+    if (!bo.ok()) return bo.status();
+    absl::StatusOr<std::unique_ptr<kernels::cpu::CpuBackend>> cpu = kernels::cpu::CpuBackend::Create(*bo);
     if (!cpu.ok()) return cpu.status();
     e.gpu = std::make_unique<kernels::cpu::DeviceContractBackend>(*std::move(cpu));
   }
@@ -108,19 +121,9 @@ absl::StatusOr<ModelStack> LoadModelStack(const ModelStackOptions& o) {
     return absl::InvalidArgumentError(absl::StrCat("--backend must be cpu or cuda, got '", o.backend, "'"));
   }
   ModelStack e;
-  kernels::cpu::CpuBackendOptions bo;
-  bo.num_threads = o.threads;
-  if (!o.isa.empty()) {
-    absl::StatusOr<kernels::cpu::Isa> isa = kernels::cpu::ParseIsa(o.isa);
-    if (!isa.ok()) return isa.status();
-    bo.isa = *isa;
-  }
-  bo.choose_matrix_path = true;
-  if (!o.matrix_path.empty()) {
-    absl::StatusOr<kernels::cpu::MatrixPath> path = kernels::cpu::ParseMatrixPath(o.matrix_path);
-    if (!path.ok()) return absl::InvalidArgumentError(absl::StrCat("--matrix_path: ", path.status().message()));
-    bo.matrix_path = *path;
-  }
+  absl::StatusOr<kernels::cpu::CpuBackendOptions> options = CpuOptions(o);
+  if (!options.ok()) return options.status();
+  kernels::cpu::CpuBackendOptions bo = *options;
   absl::StatusOr<std::unique_ptr<kernels::cpu::CpuBackend>> backend =
       kernels::cpu::CpuBackend::Create(bo);
   if (!backend.ok()) return backend.status();

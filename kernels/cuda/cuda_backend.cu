@@ -13,14 +13,10 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda/cuda_status.h"
 
 namespace pdserve::kernels::cuda {
 namespace {
-
-absl::Status CudaError(const char* what, cudaError_t e) {
-  return absl::UnavailableError(
-      absl::StrCat(what, ": CUDA error ", static_cast<int>(e), " (", cudaGetErrorString(e), ")"));
-}
 
 absl::Status CublasError(const char* what, cublasStatus_t s) {
   return absl::InternalError(

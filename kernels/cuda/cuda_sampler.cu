@@ -12,15 +12,11 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/cuda_backend.h"
 
 namespace pdserve::kernels::cuda {
 namespace {
-
-absl::Status CudaError(const char* what, cudaError_t e) {
-  return absl::UnavailableError(
-      absl::StrCat("sampler: ", what, ": CUDA error ", static_cast<int>(e), " (", cudaGetErrorString(e), ")"));
-}
 
 // Per-row parameters as the kernels read them.
 struct RowArgs {
@@ -258,15 +254,15 @@ class CudaSamplerImpl final : public CudaSampler {
     void* sort_tmp = take(sort_bytes);
     if (cudaError_t e = cudaMemcpyAsync(dargs, args.data(), n * sizeof(RowArgs), cudaMemcpyHostToDevice, stream_);
         e != cudaSuccess) {
-      return CudaError("cudaMemcpyAsync", e);
+      return CudaError("sampler: cudaMemcpyAsync", e);
     }
     if (cudaError_t e = cudaMemcpyAsync(dlists, lists.data(), lists.size() * 4, cudaMemcpyHostToDevice, stream_);
         e != cudaSuccess) {
-      return CudaError("cudaMemcpyAsync", e);
+      return CudaError("sampler: cudaMemcpyAsync", e);
     }
     PrepareKernel<<<static_cast<unsigned>(n), 1024, 0, stream_>>>(logits, vocab, dargs, dlists, l, keys, ids, best,
                                                                   greedy, ncand);
-    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return CudaError("PrepareKernel", e);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return CudaError("sampler: PrepareKernel", e);
     for (int64_t r = 0; r < n; ++r) {
       if (rows[r].temperature == 0.0f) continue;
       size_t bytes = sort_bytes;
@@ -274,17 +270,17 @@ class CudaSamplerImpl final : public CudaSampler {
                                                           ids + r * vocab, ids_out + r * vocab,
                                                           static_cast<int>(vocab), 0, 32, stream_);
           e != cudaSuccess) {
-        return CudaError("cub::DeviceRadixSort::SortPairs", e);
+        return CudaError("sampler: cub::DeviceRadixSort::SortPairs", e);
       }
     }
     ProbKernel<<<static_cast<unsigned>(n), 256, 0, stream_>>>(l, vocab, ids_out, best, ncand, prob);
     DrawKernel<<<static_cast<unsigned>((n + 127) / 128), 128, 0, stream_>>>(vocab, n, dargs, ids_out, ncand, prob,
                                                                              greedy, dtokens);
-    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return CudaError("DrawKernel", e);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return CudaError("sampler: DrawKernel", e);
     if (cudaError_t e = cudaMemcpyAsync(tokens, dtokens, n * 4, cudaMemcpyDeviceToHost, stream_); e != cudaSuccess) {
-      return CudaError("cudaMemcpyAsync", e);
+      return CudaError("sampler: cudaMemcpyAsync", e);
     }
-    if (cudaError_t e = cudaStreamSynchronize(stream_); e != cudaSuccess) return CudaError("cudaStreamSynchronize", e);
+    if (cudaError_t e = cudaStreamSynchronize(stream_); e != cudaSuccess) return CudaError("sampler: cudaStreamSynchronize", e);
     return absl::OkStatus();
   }
 
@@ -319,12 +315,12 @@ class CudaSamplerImpl final : public CudaSampler {
 
 absl::StatusOr<std::unique_ptr<CudaSampler>> CudaSampler::Create(CudaBackend* backend) {
   int device = 0;
-  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return CudaError("cudaGetDevice", e);
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return CudaError("sampler: cudaGetDevice", e);
   backend->Synchronize();  // Makes the backend's device current on this thread.
-  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return CudaError("cudaGetDevice", e);
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return CudaError("sampler: cudaGetDevice", e);
   cudaStream_t stream = nullptr;
   if (cudaError_t e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking); e != cudaSuccess) {
-    return CudaError("cudaStreamCreate", e);
+    return CudaError("sampler: cudaStreamCreate", e);
   }
   return std::unique_ptr<CudaSampler>(new CudaSamplerImpl(backend, device, stream));
 }

@@ -6,14 +6,10 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda/cuda_status.h"
 
 namespace pdserve::kernels::cuda {
 namespace {
-
-absl::Status CudaError(const char* what, cudaError_t e) {
-  return absl::UnavailableError(absl::StrCat(what, ": CUDA error ", static_cast<int>(e), " (",
-                                             cudaGetErrorString(e), ")"));
-}
 
 absl::Status NcclError(const char* what, ncclResult_t r) {
   return absl::UnavailableError(absl::StrCat(what, ": NCCL error ", static_cast<int>(r), " (",

@@ -264,21 +264,33 @@ struct TpPair {
   int32_t sender_ranks, receiver_ranks, sender_block, receiver_block;
 };
 
+std::string TpPairName(const ::testing::TestParamInfo<TpPair>& info) {
+  const TpPair& p = info.param;
+  return "Tp" + std::to_string(p.sender_ranks) + "To" + std::to_string(p.receiver_ranks) + "Blocks" +
+         std::to_string(p.sender_block) + "To" + std::to_string(p.receiver_block);
+}
+
+// A sender's replicas of a head hold the same bytes (its ranks compute
+// them alike): makes the random fill of `kv`'s pool so.
+void MatchReplicas(KvManager& kv) {
+  const KvCacheSpec& ss = kv.spec();
+  for (int32_t r = 1; r < ss.num_ranks; ++r) {
+    if (ss.FirstKvHead(r) == ss.FirstKvHead(r - 1)) {
+      std::memcpy(kv.storage().base + r * ss.RankBytes(), kv.storage().base + (r - 1) * ss.RankBytes(),
+                  ss.RankBytes());
+    }
+  }
+}
+
 class HandoffTpTest : public HandoffTest, public ::testing::WithParamInterface<TpPair> {};
 
 TEST_P(HandoffTpTest, EveryReceiverRankGetsItsHeadsFromARankThatHoldsThem) {
   const TpPair p = GetParam();
   SetUp(TpSpec(DType::kBF16, p.sender_block, 32, p.sender_ranks),
         TpSpec(DType::kBF16, p.receiver_block, 48, p.receiver_ranks));
-  // A sender's replicas of a head hold the same bytes (its ranks compute
-  // them alike): make the random fill so.
+  MatchReplicas(*sender_.kv);
   const KvCacheSpec& ss = sender_.kv->spec();
   const KvStorage src = sender_.kv->storage();
-  for (int32_t r = 1; r < ss.num_ranks; ++r) {
-    if (ss.FirstKvHead(r) == ss.FirstKvHead(r - 1)) {
-      std::memcpy(src.base + r * ss.RankBytes(), src.base + (r - 1) * ss.RankBytes(), ss.RankBytes());
-    }
-  }
   constexpr int32_t kPositions = 23;
   MoveAndCheck(kPositions);  // Layout-independent checksums agree.
   absl::MutexLock lock(&committed_mu_);
@@ -309,17 +321,34 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(TpPair{2, 1, 4, 4}, TpPair{1, 2, 4, 4}, TpPair{2, 4, 4, 4}, TpPair{4, 2, 4, 4},
                       TpPair{4, 1, 4, 4}, TpPair{1, 4, 4, 4}, TpPair{2, 2, 4, 4}, TpPair{4, 4, 4, 4},
                       TpPair{2, 1, 8, 4}, TpPair{1, 4, 4, 16}),
-    [](const auto& info) {
-      const TpPair& p = info.param;
-      return "Tp" + std::to_string(p.sender_ranks) + "To" + std::to_string(p.receiver_ranks) + "Blocks" +
-             std::to_string(p.sender_block) + "To" + std::to_string(p.receiver_block);
-    });
+    TpPairName);
 
 // A pool in device memory (a GPU's), played by host memory the sender
 // must not read: the sender's pool base is a region of 0xAB bytes, and
 // CopyToHost reads the real bytes at the same offset of the true pool (what
 // a device copy does). A sender that read its pool directly would send 0xAB.
-class FakeDevicePool final : public kernels::Backend {
+// A backend the handoff asks only for memory operations: compute aborts.
+class NoComputeBackend : public kernels::Backend {
+ public:
+  absl::StatusOr<std::unique_ptr<kernels::LinearWeight>> PackLinear(absl::Span<const kernels::MatrixPart>, int64_t,
+                                                                    DType) override {
+    return absl::UnimplementedError("no compute here");
+  }
+  void Linear(const kernels::LinearWeight&, const float*, int64_t, const float*, float*, bool) override { Never(); }
+  void RmsNorm(const float*, const float*, int64_t, int64_t, float, float*) override { Never(); }
+  void Rope(float*, int64_t, int32_t, int32_t, const int32_t*, const float*, const float*) override { Never(); }
+  void SiluMul(const float*, int64_t, int64_t, float*) override { Never(); }
+  void WriteKv(const kernels::KvLayerView&, int32_t, int32_t, const float*, const float*, int64_t, const int32_t*,
+               const int32_t*) override {
+    Never();
+  }
+  void Attention(const kernels::AttentionBatch&) override { Never(); }
+
+ private:
+  static void Never() { std::abort(); }
+};
+
+class FakeDevicePool final : public NoComputeBackend {
  public:
   FakeDevicePool(const char* device, const char* truth, size_t size) : device_(device), truth_(truth), size_(size) {}
   std::string Name() const override { return "fake-device"; }
@@ -335,23 +364,8 @@ class FakeDevicePool final : public kernels::Backend {
   }
   bool outside() const { return outside_; }
   int64_t bytes() const { return bytes_; }
-  // Compute is never asked of it.
-  absl::StatusOr<std::unique_ptr<kernels::LinearWeight>> PackLinear(absl::Span<const kernels::MatrixPart>, int64_t,
-                                                                    DType) override {
-    return absl::UnimplementedError("fake device");
-  }
-  void Linear(const kernels::LinearWeight&, const float*, int64_t, const float*, float*, bool) override { Never(); }
-  void RmsNorm(const float*, const float*, int64_t, int64_t, float, float*) override { Never(); }
-  void Rope(float*, int64_t, int32_t, int32_t, const int32_t*, const float*, const float*) override { Never(); }
-  void SiluMul(const float*, int64_t, int64_t, float*) override { Never(); }
-  void WriteKv(const kernels::KvLayerView&, int32_t, int32_t, const float*, const float*, int64_t, const int32_t*,
-               const int32_t*) override {
-    Never();
-  }
-  void Attention(const kernels::AttentionBatch&) override { Never(); }
 
  private:
-  static void Never() { std::abort(); }
   const char* device_;
   const char* truth_;
   size_t size_;
@@ -368,13 +382,8 @@ TEST_P(HandoffFromDeviceTest, TheReceiverGetsTheDevicePoolsBytesNeverTheHostAlia
   const TpPair p = GetParam();
   SetUp(TpSpec(DType::kBF16, p.sender_block, 32, p.sender_ranks),
         TpSpec(DType::kBF16, p.receiver_block, 48, p.receiver_ranks));
+  MatchReplicas(*sender_.kv);
   const KvCacheSpec& ss = sender_.kv->spec();
-  for (int32_t r = 1; r < ss.num_ranks; ++r) {
-    if (ss.FirstKvHead(r) == ss.FirstKvHead(r - 1)) {
-      std::memcpy(sender_.kv->storage().base + r * ss.RankBytes(),
-                  sender_.kv->storage().base + (r - 1) * ss.RankBytes(), ss.RankBytes());
-    }
-  }
   const size_t size = static_cast<size_t>(ss.TotalBytes());
   std::vector<char> alias(size, static_cast<char>(0xAB));
   FakeDevicePool device(alias.data(), sender_.kv->storage().base, size);
@@ -393,11 +402,7 @@ INSTANTIATE_TEST_SUITE_P(
     Pairs, HandoffFromDeviceTest,
     ::testing::Values(TpPair{1, 1, 4, 4}, TpPair{1, 1, 4, 16}, TpPair{1, 1, 8, 4}, TpPair{2, 1, 4, 4},
                       TpPair{1, 2, 4, 8}),
-    [](const auto& info) {
-      const TpPair& p = info.param;
-      return "Tp" + std::to_string(p.sender_ranks) + "To" + std::to_string(p.receiver_ranks) + "Blocks" +
-             std::to_string(p.sender_block) + "To" + std::to_string(p.receiver_block);
-    });
+    TpPairName);
 
 // A pool in device memory on the receiving side: senders put into
 // registered landing blocks, and the commit copies them through the
@@ -416,26 +421,13 @@ class UploadCounter final : public kernels::BackendUploader {
   int64_t* bytes_;
 };
 
-class CountingDevice final : public kernels::Backend {
+class CountingDevice final : public NoComputeBackend {
  public:
   std::string Name() const override { return "counting-device"; }
   bool HostAddressable() const override { return false; }
   absl::StatusOr<std::unique_ptr<kernels::BackendUploader>> NewUploader() override {
     return std::make_unique<UploadCounter>(&uploaded);
   }
-  absl::StatusOr<std::unique_ptr<kernels::LinearWeight>> PackLinear(absl::Span<const kernels::MatrixPart>, int64_t,
-                                                                    DType) override {
-    return absl::UnimplementedError("counting device");
-  }
-  void Linear(const kernels::LinearWeight&, const float*, int64_t, const float*, float*, bool) override { std::abort(); }
-  void RmsNorm(const float*, const float*, int64_t, int64_t, float, float*) override { std::abort(); }
-  void Rope(float*, int64_t, int32_t, int32_t, const int32_t*, const float*, const float*) override { std::abort(); }
-  void SiluMul(const float*, int64_t, int64_t, float*) override { std::abort(); }
-  void WriteKv(const kernels::KvLayerView&, int32_t, int32_t, const float*, const float*, int64_t, const int32_t*,
-               const int32_t*) override {
-    std::abort();
-  }
-  void Attention(const kernels::AttentionBatch&) override { std::abort(); }
 
   int64_t uploaded = 0;
 };
@@ -463,13 +455,8 @@ TEST_P(HandoffToDeviceTest, CommittedKvIsCopiedIntoTheDevicePoolFromTheLandingBl
   const TpPair p = GetParam();
   SetUp(TpSpec(DType::kBF16, p.sender_block, 32, p.sender_ranks),
         TpSpec(DType::kBF16, p.receiver_block, 48, p.receiver_ranks));
+  MatchReplicas(*sender_.kv);
   const KvCacheSpec& ss = sender_.kv->spec();
-  for (int32_t r = 1; r < ss.num_ranks; ++r) {
-    if (ss.FirstKvHead(r) == ss.FirstKvHead(r - 1)) {
-      std::memcpy(sender_.kv->storage().base + r * ss.RankBytes(),
-                  sender_.kv->storage().base + (r - 1) * ss.RankBytes(), ss.RankBytes());
-    }
-  }
   UseDevicePool(24);
   MoveAndCheck(23);  // The pool's checksums are the sender's: only the copies put them there.
   const KvCacheSpec& rs = receiver_.kv->spec();
@@ -481,11 +468,7 @@ TEST_P(HandoffToDeviceTest, CommittedKvIsCopiedIntoTheDevicePoolFromTheLandingBl
 INSTANTIATE_TEST_SUITE_P(
     Pairs, HandoffToDeviceTest,
     ::testing::Values(TpPair{1, 1, 4, 4}, TpPair{1, 1, 8, 4}, TpPair{2, 1, 4, 4}, TpPair{1, 2, 4, 8}),
-    [](const auto& info) {
-      const TpPair& p = info.param;
-      return "Tp" + std::to_string(p.sender_ranks) + "To" + std::to_string(p.receiver_ranks) + "Blocks" +
-             std::to_string(p.sender_block) + "To" + std::to_string(p.receiver_block);
-    });
+    TpPairName);
 
 // Landing blocks are a bounded resource: a reservation beyond them is
 // refused without holding pool blocks, and an aborted handoff gives both

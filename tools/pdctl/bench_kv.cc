@@ -36,6 +36,7 @@
 #include "common/model.h"
 #include "common/synthetic_model.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/forwarding_backend.h"
 #include "kv_transfer/layout_copy.h"
 #include "kv_transfer/receiver.h"
 #include "kv_transfer/sender.h"
@@ -239,9 +240,9 @@ class ReceiverProcess {
 
 // Forwards to a backend and streams each layer as soon as its K/V are
 // written (the forward writes layer l's KV before layer l's attention).
-class StreamingBackend final : public kernels::Backend {
+class StreamingBackend final : public kernels::ForwardingBackend {
  public:
-  StreamingBackend(kernels::Backend* inner) : inner_(inner) {}
+  explicit StreamingBackend(kernels::Backend* inner) : ForwardingBackend(inner) {}
   void Arm(const KvStorage* storage, Handoff* h, const std::vector<int32_t>* table) {
     storage_ = storage;
     handoff_ = h;
@@ -250,30 +251,13 @@ class StreamingBackend final : public kernels::Backend {
   }
   void Disarm() { handoff_ = nullptr; }
   const std::vector<absl::Time>& layer_written() const { return layer_written_; }
-  absl::Status status() const { return status_; }
+  // The first layer send that failed (not Backend::status(): the forward
+  // itself did not fail).
+  absl::Status send_status() const { return status_; }
 
-  std::string Name() const override { return inner_->Name(); }
-  absl::StatusOr<std::unique_ptr<kernels::LinearWeight>> PackLinear(absl::Span<const kernels::MatrixPart> parts,
-                                                                    int64_t k, DType storage) override {
-    return inner_->PackLinear(parts, k, storage);
-  }
-  void Linear(const kernels::LinearWeight& w, const float* x, int64_t m, const float* bias, float* y,
-              bool accumulate) override {
-    inner_->Linear(w, x, m, bias, y, accumulate);
-  }
-  void RmsNorm(const float* x, const float* weight, int64_t m, int64_t d, float eps, float* y) override {
-    inner_->RmsNorm(x, weight, m, d, eps, y);
-  }
-  void Rope(float* x, int64_t rows, int32_t heads, int32_t head_dim, const int32_t* positions, const float* cos,
-            const float* sin) override {
-    inner_->Rope(x, rows, heads, head_dim, positions, cos, sin);
-  }
-  void SiluMul(const float* gate_up, int64_t m, int64_t f, float* out) override {
-    inner_->SiluMul(gate_up, m, f, out);
-  }
   void WriteKv(const kernels::KvLayerView& kv, int32_t num_kv_heads, int32_t head_dim, const float* k,
                const float* v, int64_t rows, const int32_t* blocks, const int32_t* slots) override {
-    inner_->WriteKv(kv, num_kv_heads, head_dim, k, v, rows, blocks, slots);
+    ForwardingBackend::WriteKv(kv, num_kv_heads, head_dim, k, v, rows, blocks, slots);
     if (handoff_ == nullptr) return;
     const KvCacheSpec& s = storage_->spec;
     const int64_t layer = (static_cast<char*>(kv.base) - storage_->base) /
@@ -283,10 +267,8 @@ class StreamingBackend final : public kernels::Backend {
       status_ = st;
     }
   }
-  void Attention(const kernels::AttentionBatch& batch) override { inner_->Attention(batch); }
 
  private:
-  kernels::Backend* inner_;
   const KvStorage* storage_ = nullptr;
   Handoff* handoff_ = nullptr;
   const std::vector<int32_t>* table_ = nullptr;
@@ -682,7 +664,7 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
         const absl::Time t_forward = absl::Now();
         streaming->Disarm();
         if (!r.ok()) return r.status();
-        if (!streaming->status().ok()) return streaming->status();
+        if (!streaming->send_status().ok()) return streaming->send_status();
         const auto last = r->Last(0);
         c.first_token = static_cast<int32_t>(std::max_element(last.begin(), last.end()) - last.begin());
         c.num_positions = prompt;

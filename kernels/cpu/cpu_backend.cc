@@ -345,9 +345,19 @@ void CpuBackend::Linear(const LinearWeight& w, const float* x, int64_t m, const 
     if (x16_.size() < static_cast<size_t>(rows * ldx)) x16_.resize(static_cast<size_t>(rows * ldx), 0);
     auto convert = [&](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i) {
-        uint16_t* out = x16_.data() + i * ldx;
-        ConvertF32ToBf16(x + i * k, k, out);
-        for (int64_t c = k; c < ldx; ++c) out[c] = 0;
+        if (!amx) {
+          uint16_t* out = x16_.data() + i * ldx;
+          ConvertF32ToBf16(x + i * k, k, out);
+          for (int64_t c = k; c < ldx; ++c) out[c] = 0;
+          continue;
+        }
+        // AMX: the row's 32-element pieces go to its A tiles (linear_amx.h).
+        for (int64_t c = 0; c < ldx; c += kAmxDepth) {
+          uint16_t* out = x16_.data() + AmxTileOffset(k, i, c);
+          const int64_t n = std::min<int64_t>(kAmxDepth, k - c);
+          ConvertF32ToBf16(x + i * k + c, n, out);
+          for (int64_t j = n; j < kAmxDepth; ++j) out[j] = 0;
+        }
       }
     };
     if (m * k < kParallelElems) {
@@ -357,7 +367,7 @@ void CpuBackend::Linear(const LinearWeight& w, const float* x, int64_t m, const 
     }
     const uint16_t* panels = reinterpret_cast<const uint16_t*>(pw.data());
     if (amx) {
-      const LinearAmxArgs a{.x = x16_.data(), .ldx = ldx, .m = m, .k = k, .n = pw.n(), .panels = panels,
+      const LinearAmxArgs a{.x = x16_.data(), .m = m, .k = k, .n = pw.n(), .panels = panels,
                             .bias = bias, .y = y, .ldy = pw.n(), .accumulate = accumulate};
       // Whole pairs of panels per thread (the kernel's two-panel blocks).
       const int64_t pairs = (pw.num_panels() + 1) / 2;

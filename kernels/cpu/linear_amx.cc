@@ -88,11 +88,11 @@ template <bool kTwoRowTiles, bool kTwoPanels>
 void Block(const LinearAmxArgs& a, int64_t m0, int64_t p) {
   const int64_t depth = AmxPaddedK(a.k);
   const int64_t panel_elems = AmxPanelElems(a.k);
-  const uint16_t* x0 = a.x + m0 * a.ldx;
-  const uint16_t* x1 = x0 + kAmxRows * a.ldx;
+  // A tiles of row tile m0 / 16 (and the next), one after another by depth.
+  const uint16_t* x0 = a.x + m0 * depth;
+  const uint16_t* x1 = x0 + kAmxRows * depth;
   const uint16_t* w0 = a.panels + p * panel_elems;
   const uint16_t* w1 = w0 + panel_elems;
-  const int64_t x_stride = a.ldx * 2;
   _tile_zero(0);
   if constexpr (kTwoPanels) _tile_zero(1);
   if constexpr (kTwoRowTiles) _tile_zero(2);
@@ -110,11 +110,11 @@ void Block(const LinearAmxArgs& a, int64_t m0, int64_t p) {
     // B tile: pairs [kk/2, kk/2 + 16) of the panel, 64 bytes per pair row.
     _tile_loadd(6, w0 + kk * 16, 64);
     if constexpr (kTwoPanels) _tile_loadd(7, w1 + kk * 16, 64);
-    _tile_loadd(4, x0 + kk, x_stride);
+    _tile_loadd(4, x0 + kk * kAmxRows, 64);
     _tile_dpbf16ps(0, 4, 6);
     if constexpr (kTwoPanels) _tile_dpbf16ps(1, 4, 7);
     if constexpr (kTwoRowTiles) {
-      _tile_loadd(5, x1 + kk, x_stride);
+      _tile_loadd(5, x1 + kk * kAmxRows, 64);
       _tile_dpbf16ps(2, 5, 6);
       if constexpr (kTwoPanels) _tile_dpbf16ps(3, 5, 7);
     }
@@ -155,8 +155,30 @@ void LinearAmx(const LinearAmxArgs& a, int64_t panel_begin, int64_t panel_end) {
   const int64_t panel_bytes = AmxPanelElems(a.k) * 2;
   int64_t chunk = kChunkBytes / panel_bytes;
   if (chunk < 2) chunk = 2;
-  // One row block: each weight is read once anyway; no chunks.
-  if (a.m <= 2 * kAmxRows) chunk = panel_end - panel_begin;
+  // Up to four row blocks: every row block of a pair of panels right after
+  // the other, so the weights stream from memory once, in one pass, and the
+  // later blocks find them in L1/L2 (a pass per row block over chunks of
+  // panels left the memory idle while the later passes ran).
+  if (a.m <= 8 * kAmxRows) {
+    for (int64_t p = panel_begin; p < panel_end; p += 2) {
+      const bool two_panels = p + 1 < panel_end;
+      for (int64_t m0 = 0; m0 < a.m; m0 += 2 * kAmxRows) {
+        const bool two_rows = a.m - m0 > kAmxRows;
+        if (two_rows) {
+          if (two_panels) {
+            Block<true, true>(a, m0, p);
+          } else {
+            Block<true, false>(a, m0, p);
+          }
+        } else if (two_panels) {
+          Block<false, true>(a, m0, p);
+        } else {
+          Block<false, false>(a, m0, p);
+        }
+      }
+    }
+    return;
+  }
   for (int64_t c0 = panel_begin; c0 < panel_end; c0 += chunk) {
     const int64_t c1 = c0 + chunk < panel_end ? c0 + chunk : panel_end;
     for (int64_t m0 = 0; m0 < a.m; m0 += 2 * kAmxRows) {

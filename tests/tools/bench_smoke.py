@@ -61,7 +61,10 @@ def main():
                     failures.append(f"bench-engine {path}: prefill row without a figure or a peak: {row}")
             for row in r.get("decode", []):
                 if not (row["tokens_per_second"] > 0 and row["read_bandwidth"] > 0 and
-                        close(row["fraction_of_bandwidth"], row["bytes_per_second"] / row["read_bandwidth"])):
+                        close(row["fraction_of_bandwidth"], row["bytes_per_second"] / row["read_bandwidth"]) and
+                        row["limit_seconds"] >= row["bytes_per_step"] / row["read_bandwidth"] * (1 - 1e-9) and
+                        row["flops_per_step"] > 0 and
+                        close(row["step_over_limit"], row["step_seconds"] / row["limit_seconds"])):
                     failures.append(f"bench-engine {path}: decode row without a figure or a limit: {row}")
             if not r.get("prefill") or not r.get("decode"):
                 failures.append(f"bench-engine {path}: no prefill or decode rows: {sorted(r)}")

@@ -257,6 +257,15 @@ absl::Status RunBenchEngine(const BenchEngineOptions& o) {
       // The attention kernels alone: their share of the step, and the KV
       // bytes they counted over their own time, against the same limit.
       const double t_attn = Median(attention_times);
+      // The limit of a decode step: the slower of moving its bytes
+      // at the read limit and doing its FLOPs (projections, LM head and
+      // attention over the mean history of the timed steps) at the fastest
+      // matrix instruction's measured peak.
+      const double mean_keys = H + o.decode_steps / 2.0 + 1;
+      const double step_flops = B * (2.0 * linear_params + 2.0 * c.hidden_size * c.vocab_size +
+                                     4.0 * c.head_dim * c.num_heads * c.num_layers * mean_keys);
+      const double fastest = out["matrix_peaks"]["fastest"].get<double>();
+      const double limit = std::max(bytes / bw, step_flops / fastest);
       decode.push_back({{"batch", B},
                         {"history", H},
                         {"step_seconds", t},
@@ -269,7 +278,10 @@ absl::Status RunBenchEngine(const BenchEngineOptions& o) {
                         {"attention_seconds", t_attn},
                         {"attention_share", t_attn / t},
                         {"attention_kv_bytes_per_second", kv_bytes / t_attn},
-                        {"attention_fraction_of_bandwidth", kv_bytes / t_attn / bw}});
+                        {"attention_fraction_of_bandwidth", kv_bytes / t_attn / bw},
+                        {"flops_per_step", step_flops},
+                        {"limit_seconds", limit},
+                        {"step_over_limit", t / limit}});
       for (SequenceKv& s : seqs) s.Release();
     }
     proto.Release();
@@ -386,14 +398,16 @@ absl::Status RunBenchEngine(const BenchEngineOptions& o) {
                 p["new_tokens_per_second"].get<double>(), p["flops_per_second"].get<double>() / 1e9,
                 100 * p["fraction_of_peak"].get<double>());
   }
-  std::printf("\n%-6s %8s %10s %10s %12s %12s %12s %9s %7s %10s %9s\n", "batch", "history", "step ms",
-              "tokens/s", "MB/step", "GB/s", "limit GB/s", "of limit", "attn", "attn KV GB/s", "of limit");
+  std::printf("\n%-6s %8s %10s %10s %12s %12s %12s %9s %9s %8s %7s %10s %9s\n", "batch", "history", "step ms",
+              "tokens/s", "MB/step", "GB/s", "limit GB/s", "of limit", "limit ms", "x limit", "attn", "attn KV GB/s",
+              "of limit");
   for (const auto& d : decode) {
-    std::printf("%-6d %8d %10.3f %10.1f %12.1f %12.1f %12.1f %8.1f%% %6.1f%% %10.1f %8.1f%%\n",
+    std::printf("%-6d %8d %10.3f %10.1f %12.1f %12.1f %12.1f %8.1f%% %9.3f %7.2fx %6.1f%% %10.1f %8.1f%%\n",
                 d["batch"].get<int>(), d["history"].get<int>(), 1e3 * d["step_seconds"].get<double>(),
                 d["tokens_per_second"].get<double>(), d["bytes_per_step"].get<double>() / 1e6,
                 d["bytes_per_second"].get<double>() / 1e9, d["read_bandwidth"].get<double>() / 1e9,
-                100 * d["fraction_of_bandwidth"].get<double>(), 100 * d["attention_share"].get<double>(),
+                100 * d["fraction_of_bandwidth"].get<double>(), 1e3 * d["limit_seconds"].get<double>(),
+                d["step_over_limit"].get<double>(), 100 * d["attention_share"].get<double>(),
                 d["attention_kv_bytes_per_second"].get<double>() / 1e9,
                 100 * d["attention_fraction_of_bandwidth"].get<double>());
   }

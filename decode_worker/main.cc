@@ -20,6 +20,7 @@
 #include "common/grpc_server.h"
 #include "common/metrics.h"
 #include "common/engine/worker_runtime.h"
+#include "common/tls_flags.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:0", "gRPC address (port 0: any free port)");
 ABSL_FLAG(std::string, ready_file, "", "write {\"grpc_port\":..} here once serving");
@@ -55,6 +56,11 @@ int Run() {
   int start_code = 0;
   absl::StatusOr<WorkerRuntime> rt = StartWorkerRuntime("decode", &start_code);
   if (!rt.ok()) return start_code;
+  absl::StatusOr<std::shared_ptr<const kv::GrantKey>> grant_key = GrantKeyFromFlags("decode");
+  if (!grant_key.ok()) {
+    LogEvent("error", "bad_flags", {{"error", std::string(grant_key.status().message())}});
+    return 2;
+  }
   kv::UcxTransport* transport = rt->transport.get();
   WorkerModel* w = &rt->engine;
   ModelStack* engine = &w->engine;
@@ -75,6 +81,7 @@ int Run() {
   ro.model = engine->model->identity();
   ro.lease = absl::Seconds(absl::GetFlag(FLAGS_kv_lease_s));
   ro.quarantine_timeout = absl::Seconds(absl::GetFlag(FLAGS_kv_quarantine_s));
+  ro.grant_key = *grant_key;
   if (engine->gpu != nullptr) {
     // The pool is GPU memory: handoffs land in host memory, then are copied.
     const int32_t bs = engine->kv->spec().block_size;
@@ -99,7 +106,9 @@ int Run() {
     LogEvent("error", "kv_listen_failed", {{"error", std::string(kv_port.status().message())}});
     return 1;
   }
-  service.set_kv_address(absl::StrCat(absl::GetFlag(FLAGS_kv_host), ":", *kv_port));
+  const std::string kv_address = absl::StrCat(absl::GetFlag(FLAGS_kv_host), ":", *kv_port);
+  (*receiver)->SetAddress(kv_address);  // What the router names in grants.
+  service.set_kv_address(kv_address);
   CheckWorkerTransport(*rt, absl::GetFlag(FLAGS_kv_host));
 
   MetricsRegistry metrics;
@@ -128,6 +137,14 @@ int Run() {
                            [r] { return static_cast<double>(r->metrics().failures); });
     metrics.AddCounterFunc("pdserve_handoff_leases_expired_total", "KV reservations whose lease expired.",
                            [r] { return static_cast<double>(r->metrics().leases_expired); });
+    for (int k = 1; k < kv::kGrantRefusalKinds; ++k) {
+      const auto why = static_cast<kv::GrantRefusal>(k);
+      metrics.AddCounterFunc("pdserve_handoff_refusals_total",
+                             "Reservations and commits refused: no, a bad, an expired, a foreign or a reused grant; "
+                             "a commit from another connection or for another request.",
+                             [r, why] { return static_cast<double>(r->refusals(why)); },
+                             absl::StrCat("reason=\"", kv::GrantRefusalName(why), "\""));
+    }
   }
   ServeOptions serve;
   ApplyWorkerServing(*rt, serve);

@@ -81,7 +81,10 @@ start() {
   fi
   tls_flags() {
     if [[ -n $certs ]]; then
-      echo "--tls_cert=$certs/$1.pem --tls_key=$certs/$1.key --tls_ca=$certs/ca.pem"
+      # The router and decode workers check KV handoff grants with the key.
+      local grant=""
+      [[ $1 == router || $1 == decode ]] && grant=" --kv_grant_key=$certs/kv_grant.key"
+      echo "--tls_cert=$certs/$1.pem --tls_key=$certs/$1.key --tls_ca=$certs/ca.pem$grant"
     elif ((insecure)); then
       echo "--insecure"
     fi

@@ -8,7 +8,8 @@
 #
 # Writes DIR/ca.pem (the cluster CA: every service trusts it), DIR/ca.key,
 # and for each role in router, prefill, decode: DIR/ROLE.pem (its
-# certificate, with the CA after it) and DIR/ROLE.key. A role's
+# certificate, with the CA after it) and DIR/ROLE.key; and DIR/kv_grant.key,
+# the KV handoff grant key of the router and the decode workers. A role's
 # certificate names it as the DNS name ROLE.pdserve.internal, which is how
 # services check each other's role (router/README: "TLS"); it also holds
 # localhost, 127.0.0.1 and ::1 so that clients on this machine can check
@@ -63,4 +64,11 @@ EOF
   rm -f "$DIR/$role.csr" "$DIR/$role.ext" "$DIR/$role.crt.new"
 done
 chmod 644 "$DIR"/ca.pem "$DIR"/router.pem "$DIR"/prefill.pem "$DIR"/decode.pem
+# The KV handoff grant key (kv_transfer/grant.h): 32 random bytes as hex,
+# for the router and the decode workers only (--kv_grant_key). Kept if
+# present: rotating it invalidates the grants in flight.
+if [[ ! -s "$DIR/kv_grant.key" ]]; then
+  openssl rand -hex 32 > "$DIR/kv_grant.key.new"
+  mv "$DIR/kv_grant.key.new" "$DIR/kv_grant.key"
+fi
 echo "$DIR"

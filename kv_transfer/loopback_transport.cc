@@ -17,8 +17,10 @@ class LoopbackRemote final : public RemoteRegion {
 
 class LoopbackTransport::Conn final : public Connection {
  public:
-  Conn(LoopbackTransport* owner, ConnectionHandler* handler, std::string name)
-      : owner_(owner), handler_(handler), name_(std::move(name)) {}
+  Conn(LoopbackTransport* owner, ConnectionHandler* handler, std::string name, std::string peer_host = "")
+      : owner_(owner), handler_(handler), name_(std::move(name)), peer_host_(std::move(peer_host)) {}
+
+  std::string peer_host() const override { return peer_host_; }
 
   void Send(std::string message) override {
     std::shared_ptr<Conn> peer = peer_.lock();
@@ -75,6 +77,7 @@ class LoopbackTransport::Conn final : public Connection {
   LoopbackTransport* owner_;
   ConnectionHandler* handler_;
   std::string name_;
+  std::string peer_host_;
   std::weak_ptr<Conn> peer_;
   std::atomic<bool> failed_{false};
   bool closed_ = false;
@@ -125,7 +128,7 @@ absl::StatusOr<Connection*> LoopbackTransport::Connect(const std::string& host, 
     std::tie(server, server_handler) = it->second;
   }
   auto client = std::make_shared<Conn>(this, handler, absl::StrCat(name_, "->", host, ":", port));
-  auto accepted = std::make_shared<Conn>(server, server_handler, absl::StrCat(server->name_, "<-", name_));
+  auto accepted = std::make_shared<Conn>(server, server_handler, absl::StrCat(server->name_, "<-", name_), name_);
   client->peer_ = accepted;
   accepted->peer_ = client;
   {

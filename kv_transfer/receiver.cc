@@ -113,6 +113,54 @@ void KvReceiver::OnMessage(Connection& c, std::string message) {
   }
 }
 
+void KvReceiver::SetAddress(std::string address) {
+  absl::MutexLock lock(&mu_);
+  address_ = std::move(address);
+}
+
+absl::StatusOr<std::string> KvReceiver::CheckGrant(Connection& c, const ReserveRequest& m) {
+  if (m.grant.empty()) {
+    Refused(GrantRefusal::kMissing);
+    return absl::PermissionDeniedError("KV handoff: reservation refused: no grant (the router's grant for this "
+                                       "attempt must come with it)");
+  }
+  absl::StatusOr<Grant> g = DecodeGrant(m.grant);
+  if (!g.ok()) {
+    Refused(GrantRefusal::kMalformed);
+    return absl::PermissionDeniedError(absl::StrCat("KV handoff: reservation refused: ", g.status().message()));
+  }
+  std::string address;
+  {
+    absl::MutexLock lock(&mu_);
+    address = address_;
+  }
+  const absl::Time now = options_.clock();
+  GrantRefusal why = GrantRefusal::kNone;
+  if (absl::Status s = VerifyGrant(*options_.grant_key, *g, address, now, &why); !s.ok()) {
+    Refused(why);
+    return absl::PermissionDeniedError(absl::StrCat("KV handoff: reservation refused: ", s.message()));
+  }
+  if (!SenderMatches(g->sender, c.peer_host())) {
+    Refused(GrantRefusal::kWrongSender);
+    return absl::PermissionDeniedError(absl::StrCat("KV handoff: reservation refused: the grant is for sender ",
+                                                    g->sender, ", the connection comes from ", c.peer_host()));
+  }
+  absl::MutexLock lock(&mu_);
+  // Forget grants past their expiry (they cannot verify again anyway),
+  // at most once a second.
+  const int64_t now_ms = absl::ToUnixMillis(now);
+  if (now_ms >= next_grant_prune_ms_) {
+    absl::erase_if(used_grants_, [now_ms](const auto& e) { return e.second <= now_ms; });
+    next_grant_prune_ms_ = now_ms + 1000;
+  }
+  if (!used_grants_.emplace(std::make_pair(g->request_id, g->attempt), g->expires_unix_ms).second) {
+    Refused(GrantRefusal::kReused);
+    return absl::PermissionDeniedError(absl::StrCat("KV handoff: reservation refused: the grant for request ",
+                                                    g->request_id, " attempt ", g->attempt, " was used before"));
+  }
+  return g->request_id;
+}
+
 void KvReceiver::HandleReserve(Connection& c, const ReserveRequest& m) {
   ReserveReply reply;
   reply.tag = m.tag;
@@ -124,6 +172,12 @@ void KvReceiver::HandleReserve(Connection& c, const ReserveRequest& m) {
   };
   if (!accepting_.load()) {
     return refuse(absl::UnavailableError("KV handoff: reservation refused: the decode worker is draining"));
+  }
+  std::string granted_request;
+  if (options_.grant_key != nullptr) {
+    absl::StatusOr<std::string> granted = CheckGrant(c, m);
+    if (!granted.ok()) return refuse(granted.status());
+    granted_request = *std::move(granted);
   }
   if (absl::Status s = CheckCompatible(m.sender, layout_); !s.ok()) return refuse(s);
   if (m.num_positions <= 0 || m.margin_positions < 0 ||
@@ -175,6 +229,7 @@ void KvReceiver::HandleReserve(Connection& c, const ReserveRequest& m) {
   h.reserved_positions = static_cast<int32_t>(total_positions);
   h.start = options_.clock();
   h.deadline = h.start + options_.lease;
+  h.request_id = std::move(granted_request);
   {
     absl::MutexLock lock(&mu_);
     reply.id = HandoffId{next_id_++};
@@ -197,7 +252,13 @@ void KvReceiver::HandleCommit(Connection& c, Commit& m) {
     auto it = handoffs_.find(m.id);
     absl::Status refusal;
     if (it == handoffs_.end() || it->second.conn != &c) {
+      if (it != handoffs_.end()) Refused(GrantRefusal::kCommitOtherConnection);
       refusal = absl::NotFoundError(absl::StrCat("KV handoff: commit for unknown handoff id ", m.id.value));
+    } else if (options_.grant_key != nullptr && m.request_id != it->second.request_id) {
+      Refused(GrantRefusal::kCommitOtherRequest);
+      refusal = absl::PermissionDeniedError(absl::StrCat("KV handoff: commit for handoff ", m.id.value,
+                                                         " names request ", m.request_id, ", its grant ",
+                                                         it->second.request_id));
     } else if (it->second.state != State::kActive) {
       refusal = absl::FailedPreconditionError(
           absl::StrCat("KV handoff: commit for handoff ", m.id.value, " refused: lease expired or aborted"));

@@ -34,6 +34,7 @@
 #ifndef PDSERVE_KV_TRANSFER_RECEIVER_H_
 #define PDSERVE_KV_TRANSFER_RECEIVER_H_
 
+#include <array>
 #include <atomic>
 #include <functional>
 #include <memory>
@@ -48,6 +49,7 @@
 #include "common/kv_manager.h"
 #include "kernels/backend.h"
 #include "kv_transfer/descriptor.h"
+#include "kv_transfer/grant.h"
 #include "kv_transfer/metrics.h"
 #include "kv_transfer/transport.h"
 #include "kv_transfer/wire.h"
@@ -70,6 +72,12 @@ struct ReceiverOptions {
   // before the sequence is handed on (or its prefix published).
   kernels::Backend* pool_backend = nullptr;
   int32_t landing_blocks = 0;
+  // Handoff grants (grant.h). With a key, a reservation is honoured only
+  // with a grant minted with it, for this receiver (SetAddress), unexpired,
+  // from the host it names (SenderMatches), and not used before for its
+  // (request id, attempt); the commit must come on the reserving connection
+  // and name the grant's request. Refusals are counted by reason.
+  std::shared_ptr<const GrantKey> grant_key;
 };
 
 struct CommittedSequence {
@@ -109,6 +117,10 @@ class KvReceiver final : public ConnectionHandler {
   };
   Stats stats() const;
   KvTransferStats metrics() const { return metrics_.Snapshot(); }
+  // Refusals of reservations and commits by reason (GrantRefusalName).
+  int64_t refusals(GrantRefusal why) const { return refusals_[static_cast<int>(why)].load(); }
+  // This receiver's address as the router names it (grants must name it).
+  void SetAddress(std::string address);
   const KvLayoutDescriptor& layout() const { return layout_; }
 
   void OnMessage(Connection& c, std::string message) override;
@@ -125,6 +137,7 @@ class KvReceiver final : public ConnectionHandler {
     int32_t reserved_positions = 0;
     absl::Time start;
     absl::Time deadline;  // Active: the lease; quarantined: when to give up on the sender.
+    std::string request_id;  // The grant's (with a grant key): the commit must name it.
   };
 
   KvReceiver(Transport* transport, KvManager* kv, ReceiverOptions options, CommittedCallback on_committed,
@@ -133,6 +146,9 @@ class KvReceiver final : public ConnectionHandler {
   absl::Status Land(const Handoff& h, int32_t from, int32_t to);
 
   void HandleReserve(Connection& c, const ReserveRequest& m);
+  // With a grant key: the grant's request id, or the refusal.
+  absl::StatusOr<std::string> CheckGrant(Connection& c, const ReserveRequest& m);
+  void Refused(GrantRefusal why) { ++refusals_[static_cast<int>(why)]; }
   void HandleCommit(Connection& c, Commit& m);
   void HandleAbort(Connection& c, const kv::Abort& m);
   void Free(HandoffId id);
@@ -157,6 +173,11 @@ class KvReceiver final : public ConnectionHandler {
   mutable absl::Mutex mu_;
   absl::flat_hash_map<HandoffId, Handoff> handoffs_ ABSL_GUARDED_BY(mu_);
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  std::string address_ ABSL_GUARDED_BY(mu_);
+  // Grants honoured, by (request id, attempt), until they expire (unix ms).
+  absl::flat_hash_map<std::pair<std::string, uint32_t>, int64_t> used_grants_ ABSL_GUARDED_BY(mu_);
+  int64_t next_grant_prune_ms_ ABSL_GUARDED_BY(mu_) = 0;
+  std::array<std::atomic<int64_t>, kGrantRefusalKinds> refusals_{};
 };
 
 }  // namespace pdserve::kv

@@ -110,6 +110,7 @@ absl::StatusOr<std::unique_ptr<Handoff>> KvSender::Reserve(Connection* conn, Res
   req.num_positions = args.num_positions;
   req.margin_positions = args.margin_positions;
   req.prompt_tokens = std::move(args.prompt_tokens);
+  req.grant = std::move(args.grant);
   const absl::Time start = absl::Now();
   transport_->loop().Post([this, conn, pending, req = std::move(req)]() mutable {
     if (conn->failed()) {

@@ -60,6 +60,7 @@ struct ReserveArgs {
   int32_t num_positions = 0;     // Positions whose KV is sent (the prompt).
   int32_t margin_positions = 0;  // Extra room for decode.
   std::vector<int32_t> prompt_tokens = {};  // For the receiver's prefix lookup.
+  std::string grant = {};  // The router's grant for this attempt (grant.h), passed on as it came.
 };
 
 class KvSender;

@@ -67,6 +67,10 @@ class Connection {
   virtual void Fail(absl::Status why) = 0;
   virtual bool failed() const = 0;
   virtual const std::string& name() const = 0;
+  // The peer's host as the transport saw it (an accepted connection's
+  // client IP; the loopback: the connecting transport's name); "" when
+  // the transport cannot tell. Handoff grants bind the sender to it.
+  virtual std::string peer_host() const { return ""; }
 };
 
 class ConnectionHandler {

@@ -305,6 +305,8 @@ class UcxTransport::Conn final : public Connection {
 
   bool failed() const override { return state_ == State::kFailed; }
   const std::string& name() const override { return name_; }
+  std::string peer_host() const override { return peer_host_; }
+  void set_peer_host(std::string h) { peer_host_ = std::move(h); }
 
   // Loop thread.
   void OnAm(unsigned id, std::string data) {
@@ -472,6 +474,7 @@ class UcxTransport::Conn final : public Connection {
   UcxTransport* owner_;
   ConnectionHandler* handler_;
   std::string name_;
+  std::string peer_host_;  // Accepted connections: the client's IP.
   State state_ = State::kOpen;
   absl::Status error_;
   bool ep_closed_ = false;
@@ -698,13 +701,16 @@ void UcxTransport::OnConnRequest(ucp_conn_request_h request, void* arg) {
   ucp_conn_request_attr_t attr{};
   attr.field_mask = UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR;
   std::string peer = "peer";
+  std::string peer_host;
   if (ucp_conn_request_query(request, &attr) == UCS_OK) {
     char host[INET6_ADDRSTRLEN] = {};
     auto* in = reinterpret_cast<sockaddr_in*>(&attr.client_address);
     inet_ntop(AF_INET, &in->sin_addr, host, sizeof(host));
+    peer_host = host;
     peer = absl::StrCat(host, ":", ntohs(in->sin_port));
   }
   Conn* c = self->AddConn(l->handler, absl::StrCat("<-", peer));
+  c->set_peer_host(std::move(peer_host));
   c->err_arg_.reset(new EpErrorArg{&self->loop_, [c](ucs_status_t s) { c->OnError(s); }});
   EpErrorArg* err = c->err_arg_.get();
   ucp_ep_params_t ep{};

@@ -131,6 +131,7 @@ struct EncodeVisitor {
     w.Pod(m.num_positions);
     w.Pod(m.margin_positions);
     w.Vec(m.prompt_tokens);
+    if (m.sender.protocol_version >= 4) w.Str(m.grant);  // As Decode reads it.
   }
   void operator()(const ReserveReply& m) {
     w.Pod(m.tag);
@@ -180,7 +181,7 @@ struct EncodeVisitor {
 
 bool DecodeInto(Reader& r, ReserveRequest& m) {
   return r.Pod(m.tag) && r.Desc(m.sender) && r.Pod(m.num_positions) && r.Pod(m.margin_positions) &&
-         r.Vec(m.prompt_tokens);
+         r.Vec(m.prompt_tokens) && (m.sender.protocol_version < 4 || r.Str(m.grant));
 }
 bool DecodeInto(Reader& r, ReserveReply& m) {
   return r.Pod(m.tag) && r.Pod(m.code) && r.Str(m.message) && r.Pod(m.id.value) && r.Desc(m.receiver) &&

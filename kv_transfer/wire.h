@@ -43,6 +43,10 @@ struct ReserveRequest {
   int32_t num_positions = 0;
   int32_t margin_positions = 0;
   std::vector<int32_t> prompt_tokens;
+  // The router's grant for this attempt (kv_transfer/grant.h, encoded);
+  // empty without one. A receiver with a grant key honours no reservation
+  // without a valid one.
+  std::string grant;
 };
 
 // Receiver -> sender. On error only tag, code and message are meaningful.

@@ -33,6 +33,7 @@ double Seconds(Clock::time_point a, Clock::time_point b) {
 struct PrefillService::Job {
   std::string request_id;
   std::string decode_address;
+  std::string kv_grant;  // The router's, for the decode worker (kv_transfer/grant.h).
   std::unique_ptr<Generation> gen;  // Until the engine has the request.
   // Set (under mu) when handed to the engine.
   std::shared_ptr<engine::Request> request;
@@ -256,6 +257,7 @@ absl::Status PrefillService::StartHandoff(Job& job) {
     args.num_positions = static_cast<int32_t>(job.context.size());
     args.margin_positions = r.params.max_tokens - static_cast<int32_t>(job.gen->generated().size());
     args.prompt_tokens = job.context;
+    args.grant = job.kv_grant;
     absl::StatusOr<std::unique_ptr<kv::Handoff>> h = sender_->Reserve(*conn, std::move(args));
     if (h.ok()) {
       job.handoff = *std::move(h);
@@ -466,6 +468,7 @@ grpc::ServerWriteReactor<PrefillEvent>* PrefillService::Prefill(grpc::CallbackSe
   auto job = std::make_shared<Job>();
   job->request_id = req->request().request_id();
   job->decode_address = req->decode_kv_address();
+  job->kv_grant = req->kv_grant();
   absl::StatusOr<std::unique_ptr<Generation>> made = rpc::MakeGeneration(
       req->request(), model_->config().eos_token_ids, model_->config().vocab_size, tokenizer_);
   if (!made.ok()) return reject(made.status());

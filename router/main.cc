@@ -106,6 +106,12 @@ int Run() {
     return 2;
   }
   o.tls = *tls;
+  absl::StatusOr<std::shared_ptr<const kv::GrantKey>> grant_key = GrantKeyFromFlags("router");
+  if (!grant_key.ok()) {
+    LogEvent("error", "bad_flags", {{"error", std::string(grant_key.status().message())}});
+    return 2;
+  }
+  o.grant_key = *grant_key;
   o.resolve_interval = absl::Seconds(absl::GetFlag(FLAGS_resolve_interval_s));
   o.max_backoff = absl::Seconds(absl::GetFlag(FLAGS_max_backoff_s));
   o.pick_wait = absl::Seconds(absl::GetFlag(FLAGS_pick_wait_s));

@@ -9,12 +9,23 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/server_util.h"
+#include "kv_transfer/grant.h"
 #include "proto/convert.h"
 
 namespace pdserve::router {
 namespace {
 
 double Between(absl::Time a, absl::Time b) { return absl::ToDoubleSeconds(b - a); }
+
+// "host" of "host:port" or "[v6]:port" (a grant names its sender's host).
+std::string HostOfAddress(const std::string& address) {
+  if (!address.empty() && address[0] == '[') {
+    const size_t close = address.find(']');
+    return close == std::string::npos ? address : address.substr(1, close - 1);
+  }
+  const size_t colon = address.rfind(':');
+  return colon == std::string::npos ? address : address.substr(0, colon);
+}
 
 }  // namespace
 
@@ -321,6 +332,14 @@ RelayState Relay::Prefill() {
   worker::v1::PrefillRequest preq;
   *preq.mutable_request() = work_;
   preq.set_decode_kv_address(d.report().kv_address);
+  if (context_.grant_key != nullptr) {
+    // This attempt's grant: only p may reserve on d for it, once, until it
+    // expires (kv_transfer/grant.h). A retry or a migration is a new attempt.
+    absl::StatusOr<kv::Grant> g = kv::MintGrant(*context_.grant_key, work_.request_id(), ++handoff_attempts_,
+                                                HostOfAddress(p.address()), d.report().kv_address,
+                                                absl::Now() + context_.grant_ttl);
+    if (g.ok()) preq.set_kv_grant(kv::EncodeGrant(*g));
+  }
   OpenPrefill(context_.transport->Prefill(p, preq, deadline_));
   worker::v1::PrefillEvent ev;
   bool first_seen = false;

@@ -43,6 +43,7 @@
 #include "common/generation.h"
 #include "common/metrics.h"
 #include "common/tokenizer/tokenizer.h"
+#include "kv_transfer/grant.h"
 #include "pdserve/v1/generation.pb.h"
 #include "router/admission.h"
 #include "router/measured.h"
@@ -109,6 +110,10 @@ struct RelayContext {
   const RelayMetrics* metrics = nullptr;
   std::atomic<int64_t>* in_flight = nullptr;  // requests being relayed
   std::atomic<uint64_t>* next_id = nullptr;   // internal request ids
+  // Handoff grants: each prefill attempt's, for its decode worker (none: no
+  // grants; decode workers without a key take any reservation).
+  std::shared_ptr<const kv::GrantKey> grant_key;
+  absl::Duration grant_ttl = absl::Seconds(120);
 };
 
 enum class RelayState { kPlace, kPrefill, kRetryPrefill, kDecode, kMigrate, kFinish };
@@ -216,6 +221,7 @@ class Relay {
   bool decode_expected_ = false;
   // The prefill attempts of this decode attempt.
   WorkerPtr prefill_;
+  uint32_t handoff_attempts_ = 0;  // Every prefill attempt's grant names a new one.
   Exclusions failed_prefill_;
   absl::Status prefill_status_;
   bool first_sent_ = false;

@@ -145,6 +145,8 @@ absl::StatusOr<std::unique_ptr<RouterService>> RouterService::Create(RouterOptio
   rc.metrics = r->relay_metrics_.get();
   rc.in_flight = &r->in_flight_;
   rc.next_id = &r->next_request_;
+  rc.grant_key = o.grant_key;
+  rc.grant_ttl = o.grant_ttl;
   r->watcher_ = std::thread([raw] { raw->WatchLoop(); });
   return r;
 }

@@ -84,6 +84,10 @@ struct RouterOptions {
   // How long a routed prompt's blocks count as cached on the chosen worker
   // before its own KV events confirm them.
   absl::Duration prefix_expect = absl::Seconds(10);
+  // Handoff grants (kv_transfer/grant.h): with a key, every prefill attempt
+  // carries a grant for its decode worker, valid for grant_ttl.
+  std::shared_ptr<const kv::GrantKey> grant_key;
+  absl::Duration grant_ttl = absl::Seconds(120);
   // pdserve_recommended_workers is exposed once its inputs have this many
   // samples each.
   int64_t autoscale_min_samples = 20;

@@ -26,8 +26,14 @@ int MetricsPort(const std::string& ready_file) {
 // A server's TLS flags for `role` (--insecure without certificates).
 std::vector<std::string> TlsFlags(const std::string& certs_dir, const std::string& role) {
   if (certs_dir.empty()) return {"--insecure"};
-  return {"--tls_cert", absl::StrCat(certs_dir, "/", role, ".pem"), "--tls_key",
-          absl::StrCat(certs_dir, "/", role, ".key"), "--tls_ca", certs_dir + "/ca.pem"};
+  std::vector<std::string> flags = {"--tls_cert", absl::StrCat(certs_dir, "/", role, ".pem"), "--tls_key",
+                                    absl::StrCat(certs_dir, "/", role, ".key"), "--tls_ca", certs_dir + "/ca.pem"};
+  // KV handoff grants: the router mints, the decode workers check.
+  if (role == "router" || role == "decode") {
+    flags.push_back("--kv_grant_key");
+    flags.push_back(certs_dir + "/kv_grant.key");
+  }
+  return flags;
 }
 
 }  // namespace

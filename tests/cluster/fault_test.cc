@@ -243,7 +243,7 @@ TEST(FaultTest, DecodeWorkerWithoutSysIsNotServingWithUcxReason) {
       StartServer(broken, dir, "broken",
                   {UnshareBinary(), "-m", "sh", "-c", "mount -t tmpfs none /sys && exec \"$0\" \"$@\"", decode_bin,
                    "--model", kModel, "--tls_cert", TestTls("decode").cert, "--tls_key", TestTls("decode").key,
-                   "--tls_ca", TestTls("decode").ca});
+                   "--tls_ca", TestTls("decode").ca, "--kv_grant_key", TestCertsDir() + "/kv_grant.key"});
   ASSERT_TRUE(broken_address.ok()) << broken_address.status();
   const absl::Time serving = absl::Now();
   // Polled: the verdict is another process's.
@@ -263,7 +263,7 @@ TEST(FaultTest, DecodeWorkerWithoutSysIsNotServingWithUcxReason) {
   // killed once the router is up, leaves only the broken one.
   Subprocess healthy, prefill, router;
   absl::StatusOr<std::string> healthy_address = StartServer(healthy, dir, "healthy", {decode_bin, "--model", kModel, "--tls_cert", TestTls("decode").cert, "--tls_key",
-                                            TestTls("decode").key, "--tls_ca", TestTls("decode").ca});
+                                            TestTls("decode").key, "--tls_ca", TestTls("decode").ca, "--kv_grant_key", TestCertsDir() + "/kv_grant.key"});
   ASSERT_TRUE(healthy_address.ok()) << healthy_address.status();
   absl::StatusOr<std::string> prefill_address =
       StartServer(prefill, dir, "prefill",
@@ -274,7 +274,7 @@ TEST(FaultTest, DecodeWorkerWithoutSysIsNotServingWithUcxReason) {
       router, dir, "router",
       {kBin + "/router/pdserve-router", "--model", kModel, "--http_listen", "127.0.0.1:0", "--decode",
        absl::StrCat(*broken_address, ",", *healthy_address), "--prefill", *prefill_address, "--pick_wait_s", "1",
-       "--tls_cert", TestTls("router").cert, "--tls_key", TestTls("router").key, "--tls_ca", TestTls("router").ca});
+       "--tls_cert", TestTls("router").cert, "--tls_key", TestTls("router").key, "--tls_ca", TestTls("router").ca, "--kv_grant_key", TestCertsDir() + "/kv_grant.key"});
   ASSERT_TRUE(router_address.ok()) << router_address.status();
   healthy.Kill();
   // Once the router's own probe has ejected it (the broken worker was never

@@ -201,12 +201,12 @@ class HandoffLinkTest : public ::testing::Test {
     absl::StatusOr<int> d1 = StartServer(d1_, "d1", dc_,
                                          {kBin + "/decode_worker/pdserve-decode-worker", "--listen", d1_ip_ + ":0",
                                           "--kv_host", d1_kv_ip_, "--kv_lease_s", kD1LeaseS, "--kv_quarantine_s", "2",
-                                          "--prefill_chunk", "32", "--tls_cert", TestTls("decode").cert, "--tls_key", TestTls("decode").key, "--tls_ca", TestTls("decode").ca},
+                                          "--prefill_chunk", "32", "--tls_cert", TestTls("decode").cert, "--tls_key", TestTls("decode").key, "--tls_ca", TestTls("decode").ca, "--kv_grant_key", TestCertsDir() + "/kv_grant.key"},
                                          ucx(dc_pf_));
     if (!d1.ok()) return d1.status();
     absl::StatusOr<int> d2 = StartServer(d2_, "d2", "",
                                          {kBin + "/decode_worker/pdserve-decode-worker", "--listen", "127.0.0.1:0",
-                                          "--kv_host", d2_kv_ip_, "--prefill_chunk", "32", "--tls_cert", TestTls("decode").cert, "--tls_key", TestTls("decode").key, "--tls_ca", TestTls("decode").ca},
+                                          "--kv_host", d2_kv_ip_, "--prefill_chunk", "32", "--tls_cert", TestTls("decode").cert, "--tls_key", TestTls("decode").key, "--tls_ca", TestTls("decode").ca, "--kv_grant_key", TestCertsDir() + "/kv_grant.key"},
                                          ucx(root_pf_));
     if (!d2.ok()) return d2.status();
     absl::StatusOr<int> p1 =
@@ -220,7 +220,7 @@ class HandoffLinkTest : public ::testing::Test {
     absl::StatusOr<int> router =
         StartServer(router_, "router", "",
                     {kBin + "/router/pdserve-router", "--listen", "127.0.0.1:0", "--http_listen", "127.0.0.1:0", "--prefill",
-                     absl::StrCat(p1_ip_, ":", *p1), "--decode", absl::StrCat(d1_address_, ",", d2_address_), "--tls_cert", TestTls("router").cert, "--tls_key", TestTls("router").key, "--tls_ca", TestTls("router").ca},
+                     absl::StrCat(p1_ip_, ":", *p1), "--decode", absl::StrCat(d1_address_, ",", d2_address_), "--tls_cert", TestTls("router").cert, "--tls_key", TestTls("router").key, "--tls_ca", TestTls("router").ca, "--kv_grant_key", TestCertsDir() + "/kv_grant.key"},
                     {});
     if (!router.ok()) return router.status();
     stub_ = v1::Generation::NewStub(TestChannel(absl::StrCat("127.0.0.1:", *router)));

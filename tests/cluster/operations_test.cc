@@ -249,7 +249,7 @@ TEST(OperationsTest, DecodePoolScalesBehindADnsName) {
                           "--prefill", absl::StrCat("127.0.0.1:", *pport), "--decode",
                           absl::StrCat("dns://", dns.server(), "/", name, ":", port), "--resolve_interval_s", "0.2",
                           "--tls_cert", TestTls("router").cert, "--tls_key", TestTls("router").key, "--tls_ca",
-                          TestTls("router").ca},
+                          TestTls("router").ca, "--kv_grant_key", TestCertsDir() + "/kv_grant.key"},
                          dir + "/router.log")
                   .ok());
   absl::StatusOr<int> rport = router.WaitReady(dir + "/router.ready", absl::Seconds(60));

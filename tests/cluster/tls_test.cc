@@ -126,8 +126,10 @@ TEST(TlsImpostorTest, WorkersWithAnotherRolesOrAnotherCasCertificateGetNoTraffic
   const std::string other = MakeCerts(dir + "/other-ca");
   const std::string decode_bin = kBin + "/decode_worker/pdserve-decode-worker";
   Subprocess real, wrong_role, wrong_ca, prefill, prefill_as_decode, router;
+  // (Every process gets the grant key: the prefill worker ignores it.)
   auto tls = [](const TlsFiles& f) {
-    return std::vector<std::string>{"--tls_cert", f.cert, "--tls_key", f.key, "--tls_ca", f.ca};
+    return std::vector<std::string>{"--tls_cert", f.cert, "--tls_key", f.key, "--tls_ca", f.ca,
+                                    "--kv_grant_key", TestCertsDir() + "/kv_grant.key"};
   };
   auto with = [](std::vector<std::string> a, const std::vector<std::string>& b) {
     a.insert(a.end(), b.begin(), b.end());

@@ -20,6 +20,7 @@
 #include "common/safetensors.h"
 #include "common/tokenizer/tokenizer.h"
 #include "gtest/gtest.h"
+#include "kv_transfer/grant.h"
 #include "kv_transfer/wire.h"
 #include "pdserve/v1/worker.pb.h"
 #include "proto/received.h"
@@ -33,6 +34,7 @@ extern "C" int FuzzConfig(const uint8_t* data, size_t size);
 extern "C" int FuzzTokenizerJson(const uint8_t* data, size_t size);
 extern "C" int FuzzTokenize(const uint8_t* data, size_t size);
 extern "C" int FuzzWire(const uint8_t* data, size_t size);
+extern "C" int FuzzGrant(const uint8_t* data, size_t size);
 extern "C" int FuzzBenchTrace(const uint8_t* data, size_t size);
 extern "C" int FuzzReceived(const uint8_t* data, size_t size);
 extern "C" int FuzzOpenAiRequest(const uint8_t* data, size_t size);
@@ -114,6 +116,15 @@ TEST(FuzzCorpusReplayTest, Config) {
 TEST(FuzzCorpusReplayTest, TokenizerJson) {
   Replay("tokenizer_json", 8, FuzzTokenizerJson,
          [](const Seed& s) { return tok::Tokenizer::FromJson(s.bytes, "", "seed").ok(); });
+}
+
+TEST(FuzzCorpusReplayTest, KvHandoffGrant) {
+  const kv::GrantKey key = *kv::GrantKey::FromBytes(std::string(32, 'k'));
+  Replay("grant", 4, FuzzGrant, [&](const Seed& s) {
+    absl::StatusOr<kv::Grant> g = kv::DecodeGrant(s.bytes);
+    kv::GrantRefusal why;
+    return g.ok() && kv::VerifyGrant(key, *g, g->receiver, absl::FromUnixSeconds(0), &why).ok();
+  });
 }
 
 TEST(FuzzCorpusReplayTest, KvHandoffWire) {

@@ -11,6 +11,7 @@
 #include "common/block_hash.h"
 #include "common/kv_manager.h"
 #include "gtest/gtest.h"
+#include "kv_transfer/grant.h"
 #include "kv_transfer/layout_copy.h"
 #include "kv_transfer/loopback_transport.h"
 #include "kv_transfer/receiver.h"
@@ -117,12 +118,14 @@ class HandoffTest : public ::testing::Test {
     ReceiverOptions ro{.model = kModel, .lease = lease,
                        .lease_check_period = absl::Hours(1),
                        .clock = [this] { return clock_.Now(); }};
+    ro.grant_key = grant_key_;
     receiver_obj_ = *KvReceiver::Create(receiver_.transport.get(), receiver_.kv.get(), ro,
                                         [this](CommittedSequence s) {
                                           absl::MutexLock lock(&committed_mu_);
                                           committed_.push_back(std::move(s));
                                         });
     port_ = *receiver_obj_->Listen("127.0.0.1", 0);
+    receiver_obj_->SetAddress(kReceiverAddress);
     sender_obj_ = std::make_unique<KvSender>(sender_.transport.get(), sender_.kv->storage(),
                                              SenderOptions{.model = kModel, .timeout = absl::Seconds(5)});
     conn_ = *sender_obj_->Connect("127.0.0.1", port_);
@@ -197,6 +200,8 @@ class HandoffTest : public ::testing::Test {
     seq.Release();
   }
 
+  static constexpr const char* kReceiverAddress = "10.0.0.2:7300";
+  std::shared_ptr<const GrantKey> grant_key_;  // Set before SetUp: grants required.
   LoopbackNetwork net_;
   FakeClock clock_;
   RawClient raw_;  // Outlives the transports: their connections may call it.
@@ -663,6 +668,131 @@ TEST_F(HandoffTest, SenderAbortFreesAtOnce) {
   ASSERT_TRUE(h.ok());
   EXPECT_TRUE((*h)->Abort(absl::CancelledError("client went away")).ok());
   EXPECT_EQ(receiver_obj_->stats().active, 0);
+  EXPECT_EQ(receiver_.kv->Counts().free, 32);
+}
+
+// Grants (kv_transfer/grant.h): a receiver with a key honours only the
+// router's grant for this receiver, unexpired, from the host it names, once
+// per (request, attempt); the commit must come on the reserving connection
+// and name the grant's request. Every refusal is counted, and a committed
+// request's KV does not change, byte for byte, whatever the refused ones
+// sent.
+class HandoffGrantTest : public HandoffTest {
+ protected:
+  void SetUp() override {
+    grant_key_ = std::make_shared<const GrantKey>(*GrantKey::FromBytes(std::string(32, 'k')));
+    HandoffTest::SetUp(Spec(DType::kF32, 4, 32), Spec(DType::kF32, 4, 32), absl::Seconds(2));
+  }
+  // The loopback shows a connection's peer as its transport's name
+  // ("prefill"), a name, so a grant naming it matches; an IP literal names
+  // another host.
+  std::string Grant(const std::string& request, uint32_t attempt, absl::Duration ttl = absl::Seconds(60),
+                    const std::string& receiver = kReceiverAddress, const std::string& sender = "prefill",
+                    const GrantKey* key = nullptr) {
+    return EncodeGrant(*MintGrant(key != nullptr ? *key : *grant_key_, request, attempt, sender, receiver,
+                                  clock_.Now() + ttl));
+  }
+  ReserveRequest Reserve(uint64_t tag, std::string grant) {
+    ReserveRequest req;
+    req.tag = tag;
+    req.sender = KvLayoutDescriptor::FromSpec(Spec(DType::kF32, 4, 32), kModel);
+    req.num_positions = 4;
+    req.grant = std::move(grant);
+    return req;
+  }
+};
+
+TEST_F(HandoffGrantTest, OnlyAValidUnusedGrantReservesAndOnlyItsConnectionCommits) {
+  // A legitimate handoff through the sender, committed first: its blocks
+  // must not change while the refused ones below try.
+  SequenceKv seq = SenderSequence(8);
+  const std::vector<int32_t> tokens = Tokens(8);
+  auto h = sender_obj_->Reserve(conn_, {.num_positions = 8, .prompt_tokens = tokens, .grant = Grant("req-a", 1)});
+  ASSERT_TRUE(h.ok()) << h.status();
+  for (int32_t l = 0; l < sender_.kv->spec().num_layers; ++l) ASSERT_TRUE((*h)->SendLayer(l, seq.block_table()).ok());
+  kv::Commit state = CommitState(tokens);
+  state.request_id = "req-a";
+  ASSERT_TRUE((*h)->Commit(state).ok());
+  std::vector<int32_t> committed_blocks;
+  {
+    absl::MutexLock lock(&committed_mu_);
+    ASSERT_EQ(committed_.size(), 1u);
+    committed_blocks = committed_[0].kv.block_table();
+  }
+  const auto before = PositionChecksums(receiver_.kv->spec(), receiver_.kv->storage().base, committed_blocks, 0, 8, 1);
+
+  RawClient& raw = raw_;
+  Connection* c = *sender_.transport->Connect("127.0.0.1", port_, &raw);
+  auto send = [&](const Message& m) { sender_.transport->loop().RunSync([&] { c->Send(Encode(m)); }); };
+  auto refused = [&](uint64_t tag, std::string grant, GrantRefusal why, const std::string& says) {
+    send(Reserve(tag, std::move(grant)));
+    ReserveReply r = raw.Await<ReserveReply>();
+    EXPECT_EQ(r.tag, tag);
+    EXPECT_EQ(r.code, static_cast<int32_t>(absl::StatusCode::kPermissionDenied)) << GrantRefusalName(why);
+    EXPECT_NE(r.message.find(says), std::string::npos) << r.message;
+    EXPECT_EQ(receiver_obj_->refusals(why), 1) << GrantRefusalName(why);
+  };
+  const GrantKey other = *GrantKey::FromBytes(std::string(32, 'x'));
+  refused(1, "", GrantRefusal::kMissing, "no grant");
+  refused(2, "PDG1 garbage", GrantRefusal::kMalformed, "malformed");
+  refused(3, Grant("req-b", 1, absl::Seconds(60), kReceiverAddress, "prefill", &other), GrantRefusal::kBadMac,
+          "MAC");
+  refused(4, Grant("req-b", 1, absl::Seconds(-1)), GrantRefusal::kExpired, "expired");
+  refused(5, Grant("req-b", 1, absl::Seconds(60), "10.0.0.9:7300"), GrantRefusal::kWrongReceiver, "10.0.0.9:7300");
+  refused(6, Grant("req-b", 1, absl::Seconds(60), kReceiverAddress, "10.0.0.1"), GrantRefusal::kWrongSender,
+          "10.0.0.1");
+  refused(7, Grant("req-a", 1), GrantRefusal::kReused, "used before");
+  // A tampered grant: one byte of the request id changed.
+  std::string tampered = Grant("req-c", 1);
+  tampered[8] ^= 1;
+  send(Reserve(8, tampered));
+  EXPECT_EQ(raw.Await<ReserveReply>().code, static_cast<int32_t>(absl::StatusCode::kPermissionDenied));
+  EXPECT_EQ(receiver_obj_->refusals(GrantRefusal::kBadMac), 2);
+
+  // A fresh attempt of the same request is a new grant: honoured.
+  send(Reserve(9, Grant("req-a", 2)));
+  ReserveReply ok = raw.Await<ReserveReply>();
+  ASSERT_EQ(ok.code, 0) << ok.message;
+  // Its commit from another connection, or naming another request, is refused.
+  kv::Commit commit = CommitState(Tokens(4));
+  commit.id = ok.id;
+  commit.request_id = "req-a";
+  Connection* intruder = *sender_.transport->Connect("127.0.0.1", port_, &raw);
+  sender_.transport->loop().RunSync([&] { intruder->Send(Encode(commit)); });
+  EXPECT_EQ(raw.Await<CommitReply>().code, static_cast<int32_t>(absl::StatusCode::kNotFound));
+  EXPECT_EQ(receiver_obj_->refusals(GrantRefusal::kCommitOtherConnection), 1);
+  commit.request_id = "req-z";
+  send(commit);
+  EXPECT_EQ(raw.Await<CommitReply>().code, static_cast<int32_t>(absl::StatusCode::kPermissionDenied));
+  EXPECT_EQ(receiver_obj_->refusals(GrantRefusal::kCommitOtherRequest), 1);
+  commit.request_id = "req-a";
+  send(commit);
+  EXPECT_EQ(raw.Await<CommitReply>().code, 0);
+
+  const auto after = PositionChecksums(receiver_.kv->spec(), receiver_.kv->storage().base, committed_blocks, 0, 8, 1);
+  EXPECT_EQ(before, after);
+  seq.Release();
+}
+
+// The lease still bounds a granted reservation, and a late commit for it is
+// refused (over TCP a put outside a live reservation has nowhere to land).
+TEST_F(HandoffGrantTest, AGrantedReservationStillExpiresWithItsLease) {
+  RawClient& raw = raw_;
+  Connection* c = *sender_.transport->Connect("127.0.0.1", port_, &raw);
+  auto send = [&](const Message& m) { sender_.transport->loop().RunSync([&] { c->Send(Encode(m)); }); };
+  send(Reserve(1, Grant("req-l", 1)));
+  ReserveReply rr = raw.Await<ReserveReply>();
+  ASSERT_EQ(rr.code, 0) << rr.message;
+  clock_.Advance(absl::Seconds(3));
+  receiver_obj_->CheckLeases();
+  EXPECT_EQ(raw.Await<Abort>().code, static_cast<int32_t>(absl::StatusCode::kDeadlineExceeded));
+  kv::Commit commit = CommitState(Tokens(4));
+  commit.id = rr.id;
+  commit.request_id = "req-l";
+  send(commit);
+  EXPECT_EQ(raw.Await<CommitReply>().code, static_cast<int32_t>(absl::StatusCode::kFailedPrecondition));
+  send(AbortAck{rr.id});
+  ASSERT_TRUE(Eventually([&] { return receiver_obj_->stats().quarantined == 0; }));
   EXPECT_EQ(receiver_.kv->Counts().free, 32);
 }
 

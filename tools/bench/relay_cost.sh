@@ -45,8 +45,10 @@ for run in $(seq 1 "$RUNS"); do
   for tls in "${MODES[@]}"; do
     rm -f "$OUT"/*.ready
     if [[ $tls == on ]]; then
-      dflags=(--tls_cert "$OUT/certs/decode.pem" --tls_key "$OUT/certs/decode.key" --tls_ca "$OUT/certs/ca.pem")
-      rflags=(--tls_cert "$OUT/certs/router.pem" --tls_key "$OUT/certs/router.key" --tls_ca "$OUT/certs/ca.pem")
+      dflags=(--tls_cert "$OUT/certs/decode.pem" --tls_key "$OUT/certs/decode.key" --tls_ca "$OUT/certs/ca.pem"
+              --kv_grant_key "$OUT/certs/kv_grant.key")
+      rflags=(--tls_cert "$OUT/certs/router.pem" --tls_key "$OUT/certs/router.key" --tls_ca "$OUT/certs/ca.pem"
+              --kv_grant_key "$OUT/certs/kv_grant.key")
       cflags=(--tls_ca "$OUT/certs/ca.pem"); scheme=https
     else
       dflags=(--insecure); rflags=(--insecure); cflags=(); scheme=http

@@ -1,0 +1,207 @@
+#include "kv_transfer/grant.h"
+
+#include <arpa/inet.h>
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+
+namespace pdserve::kv {
+namespace {
+
+constexpr absl::string_view kMagic = "PDG1";
+
+void PutU32(std::string& out, uint32_t v) {
+  for (int i = 0; i < 4; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+void PutI64(std::string& out, int64_t v) {
+  const auto u = static_cast<uint64_t>(v);
+  for (int i = 0; i < 8; ++i) out.push_back(static_cast<char>((u >> (8 * i)) & 0xff));
+}
+void PutString(std::string& out, absl::string_view s) {
+  PutU32(out, static_cast<uint32_t>(s.size()));
+  out.append(s.data(), s.size());
+}
+
+// Everything the MAC covers, in wire order.
+std::string Signed(const Grant& g) {
+  std::string out(kMagic);
+  PutString(out, g.request_id);
+  PutU32(out, g.attempt);
+  PutString(out, g.sender);
+  PutString(out, g.receiver);
+  PutI64(out, g.expires_unix_ms);
+  return out;
+}
+
+std::array<uint8_t, 32> Mac(const GrantKey& key, absl::string_view data) {
+  std::array<uint8_t, 32> mac{};
+  unsigned int len = 0;
+  HMAC(EVP_sha256(), key.bytes().data(), static_cast<int>(key.bytes().size()),
+       reinterpret_cast<const unsigned char*>(data.data()), data.size(), mac.data(), &len);
+  return mac;
+}
+
+class Reader {
+ public:
+  explicit Reader(absl::string_view b) : b_(b) {}
+  bool U32(uint32_t& v) {
+    if (b_.size() < 4) return false;
+    v = 0;
+    for (int i = 0; i < 4; ++i) v |= static_cast<uint32_t>(static_cast<uint8_t>(b_[i])) << (8 * i);
+    b_.remove_prefix(4);
+    return true;
+  }
+  bool I64(int64_t& v) {
+    if (b_.size() < 8) return false;
+    uint64_t u = 0;
+    for (int i = 0; i < 8; ++i) u |= static_cast<uint64_t>(static_cast<uint8_t>(b_[i])) << (8 * i);
+    b_.remove_prefix(8);
+    v = static_cast<int64_t>(u);
+    return true;
+  }
+  bool String(std::string& s) {
+    uint32_t n = 0;
+    if (!U32(n) || n > kGrantMaxField || n > b_.size()) return false;
+    s.assign(b_.data(), n);
+    b_.remove_prefix(n);
+    return true;
+  }
+  bool Bytes(uint8_t* out, size_t n) {
+    if (b_.size() < n) return false;
+    std::memcpy(out, b_.data(), n);
+    b_.remove_prefix(n);
+    return true;
+  }
+  bool Done() const { return b_.empty(); }
+
+ private:
+  absl::string_view b_;
+};
+
+}  // namespace
+
+absl::StatusOr<GrantKey> GrantKey::FromBytes(std::string bytes) {
+  if (bytes.size() < kGrantMinKeyBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("KV grant key: ", bytes.size(), " bytes, fewer than ",
+                                                   kGrantMinKeyBytes, " (make one with `openssl rand -hex 32`)"));
+  }
+  return GrantKey(std::move(bytes));
+}
+
+absl::StatusOr<GrantKey> GrantKey::FromFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    const int err = errno;
+    const std::string what = absl::StrCat("KV grant key file '", path, "': ", std::strerror(err));
+    return err == EACCES ? absl::PermissionDeniedError(what) : absl::NotFoundError(what);
+  }
+  std::stringstream ss;
+  ss << in.rdbuf();
+  std::string bytes = ss.str();
+  while (!bytes.empty() && absl::ascii_isspace(static_cast<unsigned char>(bytes.back()))) bytes.pop_back();
+  absl::StatusOr<GrantKey> key = FromBytes(std::move(bytes));
+  if (!key.ok()) return absl::InvalidArgumentError(absl::StrCat("'", path, "': ", key.status().message()));
+  return key;
+}
+
+absl::StatusOr<Grant> MintGrant(const GrantKey& key, std::string request_id, uint32_t attempt, std::string sender,
+                                std::string receiver, absl::Time expires) {
+  for (const std::string* f : {&request_id, &sender, &receiver}) {
+    if (f->size() > kGrantMaxField) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("KV grant: a field of ", f->size(), " bytes (at most ", kGrantMaxField, ")"));
+    }
+  }
+  Grant g;
+  g.request_id = std::move(request_id);
+  g.attempt = attempt;
+  g.sender = std::move(sender);
+  g.receiver = std::move(receiver);
+  g.expires_unix_ms = absl::ToUnixMillis(expires);
+  g.mac = Mac(key, Signed(g));
+  return g;
+}
+
+std::string EncodeGrant(const Grant& g) {
+  std::string out = Signed(g);
+  out.append(reinterpret_cast<const char*>(g.mac.data()), g.mac.size());
+  return out;
+}
+
+absl::StatusOr<Grant> DecodeGrant(absl::string_view bytes) {
+  if (bytes.size() < kMagic.size() || bytes.substr(0, kMagic.size()) != kMagic) {
+    return absl::InvalidArgumentError("KV grant: not a grant (bad magic)");
+  }
+  Reader r(bytes.substr(kMagic.size()));
+  Grant g;
+  if (!r.String(g.request_id) || !r.U32(g.attempt) || !r.String(g.sender) || !r.String(g.receiver) ||
+      !r.I64(g.expires_unix_ms) || !r.Bytes(g.mac.data(), g.mac.size()) || !r.Done()) {
+    return absl::InvalidArgumentError("KV grant: truncated or malformed");
+  }
+  return g;
+}
+
+const char* GrantRefusalName(GrantRefusal r) {
+  switch (r) {
+    case GrantRefusal::kNone:
+      return "none";
+    case GrantRefusal::kMissing:
+      return "missing";
+    case GrantRefusal::kMalformed:
+      return "malformed";
+    case GrantRefusal::kBadMac:
+      return "bad_mac";
+    case GrantRefusal::kExpired:
+      return "expired";
+    case GrantRefusal::kWrongReceiver:
+      return "wrong_receiver";
+    case GrantRefusal::kWrongSender:
+      return "wrong_sender";
+    case GrantRefusal::kReused:
+      return "reused";
+    case GrantRefusal::kCommitOtherConnection:
+      return "commit_other_connection";
+    case GrantRefusal::kCommitOtherRequest:
+      return "commit_other_request";
+  }
+  return "unknown";
+}
+
+absl::Status VerifyGrant(const GrantKey& key, const Grant& g, absl::string_view receiver, absl::Time now,
+                         GrantRefusal* why) {
+  *why = GrantRefusal::kNone;
+  const std::array<uint8_t, 32> want = Mac(key, Signed(g));
+  if (CRYPTO_memcmp(want.data(), g.mac.data(), want.size()) != 0) {
+    *why = GrantRefusal::kBadMac;
+    return absl::PermissionDeniedError("KV grant refused: its MAC does not verify (not minted with this cluster's key)");
+  }
+  if (g.receiver != receiver) {
+    *why = GrantRefusal::kWrongReceiver;
+    return absl::PermissionDeniedError(
+        absl::StrCat("KV grant refused: it is for decode worker ", g.receiver, ", not ", receiver));
+  }
+  if (absl::ToUnixMillis(now) >= g.expires_unix_ms) {
+    *why = GrantRefusal::kExpired;
+    return absl::PermissionDeniedError(absl::StrCat("KV grant refused: expired ",
+                                                    absl::ToUnixMillis(now) - g.expires_unix_ms, " ms ago"));
+  }
+  return absl::OkStatus();
+}
+
+bool SenderMatches(absl::string_view grant_sender, absl::string_view peer_host) {
+  if (peer_host.empty() || grant_sender == peer_host) return true;
+  const std::string s(grant_sender);
+  unsigned char buf[16];
+  const bool literal = inet_pton(AF_INET, s.c_str(), buf) == 1 || inet_pton(AF_INET6, s.c_str(), buf) == 1;
+  return !literal;
+}
+
+}  // namespace pdserve::kv

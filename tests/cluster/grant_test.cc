@@ -1,0 +1,186 @@
+// KV handoff grants against a real decode worker over UCX: a reservation
+// without a grant, with an expired one, with one naming another sender host
+// or minted with another key, and one already used for its attempt are
+// refused; a commit from another connection and one naming another request
+// are refused; each is counted in pdserve_handoff_refusals_total{reason}, and
+// a valid grant still reserves (and a committed-for request decodes on).
+#include <memory>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "kv_transfer/grant.h"
+#include "kv_transfer/ucx_transport.h"
+#include "kv_transfer/wire.h"
+#include "pdserve/v1/worker.grpc.pb.h"
+#include "tests/cluster/cluster_harness.h"
+
+namespace pdserve {
+namespace {
+
+using kv::Message;
+
+// Speaks the raw handoff protocol; keeps every answer.
+class Raw : public kv::ConnectionHandler {
+ public:
+  void OnMessage(kv::Connection&, std::string message) override {
+    absl::StatusOr<Message> m = kv::Decode(message);
+    absl::MutexLock lock(&mu_);
+    if (m.ok()) messages_.push_back(*std::move(m));
+  }
+  void OnDisconnected(kv::Connection&, absl::Status) override {}
+  template <typename T>
+  std::optional<T> Await() {
+    absl::MutexLock lock(&mu_);
+    auto has = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      for (const Message& m : messages_) {
+        if (std::holds_alternative<T>(m)) return true;
+      }
+      return false;
+    };
+    mu_.AwaitWithTimeout(absl::Condition(&has), absl::Seconds(10));
+    for (auto it = messages_.begin(); it != messages_.end(); ++it) {
+      if (std::holds_alternative<T>(*it)) {
+        T t = std::get<T>(*it);
+        messages_.erase(it);
+        return t;
+      }
+    }
+    return std::nullopt;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<Message> messages_ ABSL_GUARDED_BY(mu_);
+};
+
+TEST(GrantClusterTest, ADecodeWorkerRefusesEveryHandoffItsGrantDoesNotCoverAndCountsIt) {
+  const std::string dir = TempDir();
+  Subprocess decode;
+  std::vector<std::string> argv = {kBin + "/decode_worker/pdserve-decode-worker", "--model", kModel, "--ready_file",
+                                   dir + "/decode.ready", "--kv_lease_s", "30"};
+  for (std::string& a : TlsArgs("decode")) argv.push_back(std::move(a));
+  ASSERT_TRUE(decode.Start(argv, dir + "/decode.log").ok());
+  absl::StatusOr<int> port = decode.WaitReady(dir + "/decode.ready", absl::Seconds(60));
+  ASSERT_TRUE(port.ok()) << port.status() << decode.LogTail();
+  const int metrics_port = MetricsPort(dir + "/decode.ready");
+  std::string kv_address;
+  {
+    auto stub = worker::v1::DecodeWorker::NewStub(TestChannel(absl::StrCat("127.0.0.1:", *port), "decode"));
+    grpc::ClientContext ctx;
+    worker::v1::WorkerInfo info;
+    ASSERT_TRUE(stub->Status(&ctx, {}, &info).ok());
+    kv_address = info.kv_address();
+  }
+  const size_t colon = kv_address.rfind(':');
+  ASSERT_NE(colon, std::string::npos) << kv_address;
+  const int kv_port = std::stoi(kv_address.substr(colon + 1));
+
+  absl::StatusOr<kv::GrantKey> key = kv::GrantKey::FromFile(TestCertsDir() + "/kv_grant.key");
+  ASSERT_TRUE(key.ok()) << key.status();
+  const kv::GrantKey other = *kv::GrantKey::FromBytes(std::string(32, 'x'));
+  auto grant = [&](const std::string& request, uint32_t attempt, absl::Duration ttl,
+                   const std::string& sender = "127.0.0.1", const kv::GrantKey* k = nullptr) {
+    return kv::EncodeGrant(
+        *kv::MintGrant(k != nullptr ? *k : *key, request, attempt, sender, kv_address, absl::Now() + ttl));
+  };
+
+  absl::StatusOr<std::unique_ptr<kv::UcxTransport>> transport = kv::UcxTransport::Create({.name = "grant-test"});
+  ASSERT_TRUE(transport.ok()) << transport.status();
+  Raw raw;
+  absl::StatusOr<kv::Connection*> conn = (*transport)->Connect("127.0.0.1", kv_port, &raw);
+  ASSERT_TRUE(conn.ok()) << conn.status();
+  auto send = [&](kv::Connection* c, const Message& m) { (*transport)->loop().RunSync([&] { c->Send(kv::Encode(m)); }); };
+  kv::ReserveRequest req;
+  req.num_positions = 4;
+  req.prompt_tokens = {1, 2, 3, 4};
+  auto reserve = [&](uint64_t tag, std::string g) {
+    req.tag = tag;
+    req.grant = std::move(g);
+    send(*conn, req);
+    std::optional<kv::ReserveReply> r = raw.Await<kv::ReserveReply>();
+    EXPECT_TRUE(r.has_value()) << "no answer to reservation " << tag;
+    return r.value_or(kv::ReserveReply{});
+  };
+  const int32_t denied = static_cast<int32_t>(absl::StatusCode::kPermissionDenied);
+
+  // Without a grant: refused before anything else (the answer carries the
+  // receiver's layout, which the later reservations then present).
+  kv::ReserveReply r = reserve(1, "");
+  EXPECT_EQ(r.code, denied) << r.message;
+  EXPECT_NE(r.message.find("no grant"), std::string::npos) << r.message;
+  req.sender = r.receiver;
+  r = reserve(2, grant("req-1", 1, absl::Seconds(-1)));
+  EXPECT_EQ(r.code, denied);
+  EXPECT_NE(r.message.find("expired"), std::string::npos) << r.message;
+  r = reserve(3, grant("req-1", 1, absl::Seconds(60), "10.9.9.9"));
+  EXPECT_EQ(r.code, denied);
+  EXPECT_NE(r.message.find("10.9.9.9"), std::string::npos) << r.message;
+  r = reserve(4, grant("req-1", 1, absl::Seconds(60), "127.0.0.1", &other));
+  EXPECT_EQ(r.code, denied);
+  // The router's grant: honoured once.
+  const std::string good = grant("req-1", 1, absl::Seconds(60));
+  kv::ReserveReply granted = reserve(5, good);
+  ASSERT_EQ(granted.code, 0) << granted.message;
+  r = reserve(6, good);
+  EXPECT_EQ(r.code, denied);
+  EXPECT_NE(r.message.find("used before"), std::string::npos) << r.message;
+
+  // Its commit from another connection, then naming another request.
+  kv::Commit commit;
+  commit.id = granted.id;
+  commit.request_id = "req-1";
+  commit.num_positions = 4;
+  commit.tokens = {1, 2, 3, 4};
+  commit.first_token = 5;
+  Raw other_raw;
+  absl::StatusOr<kv::Connection*> intruder = (*transport)->Connect("127.0.0.1", kv_port, &other_raw);
+  ASSERT_TRUE(intruder.ok()) << intruder.status();
+  send(*intruder, commit);
+  std::optional<kv::CommitReply> cr = other_raw.Await<kv::CommitReply>();
+  ASSERT_TRUE(cr.has_value());
+  EXPECT_EQ(cr->code, static_cast<int32_t>(absl::StatusCode::kNotFound)) << cr->message;
+  commit.request_id = "req-2";
+  send(*conn, commit);
+  cr = raw.Await<kv::CommitReply>();
+  ASSERT_TRUE(cr.has_value());
+  EXPECT_EQ(cr->code, denied) << cr->message;
+  send(*conn, kv::Abort{granted.id, static_cast<int32_t>(absl::StatusCode::kCancelled), "test done"});
+
+  const std::string page = HttpGet(metrics_port, "/metrics");
+  auto refusals = [&](const std::string& reason) {
+    return MetricValue(page, absl::StrCat("pdserve_handoff_refusals_total{reason=\"", reason, "\"}"));
+  };
+  EXPECT_EQ(refusals("missing"), 1) << page;
+  EXPECT_EQ(refusals("expired"), 1);
+  EXPECT_EQ(refusals("wrong_sender"), 1);
+  EXPECT_EQ(refusals("bad_mac"), 1);
+  EXPECT_EQ(refusals("reused"), 1);
+  EXPECT_EQ(refusals("commit_other_connection"), 1);
+  EXPECT_EQ(refusals("commit_other_request"), 1);
+  EXPECT_EQ(refusals("wrong_receiver"), 0);
+  transport->reset();
+  decode.Kill();
+}
+
+// A TLS decode worker without a grant key does not start.
+TEST(GrantClusterTest, ATlsDecodeWorkerWithoutAGrantKeyDoesNotStart) {
+  const std::string dir = TempDir();
+  const TlsFiles f = TestTls("decode");
+  Subprocess decode;
+  ASSERT_TRUE(decode
+                  .Start({kBin + "/decode_worker/pdserve-decode-worker", "--model", kModel, "--tls_cert", f.cert,
+                          "--tls_key", f.key, "--tls_ca", f.ca},
+                         dir + "/decode.log")
+                  .ok());
+  EXPECT_EQ(decode.Wait(absl::Seconds(60)), 2);
+  EXPECT_NE(decode.LogTail().find("--kv_grant_key"), std::string::npos) << decode.LogTail();
+}
+
+}  // namespace
+}  // namespace pdserve

@@ -171,6 +171,8 @@ const char* GrantRefusalName(GrantRefusal r) {
       return "commit_other_connection";
     case GrantRefusal::kCommitOtherRequest:
       return "commit_other_request";
+    case GrantRefusal::kPutOutsideReservation:
+      return "put_outside_reservation";
   }
   return "unknown";
 }

@@ -92,8 +92,9 @@ enum class GrantRefusal {
   kReused,
   kCommitOtherConnection,
   kCommitOtherRequest,
+  kPutOutsideReservation,  // Over TCP: a write into blocks not reserved for its connection.
 };
-inline constexpr int kGrantRefusalKinds = 10;
+inline constexpr int kGrantRefusalKinds = 11;
 const char* GrantRefusalName(GrantRefusal r);
 
 // Checks the MAC (constant time), then that `receiver` is the grant's and

@@ -234,12 +234,43 @@ void KvReceiver::HandleReserve(Connection& c, const ReserveRequest& m) {
     absl::MutexLock lock(&mu_);
     reply.id = HandoffId{next_id_++};
     handoffs_.emplace(reply.id, std::move(h));
+    for (size_t b = static_cast<size_t>(reply.held_positions / bs); b < blocks.size(); ++b) {
+      writable_[blocks[b]] = reply.id;
+    }
   }
   reply.num_blocks = landing_ != nullptr ? landing_->spec().num_blocks : kv_->spec().num_blocks;
   reply.blocks = std::move(blocks);
   reply.region = region_;
   reply.lease_ms = static_cast<int32_t>(absl::ToInt64Milliseconds(options_.lease));
   c.Send(Encode(reply));
+}
+
+bool KvReceiver::MayWrite(Connection& c, const void* dst, size_t bytes) {
+  const KvManager& pool = landing_ != nullptr ? *landing_ : *kv_;
+  const KvCacheSpec& spec = pool.spec();
+  const auto* base = static_cast<const char*>(pool.storage().base);
+  const auto* at = static_cast<const char*>(dst);
+  const int64_t rank_bytes = spec.RankBytes();
+  const int64_t total = rank_bytes * spec.num_ranks;
+  const int64_t off = at - base;
+  bool ok = bytes > 0 && off >= 0 && off + static_cast<int64_t>(bytes) <= total;
+  if (ok) {
+    absl::MutexLock lock(&mu_);
+    const int64_t lbb = spec.LayerBlockBytes();
+    const int64_t first = (off % rank_bytes) / lbb;
+    const int64_t last = (off + static_cast<int64_t>(bytes) - 1) / rank_bytes == off / rank_bytes
+                             ? ((off + static_cast<int64_t>(bytes) - 1) % rank_bytes) / lbb
+                             : -1;  // A write across two ranks' pools is not one of ours.
+    ok = last >= first;
+    for (int64_t lb = first; ok && lb <= last; ++lb) {
+      const int32_t block = static_cast<int32_t>(lb % spec.num_blocks);
+      auto w = writable_.find(block);
+      auto h = w == writable_.end() ? handoffs_.end() : handoffs_.find(w->second);
+      ok = h != handoffs_.end() && h->second.state == State::kActive && h->second.conn == &c;
+    }
+  }
+  if (!ok) Refused(GrantRefusal::kPutOutsideReservation);
+  return ok;
 }
 
 void KvReceiver::HandleCommit(Connection& c, Commit& m) {

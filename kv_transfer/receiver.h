@@ -125,6 +125,10 @@ class KvReceiver final : public ConnectionHandler {
 
   void OnMessage(Connection& c, std::string message) override;
   void OnDisconnected(Connection& c, absl::Status why) override;
+  // Writes that arrive as messages (UCX over TCP) land only in the blocks
+  // an active reservation of the same connection is to receive (not its
+  // held prefix); others are dropped and counted (put_outside_reservation).
+  bool MayWrite(Connection& c, const void* dst, size_t bytes) override;
 
  private:
   enum class State { kActive, kQuarantined };
@@ -178,6 +182,10 @@ class KvReceiver final : public ConnectionHandler {
   absl::flat_hash_map<std::pair<std::string, uint32_t>, int64_t> used_grants_ ABSL_GUARDED_BY(mu_);
   int64_t next_grant_prune_ms_ ABSL_GUARDED_BY(mu_) = 0;
   std::array<std::atomic<int64_t>, kGrantRefusalKinds> refusals_{};
+  // Block (of the pool senders write: the landing pool, or the pool) ->
+  // the reservation it was last given to; MayWrite checks that one is
+  // active and on the writing connection.
+  absl::flat_hash_map<int32_t, HandoffId> writable_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace pdserve::kv

@@ -77,6 +77,16 @@ class ConnectionHandler {
  public:
   virtual ~ConnectionHandler() = default;
   virtual void OnMessage(Connection& c, std::string message) = 0;
+  // A transport whose writes arrive as messages (UCX over TCP: the
+  // receiver fetches each put's bytes itself) asks, on its loop thread,
+  // before it writes `bytes` at `dst` for the peer of `c`; false drops the
+  // write. One-sided writes (shared memory, RDMA) cannot be asked about.
+  virtual bool MayWrite(Connection& c, const void* dst, size_t bytes) {
+    (void)c;
+    (void)dst;
+    (void)bytes;
+    return true;
+  }
   // Once per connection: OK for a graceful close, else why it failed.
   virtual void OnDisconnected(Connection& c, absl::Status why) = 0;
 };

@@ -367,7 +367,8 @@ class UcxTransport::Conn final : public Connection {
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
     p.cb.send = OnSendDone;
     p.user_data = op;
-    p.flags = bytes >= (64 << 10) ? UCP_AM_SEND_FLAG_RNDV : 0;
+    // The reply endpoint tells the receiver which connection writes.
+    p.flags = UCP_AM_SEND_FLAG_REPLY | (bytes >= (64 << 10) ? UCP_AM_SEND_FLAG_RNDV : 0);
     if (ucp_mem_h memh = owner_->FindMemh(local, bytes)) {
       p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
       p.memh = memh;
@@ -643,9 +644,17 @@ ucs_status_t UcxTransport::OnData(const void* header, size_t header_length, void
   if (header_length != sizeof(address)) return UCS_OK;
   std::memcpy(&address, header, sizeof(address));
   void* dst = reinterpret_cast<void*>(address);
-  // Only into this transport's registered regions (what an rkey allows).
+  // Only into this transport's registered regions (what an rkey allows),
+  // and only where the connection's handler allows (the KV receiver: the
+  // blocks of that connection's live reservations). On the loop thread.
   const ucp_mem_h memh = FindMemh(dst, length);
   if (memh == nullptr) return UCS_OK;
+  if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) return UCS_OK;
+  auto it = by_ep_.find(param->reply_ep);
+  if (it == by_ep_.end() || it->second->handler() == nullptr ||
+      !it->second->handler()->MayWrite(*it->second, dst, length)) {
+    return UCS_OK;
+  }
   if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH;

@@ -4,6 +4,8 @@
 // refused; a commit from another connection and one naming another request
 // are refused; each is counted in pdserve_handoff_refusals_total{reason}, and
 // a valid grant still reserves (and a committed-for request decodes on).
+#include <algorithm>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <variant>
@@ -164,6 +166,86 @@ TEST(GrantClusterTest, ADecodeWorkerRefusesEveryHandoffItsGrantDoesNotCoverAndCo
   EXPECT_EQ(refusals("commit_other_connection"), 1);
   EXPECT_EQ(refusals("commit_other_request"), 1);
   EXPECT_EQ(refusals("wrong_receiver"), 0);
+  transport->reset();
+  decode.Kill();
+}
+
+// Over TCP the receiver fetches each put's bytes itself, so it writes only
+// into the blocks an active reservation of the same connection is to
+// receive: a put into another block, and one after the lease expired, are
+// dropped and counted (put_outside_reservation); a put into its own
+// reserved block is not.
+TEST(GrantClusterTest, OverTcpAPutOutsideALiveReservationIsDropped) {
+  const std::string dir = TempDir();
+  Subprocess decode;
+  std::vector<std::string> argv = {kBin + "/decode_worker/pdserve-decode-worker", "--model", kModel, "--ready_file",
+                                   dir + "/decode.ready", "--kv_lease_s", "1"};
+  for (std::string& a : TlsArgs("decode")) argv.push_back(std::move(a));
+  ASSERT_TRUE(decode.Start(argv, dir + "/decode.log", {{"UCX_TLS", "tcp"}}).ok());
+  absl::StatusOr<int> port = decode.WaitReady(dir + "/decode.ready", absl::Seconds(60));
+  ASSERT_TRUE(port.ok()) << port.status() << decode.LogTail();
+  const int metrics_port = MetricsPort(dir + "/decode.ready");
+  std::string kv_address;
+  {
+    auto stub = worker::v1::DecodeWorker::NewStub(TestChannel(absl::StrCat("127.0.0.1:", *port), "decode"));
+    grpc::ClientContext ctx;
+    worker::v1::WorkerInfo info;
+    ASSERT_TRUE(stub->Status(&ctx, {}, &info).ok());
+    kv_address = info.kv_address();
+  }
+  const int kv_port = std::stoi(kv_address.substr(kv_address.rfind(':') + 1));
+  const kv::GrantKey key = *kv::GrantKey::FromFile(TestCertsDir() + "/kv_grant.key");
+
+  setenv("UCX_TLS", "tcp", 1);  // This process's side too: no shared-memory puts.
+  absl::StatusOr<std::unique_ptr<kv::UcxTransport>> transport = kv::UcxTransport::Create({.name = "grant-tcp-test"});
+  unsetenv("UCX_TLS");
+  ASSERT_TRUE(transport.ok()) << transport.status();
+  Raw raw;
+  absl::StatusOr<kv::Connection*> conn = (*transport)->Connect("127.0.0.1", kv_port, &raw);
+  ASSERT_TRUE(conn.ok()) << conn.status();
+  auto send = [&](const Message& m) { (*transport)->loop().RunSync([&] { (*conn)->Send(kv::Encode(m)); }); };
+  kv::ReserveRequest req;
+  req.tag = 1;
+  req.num_positions = 4;
+  send(req);  // No grant: refused, but the answer tells the receiver's layout.
+  std::optional<kv::ReserveReply> first = raw.Await<kv::ReserveReply>();
+  ASSERT_TRUE(first.has_value());
+  req.sender = first->receiver;
+  req.tag = 2;
+  req.grant = kv::EncodeGrant(
+      *kv::MintGrant(key, "req-tcp", 1, "127.0.0.1", kv_address, absl::Now() + absl::Seconds(60)));
+  send(req);
+  std::optional<kv::ReserveReply> r = raw.Await<kv::ReserveReply>();
+  ASSERT_TRUE(r.has_value());
+  ASSERT_EQ(r->code, 0) << r->message;
+  ASSERT_FALSE(r->blocks.empty());
+  const int64_t block_bytes = r->receiver.ToSpec(r->num_blocks).LayerBlockBytes();
+  absl::StatusOr<std::shared_ptr<kv::RemoteRegion>> region =
+      (*transport)->loop().RunSync([&] { return (*conn)->ImportRegion(r->region); });
+  ASSERT_TRUE(region.ok()) << region.status();
+  std::vector<char> bytes(static_cast<size_t>(block_bytes), 7);
+  auto put = [&](int32_t block) {
+    (*transport)->loop().RunSync([&] {
+      (*conn)->Put(bytes.data(), block_bytes, **region, static_cast<int64_t>(block) * block_bytes, nullptr);
+    });
+  };
+  auto dropped = [&] {
+    return MetricValue(HttpGet(metrics_port, "/metrics"), "pdserve_handoff_refusals_total{reason=\"put_outside_reservation\"}");
+  };
+  int32_t foreign = 0;
+  while (std::find(r->blocks.begin(), r->blocks.end(), foreign) != r->blocks.end()) ++foreign;
+  put(r->blocks[0]);  // Its own block: written.
+  put(foreign);       // Another block: dropped.
+  absl::Time until = absl::Now() + absl::Seconds(10);
+  while (dropped() < 1 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_EQ(dropped(), 1);
+  // The lease (1 s) runs out: the receiver aborts; a put now is dropped too.
+  std::optional<kv::Abort> abort = raw.Await<kv::Abort>();
+  ASSERT_TRUE(abort.has_value());
+  put(r->blocks[0]);
+  until = absl::Now() + absl::Seconds(10);
+  while (dropped() < 2 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_EQ(dropped(), 2);
   transport->reset();
   decode.Kill();
 }

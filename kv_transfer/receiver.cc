@@ -246,6 +246,7 @@ void KvReceiver::HandleReserve(Connection& c, const ReserveRequest& m) {
 }
 
 bool KvReceiver::MayWrite(Connection& c, const void* dst, size_t bytes) {
+  if (options_.writes_outside_reservations) return true;
   const KvManager& pool = landing_ != nullptr ? *landing_ : *kv_;
   const KvCacheSpec& spec = pool.spec();
   const auto* base = static_cast<const char*>(pool.storage().base);

@@ -78,6 +78,9 @@ struct ReceiverOptions {
   // (request id, attempt); the commit must come on the reserving connection
   // and name the grant's request. Refusals are counted by reason.
   std::shared_ptr<const GrantKey> grant_key;
+  // Lets writes that arrive as messages land anywhere in the pool (see
+  // MayWrite): for bench-kv's raw-put probe only, never in a server.
+  bool writes_outside_reservations = false;
 };
 
 struct CommittedSequence {

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "kv_transfer/grant.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -56,6 +57,10 @@ ABSL_FLAG(bool, show_lanes, false, "bench-kv: print the UCX lanes of the connect
 ABSL_FLAG(std::string, kv_role, "", "bench-kv: internal, 'receive' in the child process");
 ABSL_FLAG(std::string, kv_model_identity, "", "bench-kv: internal, the receiver's model identity (hex lo:hi)");
 ABSL_FLAG(int, kv_blocks, 0, "bench-kv: internal, the receiver's pool size in blocks");
+ABSL_FLAG(bool, kv_grants, true,
+          "bench-kv: each handoff carries a grant the receiver checks (kv_transfer/grant.h), as in a TLS cluster; "
+          "false: none, to see their cost");
+ABSL_FLAG(std::string, kv_grant_key_file, "", "bench-kv: internal, the receiver's grant key");
 ABSL_FLAG(bool, reserve_during_prefill, false,
           "bench-kv: the receiving process prefills --prompt-len tokens over and over (--threads) while "
           "reservations of its KV are timed");
@@ -139,6 +144,24 @@ KvCacheSpec TpShape(KvCacheSpec shape, int tp) {
 }
 
 // The receiving process: a pool of --kv-blocks, commits released at once.
+// --kv_grants: the key the receiver child checks grants with, and the
+// grants the sending side presents (minted as the router would, before each
+// reservation and off its clock).
+struct BenchGrants {
+  std::shared_ptr<const kv::GrantKey> key;
+  std::string receiver;  // "127.0.0.1:PORT" of the child.
+  uint64_t next = 0;
+  std::string last_request;  // The request the last grant is for: its commit must name it.
+  std::string Next() {
+    last_request = absl::StrCat("bench-", next++);
+    if (key == nullptr) return "";
+    absl::StatusOr<kv::Grant> g =
+        kv::MintGrant(*key, last_request, 1, "127.0.0.1", receiver, absl::Now() + absl::Seconds(60));
+    return g.ok() ? kv::EncodeGrant(*g) : "";
+  }
+};
+BenchGrants g_grants;
+
 absl::Status RunReceiver(const KvCacheSpec& spec, const ModelIdentity& model) {
   if (const int cpu = absl::GetFlag(FLAGS_receiver_cpu); cpu >= 0) {
     // Before any thread starts: the transport's and the compute's inherit it.
@@ -155,10 +178,20 @@ absl::Status RunReceiver(const KvCacheSpec& spec, const ModelIdentity& model) {
   if (!pool.ok()) return pool.status();
   KvManager* p = pool->get();
   // A committed sequence's blocks go back as it goes out of scope.
-  auto receiver = KvReceiver::Create(transport->get(), p, {.model = model}, [](kv::CommittedSequence) {});
+  // The raw-put probe writes outside any reservation (over TCP a server's
+  // receiver drops such writes); the handoffs carry grants when asked.
+  kv::ReceiverOptions ro{.model = model};
+  ro.writes_outside_reservations = true;
+  if (const std::string key = absl::GetFlag(FLAGS_kv_grant_key_file); !key.empty()) {
+    absl::StatusOr<kv::GrantKey> k = kv::GrantKey::FromFile(key);
+    if (!k.ok()) return k.status();
+    ro.grant_key = std::make_shared<const kv::GrantKey>(*std::move(k));
+  }
+  auto receiver = KvReceiver::Create(transport->get(), p, ro, [](kv::CommittedSequence) {});
   if (!receiver.ok()) return receiver.status();
   auto port = (*receiver)->Listen("127.0.0.1", 0);
   if (!port.ok()) return port.status();
+  (*receiver)->SetAddress(absl::StrCat("127.0.0.1:", *port));
   auto region = (*transport)->PackRegion(p->region());
   if (!region.ok()) return region.status();
   ComputeLoad compute;
@@ -296,7 +329,7 @@ static absl::Status TimeReservationsDuringPrefill(UcxTransport* transport, KvMan
   std::vector<double> ms;
   for (int i = -5; i < n; ++i) {
     const absl::Time t0 = absl::Now();
-    auto h = sender.Reserve(*conn, {.num_positions = 1});
+    auto h = sender.Reserve(*conn, {.num_positions = 1, .grant = g_grants.Next()});
     const absl::Time t1 = absl::Now();
     if (!h.ok()) return h.status();
     if (absl::Status s = (*h)->Abort(absl::CancelledError("bench-kv: timing reservations only")); !s.ok()) return s;
@@ -516,12 +549,36 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
       absl::StrCat("--kv_blocks=", (reserve_during_prefill ? 2 * blocks : blocks) + 8),
       absl::StrFormat("--kv_model_identity=%x:%x", identity.lo, identity.hi),
       absl::StrCat("--receiver_cpu=", absl::GetFlag(FLAGS_receiver_cpu))};
+  std::string grant_key_path;
+  if (absl::GetFlag(FLAGS_kv_grants)) {
+    // A fresh random key for this run, readable by its owner only.
+    std::string key(32, '\0');
+    std::FILE* r = std::fopen("/dev/urandom", "rb");
+    if (r == nullptr || std::fread(key.data(), 1, key.size(), r) != key.size()) {
+      if (r != nullptr) std::fclose(r);
+      return absl::InternalError("bench-kv: cannot read /dev/urandom for a grant key");
+    }
+    std::fclose(r);
+    key = absl::BytesToHexString(key);
+    char path[] = "/tmp/pdserve-bench-kv-grant-XXXXXX";
+    const int fd = mkstemp(path);
+    if (fd < 0 || write(fd, key.data(), key.size()) != static_cast<ssize_t>(key.size())) {
+      return absl::InternalError("bench-kv: cannot write the grant key file");
+    }
+    close(fd);
+    grant_key_path = path;
+    g_grants.key = std::make_shared<const kv::GrantKey>(*kv::GrantKey::FromBytes(key));
+    child_args.push_back(absl::StrCat("--kv_grant_key_file=", grant_key_path));
+  }
   if (reserve_during_prefill) {
     child_args.push_back(absl::StrCat("--kv_compute_model=", model_dir));
     child_args.push_back(absl::StrCat("--kv_compute_tokens=", prompt));
     child_args.push_back(absl::StrCat("--kv_compute_threads=", common.threads));
   }
-  if (absl::Status s = child.Start(child_args); !s.ok()) return s;
+  absl::Status started = child.Start(child_args);
+  if (!grant_key_path.empty()) unlink(grant_key_path.c_str());  // The child has read it.
+  if (!started.ok()) return started;
+  g_grants.receiver = absl::StrCat("127.0.0.1:", child.port());
   if (reserve_during_prefill) return TimeReservationsDuringPrefill(transport->get(), p, identity, child, prompt, common);
 
   nlohmann::json out;
@@ -547,14 +604,16 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
     // for after the last layer, so bandwidth is judged on it.
     std::vector<double> handoff_s, stream_s, reserve_s, commit_s;
     for (int i = -2; i < iters; ++i) {
+      std::string grant = g_grants.Next();
       const absl::Time t0 = absl::Now();
-      auto h = sender.Reserve(*conn, {.num_positions = prompt});
+      auto h = sender.Reserve(*conn, {.num_positions = prompt, .grant = std::move(grant)});
       if (!h.ok()) return h.status();
       const absl::Time t1 = absl::Now();
       for (int32_t l = 0; l < spec.num_layers; ++l) {
         if (absl::Status s = (*h)->SendLayer(l, seq.block_table()); !s.ok()) return s;
       }
       kv::Commit c;
+      c.request_id = g_grants.last_request;
       c.num_positions = prompt;
       c.tokens.assign(prompt, 1);
       c.first_token = 1;
@@ -625,6 +684,7 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
            {"iters", iters},
            {"handoff_ms_median", h_med * 1e3},
            {"reserve_ms_median", Median(reserve_s) * 1e3},
+           {"grants", g_grants.key != nullptr},
            {"stream_commit_ms_median", stream_med * 1e3},
            {"handoff_gbps", bytes_moved / stream_med / 1e9},
            {"raw_put_ms_median", raw_med * 1e3},
@@ -654,11 +714,12 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
       for (int i = -1; i < std::min(iters, 3); ++i) {
         SequenceKv s = p.NewSequence();
         if (absl::Status st = p.Grow(s, prompt); !st.ok()) return st;
-        auto h = sender.Reserve(*conn, {.num_positions = prompt});
+        auto h = sender.Reserve(*conn, {.num_positions = prompt, .grant = g_grants.Next()});
         if (!h.ok()) return h.status();
         streaming->Arm(&p.storage(), h->get(), &s.block_table());
         const absl::Time t0 = absl::Now();
         kv::Commit c;
+        c.request_id = g_grants.last_request;
         ForwardSequence fs{.kv = &s, .tokens = tokens, .logits = LogitsMode::kLast};
         auto r = model->Forward(p.storage(), absl::MakeConstSpan(&fs, 1));
         const absl::Time t_forward = absl::Now();
@@ -690,10 +751,11 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
     std::printf("%s\n", out.dump(2).c_str());
     return absl::OkStatus();
   }
-  std::printf("bench-kv  UCX_TLS=%s  %d layers x %d KV heads x %d dim, %s KV, block %d, prompt %d, TP %d -> %d\n",
+  std::printf("bench-kv  UCX_TLS=%s  %d layers x %d KV heads x %d dim, %s KV, block %d, prompt %d, TP %d -> %d, "
+              "grants %s\n",
               out["ucx_tls"].get<std::string>().c_str(), spec.num_layers, spec.ModelKvHeads(), spec.head_dim,
               std::string(DTypeName(spec.dtype)).c_str(), spec.block_size, prompt, out["sender_tp"].get<int>(),
-              out["receiver_tp"].get<int>());
+              out["receiver_tp"].get<int>(), out["grants"].get<bool>() ? "on" : "off (--kv_grants=false)");
   const int receiver_ranks = out["receiver_tp"].get<int>();
   std::printf("  bytes per request        %10.2f MiB  (%d puts of %.2f MiB, one per layer%s)\n",
               out["bytes_per_request"].get<double>() / 1048576, spec.num_layers * receiver_ranks,

@@ -64,6 +64,8 @@ ABSL_FLAG(std::string, api_keys_file, "",
           "API keys, one ID:SHA256HEX line each (sha256 of the key), read again when the file changes; clients send "
           "'authorization: Bearer KEY' (gRPC metadata). Empty: no keys (every client accepted)");
 ABSL_FLAG(bool, colocated, false, "send whole requests to decode workers (no handoff)");
+ABSL_FLAG(double, kv_grant_ttl_s, 120,
+          "how long a KV handoff grant stays valid (it must cover the prefill queue's wait before the reservation)");
 ABSL_FLAG(double, worker_wait_s, 60, "how long to wait at start for every worker to answer");
 ABSL_FLAG(std::string, http_listen, "127.0.0.1:8000",
           "OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health) address, "
@@ -112,6 +114,11 @@ int Run() {
     return 2;
   }
   o.grant_key = *grant_key;
+  o.grant_ttl = absl::Seconds(absl::GetFlag(FLAGS_kv_grant_ttl_s));
+  if (!(absl::GetFlag(FLAGS_kv_grant_ttl_s) > 0)) {
+    LogEvent("error", "bad_flags", {{"error", "--kv_grant_ttl_s must be above 0"}});
+    return 2;
+  }
   o.resolve_interval = absl::Seconds(absl::GetFlag(FLAGS_resolve_interval_s));
   o.max_backoff = absl::Seconds(absl::GetFlag(FLAGS_max_backoff_s));
   o.pick_wait = absl::Seconds(absl::GetFlag(FLAGS_pick_wait_s));

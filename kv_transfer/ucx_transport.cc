@@ -574,6 +574,8 @@ ucs_status_t UcxTransport::OnAm(void* arg, const void* header, size_t header_len
   return UCS_OK;
 }
 
+ucp_ep_h UcxTransport::EndpointOf(Connection* c) { return static_cast<Conn*>(c)->ep_; }
+
 std::string UcxTransport::Describe(Connection* c) {
   return loop_.RunSync([&] {
     auto* conn = static_cast<Conn*>(c);

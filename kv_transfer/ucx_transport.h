@@ -95,6 +95,9 @@ class UcxTransport final : public Transport {
   // benchmarks and debugging. REQUIRES: `c` came from this transport.
   std::string Describe(Connection* c);
   // For tools: UCX's handles (use on the loop thread only).
+  // A connection's control endpoint (tests pin what a peer can do with UCX
+  // directly). REQUIRES: `c` came from this transport.
+  ucp_ep_h EndpointOf(Connection* c);
   ucp_context_h context() const { return context_; }
   ucp_worker_h worker() const { return worker_; }
   // The memory handle of a registered region containing [p, p + n), if any.

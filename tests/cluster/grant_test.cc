@@ -4,7 +4,11 @@
 // refused; a commit from another connection and one naming another request
 // are refused; each is counted in pdserve_handoff_refusals_total{reason}, and
 // a valid grant still reserves (and a committed-for request decodes on).
+#include <arpa/inet.h>
+#include <netinet/in.h>
+
 #include <algorithm>
+#include <cstring>
 #include <cstdlib>
 #include <memory>
 #include <string>
@@ -246,6 +250,112 @@ TEST(GrantClusterTest, OverTcpAPutOutsideALiveReservationIsDropped) {
   until = absl::Now() + absl::Seconds(10);
   while (dropped() < 2 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(50));
   EXPECT_EQ(dropped(), 2);
+  region->reset();  // Its remote key goes before the worker it was unpacked on.
+  transport->reset();
+  decode.Kill();
+}
+
+// Pins the limit README "The KV plane" documents: the remote key in a
+// reservation's answer covers the decode worker's whole pool, and over TCP
+// UCX emulates RMA inside the target's own progress, so a peer holding it
+// reads and writes blocks outside its reservation with plain UCX get/put,
+// unseen by the receiver's write check (put_outside_reservation stays 0).
+// When a remedy (a staging region, per-reservation registration) lands,
+// this test must be turned around.
+TEST(GrantClusterTest, OverTcpTheRemoteKeyStillReachesTheWholePool) {
+  const std::string dir = TempDir();
+  Subprocess decode;
+  std::vector<std::string> argv = {kBin + "/decode_worker/pdserve-decode-worker", "--model", kModel, "--ready_file",
+                                   dir + "/decode.ready"};
+  for (std::string& a : TlsArgs("decode")) argv.push_back(std::move(a));
+  ASSERT_TRUE(decode.Start(argv, dir + "/decode.log", {{"UCX_TLS", "tcp"}}).ok());
+  absl::StatusOr<int> port = decode.WaitReady(dir + "/decode.ready", absl::Seconds(60));
+  ASSERT_TRUE(port.ok()) << port.status() << decode.LogTail();
+  const int metrics_port = MetricsPort(dir + "/decode.ready");
+  std::string kv_address;
+  {
+    auto stub = worker::v1::DecodeWorker::NewStub(TestChannel(absl::StrCat("127.0.0.1:", *port), "decode"));
+    grpc::ClientContext ctx;
+    worker::v1::WorkerInfo info;
+    ASSERT_TRUE(stub->Status(&ctx, {}, &info).ok());
+    kv_address = info.kv_address();
+  }
+  const int kv_port = std::stoi(kv_address.substr(kv_address.rfind(':') + 1));
+  const kv::GrantKey key = *kv::GrantKey::FromFile(TestCertsDir() + "/kv_grant.key");
+  setenv("UCX_TLS", "tcp", 1);
+  absl::StatusOr<std::unique_ptr<kv::UcxTransport>> transport = kv::UcxTransport::Create({.name = "rkey-test"});
+  unsetenv("UCX_TLS");
+  ASSERT_TRUE(transport.ok()) << transport.status();
+  Raw raw;
+  absl::StatusOr<kv::Connection*> conn = (*transport)->Connect("127.0.0.1", kv_port, &raw);
+  ASSERT_TRUE(conn.ok()) << conn.status();
+  auto send = [&](const Message& m) { (*transport)->loop().RunSync([&] { (*conn)->Send(kv::Encode(m)); }); };
+  kv::ReserveRequest req;
+  req.tag = 1;
+  req.num_positions = 4;
+  send(req);
+  std::optional<kv::ReserveReply> first = raw.Await<kv::ReserveReply>();
+  ASSERT_TRUE(first.has_value());
+  req.sender = first->receiver;
+  req.tag = 2;
+  req.grant = kv::EncodeGrant(
+      *kv::MintGrant(key, "req-rkey", 1, "127.0.0.1", kv_address, absl::Now() + absl::Seconds(60)));
+  send(req);
+  std::optional<kv::ReserveReply> r = raw.Await<kv::ReserveReply>();
+  ASSERT_TRUE(r.has_value());
+  ASSERT_EQ(r->code, 0) << r->message;
+  const int64_t block_bytes = r->receiver.ToSpec(r->num_blocks).LayerBlockBytes();
+  int32_t foreign = 0;
+  while (std::find(r->blocks.begin(), r->blocks.end(), foreign) != r->blocks.end()) ++foreign;
+  uint64_t base = 0;
+  std::memcpy(&base, r->region.data(), sizeof(base));
+  const uint64_t target = base + static_cast<uint64_t>(foreign) * static_cast<uint64_t>(block_bytes);
+
+  // Plain UCX on the connection's own endpoint: the answer's remote key,
+  // then get and put outside the reservation.
+  kv::UcxTransport* t = transport->get();
+  ucp_ep_h ep = t->loop().RunSync([&] { return t->EndpointOf(*conn); });
+  ucp_rkey_h rkey = nullptr;
+  const ucs_status_t made = t->loop().RunSync([&] {
+    return ucp_ep_rkey_unpack(ep, r->region.data() + sizeof(base), &rkey);
+  });
+  ASSERT_EQ(made, UCS_OK) << ucs_status_string(made);
+  std::vector<char> buf(static_cast<size_t>(block_bytes), 0);
+  auto wait = [&](ucs_status_ptr_t req) -> ucs_status_t {
+    if (req == nullptr) return UCS_OK;
+    if (UCS_PTR_IS_ERR(req)) return UCS_PTR_STATUS(req);
+    const absl::Time until = absl::Now() + absl::Seconds(10);
+    ucs_status_t s = UCS_INPROGRESS;
+    while (s == UCS_INPROGRESS && absl::Now() < until) {
+      s = t->loop().RunSync([&] {
+        ucp_worker_progress(t->worker());
+        return ucp_request_check_status(req);
+      });
+    }
+    t->loop().RunSync([&] { ucp_request_free(req); });
+    return s;
+  };
+  ucp_request_param_t p{};
+  const ucs_status_t got =
+      wait(t->loop().RunSync([&] { return ucp_get_nbx(ep, buf.data(), buf.size(), target, rkey, &p); }));
+  EXPECT_EQ(got, UCS_OK) << "UCX refused the read: " << ucs_status_string(got);
+  const ucs_status_t put =
+      wait(t->loop().RunSync([&] { return ucp_put_nbx(ep, buf.data(), buf.size(), target, rkey, &p); }));
+  EXPECT_EQ(put, UCS_OK) << ucs_status_string(put);
+  const ucs_status_t flushed = wait(t->loop().RunSync([&] { return ucp_ep_flush_nbx(ep, &p); }));
+  EXPECT_EQ(flushed, UCS_OK) << ucs_status_string(flushed);
+  // What was put is there: read back a pattern written into the block.
+  std::vector<char> pattern(buf.size(), 0x5a), back(buf.size(), 0);
+  EXPECT_EQ(wait(t->loop().RunSync([&] { return ucp_put_nbx(ep, pattern.data(), pattern.size(), target, rkey, &p); })),
+            UCS_OK);
+  EXPECT_EQ(wait(t->loop().RunSync([&] { return ucp_ep_flush_nbx(ep, &p); })), UCS_OK);
+  EXPECT_EQ(wait(t->loop().RunSync([&] { return ucp_get_nbx(ep, back.data(), back.size(), target, rkey, &p); })),
+            UCS_OK);
+  EXPECT_EQ(back, pattern) << "the block outside the reservation was not overwritten";
+  EXPECT_EQ(MetricValue(HttpGet(metrics_port, "/metrics"),
+                        "pdserve_handoff_refusals_total{reason=\"put_outside_reservation\"}"),
+            0);
+  t->loop().RunSync([&] { ucp_rkey_destroy(rkey); });
   transport->reset();
   decode.Kill();
 }

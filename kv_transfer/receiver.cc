@@ -240,7 +240,10 @@ void KvReceiver::HandleReserve(Connection& c, const ReserveRequest& m) {
   }
   reply.num_blocks = landing_ != nullptr ? landing_->spec().num_blocks : kv_->spec().num_blocks;
   reply.blocks = std::move(blocks);
-  reply.region = region_;
+  // The remote key only to a peer that writes one-sidedly (same machine,
+  // shared memory): any other gets the base address alone, so it cannot
+  // read or write the pool around the receiver's checks.
+  reply.region = c.PeerMayMapMemory() ? region_ : transport_->WithoutRemoteKey(region_);
   reply.lease_ms = static_cast<int32_t>(absl::ToInt64Milliseconds(options_.lease));
   c.Send(Encode(reply));
 }

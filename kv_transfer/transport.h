@@ -71,6 +71,12 @@ class Connection {
   // client IP; the loopback: the connecting transport's name); "" when
   // the transport cannot tell. Handoff grants bind the sender to it.
   virtual std::string peer_host() const { return ""; }
+  // Whether the peer can write this side's registered memory one-sidedly
+  // (UCX: a process on this machine, with shared memory between them).
+  // Only such a peer is given a region's remote key: any other writes by
+  // message (which the receiver checks), and a key would let it read and
+  // write the whole region (README "The KV plane").
+  virtual bool PeerMayMapMemory() const { return true; }
 };
 
 class ConnectionHandler {
@@ -99,6 +105,9 @@ class Transport {
   virtual KvRegionAllocator& region_allocator() = 0;
   // Remote-access descriptor of a region from region_allocator().
   virtual absl::StatusOr<std::string> PackRegion(KvRegion& region) = 0;
+  // A PackRegion descriptor without its remote key (what a peer that does
+  // not PeerMayMapMemory gets): enough to address writes by message.
+  virtual std::string WithoutRemoteKey(const std::string& packed) const { return packed; }
   // Accepts connections on host:port (0 = any free port); returns the port.
   virtual absl::StatusOr<int> Listen(const std::string& host, int port, ConnectionHandler* handler) = 0;
   // Starts a connection; a peer that is not there shows as OnDisconnected

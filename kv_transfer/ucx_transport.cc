@@ -217,6 +217,7 @@ class UcxRemote final : public RemoteRegion {
   UcxRemote(EventLoop* loop, uint64_t base, ucp_rkey_h rkey) : loop_(loop), base(base), rkey(rkey) {}
   ~UcxRemote() override {
     ucp_rkey_h k = rkey;
+    if (k == nullptr) return;  // A descriptor without a remote key.
     if (loop_->InLoop()) {
       ucp_rkey_destroy(k);
     } else {
@@ -245,10 +246,13 @@ class UcxTransport::Conn final : public Connection {
   void Send(std::string message) override { SendAm(kAmControl, std::move(message)); }
 
   absl::StatusOr<std::shared_ptr<RemoteRegion>> ImportRegion(absl::string_view packed) override {
-    if (packed.size() <= sizeof(uint64_t)) return absl::InvalidArgumentError("UCX: bad region descriptor");
+    if (packed.size() < sizeof(uint64_t)) return absl::InvalidArgumentError("UCX: bad region descriptor");
     if (state_ != State::kOpen) return Down();
     uint64_t base;
     std::memcpy(&base, packed.data(), sizeof(base));
+    // No remote key (the receiver keeps it from peers that are not on its
+    // machine): every write goes by message.
+    if (packed.size() == sizeof(uint64_t)) return std::shared_ptr<RemoteRegion>(new UcxRemote(&owner_->loop_, base, nullptr));
     ucp_rkey_h rkey;
     if (ucs_status_t s = ucp_ep_rkey_unpack(DataEp(), packed.data() + sizeof(base), &rkey); s != UCS_OK) {
       return UcxError(absl::StrCat("rkey unpack from ", name_), s);
@@ -263,7 +267,7 @@ class UcxTransport::Conn final : public Connection {
       return;
     }
     auto& r = static_cast<UcxRemote&>(remote);
-    if (data_ep_ == nullptr) return SendData(local, bytes, r.base + remote_offset, std::move(done));
+    if (data_ep_ == nullptr || r.rkey == nullptr) return SendData(local, bytes, r.base + remote_offset, std::move(done));
     // Tracked even without `done`: a large put goes out in fragments as the
     // worker progresses, so the loop must keep polling until it completes.
     auto* op = new Op{std::move(done), &owner_->loop_, {}};
@@ -306,6 +310,8 @@ class UcxTransport::Conn final : public Connection {
   bool failed() const override { return state_ == State::kFailed; }
   const std::string& name() const override { return name_; }
   std::string peer_host() const override { return peer_host_; }
+  bool PeerMayMapMemory() const override { return owner_->has_shm_ && peer_same_host_; }
+  void set_connecting() { connecting_ = true; }
   void set_peer_host(std::string h) { peer_host_ = std::move(h); }
 
   // Loop thread.
@@ -315,7 +321,11 @@ class UcxTransport::Conn final : public Connection {
         handler_->OnMessage(*this, std::move(data));
       }
     } else if (id == kAmHello) {
-      OpenDataEp(data);
+      // Each side says hello: the accepting side learns whether the peer
+      // shares this machine; the connecting side opens its data endpoint.
+      const std::string& host = owner_->host_id_;
+      peer_same_host_ = data.size() > host.size() && data.compare(0, host.size(), host) == 0;
+      if (connecting_) OpenDataEp(data);
     } else if (id == kAmBye) {
       if (state_ != State::kOpen) return;
       SendAm(kAmByeAck, {});
@@ -476,6 +486,8 @@ class UcxTransport::Conn final : public Connection {
   ConnectionHandler* handler_;
   std::string name_;
   std::string peer_host_;  // Accepted connections: the client's IP.
+  bool peer_same_host_ = false;  // Its hello named this machine.
+  bool connecting_ = false;      // This side connected (it opens the data endpoint).
   State state_ = State::kOpen;
   absl::Status error_;
   bool ep_closed_ = false;
@@ -787,6 +799,8 @@ absl::StatusOr<Connection*> UcxTransport::Connect(const std::string& host, int p
       return UcxError(absl::StrCat("connect to ", host, ":", port), s);
     }
     by_ep_[c->ep_] = c;
+    c->set_connecting();
+    c->SendHello(host_id_ + worker_address_);  // Before anything else on the endpoint.
     return static_cast<Connection*>(c);
   });
 }

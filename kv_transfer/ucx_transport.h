@@ -79,6 +79,8 @@ class UcxTransport final : public Transport {
   EventLoop& loop() override { return loop_; }
   KvRegionAllocator& region_allocator() override;
   absl::StatusOr<std::string> PackRegion(KvRegion& region) override;
+  // The base address alone (the first 8 bytes of PackRegion's descriptor).
+  std::string WithoutRemoteKey(const std::string& packed) const override { return packed.substr(0, 8); }
   absl::StatusOr<int> Listen(const std::string& host, int port, ConnectionHandler* handler) override;
   absl::StatusOr<Connection*> Connect(const std::string& host, int port, ConnectionHandler* handler) override;
   void Detach(ConnectionHandler* handler) override;

@@ -8,6 +8,8 @@
 #include <netinet/in.h>
 
 #include <algorithm>
+#include <chrono>
+#include <future>
 #include <cstring>
 #include <cstdlib>
 #include <memory>
@@ -255,14 +257,12 @@ TEST(GrantClusterTest, OverTcpAPutOutsideALiveReservationIsDropped) {
   decode.Kill();
 }
 
-// Pins the limit README "The KV plane" documents: the remote key in a
-// reservation's answer covers the decode worker's whole pool, and over TCP
-// UCX emulates RMA inside the target's own progress, so a peer holding it
-// reads and writes blocks outside its reservation with plain UCX get/put,
-// unseen by the receiver's write check (put_outside_reservation stays 0).
-// When a remedy (a staging region, per-reservation registration) lands,
-// this test must be turned around.
-TEST(GrantClusterTest, OverTcpTheRemoteKeyStillReachesTheWholePool) {
+// The remote key of the decode worker's pool goes only to a peer on its
+// machine with shared memory between them (one-sided puts). Over TCP a
+// reservation's answer carries the base address alone: with the key a peer
+// could read and write the whole pool with plain UCX get/put (software RMA
+// served inside the target's progress, around the receiver's write check).
+TEST(GrantClusterTest, OverTcpNoRemoteKeyIsHandedOut) {
   const std::string dir = TempDir();
   Subprocess decode;
   std::vector<std::string> argv = {kBin + "/decode_worker/pdserve-decode-worker", "--model", kModel, "--ready_file",
@@ -304,58 +304,36 @@ TEST(GrantClusterTest, OverTcpTheRemoteKeyStillReachesTheWholePool) {
   std::optional<kv::ReserveReply> r = raw.Await<kv::ReserveReply>();
   ASSERT_TRUE(r.has_value());
   ASSERT_EQ(r->code, 0) << r->message;
+  EXPECT_EQ(r->region.size(), sizeof(uint64_t)) << "a remote key went to a peer that writes by message";
+  // The handoff still works by message: a put into its own block is
+  // written (not counted as refused), and the commit is taken.
+  absl::StatusOr<std::shared_ptr<kv::RemoteRegion>> region =
+      (*transport)->loop().RunSync([&] { return (*conn)->ImportRegion(r->region); });
+  ASSERT_TRUE(region.ok()) << region.status();
   const int64_t block_bytes = r->receiver.ToSpec(r->num_blocks).LayerBlockBytes();
-  int32_t foreign = 0;
-  while (std::find(r->blocks.begin(), r->blocks.end(), foreign) != r->blocks.end()) ++foreign;
-  uint64_t base = 0;
-  std::memcpy(&base, r->region.data(), sizeof(base));
-  const uint64_t target = base + static_cast<uint64_t>(foreign) * static_cast<uint64_t>(block_bytes);
-
-  // Plain UCX on the connection's own endpoint: the answer's remote key,
-  // then get and put outside the reservation.
-  kv::UcxTransport* t = transport->get();
-  ucp_ep_h ep = t->loop().RunSync([&] { return t->EndpointOf(*conn); });
-  ucp_rkey_h rkey = nullptr;
-  const ucs_status_t made = t->loop().RunSync([&] {
-    return ucp_ep_rkey_unpack(ep, r->region.data() + sizeof(base), &rkey);
+  std::vector<char> bytes(static_cast<size_t>(block_bytes), 3);
+  std::promise<absl::Status> put_done;
+  (*transport)->loop().RunSync([&] {
+    (*conn)->Put(bytes.data(), block_bytes, **region, static_cast<int64_t>(r->blocks[0]) * block_bytes,
+                 [&](absl::Status s) { put_done.set_value(s); });
   });
-  ASSERT_EQ(made, UCS_OK) << ucs_status_string(made);
-  std::vector<char> buf(static_cast<size_t>(block_bytes), 0);
-  auto wait = [&](ucs_status_ptr_t req) -> ucs_status_t {
-    if (req == nullptr) return UCS_OK;
-    if (UCS_PTR_IS_ERR(req)) return UCS_PTR_STATUS(req);
-    const absl::Time until = absl::Now() + absl::Seconds(10);
-    ucs_status_t s = UCS_INPROGRESS;
-    while (s == UCS_INPROGRESS && absl::Now() < until) {
-      s = t->loop().RunSync([&] {
-        ucp_worker_progress(t->worker());
-        return ucp_request_check_status(req);
-      });
-    }
-    t->loop().RunSync([&] { ucp_request_free(req); });
-    return s;
-  };
-  ucp_request_param_t p{};
-  const ucs_status_t got =
-      wait(t->loop().RunSync([&] { return ucp_get_nbx(ep, buf.data(), buf.size(), target, rkey, &p); }));
-  EXPECT_EQ(got, UCS_OK) << "UCX refused the read: " << ucs_status_string(got);
-  const ucs_status_t put =
-      wait(t->loop().RunSync([&] { return ucp_put_nbx(ep, buf.data(), buf.size(), target, rkey, &p); }));
-  EXPECT_EQ(put, UCS_OK) << ucs_status_string(put);
-  const ucs_status_t flushed = wait(t->loop().RunSync([&] { return ucp_ep_flush_nbx(ep, &p); }));
-  EXPECT_EQ(flushed, UCS_OK) << ucs_status_string(flushed);
-  // What was put is there: read back a pattern written into the block.
-  std::vector<char> pattern(buf.size(), 0x5a), back(buf.size(), 0);
-  EXPECT_EQ(wait(t->loop().RunSync([&] { return ucp_put_nbx(ep, pattern.data(), pattern.size(), target, rkey, &p); })),
-            UCS_OK);
-  EXPECT_EQ(wait(t->loop().RunSync([&] { return ucp_ep_flush_nbx(ep, &p); })), UCS_OK);
-  EXPECT_EQ(wait(t->loop().RunSync([&] { return ucp_get_nbx(ep, back.data(), back.size(), target, rkey, &p); })),
-            UCS_OK);
-  EXPECT_EQ(back, pattern) << "the block outside the reservation was not overwritten";
+  auto fut = put_done.get_future();
+  ASSERT_EQ(fut.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  EXPECT_TRUE(fut.get().ok());
+  kv::Commit commit;
+  commit.id = r->id;
+  commit.request_id = "req-rkey";
+  commit.num_positions = 4;
+  commit.tokens = {1, 2, 3, 4};
+  commit.first_token = 5;
+  send(commit);
+  std::optional<kv::CommitReply> cr = raw.Await<kv::CommitReply>();
+  ASSERT_TRUE(cr.has_value());
+  EXPECT_EQ(cr->code, 0) << cr->message;
   EXPECT_EQ(MetricValue(HttpGet(metrics_port, "/metrics"),
                         "pdserve_handoff_refusals_total{reason=\"put_outside_reservation\"}"),
             0);
-  t->loop().RunSync([&] { ucp_rkey_destroy(rkey); });
+  region->reset();
   transport->reset();
   decode.Kill();
 }

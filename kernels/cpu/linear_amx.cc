@@ -145,6 +145,22 @@ void Block(const LinearAmxArgs& a, int64_t m0, int64_t p) {
   }
 }
 
+// Block for the rows left from m0 (one or two row tiles) and one or two panels.
+void AnyBlock(const LinearAmxArgs& a, int64_t m0, int64_t p, bool two_panels) {
+  const bool two_rows = a.m - m0 > kAmxRows;
+  if (two_rows) {
+    if (two_panels) {
+      Block<true, true>(a, m0, p);
+    } else {
+      Block<true, false>(a, m0, p);
+    }
+  } else if (two_panels) {
+    Block<false, true>(a, m0, p);
+  } else {
+    Block<false, false>(a, m0, p);
+  }
+}
+
 }  // namespace
 
 bool AmxPathSupported() { return PermissionGranted(); }
@@ -161,42 +177,14 @@ void LinearAmx(const LinearAmxArgs& a, int64_t panel_begin, int64_t panel_end) {
   // panels left the memory idle while the later passes ran).
   if (a.m <= 8 * kAmxRows) {
     for (int64_t p = panel_begin; p < panel_end; p += 2) {
-      const bool two_panels = p + 1 < panel_end;
-      for (int64_t m0 = 0; m0 < a.m; m0 += 2 * kAmxRows) {
-        const bool two_rows = a.m - m0 > kAmxRows;
-        if (two_rows) {
-          if (two_panels) {
-            Block<true, true>(a, m0, p);
-          } else {
-            Block<true, false>(a, m0, p);
-          }
-        } else if (two_panels) {
-          Block<false, true>(a, m0, p);
-        } else {
-          Block<false, false>(a, m0, p);
-        }
-      }
+      for (int64_t m0 = 0; m0 < a.m; m0 += 2 * kAmxRows) AnyBlock(a, m0, p, p + 1 < panel_end);
     }
     return;
   }
   for (int64_t c0 = panel_begin; c0 < panel_end; c0 += chunk) {
     const int64_t c1 = c0 + chunk < panel_end ? c0 + chunk : panel_end;
     for (int64_t m0 = 0; m0 < a.m; m0 += 2 * kAmxRows) {
-      const bool two_rows = a.m - m0 > kAmxRows;
-      for (int64_t p = c0; p < c1; p += 2) {
-        const bool two_panels = p + 1 < c1;
-        if (two_rows) {
-          if (two_panels) {
-            Block<true, true>(a, m0, p);
-          } else {
-            Block<true, false>(a, m0, p);
-          }
-        } else if (two_panels) {
-          Block<false, true>(a, m0, p);
-        } else {
-          Block<false, false>(a, m0, p);
-        }
-      }
+      for (int64_t p = c0; p < c1; p += 2) AnyBlock(a, m0, p, p + 1 < c1);
     }
   }
 }

@@ -12,6 +12,7 @@
 #include <future>
 #include <cstring>
 #include <cstdlib>
+#include <map>
 #include <memory>
 #include <string>
 #include <variant>
@@ -67,28 +68,52 @@ class Raw : public kv::ConnectionHandler {
   std::vector<Message> messages_ ABSL_GUARDED_BY(mu_);
 };
 
-TEST(GrantClusterTest, ADecodeWorkerRefusesEveryHandoffItsGrantDoesNotCoverAndCountsIt) {
-  const std::string dir = TempDir();
-  Subprocess decode;
-  std::vector<std::string> argv = {kBin + "/decode_worker/pdserve-decode-worker", "--model", kModel, "--ready_file",
-                                   dir + "/decode.ready", "--kv_lease_s", "30"};
-  for (std::string& a : TlsArgs("decode")) argv.push_back(std::move(a));
-  ASSERT_TRUE(decode.Start(argv, dir + "/decode.log").ok());
-  absl::StatusOr<int> port = decode.WaitReady(dir + "/decode.ready", absl::Seconds(60));
-  ASSERT_TRUE(port.ok()) << port.status() << decode.LogTail();
-  const int metrics_port = MetricsPort(dir + "/decode.ready");
+// A real decode worker (TLS, the test grant key) and where its KV receiver
+// listens.
+struct DecodeUnderTest {
+  Subprocess process;
+  int metrics_port = 0;
   std::string kv_address;
-  {
+  int kv_port = 0;
+
+  absl::Status Start(std::vector<std::string> flags, std::map<std::string, std::string> env = {}) {
+    const std::string dir = TempDir();
+    std::vector<std::string> argv = {kBin + "/decode_worker/pdserve-decode-worker", "--model", kModel,
+                                     "--ready_file", dir + "/decode.ready"};
+    for (std::string& a : TlsArgs("decode")) argv.push_back(std::move(a));
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    if (absl::Status s = process.Start(argv, dir + "/decode.log", env); !s.ok()) return s;
+    absl::StatusOr<int> port = process.WaitReady(dir + "/decode.ready", absl::Seconds(60));
+    if (!port.ok()) return port.status();
+    metrics_port = MetricsPort(dir + "/decode.ready");
     auto stub = worker::v1::DecodeWorker::NewStub(TestChannel(absl::StrCat("127.0.0.1:", *port), "decode"));
     grpc::ClientContext ctx;
     worker::v1::WorkerInfo info;
-    ASSERT_TRUE(stub->Status(&ctx, {}, &info).ok());
+    if (grpc::Status st = stub->Status(&ctx, {}, &info); !st.ok()) return absl::UnavailableError(st.error_message());
     kv_address = info.kv_address();
+    kv_port = std::stoi(kv_address.substr(kv_address.rfind(':') + 1));
+    return absl::OkStatus();
   }
-  const size_t colon = kv_address.rfind(':');
-  ASSERT_NE(colon, std::string::npos) << kv_address;
-  const int kv_port = std::stoi(kv_address.substr(colon + 1));
+  double Refusals(const std::string& reason) const {
+    return MetricValue(HttpGet(metrics_port, "/metrics"),
+                       absl::StrCat("pdserve_handoff_refusals_total{reason=\"", reason, "\"}"));
+  }
+};
 
+// A UCX transport for this process (`tcp_only`: no shared-memory lanes).
+std::unique_ptr<kv::UcxTransport> TestTransport(const std::string& name, bool tcp_only) {
+  if (tcp_only) setenv("UCX_TLS", "tcp", 1);
+  absl::StatusOr<std::unique_ptr<kv::UcxTransport>> t = kv::UcxTransport::Create({.name = name});
+  if (tcp_only) unsetenv("UCX_TLS");
+  EXPECT_TRUE(t.ok()) << t.status();
+  return t.ok() ? *std::move(t) : nullptr;
+}
+
+TEST(GrantClusterTest, ADecodeWorkerRefusesEveryHandoffItsGrantDoesNotCoverAndCountsIt) {
+  DecodeUnderTest decode;
+  ASSERT_TRUE(decode.Start({"--kv_lease_s", "30"}).ok()) << decode.process.LogTail();
+  const std::string kv_address = decode.kv_address;
+  const int kv_port = decode.kv_port;
   absl::StatusOr<kv::GrantKey> key = kv::GrantKey::FromFile(TestCertsDir() + "/kv_grant.key");
   ASSERT_TRUE(key.ok()) << key.status();
   const kv::GrantKey other = *kv::GrantKey::FromBytes(std::string(32, 'x'));
@@ -98,8 +123,9 @@ TEST(GrantClusterTest, ADecodeWorkerRefusesEveryHandoffItsGrantDoesNotCoverAndCo
         *kv::MintGrant(k != nullptr ? *k : *key, request, attempt, sender, kv_address, absl::Now() + ttl));
   };
 
-  absl::StatusOr<std::unique_ptr<kv::UcxTransport>> transport = kv::UcxTransport::Create({.name = "grant-test"});
-  ASSERT_TRUE(transport.ok()) << transport.status();
+  std::unique_ptr<kv::UcxTransport> owned = TestTransport("grant-test", false);
+  ASSERT_NE(owned, nullptr);
+  std::unique_ptr<kv::UcxTransport>* transport = &owned;
   Raw raw;
   absl::StatusOr<kv::Connection*> conn = (*transport)->Connect("127.0.0.1", kv_port, &raw);
   ASSERT_TRUE(conn.ok()) << conn.status();
@@ -160,11 +186,8 @@ TEST(GrantClusterTest, ADecodeWorkerRefusesEveryHandoffItsGrantDoesNotCoverAndCo
   EXPECT_EQ(cr->code, denied) << cr->message;
   send(*conn, kv::Abort{granted.id, static_cast<int32_t>(absl::StatusCode::kCancelled), "test done"});
 
-  const std::string page = HttpGet(metrics_port, "/metrics");
-  auto refusals = [&](const std::string& reason) {
-    return MetricValue(page, absl::StrCat("pdserve_handoff_refusals_total{reason=\"", reason, "\"}"));
-  };
-  EXPECT_EQ(refusals("missing"), 1) << page;
+  auto refusals = [&](const std::string& reason) { return decode.Refusals(reason); };
+  EXPECT_EQ(refusals("missing"), 1);
   EXPECT_EQ(refusals("expired"), 1);
   EXPECT_EQ(refusals("wrong_sender"), 1);
   EXPECT_EQ(refusals("bad_mac"), 1);
@@ -173,7 +196,7 @@ TEST(GrantClusterTest, ADecodeWorkerRefusesEveryHandoffItsGrantDoesNotCoverAndCo
   EXPECT_EQ(refusals("commit_other_request"), 1);
   EXPECT_EQ(refusals("wrong_receiver"), 0);
   transport->reset();
-  decode.Kill();
+  decode.process.Kill();
 }
 
 // Over TCP the receiver fetches each put's bytes itself, so it writes only
@@ -182,30 +205,15 @@ TEST(GrantClusterTest, ADecodeWorkerRefusesEveryHandoffItsGrantDoesNotCoverAndCo
 // dropped and counted (put_outside_reservation); a put into its own
 // reserved block is not.
 TEST(GrantClusterTest, OverTcpAPutOutsideALiveReservationIsDropped) {
-  const std::string dir = TempDir();
-  Subprocess decode;
-  std::vector<std::string> argv = {kBin + "/decode_worker/pdserve-decode-worker", "--model", kModel, "--ready_file",
-                                   dir + "/decode.ready", "--kv_lease_s", "1"};
-  for (std::string& a : TlsArgs("decode")) argv.push_back(std::move(a));
-  ASSERT_TRUE(decode.Start(argv, dir + "/decode.log", {{"UCX_TLS", "tcp"}}).ok());
-  absl::StatusOr<int> port = decode.WaitReady(dir + "/decode.ready", absl::Seconds(60));
-  ASSERT_TRUE(port.ok()) << port.status() << decode.LogTail();
-  const int metrics_port = MetricsPort(dir + "/decode.ready");
-  std::string kv_address;
-  {
-    auto stub = worker::v1::DecodeWorker::NewStub(TestChannel(absl::StrCat("127.0.0.1:", *port), "decode"));
-    grpc::ClientContext ctx;
-    worker::v1::WorkerInfo info;
-    ASSERT_TRUE(stub->Status(&ctx, {}, &info).ok());
-    kv_address = info.kv_address();
-  }
-  const int kv_port = std::stoi(kv_address.substr(kv_address.rfind(':') + 1));
+  DecodeUnderTest decode;
+  ASSERT_TRUE(decode.Start({"--kv_lease_s", "1"}, {{"UCX_TLS", "tcp"}}).ok()) << decode.process.LogTail();
+  const std::string kv_address = decode.kv_address;
+  const int kv_port = decode.kv_port;
   const kv::GrantKey key = *kv::GrantKey::FromFile(TestCertsDir() + "/kv_grant.key");
 
-  setenv("UCX_TLS", "tcp", 1);  // This process's side too: no shared-memory puts.
-  absl::StatusOr<std::unique_ptr<kv::UcxTransport>> transport = kv::UcxTransport::Create({.name = "grant-tcp-test"});
-  unsetenv("UCX_TLS");
-  ASSERT_TRUE(transport.ok()) << transport.status();
+  std::unique_ptr<kv::UcxTransport> owned = TestTransport("grant-tcp-test", true);  // No shared-memory puts.
+  ASSERT_NE(owned, nullptr);
+  std::unique_ptr<kv::UcxTransport>* transport = &owned;
   Raw raw;
   absl::StatusOr<kv::Connection*> conn = (*transport)->Connect("127.0.0.1", kv_port, &raw);
   ASSERT_TRUE(conn.ok()) << conn.status();
@@ -236,7 +244,7 @@ TEST(GrantClusterTest, OverTcpAPutOutsideALiveReservationIsDropped) {
     });
   };
   auto dropped = [&] {
-    return MetricValue(HttpGet(metrics_port, "/metrics"), "pdserve_handoff_refusals_total{reason=\"put_outside_reservation\"}");
+    return decode.Refusals("put_outside_reservation");
   };
   int32_t foreign = 0;
   while (std::find(r->blocks.begin(), r->blocks.end(), foreign) != r->blocks.end()) ++foreign;
@@ -254,7 +262,7 @@ TEST(GrantClusterTest, OverTcpAPutOutsideALiveReservationIsDropped) {
   EXPECT_EQ(dropped(), 2);
   region->reset();  // Its remote key goes before the worker it was unpacked on.
   transport->reset();
-  decode.Kill();
+  decode.process.Kill();
 }
 
 // The remote key of the decode worker's pool goes only to a peer on its
@@ -263,29 +271,14 @@ TEST(GrantClusterTest, OverTcpAPutOutsideALiveReservationIsDropped) {
 // could read and write the whole pool with plain UCX get/put (software RMA
 // served inside the target's progress, around the receiver's write check).
 TEST(GrantClusterTest, OverTcpNoRemoteKeyIsHandedOut) {
-  const std::string dir = TempDir();
-  Subprocess decode;
-  std::vector<std::string> argv = {kBin + "/decode_worker/pdserve-decode-worker", "--model", kModel, "--ready_file",
-                                   dir + "/decode.ready"};
-  for (std::string& a : TlsArgs("decode")) argv.push_back(std::move(a));
-  ASSERT_TRUE(decode.Start(argv, dir + "/decode.log", {{"UCX_TLS", "tcp"}}).ok());
-  absl::StatusOr<int> port = decode.WaitReady(dir + "/decode.ready", absl::Seconds(60));
-  ASSERT_TRUE(port.ok()) << port.status() << decode.LogTail();
-  const int metrics_port = MetricsPort(dir + "/decode.ready");
-  std::string kv_address;
-  {
-    auto stub = worker::v1::DecodeWorker::NewStub(TestChannel(absl::StrCat("127.0.0.1:", *port), "decode"));
-    grpc::ClientContext ctx;
-    worker::v1::WorkerInfo info;
-    ASSERT_TRUE(stub->Status(&ctx, {}, &info).ok());
-    kv_address = info.kv_address();
-  }
-  const int kv_port = std::stoi(kv_address.substr(kv_address.rfind(':') + 1));
+  DecodeUnderTest decode;
+  ASSERT_TRUE(decode.Start({}, {{"UCX_TLS", "tcp"}}).ok()) << decode.process.LogTail();
+  const std::string kv_address = decode.kv_address;
+  const int kv_port = decode.kv_port;
   const kv::GrantKey key = *kv::GrantKey::FromFile(TestCertsDir() + "/kv_grant.key");
-  setenv("UCX_TLS", "tcp", 1);
-  absl::StatusOr<std::unique_ptr<kv::UcxTransport>> transport = kv::UcxTransport::Create({.name = "rkey-test"});
-  unsetenv("UCX_TLS");
-  ASSERT_TRUE(transport.ok()) << transport.status();
+  std::unique_ptr<kv::UcxTransport> owned = TestTransport("rkey-test", true);
+  ASSERT_NE(owned, nullptr);
+  std::unique_ptr<kv::UcxTransport>* transport = &owned;
   Raw raw;
   absl::StatusOr<kv::Connection*> conn = (*transport)->Connect("127.0.0.1", kv_port, &raw);
   ASSERT_TRUE(conn.ok()) << conn.status();
@@ -330,12 +323,10 @@ TEST(GrantClusterTest, OverTcpNoRemoteKeyIsHandedOut) {
   std::optional<kv::CommitReply> cr = raw.Await<kv::CommitReply>();
   ASSERT_TRUE(cr.has_value());
   EXPECT_EQ(cr->code, 0) << cr->message;
-  EXPECT_EQ(MetricValue(HttpGet(metrics_port, "/metrics"),
-                        "pdserve_handoff_refusals_total{reason=\"put_outside_reservation\"}"),
-            0);
+  EXPECT_EQ(decode.Refusals("put_outside_reservation"), 0);
   region->reset();
   transport->reset();
-  decode.Kill();
+  decode.process.Kill();
 }
 
 // A TLS decode worker without a grant key does not start.

@@ -2,8 +2,9 @@
 // without a grant, with an expired one, with one naming another sender host
 // or minted with another key, and one already used for its attempt are
 // refused; a commit from another connection and one naming another request
-// are refused; each is counted in pdserve_handoff_refusals_total{reason}, and
-// a valid grant still reserves (and a committed-for request decodes on).
+// are refused; each is counted in pdserve_handoff_refusals_total{reason}; a
+// valid grant still reserves, and a committed request's KV is unchanged,
+// byte for byte, through all of it.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 
@@ -149,6 +150,75 @@ TEST(GrantClusterTest, ADecodeWorkerRefusesEveryHandoffItsGrantDoesNotCoverAndCo
   EXPECT_EQ(r.code, denied) << r.message;
   EXPECT_NE(r.message.find("no grant"), std::string::npos) << r.message;
   req.sender = r.receiver;
+
+  // A request handed off properly first (a pattern put into its blocks,
+  // committed): its KV must not change, byte for byte, through every
+  // refused attempt below. Over shared memory (this machine) the answer
+  // carries the pool's remote key, which reads the blocks back.
+  kv::ReserveReply legit = reserve(10, grant("req-0", 1, absl::Seconds(60)));
+  ASSERT_EQ(legit.code, 0) << legit.message;
+  ASSERT_GT(legit.region.size(), sizeof(uint64_t)) << "no remote key for a peer on this machine";
+  kv::UcxTransport* t = transport->get();
+  const int64_t block_bytes = legit.receiver.ToSpec(legit.num_blocks).LayerBlockBytes();
+  absl::StatusOr<std::shared_ptr<kv::RemoteRegion>> region =
+      t->loop().RunSync([&] { return (*conn)->ImportRegion(legit.region); });
+  ASSERT_TRUE(region.ok()) << region.status();
+  std::vector<char> pattern(static_cast<size_t>(block_bytes));
+  for (size_t i = 0; i < pattern.size(); ++i) pattern[i] = static_cast<char>(i % 251);
+  {
+    std::promise<absl::Status> flushed;
+    t->loop().RunSync([&] {
+      for (int32_t b : legit.blocks) {
+        (*conn)->Put(pattern.data(), block_bytes, **region, static_cast<int64_t>(b) * block_bytes, nullptr);
+      }
+      (*conn)->Flush([&](absl::Status s) { flushed.set_value(s); });
+    });
+    auto f = flushed.get_future();
+    ASSERT_EQ(f.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+    ASSERT_TRUE(f.get().ok());
+  }
+  kv::Commit done;
+  done.id = legit.id;
+  done.request_id = "req-0";
+  done.num_positions = 4;
+  done.tokens = {1, 2, 3, 4};
+  done.first_token = 5;
+  send(*conn, done);
+  std::optional<kv::CommitReply> ok = raw.Await<kv::CommitReply>();
+  ASSERT_TRUE(ok.has_value());
+  ASSERT_EQ(ok->code, 0) << ok->message;
+  ucp_rkey_h rkey = nullptr;
+  ucp_ep_h ep = t->loop().RunSync([&] { return t->EndpointOf(*conn); });
+  ASSERT_EQ(t->loop().RunSync([&] { return ucp_ep_rkey_unpack(ep, legit.region.data() + sizeof(uint64_t), &rkey); }),
+            UCS_OK);
+  uint64_t base = 0;
+  std::memcpy(&base, legit.region.data(), sizeof(base));
+  auto read_back = [&] {
+    std::vector<char> all;
+    for (int32_t b : legit.blocks) {
+      std::vector<char> got(pattern.size(), 0);
+      ucp_request_param_t p{};
+      ucs_status_ptr_t q = t->loop().RunSync([&] {
+        return ucp_get_nbx(ep, got.data(), got.size(), base + static_cast<uint64_t>(b) * block_bytes, rkey, &p);
+      });
+      ucs_status_t s = UCS_PTR_IS_ERR(q) ? UCS_PTR_STATUS(q) : (q == nullptr ? UCS_OK : UCS_INPROGRESS);
+      const absl::Time until = absl::Now() + absl::Seconds(10);
+      while (s == UCS_INPROGRESS && absl::Now() < until) {
+        s = t->loop().RunSync([&] {
+          ucp_worker_progress(t->worker());
+          return ucp_request_check_status(q);
+        });
+      }
+      if (q != nullptr && !UCS_PTR_IS_ERR(q)) t->loop().RunSync([&] { ucp_request_free(q); });
+      EXPECT_EQ(s, UCS_OK) << ucs_status_string(s);
+      all.insert(all.end(), got.begin(), got.end());
+    }
+    return all;
+  };
+  const std::vector<char> before = read_back();
+  ASSERT_EQ(before.size(), pattern.size() * legit.blocks.size());
+  EXPECT_TRUE(std::equal(pattern.begin(), pattern.end(), before.begin())) << "the handoff did not land";
+
   r = reserve(2, grant("req-1", 1, absl::Seconds(-1)));
   EXPECT_EQ(r.code, denied);
   EXPECT_NE(r.message.find("expired"), std::string::npos) << r.message;
@@ -185,6 +255,10 @@ TEST(GrantClusterTest, ADecodeWorkerRefusesEveryHandoffItsGrantDoesNotCoverAndCo
   ASSERT_TRUE(cr.has_value());
   EXPECT_EQ(cr->code, denied) << cr->message;
   send(*conn, kv::Abort{granted.id, static_cast<int32_t>(absl::StatusCode::kCancelled), "test done"});
+
+  EXPECT_EQ(read_back(), before) << "a refused handoff changed another request's KV";
+  t->loop().RunSync([&] { ucp_rkey_destroy(rkey); });
+  region->reset();
 
   auto refusals = [&](const std::string& reason) { return decode.Refusals(reason); };
   EXPECT_EQ(refusals("missing"), 1);

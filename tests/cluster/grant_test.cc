@@ -110,6 +110,35 @@ std::unique_ptr<kv::UcxTransport> TestTransport(const std::string& name, bool tc
   return t.ok() ? *std::move(t) : nullptr;
 }
 
+// A raw handoff client of a decode worker over this process's UCX
+// transport. Its first reservation carries no grant: refused, but the
+// answer tells the receiver's layout, which the later ones present.
+struct RawPeer {
+  Raw raw;  // Outlives the transport, whose connection calls it.
+  std::unique_ptr<kv::UcxTransport> transport;
+  kv::Connection* conn = nullptr;
+  kv::ReserveRequest req;
+
+  void Start(const DecodeUnderTest& decode, const std::string& name, bool tcp_only) {
+    transport = TestTransport(name, tcp_only);
+    ASSERT_NE(transport, nullptr);
+    absl::StatusOr<kv::Connection*> c = transport->Connect("127.0.0.1", decode.kv_port, &raw);
+    ASSERT_TRUE(c.ok()) << c.status();
+    conn = *c;
+    req.num_positions = 4;
+    std::optional<kv::ReserveReply> first = Reserve(1, "");
+    ASSERT_TRUE(first.has_value());
+    req.sender = first->receiver;
+  }
+  void Send(const Message& m) { transport->loop().RunSync([&] { conn->Send(kv::Encode(m)); }); }
+  std::optional<kv::ReserveReply> Reserve(uint64_t tag, std::string grant) {
+    req.tag = tag;
+    req.grant = std::move(grant);
+    Send(req);
+    return raw.Await<kv::ReserveReply>();
+  }
+};
+
 TEST(GrantClusterTest, ADecodeWorkerRefusesEveryHandoffItsGrantDoesNotCoverAndCountsIt) {
   DecodeUnderTest decode;
   ASSERT_TRUE(decode.Start({"--kv_lease_s", "30"}).ok()) << decode.process.LogTail();
@@ -282,39 +311,27 @@ TEST(GrantClusterTest, OverTcpAPutOutsideALiveReservationIsDropped) {
   DecodeUnderTest decode;
   ASSERT_TRUE(decode.Start({"--kv_lease_s", "1"}, {{"UCX_TLS", "tcp"}}).ok()) << decode.process.LogTail();
   const std::string kv_address = decode.kv_address;
-  const int kv_port = decode.kv_port;
   const kv::GrantKey key = *kv::GrantKey::FromFile(TestCertsDir() + "/kv_grant.key");
 
-  std::unique_ptr<kv::UcxTransport> owned = TestTransport("grant-tcp-test", true);  // No shared-memory puts.
-  ASSERT_NE(owned, nullptr);
-  std::unique_ptr<kv::UcxTransport>* transport = &owned;
-  Raw raw;
-  absl::StatusOr<kv::Connection*> conn = (*transport)->Connect("127.0.0.1", kv_port, &raw);
-  ASSERT_TRUE(conn.ok()) << conn.status();
-  auto send = [&](const Message& m) { (*transport)->loop().RunSync([&] { (*conn)->Send(kv::Encode(m)); }); };
-  kv::ReserveRequest req;
-  req.tag = 1;
-  req.num_positions = 4;
-  send(req);  // No grant: refused, but the answer tells the receiver's layout.
-  std::optional<kv::ReserveReply> first = raw.Await<kv::ReserveReply>();
-  ASSERT_TRUE(first.has_value());
-  req.sender = first->receiver;
-  req.tag = 2;
-  req.grant = kv::EncodeGrant(
-      *kv::MintGrant(key, "req-tcp", 1, "127.0.0.1", kv_address, absl::Now() + absl::Seconds(60)));
-  send(req);
-  std::optional<kv::ReserveReply> r = raw.Await<kv::ReserveReply>();
+  RawPeer peer;
+  ASSERT_NO_FATAL_FAILURE(peer.Start(decode, "grant-tcp-test", /*tcp_only=*/true));  // No shared-memory puts.
+  std::optional<kv::ReserveReply> r = peer.Reserve(
+      2, kv::EncodeGrant(*kv::MintGrant(key, "req-tcp", 1, "127.0.0.1", kv_address, absl::Now() + absl::Seconds(60))));
   ASSERT_TRUE(r.has_value());
   ASSERT_EQ(r->code, 0) << r->message;
+  kv::UcxTransport* transport = peer.transport.get();
+  kv::Connection* conn = peer.conn;
+  Raw& raw = peer.raw;
+  auto send = [&](const Message& m) { peer.Send(m); };
   ASSERT_FALSE(r->blocks.empty());
   const int64_t block_bytes = r->receiver.ToSpec(r->num_blocks).LayerBlockBytes();
   absl::StatusOr<std::shared_ptr<kv::RemoteRegion>> region =
-      (*transport)->loop().RunSync([&] { return (*conn)->ImportRegion(r->region); });
+      transport->loop().RunSync([&] { return conn->ImportRegion(r->region); });
   ASSERT_TRUE(region.ok()) << region.status();
   std::vector<char> bytes(static_cast<size_t>(block_bytes), 7);
   auto put = [&](int32_t block) {
-    (*transport)->loop().RunSync([&] {
-      (*conn)->Put(bytes.data(), block_bytes, **region, static_cast<int64_t>(block) * block_bytes, nullptr);
+    transport->loop().RunSync([&] {
+      conn->Put(bytes.data(), block_bytes, **region, static_cast<int64_t>(block) * block_bytes, nullptr);
     });
   };
   auto dropped = [&] {
@@ -335,7 +352,7 @@ TEST(GrantClusterTest, OverTcpAPutOutsideALiveReservationIsDropped) {
   while (dropped() < 2 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(50));
   EXPECT_EQ(dropped(), 2);
   region->reset();  // Its remote key goes before the worker it was unpacked on.
-  transport->reset();
+  peer.transport.reset();
   decode.process.Kill();
 }
 
@@ -348,40 +365,28 @@ TEST(GrantClusterTest, OverTcpNoRemoteKeyIsHandedOut) {
   DecodeUnderTest decode;
   ASSERT_TRUE(decode.Start({}, {{"UCX_TLS", "tcp"}}).ok()) << decode.process.LogTail();
   const std::string kv_address = decode.kv_address;
-  const int kv_port = decode.kv_port;
   const kv::GrantKey key = *kv::GrantKey::FromFile(TestCertsDir() + "/kv_grant.key");
-  std::unique_ptr<kv::UcxTransport> owned = TestTransport("rkey-test", true);
-  ASSERT_NE(owned, nullptr);
-  std::unique_ptr<kv::UcxTransport>* transport = &owned;
-  Raw raw;
-  absl::StatusOr<kv::Connection*> conn = (*transport)->Connect("127.0.0.1", kv_port, &raw);
-  ASSERT_TRUE(conn.ok()) << conn.status();
-  auto send = [&](const Message& m) { (*transport)->loop().RunSync([&] { (*conn)->Send(kv::Encode(m)); }); };
-  kv::ReserveRequest req;
-  req.tag = 1;
-  req.num_positions = 4;
-  send(req);
-  std::optional<kv::ReserveReply> first = raw.Await<kv::ReserveReply>();
-  ASSERT_TRUE(first.has_value());
-  req.sender = first->receiver;
-  req.tag = 2;
-  req.grant = kv::EncodeGrant(
-      *kv::MintGrant(key, "req-rkey", 1, "127.0.0.1", kv_address, absl::Now() + absl::Seconds(60)));
-  send(req);
-  std::optional<kv::ReserveReply> r = raw.Await<kv::ReserveReply>();
+  RawPeer peer;
+  ASSERT_NO_FATAL_FAILURE(peer.Start(decode, "rkey-test", /*tcp_only=*/true));  // No shared-memory puts.
+  std::optional<kv::ReserveReply> r = peer.Reserve(
+      2, kv::EncodeGrant(*kv::MintGrant(key, "req-rkey", 1, "127.0.0.1", kv_address, absl::Now() + absl::Seconds(60))));
   ASSERT_TRUE(r.has_value());
   ASSERT_EQ(r->code, 0) << r->message;
+  kv::UcxTransport* transport = peer.transport.get();
+  kv::Connection* conn = peer.conn;
+  Raw& raw = peer.raw;
+  auto send = [&](const Message& m) { peer.Send(m); };
   EXPECT_EQ(r->region.size(), sizeof(uint64_t)) << "a remote key went to a peer that writes by message";
   // The handoff still works by message: a put into its own block is
   // written (not counted as refused), and the commit is taken.
   absl::StatusOr<std::shared_ptr<kv::RemoteRegion>> region =
-      (*transport)->loop().RunSync([&] { return (*conn)->ImportRegion(r->region); });
+      transport->loop().RunSync([&] { return conn->ImportRegion(r->region); });
   ASSERT_TRUE(region.ok()) << region.status();
   const int64_t block_bytes = r->receiver.ToSpec(r->num_blocks).LayerBlockBytes();
   std::vector<char> bytes(static_cast<size_t>(block_bytes), 3);
   std::promise<absl::Status> put_done;
-  (*transport)->loop().RunSync([&] {
-    (*conn)->Put(bytes.data(), block_bytes, **region, static_cast<int64_t>(r->blocks[0]) * block_bytes,
+  transport->loop().RunSync([&] {
+    conn->Put(bytes.data(), block_bytes, **region, static_cast<int64_t>(r->blocks[0]) * block_bytes,
                  [&](absl::Status s) { put_done.set_value(s); });
   });
   auto fut = put_done.get_future();
@@ -399,7 +404,7 @@ TEST(GrantClusterTest, OverTcpNoRemoteKeyIsHandedOut) {
   EXPECT_EQ(cr->code, 0) << cr->message;
   EXPECT_EQ(decode.Refusals("put_outside_reservation"), 0);
   region->reset();
-  transport->reset();
+  peer.transport.reset();
   decode.process.Kill();
 }
 

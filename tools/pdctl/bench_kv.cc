@@ -162,6 +162,40 @@ struct BenchGrants {
 };
 BenchGrants g_grants;
 
+// What a grant costs in this process: minting one (the router's side) and
+// decoding and checking one (the decode worker's, per reservation), each a
+// median of timed single calls, warm (back to back) and cold (each after
+// reading 8 MiB, as between two reservations). Microseconds.
+nlohmann::json TimeGrants(const kv::GrantKey& key) {
+  auto us = [](absl::Time a, absl::Time b) { return absl::ToDoubleMicroseconds(b - a); };
+  std::vector<double> mint, warm, cold;
+  std::string encoded;
+  for (int i = 0; i < 2000; ++i) {
+    const absl::Time t0 = absl::Now();
+    encoded = kv::EncodeGrant(
+        *kv::MintGrant(key, absl::StrCat("time-", i), 1, "127.0.0.1", "127.0.0.1:1", absl::Now() + absl::Seconds(60)));
+    mint.push_back(us(t0, absl::Now()));
+  }
+  auto check = [&] {
+    const absl::Time t0 = absl::Now();
+    kv::GrantRefusal why;
+    absl::StatusOr<kv::Grant> g = kv::DecodeGrant(encoded);
+    const bool ok = g.ok() && kv::VerifyGrant(key, *g, "127.0.0.1:1", absl::Now(), &why).ok();
+    const double t = us(t0, absl::Now());
+    return ok ? t : -1.0;
+  };
+  for (int i = 0; i < 2000; ++i) warm.push_back(check());
+  std::vector<char> evict(8 << 20, 1);
+  int64_t sink = 0;
+  for (int i = 0; i < 50; ++i) {
+    for (size_t j = 0; j < evict.size(); j += 64) sink += evict[j];
+    cold.push_back(check());
+  }
+  evict[0] = static_cast<char>(sink);
+  return {{"mint_us_median", Median(mint)}, {"check_us_median_warm", Median(warm)},
+          {"check_us_median_cold", Median(cold)}};
+}
+
 absl::Status RunReceiver(const KvCacheSpec& spec, const ModelIdentity& model) {
   if (const int cpu = absl::GetFlag(FLAGS_receiver_cpu); cpu >= 0) {
     // Before any thread starts: the transport's and the compute's inherit it.
@@ -685,6 +719,7 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
            {"handoff_ms_median", h_med * 1e3},
            {"reserve_ms_median", Median(reserve_s) * 1e3},
            {"grants", g_grants.key != nullptr},
+           {"grant_costs", g_grants.key != nullptr ? TimeGrants(*g_grants.key) : nlohmann::json()},
            {"stream_commit_ms_median", stream_med * 1e3},
            {"handoff_gbps", bytes_moved / stream_med / 1e9},
            {"raw_put_ms_median", raw_med * 1e3},
@@ -762,6 +797,11 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
               out["put_bytes_per_layer"].get<double>() / 1048576, receiver_ranks > 1 ? " and receiver rank" : "");
   std::printf("  per request (median of %d) %8.3f ms                (reserve %.3f ms + stream + commit ack)\n", iters,
               out["handoff_ms_median"].get<double>(), out["reserve_ms_median"].get<double>());
+  if (const nlohmann::json& g = out["grant_costs"]; g.is_object()) {
+    std::printf("  grant (in-process)        mint %.1f us, check %.1f us warm / %.1f us cold (medians)\n",
+                g["mint_us_median"].get<double>(), g["check_us_median_warm"].get<double>(),
+                g["check_us_median_cold"].get<double>());
+  }
   std::printf("  handoff stream + commit  %10.3f ms   %7.2f GB/s  (first put -> flush -> commit acknowledged)\n",
               out["stream_commit_ms_median"].get<double>(), out["handoff_gbps"].get<double>());
   std::printf("  raw UCX puts + flush     %10.3f ms   %7.2f GB/s  (same sizes, same connection)\n",

@@ -175,6 +175,21 @@ absl::StatusOr<std::unique_ptr<Handoff>> KvSender::Reserve(Connection* conn, Res
       }
       st->remote = cached;
       handoffs_[{conn, st->id.value}] = st;
+      // The receiver's pages this handoff will write, readied while the
+      // prompt's forward runs (where the transport writes through a
+      // mapping of its own: Connection::PrepareWrites). Whole blocks of
+      // the reservation: PlanPacked's destinations, every layer.
+      std::vector<std::pair<int64_t, int64_t>> ranges;
+      for (int32_t l = 0; l < layout_.num_layers; ++l) {
+        for (const CopyRun& r : PlanPacked(st->dst_spec, st->dst_table, l, st->held_positions, st->num_positions, 0)) {
+          if (!ranges.empty() && ranges.back().first + ranges.back().second == r.dst_offset) {
+            ranges.back().second += r.bytes;
+          } else {
+            ranges.push_back({r.dst_offset, r.bytes});
+          }
+        }
+      }
+      conn->PrepareWrites(st->remote, ranges);
       return absl::OkStatus();
     });
   }

@@ -104,11 +104,16 @@ class UcxTransport final : public Transport {
   ucp_worker_h worker() const { return worker_; }
   // The memory handle of a registered region containing [p, p + n), if any.
   ucp_mem_h FindMemh(const void* p, size_t n) const;
+  // Pages of peers' regions readied for writes so far (PrepareWrites), and
+  // a wait until every PrepareWrites so far is done (tests).
+  int64_t pages_prepared() const;
+  void WaitForPreparedWrites();
 
  private:
   class Conn;
   class Region;
   class Allocator;
+  class PageWarmer;
   struct Listener {
     ucp_listener_h listener = nullptr;
     ConnectionHandler* handler = nullptr;
@@ -131,6 +136,7 @@ class UcxTransport final : public Transport {
   bool has_shm_ = false;
   EventLoop loop_;
   std::unique_ptr<Allocator> allocator_;
+  std::unique_ptr<PageWarmer> warmer_;
   // Loop thread only.
   std::vector<std::unique_ptr<Listener>> listeners_;
   std::vector<std::unique_ptr<Conn>> conns_;

@@ -353,6 +353,9 @@ struct EpErrorArg {
   std::function<void(ucs_status_t)> fn;
 };
 
+// How long control messages that arrive before the peer's hello wait for it.
+constexpr absl::Duration kHelloWait = absl::Milliseconds(200);
+
 class UcxTransport::Conn final : public Connection {
  public:
   enum class State { kOpen, kClosing, kClosed, kFailed };
@@ -451,15 +454,28 @@ class UcxTransport::Conn final : public Connection {
   // Loop thread.
   void OnAm(unsigned id, std::string data) {
     if (id == kAmControl) {
-      if (handler_ != nullptr && (state_ == State::kOpen || state_ == State::kClosing)) {
-        handler_->OnMessage(*this, std::move(data));
+      // Each side says hello before anything else, but UCX can deliver a
+      // message sent right after it (while the endpoint was still wiring
+      // up) first: measured, a cluster's first reservation then went out
+      // without the pool's remote key and its KV over tcp. Control
+      // messages wait for the hello, at most kHelloWait (a peer that never
+      // says it is taken to be on another machine).
+      if (!hello_seen_) {
+        if (held_.empty()) {
+          held_since_ = absl::Now();
+          CheckHeld();
+        }
+        held_.push_back(std::move(data));
+        return;
       }
+      Deliver(std::move(data));
     } else if (id == kAmHello) {
       // Each side says hello: the accepting side learns whether the peer
       // shares this machine; the connecting side opens its data endpoint.
       const std::string& host = owner_->host_id_;
       peer_same_host_ = data.size() > host.size() && data.compare(0, host.size(), host) == 0;
       if (connecting_) OpenDataEp(data);
+      ReleaseHeld();
     } else if (id == kAmBye) {
       if (state_ != State::kOpen) return;
       SendAm(kAmByeAck, {});
@@ -471,6 +487,33 @@ class UcxTransport::Conn final : public Connection {
       state_ = State::kClosed;
       CloseEp(0);
     }
+  }
+
+  void Deliver(std::string data) {
+    if (handler_ != nullptr && (state_ == State::kOpen || state_ == State::kClosing)) {
+      handler_->OnMessage(*this, std::move(data));
+    }
+  }
+
+  void ReleaseHeld() {
+    hello_seen_ = true;
+    std::deque<std::string> held;
+    held.swap(held_);
+    for (std::string& m : held) Deliver(std::move(m));
+  }
+
+  // While messages wait for the hello: gives up on it after kHelloWait
+  // (the loop polls meanwhile; the hello normally follows within the
+  // same burst).
+  void CheckHeld() {
+    owner_->loop_.Post([this] {
+      if (held_.empty()) return;
+      if (absl::Now() - held_since_ >= kHelloWait) {
+        ReleaseHeld();
+      } else {
+        CheckHeld();
+      }
+    });
   }
 
   // The data endpoint: to the peer's worker address, without peer error
@@ -621,6 +664,9 @@ class UcxTransport::Conn final : public Connection {
   std::string name_;
   std::string peer_host_;  // Accepted connections: the client's IP.
   bool peer_same_host_ = false;  // Its hello named this machine.
+  bool hello_seen_ = false;      // Its hello came (or kHelloWait passed without).
+  std::deque<std::string> held_;  // Control messages that came before the hello.
+  absl::Time held_since_;
   bool connecting_ = false;      // This side connected (it opens the data endpoint).
   State state_ = State::kOpen;
   absl::Status error_;

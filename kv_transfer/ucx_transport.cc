@@ -295,8 +295,8 @@ class UcxTransport::PageWarmer {
       Job job;
       {
         absl::MutexLock lock(&mu_);
-        mu_.Await(absl::Condition(
-            +[](PageWarmer* w) { return w->stop_ || !w->jobs_.empty(); }, this));
+        auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || !jobs_.empty(); };
+        mu_.Await(absl::Condition(&ready));
         if (stop_) return;
         job = std::move(jobs_.front());
         jobs_.pop_front();

@@ -242,19 +242,28 @@ class UcxRemote final : public RemoteRegion {
 
 }  // namespace
 
+size_t PageBytes() {
+  static const size_t kPage = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  return kPage;
+}
+
+void ReadyPagesForWrites(char* first_page, size_t pages) {
+  (void)madvise(first_page, pages * PageBytes(), MADV_POPULATE_WRITE);
+  for (size_t i = 0; i < pages; ++i) {
+    __atomic_fetch_add(reinterpret_cast<uint64_t*>(first_page + i * PageBytes()), uint64_t{0}, __ATOMIC_RELAXED);
+  }
+}
+
 // A same-host receiver's pool is a shared-memory segment that UCX maps into
 // this process when its rkey is unpacked, and the first write to each page
-// of that mapping costs far more than the copy: a soft page fault (12-16 us
-// a page on the VMs measured) and, after it, a trap to the hypervisor on
-// the page's first store (~6 us; measured with the page already mapped by
-// MADV_POPULATE_WRITE). A fresh request's 24 MiB took 70-100 ms that way
-// against a 1.5 ms copy into warm pages, and a cluster's first token gap
-// grew by as much. This thread readies the pages a handoff will write
-// while the prompt's forward runs: one madvise(MADV_POPULATE_WRITE) per run
-// of new pages (no-op on kernels before 5.14), then one atomic add of zero
-// to a word of each page, which stores without changing a byte whatever
-// the peer or other senders write there at the same time. Each page once
-// per imported region (connection and pool).
+// of that mapping costs far more than the copy (a soft page fault and, on
+// the VMs measured, a trap to the hypervisor on the page's first store):
+// `pdctl bench-kv` prints a fresh mapping's first copy of a request beside
+// a warm one and a readied one. In a cluster every new request writes new
+// pages, and its first token gap grew by as much. This thread readies the
+// pages a handoff will write while the prompt's forward runs
+// (ReadyPagesForWrites, per run of new pages), each page once per
+// imported region (connection and pool).
 class UcxTransport::PageWarmer {
  public:
   PageWarmer() : thread_([this] { Run(); }) {}
@@ -266,13 +275,17 @@ class UcxTransport::PageWarmer {
     thread_.join();
   }
 
+  // A range of the peer's region: where it lies in this process's mapping,
+  // its length, and the page it starts at in the peer's address space.
+  struct Range {
+    char* local;
+    int64_t bytes;
+    uint64_t first_page;
+  };
   struct Job {
     std::shared_ptr<RemoteRegion> keep;  // Keeps the rkey, so the mapping, alive.
     UcxRemote* remote;
-    // Local addresses of the ranges (this process's mapping) and the pages
-    // they start at in the peer's address space.
-    std::vector<std::pair<char*, int64_t>> ranges;
-    std::vector<uint64_t> first_remote_page;
+    std::vector<Range> ranges;
   };
 
   void Add(Job job) {
@@ -301,7 +314,7 @@ class UcxTransport::PageWarmer {
         job = std::move(jobs_.front());
         jobs_.pop_front();
       }
-      for (size_t i = 0; i < job.ranges.size(); ++i) Ready(*job.remote, job.ranges[i], job.first_remote_page[i]);
+      for (const Range& range : job.ranges) Ready(*job.remote, range);
       job.keep.reset();  // Before counting it done (the rkey's release is posted to the loop).
       absl::MutexLock lock(&mu_);
       ++done_;
@@ -309,13 +322,14 @@ class UcxTransport::PageWarmer {
     }
   }
 
-  void Ready(UcxRemote& r, std::pair<char*, int64_t> range, uint64_t first) {
-    static const uint64_t kPage = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
-    auto [local, bytes] = range;
-    if (bytes <= 0) return;
-    const uint64_t offset_in_page = reinterpret_cast<uintptr_t>(local) % kPage;
-    const uint64_t last = first + (offset_in_page + static_cast<uint64_t>(bytes) - 1) / kPage;
-    char* const first_page = local - offset_in_page;
+  // The range's pages not yet readied, in runs.
+  void Ready(UcxRemote& r, const Range& range) {
+    const uint64_t page = PageBytes();
+    const uint64_t first = range.first_page;
+    if (range.bytes <= 0) return;
+    const uint64_t offset_in_page = reinterpret_cast<uintptr_t>(range.local) % page;
+    const uint64_t last = first + (offset_in_page + static_cast<uint64_t>(range.bytes) - 1) / page;
+    char* const first_page = range.local - offset_in_page;
     for (uint64_t w = first / 64; w <= last / 64; ++w) {
       uint64_t want = ~uint64_t{0};
       if (w == first / 64) want &= ~uint64_t{0} << (first % 64);
@@ -327,11 +341,7 @@ class UcxTransport::PageWarmer {
         const int b = __builtin_ctzll(missing);
         const uint64_t from_b = missing >> b;
         const int len = ~from_b == 0 ? 64 - b : __builtin_ctzll(~from_b);
-        char* const run = first_page + (w * 64 + b - first) * kPage;
-        (void)madvise(run, static_cast<size_t>(len) * kPage, MADV_POPULATE_WRITE);
-        for (int i = 0; i < len; ++i) {
-          __atomic_fetch_add(reinterpret_cast<uint64_t*>(run + i * kPage), uint64_t{0}, __ATOMIC_RELAXED);
-        }
+        ReadyPagesForWrites(first_page + (w * 64 + b - first) * page, static_cast<size_t>(len));
         pages_.fetch_add(len, std::memory_order_relaxed);
         missing &= len == 64 ? 0 : ~(((uint64_t{1} << len) - 1) << b);
       }
@@ -425,13 +435,11 @@ class UcxTransport::Conn final : public Connection {
                      const std::vector<std::pair<int64_t, int64_t>>& ranges) override {
     auto* r = static_cast<UcxRemote*>(remote.get());
     if (state_ != State::kOpen || data_ep_ == nullptr || r == nullptr || r->rkey == nullptr) return;
-    static const uint64_t kPage = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
-    PageWarmer::Job job{remote, r, {}, {}};
+    PageWarmer::Job job{remote, r, {}};
     for (const auto& [offset, bytes] : ranges) {
       void* local;
       if (bytes <= 0 || ucp_rkey_ptr(r->rkey, r->base + offset, &local) != UCS_OK) continue;  // Not mapped here.
-      job.ranges.push_back({static_cast<char*>(local), bytes});
-      job.first_remote_page.push_back((r->base + offset) / kPage);
+      job.ranges.push_back({static_cast<char*>(local), bytes, (r->base + offset) / PageBytes()});
     }
     if (!job.ranges.empty()) owner_->warmer_->Add(std::move(job));
   }

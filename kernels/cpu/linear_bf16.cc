@@ -41,7 +41,7 @@ void MicroKernel(const LinearBf16Args& a, const uint16_t* x, const uint16_t* pan
       // The weights stream from DRAM on the first row tile: prefetch ahead,
       // further with more rows (more work per byte). Measured on the Zen 5
       // class (one thread, 24 MiB of weights): 16 pairs for one or two rows,
-      // 64 for 8-64 rows (1.15-1.4x over none); an L2-resident pass pays
+      // 64 for 8-64 rows (1.15-1.4x over none, a one-off harness); an L2-resident pass pays
       // one extra load slot per panel.
       __builtin_prefetch(w + (MR <= 2 ? 16 : 64) * 2 * kF16PanelWidth);
       b[p] = reinterpret_cast<__m512bh>(_mm512_load_si512(w));

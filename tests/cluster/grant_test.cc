@@ -101,6 +101,17 @@ struct DecodeUnderTest {
   }
 };
 
+// The commit of a 4-position request (tokens 1-4, first token 5).
+kv::Commit FourPositionCommit(kv::HandoffId id, const std::string& request_id) {
+  kv::Commit c;
+  c.id = id;
+  c.request_id = request_id;
+  c.num_positions = 4;
+  c.tokens = {1, 2, 3, 4};
+  c.first_token = 5;
+  return c;
+}
+
 // A UCX transport for this process (`tcp_only`: no shared-memory lanes).
 std::unique_ptr<kv::UcxTransport> TestTransport(const std::string& name, bool tcp_only) {
   if (tcp_only) setenv("UCX_TLS", "tcp", 1);
@@ -206,13 +217,7 @@ TEST(GrantClusterTest, ADecodeWorkerRefusesEveryHandoffItsGrantDoesNotCoverAndCo
     ASSERT_EQ(f.wait_for(std::chrono::seconds(10)), std::future_status::ready);
     ASSERT_TRUE(f.get().ok());
   }
-  kv::Commit done;
-  done.id = legit.id;
-  done.request_id = "req-0";
-  done.num_positions = 4;
-  done.tokens = {1, 2, 3, 4};
-  done.first_token = 5;
-  send(*conn, done);
+  send(*conn, FourPositionCommit(legit.id, "req-0"));
   std::optional<kv::CommitReply> ok = raw.Await<kv::CommitReply>();
   ASSERT_TRUE(ok.has_value());
   ASSERT_EQ(ok->code, 0) << ok->message;
@@ -265,12 +270,7 @@ TEST(GrantClusterTest, ADecodeWorkerRefusesEveryHandoffItsGrantDoesNotCoverAndCo
   EXPECT_NE(r.message.find("used before"), std::string::npos) << r.message;
 
   // Its commit from another connection, then naming another request.
-  kv::Commit commit;
-  commit.id = granted.id;
-  commit.request_id = "req-1";
-  commit.num_positions = 4;
-  commit.tokens = {1, 2, 3, 4};
-  commit.first_token = 5;
+  kv::Commit commit = FourPositionCommit(granted.id, "req-1");
   Raw other_raw;
   absl::StatusOr<kv::Connection*> intruder = (*transport)->Connect("127.0.0.1", kv_port, &other_raw);
   ASSERT_TRUE(intruder.ok()) << intruder.status();
@@ -392,13 +392,7 @@ TEST(GrantClusterTest, OverTcpNoRemoteKeyIsHandedOut) {
   auto fut = put_done.get_future();
   ASSERT_EQ(fut.wait_for(std::chrono::seconds(10)), std::future_status::ready);
   EXPECT_TRUE(fut.get().ok());
-  kv::Commit commit;
-  commit.id = r->id;
-  commit.request_id = "req-rkey";
-  commit.num_positions = 4;
-  commit.tokens = {1, 2, 3, 4};
-  commit.first_token = 5;
-  send(commit);
+  send(FourPositionCommit(r->id, "req-rkey"));
   std::optional<kv::CommitReply> cr = raw.Await<kv::CommitReply>();
   ASSERT_TRUE(cr.has_value());
   EXPECT_EQ(cr->code, 0) << cr->message;

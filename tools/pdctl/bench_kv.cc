@@ -454,27 +454,53 @@ absl::StatusOr<double> UcxPerftestBandwidth(int64_t message_bytes, int iteration
 // another process (a forked child) maps and has made resident, as UCX's
 // shared-memory transports copy into a receiver's mapped pool; both
 // buffers as large as the request, not the one reused, cache-resident
-// buffer of ucx_perftest. Median bytes/s of `iterations` copies.
-absl::StatusOr<double> CrossProcessCopyBandwidth(int64_t bytes, int iterations) {
+// buffer of ucx_perftest. Also what a fresh mapping costs (this process's
+// first copy into pages the child made resident: a new request's pages in
+// a receiver's pool), and the same after this process readied a second
+// such buffer the way the sender's page warmer does.
+struct CrossProcessCopy {
+  double warm_bytes_per_second = 0;  // Median of `iterations` copies.
+  double fresh_seconds = 0;          // The first copy into the fresh mapping.
+  double ready_seconds = 0;          // ReadyPagesForWrites over the second one,
+  double readied_seconds = 0;        // then the first copy into it.
+};
+
+absl::StatusOr<CrossProcessCopy> CrossProcessCopyBandwidth(int64_t bytes, int iterations) {
   std::vector<char> src(static_cast<size_t>(bytes));
   for (int64_t i = 0; i < bytes; i += 4096) src[i] = static_cast<char>(i / 4096);
-  void* shared = mmap(nullptr, static_cast<size_t>(bytes), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-  if (shared == MAP_FAILED) return absl::InternalError(absl::StrCat("mmap: ", strerror(errno)));
+  const size_t page = kv::PageBytes();
+  const size_t mapped = (static_cast<size_t>(bytes) + page - 1) / page * page;
+  char* shared[2];
+  for (char*& m : shared) {
+    void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    m = p == MAP_FAILED ? nullptr : static_cast<char*>(p);
+  }
+  auto unmap = [&] {
+    for (char* m : shared) {
+      if (m != nullptr) munmap(m, mapped);
+    }
+  };
+  if (shared[0] == nullptr || shared[1] == nullptr) {
+    unmap();
+    return absl::InternalError(absl::StrCat("mmap: ", strerror(errno)));
+  }
   int ready_pipe[2], done_pipe[2];
   if (pipe(ready_pipe) != 0 || pipe(done_pipe) != 0) {
-    munmap(shared, static_cast<size_t>(bytes));
+    unmap();
     return absl::InternalError("pipe failed");
   }
   const pid_t child = fork();
   if (child < 0) {
-    munmap(shared, static_cast<size_t>(bytes));
+    unmap();
     return absl::InternalError("fork failed");
   }
   if (child == 0) {
     // Only async-signal-safe calls here: the parent has threads.
     close(ready_pipe[0]);
     close(done_pipe[1]);
-    for (int64_t i = 0; i < bytes; i += 4096) static_cast<char*>(shared)[i] = 1;  // Resident, as a pool is.
+    for (char* m : shared) {
+      for (size_t i = 0; i < mapped; i += 4096) m[i] = 1;  // Resident, as a pool is.
+    }
     const char c = 1;
     if (write(ready_pipe[1], &c, 1) != 1) _exit(1);
     char d;
@@ -487,18 +513,28 @@ absl::StatusOr<double> CrossProcessCopyBandwidth(int64_t bytes, int iterations) 
   char c = 0;
   const bool ready = read(ready_pipe[0], &c, 1) == 1;
   close(ready_pipe[0]);
+  CrossProcessCopy out;
   std::vector<double> seconds;
   for (int i = -1; ready && i < iterations; ++i) {
     const absl::Time t0 = absl::Now();
-    std::memcpy(shared, src.data(), static_cast<size_t>(bytes));
-    if (i >= 0) seconds.push_back(absl::ToDoubleSeconds(absl::Now() - t0));
+    std::memcpy(shared[0], src.data(), static_cast<size_t>(bytes));
+    (i >= 0 ? seconds.emplace_back() : out.fresh_seconds) = absl::ToDoubleSeconds(absl::Now() - t0);
+  }
+  if (ready) {
+    const absl::Time t0 = absl::Now();
+    kv::ReadyPagesForWrites(shared[1], mapped / page);
+    const absl::Time t1 = absl::Now();
+    std::memcpy(shared[1], src.data(), static_cast<size_t>(bytes));
+    out.ready_seconds = absl::ToDoubleSeconds(t1 - t0);
+    out.readied_seconds = absl::ToDoubleSeconds(absl::Now() - t1);
   }
   close(done_pipe[1]);
   waitpid(child, nullptr, 0);
-  munmap(shared, static_cast<size_t>(bytes));
-  if (!ready) return absl::UnavailableError("the child did not map the buffer");
+  unmap();
+  if (!ready) return absl::UnavailableError("the child did not map the buffers");
   std::sort(seconds.begin(), seconds.end());
-  return static_cast<double>(bytes) / seconds[seconds.size() / 2];
+  out.warm_bytes_per_second = static_cast<double>(bytes) / seconds[seconds.size() / 2];
+  return out;
 }
 
 absl::Status RunBenchKv(const BenchKvCommon& common) {
@@ -734,9 +770,12 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
       out["ucx_perftest_error"] = std::string(perftest.status().message());
     }
     // The shared-memory limit: the same bytes copied once between processes.
-    if (absl::StatusOr<double> copy = CrossProcessCopyBandwidth(bytes_moved, iters); copy.ok()) {
-      out["cross_process_copy_gbps"] = *copy / 1e9;
-      out["handoff_vs_cross_process_copy"] = bytes_moved / stream_med / *copy;
+    if (absl::StatusOr<CrossProcessCopy> copy = CrossProcessCopyBandwidth(bytes_moved, iters); copy.ok()) {
+      out["cross_process_copy_gbps"] = copy->warm_bytes_per_second / 1e9;
+      out["handoff_vs_cross_process_copy"] = bytes_moved / stream_med / copy->warm_bytes_per_second;
+      out["fresh_mapping_first_copy_ms"] = copy->fresh_seconds * 1e3;
+      out["fresh_mapping_ready_ms"] = copy->ready_seconds * 1e3;
+      out["fresh_mapping_readied_copy_ms"] = copy->readied_seconds * 1e3;
     } else {
       out["cross_process_copy_error"] = std::string(copy.status().message());
     }
@@ -818,6 +857,10 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
                 "process's mapped buffer as large; handoff at %.1f %%)\n",
                 "", out["cross_process_copy_gbps"].get<double>(),
                 100 * out["handoff_vs_cross_process_copy"].get<double>());
+    std::printf("  fresh mapping            first copy %.1f ms; readied (%.1f ms, as the sender's page warmer does) "
+                "then first copy %.1f ms\n",
+                out["fresh_mapping_first_copy_ms"].get<double>(), out["fresh_mapping_ready_ms"].get<double>(),
+                out["fresh_mapping_readied_copy_ms"].get<double>());
   } else {
     std::printf("  cross-process copy: %s\n", out["cross_process_copy_error"].get<std::string>().c_str());
   }

@@ -38,7 +38,10 @@ class CpuKernelsTest : public ::testing::TestWithParam<Isa> {
 
 TEST_P(CpuKernelsTest, LinearMatchesReference) {
   for (DType wt : {DType::kF32, DType::kBF16, DType::kI8}) {
-    for (int64_t m : {1, 2, 5, 12, 13, 29}) {
+    // Row counts around the micro-tile heights (4, 6, 12 rows) and the
+    // row tilings: one tile, a few tiles evened out (8, 13, 14 on AVX2),
+    // many tiles in chunks.
+    for (int64_t m : {1, 2, 5, 8, 12, 13, 14, 29}) {
       for (int64_t n : {1, 15, 16, 17, 33, 50, 64}) {
         for (int64_t k : {1, 3, 17, 64}) {
           for (bool accumulate : {false, true}) {
@@ -78,6 +81,14 @@ TEST_P(CpuKernelsTest, LinearMatchesReference) {
                 }
                 ASSERT_NEAR(y[i * n + j], want, (wt == DType::kI8 ? 1e-4 : 1e-5) * (mag + 1))
                     << i << "," << j;
+              }
+            }
+            // Each row's bits are the same computed alone (whatever tile it sat in).
+            for (int64_t i = 0; i < m; ++i) {
+              std::vector<float> one(y0.begin() + i * n, y0.begin() + (i + 1) * n);
+              backend_->Linear(**packed, x.data() + i * k, 1, bias.data(), one.data(), accumulate);
+              for (int64_t j = 0; j < n; ++j) {
+                ASSERT_EQ(one[j], y[i * n + j]) << "row " << i << " col " << j << " differs computed alone";
               }
             }
           }

@@ -42,6 +42,11 @@ foreach(i RANGE ${last})
     if(a STREQUAL "-c" OR a STREQUAL "-MD" OR a STREQUAL "${file}")
       continue()
     endif()
+    # GCC-only optimisation flags clang does not know (and syntax checks
+    # do not need).
+    if(a STREQUAL "-fno-tree-loop-distribute-patterns")
+      continue()
+    endif()
     list(APPEND keep "${a}")
   endforeach()
   execute_process(

@@ -420,7 +420,10 @@ RelayState Relay::Prefill() {
     if (!error_.empty()) StopDecode();
     return RelayState::kDecode;
   }
-  if (client_cancelled() || absl::IsCancelled(ps)) {
+  // Only this side's cancel is the client's: the router cancels a prefill
+  // call for nothing else, and a CANCELLED the worker ends the call with
+  // (its graceful shutdown) is a worker failure, retried below.
+  if (client_cancelled()) {
     cancelled_ = true;
     StopDecode();
     return RelayState::kDecode;

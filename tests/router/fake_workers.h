@@ -37,6 +37,7 @@ inline int32_t FakeToken(uint64_t seed, int64_t i) {
 enum class PrefillFault {
   kNone,
   kDieBeforeFirst,  // the process dies before sampling: no events, UNAVAILABLE, Status fails
+  kShutDown,        // a graceful shutdown (SIGTERM) ends the call: CANCELLED from the server, Status fails
   kDieAfterFirst,   // the first token, then it dies before the commit
   kRefuseHandoff,   // the decode side refused the handoff: UNAVAILABLE, but the worker still answers
   kUnparseable,     // its first message does not parse
@@ -174,6 +175,9 @@ class FakeWorkers final : public WorkerTransport {
       case PrefillFault::kDieBeforeFirst:
         w.alive = false;
         return Ended<worker::v1::PrefillEvent>(absl::UnavailableError("Socket closed"));
+      case PrefillFault::kShutDown:
+        w.alive = false;
+        return Ended<worker::v1::PrefillEvent>(absl::CancelledError("Cancelled"));
       case PrefillFault::kDieAfterFirst:
         w.alive = false;
         return Stream(std::vector{first}, absl::UnavailableError("Socket closed"));

@@ -86,6 +86,24 @@ TEST_F(RelayTest, PrefillDeathBeforeTheFirstTokenIsRetriedOnAnotherPrefillWorker
   ExpectNoLoad(rig_);
 }
 
+// A prefill worker shutting down (SIGTERM) as the call arrives ends it
+// CANCELLED on the server's side; the client cancelled nothing, so the
+// request is retried, not ended as cancelled (seen in the chaos test).
+TEST_F(RelayTest, APrefillWorkerShuttingDownIsRetriedNotTakenForAClientCancel) {
+  Cluster(2, 1);
+  rig_.workers.at("p0").prefill_faults.push_back(PrefillFault::kShutDown);
+  const GenerationRequest req = InProcessRouter::Request(10);
+  const Relayed got = rig_.Run(req);
+  ASSERT_TRUE(got.status.ok()) << got.status;
+  EXPECT_EQ(Trace(got.trace), "place prefill retry_prefill prefill decode finish");
+  EXPECT_EQ(got.tokens, InProcessRouter::Expected(req));
+  ASSERT_TRUE(got.final.has_value());
+  EXPECT_EQ(got.final->finish_reason(), v1::FINISH_REASON_LENGTH);
+  EXPECT_FALSE(rig_.Find(Role::kPrefill, "p0")->healthy());
+  EXPECT_EQ(rig_.Count("pdserve_requests_total", "outcome=\"cancelled\""), 0);
+  ExpectNoLoad(rig_);
+}
+
 TEST_F(RelayTest, PrefillDeathAfterTheFirstTokenBeforeTheCommitSendsTheFirstTokenOnce) {
   Cluster(2, 1);
   rig_.workers.at("p0").prefill_faults.push_back(PrefillFault::kDieAfterFirst);

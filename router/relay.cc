@@ -515,9 +515,25 @@ RelayState Relay::Decode() {
     return RelayState::kMigrate;
   }
   if (!decode_expected_ || decode_final || !error_.empty() || cancelled_) return RelayState::kFinish;
-  if (client_cancelled() || client_gone_ || absl::IsCancelled(ds)) {
+  if (client_cancelled() || client_gone_) {
     cancelled_ = true;
     return RelayState::kFinish;
+  }
+  // A decode worker ends a stream CANCELLED on purpose when its reader (this
+  // relay, behind a client that stopped reading) stalls: the request ends
+  // as cancelled, and migrating it would only stall the next worker. Its
+  // server shutting down with the call still open also ends it CANCELLED:
+  // a worker failure, and the sequence migrates. The worker's own answer
+  // tells them apart.
+  if (absl::IsCancelled(ds)) {
+    StatusQuery q;
+    q.worker = &d;
+    const std::vector<absl::StatusOr<worker::v1::WorkerInfo>> still =
+        context_.transport->Status({&q, 1}, context_.options.handoff_check_timeout);
+    if (still[0].ok() && still[0]->status().healthy()) {
+      cancelled_ = true;
+      return RelayState::kFinish;
+    }
   }
   if (ds.ok() || absl::IsInvalidArgument(ds)) {
     if (!ds.ok()) error_ = absl::StrCat("decode worker ", d.address(), ": ", ds.message());

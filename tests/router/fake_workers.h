@@ -50,6 +50,8 @@ enum class DecodeFault {
   kDieAfter,          // `after` tokens, then the process dies (UNAVAILABLE; Status fails)
   kUnparseableAfter,  // `after` tokens, then a message that does not parse
   kHoldAfter,         // `after` tokens, then nothing until the call is cancelled
+  kShutDownAfter,     // `after` tokens, then its server shuts down: CANCELLED from the server, Status fails
+  kCancelAfter,       // `after` tokens, then it cancels the stream (its reader stalled): CANCELLED, still serving
 };
 
 struct FakeWorker {
@@ -228,6 +230,11 @@ class FakeWorkers final : public WorkerTransport {
       case DecodeFault::kDieAfter:
         w.alive = false;
         return Stream(std::move(events), absl::UnavailableError("Socket closed"));
+      case DecodeFault::kShutDownAfter:
+        w.alive = false;
+        return Stream(std::move(events), absl::CancelledError("Cancelled"));
+      case DecodeFault::kCancelAfter:
+        return Stream(std::move(events), absl::CancelledError("the client stopped reading"));
       case DecodeFault::kUnparseableAfter:
         return std::make_unique<ScriptedStream<worker::v1::DecodeEvent>>(std::move(events), absl::OkStatus(), true,
                                                                          false);

@@ -175,6 +175,44 @@ TEST_F(RelayTest, ADecodeWorkerDyingMidStreamContinuesFromPromptPlusStreamedToke
   ExpectNoLoad(rig_);
 }
 
+// A decode worker whose server shuts down with the call still open ends
+// it CANCELLED on the server's side; the client cancelled nothing, so the
+// sequence migrates and the stream completes.
+TEST_F(RelayTest, ADecodeWorkerShuttingDownMidStreamMigratesNotTakenForAClientCancel) {
+  Cluster(1, 2);
+  const GenerationRequest req = InProcessRouter::Request(20);
+  rig_.workers.at("d0").decode_faults.push_back({DecodeFault::kShutDownAfter, 5});
+  const Relayed got = rig_.Run(req);
+  ASSERT_TRUE(got.status.ok()) << got.status;
+  EXPECT_EQ(Trace(got.trace), "place prefill decode migrate place prefill decode finish");
+  EXPECT_EQ(got.tokens, InProcessRouter::Expected(req));
+  ASSERT_TRUE(got.final.has_value());
+  EXPECT_EQ(got.final->finish_reason(), v1::FINISH_REASON_LENGTH);
+  EXPECT_FALSE(rig_.Find(Role::kDecode, "d0")->healthy());
+  EXPECT_EQ(rig_.workers.at("d1").decodes.at(0).request().generated_ids_size(), 6);
+  EXPECT_EQ(rig_.Count("pdserve_requests_total", "outcome=\"cancelled\""), 0);
+  EXPECT_EQ(rig_.Count("pdserve_migrations_total"), 1);
+  ExpectNoLoad(rig_);
+}
+
+// A decode worker that still serves and cancels the stream (its reader
+// stalled) ends the request as cancelled: no migration, no worker marked
+// down.
+TEST_F(RelayTest, AStreamTheDecodeWorkerCancelsWhileServingEndsCancelled) {
+  Cluster(1, 2);
+  rig_.workers.at("d0").decode_faults.push_back({DecodeFault::kCancelAfter, 5});
+  const Relayed got = rig_.Run(InProcessRouter::Request(20));
+  ASSERT_TRUE(got.status.ok()) << got.status;
+  EXPECT_EQ(Trace(got.trace), "place prefill decode finish");
+  ASSERT_TRUE(got.final.has_value());
+  EXPECT_EQ(got.final->finish_reason(), v1::FINISH_REASON_CANCELLED);
+  EXPECT_EQ(got.tokens.size(), 6u);
+  EXPECT_TRUE(rig_.Find(Role::kDecode, "d0")->healthy());
+  EXPECT_TRUE(rig_.workers.at("d1").decodes.empty());
+  EXPECT_EQ(rig_.Count("pdserve_migrations_total"), 0);
+  ExpectNoLoad(rig_);
+}
+
 TEST_F(RelayTest, AColocatedDecodeWorkerDyingMidStreamMigrates) {
   InProcessRouter rig({.colocated = true});
   rig.AddWorker(Role::kDecode, "d0");

@@ -65,15 +65,23 @@ TEST_F(RelayTest, AHandedOffRequestStreamsEveryTokenOnce) {
   ExpectNoLoad(rig_);
 }
 
-TEST_F(RelayTest, PrefillDeathBeforeTheFirstTokenIsRetriedOnAnotherPrefillWorker) {
+// A prefill worker lost before its first token: it dies (UNAVAILABLE), or
+// it shuts down (SIGTERM) as the call arrives and its server ends the call
+// CANCELLED, which the client did not ask for (seen in the chaos test).
+// Either way the request is retried on another prefill worker.
+class PrefillLossTest : public RelayTest, public ::testing::WithParamInterface<PrefillFault> {};
+
+TEST_P(PrefillLossTest, BeforeTheFirstTokenIsRetriedOnAnotherPrefillWorker) {
   Cluster(2, 1);
-  // p0 is chosen first (pool order breaks the tie) and dies.
-  rig_.workers.at("p0").prefill_faults.push_back(PrefillFault::kDieBeforeFirst);
+  // p0 is chosen first (pool order breaks the tie) and is lost.
+  rig_.workers.at("p0").prefill_faults.push_back(GetParam());
   const GenerationRequest req = InProcessRouter::Request(10);
   const Relayed got = rig_.Run(req);
   ASSERT_TRUE(got.status.ok()) << got.status;
   EXPECT_EQ(Trace(got.trace), "place prefill retry_prefill prefill decode finish");
   EXPECT_EQ(got.tokens, InProcessRouter::Expected(req));
+  ASSERT_TRUE(got.final.has_value());
+  EXPECT_EQ(got.final->finish_reason(), v1::FINISH_REASON_LENGTH);
   EXPECT_FALSE(rig_.Find(Role::kPrefill, "p0")->healthy());  // marked down at once, not at the next probe
   EXPECT_TRUE(rig_.Find(Role::kPrefill, "p1")->healthy());
   EXPECT_TRUE(rig_.Find(Role::kDecode, "d0")->healthy());
@@ -83,26 +91,14 @@ TEST_F(RelayTest, PrefillDeathBeforeTheFirstTokenIsRetriedOnAnotherPrefillWorker
             rig_.workers.at("d0").decodes.at(0).request().request_id());
   EXPECT_EQ(rig_.Count("pdserve_prefill_retries_total"), 1);
   EXPECT_EQ(rig_.Count("pdserve_migrations_total"), 0);
-  ExpectNoLoad(rig_);
-}
-
-// A prefill worker shutting down (SIGTERM) as the call arrives ends it
-// CANCELLED on the server's side; the client cancelled nothing, so the
-// request is retried, not ended as cancelled (seen in the chaos test).
-TEST_F(RelayTest, APrefillWorkerShuttingDownIsRetriedNotTakenForAClientCancel) {
-  Cluster(2, 1);
-  rig_.workers.at("p0").prefill_faults.push_back(PrefillFault::kShutDown);
-  const GenerationRequest req = InProcessRouter::Request(10);
-  const Relayed got = rig_.Run(req);
-  ASSERT_TRUE(got.status.ok()) << got.status;
-  EXPECT_EQ(Trace(got.trace), "place prefill retry_prefill prefill decode finish");
-  EXPECT_EQ(got.tokens, InProcessRouter::Expected(req));
-  ASSERT_TRUE(got.final.has_value());
-  EXPECT_EQ(got.final->finish_reason(), v1::FINISH_REASON_LENGTH);
-  EXPECT_FALSE(rig_.Find(Role::kPrefill, "p0")->healthy());
   EXPECT_EQ(rig_.Count("pdserve_requests_total", "outcome=\"cancelled\""), 0);
   ExpectNoLoad(rig_);
 }
+
+INSTANTIATE_TEST_SUITE_P(Faults, PrefillLossTest, ::testing::Values(PrefillFault::kDieBeforeFirst, PrefillFault::kShutDown),
+                         [](const ::testing::TestParamInfo<PrefillFault>& info) {
+                           return info.param == PrefillFault::kShutDown ? "shut_down" : "died";
+                         });
 
 TEST_F(RelayTest, PrefillDeathAfterTheFirstTokenBeforeTheCommitSendsTheFirstTokenOnce) {
   Cluster(2, 1);
@@ -153,15 +149,23 @@ TEST_F(RelayTest, AHandoffTheDecodeSideRefusesMigratesToAnotherDecodeWorker) {
   ExpectNoLoad(rig_);
 }
 
-TEST_F(RelayTest, ADecodeWorkerDyingMidStreamContinuesFromPromptPlusStreamedTokens) {
+// A decode worker lost mid-stream: it dies (UNAVAILABLE), or its server
+// shuts down with the call still open and ends it CANCELLED, which the
+// client did not ask for. Either way the sequence migrates and the stream
+// completes.
+class DecodeLossTest : public RelayTest, public ::testing::WithParamInterface<DecodeFault> {};
+
+TEST_P(DecodeLossTest, MidStreamContinuesFromPromptPlusStreamedTokens) {
   Cluster(1, 2);
   const GenerationRequest req = InProcessRouter::Request(20);
-  // d0 is chosen first (pool order breaks the tie) and dies after 5 tokens.
-  rig_.workers.at("d0").decode_faults.push_back({DecodeFault::kDieAfter, 5});
+  // d0 is chosen first (pool order breaks the tie) and is lost after 5 tokens.
+  rig_.workers.at("d0").decode_faults.push_back({GetParam(), 5});
   const Relayed got = rig_.Run(req);
   ASSERT_TRUE(got.status.ok()) << got.status;
   EXPECT_EQ(Trace(got.trace), "place prefill decode migrate place prefill decode finish");
   EXPECT_EQ(got.tokens, InProcessRouter::Expected(req));
+  ASSERT_TRUE(got.final.has_value());
+  EXPECT_EQ(got.final->finish_reason(), v1::FINISH_REASON_LENGTH);
   EXPECT_FALSE(rig_.Find(Role::kDecode, "d0")->healthy());
   // The migrated attempt prefills prompt + the 6 tokens sent (1 + 5).
   ASSERT_EQ(rig_.workers.at("d1").decodes.size(), 1u);
@@ -172,28 +176,14 @@ TEST_F(RelayTest, ADecodeWorkerDyingMidStreamContinuesFromPromptPlusStreamedToke
   EXPECT_EQ(rig_.workers.at("p0").prefills.at(1).request().generated_ids_size(), 6);
   EXPECT_EQ(got.final->usage().completion_tokens(), 20);
   EXPECT_EQ(rig_.Count("pdserve_migrations_total"), 1);
+  EXPECT_EQ(rig_.Count("pdserve_requests_total", "outcome=\"cancelled\""), 0);
   ExpectNoLoad(rig_);
 }
 
-// A decode worker whose server shuts down with the call still open ends
-// it CANCELLED on the server's side; the client cancelled nothing, so the
-// sequence migrates and the stream completes.
-TEST_F(RelayTest, ADecodeWorkerShuttingDownMidStreamMigratesNotTakenForAClientCancel) {
-  Cluster(1, 2);
-  const GenerationRequest req = InProcessRouter::Request(20);
-  rig_.workers.at("d0").decode_faults.push_back({DecodeFault::kShutDownAfter, 5});
-  const Relayed got = rig_.Run(req);
-  ASSERT_TRUE(got.status.ok()) << got.status;
-  EXPECT_EQ(Trace(got.trace), "place prefill decode migrate place prefill decode finish");
-  EXPECT_EQ(got.tokens, InProcessRouter::Expected(req));
-  ASSERT_TRUE(got.final.has_value());
-  EXPECT_EQ(got.final->finish_reason(), v1::FINISH_REASON_LENGTH);
-  EXPECT_FALSE(rig_.Find(Role::kDecode, "d0")->healthy());
-  EXPECT_EQ(rig_.workers.at("d1").decodes.at(0).request().generated_ids_size(), 6);
-  EXPECT_EQ(rig_.Count("pdserve_requests_total", "outcome=\"cancelled\""), 0);
-  EXPECT_EQ(rig_.Count("pdserve_migrations_total"), 1);
-  ExpectNoLoad(rig_);
-}
+INSTANTIATE_TEST_SUITE_P(Faults, DecodeLossTest, ::testing::Values(DecodeFault::kDieAfter, DecodeFault::kShutDownAfter),
+                         [](const ::testing::TestParamInfo<DecodeFault>& info) {
+                           return info.param == DecodeFault::kShutDownAfter ? "shut_down" : "died";
+                         });
 
 // A decode worker that still serves and cancels the stream (its reader
 // stalled) ends the request as cancelled: no migration, no worker marked

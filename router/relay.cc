@@ -138,6 +138,14 @@ void Relay::StopDecode() {
   if (decode_reader_ != nullptr) decode_reader_->Cancel();
 }
 
+bool Relay::StillServing(const Worker& w) {
+  StatusQuery q;
+  q.worker = &w;
+  const std::vector<absl::StatusOr<worker::v1::WorkerInfo>> still =
+      context_.transport->Status({&q, 1}, context_.options.handoff_check_timeout);
+  return still[0].ok() && still[0]->status().healthy();
+}
+
 WorkerPtr Relay::PickWaiting(const std::function<WorkerPtr()>& pick) {
   absl::Time until = Now() + context_.options.pick_wait;
   if (deadline_.has_value()) until = std::min(until, *deadline_);
@@ -436,11 +444,7 @@ RelayState Relay::Prefill() {
   // A prefill worker that still answers failed because of the decode side
   // (its reservation or transfer): move the sequence to another decode
   // worker instead of retrying the same handoff.
-  StatusQuery q;
-  q.worker = &p;
-  const std::vector<absl::StatusOr<worker::v1::WorkerInfo>> still =
-      context_.transport->Status({&q, 1}, context_.options.handoff_check_timeout);
-  if (still[0].ok() && still[0]->status().healthy()) {
+  if (StillServing(p)) {
     LogEvent("warning", "handoff_failed", {{"request_id", internal_id_}, {"prefill", p.address()},
                                            {"decode", d.address()}, {"error", std::string(ps.message())}});
     migration_ = Migration{true, true, absl::StrCat("prefill worker ", p.address(), ": ", ps.message())};
@@ -525,15 +529,9 @@ RelayState Relay::Decode() {
   // server shutting down with the call still open also ends it CANCELLED:
   // a worker failure, and the sequence migrates. The worker's own answer
   // tells them apart.
-  if (absl::IsCancelled(ds)) {
-    StatusQuery q;
-    q.worker = &d;
-    const std::vector<absl::StatusOr<worker::v1::WorkerInfo>> still =
-        context_.transport->Status({&q, 1}, context_.options.handoff_check_timeout);
-    if (still[0].ok() && still[0]->status().healthy()) {
-      cancelled_ = true;
-      return RelayState::kFinish;
-    }
+  if (absl::IsCancelled(ds) && StillServing(d)) {
+    cancelled_ = true;
+    return RelayState::kFinish;
   }
   if (ds.ok() || absl::IsInvalidArgument(ds)) {
     if (!ds.ok()) error_ = absl::StrCat("decode worker ", d.address(), ": ", ds.message());

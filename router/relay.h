@@ -169,6 +169,10 @@ class Relay {
   // The decode stream's tokens are no longer wanted: it is cancelled and
   // drained by kDecode.
   void StopDecode();
+  // Whether `w` still answers its Status healthy (within
+  // handoff_check_timeout): a call it failed was then its own doing, not
+  // its death or shutdown.
+  bool StillServing(const Worker& w);
   void OpenDecode(std::unique_ptr<DecodeStream> s);
   void OpenPrefill(std::unique_ptr<PrefillStream> s);
   void ClosePrefill();

@@ -40,8 +40,9 @@ TEST_P(CpuKernelsTest, LinearMatchesReference) {
   for (DType wt : {DType::kF32, DType::kBF16, DType::kI8}) {
     // Row counts around the micro-tile heights (4, 6, 12 rows) and the
     // row tilings: one tile, a few tiles evened out (8, 13, 14 on AVX2),
-    // many tiles in chunks.
-    for (int64_t m : {1, 2, 5, 8, 12, 13, 14, 29}) {
+    // many tiles in chunks (29), evened out there too (20: 5 5 5 5 and
+    // 32: 6 6 5 5 5 5 on AVX2).
+    for (int64_t m : {1, 2, 5, 8, 12, 13, 14, 20, 29, 32}) {
       for (int64_t n : {1, 15, 16, 17, 33, 50, 64}) {
         for (int64_t k : {1, 3, 17, 64}) {
           for (bool accumulate : {false, true}) {

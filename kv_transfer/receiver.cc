@@ -215,6 +215,10 @@ void KvReceiver::HandleReserve(Connection& c, const ReserveRequest& m) {
     landing = landing_->NewSequence();
     if (absl::Status s = landing_->Grow(landing, static_cast<int32_t>(need * bs)); !s.ok()) {
       metrics_.RecordFailure();
+      // The pool blocks go back before the sender hears of the refusal: a
+      // sender that retries (or a test that counts) must find them free.
+      reserved->Release();
+      landing.Release();
       return refuse(absl::ResourceExhaustedError(absl::StrCat(
           "KV handoff: reservation of ", need, " landing blocks refused (handoffs into GPU memory land in ",
           landing_->spec().num_blocks, " host blocks): ", s.message())));

@@ -324,8 +324,11 @@ void KvReceiver::HandleCommit(Connection& c, Commit& m) {
       reply.code = static_cast<int32_t>(absl::StatusCode::kUnavailable);
       reply.message = absl::StrCat("KV handoff: commit for handoff ", m.id.value, " failed copying into the pool: ",
                                    s.message());
+      // h's blocks go back to their managers before the sender hears.
+      h.kv.Release();
+      h.landing.Release();
       c.Send(Encode(reply));
-      return;  // h's blocks go back to their managers.
+      return;
     }
   }
   {

@@ -415,8 +415,9 @@ INSTANTIATE_TEST_SUITE_P(
 // handed on.
 class UploadCounter final : public kernels::BackendUploader {
  public:
-  explicit UploadCounter(int64_t* bytes) : bytes_(bytes) {}
+  UploadCounter(int64_t* bytes, const bool* fail) : bytes_(bytes), fail_(fail) {}
   absl::Status Upload(void* dst, const void* src, size_t bytes) override {
+    if (*fail_) return absl::UnavailableError("test device: upload failed");
     std::memcpy(dst, src, bytes);
     *bytes_ += static_cast<int64_t>(bytes);
     return absl::OkStatus();
@@ -424,6 +425,7 @@ class UploadCounter final : public kernels::BackendUploader {
 
  private:
   int64_t* bytes_;
+  const bool* fail_;
 };
 
 class CountingDevice final : public NoComputeBackend {
@@ -431,10 +433,11 @@ class CountingDevice final : public NoComputeBackend {
   std::string Name() const override { return "counting-device"; }
   bool HostAddressable() const override { return false; }
   absl::StatusOr<std::unique_ptr<kernels::BackendUploader>> NewUploader() override {
-    return std::make_unique<UploadCounter>(&uploaded);
+    return std::make_unique<UploadCounter>(&uploaded, &fail_uploads);
   }
 
   int64_t uploaded = 0;
+  bool fail_uploads = false;  // Every upload fails while set.
 };
 
 class HandoffToDeviceTest : public HandoffTest, public ::testing::WithParamInterface<TpPair> {
@@ -494,6 +497,33 @@ TEST_F(HandoffToDeviceTest, LandingBlocksAreBoundedAndAnAbortFreesThem) {
   EXPECT_EQ(receiver_obj_->stats().landing_blocks_used, 0);
   EXPECT_EQ(receiver_.kv->Counts().used, 0);
   EXPECT_EQ(device_.uploaded, 0);
+  seq.Release();
+}
+
+// A commit whose copy into the device pool fails is refused, nothing is
+// handed on, and its pool and landing blocks are free by the time the
+// sender hears of it.
+TEST_F(HandoffToDeviceTest, ACommitWhoseCopyIntoThePoolFailsIsRefusedAndFreesItsBlocks) {
+  SetUp(Spec(DType::kBF16, 4, 32), Spec(DType::kBF16, 4, 48));
+  UseDevicePool(8);
+  device_.fail_uploads = true;
+  SequenceKv seq = SenderSequence(10);
+  const std::vector<int32_t> tokens = Tokens(10);
+  auto h = sender_obj_->Reserve(conn_, {.num_positions = 10, .prompt_tokens = tokens});
+  ASSERT_TRUE(h.ok()) << h.status();
+  EXPECT_EQ(receiver_.kv->Counts().used, 3);
+  for (int32_t l = 0; l < sender_.kv->spec().num_layers; ++l) {
+    ASSERT_TRUE((*h)->SendLayer(l, seq.block_table()).ok());
+  }
+  const absl::Status s = (*h)->Commit(CommitState(tokens));
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_NE(s.message().find("failed copying into the pool"), std::string::npos) << s;
+  EXPECT_EQ(receiver_.kv->Counts().used, 0);
+  EXPECT_EQ(receiver_obj_->stats().landing_blocks_used, 0);
+  {
+    absl::MutexLock lock(&committed_mu_);
+    EXPECT_TRUE(committed_.empty());
+  }
   seq.Release();
 }
 

@@ -40,6 +40,10 @@ def main():
             failures.append("bench-kv: handoff_vs_cross_process_copy is not handoff / copy")
         if not close(kv["handoff_vs_ucx_perftest"], kv["handoff_gbps"] / kv["ucx_perftest_am_gbps"]):
             failures.append("bench-kv: handoff_vs_ucx_perftest is not handoff / perftest")
+        # Each request's commit is the tail of its stream, so the medians keep that order.
+        if not 0 < kv.get("commit_ms_median", 0) <= kv["stream_commit_ms_median"]:
+            failures.append(f"bench-kv: commit_ms_median {kv.get('commit_ms_median')} not within "
+                            f"(0, stream {kv['stream_commit_ms_median']}]")
 
     with tempfile.TemporaryDirectory() as tmp:
         model = os.path.join(tmp, "model")

@@ -707,6 +707,17 @@ class HttpServer::Impl {
     }
     if (st.ok()) {
       if (stream) return Stream(call, writer.FinalEvents(final), true);
+      // A whole reply has nowhere to put an error after the first token: a
+      // request that failed or was cancelled mid-way is an error reply, not
+      // a 200 whose text stops short.
+      if (final.finish_reason() == v1::FINISH_REASON_ERROR) {
+        return ReplyError(call, absl::InternalError(absl::StrCat(
+                                    final.error(), " (after ", final.usage().completion_tokens(), " tokens)")));
+      }
+      if (final.finish_reason() == v1::FINISH_REASON_CANCELLED) {
+        return ReplyError(call, absl::UnavailableError(absl::StrCat("the request was cancelled after ",
+                                                                     final.usage().completion_tokens(), " tokens")));
+      }
       return Reply(call, 200, writer.Body(final));
     }
     if (streaming) {

@@ -52,6 +52,7 @@ enum class DecodeFault {
   kHoldAfter,         // `after` tokens, then nothing until the call is cancelled
   kShutDownAfter,     // `after` tokens, then its server shuts down: CANCELLED from the server, Status fails
   kCancelAfter,       // `after` tokens, then it cancels the stream (its reader stalled): CANCELLED, still serving
+  kErrorAfter,        // `after` tokens, then a final that ends the request with FINISH_REASON_ERROR
 };
 
 struct FakeWorker {
@@ -235,6 +236,13 @@ class FakeWorkers final : public WorkerTransport {
         return Stream(std::move(events), absl::CancelledError("Cancelled"));
       case DecodeFault::kCancelAfter:
         return Stream(std::move(events), absl::CancelledError("the client stopped reading"));
+      case DecodeFault::kErrorAfter: {
+        worker::v1::DecodeEvent fin;
+        fin.mutable_final()->set_finish_reason(v1::FINISH_REASON_ERROR);
+        fin.mutable_final()->set_error("the sampler found a NaN logit");
+        events.push_back(std::move(fin));
+        return Stream(std::move(events), absl::OkStatus());
+      }
       case DecodeFault::kUnparseableAfter:
         return std::make_unique<ScriptedStream<worker::v1::DecodeEvent>>(std::move(events), absl::OkStatus(), true,
                                                                          false);

@@ -142,6 +142,49 @@ TEST_F(OpenAiServerTest, ADrainRefusesNewWorkAndWaitsForWhatRuns) {
   EXPECT_EQ(rig_.Count("pdserve_requests_total", "outcome=\"cancelled\""), 1);
 }
 
+// A request that fails or is cancelled after its first tokens: a stream
+// ends with an error event; a whole reply is an error reply naming the
+// cause, never a 200 whose text stops short.
+TEST_F(OpenAiServerTest, ARequestThatFailsMidWayIsAnErrorReplyNotAShortAnswer) {
+  std::unique_ptr<HttpServer> server = Start();
+  ASSERT_NE(server, nullptr);
+  const char kWhole[] = R"({"prompt":[100,101,102],"max_tokens":6,"temperature":0,"seed":7})";
+  rig_.workers.at("d0").decode_faults.push_back({DecodeFault::kErrorAfter, 2});
+  HttpReply r = HttpExchange(server->port(), HttpRequest("POST", "/v1/completions", kWhole));
+  EXPECT_EQ(r.status, 500) << r.body;
+  nlohmann::json j = nlohmann::json::parse(r.body, nullptr, false);
+  ASSERT_TRUE(j.is_object() && j.contains("error")) << r.body;
+  EXPECT_EQ(j["error"]["type"], "server_error");
+  // The prefill worker's token and the decode worker's two.
+  EXPECT_EQ(j["error"]["message"], "decode worker d0: the sampler found a NaN logit (after 3 tokens)");
+
+  rig_.workers.at("d0").decode_faults.push_back({DecodeFault::kCancelAfter, 2});
+  r = HttpExchange(server->port(), HttpRequest("POST", "/v1/completions", kWhole));
+  EXPECT_EQ(r.status, 503) << r.body;
+  j = nlohmann::json::parse(r.body, nullptr, false);
+  ASSERT_TRUE(j.is_object() && j.contains("error")) << r.body;
+  EXPECT_EQ(j["error"]["message"], "the request was cancelled after 3 tokens");
+
+  rig_.workers.at("d0").decode_faults.push_back({DecodeFault::kErrorAfter, 2});
+  r = HttpExchange(server->port(), HttpRequest("POST", "/v1/completions", kStream));
+  ASSERT_EQ(r.status, 200) << r.body;
+  const std::vector<std::string> events = SseData(r.body);
+  ASSERT_EQ(events.size(), 5u) << r.body;  // 3 tokens, the error, [DONE]
+  j = nlohmann::json::parse(events[3]);
+  EXPECT_EQ(j["error"]["message"], "decode worker d0: the sampler found a NaN logit") << events[3];
+  EXPECT_EQ(events.back(), "[DONE]");
+
+  // The server serves on, and counted each outcome.
+  rig_.workers.at("d0").decode_faults.clear();
+  r = HttpExchange(server->port(), HttpRequest("POST", "/v1/completions", kWhole));
+  EXPECT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(nlohmann::json::parse(r.body)["usage"]["completion_tokens"], 6);
+  EXPECT_EQ(rig_.Count("pdserve_requests_total", "outcome=\"error\""), 2);
+  EXPECT_EQ(rig_.Count("pdserve_requests_total", "outcome=\"cancelled\""), 1);
+  EXPECT_EQ(rig_.Count("pdserve_http_replies_total", "code=\"500\""), 1);
+  EXPECT_EQ(rig_.Count("pdserve_http_replies_total", "code=\"503\""), 1);
+}
+
 TEST_F(OpenAiServerTest, BadOrTakenAddressesAreRefused) {
   HttpServerOptions o;
   o.address = "no-port";

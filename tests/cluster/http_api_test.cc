@@ -184,8 +184,8 @@ TEST_F(HttpApiTest, MalformedHugeAndInvalidBodiesGetClearErrorsAndTheRouterServe
   // early, and a reply cut short by a failure is now an error naming it.)
   const HttpReply ok =
       Post(port, "/v1/completions", R"({"prompt":"In the beginning","max_tokens":3,"ignore_eos":true})");
-  ASSERT_EQ(ok.status, 200) << ok.body;
-  EXPECT_EQ(json::parse(ok.body)["usage"]["completion_tokens"], 3) << ok.body;
+  ASSERT_EQ(ok.status, 200) << ok.body << "\n" << cluster_->Logs();
+  EXPECT_EQ(json::parse(ok.body)["usage"]["completion_tokens"], 3) << ok.body << "\n" << cluster_->Logs();
   EXPECT_EQ(json::parse(ok.body)["choices"][0]["finish_reason"], "length") << ok.body;
 }
 

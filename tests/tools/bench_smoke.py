@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """The benchmarks print each figure beside a limit measured in the same run.
 
-Runs pdctl bench-kv (a small request over shared memory) and bench-engine
-(a small random model, forced onto each matrix path this CPU runs) with
+Runs pdctl bench-kv (a small request over shared memory), bench-attention
+(small histories, both KV formats) and bench-engine (a small random model,
+forced onto each matrix path this CPU runs) with
 --json, and checks that every figure and its limit are present, positive
 and consistent with each other: the ratios are the figures divided by the
 limits, not separately made-up numbers. Timings are never asserted.
@@ -44,6 +45,25 @@ def main():
         if not 0 < kv.get("commit_ms_median", 0) <= kv["stream_commit_ms_median"]:
             failures.append(f"bench-kv: commit_ms_median {kv.get('commit_ms_median')} not within "
                             f"(0, stream {kv['stream_commit_ms_median']}]")
+
+    for kv_type, elem in (("bf16", 2), ("f32", 4)):
+        a = run_json([pdctl, "bench-attention", "--decode_batch", "1,2", "--decode_history", "16,40", "--kv", kv_type,
+                      "--threads", "1", "--stream_mib", "4", "--json"])
+        rows = a.get("rows", [])
+        if a.get("kv") != kv_type or len(rows) != 4:
+            failures.append(f"bench-attention --kv {kv_type}: wrong kv or not 4 rows: {a}")
+        for row in rows:
+            r, s, l = (row["resident_bytes_per_second"], row["streamed_bytes_per_second"],
+                       row["read_limit_bytes_per_second"])
+            # The KV one call reads: every position's K and V of 4 KV heads x 64.
+            want = row["batch"] * row["history"] * 4 * 64 * 2 * elem
+            if not (r > 0 and s > 0 and l > 0 and row["kv_bytes_per_call"] == want and
+                    close(row["resident_fraction_of_limit"], r / l) and
+                    close(row["streamed_fraction_of_limit"], s / l) and
+                    close(row["no_overlap_bytes_per_second"], 1 / (1 / r + 1 / l))):
+                failures.append(f"bench-attention --kv {kv_type}: row without a figure or a limit: {row} "
+                                f"(KV bytes per call should be {want})")
+        print(f"bench-attention --kv {kv_type}: ok")
 
     with tempfile.TemporaryDirectory() as tmp:
         model = os.path.join(tmp, "model")

@@ -47,8 +47,8 @@
 ABSL_FLAG(int, prompt_len, 2048, "bench-kv: prompt length in positions");
 ABSL_FLAG(int, iters, 20, "bench-kv: timed handoffs (and raw put rounds)");
 ABSL_FLAG(int, kv_layers, 12, "bench-kv: layers (without --model)");
-ABSL_FLAG(int, kv_heads, 4, "bench-kv: KV heads (without --model)");
-ABSL_FLAG(int, head_dim, 64, "bench-kv: head dim (without --model)");
+ABSL_FLAG(int, kv_heads, 4, "bench-kv: KV heads (without --model); bench-attention: KV heads");
+ABSL_FLAG(int, head_dim, 64, "bench-kv: head dim (without --model); bench-attention: head dim");
 ABSL_FLAG(int, kv_tp, 1,
           "bench-kv: the sender's tensor-parallel ranks (without --model; the receiver's in the child)");
 ABSL_FLAG(int, kv_receiver_tp, 0, "bench-kv: the receiver's tensor-parallel ranks (0: --kv-tp)");

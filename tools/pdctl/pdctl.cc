@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/flags/declare.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
@@ -22,6 +23,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/synthetic_model.h"
+#include "tools/pdctl/bench_attention.h"
 #include "tools/pdctl/bench_engine.h"
 #include "tools/pdctl/bench_tp.h"
 #include "tools/pdctl/bench_kv.h"
@@ -114,6 +116,12 @@ ABSL_FLAG(std::string, prefix_hit, "2048:64",
 ABSL_FLAG(std::string, prefill, "128,512,2048", "bench-engine: prompt lengths");
 ABSL_FLAG(std::string, decode_batch, "1,8,32", "bench-engine: decode batch sizes");
 ABSL_FLAG(std::string, decode_history, "128,512,4096", "bench-engine: decode history lengths");
+// bench-kv's (tools/pdctl/bench_kv.cc), also bench-attention's geometry.
+ABSL_DECLARE_FLAG(int, kv_heads);
+ABSL_DECLARE_FLAG(int, head_dim);
+ABSL_FLAG(int, attention_heads, 12, "bench-attention: query heads (the 125M shape's)");
+ABSL_FLAG(int, stream_mib, 512,
+          "bench-attention: MiB of KV copies the streamed rate cycles through (well above the last-level cache)");
 ABSL_FLAG(int, steps, 16, "bench-engine: timed decode steps per scenario");
 ABSL_FLAG(bool, json, false, "print JSON instead of a table");
 ABSL_FLAG(std::string, config, "", "plan: the deployment config (.json, .yaml or .yml)");
@@ -361,6 +369,28 @@ absl::Status RunBenchEngineCommand() {
   return RunBenchEngine(o);
 }
 
+absl::Status RunBenchAttentionCommand() {
+  BenchAttentionOptions o;
+  auto batches = ParseInts("decode-batch", absl::GetFlag(FLAGS_decode_batch));
+  auto histories = ParseInts("decode-history", absl::GetFlag(FLAGS_decode_history));
+  for (const auto* p : {&batches, &histories}) {
+    if (!p->ok()) return p->status();
+  }
+  o.batches = *batches;
+  o.histories = *histories;
+  o.threads = absl::GetFlag(FLAGS_threads);
+  o.isa = absl::GetFlag(FLAGS_isa);
+  if (!absl::GetFlag(FLAGS_kv).empty()) o.kv = absl::GetFlag(FLAGS_kv);
+  o.heads = absl::GetFlag(FLAGS_attention_heads);
+  o.kv_heads = absl::GetFlag(FLAGS_kv_heads);
+  o.head_dim = absl::GetFlag(FLAGS_head_dim);
+  o.block_size = absl::GetFlag(FLAGS_block_size);
+  o.stream_bytes = absl::GetFlag(FLAGS_stream_mib) * double{1 << 20};
+  if (o.stream_bytes <= 0) return absl::InvalidArgumentError("--stream-mib must be positive");
+  o.json = absl::GetFlag(FLAGS_json);
+  return RunBenchAttention(o);
+}
+
 absl::Status RunTokenize() {
   const bool special = absl::GetFlag(FLAGS_add_special_tokens);
   const std::string file = absl::GetFlag(FLAGS_text_file);
@@ -465,6 +495,8 @@ constexpr char kUsage[] =
     "  bench-tokenizer  encode/decode MB/s beside the npm reference when installed\n"
     "  make-model    write a random-weight model (--shape 125m|tiny --dtype f32|bf16 --out DIR)\n"
     "  bench-engine  prefill and decode speed beside the machine's measured limits\n"
+    "  bench-attention  decode attention alone: KV cache-resident and from DRAM beside the read limit\n"
+    "            (--decode-batch, --decode-history, --threads, --kv bf16|f32, --attention-heads, --kv-heads, --head-dim, --stream-mib)\n"
     "  bench-kv      KV handoff between two processes over UCX beside raw UCX puts [--with-prefill]\n"
     "  plan          capacity model of a deployment from --config FILE [--json]\n"
     "  help      this text; `pdctl COMMAND --help` lists the flags\n";
@@ -529,6 +561,8 @@ int main(int argc, char** argv) {
     status = RunMakeModel();
   } else if (command == "bench-engine") {
     status = RunBenchEngineCommand();
+  } else if (command == "bench-attention") {
+    status = RunBenchAttentionCommand();
   } else if (command == "bench-kv") {
     BenchKvCommon kv;
     kv.model_dir = absl::GetFlag(FLAGS_model);

@@ -1,0 +1,206 @@
+#include "tools/pdctl/bench_attention.h"
+
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/dtype.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/isa.h"
+#include "nlohmann/json.hpp"
+#include "tools/pdctl/bench_stats.h"
+
+namespace pdserve::pdctl {
+namespace {
+
+using kernels::AttentionSequence;
+using kernels::KvLayerView;
+using kernels::cpu::CpuBackend;
+using kernels::cpu::CpuBackendOptions;
+
+// A KV pool as the engine keeps one: 2 MiB-aligned in transparent huge
+// pages, so a scattered block costs no TLB miss the engine would not pay.
+struct Pool {
+  explicit Pool(size_t bytes) {
+    constexpr size_t kHuge = 2 << 20;
+    size = (bytes + kHuge - 1) / kHuge * kHuge;
+    data = static_cast<char*>(std::aligned_alloc(kHuge, size));
+    if (data != nullptr) madvise(data, size, MADV_HUGEPAGE);
+  }
+  ~Pool() { std::free(data); }
+  Pool(const Pool&) = delete;
+  Pool& operator=(const Pool&) = delete;
+  char* data = nullptr;
+  size_t size = 0;
+};
+
+double Seconds(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+}  // namespace
+
+absl::Status RunBenchAttention(const BenchAttentionOptions& o) {
+  if (o.threads < 1 || o.heads < 1 || o.kv_heads < 1 || o.head_dim < 1 || o.block_size < 1) {
+    return absl::InvalidArgumentError("--threads, --attention-heads, --kv-heads, --head-dim and --block-size must be positive");
+  }
+  if (o.heads % o.kv_heads != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--kv-heads ", o.kv_heads, " must divide --attention-heads ", o.heads));
+  }
+  if (o.kv != "bf16" && o.kv != "f32") return absl::InvalidArgumentError("--kv must be bf16 or f32");
+  for (int b : o.batches) {
+    if (b < 1) return absl::InvalidArgumentError("batch sizes must be positive");
+  }
+  for (int h : o.histories) {
+    if (h < 1) return absl::InvalidArgumentError("histories must be positive");
+  }
+  CpuBackendOptions bo;
+  bo.num_threads = o.threads;
+  if (!o.isa.empty()) {
+    absl::StatusOr<kernels::cpu::Isa> isa = kernels::cpu::ParseIsa(o.isa);
+    if (!isa.ok()) return isa.status();
+    bo.isa = *isa;
+  }
+  absl::StatusOr<std::unique_ptr<CpuBackend>> made = CpuBackend::Create(bo);
+  if (!made.ok()) return made.status();
+  CpuBackend& be = **made;
+  const bool f32 = o.kv == "f32";
+  const DType dtype = f32 ? DType::kF32 : DType::kBF16;
+  const size_t elem = f32 ? 4 : 2;
+  const int64_t block_elems = int64_t{2} * o.kv_heads * o.block_size * o.head_dim;
+  const size_t block_bytes = static_cast<size_t>(block_elems) * elem;
+  CpuBackend::ReadProbe probe(&be, size_t{256} << 20);
+  if (!o.json) {
+    absl::PrintF("bench-attention: %s, %d thread(s), %s KV, %d heads / %d KV heads x %d, blocks of %d\n",
+                 be.Name(), o.threads, o.kv, o.heads, o.kv_heads, o.head_dim, o.block_size);
+    absl::PrintF("%6s %7s %9s %12s %12s %12s %12s %10s\n", "batch", "history", "KV MB", "resident", "streamed",
+                 "no-overlap", "read limit", "streamed/");
+    absl::PrintF("%6s %7s %9s %12s %12s %12s %12s %10s\n", "", "", "", "GB/s (%)", "GB/s (%)", "GB/s", "GB/s",
+                 "resident");
+  }
+  nlohmann::json rows = nlohmann::json::array();
+  std::mt19937 rng(1);
+  for (int B : o.batches) {
+    for (int H : o.histories) {
+      const int32_t nb = (H + o.block_size - 1) / o.block_size;
+      const int64_t blocks = int64_t{B} * nb;
+      const size_t pool_bytes = static_cast<size_t>(blocks) * block_bytes;
+      // Copies: one for the resident rate; enough for stream_bytes (at
+      // least two) for the streamed one.
+      const int copies = std::max<int>(2, static_cast<int>(o.stream_bytes / static_cast<double>(pool_bytes)) + 1);
+      std::vector<std::unique_ptr<Pool>> pools;
+      for (int c = 0; c < copies; ++c) {
+        pools.push_back(std::make_unique<Pool>(pool_bytes));
+        Pool& p = *pools.back();
+        if (p.data == nullptr) return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", pool_bytes));
+        // Finite values of modest size (no NaN, no denormal), varied by a
+        // multiplicative hash; the timing does not depend on them.
+        auto value = [c](size_t i) {
+          const uint32_t h = static_cast<uint32_t>((i + c) * 2654435761u) >> 16;
+          return static_cast<float>(static_cast<int>(h % 2001) - 1000) / 4000;
+        };
+        if (f32) {
+          float* f = reinterpret_cast<float*>(p.data);
+          for (size_t i = 0; i < pool_bytes / 4; ++i) f[i] = value(i);
+        } else {
+          uint16_t* h = reinterpret_cast<uint16_t*>(p.data);
+          for (size_t i = 0; i < pool_bytes / 2; ++i) h[i] = F32ToBf16(value(i));
+        }
+      }
+      // Each sequence's blocks scattered over the pool.
+      std::vector<int32_t> perm(blocks);
+      std::iota(perm.begin(), perm.end(), 0);
+      std::shuffle(perm.begin(), perm.end(), rng);
+      std::vector<std::vector<int32_t>> tables(B);
+      std::vector<AttentionSequence> seqs;
+      for (int b = 0; b < B; ++b) {
+        tables[b].assign(perm.begin() + int64_t{b} * nb, perm.begin() + int64_t{b + 1} * nb);
+        seqs.push_back({tables[b], H - 1, 1, b});
+      }
+      std::vector<float> q(static_cast<size_t>(B) * o.heads * o.head_dim), out(q.size());
+      for (float& x : q) x = static_cast<float>(static_cast<int>(rng() % 2001) - 1000) / 1000;
+      int64_t kv_read = 0;
+      auto call = [&](const Pool& p, bool again) {
+        const KvLayerView view{.base = p.data,
+                               .dtype = dtype,
+                               .block_stride = block_elems,
+                               .head_stride = int64_t{o.block_size} * o.head_dim,
+                               .v_offset = block_elems / 2,
+                               .block_size = o.block_size};
+        be.Attention({.q = q.data(),
+                      .out = out.data(),
+                      .sequences = seqs,
+                      .kv = view,
+                      .num_heads = o.heads,
+                      .num_kv_heads = o.kv_heads,
+                      .head_dim = o.head_dim,
+                      .scale = 1.0f / std::sqrt(static_cast<float>(o.head_dim)),
+                      .kv_bytes_read = &kv_read,
+                      .same_sequences_as_previous = again});
+      };
+      call(*pools[0], false);
+      const double bytes_per_call = static_cast<double>(kv_read);
+      // Rounds of about 20 ms, `seconds` in all per rate, medians; the
+      // limit sampled between them.
+      std::vector<double> resident, streamed, limit;
+      const auto start = std::chrono::steady_clock::now();
+      int next = 0;
+      while (Seconds(start, std::chrono::steady_clock::now()) < 2 * o.seconds || resident.size() < 3) {
+        for (int mode = 0; mode < 2; ++mode) {
+          int calls = 0;
+          const auto t0 = std::chrono::steady_clock::now();
+          do {
+            call(mode == 0 ? *pools[0] : *pools[1 + next], true);
+            if (mode == 1) next = (next + 1) % (copies - 1);
+            ++calls;
+          } while (Seconds(t0, std::chrono::steady_clock::now()) < 0.02);
+          const double rate = bytes_per_call * calls / Seconds(t0, std::chrono::steady_clock::now());
+          (mode == 0 ? resident : streamed).push_back(rate);
+        }
+        limit.push_back(probe.Sample());
+      }
+      const double r = Median(resident), s = Median(streamed), l = Median(limit);
+      const double serial = 1 / (1 / r + 1 / l);
+      if (o.json) {
+        rows.push_back({{"batch", B},
+                        {"history", H},
+                        {"kv_bytes_per_call", bytes_per_call},
+                        {"resident_bytes_per_second", r},
+                        {"streamed_bytes_per_second", s},
+                        {"no_overlap_bytes_per_second", serial},
+                        {"read_limit_bytes_per_second", l},
+                        {"resident_fraction_of_limit", r / l},
+                        {"streamed_fraction_of_limit", s / l}});
+      } else {
+        absl::PrintF("%6d %7d %9.1f %6.1f (%3.0f%%) %6.1f (%3.0f%%) %12.1f %12.1f %9.2fx\n", B, H,
+                     bytes_per_call / 1e6, r / 1e9, 100 * r / l, s / 1e9, 100 * s / l, serial / 1e9, l / 1e9, s / r);
+      }
+    }
+  }
+  if (o.json) {
+    const nlohmann::json j = {{"backend", be.Name()}, {"threads", o.threads}, {"kv", o.kv}, {"rows", rows}};
+    absl::PrintF("%s\n", j.dump());
+  } else {
+    absl::PrintF(
+        "resident: the same call's KV again (in the caches where it fits): the kernel's compute ceiling. "
+        "streamed: %.0f MiB of copies cycled, read from DRAM. no-overlap: 1/(1/resident + 1/limit), the rate "
+        "if compute and memory took turns. Limit: a sequential read of 256 MiB on the same threads.\n",
+        o.stream_bytes / (1 << 20));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace pdserve::pdctl

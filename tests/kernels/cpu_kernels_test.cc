@@ -270,10 +270,10 @@ TEST_P(CpuKernelsTest, PromptRowsAreBitwiseTheRowAlone) {
   // 8/4 at 32, 4/4 at 16; 4/1 pairs only on AVX-512) have a lone row's
   // chunks scored in pairs (and a pair can span two blocks) while the
   // prompt's tiles score them one at a time. A lone row whose backend work
-  // chunk holds several of its KV heads (12/12 here: two heads a chunk on
-  // 2 threads) goes over them run by run (every head's 256-key run before
-  // the next run), where a prompt's tiles take one head's whole history
-  // at a time.
+  // chunk holds several of its KV heads (a decode batch's chunks hold two
+  // or more: every shape here with 2 KV heads or more, on 2 threads) goes
+  // over them run by run (every head's 256-key run before the next run),
+  // where a prompt's tiles take one head's whole history at a time.
   const AttnShape shapes[] = {{12, 4, 64, 16, DType::kBF16}, {8, 8, 20, 5, DType::kF32},
                               {6, 2, 24, 7, DType::kI8},     {16, 1, 8, 1, DType::kBF16},
                               {4, 1, 64, 16, DType::kF32},   {24, 2, 16, 16, DType::kI8},

@@ -592,23 +592,25 @@ void CpuBackend::BuildAttentionPlan(const AttentionBatch& batch) {
       }
     }
   }
-  // Chunks of about equal cost, 4 a thread to even out the threads' pace.
-  // A decode batch's chunks hold two KV heads of a row or more (fewer
-  // chunks, still a multiple of the threads, when the batch is small): a
-  // thread then interleaves the heads of its chunk block by block
-  // (AttentionTyped), reading 8 KB or more of each 16 KB block of the
-  // 125M shape's KV in one stream instead of 4 KB. History 4096 on a
-  // 2-thread Zen 3 VM, old and new alternated 4 times: one row 17.8-18.5
-  // against 14.6-14.7 GB/s, two rows 17.7-18.3 against 14.7-14.8
-  // (`pdctl bench-attention`); in `bench-engine`, b=1 steps 0.92-0.96x
-  // the time, b=2 0.89x. A row's heads compute as before: the same bits.
+  // Chunks of about equal cost, 4 a thread to even out the threads' pace;
+  // a decode batch's, as few as hold whole rows (one, two, three or four
+  // a thread), or, with fewer rows than threads, one a thread with an
+  // equal share of the heads. A thread then interleaves the KV heads of a
+  // row in its chunk block by block (AttentionTyped), reading 8 KB or
+  // more of each 16 KB block of the 125M shape's KV in one stream instead
+  // of one head's 4 KB. History 4096 on a 2-thread Zen 3 VM, old and new
+  // alternated 4 times: one row 17.8-18.5 against 14.6-14.7 GB/s, two
+  // rows 17.7-18.3 against 14.7-14.8 with two heads a chunk (`pdctl
+  // bench-attention`), whole rows another 1.03-1.04x at two rows (3
+  // alternations); in `bench-engine`, b=1 steps 0.92-0.96x the time, b=2
+  // 0.89x. A row's heads compute as before: the same bits.
   const int threads = pool_.num_threads();
   int per_thread = 4;
   bool decode = batch.num_kv_heads > 1;
   for (const AttentionSequence& s : batch.sequences) decode = decode && s.num_new == 1;
   if (decode) {
-    const int64_t pairs = static_cast<int64_t>(p.items.size()) / (2 * threads);
-    per_thread = static_cast<int>(std::clamp<int64_t>(pairs, 1, 4));
+    const int64_t rows = static_cast<int64_t>(batch.sequences.size());
+    per_thread = static_cast<int>(std::clamp<int64_t>(rows / threads, 1, 4));
   }
   const int nc = per_thread * threads;
   double total = 0;

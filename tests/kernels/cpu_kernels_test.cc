@@ -270,8 +270,8 @@ TEST_P(CpuKernelsTest, PromptRowsAreBitwiseTheRowAlone) {
   // 8/4 at 32, 4/4 at 16; 4/1 pairs only on AVX-512) have a lone row's
   // chunks scored in pairs (and a pair can span two blocks) while the
   // prompt's tiles score them one at a time. A lone row whose backend work
-  // chunk holds several of its KV heads (a decode batch's chunks hold two
-  // or more: every shape here with 2 KV heads or more, on 2 threads) goes
+  // chunk holds several of its KV heads (on 2 threads a lone row's chunk
+  // holds half of them: several for the shapes here with 4 or more) goes
   // over them run by run (every head's 256-key run before the next run),
   // where a prompt's tiles take one head's whole history at a time.
   const AttnShape shapes[] = {{12, 4, 64, 16, DType::kBF16}, {8, 8, 20, 5, DType::kF32},

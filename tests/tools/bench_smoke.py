@@ -58,6 +58,7 @@ def main():
             # The KV one call reads: every position's K and V of 4 KV heads x 64.
             want = row["batch"] * row["history"] * 4 * 64 * 2 * elem
             if not (r > 0 and s > 0 and l > 0 and row["kv_bytes_per_call"] == want and
+                    row["resident_fits_last_level_cache"] is True and
                     close(row["resident_fraction_of_limit"], r / l) and
                     close(row["streamed_fraction_of_limit"], s / l) and
                     close(row["no_overlap_bytes_per_second"], 1 / (1 / r + 1 / l))):

@@ -4,9 +4,11 @@
 // Two rates per (batch B, history H), KV bytes read per second:
 //   resident: the same B x H decode call again and again (its KV, B * H *
 //     the per-position bytes, stays in the caches when it fits them): the
-//     kernel's compute ceiling, what no prefetching can beat;
+//     kernel's compute ceiling, what no prefetching can beat (marked "*",
+//     and not a ceiling, when that KV is over half the last-level cache);
 //   streamed: the same call over enough distinct copies of the KV (at
-//     least `stream_bytes` in all) that each call reads from DRAM.
+//     least `stream_bytes` in all, in one region from the engine's KV
+//     allocator) that each call reads from DRAM.
 // and the rate a kernel that overlaps nothing would reach,
 //   1 / (1 / resident + 1 / read limit),
 // so a streamed rate at that figure says memory and compute take turns.

@@ -19,10 +19,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double Seconds(Clock::time_point a, Clock::time_point b) {
-  return std::chrono::duration<double>(b - a).count();
-}
-
 std::vector<int32_t> RandomTokens(int n, int64_t vocab, uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::vector<int32_t> t(n);

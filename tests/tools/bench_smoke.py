@@ -46,6 +46,20 @@ def main():
             failures.append(f"bench-kv: commit_ms_median {kv.get('commit_ms_median')} not within "
                             f"(0, stream {kv['stream_commit_ms_median']}]")
 
+    # Over tcp the KV goes by messages on the control endpoint: the
+    # perftest reference with peer error handling is measured too, and
+    # only there (shared memory writes through a mapping).
+    if "ucx_perftest_am_peer_errors_gbps" in kv or "ucx_perftest_peer_errors_error" in kv:
+        failures.append("bench-kv: the peer-error-handling reference ran over shared memory")
+    tcp = run_json([pdctl, "bench-kv", "--prompt-len", "128", "--iters", "3", "--json"],
+                   dict(os.environ, UCX_TLS="tcp"))
+    if not tcp.get("ucx_perftest_am_peer_errors_gbps", 0) > 0:
+        failures.append(f"bench-kv over tcp: ucx_perftest_am_peer_errors_gbps missing or not positive: "
+                        f"{tcp.get('ucx_perftest_am_peer_errors_gbps')} ({tcp.get('ucx_perftest_peer_errors_error') or ''})")
+    elif not close(tcp["handoff_vs_ucx_perftest_peer_errors"],
+                   tcp["handoff_gbps"] / tcp["ucx_perftest_am_peer_errors_gbps"]):
+        failures.append("bench-kv over tcp: handoff_vs_ucx_perftest_peer_errors is not handoff / perftest -e")
+
     for kv_type, elem in (("bf16", 2), ("f32", 4)):
         a = run_json([pdctl, "bench-attention", "--decode_batch", "1,2", "--decode_history", "16,40", "--kv", kv_type,
                       "--threads", "1", "--stream_mib", "4", "--json"])

@@ -392,11 +392,14 @@ static absl::Status TimeReservationsDuringPrefill(UcxTransport* transport, KvMan
 
 // UCX's own benchmark in the same run: ucx_perftest (ucx-utils) as a
 // server and a client on loopback, ucp_am_bw with `message_bytes` messages,
-// the same UCX_* environment as this process. Its overall bandwidth in
-// bytes/s; NotFound when ucx_perftest is not installed. (ucp_put_bw is not
-// the reference: over tcp its target does not progress the emulated puts,
-// and it measured 0.05-0.09 GB/s here against 2.4 GB/s for ucp_am_bw.)
-absl::StatusOr<double> UcxPerftestBandwidth(int64_t message_bytes, int iterations) {
+// the same UCX_* environment as this process; with `error_handling`, both
+// sides' endpoints have peer error handling (`-e`), as the handoff's
+// control endpoint has. Its overall bandwidth in bytes/s; NotFound when
+// ucx_perftest is not installed. (ucp_put_bw is not the reference: over
+// tcp its target does not progress the emulated puts, and it measured
+// 0.05-0.09 GB/s here against 2.4 GB/s for ucp_am_bw.)
+absl::StatusOr<double> UcxPerftestBandwidth(int64_t message_bytes, int iterations, bool error_handling) {
+  const char* e = error_handling ? "-e" : nullptr;
   const char* kBin = "/usr/bin/ucx_perftest";
   if (access(kBin, X_OK) != 0) return absl::NotFoundError("ucx_perftest is not installed (Debian ucx-utils)");
   // A port that was free a moment ago (perftest binds it itself).
@@ -418,14 +421,14 @@ absl::StatusOr<double> UcxPerftestBandwidth(int64_t message_bytes, int iteration
     const int null = open("/dev/null", O_WRONLY);
     dup2(null, 1);
     dup2(null, 2);
-    execl(kBin, kBin, "-p", port.c_str(), static_cast<char*>(nullptr));
+    execl(kBin, kBin, "-p", port.c_str(), e, static_cast<char*>(nullptr));
     _exit(127);
   }
   std::string output;
   for (int attempt = 0; attempt < 30 && output.find("Final:") == std::string::npos; ++attempt) {
     absl::SleepFor(absl::Milliseconds(100));  // The server's listen.
     const std::string cmd = absl::StrCat(kBin, " 127.0.0.1 -p ", port, " -t ucp_am_bw -s ", message_bytes, " -n ",
-                                         iterations, " 2>&1");
+                                         iterations, error_handling ? " -e" : "", " 2>&1");
     FILE* f = popen(cmd.c_str(), "r");
     if (f == nullptr) break;
     output.clear();
@@ -762,12 +765,26 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
            {"raw_put_gbps", bytes_moved / raw_med / 1e9},
            {"handoff_vs_raw", raw_med / stream_med}};
     // UCX's own benchmark for the same transport and message size.
-    if (absl::StatusOr<double> perftest = UcxPerftestBandwidth(layer_bytes, iters * spec.num_layers);
+    if (absl::StatusOr<double> perftest = UcxPerftestBandwidth(layer_bytes, iters * spec.num_layers, false);
         perftest.ok()) {
       out["ucx_perftest_am_gbps"] = *perftest / 1e9;
       out["handoff_vs_ucx_perftest"] = bytes_moved / stream_med / *perftest;
     } else {
       out["ucx_perftest_error"] = std::string(perftest.status().message());
+    }
+    // Where the KV goes by active messages on the control endpoint (no
+    // shared memory with the peer), that endpoint has peer error handling,
+    // and UCX 1.13's active messages run slower on such an endpoint
+    // (measured over tcp: ucx_perftest -e 3.6-4.2 GB/s against 4.8-6.6
+    // without): the same benchmark with it, as a second reference.
+    if (const bool by_message = !(*conn)->PeerMayMapMemory(); by_message) {
+      if (absl::StatusOr<double> perftest = UcxPerftestBandwidth(layer_bytes, iters * spec.num_layers, true);
+          perftest.ok()) {
+        out["ucx_perftest_am_peer_errors_gbps"] = *perftest / 1e9;
+        out["handoff_vs_ucx_perftest_peer_errors"] = bytes_moved / stream_med / *perftest;
+      } else {
+        out["ucx_perftest_peer_errors_error"] = std::string(perftest.status().message());
+      }
     }
     // The shared-memory limit: the same bytes copied once between processes.
     if (absl::StatusOr<CrossProcessCopy> copy = CrossProcessCopyBandwidth(bytes_moved, iters); copy.ok()) {
@@ -854,6 +871,14 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
   } else {
     std::printf("  ucx_perftest: %s\n", out["ucx_perftest_error"].get<std::string>().c_str());
   }
+  if (out.contains("ucx_perftest_am_peer_errors_gbps")) {
+    std::printf("  ucx_perftest ucp_am_bw -e%10s    %7.2f GB/s  (the same with peer error handling, as the handoff's endpoint has; handoff at %.1f %%)\n",
+                "", out["ucx_perftest_am_peer_errors_gbps"].get<double>(),
+                100 * out["handoff_vs_ucx_perftest_peer_errors"].get<double>());
+  } else if (out.contains("ucx_perftest_peer_errors_error")) {
+    std::printf("  ucx_perftest -e: %s\n", out["ucx_perftest_peer_errors_error"].get<std::string>().c_str());
+  }
+
   if (out.contains("cross_process_copy_gbps")) {
     std::printf("  cross-process copy       %10s      %7.2f GB/s  (memcpy of the request's bytes into another "
                 "process's mapped buffer as large; handoff at %.1f %%)\n",

@@ -266,8 +266,9 @@ TEST_P(CpuKernelsTest, PagedAttentionMatchesReference) {
 // every KV format.
 TEST_P(CpuKernelsTest, PromptRowsAreBitwiseTheRowAlone) {
   // Shapes with up to four query heads per KV head (three on AVX2, whose
-  // chunks are 8 keys) and whole chunks (12/4, 4/1 and 12/12 at block 16,
-  // 8/4 at 32, 4/4 at 16; 4/1 pairs only on AVX-512) have a lone row's
+  // chunks are 8 keys) and whole chunks (12/4, 4/1, 12/12 and 4/2 at block
+  // 16, 8/4 at 32, 4/4 at 16; 4/1 pairs only on AVX-512; BF16 at block 16
+  // takes AVX2's ScoreChunkPairQt for 1, 2 and 3 heads) have a lone row's
   // chunks scored in pairs (and a pair can span two blocks) while the
   // prompt's tiles score them one at a time. A lone row whose backend work
   // chunk holds several of its KV heads (on 2 threads a lone row's chunk
@@ -278,7 +279,8 @@ TEST_P(CpuKernelsTest, PromptRowsAreBitwiseTheRowAlone) {
                               {6, 2, 24, 7, DType::kI8},     {16, 1, 8, 1, DType::kBF16},
                               {4, 1, 64, 16, DType::kF32},   {24, 2, 16, 16, DType::kI8},
                               {12, 12, 64, 16, DType::kBF16}, {8, 4, 32, 32, DType::kI8},
-                              {6, 3, 20, 48, DType::kF32},   {4, 4, 36, 16, DType::kBF16}};
+                              {6, 3, 20, 48, DType::kF32},   {4, 4, 36, 16, DType::kBF16},
+                              {4, 2, 32, 16, DType::kBF16}};
   struct Prompt {
     int32_t cached, fresh;
   };

@@ -49,15 +49,15 @@ def main():
     # Over tcp the KV goes by messages on the control endpoint: the
     # perftest reference with peer error handling is measured too, and
     # only there (shared memory writes through a mapping).
-    if "ucx_perftest_am_peer_errors_gbps" in kv or "ucx_perftest_peer_errors_error" in kv:
+    if "ucx_perftest_peer_errors_am_gbps" in kv or "ucx_perftest_peer_errors_error" in kv:
         failures.append("bench-kv: the peer-error-handling reference ran over shared memory")
     tcp = run_json([pdctl, "bench-kv", "--prompt-len", "128", "--iters", "3", "--json"],
                    dict(os.environ, UCX_TLS="tcp"))
-    if not tcp.get("ucx_perftest_am_peer_errors_gbps", 0) > 0:
-        failures.append(f"bench-kv over tcp: ucx_perftest_am_peer_errors_gbps missing or not positive: "
-                        f"{tcp.get('ucx_perftest_am_peer_errors_gbps')} ({tcp.get('ucx_perftest_peer_errors_error') or ''})")
+    if not tcp.get("ucx_perftest_peer_errors_am_gbps", 0) > 0:
+        failures.append(f"bench-kv over tcp: ucx_perftest_peer_errors_am_gbps missing or not positive: "
+                        f"{tcp.get('ucx_perftest_peer_errors_am_gbps')} ({tcp.get('ucx_perftest_peer_errors_error') or ''})")
     elif not close(tcp["handoff_vs_ucx_perftest_peer_errors"],
-                   tcp["handoff_gbps"] / tcp["ucx_perftest_am_peer_errors_gbps"]):
+                   tcp["handoff_gbps"] / tcp["ucx_perftest_peer_errors_am_gbps"]):
         failures.append("bench-kv over tcp: handoff_vs_ucx_perftest_peer_errors is not handoff / perftest -e")
 
     for kv_type, elem in (("bf16", 2), ("f32", 4)):

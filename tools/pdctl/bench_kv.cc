@@ -764,28 +764,24 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
            {"raw_put_ms_median", raw_med * 1e3},
            {"raw_put_gbps", bytes_moved / raw_med / 1e9},
            {"handoff_vs_raw", raw_med / stream_med}};
-    // UCX's own benchmark for the same transport and message size.
-    if (absl::StatusOr<double> perftest = UcxPerftestBandwidth(layer_bytes, iters * spec.num_layers, false);
-        perftest.ok()) {
-      out["ucx_perftest_am_gbps"] = *perftest / 1e9;
-      out["handoff_vs_ucx_perftest"] = bytes_moved / stream_med / *perftest;
-    } else {
-      out["ucx_perftest_error"] = std::string(perftest.status().message());
-    }
-    // Where the KV goes by active messages on the control endpoint (no
-    // shared memory with the peer), that endpoint has peer error handling,
-    // and UCX 1.13's active messages run slower on such an endpoint
-    // (measured over tcp: ucx_perftest -e 3.6-4.2 GB/s against 4.8-6.6
-    // without): the same benchmark with it, as a second reference.
-    if (const bool by_message = !(*conn)->PeerMayMapMemory(); by_message) {
-      if (absl::StatusOr<double> perftest = UcxPerftestBandwidth(layer_bytes, iters * spec.num_layers, true);
-          perftest.ok()) {
-        out["ucx_perftest_am_peer_errors_gbps"] = *perftest / 1e9;
-        out["handoff_vs_ucx_perftest_peer_errors"] = bytes_moved / stream_med / *perftest;
-      } else {
-        out["ucx_perftest_peer_errors_error"] = std::string(perftest.status().message());
+    // UCX's own benchmark for the same transport and message size, under
+    // `key` (its bandwidth, the handoff's ratio to it, or why it did not run).
+    auto perftest_into = [&](bool error_handling, const std::string& key) {
+      absl::StatusOr<double> perftest = UcxPerftestBandwidth(layer_bytes, iters * spec.num_layers, error_handling);
+      if (!perftest.ok()) {
+        out[key + "_error"] = std::string(perftest.status().message());
+        return;
       }
-    }
+      out[key + "_am_gbps"] = *perftest / 1e9;
+      out["handoff_vs_" + key] = bytes_moved / stream_med / *perftest;
+    };
+    perftest_into(false, "ucx_perftest");
+    // Where the KV goes by active messages on the control endpoint (no
+    // shared memory with the peer), that endpoint has peer error handling;
+    // ucx_perftest measured slower with it over tcp here (-e 3.6-4.2 GB/s
+    // against 4.8-6.6 without): the same benchmark with it, as a second
+    // reference.
+    if (!(*conn)->PeerMayMapMemory()) perftest_into(true, "ucx_perftest_peer_errors");
     // The shared-memory limit: the same bytes copied once between processes.
     if (absl::StatusOr<CrossProcessCopy> copy = CrossProcessCopyBandwidth(bytes_moved, iters); copy.ok()) {
       out["cross_process_copy_gbps"] = copy->warm_bytes_per_second / 1e9;
@@ -871,9 +867,9 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
   } else {
     std::printf("  ucx_perftest: %s\n", out["ucx_perftest_error"].get<std::string>().c_str());
   }
-  if (out.contains("ucx_perftest_am_peer_errors_gbps")) {
+  if (out.contains("ucx_perftest_peer_errors_am_gbps")) {
     std::printf("  ucx_perftest ucp_am_bw -e%10s    %7.2f GB/s  (the same with peer error handling, as the handoff's endpoint has; handoff at %.1f %%)\n",
-                "", out["ucx_perftest_am_peer_errors_gbps"].get<double>(),
+                "", out["ucx_perftest_peer_errors_am_gbps"].get<double>(),
                 100 * out["handoff_vs_ucx_perftest_peer_errors"].get<double>());
   } else if (out.contains("ucx_perftest_peer_errors_error")) {
     std::printf("  ucx_perftest -e: %s\n", out["ucx_perftest_peer_errors_error"].get<std::string>().c_str());

@@ -564,6 +564,9 @@ absl::StatusOr<ForwardResult> Model::ForwardShard(const KvStorage& kv_storage, a
       });
       result.attention_seconds +=
           std::chrono::duration<double>(std::chrono::steady_clock::now() - attention_start).count();
+      // The next layer attends over the same sequences: its KV may come
+      // closer while this layer's MLP and its QKV product run.
+      if (l + 1 < c.num_layers) backend_->PrefetchKv(kv_storage.LayerView(static_cast<int32_t>(l + 1)), own_seqs);
     }
     if (request_sharded) {
       if (absl::Status s = TakeOwnHeads(T); !s.ok()) return s;

@@ -195,6 +195,14 @@ class Backend {
                        const int32_t* slots) = 0;
 
   virtual void Attention(const AttentionBatch& batch) = 0;
+
+  // A hint: the next Attention call reads `sequences`' KV (their cached and
+  // new positions) in `kv`. A backend may start bringing it closer to its
+  // cores while the calls before that Attention run (the CPU backend
+  // prefetches it from inside its batched-decode products, which leave
+  // memory bandwidth free); ignoring it is correct. The hint ends at the
+  // next Attention call.
+  virtual void PrefetchKv(const KvLayerView& kv, absl::Span<const AttentionSequence> sequences) {}
 };
 
 }  // namespace pdserve::kernels

@@ -68,6 +68,9 @@ class ForwardingBackend : public Backend {
     inner_->WriteKv(kv, num_kv_heads, head_dim, k, v, rows, blocks, slots);
   }
   void Attention(const AttentionBatch& batch) override { inner_->Attention(batch); }
+  void PrefetchKv(const KvLayerView& kv, absl::Span<const AttentionSequence> sequences) override {
+    inner_->PrefetchKv(kv, sequences);
+  }
 
  protected:
   Backend* inner() const { return inner_; }

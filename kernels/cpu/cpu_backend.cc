@@ -127,6 +127,13 @@ constexpr double kAmxMinAdvantage = 3.0;
 // Row-wise work (norms, rotations, conversions) below this many elements
 // stays on the calling thread: a pool hand-off costs more.
 constexpr int64_t kParallelElems = 32 * 1024;
+// PrefetchKv: products of fewer rows are bound by the weight stream (no
+// bandwidth left to prefetch with); at 8 rows (a Zen 3 core pair, AVX2,
+// 125M BF16 weights) an F32 product reads about 20 GB/s of weights against
+// a 30-35 GB/s limit. At most this many bytes are prefetched, so that the
+// KV and the weights streamed until the Attention fit the L3 together.
+constexpr int64_t kKvPrefetchMinRows = 8;
+constexpr int64_t kKvPrefetchMaxBytes = 8 << 20;
 
 }  // namespace
 
@@ -237,15 +244,26 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(const CpuBackendO
                             rate("AMX BF16", amx_ok, amx, kAmxMinAdvantage));
     }
   }
-  return std::unique_ptr<CpuBackend>(new CpuBackend(isa, *path, std::move(reason), options.num_threads));
+  bool kv_prefetch = true;
+  if (options.kv_prefetch.has_value()) {
+    kv_prefetch = *options.kv_prefetch;
+  } else if (const char* env = std::getenv("PDSERVE_KV_PREFETCH"); env != nullptr && *env != '\0') {
+    if (absl::string_view(env) != "0" && absl::string_view(env) != "1") {
+      return absl::InvalidArgumentError(absl::StrCat("PDSERVE_KV_PREFETCH=", env, ": expected 0 or 1"));
+    }
+    kv_prefetch = absl::string_view(env) == "1";
+  }
+  return std::unique_ptr<CpuBackend>(
+      new CpuBackend(isa, *path, std::move(reason), options.num_threads, kv_prefetch));
 }
 
-CpuBackend::CpuBackend(Isa isa, MatrixPath path, std::string path_reason, int num_threads)
+CpuBackend::CpuBackend(Isa isa, MatrixPath path, std::string path_reason, int num_threads, bool kv_prefetch)
     : isa_(isa),
       matrix_path_(path),
       matrix_path_reason_(std::move(path_reason)),
       table_(GetKernelTable(isa)),
-      pool_(num_threads) {}
+      pool_(num_threads),
+      kv_prefetch_on_(kv_prefetch) {}
 
 std::string CpuBackend::Name() const {
   if (matrix_path_ == MatrixPath::kF32) return absl::StrCat("cpu/", table_.name);
@@ -416,6 +434,20 @@ void CpuBackend::Linear(const LinearWeight& w, const float* x, int64_t m, const 
     pool_.ParallelFor(pw.num_panels(), [&](int64_t b, int64_t e) { LinearF16(a, b, e); });
     return;
   }
+  KvPrefetch& kp = kv_prefetch_;
+  int64_t side_begin = 0, side_end = 0;
+  if (kp.active && m >= table_.linear_side_rows[0] && m <= table_.linear_side_rows[1]) {
+    // This product's share of the lines left: its weight bytes against
+    // those expected until the Attention (all of them when none are).
+    const int64_t bytes = static_cast<int64_t>(pw.bytes());
+    const int64_t left = kp.lines - kp.next;
+    const int64_t expected_left = std::max(kp.expected - kp.weight_bytes, bytes);
+    kp.weight_bytes += bytes;
+    side_begin = kp.next;
+    side_end = kp.next + static_cast<int64_t>(static_cast<double>(left) * bytes / expected_left);
+    kp.next = side_end;
+    kv_prefetched_bytes_ += (side_end - side_begin) * 64;
+  }
   LinearArgs args{.x = x,
                   .ldx = pw.k(),
                   .m = m,
@@ -427,7 +459,11 @@ void CpuBackend::Linear(const LinearWeight& w, const float* x, int64_t m, const 
                   .bias = bias,
                   .y = y,
                   .ldy = pw.n(),
-                  .accumulate = accumulate};
+                  .accumulate = accumulate,
+                  .side_blocks = kp.blocks.data(),
+                  .side_begin = side_begin,
+                  .side_end = side_end,
+                  .side_block_lines = kp.block_lines};
   // Split whole panels, in pairs so the two-panel micro-tile stays whole.
   const int64_t pairs = (pw.num_panels() + 1) / 2;
   pool_.ParallelFor(pairs, [&](int64_t b, int64_t e) {
@@ -624,7 +660,44 @@ void CpuBackend::BuildAttentionPlan(const AttentionBatch& batch) {
   }
 }
 
+void CpuBackend::PrefetchKv(const KvLayerView& kv, absl::Span<const AttentionSequence> sequences) {
+  KvPrefetch& kp = kv_prefetch_;
+  kp.active = false;
+  kp.blocks.clear();
+  kp.next = kp.weight_bytes = 0;
+  int64_t rows = 0;
+  for (const AttentionSequence& s : sequences) rows += s.num_new;
+  const int64_t block_bytes = kv.block_stride * static_cast<int64_t>(DTypeSize(kv.dtype));
+  if (!kv_prefetch_on_) return;
+  // Only products whose rows take the side stream, and are not bound by
+  // the weight stream, prefetch.
+  if (rows < std::max(kKvPrefetchMinRows, table_.linear_side_rows[0]) || rows > table_.linear_side_rows[1] ||
+      block_bytes < 64) {
+    return;
+  }
+  // The blocks of the cached positions (the new ones' KV is not written
+  // yet), each once (shared prefixes), in address order.
+  const char* base = static_cast<const char*>(kv.base);
+  for (const AttentionSequence& s : sequences) {
+    const int32_t n = (s.num_cached + kv.block_size - 1) / kv.block_size;
+    for (int32_t i = 0; i < n && i < static_cast<int32_t>(s.block_table.size()); ++i) {
+      kp.blocks.push_back(base + static_cast<int64_t>(s.block_table[i]) * block_bytes);
+    }
+  }
+  std::sort(kp.blocks.begin(), kp.blocks.end());
+  kp.blocks.erase(std::unique(kp.blocks.begin(), kp.blocks.end()), kp.blocks.end());
+  kp.blocks.resize(std::min<size_t>(kp.blocks.size(), static_cast<size_t>(kKvPrefetchMaxBytes / block_bytes)));
+  kp.block_lines = block_bytes / 64;
+  kp.lines = static_cast<int64_t>(kp.blocks.size()) * kp.block_lines;
+  kp.active = kp.lines > 0;
+}
+
 void CpuBackend::Attention(const AttentionBatch& batch) {
+  if (kv_prefetch_.active) {
+    // The next interval's expectation, when a product took a share here.
+    kv_prefetch_.active = false;
+    if (kv_prefetch_.weight_bytes > 0) kv_prefetch_.expected = kv_prefetch_.weight_bytes;
+  }
   if (!batch.same_sequences_as_previous) BuildAttentionPlan(batch);
   const AttentionPlan& p = plan_;
   AttentionArgs args{.q = batch.q,

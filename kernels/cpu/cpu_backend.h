@@ -42,6 +42,9 @@ struct CpuBackendOptions {
   // rates (what the servers and pdctl do; tests that compare against F32
   // references leave it off).
   bool choose_matrix_path = false;
+  // Whether products prefetch a hinted KV (PrefetchKv). Unset:
+  // $PDSERVE_KV_PREFETCH ("0" or "1") when set, else on.
+  std::optional<bool> kv_prefetch;
 };
 
 class CpuBackend final : public Backend {
@@ -57,6 +60,10 @@ class CpuBackend final : public Backend {
   // logs and benchmarks.
   const std::string& matrix_path_reason() const { return matrix_path_reason_; }
   int num_threads() const { return pool_.num_threads(); }
+  // Bytes of hinted KV (PrefetchKv) handed to products to prefetch, since
+  // the backend was made; for benchmarks and tests.
+  int64_t kv_prefetched_bytes() const { return kv_prefetched_bytes_; }
+  bool kv_prefetch() const { return kv_prefetch_on_; }
 
   absl::StatusOr<std::unique_ptr<LinearWeight>> PackLinear(absl::Span<const MatrixPart> parts,
                                                            int64_t k, DType storage) override;
@@ -70,6 +77,11 @@ class CpuBackend final : public Backend {
   void WriteKv(const KvLayerView& kv, int32_t num_kv_heads, int32_t head_dim, const float* k,
                const float* v, int64_t rows, const int32_t* blocks, const int32_t* slots) override;
   void Attention(const AttentionBatch& batch) override;
+  // Decode batches of at least kKvPrefetchMinRows rows (and prompts with
+  // cached positions): the F32 products between the hint and the Attention
+  // prefetch the hinted KV (up to kKvPrefetchMaxBytes of it), each product
+  // a share in proportion to its weight bytes.
+  void PrefetchKv(const KvLayerView& kv, absl::Span<const AttentionSequence> sequences) override;
 
   // Machine limits on this backend's instruction path and threads, for
   // benchmarks. One sample of the multiply-add rate in FLOP/s of the
@@ -107,7 +119,7 @@ class CpuBackend final : public Backend {
   };
 
  private:
-  CpuBackend(Isa isa, MatrixPath path, std::string path_reason, int num_threads);
+  CpuBackend(Isa isa, MatrixPath path, std::string path_reason, int num_threads, bool kv_prefetch);
   // How the attention of one batch is cut into work: the per-sequence
   // items (and their chunk bounds), or the cascade plan when the batch is a
   // decode batch whose sequences share blocks. Built once per forward (the
@@ -135,6 +147,23 @@ class CpuBackend final : public Backend {
   std::vector<float> row_scale_, x_scaled_;
   ThreadPool pool_;
   AttentionPlan plan_;
+  // The hinted KV (PrefetchKv) until the next Attention: its blocks (each
+  // block_lines 64-byte lines), the lines handed to products so far, and
+  // the weight bytes of the products since the hint. `expected` is the
+  // weight bytes between the last hint and its Attention (the previous
+  // layer's), by which each product's share is judged.
+  struct KvPrefetch {
+    bool active = false;
+    std::vector<const char*> blocks;
+    int64_t block_lines = 0;
+    int64_t lines = 0;
+    int64_t next = 0;
+    int64_t weight_bytes = 0;
+    int64_t expected = 0;
+  };
+  const bool kv_prefetch_on_;
+  KvPrefetch kv_prefetch_;
+  int64_t kv_prefetched_bytes_ = 0;
 };
 
 }  // namespace pdserve::kernels::cpu

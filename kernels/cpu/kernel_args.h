@@ -29,6 +29,16 @@ struct LinearArgs {
   float* y;            // [M, N], row stride ldy
   int64_t ldy;
   bool accumulate;     // y += x W^T (+ bias) instead of y = ...
+  // Other memory to prefetch while the weights stream (the next attention's
+  // KV, CpuBackend::PrefetchKv): lines [side_begin, side_end) of the blocks
+  // side_blocks[0..], each side_block_lines 64-byte lines long, line i at
+  // side_blocks[i / side_block_lines] + i % side_block_lines * 64. Spread
+  // over the panels in proportion; none when side_begin == side_end. Taken
+  // only at KernelTable::linear_side_rows.
+  const char* const* side_blocks = nullptr;
+  int64_t side_begin = 0;
+  int64_t side_end = 0;
+  int64_t side_block_lines = 0;
 };
 
 // One sequence of an attention batch: `num_new` query rows (positions
@@ -114,6 +124,9 @@ struct KernelTable {
   // Reads n floats (n a multiple of 64) as fast as possible; returns a sum so
   // the reads cannot be elided.
   float (*read_sum)(const float* p, int64_t n);
+  // The rows [first, last] at which `linear` takes LinearArgs' side stream
+  // (none when first > last).
+  int64_t linear_side_rows[2];
 };
 
 }  // namespace pdserve::kernels::cpu

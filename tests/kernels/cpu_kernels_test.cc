@@ -4,6 +4,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <initializer_list>
 #include <random>
 #include <string>
@@ -97,6 +98,88 @@ TEST_P(CpuKernelsTest, LinearMatchesReference) {
       }
     }
   }
+}
+
+// PrefetchKv: the products between the hint and the next Attention are
+// handed the hinted KV's blocks (each once, at most 8 MiB) to prefetch, in
+// shares by their weight bytes against the previous interval's; only
+// products of the rows whose order takes the side stream, and of at least
+// 8 rows; and a product's bits are the same with it as without.
+TEST_P(CpuKernelsTest, KvPrefetchIsSharedByTheProductsAndChangesNoBits) {
+  constexpr int32_t kBlock = 16, kHeads = 4, kDim = 64, kSeqs = 8;
+  constexpr int64_t kBlockElems = 2LL * kHeads * kBlock * kDim;  // BF16 K and V: 16 KiB.
+  constexpr int64_t kBlockBytes = kBlockElems * 2;
+  const KernelTable& table = GetKernelTable(GetParam());
+  auto takes = [&](int64_t m) { return m >= 8 && m >= table.linear_side_rows[0] && m <= table.linear_side_rows[1]; };
+  if (GetParam() == Isa::kAvx2) {
+    // The panel-outer order (2 or 3 tiles of 6 rows at most).
+    EXPECT_TRUE(takes(8) && takes(18));
+    EXPECT_FALSE(takes(6) || takes(19));
+  }
+  const int64_t k = 64;
+  auto w1 = backend_->RandomLinear(96, k, DType::kBF16, 1.0f, 1);
+  auto w2 = backend_->RandomLinear(320, k, DType::kBF16, 1.0f, 2);
+  ASSERT_TRUE(w1.ok() && w2.ok());
+  const int64_t b1 = static_cast<int64_t>((*w1)->bytes()), b2 = static_cast<int64_t>((*w2)->bytes());
+
+  bool expecting = false;
+  // kSeqs sequences of `per_seq` blocks, all sharing their first one.
+  auto run = [&](int32_t per_seq, int64_t m) {
+    SCOPED_TRACE(::testing::Message() << "blocks per sequence " << per_seq << ", m=" << m);
+    const int32_t num_blocks = 1 + kSeqs * (per_seq - 1);
+    std::vector<uint16_t> kv(static_cast<size_t>(num_blocks) * kBlockElems, 0);
+    std::vector<std::vector<int32_t>> tables(kSeqs);
+    std::vector<AttentionSequence> seqs;
+    const int32_t cached = (per_seq - 1) * kBlock + 1;  // The last block holds one position.
+    for (int32_t s = 0; s < kSeqs; ++s) {
+      tables[s].push_back(0);
+      for (int32_t b = 1; b < per_seq; ++b) tables[s].push_back(1 + s * (per_seq - 1) + (b - 1));
+      seqs.push_back({tables[s], cached, 1, s});
+    }
+    const KvLayerView view{.base = kv.data(),
+                           .dtype = DType::kBF16,
+                           .block_stride = kBlockElems,
+                           .head_stride = kBlock * kDim,
+                           .v_offset = kHeads * kBlock * kDim,
+                           .block_size = kBlock};
+    const int64_t hinted = std::min<int64_t>(num_blocks * kBlockBytes, 8 << 20);
+    std::vector<float> x = Random(m * k), y1(m * 96), y2(m * 320), ref1(m * 96), ref2(m * 320);
+    backend_->Linear(**w1, x.data(), m, nullptr, ref1.data(), false);
+    backend_->Linear(**w2, x.data(), m, nullptr, ref2.data(), false);
+    std::vector<float> q(kSeqs * kHeads * kDim, 0.0f), out(q.size());
+    const AttentionBatch attend{.q = q.data(), .out = out.data(), .sequences = seqs, .kv = view,
+                                .num_heads = kHeads, .num_kv_heads = kHeads, .head_dim = kDim, .scale = 0.125f};
+    // Close any earlier interval, so the first below has no expectation.
+    backend_->Attention(attend);
+    for (int interval = 0; interval < 2; ++interval) {
+      SCOPED_TRACE(::testing::Message() << "interval " << interval);
+      backend_->PrefetchKv(view, seqs);
+      const int64_t before = backend_->kv_prefetched_bytes();
+      backend_->Linear(**w1, x.data(), m, nullptr, y1.data(), false);
+      const int64_t after1 = backend_->kv_prefetched_bytes();
+      backend_->Linear(**w2, x.data(), m, nullptr, y2.data(), false);
+      const int64_t after2 = backend_->kv_prefetched_bytes();
+      backend_->Attention(attend);
+      EXPECT_EQ(y1, ref1);
+      EXPECT_EQ(y2, ref2);
+      if (!takes(m)) {
+        EXPECT_EQ(after2, before);
+        continue;
+      }
+      // The backend's first interval has no expectation: the first product
+      // takes all. The later ones judge by the last's weight bytes (b1 + b2).
+      const int64_t lines = hinted / 64;
+      const int64_t share1 = !expecting ? lines : static_cast<int64_t>(static_cast<double>(lines) * b1 / (b1 + b2));
+      expecting = true;
+      EXPECT_EQ(after1 - before, share1 * 64);
+      EXPECT_EQ(after2 - before, hinted);
+    }
+  };
+  run(3, 8);    // 17 blocks.
+  run(3, 16);
+  run(3, 4);    // Too few rows: bound by the weight stream.
+  run(3, 32);   // The chunked order on AVX2.
+  run(80, 8);   // 633 blocks: capped at 8 MiB.
 }
 
 TEST_P(CpuKernelsTest, SiluMulMatchesReference) {
@@ -570,6 +653,39 @@ TEST(F16PathTest, ChoiceIsValidatedAndReported) {
   EXPECT_FALSE((*chosen)->matrix_path_reason().empty());
   std::printf("chosen matrix path: %s (%s)\n", std::string(MatrixPathName((*chosen)->matrix_path())).c_str(),
               (*chosen)->matrix_path_reason().c_str());
+}
+
+TEST(KvPrefetchTest, SwitchedByOptionOrEnvironment) {
+  ::unsetenv("PDSERVE_KV_PREFETCH");
+  auto on = CpuBackend::Create({});
+  ASSERT_TRUE(on.ok());
+  EXPECT_TRUE((*on)->kv_prefetch());
+  ::setenv("PDSERVE_KV_PREFETCH", "0", 1);
+  auto off = CpuBackend::Create({});
+  ASSERT_TRUE(off.ok());
+  EXPECT_FALSE((*off)->kv_prefetch());
+  auto forced = CpuBackend::Create({.kv_prefetch = true});  // The option wins.
+  ASSERT_TRUE(forced.ok());
+  EXPECT_TRUE((*forced)->kv_prefetch());
+  ::setenv("PDSERVE_KV_PREFETCH", "yes", 1);
+  auto bad = CpuBackend::Create({});
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("PDSERVE_KV_PREFETCH=yes"), absl::string_view::npos) << bad.status();
+  ::unsetenv("PDSERVE_KV_PREFETCH");
+
+  // Off: a hint hands nothing to the products.
+  std::vector<uint16_t> kv(4 * 8192, 0);
+  const std::vector<int32_t> table = {0, 1, 2, 3};
+  std::vector<AttentionSequence> seqs(8, AttentionSequence{table, 64, 1, 0});
+  for (int i = 0; i < 8; ++i) seqs[i].row_offset = i;
+  const KvLayerView view{.base = kv.data(), .dtype = DType::kBF16, .block_stride = 8192, .head_stride = 1024,
+                         .v_offset = 4096, .block_size = 16};
+  auto w = (*off)->RandomLinear(64, 64, DType::kBF16, 1.0f, 1);
+  ASSERT_TRUE(w.ok());
+  std::vector<float> x(8 * 64, 1.0f), y(8 * 64);
+  (*off)->PrefetchKv(view, seqs);
+  (*off)->Linear(**w, x.data(), 8, nullptr, y.data(), false);
+  EXPECT_EQ((*off)->kv_prefetched_bytes(), 0);
 }
 
 TEST(IsaTest, EnvironmentOverrideIsValidated) {

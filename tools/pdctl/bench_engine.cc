@@ -87,6 +87,7 @@ absl::Status RunBenchEngine(const BenchEngineOptions& o) {
   out["backend"] = backend.Name();
   out["matrix_path"] = std::string(kernels::cpu::MatrixPathName(backend.matrix_path()));
   out["matrix_path_reason"] = backend.matrix_path_reason();
+  out["kv_prefetch"] = backend.kv_prefetch();
   out["threads"] = backend.num_threads();
   out["weights"] = std::string(DTypeName(model.weight_dtype()));
   out["kv"] = std::string(DTypeName(kv.spec().dtype));
@@ -224,13 +225,14 @@ absl::Status RunBenchEngine(const BenchEngineOptions& o) {
           &backend, static_cast<size_t>(static_cast<double>(model.WeightBytesPerStep()) + expected_kv));
       std::vector<int32_t> next(B, 1);
       std::vector<double> times, attention_times, bandwidths;
-      double counted_kv = 0;
+      double counted_kv = 0, prefetched_kv = 0;
       for (int step = 0; step < o.decode_steps + 2; ++step) {
         if (step % 4 == 2) bandwidths.push_back(probe.Sample());
         std::vector<ForwardSequence> batch;
         for (int b = 0; b < B; ++b) {
           batch.push_back({&seqs[b], absl::MakeConstSpan(&next[b], 1), LogitsMode::kLast});
         }
+        const int64_t prefetched0 = backend.kv_prefetched_bytes();
         const auto t0 = Clock::now();
         absl::StatusOr<ForwardResult> res = ForwardGrowing(model, kv, batch);
         const auto t1 = Clock::now();
@@ -239,6 +241,7 @@ absl::Status RunBenchEngine(const BenchEngineOptions& o) {
           times.push_back(Seconds(t0, t1));
           attention_times.push_back(res->attention_seconds);
           counted_kv += static_cast<double>(res->kv_bytes_read);
+          prefetched_kv += static_cast<double>(backend.kv_prefetched_bytes() - prefetched0);
         }
         for (int b = 0; b < B; ++b) {
           absl::Span<const float> l = res->Last(b);
@@ -249,6 +252,9 @@ absl::Status RunBenchEngine(const BenchEngineOptions& o) {
       const double t = Median(times);
       const double bw = Median(bandwidths);
       const double kv_bytes = counted_kv / static_cast<double>(times.size());
+      // The part of the KV the products prefetched for the attention
+      // (CpuBackend::PrefetchKv): the attention reads it from cache.
+      const double kv_prefetched = prefetched_kv / static_cast<double>(times.size());
       const double bytes = static_cast<double>(model.WeightBytesPerStep()) + kv_bytes;
       // The attention kernels alone: their share of the step, and the KV
       // bytes they counted over their own time, against the same limit.
@@ -268,6 +274,7 @@ absl::Status RunBenchEngine(const BenchEngineOptions& o) {
                         {"tokens_per_second", B / t},
                         {"bytes_per_step", bytes},
                         {"kv_bytes_per_step", kv_bytes},
+                        {"kv_prefetched_bytes_per_step", kv_prefetched},
                         {"bytes_per_second", bytes / t},
                         {"read_bandwidth", bw},
                         {"fraction_of_bandwidth", bytes / t / bw},
@@ -406,6 +413,16 @@ absl::Status RunBenchEngine(const BenchEngineOptions& o) {
                 d["step_over_limit"].get<double>(), 100 * d["attention_share"].get<double>(),
                 d["attention_kv_bytes_per_second"].get<double>() / 1e9,
                 100 * d["attention_fraction_of_bandwidth"].get<double>());
+  }
+  std::printf("KV prefetch inside the batched-decode products: %s (PDSERVE_KV_PREFETCH=%d to compare)\n",
+              out["kv_prefetch"].get<bool>() ? "on" : "off", out["kv_prefetch"].get<bool>() ? 0 : 1);
+  for (const auto& d : decode) {
+    const double pf = d["kv_prefetched_bytes_per_step"].get<double>();
+    if (pf <= 0) continue;
+    std::printf("  batch %d history %d: the products prefetched %.1f MB/step of the KV for the attention "
+                "(%.0f%% of what it read; its \"attn KV GB/s\" is partly from cache)\n",
+                d["batch"].get<int>(), d["history"].get<int>(), pf / 1e6,
+                100 * pf / d["kv_bytes_per_step"].get<double>());
   }
   if (out.contains("shared_prefix_decode")) {
     const auto& sp = out["shared_prefix_decode"];

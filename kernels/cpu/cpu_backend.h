@@ -77,10 +77,11 @@ class CpuBackend final : public Backend {
   void WriteKv(const KvLayerView& kv, int32_t num_kv_heads, int32_t head_dim, const float* k,
                const float* v, int64_t rows, const int32_t* blocks, const int32_t* slots) override;
   void Attention(const AttentionBatch& batch) override;
-  // Decode batches of at least kKvPrefetchMinRows rows (and prompts with
-  // cached positions): the F32 products between the hint and the Attention
-  // prefetch the hinted KV (up to kKvPrefetchMaxBytes of it), each product
-  // a share in proportion to its weight bytes.
+  // Batches of kKvPrefetchMinRows rows up to the last the kernels take the
+  // prefetch at (KernelTable::linear_side_rows; 8-18 on AVX2, none on the
+  // others): the F32 products between the hint and the Attention prefetch
+  // the hinted KV's cached positions (up to kKvPrefetchMaxBytes), each
+  // product a share in proportion to its weight bytes.
   void PrefetchKv(const KvLayerView& kv, absl::Span<const AttentionSequence> sequences) override;
 
   // Machine limits on this backend's instruction path and threads, for

@@ -656,6 +656,10 @@ TEST(F16PathTest, ChoiceIsValidatedAndReported) {
 }
 
 TEST(KvPrefetchTest, SwitchedByOptionOrEnvironment) {
+  // The variable is unset again however the test ends.
+  struct Unset {
+    ~Unset() { ::unsetenv("PDSERVE_KV_PREFETCH"); }
+  } unset;
   ::unsetenv("PDSERVE_KV_PREFETCH");
   auto on = CpuBackend::Create({});
   ASSERT_TRUE(on.ok());
@@ -671,7 +675,6 @@ TEST(KvPrefetchTest, SwitchedByOptionOrEnvironment) {
   auto bad = CpuBackend::Create({});
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(bad.status().message().find("PDSERVE_KV_PREFETCH=yes"), absl::string_view::npos) << bad.status();
-  ::unsetenv("PDSERVE_KV_PREFETCH");
 
   // Off: a hint hands nothing to the products.
   std::vector<uint16_t> kv(4 * 8192, 0);

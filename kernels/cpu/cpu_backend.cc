@@ -436,7 +436,7 @@ void CpuBackend::Linear(const LinearWeight& w, const float* x, int64_t m, const 
   }
   KvPrefetch& kp = kv_prefetch_;
   int64_t side_begin = 0, side_end = 0;
-  if (kp.active && m >= table_.linear_side_rows[0] && m <= table_.linear_side_rows[1]) {
+  if (kp.lines > 0 && m >= table_.linear_side_rows[0] && m <= table_.linear_side_rows[1]) {
     // This product's share of the lines left: its weight bytes against
     // those expected until the Attention (all of them when none are).
     const int64_t bytes = static_cast<int64_t>(pw.bytes());
@@ -662,13 +662,12 @@ void CpuBackend::BuildAttentionPlan(const AttentionBatch& batch) {
 
 void CpuBackend::PrefetchKv(const KvLayerView& kv, absl::Span<const AttentionSequence> sequences) {
   KvPrefetch& kp = kv_prefetch_;
-  kp.active = false;
   kp.blocks.clear();
-  kp.next = kp.weight_bytes = 0;
+  kp.lines = kp.next = kp.weight_bytes = 0;
+  if (!kv_prefetch_on_) return;
   int64_t rows = 0;
   for (const AttentionSequence& s : sequences) rows += s.num_new;
   const int64_t block_bytes = kv.block_stride * static_cast<int64_t>(DTypeSize(kv.dtype));
-  if (!kv_prefetch_on_) return;
   // Only products whose rows take the side stream, and are not bound by
   // the weight stream, prefetch.
   if (rows < std::max(kKvPrefetchMinRows, table_.linear_side_rows[0]) || rows > table_.linear_side_rows[1] ||
@@ -689,13 +688,13 @@ void CpuBackend::PrefetchKv(const KvLayerView& kv, absl::Span<const AttentionSeq
   kp.blocks.resize(std::min<size_t>(kp.blocks.size(), static_cast<size_t>(kKvPrefetchMaxBytes / block_bytes)));
   kp.block_lines = block_bytes / 64;
   kp.lines = static_cast<int64_t>(kp.blocks.size()) * kp.block_lines;
-  kp.active = kp.lines > 0;
 }
 
 void CpuBackend::Attention(const AttentionBatch& batch) {
-  if (kv_prefetch_.active) {
-    // The next interval's expectation, when a product took a share here.
-    kv_prefetch_.active = false;
+  if (kv_prefetch_.lines > 0) {
+    // The hint ends; the next interval's expectation, when a product took
+    // a share here.
+    kv_prefetch_.lines = 0;
     if (kv_prefetch_.weight_bytes > 0) kv_prefetch_.expected = kv_prefetch_.weight_bytes;
   }
   if (!batch.same_sequences_as_previous) BuildAttentionPlan(batch);

@@ -148,13 +148,13 @@ class CpuBackend final : public Backend {
   std::vector<float> row_scale_, x_scaled_;
   ThreadPool pool_;
   AttentionPlan plan_;
-  // The hinted KV (PrefetchKv) until the next Attention: its blocks (each
-  // block_lines 64-byte lines), the lines handed to products so far, and
+  // The hinted KV (PrefetchKv) until the next Attention (none when `lines`
+  // is 0): its blocks (each block_lines 64-byte lines, `lines` in all), the
+  // lines handed to products so far (`next`), and
   // the weight bytes of the products since the hint. `expected` is the
   // weight bytes between the last hint and its Attention (the previous
   // layer's), by which each product's share is judged.
   struct KvPrefetch {
-    bool active = false;
     std::vector<const char*> blocks;
     int64_t block_lines = 0;
     int64_t lines = 0;

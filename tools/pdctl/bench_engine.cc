@@ -252,8 +252,8 @@ absl::Status RunBenchEngine(const BenchEngineOptions& o) {
       const double t = Median(times);
       const double bw = Median(bandwidths);
       const double kv_bytes = counted_kv / static_cast<double>(times.size());
-      // The part of the KV the products prefetched for the attention
-      // (CpuBackend::PrefetchKv): the attention reads it from cache.
+      // The part of the KV handed to the products to prefetch for the
+      // attention (CpuBackend::PrefetchKv): the attention finds it in cache.
       const double kv_prefetched = prefetched_kv / static_cast<double>(times.size());
       const double bytes = static_cast<double>(model.WeightBytesPerStep()) + kv_bytes;
       // The attention kernels alone: their share of the step, and the KV
@@ -419,8 +419,8 @@ absl::Status RunBenchEngine(const BenchEngineOptions& o) {
   for (const auto& d : decode) {
     const double pf = d["kv_prefetched_bytes_per_step"].get<double>();
     if (pf <= 0) continue;
-    std::printf("  batch %d history %d: the products prefetched %.1f MB/step of the KV for the attention "
-                "(%.0f%% of what it read; its \"attn KV GB/s\" is partly from cache)\n",
+    std::printf("  batch %d history %d: the products were handed %.1f MB/step of the KV to prefetch for the "
+                "attention (%.0f%% of what it read; its \"attn KV GB/s\" is partly from cache)\n",
                 d["batch"].get<int>(), d["history"].get<int>(), pf / 1e6,
                 100 * pf / d["kv_bytes_per_step"].get<double>());
   }

@@ -159,6 +159,11 @@ absl::StatusOr<MatrixPath> ParseMatrixPath(absl::string_view name) {
   return absl::InvalidArgumentError(absl::StrCat("unknown matrix path '", name, "' (f32, fp16, bf16 or amx)"));
 }
 
+bool KvPrefetchByDefault() {
+  static const bool amd = __builtin_cpu_is("amd");
+  return amd;
+}
+
 absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(const CpuBackendOptions& options) {
   Isa isa;
   if (options.isa.has_value()) {
@@ -244,7 +249,7 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(const CpuBackendO
                             rate("AMX BF16", amx_ok, amx, kAmxMinAdvantage));
     }
   }
-  bool kv_prefetch = true;
+  bool kv_prefetch = KvPrefetchByDefault();
   if (options.kv_prefetch.has_value()) {
     kv_prefetch = *options.kv_prefetch;
   } else if (const char* env = std::getenv("PDSERVE_KV_PREFETCH"); env != nullptr && *env != '\0') {

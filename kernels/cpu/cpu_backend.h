@@ -43,9 +43,16 @@ struct CpuBackendOptions {
   // references leave it off).
   bool choose_matrix_path = false;
   // Whether products prefetch a hinted KV (PrefetchKv). Unset:
-  // $PDSERVE_KV_PREFETCH ("0" or "1") when set, else on.
+  // $PDSERVE_KV_PREFETCH ("0" or "1") when set, else KvPrefetchByDefault().
   std::optional<bool> kv_prefetch;
 };
+
+// The KV prefetch's default on this CPU: on for AMD, where it was measured
+// faster (a Zen 3 pair, AVX2 F32 products, b=8: 0.94-0.97x the step time in
+// 13 of 15 runs), off elsewhere (a Sapphire Rapids-class pair, the same
+// products forced with --isa avx2 --matrix_path f32: b=8 1.00-1.02x, b=12
+// 1.03-1.05x, b=16 1.04-1.05x, 3 alternations each).
+bool KvPrefetchByDefault();
 
 class CpuBackend final : public Backend {
  public:

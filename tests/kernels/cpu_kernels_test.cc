@@ -116,6 +116,10 @@ TEST_P(CpuKernelsTest, KvPrefetchIsSharedByTheProductsAndChangesNoBits) {
     EXPECT_TRUE(takes(8) && takes(18));
     EXPECT_FALSE(takes(6) || takes(19));
   }
+  // On whatever this CPU's default (off but on AMD).
+  auto made = CpuBackend::Create({.num_threads = 2, .isa = GetParam(), .kv_prefetch = true});
+  ASSERT_TRUE(made.ok()) << made.status();
+  backend_ = *std::move(made);
   const int64_t k = 64;
   auto w1 = backend_->RandomLinear(96, k, DType::kBF16, 1.0f, 1);
   auto w2 = backend_->RandomLinear(320, k, DType::kBF16, 1.0f, 2);
@@ -661,6 +665,12 @@ TEST(KvPrefetchTest, SwitchedByOptionOrEnvironment) {
     ~Unset() { ::unsetenv("PDSERVE_KV_PREFETCH"); }
   } unset;
   ::unsetenv("PDSERVE_KV_PREFETCH");
+  // Unset: this CPU's default (on for AMD only).
+  auto by_default = CpuBackend::Create({});
+  ASSERT_TRUE(by_default.ok());
+  EXPECT_EQ((*by_default)->kv_prefetch(), KvPrefetchByDefault());
+  EXPECT_EQ(KvPrefetchByDefault(), __builtin_cpu_is("amd") != 0);
+  ::setenv("PDSERVE_KV_PREFETCH", "1", 1);
   auto on = CpuBackend::Create({});
   ASSERT_TRUE(on.ok());
   EXPECT_TRUE((*on)->kv_prefetch());

@@ -421,7 +421,7 @@ absl::Status RunBenchEngine(const BenchEngineOptions& o) {
   for (const auto& d : decode) handed = handed || d["kv_prefetched_bytes_per_step"].get<double>() > 0;
   const bool kv_prefetch = out["kv_prefetch"].get<bool>();
   std::printf("KV prefetch inside the batched-decode products: %s (PDSERVE_KV_PREFETCH=%d to compare)\n",
-              !kv_prefetch ? "off"
+              !kv_prefetch ? (kernels::cpu::KvPrefetchByDefault() ? "off" : "off (the default on CPUs other than AMD)")
               : handed     ? "on"
                            : "on, but no product of this run took it (only the F32 path's products on AVX2, "
                              "at 8-18 rows, do)",

@@ -117,12 +117,20 @@ class RouterTarget final : public Target {
     r.Finish(st.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED, w.max_tokens);
     return std::move(r.s);
   }
-  int32_t VocabSize() {
+  // The served model's vocabulary size, or why ListModels failed.
+  absl::StatusOr<int32_t> VocabSize() {
     grpc::ClientContext ctx;
     AddApiKey(ctx);
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
     v1::ListModelsResponse out;
-    if (!stub_->ListModels(&ctx, {}, &out).ok() || out.models().empty()) return 0;
+    const grpc::Status st = stub_->ListModels(&ctx, {}, &out);
+    if (!st.ok()) {
+      return absl::UnavailableError(absl::StrCat("ListModels failed: ", st.error_message(), " (code ",
+                                                 static_cast<int>(st.error_code()),
+                                                 "); a TLS cluster needs --tls_ca FILE (deploy/cluster.sh "
+                                                 "writes the CA's path to /tmp/pdserve-cluster/tls_ca)"));
+    }
+    if (out.models().empty()) return absl::UnavailableError("ListModels listed no model");
     return out.models(0).vocab_size();
   }
 
@@ -614,8 +622,9 @@ absl::Status RunServingBench(const ServingBenchOptions& o) {
   std::unique_ptr<OpenAiTarget> openai;
   if (!o.router.empty()) {
     router = std::make_unique<RouterTarget>(o.router);
-    wo.vocab_size = router->VocabSize();
-    if (wo.vocab_size <= 0) return absl::UnavailableError(absl::StrCat("router ", o.router, ": ListModels failed"));
+    absl::StatusOr<int32_t> vocab = router->VocabSize();
+    if (!vocab.ok()) return absl::UnavailableError(absl::StrCat("router ", o.router, ": ", vocab.status().message()));
+    wo.vocab_size = *vocab;
   }
   if (!o.openai.empty()) {
     absl::StatusOr<std::unique_ptr<OpenAiTarget>> t = OpenAiTarget::Create(o.openai, o.tls_ca);

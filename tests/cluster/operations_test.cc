@@ -311,10 +311,19 @@ TEST(OperationsTest, DecodePoolScalesBehindADnsName) {
   absl::MutexLock lock(&mu);
   EXPECT_TRUE(failures.empty()) << failures.size() << " requests failed, first: " << failures.front() << "\n"
                                 << logs();
-  grpc::ClientContext sctx;
+  // The router drops the departed worker at its next resolution (every
+  // 0.2 s here), which can come after the last requests completed: wait
+  // for it rather than race it.
   v1::ClusterStatusResponse st;
-  ASSERT_TRUE(stub->ClusterStatus(&sctx, {}, &st).ok());
-  ASSERT_EQ(st.decode_size(), 1) << st.ShortDebugString();
+  const absl::Time status_deadline = absl::Now() + absl::Seconds(10);
+  do {
+    grpc::ClientContext sctx;
+    st.Clear();
+    ASSERT_TRUE(stub->ClusterStatus(&sctx, {}, &st).ok());
+    if (st.decode_size() == 1) break;
+    absl::SleepFor(absl::Milliseconds(50));
+  } while (absl::Now() < status_deadline);
+  ASSERT_EQ(st.decode_size(), 1) << st.ShortDebugString() << "\n" << logs();
   EXPECT_EQ(st.decode(0).address(), absl::StrCat("127.0.0.3:", port));
 }
 

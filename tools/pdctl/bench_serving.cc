@@ -126,9 +126,7 @@ class RouterTarget final : public Target {
     const grpc::Status st = stub_->ListModels(&ctx, {}, &out);
     if (!st.ok()) {
       return absl::UnavailableError(absl::StrCat("ListModels failed: ", st.error_message(), " (code ",
-                                                 static_cast<int>(st.error_code()),
-                                                 "); a TLS cluster needs --tls_ca FILE (deploy/cluster.sh "
-                                                 "writes the CA's path to /tmp/pdserve-cluster/tls_ca)"));
+                                                 static_cast<int>(st.error_code()), ")"));
     }
     if (out.models().empty()) return absl::UnavailableError("ListModels listed no model");
     return out.models(0).vocab_size();
@@ -623,7 +621,13 @@ absl::Status RunServingBench(const ServingBenchOptions& o) {
   if (!o.router.empty()) {
     router = std::make_unique<RouterTarget>(o.router);
     absl::StatusOr<int32_t> vocab = router->VocabSize();
-    if (!vocab.ok()) return absl::UnavailableError(absl::StrCat("router ", o.router, ": ", vocab.status().message()));
+    if (!vocab.ok()) {
+      return absl::UnavailableError(absl::StrCat(
+          "router ", o.router, ": ", vocab.status().message(),
+          o.tls_ca.empty() ? "; a TLS cluster needs --tls_ca FILE (deploy/cluster.sh writes the CA's path to "
+                             "/tmp/pdserve-cluster/tls_ca)"
+                           : ""));
+    }
     wo.vocab_size = *vocab;
   }
   if (!o.openai.empty()) {

@@ -665,6 +665,10 @@ void CpuBackend::BuildAttentionPlan(const AttentionBatch& batch) {
   }
 }
 
+std::pair<int64_t, int64_t> CpuBackend::kv_prefetch_rows() const {
+  return {std::max(kKvPrefetchMinRows, table_.linear_side_rows[0]), table_.linear_side_rows[1]};
+}
+
 void CpuBackend::PrefetchKv(const KvLayerView& kv, absl::Span<const AttentionSequence> sequences) {
   KvPrefetch& kp = kv_prefetch_;
   kp.blocks.clear();
@@ -675,10 +679,8 @@ void CpuBackend::PrefetchKv(const KvLayerView& kv, absl::Span<const AttentionSeq
   const int64_t block_bytes = kv.block_stride * static_cast<int64_t>(DTypeSize(kv.dtype));
   // Only products whose rows take the side stream, and are not bound by
   // the weight stream, prefetch.
-  if (rows < std::max(kKvPrefetchMinRows, table_.linear_side_rows[0]) || rows > table_.linear_side_rows[1] ||
-      block_bytes < 64) {
-    return;
-  }
+  const auto [first_rows, last_rows] = kv_prefetch_rows();
+  if (rows < first_rows || rows > last_rows || block_bytes < 64) return;
   // The blocks of the cached positions (the new ones' KV is not written
   // yet), each once (shared prefixes), in address order.
   const char* base = static_cast<const char*>(kv.base);

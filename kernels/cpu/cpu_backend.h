@@ -6,6 +6,7 @@
 #include <atomic>
 #include <memory>
 #include <optional>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -71,6 +72,10 @@ class CpuBackend final : public Backend {
   // the backend was made; for benchmarks and tests.
   int64_t kv_prefetched_bytes() const { return kv_prefetched_bytes_; }
   bool kv_prefetch() const { return kv_prefetch_on_; }
+  // The batch rows [first, last] whose products take the KV prefetch on
+  // this kernel path (first > last: none; KernelTable::linear_side_rows
+  // from kKvPrefetchMinRows rows).
+  std::pair<int64_t, int64_t> kv_prefetch_rows() const;
 
   absl::StatusOr<std::unique_ptr<LinearWeight>> PackLinear(absl::Span<const MatrixPart> parts,
                                                            int64_t k, DType storage) override;

@@ -120,6 +120,16 @@ TEST_P(CpuKernelsTest, KvPrefetchIsSharedByTheProductsAndChangesNoBits) {
   auto made = CpuBackend::Create({.num_threads = 2, .isa = GetParam(), .kv_prefetch = true});
   ASSERT_TRUE(made.ok()) << made.status();
   backend_ = *std::move(made);
+  // What bench-engine reports as the rows that take it: 8-18 on AVX2 (the
+  // panel-outer order), none on the others.
+  const auto [first_rows, last_rows] = backend_->kv_prefetch_rows();
+  if (GetParam() == Isa::kAvx2) {
+    EXPECT_EQ(first_rows, 8);
+    EXPECT_EQ(last_rows, 18);
+  } else {
+    EXPECT_GT(first_rows, last_rows);
+  }
+  for (int64_t m = 1; m <= 40; ++m) EXPECT_EQ(takes(m), m >= first_rows && m <= last_rows) << m;
   const int64_t k = 64;
   auto w1 = backend_->RandomLinear(96, k, DType::kBF16, 1.0f, 1);
   auto w2 = backend_->RandomLinear(320, k, DType::kBF16, 1.0f, 2);

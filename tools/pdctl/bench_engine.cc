@@ -414,17 +414,21 @@ absl::Status RunBenchEngine(const BenchEngineOptions& o) {
                 d["attention_kv_bytes_per_second"].get<double>() / 1e9,
                 100 * d["attention_fraction_of_bandwidth"].get<double>());
   }
-  // On, but taken by no product of this run: only the F32 path's products
-  // on AVX2, at 8-18 rows, take the hint (CpuBackend::PrefetchKv); say so
-  // rather than let "on" suggest it shaped these figures.
+  // On, but taken by no product of this run (CpuBackend::PrefetchKv: only
+  // the F32 path's products, at the rows its kernels take it at): say so,
+  // with those rows, rather than let "on" suggest it shaped these figures.
   bool handed = false;
   for (const auto& d : decode) handed = handed || d["kv_prefetched_bytes_per_step"].get<double>() > 0;
   const bool kv_prefetch = out["kv_prefetch"].get<bool>();
+  const auto [first_rows, last_rows] = backend.kv_prefetch_rows();
+  const std::string taken_by =
+      first_rows > last_rows ? "no product of this kernel path takes it"
+                             : absl::StrCat("only the f32 matrix path's products of ", first_rows, "-", last_rows,
+                                            " rows take it");
   std::printf("KV prefetch inside the batched-decode products: %s (PDSERVE_KV_PREFETCH=%d to compare)\n",
               !kv_prefetch ? (kernels::cpu::KvPrefetchByDefault() ? "off" : "off (the default on CPUs other than AMD)")
               : handed     ? "on"
-                           : "on, but no product of this run took it (only the F32 path's products on AVX2, "
-                             "at 8-18 rows, do)",
+                           : absl::StrCat("on, but no product of this run took it (", taken_by, ")").c_str(),
               kv_prefetch ? 0 : 1);
   for (const auto& d : decode) {
     const double pf = d["kv_prefetched_bytes_per_step"].get<double>();

@@ -118,6 +118,12 @@ struct KernelTable {
                                int32_t kv_head, float* state);
   // out[i] = silu(gate[i]) * up[i] for i < n.
   void (*silu_mul)(const float* gate, const float* up, float* out, int64_t n);
+  // One row of RMS normalization: y[i] = x[i] * inv * w[i], inv =
+  // 1 / sqrt(sum x^2 / n + eps) rounded to float. The sum in float64 (each
+  // square exact) as 8 partial sums, element i in sum i % 8, each in
+  // order, added as ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)): the
+  // same bits on every ISA. y may be x.
+  void (*rms_norm_row)(const float* x, const float* w, int64_t n, float eps, float* y);
   // Machine-limit probes for benchmarks, on this path's instructions:
   // `iters` rounds of independent multiply-adds; returns the FLOPs done.
   double (*fma_peak_loop)(int64_t iters);

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <initializer_list>
 #include <random>
 #include <string>
@@ -207,6 +208,45 @@ TEST_P(CpuKernelsTest, SiluMulMatchesReference) {
         const double want = g / (1 + std::exp(-g)) * u;
         ASSERT_NEAR(out[i * f + j], want, 1e-6 * (std::abs(want) + 1e-3)) << f;
       }
+    }
+  }
+}
+
+// RMS normalization against float64, and bitwise against the documented
+// arithmetic (KernelTable::rms_norm_row: 8 partial sums, element i in sum
+// i % 8; y = (x * inv) * w), so every ISA gives the same bits; a prompt's
+// rows (in parallel) and a normalization in place give them too. (The
+// order inside the float64 sum shows in y only when it moves inv across a
+// float rounding boundary, which random rows almost never do: summing the
+// 8 partial sums in another order passes here; scaling as x * (inv * w)
+// fails.)
+TEST_P(CpuKernelsTest, RmsNormMatchesReferenceInTheDocumentedOrder) {
+  const float eps = 1e-5f;
+  for (int64_t d : {1, 7, 8, 9, 17, 64, 767, 768, 770}) {
+    for (int64_t m : {3, 700}) {
+      std::vector<float> x = Random(m * d, 3.0f), w = Random(d), y(m * d);
+      backend_->RmsNorm(x.data(), w.data(), m, d, eps, y.data());
+      for (int64_t i = 0; i < m; ++i) {
+        const float* xi = x.data() + i * d;
+        double part[8] = {}, exact = 0;
+        for (int64_t j = 0; j < d; ++j) {
+          part[j % 8] += static_cast<double>(xi[j]) * xi[j];
+          exact += static_cast<double>(xi[j]) * xi[j];
+        }
+        const double ss = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        const float inv = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(d) + eps));
+        const double inv_exact = 1.0 / std::sqrt(exact / static_cast<double>(d) + eps);
+        for (int64_t j = 0; j < d; ++j) {
+          const float got = y[i * d + j];
+          ASSERT_EQ(std::bit_cast<uint32_t>(got), std::bit_cast<uint32_t>(xi[j] * inv * w[j]))
+              << "d " << d << " row " << i << " col " << j;
+          const double want = xi[j] * inv_exact * w[j];
+          ASSERT_NEAR(got, want, 1e-6 * (std::abs(want) + 1e-6)) << d;
+        }
+      }
+      std::vector<float> in_place = x;
+      backend_->RmsNorm(in_place.data(), w.data(), m, d, eps, in_place.data());
+      ASSERT_EQ(std::memcmp(in_place.data(), y.data(), y.size() * sizeof(float)), 0) << d;
     }
   }
 }

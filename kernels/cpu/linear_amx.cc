@@ -129,6 +129,19 @@ void Block(const LinearAmxArgs& a, int64_t m0, int64_t p) {
   const float* bias1 = a.bias != nullptr ? a.bias + col0 + 16 : nullptr;
   float* y0 = a.y + m0 * a.ldy + col0;
   float* y1 = y0 + kAmxRows * a.ldy;
+  // Whole tiles with nothing to add go straight from the accumulators to y,
+  // not through `c` (the same F32 values: the same bits). A 512-row product
+  // on one thread, K 768, N 2304 or 6144, took 0.92-0.98x the time (3
+  // alternated pairs, Sapphire Rapids class).
+  if (a.bias == nullptr && !a.accumulate && rows0 == kAmxRows && cols0 == 16 &&
+      (!kTwoPanels || cols1 == 16) && (!kTwoRowTiles || rows1 == kAmxRows)) {
+    const size_t stride = static_cast<size_t>(a.ldy) * sizeof(float);
+    _tile_stored(0, y0, stride);
+    if constexpr (kTwoPanels) _tile_stored(1, y0 + 16, stride);
+    if constexpr (kTwoRowTiles) _tile_stored(2, y1, stride);
+    if constexpr (kTwoRowTiles && kTwoPanels) _tile_stored(3, y1 + 16, stride);
+    return;
+  }
   _tile_stored(0, c, 64);
   StoreTile(c, y0, a.ldy, bias0, a.accumulate, rows0, cols0);
   if constexpr (kTwoPanels) {

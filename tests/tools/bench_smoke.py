@@ -98,6 +98,14 @@ def main():
                 if not (row["tokens_per_second"] > 0 and row["peak_flops"] > 0 and
                         close(row["fraction_of_peak"], row["flops_per_second"] / row["peak_flops"])):
                     failures.append(f"bench-engine {path}: prefill row without a figure or a peak: {row}")
+                # The ceiling with the attention at the F32 FMA peak, from the
+                # row's own FLOPs and the run's peaks.
+                mp = r["matrix_peaks"]
+                attn, total = row["attention_flops"], row["flops"]
+                best = total / (attn / mp["f32_fma"] + (total - attn) / mp["fastest"]) / mp["fastest"]
+                if not (0 < attn < total and 0 < best <= 1 + 1e-9 and
+                        close(row["fraction_of_fastest_with_f32_attention"], best)):
+                    failures.append(f"bench-engine {path}: prefill ceiling with F32 attention wrong: {row}")
             for row in r.get("decode", []):
                 if not (row["tokens_per_second"] > 0 and row["read_bandwidth"] > 0 and
                         close(row["fraction_of_bandwidth"], row["bytes_per_second"] / row["read_bandwidth"]) and

@@ -161,7 +161,7 @@ class CpuBackend final : public Backend {
   // Rapids-class core, a 2x2 block of tile products from 16-byte aligned
   // buffers took 8.9 ns a product with both operands in L1 and 17 ns with
   // one in L2; from 64-byte aligned ones, 6.6-7.1 and 7.0-8.7. A 512-token
-  // prefill on the amx path ran 1.04-1.21x faster with x16_ aligned (5
+  // prefill on the amx path ran 1.03-1.16x faster with x16_ aligned (5
   // alternated pairs; std::vector's large blocks sit 16 bytes into a page).
   template <typename T>
   struct LineAllocator {

@@ -117,7 +117,8 @@ TEST_P(CpuKernelsTest, KvPrefetchIsSharedByTheProductsAndChangesNoBits) {
     EXPECT_TRUE(takes(8) && takes(18));
     EXPECT_FALSE(takes(6) || takes(19));
   }
-  // On whatever this CPU's default (off but on AMD).
+  // The rest with the prefetch switched on, whatever this CPU's default
+  // (KvPrefetchByDefault: on for AMD only).
   auto made = CpuBackend::Create({.num_threads = 2, .isa = GetParam(), .kv_prefetch = true});
   ASSERT_TRUE(made.ok()) << made.status();
   backend_ = *std::move(made);

@@ -80,6 +80,28 @@ def main():
                                 f"(KV bytes per call should be {want})")
         print(f"bench-attention --kv {kv_type}: ok")
 
+    # A prompt's causal attention alone: its FLOPs from the shape, its rate
+    # beside the same run's F32 FMA peak; no decode rows asked, none given.
+    a = run_json([pdctl, "bench-attention", "--decode_batch", "", "--prompts", "40", "--threads", "1", "--json"])
+    prompts = a.get("prompts", [])
+    if a.get("rows") != [] or len(prompts) != 1:
+        failures.append(f"bench-attention --prompts 40: want no decode rows and one prompt row: {a}")
+    else:
+        p = prompts[0]
+        # 12 heads x 64, 40 rows: row r scores and applies r + 1 keys.
+        want_flops = 4 * 64 * 12 * 40 * 41 / 2
+        if not (p["tokens"] == 40 and p["flops"] == want_flops and p["seconds_per_call"] > 0 and
+                p["f32_fma_peak"] > 0 and close(p["flops_per_second"], want_flops / p["seconds_per_call"]) and
+                close(p["fraction_of_f32_peak"], p["flops_per_second"] / p["f32_fma_peak"]) and
+                p["kv_bytes"] == 3 * 16 * 4 * 64 * 2 * 2):
+            failures.append(f"bench-attention --prompts 40: row inconsistent with its shape: {p} "
+                            f"(FLOPs should be {want_flops})")
+    print("bench-attention --prompts: ok")
+    bad = subprocess.run([pdctl, "bench-attention", "--decode_batch", "", "--prompts", "40,0"], capture_output=True,
+                         text=True, timeout=120)
+    if bad.returncode == 0 or "--prompts" not in bad.stderr + bad.stdout:
+        failures.append(f"bench-attention --prompts 40,0: not refused by name: {bad.returncode} {bad.stderr}")
+
     with tempfile.TemporaryDirectory() as tmp:
         model = os.path.join(tmp, "model")
         subprocess.run([pdctl, "make-model", "--shape", "tiny", "--dtype", "bf16", "--out", model], check=True,

@@ -48,6 +48,44 @@ int64_t LastLevelCacheBytes() {
   return best;
 }
 
+// Finite KV values of modest size (no NaN, no denormal), varied by a
+// multiplicative hash; the timing does not depend on them.
+void FillKv(char* base, size_t elems, bool f32) {
+  auto value = [](size_t i) {
+    const uint32_t h = static_cast<uint32_t>(i * 2654435761u) >> 16;
+    return static_cast<float>(static_cast<int>(h % 2001) - 1000) / 4000;
+  };
+  if (f32) {
+    float* f = reinterpret_cast<float*>(base);
+    for (size_t i = 0; i < elems; ++i) f[i] = value(i);
+  } else {
+    uint16_t* h = reinterpret_cast<uint16_t*>(base);
+    for (size_t i = 0; i < elems; ++i) h[i] = F32ToBf16(value(i));
+  }
+}
+
+// One attention call of the options' geometry over the KV at `base`.
+void CallAttention(CpuBackend& be, const BenchAttentionOptions& o, char* base, DType dtype,
+                   int64_t block_elems, const std::vector<AttentionSequence>& seqs, const float* q, float* out,
+                   int64_t* kv_read, bool again) {
+  const KvLayerView view{.base = base,
+                         .dtype = dtype,
+                         .block_stride = block_elems,
+                         .head_stride = int64_t{o.block_size} * o.head_dim,
+                         .v_offset = block_elems / 2,
+                         .block_size = o.block_size};
+  be.Attention({.q = q,
+                .out = out,
+                .sequences = seqs,
+                .kv = view,
+                .num_heads = o.heads,
+                .num_kv_heads = o.kv_heads,
+                .head_dim = o.head_dim,
+                .scale = 1.0f / std::sqrt(static_cast<float>(o.head_dim)),
+                .kv_bytes_read = kv_read,
+                .same_sequences_as_previous = again});
+}
+
 }  // namespace
 
 absl::Status RunBenchAttention(const BenchAttentionOptions& o) {
@@ -64,6 +102,9 @@ absl::Status RunBenchAttention(const BenchAttentionOptions& o) {
   }
   for (int h : o.histories) {
     if (h < 1) return absl::InvalidArgumentError("histories must be positive");
+  }
+  for (int s : o.prompts) {
+    if (s < 1) return absl::InvalidArgumentError("prompt lengths must be positive");
   }
   CpuBackendOptions bo;
   bo.num_threads = o.threads;
@@ -84,6 +125,8 @@ absl::Status RunBenchAttention(const BenchAttentionOptions& o) {
   if (!o.json) {
     absl::PrintF("bench-attention: %s, %d thread(s), %s KV, %d heads / %d KV heads x %d, blocks of %d\n",
                  be.Name(), o.threads, o.kv, o.heads, o.kv_heads, o.head_dim, o.block_size);
+  }
+  if (!o.json && !o.batches.empty() && !o.histories.empty()) {
     absl::PrintF("%6s %7s %9s %12s %12s %12s %12s %10s\n", "batch", "history", "KV MB", "resident", "streamed",
                  "no-overlap", "read limit", "streamed/");
     absl::PrintF("%6s %7s %9s %12s %12s %12s %12s %10s\n", "", "", "", "GB/s (%)", "GB/s (%)", "GB/s", "GB/s",
@@ -108,20 +151,7 @@ absl::Status RunBenchAttention(const BenchAttentionOptions& o) {
       absl::StatusOr<std::unique_ptr<KvRegion>> region = HostKvRegionAllocator().Allocate(copies * pool_bytes);
       if (!region.ok()) return region.status();
       char* const base = static_cast<char*>((*region)->data());
-      // Finite values of modest size (no NaN, no denormal), varied by a
-      // multiplicative hash; the timing does not depend on them.
-      auto value = [](size_t i) {
-        const uint32_t h = static_cast<uint32_t>(i * 2654435761u) >> 16;
-        return static_cast<float>(static_cast<int>(h % 2001) - 1000) / 4000;
-      };
-      const size_t elems = copies * pool_bytes / elem;
-      if (f32) {
-        float* f = reinterpret_cast<float*>(base);
-        for (size_t i = 0; i < elems; ++i) f[i] = value(i);
-      } else {
-        uint16_t* h = reinterpret_cast<uint16_t*>(base);
-        for (size_t i = 0; i < elems; ++i) h[i] = F32ToBf16(value(i));
-      }
+      FillKv(base, copies * pool_bytes / elem, f32);
       // Each sequence's blocks scattered over the pool.
       std::vector<int32_t> perm(blocks);
       std::iota(perm.begin(), perm.end(), 0);
@@ -136,22 +166,8 @@ absl::Status RunBenchAttention(const BenchAttentionOptions& o) {
       for (float& x : q) x = static_cast<float>(static_cast<int>(rng() % 2001) - 1000) / 1000;
       int64_t kv_read = 0;
       auto call = [&](int copy, bool again) {
-        const KvLayerView view{.base = base + copy * pool_bytes,
-                               .dtype = dtype,
-                               .block_stride = block_elems,
-                               .head_stride = int64_t{o.block_size} * o.head_dim,
-                               .v_offset = block_elems / 2,
-                               .block_size = o.block_size};
-        be.Attention({.q = q.data(),
-                      .out = out.data(),
-                      .sequences = seqs,
-                      .kv = view,
-                      .num_heads = o.heads,
-                      .num_kv_heads = o.kv_heads,
-                      .head_dim = o.head_dim,
-                      .scale = 1.0f / std::sqrt(static_cast<float>(o.head_dim)),
-                      .kv_bytes_read = &kv_read,
-                      .same_sequences_as_previous = again});
+        CallAttention(be, o, base + copy * pool_bytes, dtype, block_elems, seqs, q.data(), out.data(), &kv_read,
+                      again);
       };
       call(0, false);
       const double bytes_per_call = static_cast<double>(kv_read);
@@ -196,10 +212,67 @@ absl::Status RunBenchAttention(const BenchAttentionOptions& o) {
       }
     }
   }
+  // Prompt rows: one sequence of S positions attends causally to itself
+  // (row r to keys 0..r), the prefill's attention; its KV sits in the
+  // caches at these lengths, so the figure is the kernels' compute rate.
+  nlohmann::json prompt_rows = nlohmann::json::array();
+  if (!o.prompts.empty() && !o.json) {
+    absl::PrintF("\nprompt attention alone (one sequence, every row causal; FLOPs = 4 x head_dim x heads x "
+                 "S(S+1)/2):\n%7s %9s %11s %10s %16s %9s\n", "prompt", "KV MB", "ms/call", "GFLOP/s",
+                 "F32 FMA GFLOP/s", "of peak");
+  }
+  for (int S : o.prompts) {
+    const int32_t nb = (S + o.block_size - 1) / o.block_size;
+    const size_t pool_bytes = static_cast<size_t>(nb) * block_bytes;
+    absl::StatusOr<std::unique_ptr<KvRegion>> region = HostKvRegionAllocator().Allocate(pool_bytes);
+    if (!region.ok()) return region.status();
+    char* const base = static_cast<char*>((*region)->data());
+    FillKv(base, pool_bytes / elem, f32);
+    std::vector<int32_t> table(nb);
+    std::iota(table.begin(), table.end(), 0);
+    std::shuffle(table.begin(), table.end(), rng);
+    const std::vector<AttentionSequence> seqs = {{table, 0, S, 0}};
+    std::vector<float> q(static_cast<size_t>(S) * o.heads * o.head_dim), out(q.size());
+    for (float& x : q) x = static_cast<float>(static_cast<int>(rng() % 2001) - 1000) / 1000;
+    int64_t kv_read = 0;
+    auto call = [&](bool again) {
+      CallAttention(be, o, base, dtype, block_elems, seqs, q.data(), out.data(), &kv_read, again);
+    };
+    call(false);
+    const double flops = 4.0 * o.head_dim * o.heads * (static_cast<double>(S) * (S + 1) / 2);
+    // Rounds of at least one call and about 20 ms, `seconds` in all; the
+    // F32 FMA peak sampled between them.
+    std::vector<double> per_call, peaks;
+    const auto start = std::chrono::steady_clock::now();
+    while (Seconds(start, std::chrono::steady_clock::now()) < o.seconds || per_call.size() < 3) {
+      int calls = 0;
+      const auto t0 = std::chrono::steady_clock::now();
+      do {
+        call(true);
+        ++calls;
+      } while (Seconds(t0, std::chrono::steady_clock::now()) < 0.02);
+      per_call.push_back(Seconds(t0, std::chrono::steady_clock::now()) / calls);
+      peaks.push_back(be.SampleMatrixPeaks().f32_fma);
+    }
+    const double t = Median(per_call), peak = Median(peaks);
+    if (o.json) {
+      prompt_rows.push_back({{"tokens", S},
+                             {"kv_bytes", static_cast<double>(pool_bytes)},
+                             {"seconds_per_call", t},
+                             {"flops", flops},
+                             {"flops_per_second", flops / t},
+                             {"f32_fma_peak", peak},
+                             {"fraction_of_f32_peak", flops / t / peak}});
+    } else {
+      absl::PrintF("%7d %9.1f %11.3f %10.1f %16.1f %8.1f%%\n", S, pool_bytes / 1e6, 1e3 * t, flops / t / 1e9,
+                   peak / 1e9, 100 * flops / t / peak);
+    }
+  }
   if (o.json) {
-    const nlohmann::json j = {{"backend", be.Name()}, {"threads", o.threads}, {"kv", o.kv}, {"rows", rows}};
+    const nlohmann::json j = {{"backend", be.Name()}, {"threads", o.threads}, {"kv", o.kv}, {"rows", rows},
+                              {"prompts", prompt_rows}};
     absl::PrintF("%s\n", j.dump());
-  } else {
+  } else if (!rows.empty() || (!o.batches.empty() && !o.histories.empty())) {
     absl::PrintF(
         "resident: the same call's KV again (in the caches where it fits): the kernel's compute ceiling. "
         "streamed: %.0f MiB of copies cycled, read from DRAM. no-overlap: 1/(1/resident + 1/limit), the rate "

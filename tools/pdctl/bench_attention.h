@@ -37,6 +37,9 @@ struct BenchAttentionOptions {
   int head_dim = 64;
   int block_size = 16;
   double stream_bytes = 512.0 * (1 << 20);
+  // Prompt lengths whose causal attention (one sequence, no cache, every
+  // row) is timed alone, in FLOP/s against the F32 FMA peak; none: empty.
+  std::vector<int> prompts;
   double seconds = 0.3;  // timed per rate
   bool json = false;
 };

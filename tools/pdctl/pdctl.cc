@@ -119,6 +119,9 @@ ABSL_FLAG(std::string, decode_history, "128,512,4096", "bench-engine: decode his
 // bench-kv's (tools/pdctl/bench_kv.cc), also bench-attention's geometry.
 ABSL_DECLARE_FLAG(int, kv_heads);
 ABSL_DECLARE_FLAG(int, head_dim);
+ABSL_FLAG(std::string, prompts, "",
+          "bench-attention: prompt lengths whose causal attention is timed alone against the F32 FMA peak "
+          "(e.g. 512,2048; with --decode_batch \"\" for those alone)");
 ABSL_FLAG(int, attention_heads, 12, "bench-attention: query heads (the 125M shape's)");
 ABSL_FLAG(int, stream_mib, 512,
           "bench-attention: MiB of KV copies the streamed rate cycles through (well above the last-level cache)");
@@ -378,6 +381,9 @@ absl::Status RunBenchAttentionCommand() {
   }
   o.batches = *batches;
   o.histories = *histories;
+  auto prompts = ParseInts("prompts", absl::GetFlag(FLAGS_prompts));
+  if (!prompts.ok()) return prompts.status();
+  o.prompts = *prompts;
   o.threads = absl::GetFlag(FLAGS_threads);
   o.isa = absl::GetFlag(FLAGS_isa);
   if (!absl::GetFlag(FLAGS_kv).empty()) o.kv = absl::GetFlag(FLAGS_kv);
@@ -496,7 +502,8 @@ constexpr char kUsage[] =
     "  make-model    write a random-weight model (--shape 125m|tiny --dtype f32|bf16 --out DIR)\n"
     "  bench-engine  prefill and decode speed beside the machine's measured limits\n"
     "  bench-attention  decode attention alone: KV cache-resident and from DRAM beside the read limit\n"
-    "            (--decode-batch, --decode-history, --threads, --kv bf16|f32, --attention-heads, --kv-heads, --head-dim, --stream-mib)\n"
+    "            (--decode-batch, --decode-history, --threads, --kv bf16|f32, --attention-heads, --kv-heads, --head-dim, --stream-mib);\n"
+    "            --prompts 512,2048: a prompt's causal attention alone, in FLOP/s beside the F32 FMA peak\n"
     "  bench-kv      KV handoff between two processes over UCX beside raw UCX puts [--with-prefill]\n"
     "  plan          capacity model of a deployment from --config FILE [--json]\n"
     "  help      this text; `pdctl COMMAND --help` lists the flags\n";

@@ -408,7 +408,9 @@ TEST_P(CpuKernelsTest, PromptRowsAreBitwiseTheRowAlone) {
   // 16, 8/4 at 32, 4/4 at 16; 4/1 pairs only on AVX-512; BF16 at block 16
   // takes AVX2's ScoreChunkPairQt for 1, 2 and 3 heads) have a lone row's
   // chunks scored in pairs (and a pair can span two blocks) while the
-  // prompt's tiles score them one at a time. A lone row whose backend work
+  // prompt's tiles score them one at a time, or on AVX-512 in pairs of
+  // their own (kTilePairs: 6 heads a pass, the diagonal's partial chunks
+  // alone), so the two pair a row's chunks differently. A lone row whose backend work
   // chunk holds several of its KV heads (on 2 threads a lone row's chunk
   // holds half of them: several for the shapes here with 4 or more) goes
   // over them run by run (every head's 256-key run before the next run),

@@ -101,6 +101,10 @@ def main():
                          text=True, timeout=120)
     if bad.returncode == 0 or "--prompts" not in bad.stderr + bad.stdout:
         failures.append(f"bench-attention --prompts 40,0: not refused by name: {bad.returncode} {bad.stderr}")
+    empty = subprocess.run([pdctl, "bench-attention", "--decode_batch", ""], capture_output=True, text=True,
+                           timeout=120)
+    if empty.returncode == 0 or "nothing to time" not in empty.stderr + empty.stdout:
+        failures.append(f"bench-attention with nothing to time: not refused: {empty.returncode} {empty.stderr}")
 
     with tempfile.TemporaryDirectory() as tmp:
         model = os.path.join(tmp, "model")

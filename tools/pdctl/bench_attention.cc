@@ -106,6 +106,10 @@ absl::Status RunBenchAttention(const BenchAttentionOptions& o) {
   for (int s : o.prompts) {
     if (s < 1) return absl::InvalidArgumentError("prompt lengths must be positive");
   }
+  if ((o.batches.empty() || o.histories.empty()) && o.prompts.empty()) {
+    return absl::InvalidArgumentError(
+        "nothing to time: give --decode_batch and --decode_history, or --prompts (or both)");
+  }
   CpuBackendOptions bo;
   bo.num_threads = o.threads;
   if (!o.isa.empty()) {

@@ -410,11 +410,12 @@ TEST_P(CpuKernelsTest, PromptRowsAreBitwiseTheRowAlone) {
   // chunks scored in pairs (and a pair can span two blocks) while the
   // prompt's tiles score them one at a time, or on AVX-512 in pairs of
   // their own (kTilePairs: 6 heads a pass, the diagonal's partial chunks
-  // alone), so the two pair a row's chunks differently. A lone row whose backend work
-  // chunk holds several of its KV heads (on 2 threads a lone row's chunk
-  // holds half of them: several for the shapes here with 4 or more) goes
-  // over them run by run (every head's 256-key run before the next run),
-  // where a prompt's tiles take one head's whole history at a time.
+  // alone), so the two pair a row's chunks differently. A lone row whose
+  // backend work chunk holds several of its KV heads (on 2 threads a lone
+  // row's chunk holds half of them: several for the shapes here with 4 or
+  // more) goes over them run by run (every head's 256-key run before the
+  // next run), where a prompt's tiles take one head's whole history at a
+  // time.
   const AttnShape shapes[] = {{12, 4, 64, 16, DType::kBF16}, {8, 8, 20, 5, DType::kF32},
                               {6, 2, 24, 7, DType::kI8},     {16, 1, 8, 1, DType::kBF16},
                               {4, 1, 64, 16, DType::kF32},   {24, 2, 16, 16, DType::kI8},

@@ -258,17 +258,31 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(const CpuBackendO
     }
     kv_prefetch = absl::string_view(env) == "1";
   }
+  bool bf16_attention = true;
+  if (options.bf16_attention.has_value()) {
+    bf16_attention = *options.bf16_attention;
+  } else if (const char* env = std::getenv("PDSERVE_BF16_ATTENTION"); env != nullptr && *env != '\0') {
+    if (absl::string_view(env) != "0" && absl::string_view(env) != "1") {
+      return absl::InvalidArgumentError(absl::StrCat("PDSERVE_BF16_ATTENTION=", env, ": expected 0 or 1"));
+    }
+    bf16_attention = absl::string_view(env) == "1";
+  }
+  // The bf16 path is taken only on CPUs with AVX512-BF16, and only the
+  // AVX-512 kernels hold the dot form.
+  bf16_attention = bf16_attention && *path == MatrixPath::kBf16 && isa == Isa::kAvx512;
   return std::unique_ptr<CpuBackend>(
-      new CpuBackend(isa, *path, std::move(reason), options.num_threads, kv_prefetch));
+      new CpuBackend(isa, *path, std::move(reason), options.num_threads, kv_prefetch, bf16_attention));
 }
 
-CpuBackend::CpuBackend(Isa isa, MatrixPath path, std::string path_reason, int num_threads, bool kv_prefetch)
+CpuBackend::CpuBackend(Isa isa, MatrixPath path, std::string path_reason, int num_threads, bool kv_prefetch,
+                       bool bf16_attention)
     : isa_(isa),
       matrix_path_(path),
       matrix_path_reason_(std::move(path_reason)),
       table_(GetKernelTable(isa)),
       pool_(num_threads),
-      kv_prefetch_on_(kv_prefetch) {}
+      kv_prefetch_on_(kv_prefetch),
+      bf16_attention_(bf16_attention) {}
 
 std::string CpuBackend::Name() const {
   if (matrix_path_ == MatrixPath::kF32) return absl::StrCat("cpu/", table_.name);
@@ -715,7 +729,8 @@ void CpuBackend::Attention(const AttentionBatch& batch) {
                      .num_heads = batch.num_heads,
                      .num_kv_heads = batch.num_kv_heads,
                      .head_dim = batch.head_dim,
-                     .scale = batch.scale};
+                     .scale = batch.scale,
+                     .bf16_dot = Bf16DotAttention(batch.kv.dtype, batch.kv.block_size)};
   std::atomic<int64_t> bytes{0};
   if (p.grouped) {
     const AttentionGroupPlan plan{p.steps.data(), static_cast<int64_t>(p.steps.size()),

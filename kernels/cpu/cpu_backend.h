@@ -48,6 +48,11 @@ struct CpuBackendOptions {
   // Whether products prefetch a hinted KV (PrefetchKv). Unset:
   // $PDSERVE_KV_PREFETCH ("0" or "1") when set, else KvPrefetchByDefault().
   std::optional<bool> kv_prefetch;
+  // Whether attention over BF16 KV uses BF16 dot products (queries and
+  // softmax weights rounded to BF16) where the bf16 matrix path is taken
+  // and the block size is even. Unset: $PDSERVE_BF16_ATTENTION ("0" or
+  // "1") when set, else on.
+  std::optional<bool> bf16_attention;
 };
 
 // The KV prefetch's default on this CPU: on for AMD, where it was measured
@@ -74,6 +79,13 @@ class CpuBackend final : public Backend {
   // the backend was made; for benchmarks and tests.
   int64_t kv_prefetched_bytes() const { return kv_prefetched_bytes_; }
   bool kv_prefetch() const { return kv_prefetch_on_; }
+  // Whether attention over BF16 KV of an even block size takes BF16 dot
+  // products on this backend (the bf16 matrix path, unless turned off).
+  bool bf16_attention() const { return bf16_attention_; }
+  // Whether attention over KV of this type and block size takes them.
+  bool Bf16DotAttention(DType kv, int32_t block_size) const {
+    return bf16_attention_ && kv == DType::kBF16 && block_size % 2 == 0;
+  }
   // The batch rows [first, last] whose products take the KV prefetch on
   // this kernel path (first > last: none; KernelTable::linear_side_rows
   // from kKvPrefetchMinRows rows).
@@ -134,7 +146,8 @@ class CpuBackend final : public Backend {
   };
 
  private:
-  CpuBackend(Isa isa, MatrixPath path, std::string path_reason, int num_threads, bool kv_prefetch);
+  CpuBackend(Isa isa, MatrixPath path, std::string path_reason, int num_threads, bool kv_prefetch,
+             bool bf16_attention);
   // How the attention of one batch is cut into work: the per-sequence
   // items (and their chunk bounds), or the cascade plan when the batch is a
   // decode batch whose sequences share blocks. Built once per forward (the
@@ -195,6 +208,7 @@ class CpuBackend final : public Backend {
     int64_t expected = 0;
   };
   const bool kv_prefetch_on_;
+  const bool bf16_attention_;
   KvPrefetch kv_prefetch_;
   int64_t kv_prefetched_bytes_ = 0;
 };

@@ -82,6 +82,10 @@ struct AttentionArgs {
   int32_t num_kv_heads;
   int32_t head_dim;
   float scale;
+  // BF16 KV only, on a CPU with AVX512-BF16 and an even block_size: the
+  // AVX-512 kernels score and weight with BF16 dot products (queries and
+  // softmax weights rounded to BF16; kernels_impl.inc, UpdateTileDot).
+  bool bf16_dot = false;
 };
 
 // Cascade (shared-prefix) attention plan for decode batches: steps in

@@ -72,6 +72,11 @@ std::vector<GoldenCase> Cases() {
     out.push_back({"llama_sharded_bf16", Isa::kAvx512, DType::kBF16, DType::kF32, 5, kBf16});
     out.push_back({"qwen2_bias_f16", Isa::kAvx512, DType::kBF16, DType::kF32, 16, kBf16});
     out.push_back({"mistral_f32", Isa::kAvx512, DType::kBF16, DType::kBF16, 7, kBf16});
+    // BF16 KV at an even block size: attention in BF16 dot products too.
+    out.push_back({"mistral_f32", Isa::kAvx512, DType::kBF16, DType::kBF16, 16, kBf16});
+    out.push_back({"llama_untied_bf16", Isa::kAvx512, DType::kBF16, DType::kBF16, 16, kBf16});
+    out.push_back({"qwen2_bias_f16", Isa::kAvx512, DType::kBF16, DType::kBF16, 2, kBf16});
+    out.push_back({"llama_headdim_f32", Isa::kAvx512, DType::kBF16, DType::kBF16, 16, kBf16});
   }
   // The AMX matrix path (BF16 weights only), where the CPU and kernel offer it.
   if (kernels::cpu::AmxPathSupported()) {

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/types/span.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/linear_amx.h"
@@ -266,11 +267,29 @@ int64_t VOffset(const AttnShape& s, int64_t block_elems, int64_t half, int64_t b
   return block * block_elems + half + (static_cast<int64_t>(h) * s.block_size + slot) * s.head_dim + d;
 }
 
-TEST_P(CpuKernelsTest, PagedAttentionMatchesReference) {
-  const AttnShape shapes[] = {{4, 2, 8, 16, DType::kF32},  {6, 2, 12, 5, DType::kF32},
-                              {8, 1, 64, 16, DType::kBF16}, {3, 3, 80, 1, DType::kF32},
-                              {5, 1, 20, 7, DType::kBF16},  {12, 4, 64, 16, DType::kF32},
-                              {8, 2, 64, 16, DType::kI8},   {6, 3, 20, 5, DType::kI8}};
+std::vector<float> RandomVector(std::mt19937& rng, size_t n, float scale = 1.0f) {
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(rng);
+  return v;
+}
+
+// How far an attention output may be from the double reference.
+// exact_scores: F32 scores and weights (2e-5 absolute). Otherwise the BF16
+// dot form (AttentionArgs::bf16_dot): each query element rounded to BF16
+// (relative 2^-9) moves a score by at most delta = 2^-9 * scale * sum_d
+// |q_d k_d|, which moves a normalized weight by a relative 2 * delta at
+// most (first order); each weight rounded to BF16 and the sum of the
+// rounded weights as the normalizer add 2 * 2^-9. The output, a convex
+// combination of V, then moves by max_j |v_jd| times that, with half
+// again for the second order, plus the F32 sums' 2e-5.
+struct AttnTolerance {
+  bool exact_scores = true;
+};
+
+void ExpectPagedAttentionMatchesReference(CpuBackend& backend, std::mt19937& rng, absl::Span<const AttnShape> shapes,
+                                          AttnTolerance tolerance) {
+  auto Random = [&](size_t n, float scale = 1.0f) { return RandomVector(rng, n, scale); };
   for (const AttnShape& s : shapes) {
     SCOPED_TRACE(::testing::Message() << "heads " << s.heads << "/" << s.kv_heads << " dim "
                                       << s.head_dim << " bs " << s.block_size);
@@ -359,9 +378,9 @@ TEST_P(CpuKernelsTest, PagedAttentionMatchesReference) {
                      .v_offset = half,
                      .block_size = s.block_size,
                      .scale_offset = s.kv_type == DType::kI8 ? scale_offset : 0};
-    backend_->Attention({.q = qv.data(), .out = out.data(), .sequences = seqs, .kv = view,
-                         .num_heads = s.heads, .num_kv_heads = s.kv_heads,
-                         .head_dim = s.head_dim, .scale = scale});
+    backend.Attention({.q = qv.data(), .out = out.data(), .sequences = seqs, .kv = view,
+                       .num_heads = s.heads, .num_kv_heads = s.kv_heads,
+                       .head_dim = s.head_dim, .scale = scale});
     const int32_t g = s.heads / s.kv_heads;
     for (int q = 0; q < kSeqs; ++q) {
       for (int32_t i = 0; i < fresh[q]; ++i) {
@@ -371,23 +390,31 @@ TEST_P(CpuKernelsTest, PagedAttentionMatchesReference) {
           const int32_t kh = h / g;
           std::vector<double> w(pos + 1);
           double mx = -1e300;
+          double delta = 0;  // Bound on a score's move from BF16 queries.
           for (int32_t j = 0; j <= pos; ++j) {
-            double dot = 0;
+            double dot = 0, mag = 0;
             for (int32_t d = 0; d < s.head_dim; ++d) {
-              dot += static_cast<double>(qv[(row * s.heads + h) * s.head_dim + d]) *
-                     K[q][(static_cast<int64_t>(j) * s.kv_heads + kh) * s.head_dim + d];
+              const double t = static_cast<double>(qv[(row * s.heads + h) * s.head_dim + d]) *
+                               K[q][(static_cast<int64_t>(j) * s.kv_heads + kh) * s.head_dim + d];
+              dot += t;
+              mag += std::abs(t);
             }
             w[j] = dot * scale;
+            delta = std::max(delta, std::ldexp(mag * scale, -9));
             mx = std::max(mx, w[j]);
           }
           double sum = 0;
           for (double& e : w) sum += (e = std::exp(e - mx));
           for (int32_t d = 0; d < s.head_dim; ++d) {
-            double want = 0;
+            double want = 0, vmax = 0;
             for (int32_t j = 0; j <= pos; ++j) {
-              want += w[j] / sum * Vv[q][(static_cast<int64_t>(j) * s.kv_heads + kh) * s.head_dim + d];
+              const double v = Vv[q][(static_cast<int64_t>(j) * s.kv_heads + kh) * s.head_dim + d];
+              want += w[j] / sum * v;
+              vmax = std::max(vmax, std::abs(v));
             }
-            ASSERT_NEAR(out[(row * s.heads + h) * s.head_dim + d], want, 2e-5)
+            const double tol =
+                tolerance.exact_scores ? 2e-5 : 1.5 * vmax * (2 * delta + 2 * std::ldexp(1.0, -9)) + 2e-5;
+            ASSERT_NEAR(out[(row * s.heads + h) * s.head_dim + d], want, tol)
                 << "seq " << q << " row " << i << " head " << h << " dim " << d;
           }
         }
@@ -396,32 +423,22 @@ TEST_P(CpuKernelsTest, PagedAttentionMatchesReference) {
   }
 }
 
+TEST_P(CpuKernelsTest, PagedAttentionMatchesReference) {
+  const AttnShape shapes[] = {{4, 2, 8, 16, DType::kF32},  {6, 2, 12, 5, DType::kF32},
+                              {8, 1, 64, 16, DType::kBF16}, {3, 3, 80, 1, DType::kF32},
+                              {5, 1, 20, 7, DType::kBF16},  {12, 4, 64, 16, DType::kF32},
+                              {8, 2, 64, 16, DType::kI8},   {6, 3, 20, 5, DType::kI8}};
+  ExpectPagedAttentionMatchesReference(*backend_, rng_, shapes, {});
+}
+
 // Prompt rows are attended in tiles of consecutive rows that share each K
 // and V load; a row's output must be bitwise what it is attended alone (as
 // the decode of its position): recompute after preemption and migration
 // rely on it. Prompts that start, end and cross the kernel's 256-key
 // softmax runs, with head dims off the vector width, odd block sizes and
 // every KV format.
-TEST_P(CpuKernelsTest, PromptRowsAreBitwiseTheRowAlone) {
-  // Shapes with up to four query heads per KV head (three on AVX2, whose
-  // chunks are 8 keys) and whole chunks (12/4, 4/1, 12/12 and 4/2 at block
-  // 16, 8/4 at 32, 4/4 at 16; 4/1 pairs only on AVX-512; BF16 at block 16
-  // takes AVX2's ScoreChunkPairQt for 1, 2 and 3 heads) have a lone row's
-  // chunks scored in pairs (and a pair can span two blocks) while the
-  // prompt's tiles score them one at a time, or on AVX-512 in pairs of
-  // their own (kTilePairs: 6 heads a pass, the diagonal's partial chunks
-  // alone), so the two pair a row's chunks differently. A lone row whose
-  // backend work chunk holds several of its KV heads (on 2 threads a lone
-  // row's chunk holds half of them: several for the shapes here with 4 or
-  // more) goes over them run by run (every head's 256-key run before the
-  // next run), where a prompt's tiles take one head's whole history at a
-  // time.
-  const AttnShape shapes[] = {{12, 4, 64, 16, DType::kBF16}, {8, 8, 20, 5, DType::kF32},
-                              {6, 2, 24, 7, DType::kI8},     {16, 1, 8, 1, DType::kBF16},
-                              {4, 1, 64, 16, DType::kF32},   {24, 2, 16, 16, DType::kI8},
-                              {12, 12, 64, 16, DType::kBF16}, {8, 4, 32, 32, DType::kI8},
-                              {6, 3, 20, 48, DType::kF32},   {4, 4, 36, 16, DType::kBF16},
-                              {4, 2, 32, 16, DType::kBF16}};
+void ExpectPromptRowsBitwiseTheRowAlone(CpuBackend& backend, std::mt19937& rng, absl::Span<const AttnShape> shapes) {
+  auto Random = [&](size_t n, float scale = 1.0f) { return RandomVector(rng, n, scale); };
   struct Prompt {
     int32_t cached, fresh;
   };
@@ -471,13 +488,13 @@ TEST_P(CpuKernelsTest, PromptRowsAreBitwiseTheRowAlone) {
       const float scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim));
       std::vector<float> tiled(qv.size(), -1.0f);
       const AttentionSequence prompt[] = {{table, pr.cached, pr.fresh, 0}};
-      backend_->Attention({.q = qv.data(), .out = tiled.data(), .sequences = prompt, .kv = view,
+      backend.Attention({.q = qv.data(), .out = tiled.data(), .sequences = prompt, .kv = view,
                            .num_heads = s.heads, .num_kv_heads = s.kv_heads, .head_dim = s.head_dim,
                            .scale = scale});
       for (int32_t i = 0; i < pr.fresh; ++i) {
         std::vector<float> alone(static_cast<size_t>(row_elems), -2.0f);
         const AttentionSequence one[] = {{table, pr.cached + i, 1, 0}};
-        backend_->Attention({.q = qv.data() + i * row_elems, .out = alone.data(), .sequences = one, .kv = view,
+        backend.Attention({.q = qv.data() + i * row_elems, .out = alone.data(), .sequences = one, .kv = view,
                              .num_heads = s.heads, .num_kv_heads = s.kv_heads, .head_dim = s.head_dim,
                              .scale = scale});
         for (int64_t e = 0; e < row_elems; ++e) {
@@ -487,6 +504,29 @@ TEST_P(CpuKernelsTest, PromptRowsAreBitwiseTheRowAlone) {
       }
     }
   }
+}
+
+TEST_P(CpuKernelsTest, PromptRowsAreBitwiseTheRowAlone) {
+  // Shapes with up to four query heads per KV head (three on AVX2, whose
+  // chunks are 8 keys) and whole chunks (12/4, 4/1, 12/12 and 4/2 at block
+  // 16, 8/4 at 32, 4/4 at 16; 4/1 pairs only on AVX-512; BF16 at block 16
+  // takes AVX2's ScoreChunkPairQt for 1, 2 and 3 heads) have a lone row's
+  // chunks scored in pairs (and a pair can span two blocks) while the
+  // prompt's tiles score them one at a time, or on AVX-512 in pairs of
+  // their own (kTilePairs: 6 heads a pass, the diagonal's partial chunks
+  // alone), so the two pair a row's chunks differently. A lone row whose
+  // backend work chunk holds several of its KV heads (on 2 threads a lone
+  // row's chunk holds half of them: several for the shapes here with 4 or
+  // more) goes over them run by run (every head's 256-key run before the
+  // next run), where a prompt's tiles take one head's whole history at a
+  // time.
+  const AttnShape shapes[] = {{12, 4, 64, 16, DType::kBF16}, {8, 8, 20, 5, DType::kF32},
+                              {6, 2, 24, 7, DType::kI8},     {16, 1, 8, 1, DType::kBF16},
+                              {4, 1, 64, 16, DType::kF32},   {24, 2, 16, 16, DType::kI8},
+                              {12, 12, 64, 16, DType::kBF16}, {8, 4, 32, 32, DType::kI8},
+                              {6, 3, 20, 48, DType::kF32},   {4, 4, 36, 16, DType::kBF16},
+                              {4, 2, 32, 16, DType::kBF16}};
+  ExpectPromptRowsBitwiseTheRowAlone(*backend_, rng_, shapes);
 }
 
 // Row i, column j of x W^T in double on the BF16-rounded weights, and the
@@ -716,6 +756,51 @@ TEST(F16PathTest, ChoiceIsValidatedAndReported) {
   EXPECT_FALSE((*chosen)->matrix_path_reason().empty());
   std::printf("chosen matrix path: %s (%s)\n", std::string(MatrixPathName((*chosen)->matrix_path())).c_str(),
               (*chosen)->matrix_path_reason().c_str());
+}
+
+// Attention over BF16 KV on the bf16 matrix path takes BF16 dot products
+// (AttentionArgs::bf16_dot, even block sizes): within the error the BF16
+// queries and weights allow (AttnTolerance), and a prompt's rows bitwise
+// the rows alone, across head dims odd and off the vector width, GQA
+// groups, block sizes of 2 to 64, runs of 256 keys.
+TEST(Bf16AttentionTest, MatchesReferenceAndPromptRowsAreBitwiseTheRowAlone) {
+  if (!Bf16PathSupported()) GTEST_SKIP() << "this CPU has no AVX512-BF16: BF16 dot attention cannot run here";
+  auto b = CpuBackend::Create({.num_threads = 2, .isa = Isa::kAvx512, .matrix_path = MatrixPath::kBf16});
+  ASSERT_TRUE(b.ok()) << b.status();
+  ASSERT_TRUE((*b)->bf16_attention());
+  std::mt19937 rng(7);
+  const AttnShape shapes[] = {{8, 1, 64, 16, DType::kBF16},  {12, 12, 64, 16, DType::kBF16},
+                              {6, 2, 20, 8, DType::kBF16},   {5, 1, 13, 2, DType::kBF16},
+                              {4, 4, 36, 32, DType::kBF16},  {16, 1, 8, 64, DType::kBF16},
+                              {24, 2, 96, 16, DType::kBF16}, {3, 3, 80, 4, DType::kBF16}};
+  ExpectPagedAttentionMatchesReference(**b, rng, shapes, {.exact_scores = false});
+  ExpectPromptRowsBitwiseTheRowAlone(**b, rng, shapes);
+}
+
+// The dot form is the bf16 path's only, and can be turned off.
+TEST(Bf16AttentionTest, SwitchedByPathOptionOrEnvironment) {
+  struct Unset {
+    ~Unset() { ::unsetenv("PDSERVE_BF16_ATTENTION"); }
+  } unset;
+  ::unsetenv("PDSERVE_BF16_ATTENTION");
+  auto f32 = CpuBackend::Create({});
+  ASSERT_TRUE(f32.ok());
+  EXPECT_FALSE((*f32)->bf16_attention());
+  if (!Bf16PathSupported()) GTEST_SKIP() << "this CPU has no AVX512-BF16: BF16 dot attention cannot run here";
+  auto on = CpuBackend::Create({.isa = Isa::kAvx512, .matrix_path = MatrixPath::kBf16});
+  ASSERT_TRUE(on.ok());
+  EXPECT_TRUE((*on)->bf16_attention());
+  auto off = CpuBackend::Create({.isa = Isa::kAvx512, .matrix_path = MatrixPath::kBf16, .bf16_attention = false});
+  ASSERT_TRUE(off.ok());
+  EXPECT_FALSE((*off)->bf16_attention());
+  ::setenv("PDSERVE_BF16_ATTENTION", "0", 1);
+  auto env_off = CpuBackend::Create({.isa = Isa::kAvx512, .matrix_path = MatrixPath::kBf16});
+  ASSERT_TRUE(env_off.ok());
+  EXPECT_FALSE((*env_off)->bf16_attention());
+  ::setenv("PDSERVE_BF16_ATTENTION", "on", 1);
+  auto bad = CpuBackend::Create({.isa = Isa::kAvx512, .matrix_path = MatrixPath::kBf16});
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("PDSERVE_BF16_ATTENTION=on"), absl::string_view::npos) << bad.status();
 }
 
 TEST(KvPrefetchTest, SwitchedByOptionOrEnvironment) {

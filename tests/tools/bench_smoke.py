@@ -81,7 +81,8 @@ def main():
         print(f"bench-attention --kv {kv_type}: ok")
 
     # A prompt's causal attention alone: its FLOPs from the shape, its rate
-    # beside the same run's F32 FMA peak; no decode rows asked, none given.
+    # beside the same run's peak of its instruction (BF16 dot on the bf16
+    # matrix path, else F32 FMA); no decode rows asked, none given.
     a = run_json([pdctl, "bench-attention", "--decode_batch", "", "--prompts", "40", "--threads", "1", "--json"])
     prompts = a.get("prompts", [])
     if a.get("rows") != [] or len(prompts) != 1:
@@ -91,8 +92,9 @@ def main():
         # 12 heads x 64, 40 rows: row r scores and applies r + 1 keys.
         want_flops = 4 * 64 * 12 * 40 * 41 / 2
         if not (p["tokens"] == 40 and p["flops"] == want_flops and p["seconds_per_call"] > 0 and
-                p["f32_fma_peak"] > 0 and close(p["flops_per_second"], want_flops / p["seconds_per_call"]) and
-                close(p["fraction_of_f32_peak"], p["flops_per_second"] / p["f32_fma_peak"]) and
+                p["attention_form"] in ("bf16_dot", "f32_fma") and
+                p["peak_flops"] > 0 and close(p["flops_per_second"], want_flops / p["seconds_per_call"]) and
+                close(p["fraction_of_peak"], p["flops_per_second"] / p["peak_flops"]) and
                 p["kv_bytes"] == 3 * 16 * 4 * 64 * 2 * 2):
             failures.append(f"bench-attention --prompts 40: row inconsistent with its shape: {p} "
                             f"(FLOPs should be {want_flops})")
@@ -120,18 +122,25 @@ def main():
                          + small)
             if r.get("matrix_path") != path:
                 failures.append(f"bench-engine --matrix_path {path}: reports path {r.get('matrix_path')}")
+            # BF16 dot attention on the bf16 path (BF16 KV, blocks of 16), F32 elsewhere.
+            want_form = "bf16_dot" if path == "bf16" and r.get("kv") == "bf16" else "f32_fma"
+            if r.get("attention_form") != want_form:
+                failures.append(f"bench-engine --matrix_path {path}: attention_form {r.get('attention_form')}, "
+                                f"want {want_form}")
             for row in r.get("prefill", []):
                 if not (row["tokens_per_second"] > 0 and row["peak_flops"] > 0 and
                         close(row["fraction_of_peak"], row["flops_per_second"] / row["peak_flops"])):
                     failures.append(f"bench-engine {path}: prefill row without a figure or a peak: {row}")
-                # The ceiling with the attention at the F32 FMA peak, from the
-                # row's own FLOPs and the run's peaks.
+                # The ceiling with the attention at its instruction's peak, from
+                # the row's own FLOPs and the run's peaks.
                 mp = r["matrix_peaks"]
+                attn_peak = mp["bf16_dot"] if r.get("attention_form") == "bf16_dot" else mp["f32_fma"]
                 attn, total = row["attention_flops"], row["flops"]
-                best = total / (attn / mp["f32_fma"] + (total - attn) / mp["fastest"]) / mp["fastest"]
+                best = total / (attn / attn_peak + (total - attn) / mp["fastest"]) / mp["fastest"]
                 if not (0 < attn < total and 0 < best <= 1 + 1e-9 and
-                        close(row["fraction_of_fastest_with_f32_attention"], best)):
-                    failures.append(f"bench-engine {path}: prefill ceiling with F32 attention wrong: {row}")
+                        close(r["attention_peak_flops"], attn_peak) and
+                        close(row["fraction_of_fastest_attention_at_its_peak"], best)):
+                    failures.append(f"bench-engine {path}: prefill ceiling with the attention at its peak wrong: {row}")
             for row in r.get("decode", []):
                 if not (row["tokens_per_second"] > 0 and row["read_bandwidth"] > 0 and
                         close(row["fraction_of_bandwidth"], row["bytes_per_second"] / row["read_bandwidth"]) and

@@ -283,8 +283,8 @@ absl::Status RunBenchAttention(const BenchAttentionOptions& o) {
     }
   }
   if (o.json) {
-    const nlohmann::json j = {{"backend", be.Name()}, {"threads", o.threads}, {"kv", o.kv}, {"rows", rows},
-                              {"prompts", prompt_rows}};
+    const nlohmann::json j = {{"backend", be.Name()}, {"attention_form", form}, {"threads", o.threads},
+                              {"kv", o.kv}, {"rows", rows}, {"prompts", prompt_rows}};
     absl::PrintF("%s\n", j.dump());
   } else if (!rows.empty() || (!o.batches.empty() && !o.histories.empty())) {
     absl::PrintF(

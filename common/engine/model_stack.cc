@@ -111,8 +111,9 @@ absl::StatusOr<ModelStack> LoadGpuStack(const ModelStackOptions& o) {
 
 std::string ModelStack::KernelsDescription() const {
   if (gpu) return gpu->Name();
+  const bool dot = kv != nullptr && backend->Bf16DotAttention(kv->spec().dtype, kv->spec().block_size);
   return absl::StrCat(backend->Name(), " (matrix path ", kernels::cpu::MatrixPathName(backend->matrix_path()), ": ",
-                      backend->matrix_path_reason(), ")");
+                      backend->matrix_path_reason(), "; attention ", dot ? "BF16 dot" : "F32", ")");
 }
 
 absl::StatusOr<ModelStack> LoadModelStack(const ModelStackOptions& o) {

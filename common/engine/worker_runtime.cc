@@ -87,6 +87,10 @@ absl::StatusOr<WorkerModel> LoadWorkerModel(KvRegionAllocator* allocator) {
             {"matrix_path", w.engine.backend ? std::string(kernels::cpu::MatrixPathName(w.engine.backend->matrix_path()))
                                              : std::string("gpu")},
             {"reason", w.engine.backend ? w.engine.backend->matrix_path_reason() : std::string("gpu")},
+            {"attention", w.engine.backend == nullptr ? std::string("gpu")
+                          : w.engine.backend->Bf16DotAttention(w.engine.kv->spec().dtype, w.engine.kv->spec().block_size)
+                              ? std::string("bf16_dot")
+                              : std::string("f32_fma")},
             {"tp", absl::StrCat(w.engine.model->tp())}});
   absl::StatusOr<std::unique_ptr<tok::Tokenizer>> tokenizer = tok::Tokenizer::Load(eo.model_dir);
   if (!tokenizer.ok()) return tokenizer.status();

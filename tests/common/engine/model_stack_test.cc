@@ -41,6 +41,11 @@ TEST(ModelStackTest, TheCpuIsTheDefault) {
   EXPECT_EQ(s->gpu, nullptr);
   EXPECT_EQ(&s->compute(), s->backend.get());
   EXPECT_NE(s->KernelsDescription().find("matrix path"), std::string::npos) << s->KernelsDescription();
+  // The attention's form is named: BF16 dot products on the bf16 path
+  // over BF16 KV, else F32.
+  const bool dot = s->backend->Bf16DotAttention(s->kv->spec().dtype, s->kv->spec().block_size);
+  EXPECT_NE(s->KernelsDescription().find(dot ? "; attention BF16 dot)" : "; attention F32)"), std::string::npos)
+      << s->KernelsDescription();
 }
 
 TEST(ModelStackTest, AnUnknownBackendIsRefused) {

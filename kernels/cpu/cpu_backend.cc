@@ -164,6 +164,22 @@ bool KvPrefetchByDefault() {
   return amd;
 }
 
+namespace {
+
+// A switch: the option when set, else the environment variable ("0" or
+// "1"; another value is an error naming it) when set and not empty, else
+// `fallback`.
+absl::StatusOr<bool> OnOff(std::optional<bool> option, const char* variable, bool fallback) {
+  if (option.has_value()) return *option;
+  const char* env = std::getenv(variable);
+  if (env == nullptr || *env == '\0') return fallback;
+  const absl::string_view v = env;
+  if (v != "0" && v != "1") return absl::InvalidArgumentError(absl::StrCat(variable, "=", v, ": expected 0 or 1"));
+  return v == "1";
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(const CpuBackendOptions& options) {
   Isa isa;
   if (options.isa.has_value()) {
@@ -249,29 +265,15 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(const CpuBackendO
                             rate("AMX BF16", amx_ok, amx, kAmxMinAdvantage));
     }
   }
-  bool kv_prefetch = KvPrefetchByDefault();
-  if (options.kv_prefetch.has_value()) {
-    kv_prefetch = *options.kv_prefetch;
-  } else if (const char* env = std::getenv("PDSERVE_KV_PREFETCH"); env != nullptr && *env != '\0') {
-    if (absl::string_view(env) != "0" && absl::string_view(env) != "1") {
-      return absl::InvalidArgumentError(absl::StrCat("PDSERVE_KV_PREFETCH=", env, ": expected 0 or 1"));
-    }
-    kv_prefetch = absl::string_view(env) == "1";
-  }
-  bool bf16_attention = true;
-  if (options.bf16_attention.has_value()) {
-    bf16_attention = *options.bf16_attention;
-  } else if (const char* env = std::getenv("PDSERVE_BF16_ATTENTION"); env != nullptr && *env != '\0') {
-    if (absl::string_view(env) != "0" && absl::string_view(env) != "1") {
-      return absl::InvalidArgumentError(absl::StrCat("PDSERVE_BF16_ATTENTION=", env, ": expected 0 or 1"));
-    }
-    bf16_attention = absl::string_view(env) == "1";
-  }
+  absl::StatusOr<bool> kv_prefetch = OnOff(options.kv_prefetch, "PDSERVE_KV_PREFETCH", KvPrefetchByDefault());
+  if (!kv_prefetch.ok()) return kv_prefetch.status();
+  absl::StatusOr<bool> bf16_attention = OnOff(options.bf16_attention, "PDSERVE_BF16_ATTENTION", true);
+  if (!bf16_attention.ok()) return bf16_attention.status();
   // The bf16 path is taken only on CPUs with AVX512-BF16, and only the
   // AVX-512 kernels hold the dot form.
-  bf16_attention = bf16_attention && *path == MatrixPath::kBf16 && isa == Isa::kAvx512;
+  const bool dot_attention = *bf16_attention && *path == MatrixPath::kBf16 && isa == Isa::kAvx512;
   return std::unique_ptr<CpuBackend>(
-      new CpuBackend(isa, *path, std::move(reason), options.num_threads, kv_prefetch, bf16_attention));
+      new CpuBackend(isa, *path, std::move(reason), options.num_threads, *kv_prefetch, dot_attention));
 }
 
 CpuBackend::CpuBackend(Isa isa, MatrixPath path, std::string path_reason, int num_threads, bool kv_prefetch,

@@ -120,8 +120,9 @@ ABSL_FLAG(std::string, decode_history, "128,512,4096", "bench-engine: decode his
 ABSL_DECLARE_FLAG(int, kv_heads);
 ABSL_DECLARE_FLAG(int, head_dim);
 ABSL_FLAG(std::string, prompts, "",
-          "bench-attention: prompt lengths whose causal attention is timed alone against the F32 FMA peak "
-          "(e.g. 512,2048; with --decode_batch \"\" for those alone)");
+          "bench-attention: prompt lengths whose causal attention is timed alone against the peak of the "
+          "attention's instruction (BF16 dot on the bf16 matrix path, else F32 FMA; e.g. 512,2048; with "
+          "--decode_batch \"\" for those alone)");
 ABSL_FLAG(int, attention_heads, 12, "bench-attention: query heads (the 125M shape's)");
 ABSL_FLAG(int, stream_mib, 512,
           "bench-attention: MiB of KV copies the streamed rate cycles through (well above the last-level cache)");
@@ -503,7 +504,7 @@ constexpr char kUsage[] =
     "  bench-engine  prefill and decode speed beside the machine's measured limits\n"
     "  bench-attention  decode attention alone: KV cache-resident and from DRAM beside the read limit\n"
     "            (--decode-batch, --decode-history, --threads, --kv bf16|f32, --attention-heads, --kv-heads, --head-dim, --stream-mib);\n"
-    "            --prompts 512,2048: a prompt's causal attention alone, in FLOP/s beside the F32 FMA peak\n"
+    "            --prompts 512,2048: a prompt's causal attention alone, in FLOP/s beside its instruction's peak\n"
     "  bench-kv      KV handoff between two processes over UCX beside raw UCX puts [--with-prefill]\n"
     "  plan          capacity model of a deployment from --config FILE [--json]\n"
     "  help      this text; `pdctl COMMAND --help` lists the flags\n";

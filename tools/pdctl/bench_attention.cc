@@ -274,7 +274,6 @@ absl::Status RunBenchAttention(const BenchAttentionOptions& o) {
                              {"seconds_per_call", t},
                              {"flops", flops},
                              {"flops_per_second", flops / t},
-                             {"attention_form", form},
                              {"peak_flops", peak},
                              {"fraction_of_peak", flops / t / peak}});
     } else {

@@ -122,12 +122,12 @@ absl::Status RunBenchAttention(const BenchAttentionOptions& o) {
   if (!made.ok()) return made.status();
   CpuBackend& be = **made;
   const bool f32 = o.kv == "f32";
+  const DType dtype = f32 ? DType::kF32 : DType::kBF16;
   // The kernels' form over this KV: BF16 dot products on the bf16 matrix
   // path (BF16 KV, even blocks), else F32 multiply-adds; the prompt rows
   // are judged against that instruction's peak.
-  const bool dot = be.Bf16DotAttention(f32 ? DType::kF32 : DType::kBF16, o.block_size);
+  const bool dot = be.Bf16DotAttention(dtype, o.block_size);
   const char* form = dot ? "bf16_dot" : "f32_fma";
-  const DType dtype = f32 ? DType::kF32 : DType::kBF16;
   const size_t elem = f32 ? 4 : 2;
   const int64_t block_elems = int64_t{2} * o.kv_heads * o.block_size * o.head_dim;
   const size_t block_bytes = static_cast<size_t>(block_elems) * elem;

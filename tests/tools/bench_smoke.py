@@ -121,6 +121,12 @@ def main():
         probe = run_json([pdctl, "bench-engine", "--model", model, "--decode_batch", "1"] + small)
         peaks = probe["matrix_peaks"]
         paths = ["f32"] + [p for p, key in (("fp16", "fp16_fma"), ("bf16", "bf16_dot"), ("amx", "amx_bf16")) if peaks.get(key, 0) > 0]
+        # Prefill alone: no decode batch, so no history is prepared for one
+        # (it once was, and ran the pool dry).
+        alone = run_json([pdctl, "bench-engine", "--model", model, "--decode_batch", ""] + small +
+                         ["--decode_history", "2048"])
+        if not alone.get("prefill") or alone.get("decode"):
+            failures.append(f"bench-engine --decode_batch '': want prefill rows and no decode rows: {sorted(alone)}")
         for path in paths:
             r = run_json([pdctl, "bench-engine", "--model", model, "--decode_batch", "1,4", "--matrix_path", path]
                          + small)

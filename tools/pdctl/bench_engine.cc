@@ -219,7 +219,9 @@ absl::Status RunBenchEngine(const BenchEngineOptions& o) {
 
   nlohmann::ordered_json decode = nlohmann::ordered_json::array();
   const int64_t c_kv = kv.spec().BytesPerPosition();
-  for (int H : o.decode_histories) {
+  // No batches (`--decode_batch ""`): no history is prepared either (the
+  // pool is sized for none).
+  for (int H : o.decode_batches.empty() ? std::vector<int>{} : o.decode_histories) {
     // Prefill one sequence to H positions; the others copy its blocks.
     Progress(absl::StrCat("decode: preparing history ", H));
     SequenceKv proto = kv.NewSequence();

@@ -417,14 +417,26 @@ void CpuBackend::Linear(const LinearWeight& w, const float* x, int64_t m, const 
     } else {
       const LinearBf16Args a{.x = x16_.data(), .ldx = ldx, .m = m, .k = k, .n = pw.n(), .panels = panels,
                              .bias = bias, .y = y, .ldy = pw.n(), .accumulate = accumulate};
-      // Decode batches: 2 chunks a thread, not 4. Each chunk starts its
-      // weight streams cold, and at these rows the tail a thread waits for
-      // is short. Zen 5 class, `bench-engine --decode_batch 1,8,32
-      // --decode_history 512`, 6 alternations: b=1 faster in 6, b=8 and 32
-      // in 5 (steps 0.85-0.98x in the quieter rounds). Prefill keeps 4:
-      // there a thread idles for the other's last chunk.
-      const int chunks_per_thread = m <= kDecodeChunkRows ? 2 : 4;
-      pool_.ParallelFor(pw.num_panels(), [&](int64_t b, int64_t e) { LinearBf16(a, b, e); }, chunks_per_thread);
+      const auto body = [&](int64_t b, int64_t e) { LinearBf16(a, b, e); };
+      if (m <= kBf16TileRows) {
+        // One row tile (decode batches up to 12): each thread streams its
+        // own share of the panels front to back, a kernel call at a time,
+        // and takes calls from the back of the other's share when it runs
+        // out (ParallelStealing): one cold start of the weight streams a
+        // thread, and a tail of at most one call. Zen 5 class,
+        // `bench-engine --decode_batch 1,8 --decode_history 128,512`
+        // against 2 chunks a thread, 6 alternations: faster in 5 of 6 runs
+        // at each batch and history (0.86-0.97x in most). At 32 rows it
+        // was slower (1.02-1.07x in 5 of 6): there the kernel's own chunks
+        // keep each pass's panels in L2 for the later row tiles.
+        pool_.ParallelStealing(pw.num_panels(), Bf16PanelsPerCall(m), body);
+      } else {
+        // Up to 32 rows: 2 chunks a thread, not 4. Each chunk starts its
+        // weight streams cold, and at these rows the tail a thread waits
+        // for is short (b=32 faster in 8 of 10 alternated runs). Prefill
+        // keeps 4: there a thread idles for the other's last chunk.
+        pool_.ParallelFor(pw.num_panels(), body, m <= kDecodeChunkRows ? 2 : 4);
+      }
     }
     return;
   }

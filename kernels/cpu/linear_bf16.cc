@@ -10,7 +10,7 @@
 namespace pdserve::kernels::cpu {
 namespace {
 
-constexpr int kMaxRows = 12;  // 12 rows x 2 panels: 24 F32 accumulators.
+constexpr int kMaxRows = kBf16TileRows;  // 12 rows x 2 panels: 24 F32 accumulators.
 // Panels handled per pass over x: their weights stay in L2 while every row
 // tile streams past.
 constexpr int64_t kChunkBytes = 256 * 1024;
@@ -86,6 +86,8 @@ bool Bf16PathSupported() {
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
 }
 
+int64_t Bf16PanelsPerCall(int64_t m) { return m <= 2 ? 4 : 2; }
+
 void LinearBf16(const LinearBf16Args& a, int64_t panel_begin, int64_t panel_end) {
   const int64_t panel_elems = F16PanelElems(a.k);
   int64_t chunk = kChunkBytes / (panel_elems * 2);
@@ -106,6 +108,7 @@ void LinearBf16(const LinearBf16Args& a, int64_t panel_begin, int64_t panel_end)
         // One or two rows (decode): four panels at once, four weight
         // streams in flight; more rows: two panels, up to twelve rows.
         const int np = rows <= 2 ? (c1 - p >= 4 ? 4 : 1) : (c1 - p >= 2 ? 2 : 1);
+        static_assert(kMaxRows > 2);  // Bf16PanelsPerCall: 4 panels for 1-2 rows, else 2.
         const int valid = static_cast<int>(left < np * kF16PanelWidth ? left : np * kF16PanelWidth);
         if (np == 4) {
           DispatchRows<2, 4>(rows, a, x, panel, panel_elems, y, bias, valid);

@@ -33,6 +33,14 @@ struct LinearBf16Args {
 // AVX512-BF16 (with F, BW, VL, DQ) on this CPU.
 bool Bf16PathSupported();
 
+// Rows of one tile: a product of at most this many rows reads each weight
+// once, straight from memory.
+inline constexpr int kBf16TileRows = 12;
+
+// The panels one kernel call takes at once for m rows (a thread's unit of
+// work in a decode product).
+int64_t Bf16PanelsPerCall(int64_t m);
+
 // Panels [panel_begin, panel_end) of the product. Each row's result is the
 // same whatever M and whichever tile the row falls in.
 void LinearBf16(const LinearBf16Args& args, int64_t panel_begin, int64_t panel_end);

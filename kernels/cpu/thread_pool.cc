@@ -3,6 +3,7 @@
 #include <immintrin.h>
 #include <sched.h>
 
+#include <algorithm>
 #include <chrono>
 
 namespace pdserve::kernels::cpu {
@@ -13,8 +14,9 @@ namespace {
 constexpr auto kSpinTime = std::chrono::milliseconds(5);
 }  // namespace
 
-ThreadPool::ThreadPool(int num_threads) : num_threads_(num_threads < 1 ? 1 : num_threads) {
-  for (int i = 1; i < num_threads_; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+ThreadPool::ThreadPool(int num_threads)
+    : num_threads_(num_threads < 1 ? 1 : num_threads), shares_(static_cast<size_t>(num_threads_)) {
+  for (int i = 1; i < num_threads_; ++i) workers_.emplace_back([this, i] { WorkerLoop(i); });
 }
 
 ThreadPool::~ThreadPool() {
@@ -41,7 +43,57 @@ void ThreadPool::RunChunks(uint32_t job) {
   }
 }
 
-void ThreadPool::WorkerLoop() {
+namespace {
+// A share's packed state: the job's low 24 bits, then the first and the
+// end grain not yet claimed (20 bits each).
+constexpr int kGrainBits = 20;
+constexpr uint64_t kGrainMask = (uint64_t{1} << kGrainBits) - 1;
+constexpr uint64_t kJobMask = (uint64_t{1} << 24) - 1;
+uint64_t PackShare(uint32_t job, int64_t front, int64_t end) {
+  return (static_cast<uint64_t>(job) & kJobMask) << (2 * kGrainBits) | static_cast<uint64_t>(front) << kGrainBits |
+         static_cast<uint64_t>(end);
+}
+}  // namespace
+
+int64_t ThreadPool::ClaimGrain(uint32_t job, int owner, bool front) {
+  std::atomic<uint64_t>& v = shares_[owner].v;
+  uint64_t s = v.load(std::memory_order_acquire);
+  while (true) {
+    if ((s >> (2 * kGrainBits)) != (job & kJobMask)) return -1;
+    const int64_t f = static_cast<int64_t>((s >> kGrainBits) & kGrainMask);
+    const int64_t e = static_cast<int64_t>(s & kGrainMask);
+    if (f >= e) return -1;
+    const uint64_t next = front ? PackShare(job, f + 1, e) : PackShare(job, f, e - 1);
+    if (v.compare_exchange_weak(s, next, std::memory_order_acq_rel)) return front ? f : e - 1;
+  }
+}
+
+void ThreadPool::RunStealing(uint32_t job, int self) {
+  auto run = [&](int64_t g) {
+    const int64_t b = g * grain_;
+    (*body_)(b, std::min(n_, b + grain_));
+    done_.fetch_add(1, std::memory_order_acq_rel);
+  };
+  for (int64_t g; (g = ClaimGrain(job, self, true)) >= 0;) run(g);
+  while (true) {
+    // The share with the most grains left, from its back.
+    int victim = -1;
+    int64_t most = 0;
+    for (int t = 0; t < num_threads_; ++t) {
+      const uint64_t s = shares_[t].v.load(std::memory_order_acquire);
+      if ((s >> (2 * kGrainBits)) != (job & kJobMask)) return;
+      const int64_t left = static_cast<int64_t>(s & kGrainMask) - static_cast<int64_t>((s >> kGrainBits) & kGrainMask);
+      if (left > most) {
+        most = left;
+        victim = t;
+      }
+    }
+    if (victim < 0) return;
+    if (const int64_t g = ClaimGrain(job, victim, false); g >= 0) run(g);
+  }
+}
+
+void ThreadPool::WorkerLoop(int self) {
   uint32_t seen = 0;
   while (true) {
     uint32_t j = job_.load(std::memory_order_acquire);
@@ -66,7 +118,13 @@ void ThreadPool::WorkerLoop() {
     }
     if (stop_.load(std::memory_order_acquire)) return;
     seen = j;
-    RunChunks(j);
+    // The job's kind is published before job_ (release; read after the
+    // acquire above). A job that has already ended finds nothing to claim.
+    if (stealing_.load(std::memory_order_relaxed)) {
+      RunStealing(j, self);
+    } else {
+      RunChunks(j);
+    }
   }
 }
 
@@ -79,6 +137,7 @@ void ThreadPool::ParallelChunks(const std::vector<int64_t>& bounds, const Body& 
     return;
   }
   const uint32_t job = job_.load(std::memory_order_relaxed) + 1;
+  stealing_.store(false, std::memory_order_relaxed);
   body_ = &body;
   bounds_ = &bounds;
   num_chunks_ = chunks;
@@ -96,6 +155,42 @@ void ThreadPool::ParallelChunks(const std::vector<int64_t>& bounds, const Body& 
   while (done_.load(std::memory_order_acquire) != chunks) {
     _mm_pause();
     // A worker holding the last chunk may be descheduled: let it run.
+    if (++spins % 1024 == 0) sched_yield();
+  }
+}
+
+void ThreadPool::ParallelStealing(int64_t n, int64_t grain, const Body& body) {
+  if (n <= 0) return;
+  if (grain < 1) grain = 1;
+  int64_t grains = (n + grain - 1) / grain;
+  // The packed shares hold grain indices below 2^20: coarser grains beyond.
+  if (grains > static_cast<int64_t>(kGrainMask)) {
+    grain = (n + static_cast<int64_t>(kGrainMask) - 1) / static_cast<int64_t>(kGrainMask);
+    grains = (n + grain - 1) / grain;
+  }
+  if (num_threads_ == 1 || grains <= 1) {
+    body(0, n);
+    return;
+  }
+  const uint32_t job = job_.load(std::memory_order_relaxed) + 1;
+  stealing_.store(true, std::memory_order_relaxed);
+  body_ = &body;
+  grain_ = grain;
+  n_ = n;
+  done_.store(0, std::memory_order_relaxed);
+  for (int t = 0; t < num_threads_; ++t) {
+    shares_[t].v.store(PackShare(job, grains * t / num_threads_, grains * (t + 1) / num_threads_),
+                       std::memory_order_release);
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    job_.store(job, std::memory_order_release);
+    ++sleep_job_;
+  }
+  RunStealing(job, 0);
+  int spins = 0;
+  while (done_.load(std::memory_order_acquire) != static_cast<uint32_t>(grains)) {
+    _mm_pause();
     if (++spins % 1024 == 0) sched_yield();
   }
 }

@@ -41,10 +41,24 @@ class ThreadPool {
   // Chunk c is [bounds[c], bounds[c + 1]). REQUIRES: bounds non-decreasing.
   void ParallelChunks(const std::vector<int64_t>& bounds, const Body& body);
 
+  // Calls body(begin, end) on grains of `grain` items covering [0, n) (the
+  // last may be shorter). Each thread owns a contiguous share of the grains
+  // and runs it front to back, a grain at a time; one that runs out takes
+  // grains from the back of the share with the most left. So each thread
+  // walks one stream through memory, and the last to finish waits for at
+  // most a grain, not a chunk. REQUIRES: grain >= 1.
+  void ParallelStealing(int64_t n, int64_t grain, const Body& body);
+
  private:
-  void WorkerLoop();
+  // Participant `self` (0: the caller) of a job.
+  void WorkerLoop(int self);
   // Claims and runs chunks of job `job` until none is left.
   void RunChunks(uint32_t job);
+  // ParallelStealing's part of participant `self` in job `job`.
+  void RunStealing(uint32_t job, int self);
+  // One grain of participant `owner`'s share, from its front (the owner)
+  // or its back (a thief); -1 when the share is empty or the job is over.
+  int64_t ClaimGrain(uint32_t job, int owner, bool front);
 
   const int num_threads_;
   std::vector<std::thread> workers_;
@@ -57,6 +71,16 @@ class ThreadPool {
   std::atomic<uint64_t> next_{0};
   std::atomic<uint32_t> done_{0};
   std::atomic<uint32_t> job_{0};
+  // ParallelStealing's job (when stealing_): grains of grain_ items up to
+  // n_, and each participant's share as (job id low 24 bits << 40 | front
+  // grain << 20 | end grain), each on its own cache line.
+  std::atomic<bool> stealing_{false};
+  int64_t grain_ = 1;
+  int64_t n_ = 0;
+  struct alignas(64) Share {
+    std::atomic<uint64_t> v{0};
+  };
+  std::vector<Share> shares_;
   std::atomic<bool> stop_{false};
   // ParallelFor's chunk bounds, reused (one loop at a time) so that the
   // dozens of loops of a forward step allocate nothing.

@@ -3,8 +3,11 @@
 // A parallel loop is cut into chunks that the caller and the workers claim
 // dynamically, so a worker that the OS has descheduled (two vCPUs shared with
 // other processes) delays the loop by at most the chunk it holds, never by a
-// fixed share. Idle workers spin for a few milliseconds before they block, so
-// the back-to-back operators of one forward step do not pay a wake-up each.
+// fixed share. ParallelStealing instead gives each thread a contiguous share
+// to walk in order (one stream through memory) and lets a thread that runs
+// out take grains from the back of another's. Idle workers spin for a few
+// milliseconds before they block, so the back-to-back operators of one
+// forward step do not pay a wake-up each.
 //
 // Thread safety: one loop at a time (the forward is single-caller). Bodies
 // must not throw.

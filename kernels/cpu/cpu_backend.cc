@@ -133,8 +133,8 @@ constexpr int64_t kParallelElems = 32 * 1024;
 // a 30-35 GB/s limit. At most this many bytes are prefetched, so that the
 // KV and the weights streamed until the Attention fit the L3 together.
 constexpr int64_t kKvPrefetchMinRows = 8;
-// BF16 products of at most this many rows (decode batches) split into
-// fewer, longer chunks (see CpuBackend::Linear).
+// BF16 products of more rows than one tile and at most this many (decode
+// batches) take fewer, longer chunks (see CpuBackend::Linear).
 constexpr int64_t kDecodeChunkRows = 32;
 constexpr int64_t kKvPrefetchMaxBytes = 8 << 20;
 
@@ -424,11 +424,12 @@ void CpuBackend::Linear(const LinearWeight& w, const float* x, int64_t m, const 
         // and takes calls from the back of the other's share when it runs
         // out (ParallelStealing): one cold start of the weight streams a
         // thread, and a tail of at most one call. Zen 5 class,
-        // `bench-engine --decode_batch 1,8 --decode_history 128,512`
-        // against 2 chunks a thread, 6 alternations: faster in 5 of 6 runs
-        // at each batch and history (0.86-0.97x in most). At 32 rows it
-        // was slower (1.02-1.07x in 5 of 6): there the kernel's own chunks
-        // keep each pass's panels in L2 for the later row tiles.
+        // `bench-engine` against 2 chunks a thread, alternated: b=1 and b=8
+        // at h=128 and 512 faster in 5 of 6 runs each (0.86-0.97x in
+        // most); in a second sitting b=1 at h=4096 in 4 of 4, b=4 in 6 of
+        // 8, b=8 in 5 of 8, b=12 in 6 of 8. At 32 rows it was slower
+        // (1.02-1.07x in 5 of 6): there the kernel's own chunks keep each
+        // pass's panels in L2 for the later row tiles.
         pool_.ParallelStealing(pw.num_panels(), Bf16PanelsPerCall(m), body);
       } else {
         // Up to 32 rows: 2 chunks a thread, not 4. Each chunk starts its

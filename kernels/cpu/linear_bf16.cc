@@ -107,8 +107,9 @@ void LinearBf16(const LinearBf16Args& a, int64_t panel_begin, int64_t panel_end)
         const uint16_t* panel = a.panels + p * panel_elems;
         // One or two rows (decode): four panels at once, four weight
         // streams in flight; more rows: two panels, up to twelve rows.
-        const int np = rows <= 2 ? (c1 - p >= 4 ? 4 : 1) : (c1 - p >= 2 ? 2 : 1);
-        static_assert(kMaxRows > 2);  // Bf16PanelsPerCall: 4 panels for 1-2 rows, else 2.
+        // Fewer left: one at a time.
+        const int64_t want = Bf16PanelsPerCall(rows);
+        const int np = static_cast<int>(c1 - p >= want ? want : 1);
         const int valid = static_cast<int>(left < np * kF16PanelWidth ? left : np * kF16PanelWidth);
         if (np == 4) {
           DispatchRows<2, 4>(rows, a, x, panel, panel_elems, y, bias, valid);

@@ -133,10 +133,10 @@ constexpr int64_t kParallelElems = 32 * 1024;
 // a 30-35 GB/s limit. At most this many bytes are prefetched, so that the
 // KV and the weights streamed until the Attention fit the L3 together.
 constexpr int64_t kKvPrefetchMinRows = 8;
+constexpr int64_t kKvPrefetchMaxBytes = 8 << 20;
 // BF16 products of more rows than one tile and at most this many (decode
 // batches) take fewer, longer chunks (see CpuBackend::Linear).
 constexpr int64_t kDecodeChunkRows = 32;
-constexpr int64_t kKvPrefetchMaxBytes = 8 << 20;
 
 }  // namespace
 

@@ -605,6 +605,7 @@ void CpuBackend::BuildAttentionPlan(const AttentionBatch& batch) {
   p.steps.clear();
   p.queries.clear();
   p.rows.clear();
+  p.combines.clear();
   for (const AttentionSequence& in : batch.sequences) {
     p.seqs.push_back({in.block_table.data(), in.num_cached, in.num_new, in.row_offset});
   }
@@ -650,7 +651,8 @@ void CpuBackend::BuildAttentionPlan(const AttentionBatch& batch) {
       }
     }
     const int64_t group = batch.num_heads / batch.num_kv_heads;
-    p.state_per_head = static_cast<int64_t>(p.rows.size()) * (2 * group * batch.head_dim + 2 * group);
+    p.state_per_head =
+        static_cast<int64_t>(p.rows.size()) * AttentionGroupStateFloats(static_cast<int32_t>(group), batch.head_dim);
     p.state.resize(p.state_per_head * batch.num_kv_heads);
     return;
   }
@@ -658,8 +660,44 @@ void CpuBackend::BuildAttentionPlan(const AttentionBatch& batch) {
   // its rows read, then cut into chunks of about equal cost.
   std::vector<double> cost;
   constexpr int32_t kRowsPerItem = 16;
+  const int threads = pool_.num_threads();
+  bool decode = true;
+  for (const AttentionSequence& s : batch.sequences) decode = decode && s.num_new == 1;
+  // Fewer decode rows than threads: the segments (AttentionSegmentBlocks)
+  // of a row with at least two a thread are items of their own, all of a
+  // segment's KV heads side by side, so that the threads share the row by
+  // keys and each reads whole blocks (every head's K and V) in one stream,
+  // not a part of every block; AttentionCombine merges them as a lone
+  // thread would. One row, 2 threads, Zen 5 VM, `pdctl bench-attention`,
+  // 3 alternations: history 2048 29.0-29.6 GB/s against 23.9-24.5 by
+  // heads, 4096 29.2-30.6 against 23.3-24.5. A row of 513 keys split in
+  // two segments (512 and 1) read 0.8-0.9x as fast in `bench-engine` (the
+  // second segment's pass and the merge for one key): shorter rows go by
+  // heads as before.
+  const bool split = decode && static_cast<int64_t>(batch.sequences.size()) < threads;
+  const int32_t seg_blocks = AttentionSegmentBlocks(bs);
+  const int64_t partial_floats =
+      AttentionPartialFloats(batch.num_heads / batch.num_kv_heads, batch.head_dim);
+  int64_t partials = 0;
   for (size_t s = 0; s < batch.sequences.size(); ++s) {
     const AttentionSequence& in = batch.sequences[s];
+    const int32_t segments = (in.num_cached + 1 + seg_blocks * bs - 1) / (seg_blocks * bs);
+    if (split && segments >= 2 * threads) {
+      // States [segment][KV head].
+      const int64_t stride = batch.num_kv_heads * partial_floats;
+      for (int32_t h = 0; h < batch.num_kv_heads; ++h) {
+        p.combines.push_back({in.row_offset, h, segments, partials + h * partial_floats, stride});
+      }
+      for (int32_t j = 0; j < segments; ++j) {
+        const int32_t keys = std::min(in.num_cached + 1 - j * seg_blocks * bs, seg_blocks * bs);
+        for (int32_t h = 0; h < batch.num_kv_heads; ++h) {
+          p.items.push_back({static_cast<int32_t>(s), h, 0, 1, j, partials + j * stride + h * partial_floats});
+          cost.push_back(keys);
+        }
+      }
+      partials += static_cast<int64_t>(segments) * batch.num_kv_heads * partial_floats;
+      continue;
+    }
     for (int32_t h = 0; h < batch.num_kv_heads; ++h) {
       for (int32_t r = 0; r < in.num_new; r += kRowsPerItem) {
         const int32_t e = std::min(in.num_new, r + kRowsPerItem);
@@ -680,11 +718,9 @@ void CpuBackend::BuildAttentionPlan(const AttentionBatch& batch) {
   // bench-attention`), whole rows another 1.03-1.04x at two rows (3
   // alternations); in `bench-engine`, b=1 steps 0.92-0.96x the time, b=2
   // 0.89x. A row's heads compute as before: the same bits.
-  const int threads = pool_.num_threads();
+  p.partials.resize(partials);
   int per_thread = 4;
-  bool decode = batch.num_kv_heads > 1;
-  for (const AttentionSequence& s : batch.sequences) decode = decode && s.num_new == 1;
-  if (decode) {
+  if (decode && batch.num_kv_heads > 1) {
     const int64_t rows = static_cast<int64_t>(batch.sequences.size());
     per_thread = static_cast<int>(std::clamp<int64_t>(rows / threads, 1, 4));
   }
@@ -755,7 +791,8 @@ void CpuBackend::Attention(const AttentionBatch& batch) {
                      .num_kv_heads = batch.num_kv_heads,
                      .head_dim = batch.head_dim,
                      .scale = batch.scale,
-                     .bf16_dot = Bf16DotAttention(batch.kv.dtype, batch.kv.block_size)};
+                     .bf16_dot = Bf16DotAttention(batch.kv.dtype, batch.kv.block_size),
+                     .partials = plan_.partials.data()};
   std::atomic<int64_t> bytes{0};
   if (p.grouped) {
     const AttentionGroupPlan plan{p.steps.data(), static_cast<int64_t>(p.steps.size()),
@@ -774,6 +811,9 @@ void CpuBackend::Attention(const AttentionBatch& batch) {
     pool_.ParallelChunks(p.bounds, [&](int64_t b, int64_t e) {
       bytes.fetch_add(table_.attention(args, p.items.data() + b, e - b), std::memory_order_relaxed);
     });
+    if (!p.combines.empty()) {
+      table_.attention_combine(args, p.combines.data(), static_cast<int64_t>(p.combines.size()));
+    }
   }
   if (batch.kv_bytes_read != nullptr) *batch.kv_bytes_read += bytes.load();
 }

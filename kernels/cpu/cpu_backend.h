@@ -162,6 +162,10 @@ class CpuBackend final : public Backend {
     std::vector<int64_t> rows;
     std::vector<float> state;  // Cascade softmax state, [kv_head][rows][...].
     int64_t state_per_head = 0;
+    // Decode rows split by segment over the threads: their items' states
+    // and how they merge.
+    std::vector<float> partials;
+    std::vector<AttentionCombine> combines;
   };
   void BuildAttentionPlan(const AttentionBatch& batch);
 

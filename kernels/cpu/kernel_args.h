@@ -1,6 +1,7 @@
 // Plain argument structs shared by the per-ISA CPU kernel translation units.
-// This header holds data only (no inline code), so the per-ISA units, which
-// are compiled with different -m flags, cannot collide on shared symbols.
+// This header holds data only (no inline code: its few sizes are static
+// functions, one copy in each unit), so the per-ISA units, which are
+// compiled with different -m flags, cannot collide on shared symbols.
 #ifndef PDSERVE_KERNELS_CPU_KERNEL_ARGS_H_
 #define PDSERVE_KERNELS_CPU_KERNEL_ARGS_H_
 
@@ -51,14 +52,50 @@ struct AttentionSeq {
   int32_t row_offset;  // First row of this sequence in q / out.
 };
 
+// Attention's softmax folds a row's keys run by run (kAttentionRunKeys
+// keys, whole blocks: kAttentionRunKeys / block_size of them) and groups the
+// runs in segments of kAttentionSegmentRuns runs: each segment is folded
+// from an empty state, and the segments' states are merged in key order
+// (kernels_impl.inc, MergeState). Every path (a prompt's tiles, a lone
+// decode row, a decode row's segments on several threads, cascade) does
+// exactly this, so a row's bits never depend on which of them computed it.
+inline constexpr int32_t kAttentionRunKeys = 256;
+inline constexpr int32_t kAttentionSegmentRuns = 2;
+static constexpr int32_t AttentionSegmentBlocks(int32_t block_size) {
+  return kAttentionSegmentRuns * (kAttentionRunKeys / block_size);
+}
+
 // A unit of parallel work: rows [row_begin, row_end) of one sequence, for the
-// query heads of one KV head.
+// query heads of one KV head; with `segment` >= 0, one row's keys of that
+// segment only, whose softmax state (not yet normalised) goes to
+// AttentionArgs::partials at `partial` (AttentionPartialFloats each KV head,
+// for the consecutive heads of the items that the kernel takes together)
+// for AttentionCombine to merge.
 struct AttentionItem {
   int32_t seq;
   int32_t kv_head;
   int32_t row_begin;
   int32_t row_end;
+  int32_t segment = -1;
+  int64_t partial = -1;
 };
+
+// A decode row's KV head whose segments ran as separate items: their
+// `count` states at partials + first_partial, `stride` floats apart,
+// merged in key order and normalised into out.
+struct AttentionCombine {
+  int64_t row;
+  int32_t kv_head;
+  int32_t count;
+  int64_t first_partial;
+  int64_t stride;
+};
+
+// Floats of one KV head's softmax state: its `group` query heads' sums of
+// weighted V (head_dim each), maxima and sums of weights.
+static constexpr int64_t AttentionPartialFloats(int32_t group, int32_t head_dim) {
+  return static_cast<int64_t>(group) * (head_dim + 2);
+}
 
 struct AttentionArgs {
   const float* q;  // [T, num_heads, head_dim]
@@ -86,6 +123,8 @@ struct AttentionArgs {
   // AVX-512 kernels score and weight with BF16 dot products (queries and
   // softmax weights rounded to BF16; kernels_impl.inc, UpdateTileDot).
   bool bf16_dot = false;
+  // Segment states of the items with a segment (AttentionItem::partial).
+  float* partials = nullptr;
 };
 
 // Cascade (shared-prefix) attention plan for decode batches: steps in
@@ -100,6 +139,11 @@ struct AttentionGroupQuery {
   int32_t state;    // Index into `rows` and AttentionArgs::seqs (the kernel's state).
   int32_t visible;  // Keys of this block the query attends to.
 };
+// A cascade query's state: scaled queries, the current segment's state and
+// the merged earlier segments' state.
+static constexpr int64_t AttentionGroupStateFloats(int32_t group, int32_t head_dim) {
+  return static_cast<int64_t>(group) * head_dim + 2 * AttentionPartialFloats(group, head_dim);
+}
 struct AttentionGroupPlan {
   const AttentionGroupStep* steps;
   int64_t num_steps;
@@ -117,9 +161,11 @@ struct KernelTable {
   // scales; a block read for several rows or queries at once counts once).
   int64_t (*attention)(const AttentionArgs& args, const AttentionItem* items, int64_t num_items);
   // One KV head of a grouped plan; `state` holds
-  // num_rows * (2 * group * head_dim + 2 * group) floats.
+  // num_rows * AttentionGroupStateFloats(group, head_dim) floats.
   int64_t (*attention_grouped)(const AttentionArgs& args, const AttentionGroupPlan& plan,
                                int32_t kv_head, float* state);
+  // Merges and normalises the segment states of `attention` items.
+  void (*attention_combine)(const AttentionArgs& args, const AttentionCombine* combines, int64_t num);
   // out[i] = silu(gate[i]) * up[i] for i < n.
   void (*silu_mul)(const float* gate, const float* up, float* out, int64_t n);
   // One row of RMS normalization: y[i] = x[i] * inv * w[i], inv =

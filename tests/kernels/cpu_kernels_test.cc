@@ -435,14 +435,15 @@ TEST_P(CpuKernelsTest, PagedAttentionMatchesReference) {
 // and V load; a row's output must be bitwise what it is attended alone (as
 // the decode of its position): recompute after preemption and migration
 // rely on it. Prompts that start, end and cross the kernel's 256-key
-// softmax runs, with head dims off the vector width, odd block sizes and
-// every KV format.
+// softmax runs and 512-key segments (a lone row of 2040 keys or more has
+// its segments split over the 2 threads), with head dims off the vector
+// width, odd block sizes and every KV format.
 void ExpectPromptRowsBitwiseTheRowAlone(CpuBackend& backend, std::mt19937& rng, absl::Span<const AttnShape> shapes) {
   auto Random = [&](size_t n, float scale = 1.0f) { return RandomVector(rng, n, scale); };
   struct Prompt {
     int32_t cached, fresh;
   };
-  const Prompt prompts[] = {{0, 300}, {250, 13}, {7, 1}, {509, 6}, {0, 2}};
+  const Prompt prompts[] = {{0, 300}, {250, 13}, {7, 1}, {509, 6}, {0, 2}, {1020, 9}, {2040, 3}};
   for (const AttnShape& s : shapes) {
     for (const Prompt& pr : prompts) {
       SCOPED_TRACE(::testing::Message() << "heads " << s.heads << "/" << s.kv_heads << " dim " << s.head_dim
@@ -527,6 +528,135 @@ TEST_P(CpuKernelsTest, PromptRowsAreBitwiseTheRowAlone) {
                               {6, 3, 20, 48, DType::kF32},   {4, 4, 36, 16, DType::kBF16},
                               {4, 2, 32, 16, DType::kBF16}};
   ExpectPromptRowsBitwiseTheRowAlone(*backend_, rng_, shapes);
+}
+
+// Long decode histories go segment by segment (AttentionSegmentBlocks):
+// alone on one thread the segments are merged in turn; a lone row on
+// several threads has its segments computed apart and merged after; a
+// cascade batch (sequences sharing a prefix) merges each query's segments
+// as it steps through the blocks. All three must give the same bits, and
+// the merge must be right: each row against the float64 reference.
+void ExpectLongDecodeRowsAgreeAcrossPaths(Isa isa, std::mt19937& rng, const AttnShape& s, bool bf16_dot) {
+  SCOPED_TRACE(::testing::Message() << "heads " << s.heads << "/" << s.kv_heads << " dim " << s.head_dim << " bs "
+                                    << s.block_size << " kv " << DTypeName(s.kv_type));
+  // Histories of 3, 2 and 5 segments (of about 512 keys; the backend
+  // splits a lone row of 4 or more over 2 threads); the first and the
+  // last share their first 1120 keys' blocks, the second the first 640
+  // keys' of those.
+  constexpr int kSeqs = 3;
+  const int32_t cached[kSeqs] = {1300, 900, 2100};
+  const int32_t shared[kSeqs] = {1120 / s.block_size, 640 / s.block_size, 1120 / s.block_size};
+  int32_t total_blocks = shared[0];
+  for (int q = 0; q < kSeqs; ++q) total_blocks += (cached[q] + s.block_size) / s.block_size - shared[q];
+  const int64_t half = static_cast<int64_t>(s.kv_heads) * s.block_size * s.head_dim;
+  const int64_t block_elems = 2 * half;
+  const std::vector<float> vals = RandomVector(rng, static_cast<size_t>(total_blocks * block_elems));
+  std::vector<float> kvf(vals.size());
+  std::vector<uint16_t> kvh(vals.size());
+  for (size_t i = 0; i < vals.size(); ++i) {
+    kvh[i] = F32ToBf16(vals[i]);
+    kvf[i] = s.kv_type == DType::kBF16 ? Bf16ToF32(kvh[i]) : vals[i];  // The values the kernels read.
+  }
+  std::vector<int32_t> perm(total_blocks);
+  for (int32_t i = 0; i < total_blocks; ++i) perm[i] = (i * 37 + 11) % total_blocks;
+  std::vector<std::vector<int32_t>> tables(kSeqs);
+  int32_t next = shared[0];  // Blocks [0, shared[0]) of perm are the shared prefix.
+  for (int q = 0; q < kSeqs; ++q) {
+    const int32_t nb = (cached[q] + 1 + s.block_size - 1) / s.block_size;
+    for (int32_t b = 0; b < nb; ++b) tables[q].push_back(perm[b < shared[q] ? b : next++]);
+  }
+  ASSERT_EQ(next, total_blocks);
+  const KvLayerView view{.base = s.kv_type == DType::kF32 ? static_cast<void*>(kvf.data()) : kvh.data(),
+                         .dtype = s.kv_type,
+                         .block_stride = block_elems,
+                         .head_stride = static_cast<int64_t>(s.block_size) * s.head_dim,
+                         .v_offset = half,
+                         .block_size = s.block_size};
+  const int64_t row_elems = static_cast<int64_t>(s.heads) * s.head_dim;
+  const std::vector<float> qv = RandomVector(rng, static_cast<size_t>(kSeqs * row_elems), 2.0f);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim));
+  std::vector<AttentionSequence> batch;
+  for (int q = 0; q < kSeqs; ++q) batch.push_back({tables[q], cached[q], 1, q});
+  const MatrixPath path = bf16_dot ? MatrixPath::kBf16 : MatrixPath::kF32;
+  auto one = CpuBackend::Create({.num_threads = 1, .isa = isa, .matrix_path = path, .bf16_attention = bf16_dot});
+  auto two = CpuBackend::Create({.num_threads = 2, .isa = isa, .matrix_path = path, .bf16_attention = bf16_dot});
+  ASSERT_TRUE(one.ok() && two.ok());
+  ASSERT_EQ((*one)->Bf16DotAttention(s.kv_type, s.block_size), bf16_dot);
+  auto run = [&](CpuBackend& b, absl::Span<const AttentionSequence> seqs, const float* q, bool group) {
+    std::vector<float> out(seqs.size() * row_elems, -1.0f);
+    int64_t bytes = 0;
+    b.Attention({.q = q, .out = out.data(), .sequences = seqs, .kv = view, .num_heads = s.heads,
+                 .num_kv_heads = s.kv_heads, .head_dim = s.head_dim, .scale = scale, .group_shared_blocks = group,
+                 .kv_bytes_read = &bytes});
+    EXPECT_GT(bytes, 0);
+    return out;
+  };
+  const std::vector<float> cascade = run(**one, batch, qv.data(), true);
+  const std::vector<float> cascade2 = run(**two, batch, qv.data(), true);
+  const std::vector<float> per_sequence = run(**two, batch, qv.data(), false);
+  auto same = [&](const float* x, const float* y, const char* what, int q) {
+    for (int64_t e = 0; e < row_elems; ++e) {
+      ASSERT_EQ(std::bit_cast<uint32_t>(x[e]), std::bit_cast<uint32_t>(y[e]))
+          << what << ": sequence " << q << " element " << e << ": " << x[e] << " vs " << y[e];
+    }
+  };
+  for (int q = 0; q < kSeqs; ++q) {
+    const AttentionSequence alone[] = {{tables[q], cached[q], 1, 0}};
+    const float* qq = qv.data() + q * row_elems;
+    const std::vector<float> serial = run(**one, alone, qq, true);
+    const std::vector<float> split = run(**two, alone, qq, true);
+    same(serial.data(), split.data(), "one thread against two (segments apart for the longest)", q);
+    same(serial.data(), cascade.data() + q * row_elems, "alone against cascade", q);
+    same(serial.data(), cascade2.data() + q * row_elems, "alone against cascade on two threads", q);
+    same(serial.data(), per_sequence.data() + q * row_elems, "alone against the batch", q);
+    // And against float64 (the merge's arithmetic, not only its order).
+    const int32_t g = s.heads / s.kv_heads;
+    const int32_t keys = cached[q] + 1;
+    for (int32_t h = 0; h < s.heads; ++h) {
+      const int32_t kh = h / g;
+      std::vector<double> w(keys);
+      double mx = -1e300, delta = 0;
+      for (int32_t j = 0; j < keys; ++j) {
+        const int64_t block = tables[q][j / s.block_size];
+        double dot = 0, mag = 0;
+        for (int32_t d = 0; d < s.head_dim; ++d) {
+          const double t = static_cast<double>(qq[h * s.head_dim + d]) *
+                           kvf[KOffset(s, block_elems, block, kh, j % s.block_size, d)];
+          dot += t;
+          mag += std::abs(t);
+        }
+        w[j] = dot * scale;
+        delta = std::max(delta, std::ldexp(mag * scale, -9));
+        mx = std::max(mx, w[j]);
+      }
+      double sum = 0;
+      for (double& e : w) sum += (e = std::exp(e - mx));
+      for (int32_t d = 0; d < s.head_dim; ++d) {
+        double want = 0, vmax = 0;
+        for (int32_t j = 0; j < keys; ++j) {
+          const int64_t block = tables[q][j / s.block_size];
+          const double v = kvf[VOffset(s, block_elems, half, block, kh, j % s.block_size, d)];
+          want += w[j] / sum * v;
+          vmax = std::max(vmax, std::abs(v));
+        }
+        const double tol = bf16_dot ? 1.5 * vmax * (2 * delta + 2 * std::ldexp(1.0, -9)) + 2e-5 : 2e-5;
+        ASSERT_NEAR(serial[h * s.head_dim + d], want, tol) << "sequence " << q << " head " << h << " dim " << d;
+      }
+    }
+  }
+}
+
+TEST_P(CpuKernelsTest, LongDecodeRowsAgreeAcrossThreadsAndCascade) {
+  for (const AttnShape& s : {AttnShape{12, 4, 64, 16, DType::kBF16}, AttnShape{8, 2, 20, 5, DType::kF32},
+                             AttnShape{4, 4, 32, 32, DType::kBF16}}) {
+    ExpectLongDecodeRowsAgreeAcrossPaths(GetParam(), rng_, s, false);
+  }
+}
+
+TEST(Bf16AttentionTest, LongDecodeRowsAgreeAcrossThreadsAndCascade) {
+  if (!Bf16PathSupported()) GTEST_SKIP() << "no AVX512-BF16 on this CPU";
+  std::mt19937 rng(7);
+  ExpectLongDecodeRowsAgreeAcrossPaths(Isa::kAvx512, rng, {12, 4, 64, 16, DType::kBF16}, true);
 }
 
 // Row i, column j of x W^T in double on the BF16-rounded weights, and the

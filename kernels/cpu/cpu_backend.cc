@@ -137,6 +137,9 @@ constexpr int64_t kKvPrefetchMaxBytes = 8 << 20;
 // BF16 products of more rows than one tile and at most this many (decode
 // batches) take fewer, longer chunks (see CpuBackend::Linear).
 constexpr int64_t kDecodeChunkRows = 32;
+// Decode rows of at least this many attention segments (2048 keys of 512)
+// may be split between the threads by segment (BuildAttentionPlan).
+constexpr int32_t kSplitMinSegments = 4;
 
 }  // namespace
 
@@ -664,16 +667,19 @@ void CpuBackend::BuildAttentionPlan(const AttentionBatch& batch) {
   bool decode = true;
   for (const AttentionSequence& s : batch.sequences) decode = decode && s.num_new == 1;
   // Fewer decode rows than threads: the segments (AttentionSegmentBlocks)
-  // of a row with at least two a thread are items of their own, all of a
+  // of a row of kSplitMinSegments or more are items of their own, all of a
   // segment's KV heads side by side, so that the threads share the row by
   // keys and each reads whole blocks (every head's K and V) in one stream,
   // not a part of every block; AttentionCombine merges them as a lone
   // thread would. One row, 2 threads, Zen 5 VM, `pdctl bench-attention`,
   // 3 alternations: history 2048 29.0-29.6 GB/s against 23.9-24.5 by
-  // heads, 4096 29.2-30.6 against 23.3-24.5. A row of 513 keys split in
-  // two segments (512 and 1) read 0.8-0.9x as fast in `bench-engine` (the
-  // second segment's pass and the merge for one key): shorter rows go by
-  // heads as before.
+  // heads, 4096 29.2-30.6 against 23.3-24.5. Rows split at 513 keys (512
+  // and 1) read 0.72-0.85x as fast in `bench-engine` (3 alternations: the
+  // second segment's pass and the merge for one key), so shorter rows go
+  // by heads as before. The minimum is a history, not a count a thread:
+  // with more threads than a row has KV heads, a long row split by keys
+  // keeps every thread busy where its heads alone would not (unmeasured
+  // beyond 2 threads, where the two rules agree).
   const bool split = decode && static_cast<int64_t>(batch.sequences.size()) < threads;
   const int32_t seg_blocks = AttentionSegmentBlocks(bs);
   const int64_t partial_floats =
@@ -682,7 +688,7 @@ void CpuBackend::BuildAttentionPlan(const AttentionBatch& batch) {
   for (size_t s = 0; s < batch.sequences.size(); ++s) {
     const AttentionSequence& in = batch.sequences[s];
     const int32_t segments = (in.num_cached + 1 + seg_blocks * bs - 1) / (seg_blocks * bs);
-    if (split && segments >= 2 * threads) {
+    if (split && segments >= kSplitMinSegments) {
       // States [segment][KV head].
       const int64_t stride = batch.num_kv_heads * partial_floats;
       for (int32_t h = 0; h < batch.num_kv_heads; ++h) {

@@ -435,7 +435,7 @@ TEST_P(CpuKernelsTest, PagedAttentionMatchesReference) {
 // and V load; a row's output must be bitwise what it is attended alone (as
 // the decode of its position): recompute after preemption and migration
 // rely on it. Prompts that start, end and cross the kernel's 256-key
-// softmax runs and 512-key segments (a lone row of 2040 keys or more has
+// softmax runs and 512-key segments (a lone row of 4 segments or more has
 // its segments split over the 2 threads), with head dims off the vector
 // width, odd block sizes and every KV format.
 void ExpectPromptRowsBitwiseTheRowAlone(CpuBackend& backend, std::mt19937& rng, absl::Span<const AttnShape> shapes) {
@@ -540,7 +540,8 @@ void ExpectLongDecodeRowsAgreeAcrossPaths(Isa isa, std::mt19937& rng, const Attn
   SCOPED_TRACE(::testing::Message() << "heads " << s.heads << "/" << s.kv_heads << " dim " << s.head_dim << " bs "
                                     << s.block_size << " kv " << DTypeName(s.kv_type));
   // Histories of 3, 2 and 5 segments (of about 512 keys; the backend
-  // splits a lone row of 4 or more over 2 threads); the first and the
+  // splits a row of 4 or more between the threads when there are fewer
+  // rows than threads); the first and the
   // last share their first 1120 keys' blocks, the second the first 640
   // keys' of those.
   constexpr int kSeqs = 3;
@@ -580,7 +581,10 @@ void ExpectLongDecodeRowsAgreeAcrossPaths(Isa isa, std::mt19937& rng, const Attn
   const MatrixPath path = bf16_dot ? MatrixPath::kBf16 : MatrixPath::kF32;
   auto one = CpuBackend::Create({.num_threads = 1, .isa = isa, .matrix_path = path, .bf16_attention = bf16_dot});
   auto two = CpuBackend::Create({.num_threads = 2, .isa = isa, .matrix_path = path, .bf16_attention = bf16_dot});
-  ASSERT_TRUE(one.ok() && two.ok());
+  // Five threads for 3 rows: every row split, chunks cutting across a
+  // segment's heads.
+  auto five = CpuBackend::Create({.num_threads = 5, .isa = isa, .matrix_path = path, .bf16_attention = bf16_dot});
+  ASSERT_TRUE(one.ok() && two.ok() && five.ok());
   ASSERT_EQ((*one)->Bf16DotAttention(s.kv_type, s.block_size), bf16_dot);
   auto run = [&](CpuBackend& b, absl::Span<const AttentionSequence> seqs, const float* q, bool group) {
     std::vector<float> out(seqs.size() * row_elems, -1.0f);
@@ -594,6 +598,7 @@ void ExpectLongDecodeRowsAgreeAcrossPaths(Isa isa, std::mt19937& rng, const Attn
   const std::vector<float> cascade = run(**one, batch, qv.data(), true);
   const std::vector<float> cascade2 = run(**two, batch, qv.data(), true);
   const std::vector<float> per_sequence = run(**two, batch, qv.data(), false);
+  const std::vector<float> split_batch = run(**five, batch, qv.data(), false);
   auto same = [&](const float* x, const float* y, const char* what, int q) {
     for (int64_t e = 0; e < row_elems; ++e) {
       ASSERT_EQ(std::bit_cast<uint32_t>(x[e]), std::bit_cast<uint32_t>(y[e]))
@@ -609,6 +614,9 @@ void ExpectLongDecodeRowsAgreeAcrossPaths(Isa isa, std::mt19937& rng, const Attn
     same(serial.data(), cascade.data() + q * row_elems, "alone against cascade", q);
     same(serial.data(), cascade2.data() + q * row_elems, "alone against cascade on two threads", q);
     same(serial.data(), per_sequence.data() + q * row_elems, "alone against the batch", q);
+    same(serial.data(), split_batch.data() + q * row_elems, "alone against the batch on five threads", q);
+    const std::vector<float> split5 = run(**five, alone, qq, true);
+    same(serial.data(), split5.data(), "one thread against five", q);
     // And against float64 (the merge's arithmetic, not only its order).
     const int32_t g = s.heads / s.kv_heads;
     const int32_t keys = cached[q] + 1;

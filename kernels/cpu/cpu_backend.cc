@@ -137,7 +137,7 @@ constexpr int64_t kKvPrefetchMaxBytes = 8 << 20;
 // BF16 products of more rows than one tile and at most this many (decode
 // batches) take fewer, longer chunks (see CpuBackend::Linear).
 constexpr int64_t kDecodeChunkRows = 32;
-// Decode rows of at least this many attention segments (2048 keys of 512)
+// Decode rows of at least this many attention segments (more than 1536 keys)
 // may be split between the threads by segment (BuildAttentionPlan).
 constexpr int32_t kSplitMinSegments = 4;
 

@@ -287,6 +287,45 @@ struct AttnTolerance {
   bool exact_scores = true;
 };
 
+// One query head's attention in float64 over `keys` keys whose stored
+// values are k(j, d) and v(j, d), and how far the kernels may be from it
+// for each output dimension (AttnTolerance).
+struct HeadReference {
+  std::vector<double> want, tol;
+};
+template <typename KAt, typename VAt>
+HeadReference ReferenceHead(const float* q, int32_t keys, int32_t head_dim, float scale, KAt k, VAt v,
+                            AttnTolerance tolerance) {
+  std::vector<double> w(keys);
+  double mx = -1e300;
+  double delta = 0;  // Bound on a score's move from BF16 queries.
+  for (int32_t j = 0; j < keys; ++j) {
+    double dot = 0, mag = 0;
+    for (int32_t d = 0; d < head_dim; ++d) {
+      const double t = static_cast<double>(q[d]) * k(j, d);
+      dot += t;
+      mag += std::abs(t);
+    }
+    w[j] = dot * scale;
+    delta = std::max(delta, std::ldexp(mag * scale, -9));
+    mx = std::max(mx, w[j]);
+  }
+  double sum = 0;
+  for (double& e : w) sum += (e = std::exp(e - mx));
+  HeadReference r;
+  for (int32_t d = 0; d < head_dim; ++d) {
+    double want = 0, vmax = 0;
+    for (int32_t j = 0; j < keys; ++j) {
+      const double vj = v(j, d);
+      want += w[j] / sum * vj;
+      vmax = std::max(vmax, std::abs(vj));
+    }
+    r.want.push_back(want);
+    r.tol.push_back(tolerance.exact_scores ? 2e-5 : 1.5 * vmax * (2 * delta + 2 * std::ldexp(1.0, -9)) + 2e-5);
+  }
+  return r;
+}
+
 void ExpectPagedAttentionMatchesReference(CpuBackend& backend, std::mt19937& rng, absl::Span<const AttnShape> shapes,
                                           AttnTolerance tolerance) {
   auto Random = [&](size_t n, float scale = 1.0f) { return RandomVector(rng, n, scale); };
@@ -388,33 +427,13 @@ void ExpectPagedAttentionMatchesReference(CpuBackend& backend, std::mt19937& rng
         const int32_t pos = cached[q] + i;
         for (int32_t h = 0; h < s.heads; ++h) {
           const int32_t kh = h / g;
-          std::vector<double> w(pos + 1);
-          double mx = -1e300;
-          double delta = 0;  // Bound on a score's move from BF16 queries.
-          for (int32_t j = 0; j <= pos; ++j) {
-            double dot = 0, mag = 0;
-            for (int32_t d = 0; d < s.head_dim; ++d) {
-              const double t = static_cast<double>(qv[(row * s.heads + h) * s.head_dim + d]) *
-                               K[q][(static_cast<int64_t>(j) * s.kv_heads + kh) * s.head_dim + d];
-              dot += t;
-              mag += std::abs(t);
-            }
-            w[j] = dot * scale;
-            delta = std::max(delta, std::ldexp(mag * scale, -9));
-            mx = std::max(mx, w[j]);
-          }
-          double sum = 0;
-          for (double& e : w) sum += (e = std::exp(e - mx));
+          const HeadReference ref = ReferenceHead(
+              qv.data() + (row * s.heads + h) * s.head_dim, pos + 1, s.head_dim, scale,
+              [&](int32_t j, int32_t d) { return K[q][(static_cast<int64_t>(j) * s.kv_heads + kh) * s.head_dim + d]; },
+              [&](int32_t j, int32_t d) { return Vv[q][(static_cast<int64_t>(j) * s.kv_heads + kh) * s.head_dim + d]; },
+              tolerance);
           for (int32_t d = 0; d < s.head_dim; ++d) {
-            double want = 0, vmax = 0;
-            for (int32_t j = 0; j <= pos; ++j) {
-              const double v = Vv[q][(static_cast<int64_t>(j) * s.kv_heads + kh) * s.head_dim + d];
-              want += w[j] / sum * v;
-              vmax = std::max(vmax, std::abs(v));
-            }
-            const double tol =
-                tolerance.exact_scores ? 2e-5 : 1.5 * vmax * (2 * delta + 2 * std::ldexp(1.0, -9)) + 2e-5;
-            ASSERT_NEAR(out[(row * s.heads + h) * s.head_dim + d], want, tol)
+            ASSERT_NEAR(out[(row * s.heads + h) * s.head_dim + d], ref.want[d], ref.tol[d])
                 << "seq " << q << " row " << i << " head " << h << " dim " << d;
           }
         }
@@ -622,33 +641,15 @@ void ExpectLongDecodeRowsAgreeAcrossPaths(Isa isa, std::mt19937& rng, const Attn
     const int32_t keys = cached[q] + 1;
     for (int32_t h = 0; h < s.heads; ++h) {
       const int32_t kh = h / g;
-      std::vector<double> w(keys);
-      double mx = -1e300, delta = 0;
-      for (int32_t j = 0; j < keys; ++j) {
-        const int64_t block = tables[q][j / s.block_size];
-        double dot = 0, mag = 0;
-        for (int32_t d = 0; d < s.head_dim; ++d) {
-          const double t = static_cast<double>(qq[h * s.head_dim + d]) *
-                           kvf[KOffset(s, block_elems, block, kh, j % s.block_size, d)];
-          dot += t;
-          mag += std::abs(t);
-        }
-        w[j] = dot * scale;
-        delta = std::max(delta, std::ldexp(mag * scale, -9));
-        mx = std::max(mx, w[j]);
-      }
-      double sum = 0;
-      for (double& e : w) sum += (e = std::exp(e - mx));
+      auto at = [&](int32_t j) { return static_cast<int64_t>(tables[q][j / s.block_size]); };
+      const HeadReference ref = ReferenceHead(
+          qq + h * s.head_dim, keys, s.head_dim, scale,
+          [&](int32_t j, int32_t d) { return kvf[KOffset(s, block_elems, at(j), kh, j % s.block_size, d)]; },
+          [&](int32_t j, int32_t d) { return kvf[VOffset(s, block_elems, half, at(j), kh, j % s.block_size, d)]; },
+          {.exact_scores = !bf16_dot});
       for (int32_t d = 0; d < s.head_dim; ++d) {
-        double want = 0, vmax = 0;
-        for (int32_t j = 0; j < keys; ++j) {
-          const int64_t block = tables[q][j / s.block_size];
-          const double v = kvf[VOffset(s, block_elems, half, block, kh, j % s.block_size, d)];
-          want += w[j] / sum * v;
-          vmax = std::max(vmax, std::abs(v));
-        }
-        const double tol = bf16_dot ? 1.5 * vmax * (2 * delta + 2 * std::ldexp(1.0, -9)) + 2e-5 : 2e-5;
-        ASSERT_NEAR(serial[h * s.head_dim + d], want, tol) << "sequence " << q << " head " << h << " dim " << d;
+        ASSERT_NEAR(serial[h * s.head_dim + d], ref.want[d], ref.tol[d])
+            << "sequence " << q << " head " << h << " dim " << d;
       }
     }
   }

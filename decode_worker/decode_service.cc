@@ -437,7 +437,7 @@ void DecodeService::Sweep() {
       ++it;
     }
   }
-  for (auto* ids : {&claimed_, &abandoned_}) {
+  for (auto* ids : {&claimed_, &abandoned_, &released_}) {
     for (auto it = ids->begin(); it != ids->end();) {
       if (now - it->second > absl::Minutes(5)) {
         ids->erase(it++);
@@ -463,6 +463,11 @@ void DecodeService::OnHandoffCommitted(const std::string& request_id, HandedOff 
     if (claimed_.contains(id) || (it != rendezvous_.end() && it->second.committed.has_value())) {
       // A duplicate commit (a retried prefill): keep the first, free this one.
       LogEvent("warning", "duplicate_handoff", {{"request_id", request_id}});
+      return;  // Its KV goes back with it.
+    }
+    if (released_.contains(id)) {
+      // The router released the id: its call is over, or never came.
+      LogEvent("info", "released_handoff_freed", {{"request_id", request_id}, {"when", "on arrival"}});
       return;  // Its KV goes back with it.
     }
     if (it == rendezvous_.end() && abandoned_.contains(id)) {
@@ -601,6 +606,10 @@ grpc::ServerWriteReactor<DecodeEvent>* DecodeService::Decode(grpc::CallbackServe
   }
 
   // Disaggregated: meet the prefill worker's handoff of this request.
+  if (fault_lose_call_.Take()) {
+    // As if the caller had cancelled the call before it ran here.
+    return reject(grpc::StatusCode::CANCELLED, "fault: the Decode call was lost before it ran");
+  }
   auto r = std::make_shared<engine::Request>(id, engine::RequestMode::kDecodeOnly, *std::move(made), call->Callbacks());
   (void)r->lifecycle.Transition(engine::RequestState::kWaitingForKv);
   call->set_request(r);
@@ -608,10 +617,15 @@ grpc::ServerWriteReactor<DecodeEvent>* DecodeService::Decode(grpc::CallbackServe
   call->set_waiting_for_kv(true);
   std::optional<HandedOff> seq;
   std::shared_ptr<DecodeCall> displaced;
+  bool released = false;
   {
     absl::MutexLock lock(&handoff_mu_);
-    abandoned_.erase(id);  // This call takes the id's handoff, whenever it comes.
-    auto it = rendezvous_.find(id);
+    if (released_.contains(id)) {
+      released = true;
+    } else {
+      abandoned_.erase(id);  // This call takes the id's handoff, whenever it comes.
+    }
+    auto it = released ? rendezvous_.end() : rendezvous_.find(id);
     if (it != rendezvous_.end() && it->second.committed.has_value()) {
       seq = std::move(it->second.committed);
       rendezvous_.erase(it);
@@ -619,15 +633,56 @@ grpc::ServerWriteReactor<DecodeEvent>* DecodeService::Decode(grpc::CallbackServe
     } else if (it != rendezvous_.end()) {
       displaced = std::move(it->second.waiting);  // An earlier call for the same request.
       it->second = Rendezvous{std::nullopt, call, absl::Now()};
-    } else {
+    } else if (!released) {
       rendezvous_.emplace(id, Rendezvous{std::nullopt, call, absl::Now()});
     }
+  }
+  if (released) {
+    (void)r->lifecycle.Transition(engine::RequestState::kFinished, engine::EndReason::kError);
+    call->Abort(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                             absl::StrCat("request ", r->id.str(), " was released by the router")),
+                false);
+    return call.get();
   }
   if (displaced != nullptr) {
     displaced->Abort(grpc::Status(grpc::StatusCode::CANCELLED, "a newer Decode call took this request"), false);
   }
   if (seq.has_value()) StartHandedOff(call, *std::move(seq));
   return call.get();
+}
+
+grpc::ServerUnaryReactor* DecodeService::Release(grpc::CallbackServerContext* ctx,
+                                                 const worker::v1::ReleaseRequest* req,
+                                                 worker::v1::ReleaseResponse* out) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  if (req->request_id().empty()) {
+    reactor->Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "request_id: empty"));
+    return reactor;
+  }
+  const engine::RequestId id(req->request_id());
+  std::optional<HandedOff> freed;  // Its KV goes back when this ends, outside the lock.
+  std::shared_ptr<DecodeCall> waiting;
+  {
+    absl::MutexLock lock(&handoff_mu_);
+    released_[id] = absl::Now();
+    auto it = rendezvous_.find(id);
+    if (it != rendezvous_.end()) {
+      freed = std::move(it->second.committed);
+      waiting = std::move(it->second.waiting);
+      rendezvous_.erase(it);
+    }
+  }
+  if (freed.has_value()) {
+    LogEvent("info", "released_handoff_freed", {{"request_id", req->request_id()}, {"when", "waiting"}});
+  }
+  // The router ended this call already; one still waiting here missed that.
+  if (waiting != nullptr) {
+    waiting->Abort(grpc::Status(grpc::StatusCode::CANCELLED, "released by the router"), /*cancel_rpc=*/true);
+  }
+  out->set_freed(freed.has_value());
+  freed.reset();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
 }
 
 grpc::ServerUnaryReactor* DecodeService::Status(grpc::CallbackServerContext* ctx,

@@ -54,6 +54,10 @@ struct DecodeServiceOptions {
   // Fault tests only: the first N Decode streams (-1: every one) send their
   // second chunk with text that is not valid UTF-8 (it does not parse).
   int32_t fault_unparseable_streams = 0;
+  // Fault tests only: the first N disaggregated Decode calls (-1: every
+  // one) end CANCELLED at once and are never registered, as a call its
+  // caller cancelled before this worker ran it: its handoff has no taker.
+  int32_t fault_lose_decode_calls = 0;
 };
 
 // A sequence whose KV arrived by handoff (see kv_transfer), waiting for (or
@@ -79,6 +83,13 @@ class DecodeService final : public worker::v1::DecodeWorker::CallbackService {
 
   grpc::ServerWriteReactor<worker::v1::DecodeEvent>* Decode(grpc::CallbackServerContext* ctx,
                                                            const worker::v1::DecodeRequest* req) override;
+  // The router is done with a request id here (its Decode call ended
+  // without a final message): an unclaimed handoff is freed now, one still
+  // on its way on arrival, and a Decode call that comes later is refused.
+  // For a call its caller cancelled before this worker ever ran it, the
+  // only word that the handoff has no taker.
+  grpc::ServerUnaryReactor* Release(grpc::CallbackServerContext* ctx, const worker::v1::ReleaseRequest* req,
+                                    worker::v1::ReleaseResponse* out) override;
   grpc::ServerUnaryReactor* Status(grpc::CallbackServerContext* ctx, const worker::v1::WorkerStatusRequest* req,
                                    worker::v1::WorkerInfo* out) override;
 
@@ -127,6 +138,7 @@ class DecodeService final : public worker::v1::DecodeWorker::CallbackService {
   const tok::Tokenizer* tokenizer_;
   const DecodeServiceOptions options_;
   rpc::UnparseableFault fault_unparseable_{options_.fault_unparseable_streams};
+  rpc::UnparseableFault fault_lose_call_{options_.fault_lose_decode_calls};  // Counts the same way.
   // What the prefix cache holds (committed handoffs' prompts, finished
   // local sequences), for the router; Status carries it.
   KvEventLog kv_events_;
@@ -157,6 +169,9 @@ class DecodeService final : public worker::v1::DecodeWorker::CallbackService {
   // freed at once, not after handoff_wait_seconds. A new Decode call for
   // the id takes it off.
   absl::flat_hash_map<engine::RequestId, absl::Time> abandoned_ ABSL_GUARDED_BY(handoff_mu_);
+  // Ids the router released (Release), for a while: a commit that lands
+  // afterwards is freed at once, and a Decode call for one is refused.
+  absl::flat_hash_map<engine::RequestId, absl::Time> released_ ABSL_GUARDED_BY(handoff_mu_);
   std::string kv_address_ ABSL_GUARDED_BY(handoff_mu_);
   std::string unhealthy_reason_ ABSL_GUARDED_BY(handoff_mu_);
 

@@ -33,6 +33,9 @@ ABSL_FLAG(bool, prefill_local, true, "accept colocated requests (prefill here)")
 ABSL_FLAG(bool, stand_in, false, "benchmark stand-in: stream max_tokens dummy tokens at once, no model work");
 ABSL_FLAG(int, fault_unparseable_streams, 0,
           "fault tests only: the first N streams (-1: all) send their second chunk unparseable");
+ABSL_FLAG(int, fault_lose_decode_calls, 0,
+          "fault tests only: the first N handed-off Decode calls (-1: all) end CANCELLED unregistered, as calls "
+          "cancelled before they ran here");
 ABSL_FLAG(int, fault_step_delay_ms, 0, "fault tests only: every engine step waits this long first (a slow model)");
 ABSL_FLAG(std::string, kv_host, "127.0.0.1", "address the KV receiver listens on (UCX)");
 ABSL_FLAG(int, kv_port, 0, "port of the KV receiver (0: any free port)");
@@ -76,6 +79,7 @@ int Run() {
   so.stall_timeout_seconds = absl::GetFlag(FLAGS_stall_timeout_s);
   so.max_buffered_tokens = absl::GetFlag(FLAGS_max_buffered_tokens);
   so.fault_unparseable_streams = absl::GetFlag(FLAGS_fault_unparseable_streams);
+  so.fault_lose_decode_calls = absl::GetFlag(FLAGS_fault_lose_decode_calls);
   decode::DecodeService service(engine->model.get(), engine->kv.get(), w->tokenizer.get(), so);
   kv::ReceiverOptions ro;
   ro.model = engine->model->identity();

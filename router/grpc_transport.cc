@@ -7,6 +7,7 @@
 
 #include "absl/synchronization/mutex.h"
 #include "common/grpc_status.h"
+#include "common/server_util.h"
 #include "grpcpp/grpcpp.h"
 #include "pdserve/v1/worker.grpc.pb.h"
 #include "proto/received.h"
@@ -89,6 +90,42 @@ std::unique_ptr<DecodeStream> GrpcTransport::Decode(const Worker& worker, const 
                                                     std::optional<absl::Time> deadline) {
   return std::make_unique<GrpcStream<worker::v1::DecodeEvent>>(
       ConnectionOf(worker).channel.get(), "/pdserve.worker.v1.DecodeWorker/Decode", request, deadline);
+}
+
+GrpcTransport::~GrpcTransport() {
+  absl::MutexLock lock(&mu_);
+  auto none = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return releases_in_flight_ == 0; };
+  mu_.AwaitWithTimeout(absl::Condition(&none), absl::Seconds(3));
+}
+
+void GrpcTransport::Release(const Worker& worker, const worker::v1::ReleaseRequest& request) {
+  struct Call {
+    grpc::ClientContext ctx;
+    worker::v1::ReleaseRequest request;
+    worker::v1::ReleaseResponse response;
+    std::string address;
+  };
+  GrpcConnection& conn = ConnectionOf(worker);
+  if (conn.decode == nullptr) return;  // Only decode workers hold handoffs.
+  auto* c = new Call;
+  c->request = request;
+  c->address = worker.address();
+  c->ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  {
+    absl::MutexLock lock(&mu_);
+    ++releases_in_flight_;
+  }
+  conn.decode->async()->Release(&c->ctx, &c->request, &c->response, [this, c](grpc::Status st) {
+    if (!st.ok()) {
+      LogEvent("warning", "release_failed", {{"request_id", c->request.request_id()}, {"worker", c->address},
+                                             {"error", st.error_message()}});
+    } else if (c->response.freed()) {
+      LogEvent("info", "released_handoff", {{"request_id", c->request.request_id()}, {"worker", c->address}});
+    }
+    delete c;
+    absl::MutexLock lock(&mu_);
+    --releases_in_flight_;
+  });
 }
 
 std::vector<absl::StatusOr<worker::v1::WorkerInfo>> GrpcTransport::Status(absl::Span<const StatusQuery> queries,

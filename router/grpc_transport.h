@@ -9,6 +9,7 @@
 
 #include <utility>
 
+#include "absl/synchronization/mutex.h"
 #include "common/tls.h"
 #include "router/transport.h"
 
@@ -20,16 +21,21 @@ class GrpcTransport final : public WorkerTransport {
   // worker's certificate checked for the role it is dialled as); none:
   // plaintext.
   explicit GrpcTransport(TlsFiles tls = {}) : tls_(std::move(tls)) {}
+  // Waits (a few seconds at most) for the Release calls still in flight.
+  ~GrpcTransport() override;
   std::shared_ptr<WorkerConnection> Connect(const std::string& address, Role role) override;
   std::unique_ptr<PrefillStream> Prefill(const Worker& worker, const worker::v1::PrefillRequest& request,
                                          std::optional<absl::Time> deadline) override;
   std::unique_ptr<DecodeStream> Decode(const Worker& worker, const worker::v1::DecodeRequest& request,
                                        std::optional<absl::Time> deadline) override;
+  void Release(const Worker& worker, const worker::v1::ReleaseRequest& request) override;
   std::vector<absl::StatusOr<worker::v1::WorkerInfo>> Status(absl::Span<const StatusQuery> queries,
                                                              absl::Duration timeout) override;
 
  private:
   const TlsFiles tls_;
+  absl::Mutex mu_;
+  int releases_in_flight_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace pdserve::router

@@ -138,6 +138,13 @@ void Relay::StopDecode() {
   if (decode_reader_ != nullptr) decode_reader_->Cancel();
 }
 
+void Relay::ReleaseHandoff(const Worker& d) {
+  if (local_) return;  // Prefilled there: no handoff.
+  worker::v1::ReleaseRequest req;
+  req.set_request_id(internal_id_);
+  context_.transport->Release(d, req);
+}
+
 bool Relay::StillServing(const Worker& w) {
   StatusQuery q;
   q.worker = &w;
@@ -511,6 +518,7 @@ RelayState Relay::Decode() {
   const absl::Status parse_error = decode_reader_->parse_error();
   CloseDecode();
   d.in_flight--;
+  if (!decode_final) ReleaseHandoff(d);
   if (read == DecodeStream::ReadResult::kUnparseable && decode_expected_ && !decode_final && error_.empty() &&
       !cancelled_) {
     if (Unparseable("decode", d.address(), parse_error)) return RelayState::kFinish;
@@ -555,6 +563,7 @@ RelayState Relay::Migrate() {
     (void)decode_reader_->Finish();
     CloseDecode();
     d.in_flight--;
+    ReleaseHandoff(d);
   }
   if (migration_.mark_failed) d.MarkFailed();
   if (migration_.exclude_decode) failed_decode_.Add(d, migration_.why);

@@ -169,6 +169,10 @@ class Relay {
   // The decode stream's tokens are no longer wanted: it is cancelled and
   // drained by kDecode.
   void StopDecode();
+  // This placement's Decode call on `d` ended without a final message:
+  // tells d the request id is done there (WorkerTransport::Release), so a
+  // handoff that no call will claim is freed at once.
+  void ReleaseHandoff(const Worker& d);
   // Whether `w` still answers its Status healthy (within
   // handoff_check_timeout): a call it failed was then its own doing, not
   // its death or shutdown.

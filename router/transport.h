@@ -74,6 +74,11 @@ class WorkerTransport {
                                                  std::optional<absl::Time> deadline) = 0;
   virtual std::unique_ptr<DecodeStream> Decode(const Worker& worker, const worker::v1::DecodeRequest& request,
                                                std::optional<absl::Time> deadline) = 0;
+  // Tells a decode worker that the router is done with request_id there
+  // (its Decode call ended without a final message), so that a handoff no
+  // call will claim is freed now. Returns at once; the answer, or its
+  // failure (a dead worker frees everything anyway), is only logged.
+  virtual void Release(const Worker& worker, const worker::v1::ReleaseRequest& request) = 0;
   // Every query at once; returns when each has answered or failed, within
   // about `timeout`. One result per query, in order.
   virtual std::vector<absl::StatusOr<worker::v1::WorkerInfo>> Status(absl::Span<const StatusQuery> queries,

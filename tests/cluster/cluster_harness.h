@@ -252,6 +252,8 @@ class Cluster {
   }
   Subprocess& prefill(int i) { return *prefill_[i]; }
   Subprocess& decode(int i = 0) { return *decode_[i]; }
+  // Decode worker i's gRPC address.
+  std::string decode_address(int i = 0) const { return absl::StrCat("127.0.0.1:", decode_ports_[i]); }
   // Kills decode worker i and starts it again on the same gRPC port (its
   // KV receiver gets a new one).
   absl::Status RestartDecode(int i) {

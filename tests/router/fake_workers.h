@@ -77,6 +77,7 @@ struct FakeWorker {
   std::vector<worker::v1::DecodeRequest> decodes;
   // The deadline each call carried (nullopt: none).
   std::vector<std::optional<absl::Time>> prefill_deadlines, decode_deadlines;
+  std::vector<std::string> releases;  // Release's request ids, in order.
   int status_calls = 0;
 };
 
@@ -251,6 +252,11 @@ class FakeWorkers final : public WorkerTransport {
                                                                          true);
     }
     return nullptr;
+  }
+
+  void Release(const Worker& worker, const worker::v1::ReleaseRequest& request) override {
+    absl::MutexLock lock(&mu_);
+    workers_.at(worker.address())->releases.push_back(request.request_id());
   }
 
   std::vector<absl::StatusOr<worker::v1::WorkerInfo>> Status(absl::Span<const StatusQuery> queries,

@@ -35,6 +35,21 @@ void ExpectNoLoad(const InProcessRouter& r) {
   EXPECT_EQ(r.in_flight.load(), 0);
 }
 
+// Which of `w`'s Decode calls it was told to release (Release), by index,
+// in order; decodes.size() for an id it never had a call for. A call that
+// ends without a final message is released; one that ends with one, or a
+// colocated one (no handoff), is not.
+std::vector<size_t> ReleasedCalls(const FakeWorker& w) {
+  std::vector<size_t> out;
+  for (const std::string& id : w.releases) {
+    size_t i = 0;
+    while (i < w.decodes.size() && w.decodes[i].request().request_id() != id) ++i;
+    out.push_back(i);
+  }
+  return out;
+}
+using Calls = std::vector<size_t>;
+
 class RelayTest : public ::testing::Test {
  protected:
   void Cluster(int prefill, int decode) {
@@ -62,6 +77,7 @@ TEST_F(RelayTest, AHandedOffRequestStreamsEveryTokenOnce) {
   EXPECT_FALSE(rig_.workers.at("d0").decodes.at(0).prefill_here());
   EXPECT_EQ(rig_.Count("pdserve_requests_total", "outcome=\"length\""), 1);
   EXPECT_EQ(rig_.Count("pdserve_prefill_placements_total", "placement=\"prefill_pool\""), 1);
+  EXPECT_EQ(ReleasedCalls(rig_.workers.at("d0")), Calls{});  // Its call claimed the handoff.
   ExpectNoLoad(rig_);
 }
 
@@ -92,6 +108,7 @@ TEST_P(PrefillLossTest, BeforeTheFirstTokenIsRetriedOnAnotherPrefillWorker) {
   EXPECT_EQ(rig_.Count("pdserve_prefill_retries_total"), 1);
   EXPECT_EQ(rig_.Count("pdserve_migrations_total"), 0);
   EXPECT_EQ(rig_.Count("pdserve_requests_total", "outcome=\"cancelled\""), 0);
+  EXPECT_EQ(ReleasedCalls(rig_.workers.at("d0")), Calls{});  // Its call waited on.
   ExpectNoLoad(rig_);
 }
 
@@ -146,6 +163,9 @@ TEST_F(RelayTest, AHandoffTheDecodeSideRefusesMigratesToAnotherDecodeWorker) {
   EXPECT_EQ(rig_.workers.at("p0").prefills.at(1).decode_kv_address(), second + "-kv");
   EXPECT_EQ(rig_.Count("pdserve_migrations_total"), 1);
   EXPECT_EQ(rig_.Count("pdserve_prefill_retries_total"), 0);
+  // The first decode worker is told the request is done there.
+  EXPECT_EQ(ReleasedCalls(rig_.workers.at(first)), Calls{0});
+  EXPECT_EQ(ReleasedCalls(rig_.workers.at(second)), Calls{});
   ExpectNoLoad(rig_);
 }
 
@@ -177,6 +197,8 @@ TEST_P(DecodeLossTest, MidStreamContinuesFromPromptPlusStreamedTokens) {
   EXPECT_EQ(got.final->usage().completion_tokens(), 20);
   EXPECT_EQ(rig_.Count("pdserve_migrations_total"), 1);
   EXPECT_EQ(rig_.Count("pdserve_requests_total", "outcome=\"cancelled\""), 0);
+  EXPECT_EQ(ReleasedCalls(rig_.workers.at("d0")), Calls{0});
+  EXPECT_EQ(ReleasedCalls(rig_.workers.at("d1")), Calls{});
   ExpectNoLoad(rig_);
 }
 
@@ -217,6 +239,9 @@ TEST_F(RelayTest, AColocatedDecodeWorkerDyingMidStreamMigrates) {
   EXPECT_TRUE(rig.workers.at("d1").decodes.at(0).prefill_here());
   EXPECT_EQ(rig.workers.at("d1").decodes.at(0).request().generated_ids_size(), 7);
   EXPECT_EQ(rig.Count("pdserve_prefill_placements_total", "placement=\"colocated\""), 1);
+  // Prefilled where it decodes: no handoff to release.
+  EXPECT_EQ(ReleasedCalls(rig.workers.at("d0")), Calls{});
+  EXPECT_EQ(ReleasedCalls(rig.workers.at("d1")), Calls{});
   ExpectNoLoad(rig);
 }
 
@@ -258,6 +283,7 @@ TEST_F(RelayTest, NoServingPrefillWorkerIsUnavailableAndTheDecodeCallIsCancelled
   EXPECT_TRUE(absl::StartsWith(got.status.message(), "no healthy prefill worker (p0: failed to connect"))
       << got.status;
   EXPECT_EQ(Trace(got.trace), "place decode finish");
+  EXPECT_EQ(ReleasedCalls(rig_.workers.at("d0")), Calls{0});
   ExpectNoLoad(rig_);
 }
 
@@ -297,6 +323,13 @@ TEST_P(UnparseableRelayTest, TheFirstBadMessageCostsOneMigrationAndBlamesNoWorke
                                   ? "place prefill migrate place prefill decode finish"
                                   : "place prefill decode migrate place prefill decode finish");
   EXPECT_EQ(got.tokens, InProcessRouter::Expected(req));
+  // The first placement's id is released where its call went; the second's
+  // call ended with its final message.
+  Calls released;
+  for (const char* d : {"d0", "d1"}) {
+    for (size_t i : ReleasedCalls(rig_.workers.at(d))) released.push_back(i);
+  }
+  EXPECT_EQ(released, Calls{0});
   // A message that fails deterministically would otherwise eject every
   // worker in turn: none is marked down.
   for (const char* w : {"p0", "d0", "d1"}) {
@@ -349,6 +382,9 @@ TEST_F(RelayTest, TheFirstTokenEndingTheRequestCancelsTheDecodeCall) {
   EXPECT_EQ(got.tokens, InProcessRouter::Expected(req));
   EXPECT_EQ(got.final->finish_reason(), v1::FINISH_REASON_LENGTH);
   EXPECT_EQ(Trace(got.trace), "place prefill decode finish");
+  // The cancelled call may never have reached d0: the handoff it would
+  // have claimed must not wait there for it.
+  EXPECT_EQ(ReleasedCalls(rig_.workers.at("d0")), Calls{0});
   ExpectNoLoad(rig_);
 }
 
@@ -367,6 +403,7 @@ TEST_F(RelayTest, ACancellingClientEndsTheDecodeCallItWaitsOn) {
   EXPECT_EQ(got.status.code(), absl::StatusCode::kCancelled);
   EXPECT_EQ(got.tokens.size(), 4u);
   EXPECT_EQ(rig_.Count("pdserve_requests_total", "outcome=\"cancelled\""), 1);
+  EXPECT_EQ(ReleasedCalls(rig_.workers.at("d0")), Calls{0});
   ExpectNoLoad(rig_);
 }
 

@@ -879,6 +879,22 @@ CpuBackend::MatrixPeaks CpuBackend::SampleMatrixPeaks() {
   return peaks;
 }
 
+float CpuBackend::ReadBlocks(const char* base, absl::Span<const int64_t> offsets, int64_t bytes) {
+  std::atomic<float> sink{0};
+  const int64_t n = static_cast<int64_t>(offsets.size());
+  const int threads = pool_.num_threads();
+  std::vector<int64_t> bounds(threads + 1);
+  for (int t = 0; t <= threads; ++t) bounds[t] = n * t / threads;
+  pool_.ParallelChunks(bounds, [&](int64_t b, int64_t e) {
+    float s = 0;
+    for (int64_t i = b; i < e; ++i) {
+      s += table_.read_sum(reinterpret_cast<const float*>(base + offsets[i]), bytes / 4);
+    }
+    sink.store(sink.load(std::memory_order_relaxed) + s, std::memory_order_relaxed);
+  });
+  return sink.load();
+}
+
 CpuBackend::ReadProbe::ReadProbe(CpuBackend* backend, size_t bytes) : backend_(backend) {
   n_ = std::max<int64_t>(1024, static_cast<int64_t>(bytes / sizeof(float)) / 1024 * 1024);
   // In huge pages as the weights and the KV pool are, so the limit is the

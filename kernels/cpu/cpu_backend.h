@@ -125,6 +125,14 @@ class CpuBackend final : public Backend {
   };
   MatrixPeaks SampleMatrixPeaks();
 
+  // Reads `bytes` at base + each of `offsets` (as floats, summed: no
+  // other arithmetic), every thread a contiguous share of the list walked
+  // front to back: the rate that a placement of KV blocks allows a reader,
+  // for benchmarks to set beside the attention's over the same blocks.
+  // Returns the sum, so that nothing is elided. REQUIRES: bytes a multiple
+  // of 256 and the data finite floats.
+  float ReadBlocks(const char* base, absl::Span<const int64_t> offsets, int64_t bytes);
+
   // Read bandwidth over a buffer of a given size (so a working set that fits
   // in cache is judged against cache, not DRAM). Benchmarks interleave its
   // samples with the work they judge, so both see the same machine noise.

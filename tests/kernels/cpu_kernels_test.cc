@@ -39,6 +39,25 @@ class CpuKernelsTest : public ::testing::TestWithParam<Isa> {
   std::mt19937 rng_{42};
 };
 
+// The benchmarks' block reader reads exactly the blocks it is given, each
+// whole, wherever they lie, once per call.
+TEST_P(CpuKernelsTest, ReadBlocksReadsEveryGivenBlockOnce) {
+  constexpr int64_t kBlockFloats = 64 * 5;  // 1280 bytes: a multiple of 256.
+  std::vector<float> pool(kBlockFloats * 16);
+  for (size_t i = 0; i < pool.size(); ++i) pool[i] = static_cast<float>(i / kBlockFloats + 1);  // block b: b + 1
+  const char* base = reinterpret_cast<const char*>(pool.data());
+  for (std::vector<int64_t> blocks : {std::vector<int64_t>{}, {3}, {9, 2, 15, 0, 7}, {1, 1, 4}}) {
+    std::vector<int64_t> offsets;
+    double want = 0;
+    for (int64_t b : blocks) {
+      offsets.push_back(b * kBlockFloats * 4);
+      want += static_cast<double>(b + 1) * kBlockFloats;
+    }
+    // Small integers: every partial sum is exact in float.
+    EXPECT_EQ(backend_->ReadBlocks(base, offsets, kBlockFloats * 4), want) << blocks.size() << " blocks";
+  }
+}
+
 TEST_P(CpuKernelsTest, LinearMatchesReference) {
   for (DType wt : {DType::kF32, DType::kBF16, DType::kI8}) {
     // Row counts around the micro-tile heights (4, 6, 12 rows) and the

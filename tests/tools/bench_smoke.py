@@ -60,15 +60,21 @@ def main():
                    tcp["handoff_gbps"] / tcp["ucx_perftest_peer_errors_am_gbps"]):
         failures.append("bench-kv over tcp: handoff_vs_ucx_perftest_peer_errors is not handoff / perftest -e")
 
-    for kv_type, elem in (("bf16", 2), ("f32", 4)):
+    # Both KV formats over scattered blocks, and BF16 over blocks in order;
+    # every row also has the bare reader's rate over the same blocks.
+    for kv_type, elem, in_order in (("bf16", 2, False), ("f32", 4, False), ("bf16", 2, True)):
         a = run_json([pdctl, "bench-attention", "--decode_batch", "1,2", "--decode_history", "16,40", "--kv", kv_type,
-                      "--threads", "1", "--stream_mib", "4", "--json"])
+                      "--threads", "1", "--stream_mib", "4", "--json"] + (["--in_order_blocks"] if in_order else []))
         rows = a.get("rows", [])
-        if a.get("kv") != kv_type or len(rows) != 4:
-            failures.append(f"bench-attention --kv {kv_type}: wrong kv or not 4 rows: {a}")
+        if a.get("kv") != kv_type or a.get("in_order_blocks") is not in_order or len(rows) != 4:
+            failures.append(f"bench-attention --kv {kv_type}: wrong kv, block order or not 4 rows: {a}")
         for row in rows:
             r, s, l = (row["resident_bytes_per_second"], row["streamed_bytes_per_second"],
                        row["read_limit_bytes_per_second"])
+            rd = row["block_reader_bytes_per_second"]
+            if not (rd > 0 and close(row["streamed_fraction_of_block_reader"], s / rd)):
+                failures.append(f"bench-attention --kv {kv_type}: no block reader rate, or a ratio that is not "
+                                f"streamed / reader: {row}")
             # The KV one call reads: every position's K and V of 4 KV heads x 64.
             want = row["batch"] * row["history"] * 4 * 64 * 2 * elem
             if not (r > 0 and s > 0 and l > 0 and row["kv_bytes_per_call"] == want and
@@ -158,6 +164,12 @@ def main():
                         row["flops_per_step"] > 0 and
                         close(row["step_over_limit"], row["step_seconds"] / row["limit_seconds"])):
                     failures.append(f"bench-engine {path}: decode row without a figure or a limit: {row}")
+                # The phases in turn: never below the overlapped limit, never
+                # above the two added; the ratio is the step over it.
+                if not (row["limit_seconds"] * (1 - 1e-9) <= row["serial_limit_seconds"] <=
+                        2 * row["limit_seconds"] * (1 + 1e-9) and
+                        close(row["step_over_serial_limit"], row["step_seconds"] / row["serial_limit_seconds"])):
+                    failures.append(f"bench-engine {path}: decode row's serial limit inconsistent: {row}")
             if not r.get("prefill") or not r.get("decode"):
                 failures.append(f"bench-engine {path}: no prefill or decode rows: {sorted(r)}")
             print(f"bench-engine --matrix_path {path}: ok")

@@ -49,11 +49,14 @@ int64_t LastLevelCacheBytes() {
 }
 
 // Finite KV values of modest size (no NaN, no denormal), varied by a
-// multiplicative hash; the timing does not depend on them.
+// multiplicative hash; the timing does not depend on them. None is zero,
+// so that two BF16 values read as one float (the block reader) are a
+// normal float too.
 void FillKv(char* base, size_t elems, bool f32) {
   auto value = [](size_t i) {
     const uint32_t h = static_cast<uint32_t>(i * 2654435761u) >> 16;
-    return static_cast<float>(static_cast<int>(h % 2001) - 1000) / 4000;
+    const int v = static_cast<int>(h % 2001) - 1000;
+    return static_cast<float>(v != 0 ? v : 1) / 4000;
   };
   if (f32) {
     float* f = reinterpret_cast<float*>(base);
@@ -133,16 +136,16 @@ absl::Status RunBenchAttention(const BenchAttentionOptions& o) {
   const size_t block_bytes = static_cast<size_t>(block_elems) * elem;
   CpuBackend::ReadProbe probe(&be, size_t{256} << 20);
   if (!o.json) {
-    absl::PrintF("bench-attention: %s, %d thread(s), %s KV, %d heads / %d KV heads x %d, blocks of %d; "
+    absl::PrintF("bench-attention: %s, %d thread(s), %s KV, %d heads / %d KV heads x %d, blocks of %d %s; "
                  "attention in %s\n",
                  be.Name(), o.threads, o.kv, o.heads, o.kv_heads, o.head_dim, o.block_size,
-                 dot ? "BF16 dot products" : "F32 multiply-adds");
+                 o.in_order_blocks ? "in order" : "scattered", dot ? "BF16 dot products" : "F32 multiply-adds");
   }
   if (!o.json && !o.batches.empty() && !o.histories.empty()) {
-    absl::PrintF("%6s %7s %9s %12s %12s %12s %12s %10s\n", "batch", "history", "KV MB", "resident", "streamed",
-                 "no-overlap", "read limit", "streamed/");
-    absl::PrintF("%6s %7s %9s %12s %12s %12s %12s %10s\n", "", "", "", "GB/s (%)", "GB/s (%)", "GB/s", "GB/s",
-                 "resident");
+    absl::PrintF("%6s %7s %9s %12s %12s %12s %12s %10s %12s %10s\n", "batch", "history", "KV MB", "resident",
+                 "streamed", "no-overlap", "read limit", "streamed/", "blocks read", "streamed/");
+    absl::PrintF("%6s %7s %9s %12s %12s %12s %12s %10s %12s %10s\n", "", "", "", "GB/s (%)", "GB/s (%)", "GB/s",
+                 "GB/s", "resident", "GB/s (%)", "blocks");
   }
   // A call whose KV takes more than half the last-level cache (shared with
   // everything else the call touches) is not resident: its "resident" rate
@@ -167,13 +170,22 @@ absl::Status RunBenchAttention(const BenchAttentionOptions& o) {
       // Each sequence's blocks scattered over the pool.
       std::vector<int32_t> perm(blocks);
       std::iota(perm.begin(), perm.end(), 0);
-      std::shuffle(perm.begin(), perm.end(), rng);
+      if (!o.in_order_blocks) std::shuffle(perm.begin(), perm.end(), rng);
       std::vector<std::vector<int32_t>> tables(B);
       std::vector<AttentionSequence> seqs;
       for (int b = 0; b < B; ++b) {
         tables[b].assign(perm.begin() + int64_t{b} * nb, perm.begin() + int64_t{b + 1} * nb);
         seqs.push_back({tables[b], H - 1, 1, b});
       }
+      // The same blocks in the same order, each read whole by a reader
+      // that does nothing else, the threads sharing the list: what this
+      // placement allows (CpuBackend::ReadBlocks).
+      std::vector<int64_t> offsets;
+      for (const std::vector<int32_t>& t : tables) {
+        for (int32_t blk : t) offsets.push_back(int64_t{blk} * static_cast<int64_t>(block_bytes));
+      }
+      const bool readable = block_bytes % 256 == 0;
+      float sink = 0;
       std::vector<float> q(static_cast<size_t>(B) * o.heads * o.head_dim), out(q.size());
       for (float& x : q) x = static_cast<float>(static_cast<int>(rng() % 2001) - 1000) / 1000;
       int64_t kv_read = 0;
@@ -185,24 +197,36 @@ absl::Status RunBenchAttention(const BenchAttentionOptions& o) {
       const double bytes_per_call = static_cast<double>(kv_read);
       // Rounds of about 20 ms, `seconds` in all per rate, medians; the
       // limit sampled between them.
-      std::vector<double> resident, streamed, limit;
+      const double reader_bytes = static_cast<double>(offsets.size() * block_bytes);
+      std::vector<double> resident, streamed, limit, reader;
       const auto start = std::chrono::steady_clock::now();
-      int next = 0;
+      int next = 0, next_read = 0;
       while (Seconds(start, std::chrono::steady_clock::now()) < 2 * o.seconds || resident.size() < 3) {
-        for (int mode = 0; mode < 2; ++mode) {
+        for (int mode = 0; mode < (readable ? 3 : 2); ++mode) {
           int calls = 0;
           const auto t0 = std::chrono::steady_clock::now();
           do {
-            call(mode == 0 ? 0 : 1 + next, true);
-            if (mode == 1) next = (next + 1) % (copies - 1);
+            if (mode == 2) {
+              sink += be.ReadBlocks(base + (1 + next_read) * pool_bytes, offsets, static_cast<int64_t>(block_bytes));
+              next_read = (next_read + 1) % (copies - 1);
+            } else {
+              call(mode == 0 ? 0 : 1 + next, true);
+              if (mode == 1) next = (next + 1) % (copies - 1);
+            }
             ++calls;
           } while (Seconds(t0, std::chrono::steady_clock::now()) < 0.02);
-          const double rate = bytes_per_call * calls / Seconds(t0, std::chrono::steady_clock::now());
-          (mode == 0 ? resident : streamed).push_back(rate);
+          const double secs = Seconds(t0, std::chrono::steady_clock::now());
+          if (mode == 2) {
+            reader.push_back(reader_bytes * calls / secs);
+          } else {
+            (mode == 0 ? resident : streamed).push_back(bytes_per_call * calls / secs);
+          }
         }
         limit.push_back(probe.Sample());
       }
       const double r = Median(resident), s = Median(streamed), l = Median(limit);
+      const double rd = readable ? Median(reader) : 0;
+      if (!std::isfinite(sink)) absl::PrintF("(reader sum %g)\n", sink);  // Keeps the reads.
       const double serial = 1 / (1 / r + 1 / l);
       const bool fits = llc <= 0 || 2 * bytes_per_call <= static_cast<double>(llc);
       any_too_big |= !fits;
@@ -216,11 +240,13 @@ absl::Status RunBenchAttention(const BenchAttentionOptions& o) {
                         {"read_limit_bytes_per_second", l},
                         {"resident_fits_last_level_cache", fits},
                         {"resident_fraction_of_limit", r / l},
-                        {"streamed_fraction_of_limit", s / l}});
+                        {"streamed_fraction_of_limit", s / l},
+                        {"block_reader_bytes_per_second", rd},
+                        {"streamed_fraction_of_block_reader", rd > 0 ? s / rd : 0}});
       } else {
-        absl::PrintF("%6d %7d %9.1f %6.1f (%3.0f%%)%s%6.1f (%3.0f%%) %12.1f %12.1f %9.2fx\n", B, H,
-                     bytes_per_call / 1e6, r / 1e9, 100 * r / l, fits ? " " : "*", s / 1e9, 100 * s / l,
-                     serial / 1e9, l / 1e9, s / r);
+        absl::PrintF("%6d %7d %9.1f %6.1f (%3.0f%%)%s%6.1f (%3.0f%%) %12.1f %12.1f %9.2fx %5.1f (%3.0f%%) %9.2fx\n",
+                     B, H, bytes_per_call / 1e6, r / 1e9, 100 * r / l, fits ? " " : "*", s / 1e9, 100 * s / l,
+                     serial / 1e9, l / 1e9, s / r, rd / 1e9, 100 * rd / l, rd > 0 ? s / rd : 0.0);
       }
     }
   }
@@ -283,13 +309,15 @@ absl::Status RunBenchAttention(const BenchAttentionOptions& o) {
   }
   if (o.json) {
     const nlohmann::json j = {{"backend", be.Name()}, {"attention_form", form}, {"threads", o.threads},
-                              {"kv", o.kv}, {"rows", rows}, {"prompts", prompt_rows}};
+                              {"kv", o.kv}, {"in_order_blocks", o.in_order_blocks}, {"rows", rows}, {"prompts", prompt_rows}};
     absl::PrintF("%s\n", j.dump());
   } else if (!rows.empty() || (!o.batches.empty() && !o.histories.empty())) {
     absl::PrintF(
         "resident: the same call's KV again (in the caches where it fits): the kernel's compute ceiling. "
         "streamed: %.0f MiB of copies cycled, read from DRAM. no-overlap: 1/(1/resident + 1/limit), the rate "
-        "if compute and memory took turns. Limit: a sequential read of 256 MiB on the same threads.\n",
+        "if compute and memory took turns. Limit: a sequential read of 256 MiB on the same threads. blocks "
+        "read: the streamed call's blocks in its order, each read whole with no arithmetic, the threads sharing "
+        "the list: the rate this placement of blocks allows a reader.\n",
         o.stream_bytes / (1 << 20));
     if (any_too_big) {
       absl::PrintF("*: the call's KV is over half the %.0f MiB last-level cache: not resident, not a ceiling.\n",

@@ -14,7 +14,10 @@
 // so a streamed rate at that figure says memory and compute take turns.
 // The geometry is the 125M shape's (12 query heads, 4 KV heads, head
 // dimension 64) unless given; blocks are scattered in the pool as a
-// serving worker's are.
+// serving worker's are (or, with in_order_blocks, laid out one after the
+// other, as a fresh pool hands them out and bench-engine reads them).
+// Beside the streamed rate, the same blocks read whole by a bare reader
+// in the same order (CpuBackend::ReadBlocks): what the placement allows.
 #ifndef PDSERVE_TOOLS_PDCTL_BENCH_ATTENTION_H_
 #define PDSERVE_TOOLS_PDCTL_BENCH_ATTENTION_H_
 
@@ -37,6 +40,7 @@ struct BenchAttentionOptions {
   int head_dim = 64;
   int block_size = 16;
   double stream_bytes = 512.0 * (1 << 20);
+  bool in_order_blocks = false;  // Each sequence's blocks consecutive, the sequences one after another.
   // Prompt lengths whose causal attention (one sequence, no cache, every
   // row) is timed alone, in FLOP/s against the F32 FMA peak; none: empty.
   std::vector<int> prompts;

@@ -124,6 +124,9 @@ ABSL_FLAG(std::string, prompts, "",
           "attention's instruction (BF16 dot on the bf16 matrix path, else F32 FMA; e.g. 512,2048; with "
           "--decode_batch \"\" for those alone)");
 ABSL_FLAG(int, attention_heads, 12, "bench-attention: query heads (the 125M shape's)");
+ABSL_FLAG(bool, in_order_blocks, false,
+          "bench-attention: each sequence's KV blocks one after another (as a fresh pool hands them out), not "
+          "scattered over the pool (as a serving worker's are)");
 ABSL_FLAG(int, stream_mib, 512,
           "bench-attention: MiB of KV copies the streamed rate cycles through (well above the last-level cache)");
 ABSL_FLAG(int, steps, 16, "bench-engine: timed decode steps per scenario");
@@ -389,6 +392,7 @@ absl::Status RunBenchAttentionCommand() {
   o.isa = absl::GetFlag(FLAGS_isa);
   if (!absl::GetFlag(FLAGS_kv).empty()) o.kv = absl::GetFlag(FLAGS_kv);
   o.heads = absl::GetFlag(FLAGS_attention_heads);
+  o.in_order_blocks = absl::GetFlag(FLAGS_in_order_blocks);
   o.kv_heads = absl::GetFlag(FLAGS_kv_heads);
   o.head_dim = absl::GetFlag(FLAGS_head_dim);
   o.block_size = absl::GetFlag(FLAGS_block_size);

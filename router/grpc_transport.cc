@@ -93,9 +93,10 @@ std::unique_ptr<DecodeStream> GrpcTransport::Decode(const Worker& worker, const 
 }
 
 GrpcTransport::~GrpcTransport() {
-  absl::MutexLock lock(&mu_);
-  auto none = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return releases_in_flight_ == 0; };
-  mu_.AwaitWithTimeout(absl::Condition(&none), absl::Seconds(3));
+  Releases& r = *releases_;
+  absl::MutexLock lock(&r.mu);
+  auto none = [&r]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(r.mu) { return r.in_flight == 0; };
+  r.mu.AwaitWithTimeout(absl::Condition(&none), absl::Seconds(3));
 }
 
 void GrpcTransport::Release(const Worker& worker, const worker::v1::ReleaseRequest& request) {
@@ -112,10 +113,10 @@ void GrpcTransport::Release(const Worker& worker, const worker::v1::ReleaseReque
   c->address = worker.address();
   c->ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
   {
-    absl::MutexLock lock(&mu_);
-    ++releases_in_flight_;
+    absl::MutexLock lock(&releases_->mu);
+    ++releases_->in_flight;
   }
-  conn.decode->async()->Release(&c->ctx, &c->request, &c->response, [this, c](grpc::Status st) {
+  auto done = [releases = releases_, c](grpc::Status st) {
     if (!st.ok()) {
       LogEvent("warning", "release_failed", {{"request_id", c->request.request_id()}, {"worker", c->address},
                                              {"error", st.error_message()}});
@@ -123,9 +124,10 @@ void GrpcTransport::Release(const Worker& worker, const worker::v1::ReleaseReque
       LogEvent("info", "released_handoff", {{"request_id", c->request.request_id()}, {"worker", c->address}});
     }
     delete c;
-    absl::MutexLock lock(&mu_);
-    --releases_in_flight_;
-  });
+    absl::MutexLock lock(&releases->mu);
+    --releases->in_flight;
+  };
+  conn.decode->async()->Release(&c->ctx, &c->request, &c->response, std::move(done));
 }
 
 std::vector<absl::StatusOr<worker::v1::WorkerInfo>> GrpcTransport::Status(absl::Span<const StatusQuery> queries,

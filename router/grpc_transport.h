@@ -7,6 +7,7 @@
 #ifndef PDSERVE_ROUTER_GRPC_TRANSPORT_H_
 #define PDSERVE_ROUTER_GRPC_TRANSPORT_H_
 
+#include <memory>
 #include <utility>
 
 #include "absl/synchronization/mutex.h"
@@ -34,8 +35,13 @@ class GrpcTransport final : public WorkerTransport {
 
  private:
   const TlsFiles tls_;
-  absl::Mutex mu_;
-  int releases_in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  // Release calls in flight; shared with their callbacks, which may run
+  // after the transport is gone (the destructor waits only so long).
+  struct Releases {
+    absl::Mutex mu;
+    int in_flight ABSL_GUARDED_BY(mu) = 0;
+  };
+  const std::shared_ptr<Releases> releases_ = std::make_shared<Releases>();
 };
 
 }  // namespace pdserve::router

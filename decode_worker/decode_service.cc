@@ -620,21 +620,20 @@ grpc::ServerWriteReactor<DecodeEvent>* DecodeService::Decode(grpc::CallbackServe
   bool released = false;
   {
     absl::MutexLock lock(&handoff_mu_);
-    if (released_.contains(id)) {
-      released = true;
-    } else {
+    released = released_.contains(id);  // The router is done with it: nothing to meet.
+    if (!released) {
       abandoned_.erase(id);  // This call takes the id's handoff, whenever it comes.
-    }
-    auto it = released ? rendezvous_.end() : rendezvous_.find(id);
-    if (it != rendezvous_.end() && it->second.committed.has_value()) {
-      seq = std::move(it->second.committed);
-      rendezvous_.erase(it);
-      claimed_[id] = absl::Now();
-    } else if (it != rendezvous_.end()) {
-      displaced = std::move(it->second.waiting);  // An earlier call for the same request.
-      it->second = Rendezvous{std::nullopt, call, absl::Now()};
-    } else if (!released) {
-      rendezvous_.emplace(id, Rendezvous{std::nullopt, call, absl::Now()});
+      auto it = rendezvous_.find(id);
+      if (it != rendezvous_.end() && it->second.committed.has_value()) {
+        seq = std::move(it->second.committed);
+        rendezvous_.erase(it);
+        claimed_[id] = absl::Now();
+      } else if (it != rendezvous_.end()) {
+        displaced = std::move(it->second.waiting);  // An earlier call for the same request.
+        it->second = Rendezvous{std::nullopt, call, absl::Now()};
+      } else {
+        rendezvous_.emplace(id, Rendezvous{std::nullopt, call, absl::Now()});
+      }
     }
   }
   if (released) {

@@ -880,19 +880,24 @@ CpuBackend::MatrixPeaks CpuBackend::SampleMatrixPeaks() {
 }
 
 float CpuBackend::ReadBlocks(const char* base, absl::Span<const int64_t> offsets, int64_t bytes) {
-  std::atomic<float> sink{0};
   const int64_t n = static_cast<int64_t>(offsets.size());
   const int threads = pool_.num_threads();
   std::vector<int64_t> bounds(threads + 1);
   for (int t = 0; t <= threads; ++t) bounds[t] = n * t / threads;
+  // Each share's sum in its own slot (found by its first block), added
+  // after: no share's sum is lost to another's.
+  std::vector<float> sums(threads, 0.0f);
   pool_.ParallelChunks(bounds, [&](int64_t b, int64_t e) {
     float s = 0;
     for (int64_t i = b; i < e; ++i) {
       s += table_.read_sum(reinterpret_cast<const float*>(base + offsets[i]), bytes / 4);
     }
-    sink.store(sink.load(std::memory_order_relaxed) + s, std::memory_order_relaxed);
+    const auto slot = std::upper_bound(bounds.begin(), bounds.end(), b) - bounds.begin() - 1;
+    sums[slot] += s;
   });
-  return sink.load();
+  float total = 0;
+  for (float s : sums) total += s;
+  return total;
 }
 
 CpuBackend::ReadProbe::ReadProbe(CpuBackend* backend, size_t bytes) : backend_(backend) {

@@ -129,7 +129,10 @@ struct Call {
   evhttp_request* req = nullptr;
   evhttp_connection* conn = nullptr;  // null once the connection closed
   bool reply_started = false;
-  bool finished = false;
+  bool finished = false;  // nothing more is taken from the generation
+  // A stream's last bytes are with libevent: the reply ends once they are
+  // written (StreamWritten), and the call stays in conns_ until then.
+  bool ending = false;
   bool queued = false;  // on the wake list (guarded by the server's wake_mu_)
   std::string request_id;  // the client's X-Request-Id, echoed ("": none)
 
@@ -187,6 +190,10 @@ class HttpServer::Impl {
       }
       stalled_ = m->AddCounter("pdserve_http_stalled_streams_total",
                                "HTTP streams cancelled because their client stopped reading.");
+      m->AddGauge("pdserve_http_requests_open",
+                  "OpenAI HTTP requests whose reply has not ended: generations running, and streams whose last "
+                  "bytes wait for the client.",
+                  [open = open_] { return static_cast<double>(open->load()); });
       write_delay_ = m->AddHistogram(
           "pdserve_http_event_write_delay_seconds",
           "A streamed event's wait from the relay queueing it to the event loop handing it to the socket.",
@@ -344,6 +351,7 @@ class HttpServer::Impl {
     call->conn = conn;
     call->request_id = RequestId(req);
     conns_[conn] = call;
+    open_->fetch_add(1);
     evhttp_connection_set_closecb(conn, &Impl::OnClose, this);
     SetSocketOptions(conn, options_.socket_send_buffer);
     {
@@ -440,6 +448,14 @@ class HttpServer::Impl {
     if (it == conns_.end()) return;
     CallPtr call = it->second;
     conns_.erase(it);
+    if (call->ending) {
+      // The stream's last bytes were not all written. libevent detached
+      // the request from the closing connection and frees it on this end
+      // (an attached one goes with the connection).
+      if (evhttp_request_get_connection(call->req) == nullptr) evhttp_send_reply_end(call->req);
+      open_->fetch_sub(1);
+      return;
+    }
     // libevent keeps the request (detached from the connection) until
     // the reply is ended: Pump does that once the generation is done.
     call->conn = nullptr;
@@ -547,6 +563,7 @@ class HttpServer::Impl {
         Count(499);
       }
       call.finished = true;
+      open_->fetch_sub(1);
       std::erase_if(orphans_, [&call](const CallPtr& c) { return c.get() == &call; });
       return;
     }
@@ -555,6 +572,7 @@ class HttpServer::Impl {
       if (!done) return;
       call.finished = true;
       conns_.erase(call.conn);
+      open_->fetch_sub(1);
       Send(call.req, status, body, headers);
       return;
     }
@@ -583,18 +601,45 @@ class HttpServer::Impl {
         evhttp_connection_set_timeout(call.conn, 5);
       }
     }
+    // The reply is not ended here. Under TLS libevent defers a
+    // connection's write callback to the loop's next turn, and that
+    // callback does not look at the output again: one pending for bytes
+    // written just before would take bytes queued now, and the reply's
+    // end, for written, free the request and stop the connection's
+    // writing with them still queued (the client waits for the stream's
+    // end forever). The last bytes therefore go with a callback of
+    // ours, and StreamWritten ends the reply once the output is empty.
+    if (done && out.empty()) out = ":\n\n";  // an SSE comment (the last events always hold [DONE])
     if (!out.empty()) {
       if (write_delay_ != nullptr) write_delay_->Observe(absl::ToDoubleSeconds(absl::Now() - since));
       evbuffer* buf = evbuffer_new();
       evbuffer_add(buf, out.data(), out.size());
-      evhttp_send_reply_chunk(call.req, buf);
+      if (done) {
+        call.finished = true;
+        call.ending = true;
+        evhttp_send_reply_chunk_with_cb(call.req, buf, &Impl::OnStreamWritten, this);
+      } else {
+        evhttp_send_reply_chunk(call.req, buf);
+      }
       evbuffer_free(buf);
     }
-    if (done) {
-      call.finished = true;
-      conns_.erase(call.conn);
-      evhttp_send_reply_end(call.req);
-    }
+  }
+
+  // libevent's write callback for a connection whose stream has sent its
+  // last bytes: it may be one for earlier bytes (see Pump), so the reply
+  // ends only once the output is empty; the write that empties it calls
+  // back again.
+  static void OnStreamWritten(evhttp_connection* conn, void* arg) { static_cast<Impl*>(arg)->StreamWritten(conn); }
+
+  void StreamWritten(evhttp_connection* conn) {
+    auto it = conns_.find(conn);
+    if (it == conns_.end() || !it->second->ending) return;
+    bufferevent* bev = evhttp_connection_get_bufferevent(conn);
+    if (bev != nullptr && evbuffer_get_length(bufferevent_get_output(bev)) > 0) return;
+    CallPtr call = std::move(it->second);
+    conns_.erase(it);
+    open_->fetch_sub(1);
+    evhttp_send_reply_end(call->req);
   }
 
   // --- Any thread.
@@ -758,6 +803,9 @@ class HttpServer::Impl {
   // whose connection closed before they finished.
   absl::flat_hash_map<evhttp_connection*, CallPtr> conns_;
   std::vector<CallPtr> orphans_;
+  // Calls registered and not yet ended (the gauge's; shared: a scrape may
+  // come after the server is gone).
+  std::shared_ptr<std::atomic<int64_t>> open_ = std::make_shared<std::atomic<int64_t>>(0);
 
   absl::Mutex wake_mu_;
   std::vector<CallPtr> woken_ ABSL_GUARDED_BY(wake_mu_);

@@ -11,6 +11,7 @@
 #ifndef PDSERVE_TESTS_ROUTER_FAKE_WORKERS_H_
 #define PDSERVE_TESTS_ROUTER_FAKE_WORKERS_H_
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -79,6 +80,9 @@ struct FakeWorker {
   std::vector<std::optional<absl::Time>> prefill_deadlines, decode_deadlines;
   std::vector<std::string> releases;  // Release's request ids, in order.
   int status_calls = 0;
+  // When set, its Decode streams' events (tokens, then the final) come out
+  // one per permit: a test adds permits to let the stream go on.
+  std::shared_ptr<std::atomic<int>> decode_permits;
 };
 
 // One scripted call: its events, then how it ends.
@@ -86,9 +90,10 @@ template <typename Event>
 class ScriptedStream final : public EventStream<Event> {
  public:
   using typename EventStream<Event>::ReadResult;
-  ScriptedStream(std::vector<Event> events, absl::Status end, bool unparseable, bool hold, bool hold_start = false)
+  ScriptedStream(std::vector<Event> events, absl::Status end, bool unparseable, bool hold, bool hold_start = false,
+                 std::shared_ptr<std::atomic<int>> permits = nullptr)
       : events_(std::move(events)), end_(std::move(end)), unparseable_(unparseable), hold_(hold),
-        hold_start_(hold_start) {}
+        hold_start_(hold_start), permits_(std::move(permits)) {}
 
   void Start() override {
     absl::MutexLock lock(&mu_);
@@ -99,6 +104,12 @@ class ScriptedStream final : public EventStream<Event> {
     absl::MutexLock lock(&mu_);
     if (cancelled_) return ReadResult::kEnd;
     if (next_ < events_.size()) {
+      // A permit per event, taken when it comes (polled: the test adds them).
+      while (permits_ != nullptr && !cancelled_ && permits_->load() <= 0) {
+        mu_.AwaitWithTimeout(absl::Condition(&cancelled_), absl::Milliseconds(1));
+      }
+      if (cancelled_) return ReadResult::kEnd;
+      if (permits_ != nullptr) permits_->fetch_sub(1);
       *event = events_[next_++];
       return ReadResult::kMessage;
     }
@@ -129,6 +140,7 @@ class ScriptedStream final : public EventStream<Event> {
   bool unparseable_;
   bool hold_;
   bool hold_start_;
+  std::shared_ptr<std::atomic<int>> permits_;
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
 };
 
@@ -227,6 +239,10 @@ class FakeWorkers final : public WorkerTransport {
         worker::v1::DecodeEvent fin;
         fin.mutable_final()->set_finish_reason(v1::FINISH_REASON_LENGTH);
         events.push_back(std::move(fin));
+        if (w.decode_permits != nullptr) {
+          return std::make_unique<ScriptedStream<worker::v1::DecodeEvent>>(
+              std::move(events), absl::OkStatus(), false, false, false, w.decode_permits);
+        }
         return Stream(std::move(events), absl::OkStatus());
       }
       case DecodeFault::kDieAfter:

@@ -4,11 +4,22 @@
 // against real workers: tests/cluster/http_api_test.cc.
 #include "router/openai/server.h"
 
+#include <linux/sockios.h>
+#include <netinet/in.h>
+#include <sys/ioctl.h>
+#include <sys/socket.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <filesystem>
+#include <memory>
 #include <string>
 #include <thread>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -32,6 +43,50 @@ const char kStream[] =
 
 bool HasTwoEvents(const std::string& raw) {
   return std::vector<std::string>(absl::StrSplit(raw, "data: {")).size() > 2;
+}
+
+// This process's socket whose local port is `local` and peer port `peer`
+// (-1: none): the server's end of a test client's connection.
+int SocketOf(int local, int peer) {
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
+    int fd;
+    if (!absl::SimpleAtoi(entry.path().filename().string(), &fd)) continue;
+    sockaddr_in a{}, b{};
+    socklen_t la = sizeof(a), lb = sizeof(b);
+    if (getsockname(fd, reinterpret_cast<sockaddr*>(&a), &la) != 0 ||
+        getpeername(fd, reinterpret_cast<sockaddr*>(&b), &lb) != 0 || a.sin_family != AF_INET) {
+      continue;
+    }
+    if (ntohs(a.sin_port) == local && ntohs(b.sin_port) == peer) return fd;
+  }
+  return -1;
+}
+
+// The bytes in a socket's kernel queue: `request` FIONREAD (received, not
+// read) or SIOCOUTQ (sent, not acknowledged).
+int Queued(int fd, unsigned long request) {
+  int n = 0;
+  return fd >= 0 && ioctl(fd, request, &n) == 0 ? n : 0;
+}
+
+// `f()` once it has held the same value for 10 ms.
+template <typename F>
+int Settled(F f) {
+  int last = f(), same = 0;
+  for (int i = 0; i < 2000 && same < 5; ++i) {
+    absl::SleepFor(absl::Milliseconds(2));
+    const int now = f();
+    same = now == last ? same + 1 : 0;
+    last = now;
+  }
+  return last;
+}
+
+bool WaitFor(const std::function<bool()>& f, absl::Duration timeout) {
+  for (const absl::Time end = absl::Now() + timeout; absl::Now() < end; absl::SleepFor(absl::Milliseconds(1))) {
+    if (f()) return true;
+  }
+  return f();
 }
 
 class OpenAiServerTest : public ::testing::Test {
@@ -193,6 +248,157 @@ TEST_F(OpenAiServerTest, BadOrTakenAddressesAreRefused) {
   ASSERT_NE(first, nullptr);
   o.address = absl::StrCat("127.0.0.1:", first->port());
   EXPECT_EQ(HttpServer::Start(o, backend_).status().code(), absl::StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace pdserve::router::openai
+
+namespace pdserve::router::openai {
+namespace {
+
+// A TLS server with a small send buffer, its decode worker's events let
+// out a permit at a time, and an authentication that holds the loop
+// ("Bearer stall") until told to go on.
+class TlsStreamTest : public OpenAiServerTest {
+ protected:
+  static constexpr int kTokens = 500;  // the kjv-tiny context is 512
+
+  void SetUp() override {
+    OpenAiServerTest::SetUp();
+    certs_ = ::testing::TempDir() + "/openai_server_test_certs";
+    ASSERT_EQ(
+        std::system(absl::StrCat("'", PDSERVE_SOURCE_DIR, "/deploy/make_certs.sh' '", certs_, "' > /dev/null").c_str()),
+        0);
+    rig_.workers.at("d0").decode_permits = permits_;
+    backend_.authenticate = [this](absl::string_view authorization,
+                                   absl::string_view) -> absl::StatusOr<std::string> {
+      if (authorization == "Bearer stall") {
+        stalled_.Notify();
+        resume_.WaitForNotification();
+      }
+      return std::string("test");
+    };
+    HttpServerOptions o;
+    o.address = "127.0.0.1:0";
+    o.tls = {certs_ + "/router.pem", certs_ + "/router.key", ca()};
+    o.socket_send_buffer = 4096;
+    absl::StatusOr<std::unique_ptr<HttpServer>> server = HttpServer::Start(o, backend_);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = *std::move(server);
+  }
+  void TearDown() override {
+    if (!resume_.HasBeenNotified()) resume_.Notify();  // a loop still held
+    server_.reset();
+  }
+
+  std::string ca() const { return certs_ + "/ca.pem"; }
+  int port() const { return server_->port(); }
+  // Bytes in the kernel between the server and `stream`'s client.
+  int InKernel(const HttpConnection& stream) const {
+    return Queued(stream.fd(), FIONREAD) + Queued(server_fd_, SIOCOUTQ);
+  }
+
+  // Starts a stream of kTokens on `stream` whose client reads nothing, and
+  // lets its tokens out one at a time until two in a row stay with the
+  // server: the kernel queues hold no more, and the server's output has
+  // bytes waiting for the socket to be writable.
+  void StartAndFillTheKernelQueues(HttpConnection& stream) {
+    ASSERT_TRUE(stream.ok());
+    ASSERT_TRUE(stream.Send(HttpRequest(
+        "POST", "/v1/completions",
+        absl::StrCat(R"({"prompt":[100,101,102],"max_tokens":)", kTokens, R"(,"temperature":0,"stream":true})"))));
+    ASSERT_TRUE(WaitFor([&] { return rig_.Count(kPumps) >= 1; }, absl::Seconds(10)));  // the first token's event
+    server_fd_ = SocketOf(port(), stream.local_port());
+    ASSERT_GE(server_fd_, 0);
+    auto in_kernel = [&] { return InKernel(stream); };
+    int stayed = 0;
+    for (int i = 0; i < kTokens - 10 && stayed < 2; ++i) {
+      const int before = Settled(in_kernel);
+      const double pumped = rig_.Count(kPumps);
+      permits_->fetch_add(1);
+      ASSERT_TRUE(WaitFor([&] { return rig_.Count(kPumps) > pumped; }, absl::Seconds(10))) << "token " << i;
+      stayed = Settled(in_kernel) == before ? stayed + 1 : 0;
+    }
+    ASSERT_EQ(stayed, 2) << "the kernel queues never filled";
+  }
+
+  // Lets the rest of the stream out and waits until the server has queued
+  // its end.
+  void EndTheGeneration() {
+    permits_->fetch_add(kTokens);
+    ASSERT_TRUE(WaitFor([&] { return rig_.Count("pdserve_requests_total", "outcome=\"length\"") == 1; },
+                        absl::Seconds(10)));
+    absl::SleepFor(absl::Milliseconds(100));  // from the relay's end to the wake-up
+  }
+
+  static constexpr char kPumps[] = "pdserve_http_event_write_delay_seconds_count";
+  std::string certs_;
+  std::shared_ptr<std::atomic<int>> permits_ = std::make_shared<std::atomic<int>>(0);
+  absl::Notification stalled_, resume_;
+  std::unique_ptr<HttpServer> server_;
+  int server_fd_ = -1;
+};
+
+// Under TLS libevent runs a connection's write callback on the loop's turn
+// after a write empties the output, without looking at the output again.
+// A stream's last events, handed over in the same turn as such a write,
+// were taken for written by that callback: the request was freed and the
+// connection stopped writing with them queued, and the client waited for
+// the stream's end forever (the npm client test's intermittent 300 s
+// hang; with "Connection: close", as here, the connection closed with
+// them unsent). The test lines that turn up exactly: with the server's
+// output waiting on a full socket, an authentication holds the loop; the
+// client reads everything the kernel holds (the socket becomes writable
+// first) and the generation ends (its wake-up comes second); the loop then
+// writes what was waiting and takes the stream's end in one turn.
+TEST_F(TlsStreamTest, AStreamsEndQueuedInTheTurnOfAWriteThatEmptiedTheOutputIsWritten) {
+  HttpConnection stream(port(), /*receive_buffer=*/4096, ca());
+  StartAndFillTheKernelQueues(stream);
+  if (HasFatalFailure()) return;
+  HttpConnection models(port(), 0, ca());
+  ASSERT_TRUE(models.Send(HttpRequest("GET", "/v1/models", "", {"Authorization: Bearer stall"})));
+  ASSERT_TRUE(stalled_.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  for (const absl::Time end = absl::Now() + absl::Seconds(10);
+       absl::Now() < end && Settled([&] { return InKernel(stream); }) > 0;) {
+    stream.Read(absl::Milliseconds(5));
+  }
+  ASSERT_EQ(InKernel(stream), 0);
+  EndTheGeneration();
+  if (HasFatalFailure()) return;
+  resume_.Notify();
+
+  const HttpReply r = stream.Read(absl::Seconds(10));
+  ASSERT_EQ(r.status, 200);
+  const std::vector<std::string> events = SseData(r.body);
+  ASSERT_FALSE(events.empty());
+  EXPECT_EQ(events.back(), "[DONE]");
+  EXPECT_EQ(events.size(), kTokens + 2u);  // a token an event, the finish, [DONE]
+  EXPECT_EQ(models.Read(absl::Seconds(10)).status, 200);
+  EXPECT_TRUE(WaitFor([&] { return rig_.Count("pdserve_http_requests_open") == 0; }, absl::Seconds(10)));
+}
+
+// A client that goes away while its stream's last bytes wait for the
+// socket: the server closes its end (the request, held for those bytes,
+// is freed with it) and serves on.
+TEST_F(TlsStreamTest, AClientGoneWhileTheStreamsEndWaitsIsLetGo) {
+  {
+    HttpConnection stream(port(), /*receive_buffer=*/4096, ca());
+    StartAndFillTheKernelQueues(stream);
+    if (HasFatalFailure()) return;
+    EndTheGeneration();
+    if (HasFatalFailure()) return;
+    EXPECT_EQ(rig_.Count("pdserve_http_requests_open"), 1);
+    const int client_port = stream.local_port();
+    stream.Close();
+    EXPECT_TRUE(WaitFor([&] { return SocketOf(port(), client_port) < 0; }, absl::Seconds(10)))
+        << "the server kept its end of a closed connection";
+    EXPECT_TRUE(WaitFor([&] { return rig_.Count("pdserve_http_requests_open") == 0; }, absl::Seconds(10)))
+        << "the stream's request was never ended";
+  }
+  HttpConnection next(port(), 0, ca());
+  ASSERT_TRUE(next.Send(HttpRequest("POST", "/v1/completions", R"({"prompt":[100,101],"max_tokens":2})")));
+  EXPECT_EQ(next.Read(absl::Seconds(10)).status, 200);
+  EXPECT_TRUE(WaitFor([&] { return rig_.Count("pdserve_http_requests_open") == 0; }, absl::Seconds(10)));
 }
 
 }  // namespace

@@ -1,9 +1,11 @@
 #include "tests/support/http_client.h"
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <openssl/ssl.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -59,7 +61,7 @@ std::string HttpRequest(const std::string& method, const std::string& path, cons
   return r;
 }
 
-HttpConnection::HttpConnection(int port, int receive_buffer) {
+HttpConnection::HttpConnection(int port, int receive_buffer, const std::string& tls_ca) {
   fd_ = socket(AF_INET, SOCK_STREAM, 0);
   if (fd_ >= 0 && receive_buffer > 0) setsockopt(fd_, SOL_SOCKET, SO_RCVBUF, &receive_buffer, sizeof(receive_buffer));
   sockaddr_in a{};
@@ -67,24 +69,71 @@ HttpConnection::HttpConnection(int port, int receive_buffer) {
   a.sin_port = htons(static_cast<uint16_t>(port));
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   if (fd_ >= 0 && connect(fd_, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) Close();
+  if (fd_ < 0 || tls_ca.empty()) return;
+  ssl_ctx_ = SSL_CTX_new(TLS_client_method());
+  if (ssl_ctx_ == nullptr || SSL_CTX_load_verify_locations(ssl_ctx_, tls_ca.c_str(), nullptr) != 1) {
+    Close();
+    return;
+  }
+  SSL_CTX_set_verify(ssl_ctx_, SSL_VERIFY_PEER, nullptr);
+  ssl_ = SSL_new(ssl_ctx_);
+  if (ssl_ == nullptr || SSL_set_fd(ssl_, fd_) != 1 || SSL_connect(ssl_) != 1) {
+    Close();
+    return;
+  }
+  // Non-blocking from here: a record whose end has not come must not hold
+  // a read past its timeout.
+  fcntl(fd_, F_SETFL, fcntl(fd_, F_GETFL) | O_NONBLOCK);
 }
 
 HttpConnection::~HttpConnection() { Close(); }
 
 void HttpConnection::Close() {
+  if (ssl_ != nullptr) SSL_free(ssl_);
+  if (ssl_ctx_ != nullptr) SSL_CTX_free(ssl_ctx_);
+  ssl_ = nullptr;
+  ssl_ctx_ = nullptr;
   if (fd_ >= 0) close(fd_);
   fd_ = -1;
+}
+
+int HttpConnection::local_port() const {
+  sockaddr_in a{};
+  socklen_t len = sizeof(a);
+  if (fd_ < 0 || getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &len) != 0) return 0;
+  return ntohs(a.sin_port);
 }
 
 bool HttpConnection::Send(const std::string& bytes) {
   size_t sent = 0;
   while (fd_ >= 0 && sent < bytes.size()) {
-    const ssize_t n = send(fd_, bytes.data() + sent, bytes.size() - sent, MSG_NOSIGNAL);
+    ssize_t n;
+    if (ssl_ != nullptr) {
+      n = SSL_write(ssl_, bytes.data() + sent, static_cast<int>(bytes.size() - sent));
+      const int e = n > 0 ? SSL_ERROR_NONE : SSL_get_error(ssl_, static_cast<int>(n));
+      if (e == SSL_ERROR_WANT_READ || e == SSL_ERROR_WANT_WRITE) {
+        pollfd p{fd_, static_cast<short>(e == SSL_ERROR_WANT_READ ? POLLIN : POLLOUT), 0};
+        poll(&p, 1, 100);
+        continue;
+      }
+    } else {
+      n = send(fd_, bytes.data() + sent, bytes.size() - sent, MSG_NOSIGNAL);
+    }
     if (n <= 0) return false;
     sent += static_cast<size_t>(n);
   }
   return fd_ >= 0;
 }
+
+ssize_t HttpConnection::Receive(char* buf, size_t size) {
+  if (ssl_ == nullptr) return recv(fd_, buf, size, 0);
+  const int n = SSL_read(ssl_, buf, static_cast<int>(size));
+  if (n > 0) return n;
+  const int e = SSL_get_error(ssl_, n);
+  return e == SSL_ERROR_WANT_READ || e == SSL_ERROR_WANT_WRITE ? -1 : 0;
+}
+
+bool HttpConnection::Pending() const { return ssl_ != nullptr && SSL_pending(ssl_) > 0; }
 
 HttpReply HttpConnection::Read(absl::Duration timeout, bool (*until)(const std::string& raw)) {
   const absl::Time deadline = absl::Now() + timeout;
@@ -93,8 +142,9 @@ HttpReply HttpConnection::Read(absl::Duration timeout, bool (*until)(const std::
     const int64_t left = absl::ToInt64Milliseconds(deadline - absl::Now());
     if (left <= 0) break;
     pollfd p{fd_, POLLIN, 0};
-    if (poll(&p, 1, static_cast<int>(left)) <= 0) continue;
-    const ssize_t n = recv(fd_, buf, sizeof(buf), 0);
+    if (!Pending() && poll(&p, 1, static_cast<int>(left)) <= 0) continue;
+    const ssize_t n = Receive(buf, sizeof(buf));
+    if (n < 0 && ssl_ != nullptr) continue;  // a record not yet whole
     if (n <= 0) break;
     raw_.append(buf, static_cast<size_t>(n));
     reads_.emplace_back(buf, static_cast<size_t>(n));

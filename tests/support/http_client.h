@@ -5,11 +5,16 @@
 #ifndef PDSERVE_TESTS_SUPPORT_HTTP_CLIENT_H_
 #define PDSERVE_TESTS_SUPPORT_HTTP_CLIENT_H_
 
+#include <sys/types.h>
+
 #include <map>
 #include <string>
 #include <vector>
 
 #include "absl/time/time.h"
+
+struct ssl_ctx_st;
+struct ssl_st;
 
 namespace pdserve::testing_support {
 
@@ -30,7 +35,9 @@ class HttpConnection {
   // Connects to 127.0.0.1:port (check ok()); `receive_buffer` > 0 sets
   // SO_RCVBUF first (a small one makes a client that does not read fill
   // up quickly).
-  explicit HttpConnection(int port, int receive_buffer = 0);
+  // `tls_ca` non-empty: HTTPS, the server's certificate checked against
+  // that CA (names are not checked).
+  explicit HttpConnection(int port, int receive_buffer = 0, const std::string& tls_ca = "");
   ~HttpConnection();
   HttpConnection(const HttpConnection&) = delete;
   HttpConnection& operator=(const HttpConnection&) = delete;
@@ -41,9 +48,17 @@ class HttpConnection {
   // timeout; returns what came. The body is de-chunked when complete.
   HttpReply Read(absl::Duration timeout, bool (*until)(const std::string& raw) = nullptr);
   void Close();
+  int fd() const { return fd_; }
+  int local_port() const;  // 0: not connected
 
  private:
+  // Reads what is there (TLS: decrypted) into buf; 0: closed or failed.
+  ssize_t Receive(char* buf, size_t size);
+  bool Pending() const;  // TLS bytes decrypted but not yet read
+
   int fd_ = -1;
+  ssl_ctx_st* ssl_ctx_ = nullptr;
+  ssl_st* ssl_ = nullptr;
   std::string raw_;
   std::vector<std::string> reads_;
 };

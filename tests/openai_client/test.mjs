@@ -15,6 +15,11 @@ assert.ok(url && key, 'PDSERVE_URL and PDSERVE_KEY must be set');
 // A request taking over 90 s is stuck (they take milliseconds here): fail
 // then, with the cluster's state printed by the wrapper, not at undici's 300 s.
 const client = new OpenAI({ baseURL: url, apiKey: key, maxRetries: 0, timeout: 90_000 });
+// The client's timeout ends when a reply's headers come; a stream's body is
+// bounded by this signal instead (undici's own bound is 300 s). The SDK
+// ends an aborted stream's iteration quietly: collectChat asserts that a
+// stream ended with its finish.
+const STREAM = () => ({ signal: AbortSignal.timeout(90_000) });
 const MODEL = 'kjv-tiny';
 const CHAT = [{ role: 'user', content: 'Who was the father of Isaac?' }];
 // Must match openai_client_test.cc's gRPC request.
@@ -33,6 +38,7 @@ async function collectChat(stream) {
       if (c.finish_reason) finish = c.finish_reason;
     }
   }
+  assert.ok(finish !== null, `the stream ended after ${chunks} chunks without a finish (stuck, then aborted at 90 s?)`);
   return { content, finish, usage, chunks };
 }
 
@@ -54,7 +60,7 @@ test('seed reproducibility: same seed, same text, equal to the gRPC stream', asy
   const b = await client.completions.create({ ...GRPC_REQUEST });
   assert.equal(a.choices[0].text, b.choices[0].text);
   assert.equal(a.choices[0].text, process.env.PDSERVE_GRPC_TEXT);
-  const s = await client.completions.create({ ...GRPC_REQUEST, stream: true });
+  const s = await client.completions.create({ ...GRPC_REQUEST, stream: true }, STREAM());
   let text = '';
   for await (const chunk of s) text += chunk.choices[0]?.text ?? '';
   assert.equal(text, process.env.PDSERVE_GRPC_TEXT);
@@ -76,7 +82,7 @@ test('chat, whole and streamed with usage, agree', async () => {
   assert.match(whole.id, /^chatcmpl-/);
   assert.equal(whole.choices[0].message.role, 'assistant');
   const streamed = await collectChat(
-    await client.chat.completions.create({ ...req, stream: true, stream_options: { include_usage: true } }));
+    await client.chat.completions.create({ ...req, stream: true, stream_options: { include_usage: true } }, STREAM()));
   assert.equal(streamed.content, whole.choices[0].message.content);
   assert.equal(streamed.finish, whole.choices[0].finish_reason);
   assert.ok(streamed.usage, 'the last chunk carries usage');
@@ -173,7 +179,7 @@ test('64 concurrent streams, each its own seed, each equal to its request run al
   const reqs = Array.from({ length: 64 }, (_, i) => ({ model: MODEL, messages: [{ role: 'user', content: `Tell of ${i}` }],
                                                        max_tokens: 10, temperature: 0.9, seed: 1000 + i }));
   const streamed = await Promise.all(reqs.map(async (r) => collectChat(
-    await client.chat.completions.create({ ...r, stream: true, stream_options: { include_usage: true } }))));
+    await client.chat.completions.create({ ...r, stream: true, stream_options: { include_usage: true } }, STREAM()))));
   for (const [i, r] of reqs.entries()) {
     const alone = await client.chat.completions.create(r);
     assert.equal(streamed[i].content, alone.choices[0].message.content, `stream ${i}`);

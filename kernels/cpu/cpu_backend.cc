@@ -885,9 +885,11 @@ float CpuBackend::ReadBlocks(const char* base, absl::Span<const int64_t> offsets
   std::vector<int64_t> bounds(threads + 1);
   for (int t = 0; t <= threads; ++t) bounds[t] = n * t / threads;
   // Each share's sum in its own slot (found by its first block), added
-  // after: no share's sum is lost to another's.
+  // after: no share's sum is lost to another's. An empty share (fewer
+  // blocks than threads) has no slot of its own, so it touches none.
   std::vector<float> sums(threads, 0.0f);
   pool_.ParallelChunks(bounds, [&](int64_t b, int64_t e) {
+    if (b == e) return;
     float s = 0;
     for (int64_t i = b; i < e; ++i) {
       s += table_.read_sum(reinterpret_cast<const float*>(base + offsets[i]), bytes / 4);

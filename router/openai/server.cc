@@ -609,7 +609,8 @@ class HttpServer::Impl {
     // writing with them still queued (the client waits for the stream's
     // end forever). The last bytes therefore go with a callback of
     // ours, and StreamWritten ends the reply once the output is empty.
-    if (done && out.empty()) out = ":\n\n";  // an SSE comment (the last events always hold [DONE])
+    // (A stream's `done` comes with its last events, which end in
+    // [DONE]: Stream sets both under one lock, so `out` is not empty here.)
     if (!out.empty()) {
       if (write_delay_ != nullptr) write_delay_->Observe(absl::ToDoubleSeconds(absl::Now() - since));
       evbuffer* buf = evbuffer_new();

@@ -250,11 +250,6 @@ TEST_F(OpenAiServerTest, BadOrTakenAddressesAreRefused) {
   EXPECT_EQ(HttpServer::Start(o, backend_).status().code(), absl::StatusCode::kUnavailable);
 }
 
-}  // namespace
-}  // namespace pdserve::router::openai
-
-namespace pdserve::router::openai {
-namespace {
 
 // A TLS server with a small send buffer, its decode worker's events let
 // out a permit at a time, and an authentication that holds the loop
@@ -322,13 +317,13 @@ class TlsStreamTest : public OpenAiServerTest {
     ASSERT_EQ(stayed, 2) << "the kernel queues never filled";
   }
 
-  // Lets the rest of the stream out and waits until the server has queued
-  // its end.
+  // Lets the rest of the stream out and waits until its generation has
+  // handed the last events to the loop (Drain: until every generation's
+  // thread is done; the test sends no generation after this).
   void EndTheGeneration() {
     permits_->fetch_add(kTokens);
-    ASSERT_TRUE(WaitFor([&] { return rig_.Count("pdserve_requests_total", "outcome=\"length\"") == 1; },
-                        absl::Seconds(10)));
-    absl::SleepFor(absl::Milliseconds(100));  // from the relay's end to the wake-up
+    server_->Drain(absl::Now() + absl::Seconds(10));
+    ASSERT_EQ(rig_.Count("pdserve_requests_total", "outcome=\"length\""), 1);
   }
 
   static constexpr char kPumps[] = "pdserve_http_event_write_delay_seconds_count";
@@ -378,27 +373,28 @@ TEST_F(TlsStreamTest, AStreamsEndQueuedInTheTurnOfAWriteThatEmptiedTheOutputIsWr
 }
 
 // A client that goes away while its stream's last bytes wait for the
-// socket: the server closes its end (the request, held for those bytes,
-// is freed with it) and serves on.
+// socket: the server closes its end and the request, held for those bytes,
+// is ended with it; the server still answers.
 TEST_F(TlsStreamTest, AClientGoneWhileTheStreamsEndWaitsIsLetGo) {
-  {
-    HttpConnection stream(port(), /*receive_buffer=*/4096, ca());
-    StartAndFillTheKernelQueues(stream);
-    if (HasFatalFailure()) return;
-    EndTheGeneration();
-    if (HasFatalFailure()) return;
-    EXPECT_EQ(rig_.Count("pdserve_http_requests_open"), 1);
-    const int client_port = stream.local_port();
-    stream.Close();
-    EXPECT_TRUE(WaitFor([&] { return SocketOf(port(), client_port) < 0; }, absl::Seconds(10)))
-        << "the server kept its end of a closed connection";
-    EXPECT_TRUE(WaitFor([&] { return rig_.Count("pdserve_http_requests_open") == 0; }, absl::Seconds(10)))
-        << "the stream's request was never ended";
-  }
+  HttpConnection stream(port(), /*receive_buffer=*/4096, ca());
+  StartAndFillTheKernelQueues(stream);
+  if (HasFatalFailure()) return;
+  EndTheGeneration();
+  if (HasFatalFailure()) return;
+  // The loop runs: the last events' hand-over to libevent is its last
+  // event written (the client reads nothing, so they stay queued there).
+  Settled([&] { return static_cast<int>(rig_.Count(kPumps)); });
+  EXPECT_EQ(rig_.Count("pdserve_http_requests_open"), 1);
+  const int client_port = stream.local_port();
+  stream.Close();
+  EXPECT_TRUE(WaitFor([&] { return SocketOf(port(), client_port) < 0; }, absl::Seconds(10)))
+      << "the server kept its end of a closed connection";
+  EXPECT_TRUE(WaitFor([&] { return rig_.Count("pdserve_http_requests_open") == 0; }, absl::Seconds(10)))
+      << "the stream's request was never ended";
+  // Draining (EndTheGeneration): a new generation is refused, but answered.
   HttpConnection next(port(), 0, ca());
   ASSERT_TRUE(next.Send(HttpRequest("POST", "/v1/completions", R"({"prompt":[100,101],"max_tokens":2})")));
-  EXPECT_EQ(next.Read(absl::Seconds(10)).status, 200);
-  EXPECT_TRUE(WaitFor([&] { return rig_.Count("pdserve_http_requests_open") == 0; }, absl::Seconds(10)));
+  EXPECT_EQ(next.Read(absl::Seconds(10)).status, 503);
 }
 
 }  // namespace

@@ -52,7 +52,8 @@ class HttpConnection {
   int local_port() const;  // 0: not connected
 
  private:
-  // Reads what is there (TLS: decrypted) into buf; 0: closed or failed.
+  // Reads what is there (TLS: decrypted) into buf: the bytes read; 0:
+  // closed or failed; -1 (TLS): no whole record yet, poll again.
   ssize_t Receive(char* buf, size_t size);
   bool Pending() const;  // TLS bytes decrypted but not yet read
 

@@ -1,0 +1,122 @@
+// Transport over plain TCP sockets, for KV planes that cross machines.
+//
+// Why not UCX over tcp: UCX 1.13's tcp transport executes PUT requests from
+// anyone who reaches its port, before any handshake, at any address the
+// peer names (no UCX option turns that off). Here every byte that lands in
+// registered memory was read by this transport from the connection's
+// stream into a destination it checked: inside one registered region, and
+// allowed by the connection's handler (ConnectionHandler::MayWrite).
+//
+// Wire (one stream per connection, little-endian, in order):
+//   control frame: u32 type, u32 length, then `length` bytes
+//                  (Message, at most kMaxMessageBytes; Bye, ByeAck, Flush,
+//                  FlushAck with length 0)
+//   data frame:    u32 type (Data), u32 0, u64 address, u64 length, then
+//                  `length` bytes, read straight into `address`
+// A Flush is answered by a FlushAck once every frame before it was read,
+// so every earlier Put's bytes are in the peer's memory: the ordering
+// contract of transport.h. A data frame that lies outside every registered
+// region, or that the handler refuses, is read and dropped (the connection
+// stays up); one longer than any region could hold (and than
+// kMaxMessageBytes), an unknown type or an oversized message fails the
+// connection.
+//
+// Puts are zero-copy on both sides: the sender's bytes go from the caller's
+// memory to the socket (sendmsg of header + payload), the receiver's from
+// the socket into the destination. A Put's `done` completes once its bytes
+// are handed to the kernel.
+//
+// Registered memory is ordinary page-aligned host memory
+// (HostKvRegionAllocator) that the transport tracks; PackRegion gives the
+// base address alone, there is no remote key, and no peer may map it
+// (PeerMayMapMemory() is false).
+//
+// Close: Bye / ByeAck; the peer's handler sees OnDisconnected(OK), this
+// side's none (as the other transports). Connect to a peer that is not
+// there: OnDisconnected(UNAVAILABLE naming host:port) shortly after.
+//
+// Lifetime: unlike "connections live as long as their transport" in
+// transport.h, a Connection is freed once it is over, so a peer that
+// connects and disconnects forever costs nothing that stays: a Connection*
+// is valid until its OnDisconnected returns, or, for a connection this side
+// Close()d (or whose handler was Detach()ed), until its close handshake
+// ends; call nothing on it after Close().
+//
+// Thread safety: as transport.h. Regions from region_allocator() must be
+// freed before the transport is destroyed.
+#ifndef PDSERVE_KV_TRANSFER_TCP_TRANSPORT_H_
+#define PDSERVE_KV_TRANSFER_TCP_TRANSPORT_H_
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/synchronization/mutex.h"
+#include "kv_transfer/transport.h"
+
+namespace pdserve::kv {
+
+class TcpTransport final : public Transport {
+ public:
+  struct Options {
+    std::string name = "kv-tcp";
+  };
+  // The largest control message either side accepts.
+  static constexpr uint32_t kMaxMessageBytes = 64u << 20;
+
+  static absl::StatusOr<std::unique_ptr<TcpTransport>> Create(const Options& options);
+  ~TcpTransport() override;
+
+  EventLoop& loop() override { return loop_; }
+  KvRegionAllocator& region_allocator() override;
+  absl::StatusOr<std::string> PackRegion(KvRegion& region) override;
+  // Host is an IPv4 or IPv6 literal ("127.0.0.1", "::1", "[::1]").
+  absl::StatusOr<int> Listen(const std::string& host, int port, ConnectionHandler* handler) override;
+  absl::StatusOr<Connection*> Connect(const std::string& host, int port, ConnectionHandler* handler) override;
+  void Detach(ConnectionHandler* handler) override;
+
+  // Connections not yet freed, accepted and connected (tests: none leak).
+  int64_t live_connections() const { return live_.load(); }
+
+ private:
+  class Conn;
+  class Region;
+  class Allocator;
+  struct Listener {
+    int fd = -1;
+    ConnectionHandler* handler = nullptr;
+  };
+  TcpTransport() = default;
+
+  // Loop thread: handles the ready events without blocking; true if any.
+  bool Progress();
+  void Accept(Listener& l);
+  Conn* AddConn(int fd, ConnectionHandler* handler, std::string name, std::string peer_host, bool connected);
+  // Frees a connection that is over, after the tasks already posted.
+  void Retire(uint64_t id);
+  // The registered region holding [address, address + bytes), by base.
+  bool Registered(uint64_t address, uint64_t bytes) const;
+  uint64_t LargestRegion() const;
+
+  std::string name_;
+  int epoll_fd_ = -1;
+  EventLoop loop_;
+  std::unique_ptr<Allocator> allocator_;
+  std::atomic<int64_t> live_{0};
+  // Loop thread only. Ids are epoll's keys: listeners have the top bit.
+  uint64_t next_id_ = 1;
+  absl::flat_hash_map<uint64_t, Listener> listeners_;
+  absl::flat_hash_map<uint64_t, std::unique_ptr<Conn>> conns_;
+  std::vector<char> scratch_;  // Where dropped payloads are read.
+  // Registered regions (allocated and freed on any thread).
+  mutable absl::Mutex regions_mu_;
+  std::vector<Region*> regions_ ABSL_GUARDED_BY(regions_mu_);
+};
+
+}  // namespace pdserve::kv
+
+#endif  // PDSERVE_KV_TRANSFER_TCP_TRANSPORT_H_

@@ -51,7 +51,10 @@ void LogEvent(const char* level, const char* event, const std::vector<std::pair<
   j["level"] = level;
   j["event"] = event;
   for (const auto& [k, v] : fields) j[k] = v;
-  const std::string line = j.dump() + "\n";
+  // Fields carry strings from outside (a worker's error, a key file's line,
+  // a DNS name): bytes that are not UTF-8 become U+FFFD, as a strict dump
+  // would throw, and a throw here ends the process.
+  const std::string line = j.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace) + "\n";
   std::fwrite(line.data(), 1, line.size(), stderr);
   std::fflush(stderr);
 }

@@ -15,7 +15,9 @@ namespace pdserve {
 
 // One JSON object per line on stderr: {"ts":..,"level":..,"event":..,k:v..}.
 // Lines below the minimum level (debug < info < warning < error; default
-// info) are dropped.
+// info) are dropped. Keys and values may hold any bytes: what is not UTF-8
+// is written as U+FFFD, so every line is valid JSON and logging never
+// throws.
 void LogEvent(const char* level, const char* event,
               std::initializer_list<std::pair<const char*, std::string>> fields = {});
 void LogEvent(const char* level, const char* event, const std::vector<std::pair<std::string, std::string>>& fields);

@@ -1,0 +1,12 @@
+# The router front's and the deployment's attacks.
+
+# Invalid UTF-8 in log lines: LogEvent itself, and a real router fed it
+# through its API key file and its clients' strings.
+pdserve_test(front_log_test SOURCES front_log_test.cc
+  LIBS pdserve_server_util nlohmann_json::nlohmann_json absl::strings LABELS security)
+pdserve_test(front_log_cluster_test SOURCES front_log_cluster_test.cc ../support/subprocess.cc ../support/http_get.cc
+  ../support/http_client.cc
+  LIBS pdserve_tls pdserve_health_check pdserve_api_keys pdserve_proto nlohmann_json::nlohmann_json absl::time
+  absl::strings OpenSSL::SSL LABELS security)
+target_compile_definitions(front_log_cluster_test PRIVATE PDSERVE_BINARY_DIR="${PROJECT_BINARY_DIR}")
+add_dependencies(front_log_cluster_test pdserve-router pdserve-decode-worker)

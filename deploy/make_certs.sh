@@ -18,13 +18,19 @@
 # pdserve-ROLE.NS.svc.cluster.local (NS: $PDSERVE_K8S_NAMESPACE, default
 # pdserve, deploy/k8s) so that clients in a cluster can check the router by
 # its Service name. Keys are ECDSA P-256; certificates last 30 days; keys
-# are readable by their owner only.
+# are readable by their owner only, and a directory the script makes is
+# too (0700). A directory another user owns is refused: its owner could
+# replace what is written there (a CA of its own for ca.pem).
 set -euo pipefail
 DIR=${1:-${PDSERVE_CERTS_DIR:-/tmp/pdserve-certs}}
 DAYS=30
 NS=${PDSERVE_K8S_NAMESPACE:-pdserve}
-mkdir -p "$DIR"
 umask 077
+mkdir -p "$DIR"
+if [[ ! -O "$DIR" ]]; then
+  echo "make_certs.sh: $DIR is owned by another user ($(stat -c %U "$DIR")); refusing to write keys into it" >&2
+  exit 1
+fi
 
 if [[ ! -s "$DIR/ca.pem" || ! -s "$DIR/ca.key" ]]; then
   openssl ecparam -name prime256v1 -genkey -noout -out "$DIR/ca.key"

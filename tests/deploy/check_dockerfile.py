@@ -78,7 +78,8 @@ def main():
     expect_failures = "--expect-failures" in sys.argv
     repo, build = args[0], args[1]
     text = open(args[2] if len(args) > 2 else os.path.join(repo, "deploy/images/Dockerfile")).read()
-    ignored = [l.strip().rstrip("/") for l in open(os.path.join(repo, ".dockerignore")) if l.strip()]
+    ignored = [l.strip().rstrip("/") for l in open(os.path.join(repo, ".dockerignore"))
+               if l.strip() and not l.startswith("#")]
     st = stages(text)
     by_name = {s["name"]: s for s in st if s["name"]}
     errors = []

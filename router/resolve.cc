@@ -75,11 +75,23 @@ absl::StatusOr<GenerationRequest> RequestResolver::Resolve(const v1::GenerateReq
         return absl::InvalidArgumentError("chat: this model has no recognised chat template; send text or token_ids");
       }
       std::vector<tok::ChatMessage> messages;
-      for (const v1::ChatMessage& m : req.chat().messages()) messages.push_back({m.role(), m.content()});
-      absl::StatusOr<std::string> text = tok::RenderChat(*chat_format_, messages, /*add_generation_prompt=*/true,
-                                                         tokenizer_->bos_token(), tokenizer_->eos_token());
-      if (!text.ok()) return absl::InvalidArgumentError(absl::StrCat("chat.", text.status().message()));
-      absl::StatusOr<std::vector<int32_t>> ids = tokenizer_->Encode(*text, false);
+      for (int i = 0; i < req.chat().messages_size(); ++i) {
+        const v1::ChatMessage& m = req.chat().messages(i);
+        // The API's three roles (the HTTP API's "developer" arrives as
+        // "system"), whatever else a template could render.
+        if (m.role() != "system" && m.role() != "user" && m.role() != "assistant") {
+          return absl::InvalidArgumentError(
+              absl::StrCat("chat.messages[", i, "].role: must be system, user or assistant"));
+        }
+        messages.push_back({m.role(), m.content()});
+      }
+      absl::StatusOr<tok::RenderedChat> rendered = tok::RenderChatWithContent(
+          *chat_format_, messages, /*add_generation_prompt=*/true, tokenizer_->bos_token(), tokenizer_->eos_token());
+      if (!rendered.ok()) return absl::InvalidArgumentError(absl::StrCat("chat.", rendered.status().message()));
+      // The template's markers are special tokens; the messages' words are
+      // text even where they spell a marker, so no message can end its turn
+      // or open another.
+      absl::StatusOr<std::vector<int32_t>> ids = tokenizer_->EncodeWithLiteralRanges(rendered->text, rendered->content);
       if (!ids.ok()) return absl::InvalidArgumentError(absl::StrCat("chat: ", ids.status().message()));
       r.prompt = *std::move(ids);
       break;

@@ -1,6 +1,7 @@
 // A client's request as the engine's: the prompt as ids (text tokenized,
-// chat rendered with the model's template, or ids checked against the
-// vocabulary), the sampling parameters checked and their defaults and seed
+// chat rendered with the model's template and its messages' words
+// tokenized as text, never as the template's special tokens, or ids
+// checked against the vocabulary), the sampling parameters checked and their defaults and seed
 // resolved. Every front end (gRPC now) resolves through this, so a prompt
 // is tokenized once and the same way whatever the API.
 //
@@ -44,8 +45,8 @@ class RequestResolver {
   enum class MaxTokens { kRequired, kToContext };
 
   // The validated engine request, within `limits` (prompt tokens within the
-  // model's context, logprobs at most 20). Errors: INVALID_ARGUMENT naming
-  // the field.
+  // model's context, logprobs at most 20, chat roles system, user or
+  // assistant). Errors: INVALID_ARGUMENT naming the field.
   absl::StatusOr<GenerationRequest> Resolve(const v1::GenerateRequest& req,
                                             MaxTokens unset = MaxTokens::kRequired) const;
   const RequestLimits& limits() const { return limits_; }

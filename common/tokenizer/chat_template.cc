@@ -1,5 +1,8 @@
 #include "common/tokenizer/chat_template.h"
 
+#include <algorithm>
+#include <utility>
+
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -16,8 +19,8 @@ bool PyIsSpace(uint32_t c) {
          c == 0x202f || c == 0x205f || c == 0x3000;
 }
 
-// Jinja's `| trim` (Python str.strip()).
-std::string Trim(absl::string_view s) {
+// The [begin, end) that Jinja's `| trim` (Python str.strip()) keeps of `s`.
+std::pair<size_t, size_t> TrimBounds(absl::string_view s) {
   size_t b = 0, e = s.size();
   while (b < e) {
     size_t i = b;
@@ -30,6 +33,11 @@ std::string Trim(absl::string_view s) {
     if (!PyIsSpace(NextCodePoint(s, i))) break;
     e = start;
   }
+  return {b, e};
+}
+
+std::string Trim(absl::string_view s) {
+  const auto [b, e] = TrimBounds(s);
   return std::string(s.substr(b, e - b));
 }
 
@@ -44,39 +52,82 @@ std::string StripChar(absl::string_view s, char c, bool left, bool right) {
   return std::string(s.substr(b, e - b));
 }
 
+// The rendered text as it is built, with the ranges that came from the
+// messages (RenderedChat::content).
+class ChatText {
+ public:
+  void Marker(absl::string_view s) { out_.text.append(s.data(), s.size()); }
+  void Content(absl::string_view s) {
+    if (s.empty()) return;
+    out_.content.push_back({out_.text.size(), out_.text.size() + s.size()});
+    out_.text.append(s.data(), s.size());
+  }
+  void Append(const ChatText& other) {
+    const size_t shift = out_.text.size();
+    for (const TextRange& r : other.out_.content) out_.content.push_back({r.begin + shift, r.end + shift});
+    out_.text += other.out_.text;
+  }
+  // Jinja's `| trim` over everything so far; the ranges follow the text.
+  void Trim() {
+    const auto [b, e] = TrimBounds(out_.text);
+    std::vector<TextRange> kept;
+    for (const TextRange& r : out_.content) {
+      const size_t rb = std::max(r.begin, b), re = std::min(r.end, e);
+      if (rb < re) kept.push_back({rb - b, re - b});
+    }
+    out_.content = std::move(kept);
+    out_.text = out_.text.substr(b, e - b);
+  }
+  RenderedChat Take() { return std::move(out_); }
+
+ private:
+  RenderedChat out_;
+};
+
 absl::Status BadMessage(size_t i, absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat("messages[", i, "]: ", what));
 }
 
-constexpr char kQwen25System[] = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.";
-
-absl::StatusOr<std::string> RenderChatML(const ChatFormat& f, absl::Span<const ChatMessage> m,
-                                         bool gen) {
-  std::string out;
-  auto block = [&](absl::string_view role, absl::string_view content) {
-    absl::StrAppend(&out, "<|im_start|>", role, "\n", content, "<|im_end|>\n");
-  };
+absl::Status CheckRoles(absl::Span<const ChatMessage> m, bool tool) {
   for (size_t i = 0; i < m.size(); ++i) {
-    if (m[i].role != "system" && m[i].role != "user" && m[i].role != "assistant" &&
-        m[i].role != "tool") {
-      return BadMessage(i, absl::StrCat("unknown role '", m[i].role, "'"));
+    const std::string& r = m[i].role;
+    if (r != "system" && r != "user" && r != "assistant" && !(tool && r == "tool")) {
+      return BadMessage(i, absl::StrCat("unknown role '", r, "'"));
     }
   }
+  return absl::OkStatus();
+}
+
+constexpr char kQwen25System[] = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.";
+
+absl::StatusOr<RenderedChat> RenderChatML(const ChatFormat& f, absl::Span<const ChatMessage> m, bool gen) {
+  ChatText out;
+  auto block = [&](absl::string_view role, absl::string_view content) {
+    out.Marker(absl::StrCat("<|im_start|>", role, "\n"));
+    out.Content(content);
+    out.Marker("<|im_end|>\n");
+  };
+  auto tool_response = [&](size_t i) {
+    if (i == 0 || m[i - 1].role != "tool") out.Marker("<|im_start|>user");
+    out.Marker("\n<tool_response>\n");
+    out.Content(m[i].content);
+    out.Marker("\n</tool_response>");
+    if (i + 1 == m.size() || m[i + 1].role != "tool") out.Marker("<|im_end|>\n");
+  };
+  if (absl::Status st = CheckRoles(m, /*tool=*/true); !st.ok()) return st;
   if (f.family != ChatFamily::kQwen3) {
     if (f.family == ChatFamily::kQwen25 && (m.empty() || m[0].role != "system")) {
-      block("system", kQwen25System);
+      out.Marker(absl::StrCat("<|im_start|>system\n", kQwen25System, "<|im_end|>\n"));
     }
     for (size_t i = 0; i < m.size(); ++i) {
       if (m[i].role == "tool") {
-        if (i == 0 || m[i - 1].role != "tool") out += "<|im_start|>user";
-        absl::StrAppend(&out, "\n<tool_response>\n", m[i].content, "\n</tool_response>");
-        if (i + 1 == m.size() || m[i + 1].role != "tool") out += "<|im_end|>\n";
+        tool_response(i);
       } else {
         block(m[i].role, m[i].content);
       }
     }
-    if (gen) out += "<|im_start|>assistant\n";
-    return out;
+    if (gen) out.Marker("<|im_start|>assistant\n");
+    return out.Take();
   }
   // Qwen3: reasoning shown only for assistant turns after the last user query.
   if (!m.empty() && m[0].role == "system") block("system", m[0].content);
@@ -105,37 +156,43 @@ absl::StatusOr<std::string> RenderChatML(const ChatFormat& f, absl::Span<const C
         reasoning = StripChar(before, '\n', true, false);
       }
       if (i > last_query && (i + 1 == m.size() || !reasoning.empty())) {
-        absl::StrAppend(&out, "<|im_start|>assistant\n<think>\n", StripChar(reasoning, '\n', true, true),
-                        "\n</think>\n\n", StripChar(content, '\n', true, false));
+        out.Marker("<|im_start|>assistant\n<think>\n");
+        out.Content(StripChar(reasoning, '\n', true, true));
+        out.Marker("\n</think>\n\n");
+        out.Content(StripChar(content, '\n', true, false));
       } else {
-        absl::StrAppend(&out, "<|im_start|>assistant\n", content);
+        out.Marker("<|im_start|>assistant\n");
+        out.Content(content);
       }
-      out += "<|im_end|>\n";
+      out.Marker("<|im_end|>\n");
     } else if (msg.role == "tool") {
-      if (i == 0 || m[i - 1].role != "tool") out += "<|im_start|>user";
-      absl::StrAppend(&out, "\n<tool_response>\n", msg.content, "\n</tool_response>");
-      if (i + 1 == m.size() || m[i + 1].role != "tool") out += "<|im_end|>\n";
+      tool_response(i);
     }
   }
-  if (gen) out += "<|im_start|>assistant\n";
-  return out;
+  if (gen) out.Marker("<|im_start|>assistant\n");
+  return out.Take();
 }
 
-absl::StatusOr<std::string> RenderLlama3(const ChatFormat& f, absl::Span<const ChatMessage> m,
-                                         bool gen, absl::string_view bos) {
-  std::string out;
+absl::StatusOr<RenderedChat> RenderLlama3(const ChatFormat& f, absl::Span<const ChatMessage> m, bool gen,
+                                          absl::string_view bos) {
+  // The role goes between the header markers: anything but a known name
+  // there would let a client write its own markers.
+  if (absl::Status st = CheckRoles(m, /*tool=*/false); !st.ok()) return st;
+  ChatText out;
   for (size_t i = 0; i < m.size(); ++i) {
-    if (i == 0) absl::StrAppend(&out, bos);
-    absl::StrAppend(&out, "<|start_header_id|>", m[i].role, "<|end_header_id|>\n\n",
-                    Trim(m[i].content), "<|eot_id|>");
+    if (i == 0) out.Marker(bos);
+    out.Marker(absl::StrCat("<|start_header_id|>", m[i].role, "<|end_header_id|>\n\n"));
+    out.Content(Trim(m[i].content));
+    out.Marker("<|eot_id|>");
   }
-  if (gen || f.always_generation_prompt) out += "<|start_header_id|>assistant<|end_header_id|>\n\n";
-  return out;
+  if (gen || f.always_generation_prompt) out.Marker("<|start_header_id|>assistant<|end_header_id|>\n\n");
+  return out.Take();
 }
 
-absl::StatusOr<std::string> RenderLlama2(absl::Span<const ChatMessage> m, absl::string_view bos,
-                                         absl::string_view eos) {
-  std::string out;
+absl::StatusOr<RenderedChat> RenderLlama2(absl::Span<const ChatMessage> m, absl::string_view bos,
+                                          absl::string_view eos) {
+  if (absl::Status st = CheckRoles(m, /*tool=*/false); !st.ok()) return st;
+  ChatText out;
   size_t start = 0;
   const std::string* system = nullptr;
   if (!m.empty() && m[0].role == "system") {
@@ -148,29 +205,36 @@ absl::StatusOr<std::string> RenderLlama2(absl::Span<const ChatMessage> m, absl::
       return BadMessage(i, "conversation roles must alternate user/assistant/user/assistant/...");
     }
     if (m[i].role == "user") {
-      std::string content = m[i].content;
+      ChatText turn;
       if (i == start && system != nullptr) {
-        content = absl::StrCat("<<SYS>>\n", *system, "\n<</SYS>>\n\n", content);
+        turn.Marker("<<SYS>>\n");
+        turn.Content(*system);
+        turn.Marker("\n<</SYS>>\n\n");
       }
-      absl::StrAppend(&out, bos, "[INST] ", Trim(content), " [/INST]");
+      turn.Content(m[i].content);
+      turn.Trim();
+      out.Marker(absl::StrCat(bos, "[INST] "));
+      out.Append(turn);
+      out.Marker(" [/INST]");
     } else if (m[i].role == "assistant") {
-      absl::StrAppend(&out, " ", Trim(m[i].content), " ", eos);
+      out.Marker(" ");
+      out.Content(Trim(m[i].content));
+      out.Marker(absl::StrCat(" ", eos));
     }
   }
-  return out;
+  return out.Take();
 }
 
-absl::StatusOr<std::string> RenderZephyr(absl::Span<const ChatMessage> m, bool gen,
-                                         absl::string_view eos) {
-  std::string out;
+absl::StatusOr<RenderedChat> RenderZephyr(absl::Span<const ChatMessage> m, bool gen, absl::string_view eos) {
+  if (absl::Status st = CheckRoles(m, /*tool=*/false); !st.ok()) return st;
+  ChatText out;
   for (size_t i = 0; i < m.size(); ++i) {
-    if (m[i].role != "system" && m[i].role != "user" && m[i].role != "assistant") {
-      return BadMessage(i, absl::StrCat("unknown role '", m[i].role, "'"));
-    }
-    absl::StrAppend(&out, "<|", m[i].role, "|>\n", m[i].content, eos, "\n");
-    if (i + 1 == m.size() && gen) out += "<|assistant|>\n";
+    out.Marker(absl::StrCat("<|", m[i].role, "|>\n"));
+    out.Content(m[i].content);
+    out.Marker(absl::StrCat(eos, "\n"));
+    if (i + 1 == m.size() && gen) out.Marker("<|assistant|>\n");
   }
-  return out;
+  return out.Take();
 }
 
 }  // namespace
@@ -222,10 +286,10 @@ absl::StatusOr<ChatFormat> DetectChatFormat(absl::string_view t) {
   return absl::InvalidArgumentError(absl::StrCat("unrecognised chat template", override_hint));
 }
 
-absl::StatusOr<std::string> RenderChat(const ChatFormat& format,
-                                       absl::Span<const ChatMessage> messages,
-                                       bool add_generation_prompt, absl::string_view bos_token,
-                                       absl::string_view eos_token) {
+absl::StatusOr<RenderedChat> RenderChatWithContent(const ChatFormat& format,
+                                                   absl::Span<const ChatMessage> messages,
+                                                   bool add_generation_prompt, absl::string_view bos_token,
+                                                   absl::string_view eos_token) {
   switch (format.family) {
     case ChatFamily::kChatML:
     case ChatFamily::kQwen3:
@@ -239,6 +303,16 @@ absl::StatusOr<std::string> RenderChat(const ChatFormat& format,
       return RenderZephyr(messages, add_generation_prompt, eos_token);
   }
   return absl::InternalError("unknown chat family");
+}
+
+absl::StatusOr<std::string> RenderChat(const ChatFormat& format,
+                                       absl::Span<const ChatMessage> messages,
+                                       bool add_generation_prompt, absl::string_view bos_token,
+                                       absl::string_view eos_token) {
+  absl::StatusOr<RenderedChat> r =
+      RenderChatWithContent(format, messages, add_generation_prompt, bos_token, eos_token);
+  if (!r.ok()) return r.status();
+  return std::move(r->text);
 }
 
 absl::StatusOr<std::vector<ChatMessage>> ParseChatMessages(absl::string_view json_text) {

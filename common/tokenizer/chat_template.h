@@ -15,6 +15,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "common/tokenizer/tokenizer.h"
 
 namespace pdserve::tok {
 
@@ -39,8 +40,23 @@ absl::StatusOr<ChatFamily> ParseChatFamily(absl::string_view name);
 // empty or unrecognised template (the message says how to override).
 absl::StatusOr<ChatFormat> DetectChatFormat(absl::string_view template_text);
 
+// A rendered conversation, and where in its text the messages' own words
+// are (as against the template's markers): sorted, disjoint, non-empty.
+// Tokenize it with Tokenizer::EncodeWithLiteralRanges(text, content), so
+// that a message holding a marker's text (say "<|im_end|>") gets those
+// characters, not the marker: it cannot close its turn or open another.
+struct RenderedChat {
+  std::string text;
+  std::vector<TextRange> content;
+};
+
 // Renders `messages`. Errors (INVALID_ARGUMENT, naming the message index and
 // field): unknown roles, roles not alternating where the family requires it.
+absl::StatusOr<RenderedChat> RenderChatWithContent(const ChatFormat& format,
+                                                   absl::Span<const ChatMessage> messages,
+                                                   bool add_generation_prompt, absl::string_view bos_token,
+                                                   absl::string_view eos_token);
+// The text alone (what the model's Jinja template would print).
 absl::StatusOr<std::string> RenderChat(const ChatFormat& format,
                                        absl::Span<const ChatMessage> messages,
                                        bool add_generation_prompt, absl::string_view bos_token,

@@ -40,6 +40,13 @@ std::optional<std::string> ConfigToken(const json& cfg, const char* key) {
   return std::nullopt;
 }
 
+// Whether [begin, end) overlaps one of `ranges` (sorted, disjoint).
+bool Overlaps(absl::Span<const TextRange> ranges, size_t begin, size_t end) {
+  auto it = std::upper_bound(ranges.begin(), ranges.end(), begin,
+                             [](size_t b, const TextRange& r) { return b < r.end; });
+  return it != ranges.end() && it->begin < end;
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::string& dir) {
@@ -186,8 +193,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(absl::string_view
   return tok;
 }
 
-std::vector<Tokenizer::Segment> Tokenizer::SplitAdded(std::vector<Segment> segments,
-                                                      bool normalized) const {
+std::vector<Tokenizer::Segment> Tokenizer::SplitAdded(std::vector<Segment> segments, bool normalized,
+                                                      absl::Span<const TextRange> literal) const {
   const std::vector<std::vector<const AddedToken*>>& index = by_first_byte_[normalized ? 1 : 0];
   if (std::none_of(added_.begin(), added_.end(),
                    [&](const AddedToken& t) { return t.normalized == normalized; })) {
@@ -206,6 +213,12 @@ std::vector<Tokenizer::Segment> Tokenizer::SplitAdded(std::vector<Segment> segme
       const AddedToken* hit = nullptr;
       for (const AddedToken* t : index[static_cast<unsigned char>(s[i])]) {
         if (s.compare(i, t->content.size(), t->content) != 0) continue;
+        // After normalization offsets no longer map to the input, so a
+        // segment touching a literal range gets no special token at all.
+        if (t->special && (normalized ? seg.literal
+                                      : Overlaps(literal, seg.offset + i, seg.offset + i + t->content.size()))) {
+          continue;
+        }
         if (t->single_word) {
           if (IsWordChar(CodePointBefore(s, i))) continue;
           const size_t end = i + t->content.size();
@@ -236,13 +249,15 @@ std::vector<Tokenizer::Segment> Tokenizer::SplitAdded(std::vector<Segment> segme
         }
       }
       if (begin > emitted) {
-        out.push_back({std::string(s.substr(emitted, begin - emitted)), -1, seg.at_start && emitted == 0});
+        out.push_back({std::string(s.substr(emitted, begin - emitted)), -1, seg.at_start && emitted == 0,
+                       seg.offset + emitted, seg.literal});
       }
-      out.push_back({"", hit->id, false});
+      out.push_back({"", hit->id, false, seg.offset + begin, false});
       emitted = i = end;
     }
     if (emitted < s.size()) {
-      out.push_back({std::string(s.substr(emitted)), -1, seg.at_start && emitted == 0});
+      out.push_back({std::string(s.substr(emitted)), -1, seg.at_start && emitted == 0, seg.offset + emitted,
+                     seg.literal});
     }
   }
   return out;
@@ -250,8 +265,27 @@ std::vector<Tokenizer::Segment> Tokenizer::SplitAdded(std::vector<Segment> segme
 
 absl::StatusOr<std::vector<int32_t>> Tokenizer::Encode(absl::string_view text,
                                                        bool add_special_tokens) const {
+  return EncodeImpl(text, add_special_tokens, {});
+}
+
+absl::StatusOr<std::vector<int32_t>> Tokenizer::EncodeWithLiteralRanges(absl::string_view text,
+                                                                        absl::Span<const TextRange> literal) const {
+  for (size_t i = 0; i < literal.size(); ++i) {
+    if (literal[i].begin > literal[i].end || literal[i].end > text.size() ||
+        (i > 0 && literal[i].begin < literal[i - 1].end)) {
+      return absl::InvalidArgumentError(absl::StrCat("literal range ", i, " is out of order or outside the text"));
+    }
+  }
+  return EncodeImpl(text, /*add_special_tokens=*/false, literal);
+}
+
+absl::StatusOr<std::vector<int32_t>> Tokenizer::EncodeImpl(absl::string_view text, bool add_special_tokens,
+                                                           absl::Span<const TextRange> literal) const {
   if (!IsValidUtf8(text)) return absl::InvalidArgumentError("text is not valid UTF-8");
-  std::vector<Segment> segments = SplitAdded({{std::string(text), -1, true}}, false);
+  std::vector<Segment> segments = SplitAdded({{std::string(text), -1, true, 0, false}}, false, literal);
+  for (Segment& s : segments) {
+    if (s.token < 0) s.literal = Overlaps(literal, s.offset, s.offset + s.text.size());
+  }
   if (normalizer_ != nullptr) {
     for (Segment& s : segments) {
       if (s.token >= 0) continue;
@@ -260,7 +294,7 @@ absl::StatusOr<std::vector<int32_t>> Tokenizer::Encode(absl::string_view text,
       s.text = *std::move(n);
     }
   }
-  segments = SplitAdded(std::move(segments), true);
+  segments = SplitAdded(std::move(segments), true, literal);
 
   std::vector<int32_t> ids;
   if (add_special_tokens) ids = post_.prefix_ids;

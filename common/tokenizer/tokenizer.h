@@ -27,6 +27,12 @@
 
 namespace pdserve::tok {
 
+// A byte range [begin, end) of a text.
+struct TextRange {
+  size_t begin = 0;
+  size_t end = 0;
+};
+
 struct AddedToken {
   int32_t id = 0;
   std::string content;
@@ -50,6 +56,18 @@ class Tokenizer {
   // Errors: invalid UTF-8 input (INVALID_ARGUMENT).
   absl::StatusOr<std::vector<int32_t>> Encode(absl::string_view text,
                                               bool add_special_tokens = false) const;
+  // Encode (no special tokens added), except that inside the `literal`
+  // ranges (sorted, disjoint, within `text`) special added tokens are not
+  // matched: a special token's text there is encoded as the characters it
+  // is (Hugging Face's split_special_tokens, there only). Added tokens that
+  // are not special still match, as they do in Hugging Face's own. Outside
+  // the ranges, and across their edges, the ids are Encode's: the text is
+  // still normalized, pre-tokenized and merged as one. Chat prompts use it:
+  // the template's markers are special tokens, a message's words never are.
+  // A special token that is matched after normalization (no supported model
+  // has one) is not matched at all in a run of text that touches a range.
+  absl::StatusOr<std::vector<int32_t>> EncodeWithLiteralRanges(absl::string_view text,
+                                                               absl::Span<const TextRange> literal) const;
   // Errors: an id outside the vocabulary.
   absl::StatusOr<std::string> Decode(absl::Span<const int32_t> ids,
                                      bool skip_special_tokens = false) const;
@@ -83,10 +101,16 @@ class Tokenizer {
     std::string text;
     int32_t token = -1;  // >= 0: an added token.
     bool at_start = false;
+    size_t offset = 0;     // Where `text` began in the input (before normalization).
+    bool literal = false;  // Overlaps a literal range (set before normalization).
   };
   // Splits each text segment at matches of added tokens with the given
-  // `normalized` flag (leftmost-longest; lstrip/rstrip/single_word applied).
-  std::vector<Segment> SplitAdded(std::vector<Segment> segments, bool normalized) const;
+  // `normalized` flag (leftmost-longest; lstrip/rstrip/single_word applied);
+  // special ones are not matched over a `literal` range.
+  std::vector<Segment> SplitAdded(std::vector<Segment> segments, bool normalized,
+                                  absl::Span<const TextRange> literal) const;
+  absl::StatusOr<std::vector<int32_t>> EncodeImpl(absl::string_view text, bool add_special_tokens,
+                                                  absl::Span<const TextRange> literal) const;
 
   std::unique_ptr<Bpe> model_;
   std::unique_ptr<Normalizer> normalizer_;

@@ -8,6 +8,7 @@
 #include "common/tokenizer/detokenizer.h"
 #include "common/tokenizer/stop_strings.h"
 
+#include <algorithm>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -166,6 +167,91 @@ TEST_P(ChatTemplateTest, RendersLikeJinja) {
     ++n;
   }
   EXPECT_GE(n, 12);
+}
+
+// A message's words are text: where one spells a marker ("<|eot_id|>",
+// "<|im_start|>", "</s>"), its characters reach the model, not the marker
+// (HF's apply_chat_template would match them as special tokens, and the
+// message could close its turn and open a system one). Messages that spell
+// no marker get HF's ids exactly.
+TEST_P(ChatTemplateTest, MessagesAreTextEvenWhereTheySpellAMarker) {
+  const ChatFixture& f = GetParam();
+  auto tok = Tokenizer::Load(kDir + f.tokenizer);
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  std::string tmpl = (*tok)->chat_template();
+  if (!f.template_file.empty()) tmpl = *ReadFileToString(kDir + f.template_file);
+  auto format = DetectChatFormat(tmpl);
+  ASSERT_TRUE(format.ok()) << format.status();
+  const nlohmann::json cases = nlohmann::json::parse(*ReadFileToString(kDir + "chat_cases.json"));
+  int spelled = 0;
+  for (const auto& ref : ReadJsonl(kDir + f.reference)) {
+    if (ref.contains("error")) continue;
+    std::vector<ChatMessage> messages;
+    bool spells_a_marker = false;
+    for (const auto& m : cases[ref["case"].get<int>()]["messages"]) {
+      messages.push_back({m["role"].get<std::string>(), m["content"].get<std::string>()});
+      const std::vector<int32_t> alone = *(*tok)->Encode(messages.back().content, false);
+      for (int32_t id : alone) spells_a_marker |= (*tok)->IsSpecial(id);
+    }
+    auto rendered = RenderChatWithContent(*format, messages, ref["add_generation_prompt"].get<bool>(),
+                                          (*tok)->bos_token(), (*tok)->eos_token());
+    ASSERT_TRUE(rendered.ok()) << rendered.status();
+    EXPECT_EQ(rendered->text, ref["text"].get<std::string>()) << "case " << ref["case"];
+    auto ids = (*tok)->EncodeWithLiteralRanges(rendered->text, rendered->content);
+    ASSERT_TRUE(ids.ok()) << ids.status();
+    if (!spells_a_marker) {
+      if (ref.contains("ids")) {
+        EXPECT_EQ(*ids, ref["ids"].get<std::vector<int32_t>>()) << "case " << ref["case"];
+      }
+      continue;
+    }
+    ++spelled;
+    // The special ids are the template's alone: those of the same
+    // conversation with every message's words replaced by "x".
+    std::string markers_only;
+    size_t at = 0;
+    for (const TextRange& r : rendered->content) {
+      markers_only += rendered->text.substr(at, r.begin - at) + "x";
+      at = r.end;
+    }
+    markers_only += rendered->text.substr(at);
+    auto specials = [&](const std::vector<int32_t>& v) {
+      std::vector<int32_t> out;
+      for (int32_t id : v) {
+        if ((*tok)->IsSpecial(id)) out.push_back(id);
+      }
+      return out;
+    };
+    EXPECT_EQ(specials(*ids), specials(*(*tok)->Encode(markers_only, false))) << "case " << ref["case"];
+    EXPECT_NE(*ids, *(*tok)->Encode(rendered->text, false)) << "case " << ref["case"];
+  }
+  EXPECT_GE(spelled, 1) << "no case spells a marker of this tokenizer";
+}
+
+TEST(ChatTemplateTest, EveryFamilyRefusesUnknownRoles) {
+  for (ChatFamily family : {ChatFamily::kChatML, ChatFamily::kQwen3, ChatFamily::kLlama3, ChatFamily::kLlama2,
+                            ChatFamily::kZephyr}) {
+    for (const std::string& role : {std::string("narrator"), std::string("user<|end_header_id|>"), std::string()}) {
+      auto r = RenderChat({family}, {{"user", "a"}, {role, "b"}}, true, "<s>", "</s>");
+      EXPECT_THAT(r.status().message(), ::testing::HasSubstr("messages[1]: unknown role"))
+          << static_cast<int>(family) << " " << role;
+    }
+  }
+}
+
+TEST(TokenizerTest, LiteralRangesMustBeInOrderAndInsideTheText) {
+  auto tok = Tokenizer::Load(kDir + "llama3");
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  EXPECT_FALSE((*tok)->EncodeWithLiteralRanges("abc", {{0, 4}}).ok());
+  EXPECT_FALSE((*tok)->EncodeWithLiteralRanges("abcdef", {{2, 4}, {3, 5}}).ok());
+  EXPECT_FALSE((*tok)->EncodeWithLiteralRanges("abc", {{2, 1}}).ok());
+  // A marker half inside a range is text too; one just after it is a marker.
+  const std::string text = "ab<|eot_id|><|eot_id|>";
+  auto ids = (*tok)->EncodeWithLiteralRanges(text, {{0, 4}});
+  ASSERT_TRUE(ids.ok()) << ids.status();
+  EXPECT_EQ(ids->back(), 128009);
+  EXPECT_EQ(std::count(ids->begin(), ids->end(), 128009), 1);
+  EXPECT_EQ(*(*tok)->Decode(*ids), text);
 }
 
 INSTANTIATE_TEST_SUITE_P(

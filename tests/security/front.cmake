@@ -23,3 +23,10 @@ if(Python3_FOUND)
 endif()
 
 # Forged chat turns: special-token text in a message's content and unknown
+# roles, against a real router serving a Llama 3 model (random weights).
+pdserve_test(front_chat_test SOURCES front_chat_test.cc ../support/subprocess.cc ../support/http_get.cc
+  ../support/http_client.cc
+  LIBS pdserve_tls pdserve_health_check pdserve_synthetic_model pdserve_tokenizer pdserve_proto
+  nlohmann_json::nlohmann_json absl::time absl::strings OpenSSL::SSL LABELS security)
+target_compile_definitions(front_chat_test PRIVATE PDSERVE_BINARY_DIR="${PROJECT_BINARY_DIR}")
+add_dependencies(front_chat_test pdserve-router pdserve-decode-worker)

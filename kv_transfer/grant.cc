@@ -16,7 +16,7 @@
 namespace pdserve::kv {
 namespace {
 
-constexpr absl::string_view kMagic = "PDG1";
+constexpr absl::string_view kMagic = "PDG2";
 
 void PutU32(std::string& out, uint32_t v) {
   for (int i = 0; i < 4; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
@@ -38,6 +38,8 @@ std::string Signed(const Grant& g) {
   PutString(out, g.sender);
   PutString(out, g.receiver);
   PutI64(out, g.expires_unix_ms);
+  PutU32(out, static_cast<uint32_t>(g.positions));
+  out.append(reinterpret_cast<const char*>(g.tokens_digest.data()), g.tokens_digest.size());
   return out;
 }
 
@@ -112,20 +114,45 @@ absl::StatusOr<GrantKey> GrantKey::FromFile(const std::string& path) {
   return key;
 }
 
-absl::StatusOr<Grant> MintGrant(const GrantKey& key, std::string request_id, uint32_t attempt, std::string sender,
-                                std::string receiver, absl::Time expires) {
-  for (const std::string* f : {&request_id, &sender, &receiver}) {
+TokensDigest DigestTokens(absl::Span<const int32_t> tokens) {
+  TokensDigest digest{};
+  EVP_MD_CTX* ctx = EVP_MD_CTX_new();
+  EVP_DigestInit_ex(ctx, EVP_sha256(), nullptr);
+  unsigned char buf[4096];
+  size_t n = 0;
+  for (int32_t t : tokens) {
+    const auto u = static_cast<uint32_t>(t);
+    for (int i = 0; i < 4; ++i) buf[n++] = static_cast<unsigned char>((u >> (8 * i)) & 0xff);
+    if (n == sizeof(buf)) {
+      EVP_DigestUpdate(ctx, buf, n);
+      n = 0;
+    }
+  }
+  EVP_DigestUpdate(ctx, buf, n);
+  unsigned int len = 0;
+  EVP_DigestFinal_ex(ctx, digest.data(), &len);
+  EVP_MD_CTX_free(ctx);
+  return digest;
+}
+
+absl::StatusOr<Grant> MintGrant(const GrantKey& key, GrantFields fields) {
+  for (const std::string* f : {&fields.request_id, &fields.sender, &fields.receiver}) {
     if (f->size() > kGrantMaxField) {
       return absl::InvalidArgumentError(
           absl::StrCat("KV grant: a field of ", f->size(), " bytes (at most ", kGrantMaxField, ")"));
     }
   }
+  if (fields.positions < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("KV grant: ", fields.positions, " positions"));
+  }
   Grant g;
-  g.request_id = std::move(request_id);
-  g.attempt = attempt;
-  g.sender = std::move(sender);
-  g.receiver = std::move(receiver);
-  g.expires_unix_ms = absl::ToUnixMillis(expires);
+  g.request_id = std::move(fields.request_id);
+  g.attempt = fields.attempt;
+  g.sender = std::move(fields.sender);
+  g.receiver = std::move(fields.receiver);
+  g.expires_unix_ms = absl::ToUnixMillis(fields.expires);
+  g.positions = fields.positions;
+  g.tokens_digest = fields.tokens_digest;
   g.mac = Mac(key, Signed(g));
   return g;
 }
@@ -142,10 +169,16 @@ absl::StatusOr<Grant> DecodeGrant(absl::string_view bytes) {
   }
   Reader r(bytes.substr(kMagic.size()));
   Grant g;
+  uint32_t positions = 0;
   if (!r.String(g.request_id) || !r.U32(g.attempt) || !r.String(g.sender) || !r.String(g.receiver) ||
-      !r.I64(g.expires_unix_ms) || !r.Bytes(g.mac.data(), g.mac.size()) || !r.Done()) {
+      !r.I64(g.expires_unix_ms) || !r.U32(positions) || !r.Bytes(g.tokens_digest.data(), g.tokens_digest.size()) ||
+      !r.Bytes(g.mac.data(), g.mac.size()) || !r.Done()) {
     return absl::InvalidArgumentError("KV grant: truncated or malformed");
   }
+  if (positions < 1 || positions > static_cast<uint32_t>(INT32_MAX)) {
+    return absl::InvalidArgumentError(absl::StrCat("KV grant: ", positions, " positions"));
+  }
+  g.positions = static_cast<int32_t>(positions);
   return g;
 }
 
@@ -173,6 +206,12 @@ const char* GrantRefusalName(GrantRefusal r) {
       return "commit_other_request";
     case GrantRefusal::kPutOutsideReservation:
       return "put_outside_reservation";
+    case GrantRefusal::kTooManyPositions:
+      return "too_many_positions";
+    case GrantRefusal::kTokensMismatch:
+      return "tokens_mismatch";
+    case GrantRefusal::kLeaseOtherConnection:
+      return "lease_other_connection";
   }
   return "unknown";
 }

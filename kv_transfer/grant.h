@@ -5,11 +5,19 @@
 // A grant names the request id, the attempt (every prefill retry and every
 // migration is a new attempt), the sender (the host of the prefill worker
 // the router chose), the receiver (the decode worker's KV address as the
-// router knows it) and an expiry, and carries an HMAC-SHA256 over all of
-// them keyed by the cluster's grant key (a file shared by the router and
-// the decode workers; prefill workers never hold it). A decode worker can
-// therefore check a grant alone, whether or not the router's Decode call
-// for the request has reached it yet.
+// router knows it), an expiry, the most positions the reservation may
+// cover (the context plus its room to decode) and a SHA-256 digest of the
+// context's token ids, and carries an HMAC-SHA256 over all of them keyed
+// by the cluster's grant key (a file shared by the router and the decode
+// workers; prefill workers never hold it). A decode worker can therefore
+// check a grant alone, whether or not the router's Decode call for the
+// request has reached it yet.
+//
+// Why the digest: at commit the decode worker publishes the reserved
+// blocks to its prefix cache under hashes of the token ids the sender
+// names. Bound to the router's tokens, a sender can publish KV only under
+// the prompt the router placed with it, never under another one (a popular
+// system prompt, say) that every tenant's requests would then read.
 //
 // Why an HMAC and not a signature: the router mints one grant per attempt
 // and a decode worker checks one per reservation; an HMAC costs about a
@@ -19,9 +27,10 @@
 // way). What it does not give: a decode worker holding the key could mint
 // grants; a decode worker is trusted with the KV it receives anyway.
 //
-// Encoding: "PDG1", then request id, attempt, sender, receiver, expiry
-// (strings as a u32 length and bytes, integers little-endian fixed width),
-// then the 32-byte MAC over everything before it. Decoding checks every
+// Encoding: "PDG2", then request id, attempt, sender, receiver, expiry,
+// positions, the 32-byte token digest (strings as a u32 length and bytes,
+// integers little-endian fixed width), then the 32-byte MAC over
+// everything before it. Decoding checks every
 // length against the buffer and the limits below and never trusts a count.
 //
 // Thread safety: plain values and pure functions; GrantKey is immutable.
@@ -36,6 +45,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 
 namespace pdserve::kv {
 
@@ -60,19 +70,37 @@ class GrantKey {
   std::string bytes_;
 };
 
+using TokensDigest = std::array<uint8_t, 32>;
+
+// SHA-256 of token ids, each as 4 bytes little-endian: what a grant binds
+// a handoff's context to.
+TokensDigest DigestTokens(absl::Span<const int32_t> tokens);
+
 struct Grant {
   std::string request_id;
   uint32_t attempt = 0;
   std::string sender;    // Host (IP literal or name) of the prefill worker.
   std::string receiver;  // The decode worker's KV address (host:port).
   int64_t expires_unix_ms = 0;
+  int32_t positions = 0;  // Most positions (context + margin) a reservation may cover.
+  TokensDigest tokens_digest{};  // DigestTokens of the context the sender must hand off.
   std::array<uint8_t, 32> mac{};
 };
 
+// What the router grants, before it is MAC'd.
+struct GrantFields {
+  std::string request_id;
+  uint32_t attempt = 0;
+  std::string sender;
+  std::string receiver;
+  absl::Time expires;
+  int32_t positions = 0;
+  TokensDigest tokens_digest{};
+};
+
 // The grant for these fields, MAC'd with `key`. Fields longer than
-// kGrantMaxField are an INVALID_ARGUMENT.
-absl::StatusOr<Grant> MintGrant(const GrantKey& key, std::string request_id, uint32_t attempt,
-                                std::string sender, std::string receiver, absl::Time expires);
+// kGrantMaxField, or positions below 1, are an INVALID_ARGUMENT.
+absl::StatusOr<Grant> MintGrant(const GrantKey& key, GrantFields fields);
 
 std::string EncodeGrant(const Grant& g);
 // INVALID_ARGUMENT for a truncated, oversized or otherwise malformed grant.
@@ -93,8 +121,11 @@ enum class GrantRefusal {
   kCommitOtherConnection,
   kCommitOtherRequest,
   kPutOutsideReservation,  // Over TCP: a write into blocks not reserved for its connection.
+  kTooManyPositions,       // A reservation larger than its grant's positions.
+  kTokensMismatch,         // A reservation's or commit's token ids are not the grant's context.
+  kLeaseOtherConnection,   // A lease renewal from another connection than the one that reserved.
 };
-inline constexpr int kGrantRefusalKinds = 11;
+inline constexpr int kGrantRefusalKinds = 14;
 const char* GrantRefusalName(GrantRefusal r);
 
 // Checks the MAC (constant time), then that `receiver` is the grant's and

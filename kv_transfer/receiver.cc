@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <utility>
 
+#include <openssl/rand.h>
+
+#include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "common/block_hash.h"
 
@@ -96,7 +99,11 @@ void KvReceiver::OnMessage(Connection& c, std::string message) {
     absl::MutexLock lock(&mu_);
     auto it = handoffs_.find(l->id);
     if (it != handoffs_.end() && it->second.state == State::kActive) {
-      it->second.deadline = options_.clock() + options_.lease;
+      if (it->second.conn != &c) {
+        Refused(GrantRefusal::kLeaseOtherConnection);
+      } else {
+        it->second.deadline = std::min(options_.clock() + options_.lease, it->second.grant_expires);
+      }
     }
   } else if (auto* cm = std::get_if<Commit>(&*m)) {
     HandleCommit(c, *cm);
@@ -118,7 +125,7 @@ void KvReceiver::SetAddress(std::string address) {
   address_ = std::move(address);
 }
 
-absl::StatusOr<std::string> KvReceiver::CheckGrant(Connection& c, const ReserveRequest& m) {
+absl::StatusOr<Grant> KvReceiver::CheckGrant(Connection& c, const ReserveRequest& m) {
   if (m.grant.empty()) {
     Refused(GrantRefusal::kMissing);
     return absl::PermissionDeniedError("KV handoff: reservation refused: no grant (the router's grant for this "
@@ -145,6 +152,20 @@ absl::StatusOr<std::string> KvReceiver::CheckGrant(Connection& c, const ReserveR
     return absl::PermissionDeniedError(absl::StrCat("KV handoff: reservation refused: the grant is for sender ",
                                                     g->sender, ", the connection comes from ", c.peer_host()));
   }
+  const int64_t total = static_cast<int64_t>(m.num_positions) + m.margin_positions;
+  if (total > g->positions) {
+    Refused(GrantRefusal::kTooManyPositions);
+    return absl::PermissionDeniedError(absl::StrCat("KV handoff: reservation refused: ", total,
+                                                    " positions asked, the grant for request ", g->request_id,
+                                                    " allows ", g->positions));
+  }
+  if (static_cast<int64_t>(m.prompt_tokens.size()) != m.num_positions ||
+      DigestTokens(m.prompt_tokens) != g->tokens_digest) {
+    Refused(GrantRefusal::kTokensMismatch);
+    return absl::PermissionDeniedError(absl::StrCat("KV handoff: reservation refused: its ", m.prompt_tokens.size(),
+                                                    " token ids are not the context the grant for request ",
+                                                    g->request_id, " names"));
+  }
   absl::MutexLock lock(&mu_);
   // Forget grants past their expiry (they cannot verify again anyway),
   // at most once a second.
@@ -158,8 +179,21 @@ absl::StatusOr<std::string> KvReceiver::CheckGrant(Connection& c, const ReserveR
     return absl::PermissionDeniedError(absl::StrCat("KV handoff: reservation refused: the grant for request ",
                                                     g->request_id, " attempt ", g->attempt, " was used before"));
   }
-  return g->request_id;
+  return *std::move(g);
 }
+
+namespace {
+
+// A handoff id no peer can guess: 64 bits from the system's CSPRNG.
+HandoffId RandomHandoffId() {
+  uint64_t v = 0;
+  while (v == 0) {
+    if (RAND_bytes(reinterpret_cast<unsigned char*>(&v), sizeof(v)) != 1) v = absl::Uniform<uint64_t>(absl::BitGen());
+  }
+  return HandoffId{v};
+}
+
+}  // namespace
 
 void KvReceiver::HandleReserve(Connection& c, const ReserveRequest& m) {
   ReserveReply reply;
@@ -173,11 +207,11 @@ void KvReceiver::HandleReserve(Connection& c, const ReserveRequest& m) {
   if (!accepting_.load()) {
     return refuse(absl::UnavailableError("KV handoff: reservation refused: the decode worker is draining"));
   }
-  std::string granted_request;
+  std::optional<Grant> grant;
   if (options_.grant_key != nullptr) {
-    absl::StatusOr<std::string> granted = CheckGrant(c, m);
+    absl::StatusOr<Grant> granted = CheckGrant(c, m);
     if (!granted.ok()) return refuse(granted.status());
-    granted_request = *std::move(granted);
+    grant = *std::move(granted);
   }
   if (absl::Status s = CheckCompatible(m.sender, layout_); !s.ok()) return refuse(s);
   if (m.num_positions <= 0 || m.margin_positions < 0 ||
@@ -232,11 +266,17 @@ void KvReceiver::HandleReserve(Connection& c, const ReserveRequest& m) {
   h.held_positions = reply.held_positions;
   h.reserved_positions = static_cast<int32_t>(total_positions);
   h.start = options_.clock();
-  h.deadline = h.start + options_.lease;
-  h.request_id = std::move(granted_request);
+  if (grant.has_value()) {
+    h.request_id = std::move(grant->request_id);
+    h.tokens_digest = grant->tokens_digest;
+    h.grant_expires = absl::FromUnixMillis(grant->expires_unix_ms);
+  }
+  h.deadline = std::min(h.start + options_.lease, h.grant_expires);
   {
     absl::MutexLock lock(&mu_);
-    reply.id = HandoffId{next_id_++};
+    do {
+      reply.id = RandomHandoffId();
+    } while (handoffs_.contains(reply.id));
     handoffs_.emplace(reply.id, std::move(h));
     for (size_t b = static_cast<size_t>(reply.held_positions / bs); b < blocks.size(); ++b) {
       writable_[blocks[b]] = reply.id;
@@ -256,29 +296,63 @@ bool KvReceiver::MayWrite(Connection& c, const void* dst, size_t bytes) {
   if (options_.writes_outside_reservations) return true;
   const KvManager& pool = landing_ != nullptr ? *landing_ : *kv_;
   const KvCacheSpec& spec = pool.spec();
-  const auto* base = static_cast<const char*>(pool.storage().base);
-  const auto* at = static_cast<const char*>(dst);
-  const int64_t rank_bytes = spec.RankBytes();
-  const int64_t total = rank_bytes * spec.num_ranks;
-  const int64_t off = at - base;
-  bool ok = bytes > 0 && off >= 0 && off + static_cast<int64_t>(bytes) <= total;
+  // Unsigned and checked without wrap-around: an address or a length near
+  // 2^64 must not pass for a small offset.
+  const auto base = reinterpret_cast<uintptr_t>(pool.storage().base);
+  const auto at = reinterpret_cast<uintptr_t>(dst);
+  const auto rank_bytes = static_cast<uint64_t>(spec.RankBytes());
+  const uint64_t total = rank_bytes * static_cast<uint64_t>(spec.num_ranks);
+  bool ok = bytes > 0 && at >= base && at - base <= total && bytes <= total - (at - base);
   if (ok) {
+    const uint64_t off = at - base;
+    const uint64_t end = off + bytes - 1;  // No wrap: bytes <= total - off.
+    const auto lbb = static_cast<uint64_t>(spec.LayerBlockBytes());
+    // A write across two ranks' pools is not one of ours.
+    ok = off / rank_bytes == end / rank_bytes;
+    const uint64_t first = (off % rank_bytes) / lbb;
+    const uint64_t last = (end % rank_bytes) / lbb;
     absl::MutexLock lock(&mu_);
-    const int64_t lbb = spec.LayerBlockBytes();
-    const int64_t first = (off % rank_bytes) / lbb;
-    const int64_t last = (off + static_cast<int64_t>(bytes) - 1) / rank_bytes == off / rank_bytes
-                             ? ((off + static_cast<int64_t>(bytes) - 1) % rank_bytes) / lbb
-                             : -1;  // A write across two ranks' pools is not one of ours.
-    ok = last >= first;
-    for (int64_t lb = first; ok && lb <= last; ++lb) {
-      const int32_t block = static_cast<int32_t>(lb % spec.num_blocks);
+    // Every block it covers belongs to one active reservation of this
+    // connection.
+    HandoffId owner;
+    for (uint64_t lb = first; ok && lb <= last; ++lb) {
+      const auto block = static_cast<int32_t>(lb % static_cast<uint64_t>(spec.num_blocks));
       auto w = writable_.find(block);
       auto h = w == writable_.end() ? handoffs_.end() : handoffs_.find(w->second);
-      ok = h != handoffs_.end() && h->second.state == State::kActive && h->second.conn == &c;
+      ok = h != handoffs_.end() && h->second.state == State::kActive && h->second.conn == &c &&
+           (lb == first || h->first == owner);
+      if (ok) owner = h->first;
+    }
+    if (ok) {
+      ++handoffs_[owner].writes_landing;
+      auto& landing = landing_writes_[{&c, at}];
+      landing.first = owner;
+      ++landing.second;
     }
   }
   if (!ok) Refused(GrantRefusal::kPutOutsideReservation);
   return ok;
+}
+
+void KvReceiver::WriteLanded(Connection& c, const void* dst, size_t bytes) {
+  (void)bytes;
+  if (options_.writes_outside_reservations) return;
+  absl::ReleasableMutexLock lock(&mu_);
+  auto w = landing_writes_.find({&c, reinterpret_cast<uintptr_t>(dst)});
+  if (w == landing_writes_.end()) return;
+  const HandoffId id = w->second.first;
+  if (--w->second.second == 0) landing_writes_.erase(w);
+  auto it = handoffs_.find(id);
+  if (it == handoffs_.end() || --it->second.writes_landing > 0) return;
+  if (it->second.state == State::kReleasing) {
+    handoffs_.erase(it);  // Its blocks go back to the manager.
+    return;
+  }
+  if (!it->second.pending_commit.has_value()) return;
+  Commit commit = *std::move(it->second.pending_commit);
+  it->second.pending_commit.reset();
+  lock.Release();
+  HandleCommit(c, commit);
 }
 
 void KvReceiver::HandleCommit(Connection& c, Commit& m) {
@@ -298,9 +372,24 @@ void KvReceiver::HandleCommit(Connection& c, Commit& m) {
       refusal = absl::PermissionDeniedError(absl::StrCat("KV handoff: commit for handoff ", m.id.value,
                                                          " names request ", m.request_id, ", its grant ",
                                                          it->second.request_id));
+    } else if (it->second.tokens_digest.has_value() && DigestTokens(m.tokens) != *it->second.tokens_digest) {
+      // Nothing is published from it: the blocks would be keyed by ids the
+      // router never placed with this sender.
+      Refused(GrantRefusal::kTokensMismatch);
+      refusal = absl::PermissionDeniedError(absl::StrCat("KV handoff: commit for handoff ", m.id.value, " names ",
+                                                         m.tokens.size(), " token ids that are not its grant's context"));
     } else if (it->second.state != State::kActive) {
       refusal = absl::FailedPreconditionError(
           absl::StrCat("KV handoff: commit for handoff ", m.id.value, " refused: lease expired or aborted"));
+    } else if (it->second.writes_landing > 0) {
+      // The blocks are used only once every write into them has landed.
+      if (it->second.pending_commit.has_value()) {
+        refusal = absl::FailedPreconditionError(
+            absl::StrCat("KV handoff: a second commit for handoff ", m.id.value, " while the first waits"));
+      } else {
+        it->second.pending_commit = std::move(m);
+        return;
+      }
     } else if (m.num_positions <= 0 || m.num_positions > it->second.reserved_positions ||
                static_cast<int32_t>(m.tokens.size()) != m.num_positions) {
       refusal = absl::InvalidArgumentError(absl::StrCat(
@@ -386,9 +475,13 @@ void KvReceiver::HandleAbort(Connection& c, const kv::Abort& m) {
 void KvReceiver::Free(HandoffId id) {
   absl::MutexLock lock(&mu_);
   auto it = handoffs_.find(id);
-  if (it == handoffs_.end()) return;
+  if (it == handoffs_.end() || it->second.state == State::kReleasing) return;
   if (it->second.state == State::kQuarantined) {
     metrics_.AddQuarantined(-static_cast<int64_t>(it->second.kv.block_table().size()));
+  }
+  if (it->second.writes_landing > 0) {
+    it->second.state = State::kReleasing;
+    return;
   }
   handoffs_.erase(it);  // Its blocks go back to the manager.
 }

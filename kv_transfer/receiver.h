@@ -9,7 +9,10 @@
 // A one-sided write cannot be refused, so blocks of a handoff the receiver
 // gave up on are never handed to anyone else until the sender has
 // acknowledged (after flushing its puts) or its connection has failed.
-// The lease is renewed by every LayerSent message.
+// The lease is renewed by every LayerSent message on the reserving
+// connection, never past the grant's expiry. Handoff ids are drawn at
+// random (64 bits from the system's CSPRNG), so a peer cannot name another
+// connection's handoff by counting.
 //
 // Prefix: the receiver hashes the prompt with its own block size and
 // BlockHasher (model identity, KV dtype) and attaches the longest cached
@@ -38,6 +41,7 @@
 #include <atomic>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -131,10 +135,15 @@ class KvReceiver final : public ConnectionHandler {
   // Writes that arrive as messages (UCX over TCP) land only in the blocks
   // an active reservation of the same connection is to receive (not its
   // held prefix); others are dropped and counted (put_outside_reservation).
+  // A write must fall within one reservation's blocks; those blocks are
+  // not freed while it lands (WriteLanded).
   bool MayWrite(Connection& c, const void* dst, size_t bytes) override;
+  void WriteLanded(Connection& c, const void* dst, size_t bytes) override;
 
  private:
-  enum class State { kActive, kQuarantined };
+  // kReleasing: given up, but writes allowed into its blocks are still
+  // landing (WriteLanded); its blocks are freed when the last one lands.
+  enum class State { kActive, kQuarantined, kReleasing };
   struct Handoff {
     Connection* conn = nullptr;
     State state = State::kActive;
@@ -144,7 +153,17 @@ class KvReceiver final : public ConnectionHandler {
     int32_t reserved_positions = 0;
     absl::Time start;
     absl::Time deadline;  // Active: the lease; quarantined: when to give up on the sender.
-    std::string request_id;  // The grant's (with a grant key): the commit must name it.
+    // With a grant key: the grant's request (the commit must name it), its
+    // context's digest (the commit's tokens must match it) and its expiry
+    // (no lease runs past it).
+    std::string request_id;
+    std::optional<TokensDigest> tokens_digest;
+    absl::Time grant_expires = absl::InfiniteFuture();
+    int32_t writes_landing = 0;  // Allowed by MayWrite, not yet WriteLanded.
+    // A commit that came while writes were landing (UCX's rendezvous can
+    // tell the sender its write is done before it tells the receiver):
+    // taken when the last one lands.
+    std::optional<Commit> pending_commit;
   };
 
   KvReceiver(Transport* transport, KvManager* kv, ReceiverOptions options, CommittedCallback on_committed,
@@ -153,11 +172,14 @@ class KvReceiver final : public ConnectionHandler {
   absl::Status Land(const Handoff& h, int32_t from, int32_t to);
 
   void HandleReserve(Connection& c, const ReserveRequest& m);
-  // With a grant key: the grant's request id, or the refusal.
-  absl::StatusOr<std::string> CheckGrant(Connection& c, const ReserveRequest& m);
+  // With a grant key: the grant, checked against the reservation, or the
+  // refusal.
+  absl::StatusOr<Grant> CheckGrant(Connection& c, const ReserveRequest& m);
   void Refused(GrantRefusal why) { ++refusals_[static_cast<int>(why)]; }
   void HandleCommit(Connection& c, Commit& m);
   void HandleAbort(Connection& c, const kv::Abort& m);
+  // Frees the handoff's blocks, or, while writes into them are landing,
+  // marks it kReleasing (the last WriteLanded frees them).
   void Free(HandoffId id);
   void Quarantine(HandoffId id, absl::Status why);
   void ExpireLeases();
@@ -179,7 +201,6 @@ class KvReceiver final : public ConnectionHandler {
   // Loop thread only, but read by stats().
   mutable absl::Mutex mu_;
   absl::flat_hash_map<HandoffId, Handoff> handoffs_ ABSL_GUARDED_BY(mu_);
-  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   std::string address_ ABSL_GUARDED_BY(mu_);
   // Grants honoured, by (request id, attempt), until they expire (unix ms).
   absl::flat_hash_map<std::pair<std::string, uint32_t>, int64_t> used_grants_ ABSL_GUARDED_BY(mu_);
@@ -189,6 +210,10 @@ class KvReceiver final : public ConnectionHandler {
   // the reservation it was last given to; MayWrite checks that one is
   // active and on the writing connection.
   absl::flat_hash_map<int32_t, HandoffId> writable_ ABSL_GUARDED_BY(mu_);
+  // Writes landing, by (connection, destination): their handoff and how
+  // many of them.
+  absl::flat_hash_map<std::pair<const Connection*, uintptr_t>, std::pair<HandoffId, int32_t>> landing_writes_
+      ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace pdserve::kv

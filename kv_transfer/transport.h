@@ -1,8 +1,10 @@
 // The seam between the handoff protocol and the bytes: a Transport owns one
 // progress thread (kv_transfer/event_loop.h) and hands out Connections that
 // carry ordered control messages and one-sided writes into a peer's
-// registered KV pool. Two implementations: UCX (kv_transfer/ucx_transport.h)
-// and an in-process loopback for tests (kv_transfer/loopback_transport.h).
+// registered KV pool. Three implementations: UCX
+// (kv_transfer/ucx_transport.h), plain TCP sockets whose every written byte
+// passes the handler's check (kv_transfer/tcp_transport.h), and an
+// in-process loopback for tests (kv_transfer/loopback_transport.h).
 //
 // Ordering contract (what the protocol relies on): a control message sent
 // after a Flush has completed is delivered after the data of every Put that
@@ -97,15 +99,26 @@ class ConnectionHandler {
  public:
   virtual ~ConnectionHandler() = default;
   virtual void OnMessage(Connection& c, std::string message) = 0;
-  // A transport whose writes arrive as messages (UCX over TCP: the
-  // receiver fetches each put's bytes itself) asks, on its loop thread,
-  // before it writes `bytes` at `dst` for the peer of `c`; false drops the
-  // write. One-sided writes (shared memory, RDMA) cannot be asked about.
+  // A transport whose writes arrive as messages (the receiver reads each
+  // put's bytes itself) asks, on its loop thread, before it writes `bytes`
+  // at `dst` for the peer of `c`; false drops the write. One-sided writes
+  // (shared memory, RDMA) cannot be asked about.
   virtual bool MayWrite(Connection& c, const void* dst, size_t bytes) {
     (void)c;
     (void)dst;
     (void)bytes;
     return true;
+  }
+  // For every write MayWrite allowed, exactly once, on the loop thread:
+  // its bytes are in place, or will never land (the connection failed).
+  // The bytes of a large write land over many turns of the loop, so
+  // memory a write was allowed into must not be handed to anyone else
+  // before this (the receiver's blocks of an aborted handoff wait for it).
+  // `c` is still alive here.
+  virtual void WriteLanded(Connection& c, const void* dst, size_t bytes) {
+    (void)c;
+    (void)dst;
+    (void)bytes;
   }
   // Once per connection: OK for a graceful close, else why it failed.
   virtual void OnDisconnected(Connection& c, absl::Status why) = 0;

@@ -170,10 +170,11 @@ class UcxTransport::Region final : public KvRegion {
   void* data() override { return data_; }
   size_t size() const override { return size_; }
   ucp_mem_h memh() const { return memh_; }
+  // Unsigned and without wrap-around: p and n may come from the wire.
   bool Contains(const void* p, size_t n) const {
-    auto* c = static_cast<const char*>(p);
-    auto* b = static_cast<const char*>(data_);
-    return c >= b && c + n <= b + size_;
+    const auto at = reinterpret_cast<uintptr_t>(p);
+    const auto base = reinterpret_cast<uintptr_t>(data_);
+    return at >= base && at - base <= size_ && n <= size_ - (at - base);
   }
 
  private:
@@ -859,16 +860,34 @@ ucs_status_t UcxTransport::OnData(const void* header, size_t header_length, void
       !it->second->handler()->MayWrite(*it->second, dst, length)) {
     return UCS_OK;
   }
+  Conn* conn = it->second;
   if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
+    // The bytes land when the receive completes, turns of the loop later:
+    // the handler hears of it then (WriteLanded), so it keeps the blocks
+    // until they have.
+    auto* landing = new Landing{conn, dst, length};
     ucp_request_param_t p{};
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH;
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH | UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     p.memh = memh;
+    p.cb.recv_am = OnDataLanded;
+    p.user_data = landing;
     ucs_status_ptr_t r = ucp_am_recv_data_nbx(worker_, data, dst, length, &p);
-    if (r != nullptr && !UCS_PTR_IS_ERR(r)) ucp_request_free(r);  // Completes in the background.
+    // Done at once (or never will be); else the callback frees the
+    // request (freed earlier, UCX would never call it).
+    if (r == nullptr || UCS_PTR_IS_ERR(r)) OnDataLanded(nullptr, UCS_OK, 0, landing);
     return UCS_OK;
   }
   std::memcpy(dst, data, length);
+  if (ConnectionHandler* h = conn->handler()) h->WriteLanded(*conn, dst, length);
   return UCS_OK;
+}
+
+void UcxTransport::OnDataLanded(void* request, ucs_status_t status, size_t length, void* user) {
+  (void)status;
+  (void)length;
+  if (request != nullptr) ucp_request_free(request);
+  std::unique_ptr<Landing> landing(static_cast<Landing*>(user));
+  if (ConnectionHandler* h = landing->conn->handler()) h->WriteLanded(*landing->conn, landing->dst, landing->bytes);
 }
 
 int64_t UcxTransport::pages_prepared() const { return warmer_ == nullptr ? 0 : warmer_->pages(); }

@@ -134,6 +134,13 @@ class UcxTransport final : public Transport {
   static void OnConnRequest(ucp_conn_request_h request, void* arg);
   ucs_status_t OnData(const void* header, size_t header_length, void* data, size_t length,
                       const ucp_am_recv_param_t* param);
+  // A rendezvous receive into the pool, until its bytes have landed.
+  struct Landing {
+    Conn* conn;
+    void* dst;
+    size_t bytes;
+  };
+  static void OnDataLanded(void* request, ucs_status_t status, size_t length, void* user);
   Conn* AddConn(ConnectionHandler* handler, std::string name);
 
   ucp_context_h context_ = nullptr;

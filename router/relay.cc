@@ -350,9 +350,19 @@ RelayState Relay::Prefill() {
   if (context_.grant_key != nullptr) {
     // This attempt's grant: only p may reserve on d for it, once, until it
     // expires (kv_transfer/grant.h). A retry or a migration is a new attempt.
-    absl::StatusOr<kv::Grant> g = kv::MintGrant(*context_.grant_key, work_.request_id(), ++handoff_attempts_,
-                                                HostOfAddress(p.address()), d.report().kv_address,
-                                                absl::Now() + context_.grant_ttl);
+    // It binds the context (prompt and tokens already streamed), so the
+    // decode worker publishes the KV only under these ids, and the room
+    // the reservation may take (the context plus what is left to decode).
+    const std::vector<int32_t>& context = streamed_.empty() ? request_.prompt : context_tokens_;
+    absl::StatusOr<kv::Grant> g = kv::MintGrant(
+        *context_.grant_key,
+        {.request_id = work_.request_id(),
+         .attempt = ++handoff_attempts_,
+         .sender = HostOfAddress(p.address()),
+         .receiver = d.report().kv_address,
+         .expires = absl::Now() + context_.grant_ttl,
+         .positions = static_cast<int32_t>(request_.prompt.size() + request_.params.max_tokens),
+         .tokens_digest = kv::DigestTokens(context)});
     if (g.ok()) preq.set_kv_grant(kv::EncodeGrant(*g));
   }
   OpenPrefill(context_.transport->Prefill(p, preq, deadline_));

@@ -33,8 +33,14 @@ extern "C" int PDSERVE_FUZZ_ENTRY(const uint8_t* data, size_t size) {
   const absl::Status s = pdserve::kv::VerifyGrant(key, *g, g->receiver, absl::FromUnixSeconds(0), &why);
   if (s.ok()) {
     // Only a real grant verifies: re-minting its fields must give its MAC.
-    absl::StatusOr<pdserve::kv::Grant> real = pdserve::kv::MintGrant(
-        key, g->request_id, g->attempt, g->sender, g->receiver, absl::FromUnixMillis(g->expires_unix_ms));
+    absl::StatusOr<pdserve::kv::Grant> real =
+        pdserve::kv::MintGrant(key, {.request_id = g->request_id,
+                                     .attempt = g->attempt,
+                                     .sender = g->sender,
+                                     .receiver = g->receiver,
+                                     .expires = absl::FromUnixMillis(g->expires_unix_ms),
+                                     .positions = g->positions,
+                                     .tokens_digest = g->tokens_digest});
     if (!real.ok() || real->mac != g->mac) {
       std::fprintf(stderr, "grant_fuzz: a grant verified that was not minted with the key\n");
       std::abort();

@@ -4,8 +4,10 @@
     /usr/bin/python3 tests/fuzz/make_corpus.py
 
 Writes tests/fuzz/corpus/safetensors/ (small valid files and one file per
-malformed case the parser must refuse) and tests/fuzz/corpus/config/ (the
-fixture configs, valid variants and malformed ones). Seed names state the
+malformed case the parser must refuse), tests/fuzz/corpus/config/ (the
+fixture configs, valid variants and malformed ones) and
+tests/fuzz/corpus/grant/ (KV handoff grants minted with the replay's key,
+32 bytes of 'k', and broken ones). Seed names state the
 expected outcome, which tests/fuzz/replay_test.cc checks: valid_* are
 accepted, bad_* refused, gen_* are generation_config.json files. Files of
 other names (crash inputs a fuzzer found) are left untouched.
@@ -13,6 +15,8 @@ other names (crash inputs a fuzzer found) are left untouched.
 Only the standard library is used; the output is deterministic.
 """
 
+import hashlib
+import hmac
 import json
 import os
 import shutil
@@ -161,6 +165,38 @@ def config_seeds():
     }
 
 
+GRANT_KEY = b"k" * 32
+
+
+def grant(request_id, attempt, sender, receiver, expires_ms, positions, tokens, key=GRANT_KEY):
+    """A KV handoff grant as kv_transfer/grant.h encodes it ("PDG2")."""
+
+    def string(v):
+        return struct.pack("<I", len(v)) + v.encode()
+
+    digest = hashlib.sha256(b"".join(struct.pack("<i", t) for t in tokens)).digest()
+    signed = (b"PDG2" + string(request_id) + struct.pack("<I", attempt) + string(sender) + string(receiver) +
+              struct.pack("<qI", expires_ms, positions) + digest)
+    return signed + hmac.new(key, signed, hashlib.sha256).digest()
+
+
+def grant_seeds():
+    good = grant("req-1", 1, "10.0.0.1", "10.0.0.2:7300", 2_000_000_000_000, 96, [1, 2, 3])
+    tampered = good.replace(b"req-1", b"rep-1")
+    return {
+        "valid_grant": good,
+        "valid_grant_v6_sender": grant("chatcmpl-9", 7, "fd00::5", "[fd00::6]:7300", 2_000_000_000_000, 4096,
+                                       list(range(100))),
+        "bad_empty": b"",
+        "bad_truncated": good[:-5],
+        "bad_tampered": tampered,
+        "bad_other_key": grant("req-1", 1, "10.0.0.1", "10.0.0.2:7300", 2_000_000_000_000, 96, [1, 2, 3],
+                               key=b"x" * 32),
+        "bad_no_positions": grant("req-1", 1, "10.0.0.1", "10.0.0.2:7300", 2_000_000_000_000, 0, [1, 2, 3]),
+        "bad_old_format": b"PDG1" + good[4:],
+    }
+
+
 def write(corpus, name, data):
     assert len(data) < MAX_SEED_BYTES, (corpus, name, len(data))
     d = os.path.join(CORPUS, corpus)
@@ -174,6 +210,8 @@ def main():
         write("safetensors", name, data)
     for name, data in config_seeds().items():
         write("config", name + ".json", data)
+    for name, data in grant_seeds().items():
+        write("grant", name, data)
     for model in sorted(os.listdir(FIXTURES)):
         src = os.path.join(FIXTURES, model, "config.json")
         if os.path.isfile(src):

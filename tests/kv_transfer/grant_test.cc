@@ -10,9 +10,20 @@ namespace {
 
 GrantKey Key(char c) { return *GrantKey::FromBytes(std::string(40, c)); }
 
+GrantFields Fields(std::string request, uint32_t attempt, std::string sender, std::string receiver,
+                   absl::Time expires) {
+  return {.request_id = std::move(request),
+          .attempt = attempt,
+          .sender = std::move(sender),
+          .receiver = std::move(receiver),
+          .expires = expires,
+          .positions = 96,
+          .tokens_digest = DigestTokens({1, 2, 3})};
+}
+
 TEST(GrantTest, RoundTripsAndVerifiesForItsReceiverUntilItExpires) {
   const absl::Time now = absl::FromUnixSeconds(2'000'000'000);
-  absl::StatusOr<Grant> g = MintGrant(Key('a'), "req-1", 3, "10.0.0.1", "10.0.0.2:7300", now + absl::Seconds(60));
+  absl::StatusOr<Grant> g = MintGrant(Key('a'), Fields("req-1", 3, "10.0.0.1", "10.0.0.2:7300", now + absl::Seconds(60)));
   ASSERT_TRUE(g.ok()) << g.status();
   absl::StatusOr<Grant> back = DecodeGrant(EncodeGrant(*g));
   ASSERT_TRUE(back.ok()) << back.status();
@@ -20,6 +31,10 @@ TEST(GrantTest, RoundTripsAndVerifiesForItsReceiverUntilItExpires) {
   EXPECT_EQ(back->attempt, 3u);
   EXPECT_EQ(back->sender, "10.0.0.1");
   EXPECT_EQ(back->receiver, "10.0.0.2:7300");
+  EXPECT_EQ(back->positions, 96);
+  EXPECT_EQ(back->tokens_digest, DigestTokens({1, 2, 3}));
+  EXPECT_NE(back->tokens_digest, DigestTokens({1, 2, 4}));
+  EXPECT_NE(DigestTokens({}), DigestTokens({0}));
   GrantRefusal why;
   EXPECT_TRUE(VerifyGrant(Key('a'), *back, "10.0.0.2:7300", now, &why).ok());
   EXPECT_EQ(why, GrantRefusal::kNone);
@@ -34,7 +49,7 @@ TEST(GrantTest, RoundTripsAndVerifiesForItsReceiverUntilItExpires) {
 
 TEST(GrantTest, EveryFieldIsCoveredByTheMac) {
   const absl::Time now = absl::FromUnixSeconds(2'000'000'000);
-  const Grant g = *MintGrant(Key('a'), "req-1", 3, "10.0.0.1", "10.0.0.2:7300", now + absl::Seconds(60));
+  const Grant g = *MintGrant(Key('a'), Fields("req-1", 3, "10.0.0.1", "10.0.0.2:7300", now + absl::Seconds(60)));
   const std::string bytes = EncodeGrant(g);
   // Flip each byte after the magic in turn: the grant no longer verifies
   // (or no longer decodes).
@@ -51,14 +66,17 @@ TEST(GrantTest, EveryFieldIsCoveredByTheMac) {
 TEST(GrantTest, MalformedGrantsAreRefusedWithoutTrustingCounts) {
   EXPECT_FALSE(DecodeGrant("").ok());
   EXPECT_FALSE(DecodeGrant("XXXX").ok());
-  const Grant g = *MintGrant(Key('a'), "r", 1, "h", "d:1", absl::Now() + absl::Seconds(1));
+  const Grant g = *MintGrant(Key('a'), Fields("r", 1, "h", "d:1", absl::Now() + absl::Seconds(1)));
   const std::string bytes = EncodeGrant(g);
   for (size_t n = 0; n < bytes.size(); ++n) EXPECT_FALSE(DecodeGrant(bytes.substr(0, n)).ok()) << n;
   EXPECT_FALSE(DecodeGrant(bytes + "x").ok());
-  std::string huge = "PDG1";
+  std::string huge = "PDG2";
   huge += std::string("\xff\xff\xff\x7f", 4);  // A string "longer" than the buffer and the limit.
   EXPECT_FALSE(DecodeGrant(huge).ok());
-  EXPECT_FALSE(MintGrant(Key('a'), std::string(kGrantMaxField + 1, 'r'), 1, "h", "d:1", absl::Now()).ok());
+  EXPECT_FALSE(MintGrant(Key('a'), Fields(std::string(kGrantMaxField + 1, 'r'), 1, "h", "d:1", absl::Now())).ok());
+  GrantFields none = Fields("r", 1, "h", "d:1", absl::Now());
+  none.positions = 0;
+  EXPECT_FALSE(MintGrant(Key('a'), none).ok());
 }
 
 TEST(GrantTest, SenderBindsToTheConnectionsAddressWhenItIsAnIpLiteral) {

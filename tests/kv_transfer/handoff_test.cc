@@ -716,17 +716,26 @@ class HandoffGrantTest : public HandoffTest {
   // The loopback shows a connection's peer as its transport's name
   // ("prefill"), a name, so a grant naming it matches; an IP literal names
   // another host.
+  // Grants bind a context (the tokens, 4 of them unless named) and at most
+  // 64 positions beyond it.
   std::string Grant(const std::string& request, uint32_t attempt, absl::Duration ttl = absl::Seconds(60),
                     const std::string& receiver = kReceiverAddress, const std::string& sender = "prefill",
-                    const GrantKey* key = nullptr) {
-    return EncodeGrant(*MintGrant(key != nullptr ? *key : *grant_key_, request, attempt, sender, receiver,
-                                  clock_.Now() + ttl));
+                    const GrantKey* key = nullptr, const std::vector<int32_t>& context = Tokens(4)) {
+    return EncodeGrant(*MintGrant(key != nullptr ? *key : *grant_key_,
+                                  {.request_id = request,
+                                   .attempt = attempt,
+                                   .sender = sender,
+                                   .receiver = receiver,
+                                   .expires = clock_.Now() + ttl,
+                                   .positions = static_cast<int32_t>(context.size()) + 64,
+                                   .tokens_digest = DigestTokens(context)}));
   }
   ReserveRequest Reserve(uint64_t tag, std::string grant) {
     ReserveRequest req;
     req.tag = tag;
     req.sender = KvLayoutDescriptor::FromSpec(Spec(DType::kF32, 4, 32), kModel);
     req.num_positions = 4;
+    req.prompt_tokens = Tokens(4);
     req.grant = std::move(grant);
     return req;
   }
@@ -737,7 +746,10 @@ TEST_F(HandoffGrantTest, OnlyAValidUnusedGrantReservesAndOnlyItsConnectionCommit
   // must not change while the refused ones below try.
   SequenceKv seq = SenderSequence(8);
   const std::vector<int32_t> tokens = Tokens(8);
-  auto h = sender_obj_->Reserve(conn_, {.num_positions = 8, .prompt_tokens = tokens, .grant = Grant("req-a", 1)});
+  auto h = sender_obj_->Reserve(
+      conn_, {.num_positions = 8,
+              .prompt_tokens = tokens,
+              .grant = Grant("req-a", 1, absl::Seconds(60), kReceiverAddress, "prefill", nullptr, tokens)});
   ASSERT_TRUE(h.ok()) << h.status();
   for (int32_t l = 0; l < sender_.kv->spec().num_layers; ++l) ASSERT_TRUE((*h)->SendLayer(l, seq.block_table()).ok());
   kv::Commit state = CommitState(tokens);
@@ -764,7 +776,7 @@ TEST_F(HandoffGrantTest, OnlyAValidUnusedGrantReservesAndOnlyItsConnectionCommit
   };
   const GrantKey other = *GrantKey::FromBytes(std::string(32, 'x'));
   refused(1, "", GrantRefusal::kMissing, "no grant");
-  refused(2, "PDG1 garbage", GrantRefusal::kMalformed, "malformed");
+  refused(2, "PDG2 garbage", GrantRefusal::kMalformed, "malformed");
   refused(3, Grant("req-b", 1, absl::Seconds(60), kReceiverAddress, "prefill", &other), GrantRefusal::kBadMac,
           "MAC");
   refused(4, Grant("req-b", 1, absl::Seconds(-1)), GrantRefusal::kExpired, "expired");

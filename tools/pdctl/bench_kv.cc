@@ -152,12 +152,27 @@ struct BenchGrants {
   std::string receiver;  // "127.0.0.1:PORT" of the child.
   uint64_t next = 0;
   std::string last_request;  // The request the last grant is for: its commit must name it.
-  std::string Next() {
+  // The next request's grant, for handing off `context` (no room to
+  // decode beyond it).
+  std::string Next(const std::vector<int32_t>& context) {
     last_request = absl::StrCat("bench-", next++);
     if (key == nullptr) return "";
-    absl::StatusOr<kv::Grant> g =
-        kv::MintGrant(*key, last_request, 1, "127.0.0.1", receiver, absl::Now() + absl::Seconds(60));
+    absl::StatusOr<kv::Grant> g = kv::MintGrant(*key, {.request_id = last_request,
+                                                       .attempt = 1,
+                                                       .sender = "127.0.0.1",
+                                                       .receiver = receiver,
+                                                       .expires = absl::Now() + absl::Seconds(60),
+                                                       .positions = static_cast<int32_t>(context.size()),
+                                                       .tokens_digest = kv::DigestTokens(context)});
     return g.ok() ? kv::EncodeGrant(*g) : "";
+  }
+  // A context of `n` positions that no earlier one shares a block with
+  // (its first id differs), so the receiver's prefix cache never holds part
+  // of it and every position is sent.
+  std::vector<int32_t> UniqueContext(int32_t n) const {
+    std::vector<int32_t> ids(static_cast<size_t>(n), 1);
+    if (n > 0) ids[0] = static_cast<int32_t>(2 + next % 30000);
+    return ids;
   }
 };
 BenchGrants g_grants;
@@ -172,8 +187,13 @@ nlohmann::json TimeGrants(const kv::GrantKey& key) {
   std::string encoded;
   for (int i = 0; i < 2000; ++i) {
     const absl::Time t0 = absl::Now();
-    encoded = kv::EncodeGrant(
-        *kv::MintGrant(key, absl::StrCat("time-", i), 1, "127.0.0.1", "127.0.0.1:1", absl::Now() + absl::Seconds(60)));
+    encoded = kv::EncodeGrant(*kv::MintGrant(key, {.request_id = absl::StrCat("time-", i),
+                                                   .attempt = 1,
+                                                   .sender = "127.0.0.1",
+                                                   .receiver = "127.0.0.1:1",
+                                                   .expires = absl::Now() + absl::Seconds(60),
+                                                   .positions = 2048,
+                                                   .tokens_digest = {}}));
     mint.push_back(us(t0, absl::Now()));
   }
   auto check = [&] {
@@ -363,7 +383,9 @@ static absl::Status TimeReservationsDuringPrefill(UcxTransport* transport, KvMan
   std::vector<double> ms;
   for (int i = -5; i < n; ++i) {
     const absl::Time t0 = absl::Now();
-    auto h = sender.Reserve(*conn, {.num_positions = 1, .grant = g_grants.Next()});
+    std::vector<int32_t> context = g_grants.UniqueContext(1);
+    std::string grant = g_grants.Next(context);
+    auto h = sender.Reserve(*conn, {.num_positions = 1, .prompt_tokens = std::move(context), .grant = std::move(grant)});
     const absl::Time t1 = absl::Now();
     if (!h.ok()) return h.status();
     if (absl::Status s = (*h)->Abort(absl::CancelledError("bench-kv: timing reservations only")); !s.ok()) return s;
@@ -677,9 +699,10 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
     // for after the last layer, so bandwidth is judged on it.
     std::vector<double> handoff_s, stream_s, reserve_s, commit_s;
     for (int i = -2; i < iters; ++i) {
-      std::string grant = g_grants.Next();
+      std::vector<int32_t> context = g_grants.UniqueContext(prompt);
+      std::string grant = g_grants.Next(context);
       const absl::Time t0 = absl::Now();
-      auto h = sender.Reserve(*conn, {.num_positions = prompt, .grant = std::move(grant)});
+      auto h = sender.Reserve(*conn, {.num_positions = prompt, .prompt_tokens = context, .grant = std::move(grant)});
       if (!h.ok()) return h.status();
       const absl::Time t1 = absl::Now();
       for (int32_t l = 0; l < spec.num_layers; ++l) {
@@ -688,7 +711,7 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
       kv::Commit c;
       c.request_id = g_grants.last_request;
       c.num_positions = prompt;
-      c.tokens.assign(prompt, 1);
+      c.tokens = std::move(context);
       c.first_token = 1;
       const absl::Time t2 = absl::Now();
       if (absl::Status s = (*h)->Commit(std::move(c)); !s.ok()) return s;
@@ -801,7 +824,10 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
       for (int i = -1; i < std::min(iters, 3); ++i) {
         SequenceKv s = p.NewSequence();
         if (absl::Status st = p.Grow(s, prompt); !st.ok()) return st;
-        auto h = sender.Reserve(*conn, {.num_positions = prompt, .grant = g_grants.Next()});
+        // No prefix held from an earlier round.
+        tokens[0] = 1 + static_cast<int32_t>(g_grants.next % static_cast<uint64_t>(model->config().vocab_size - 1));
+        std::string grant = g_grants.Next(tokens);
+        auto h = sender.Reserve(*conn, {.num_positions = prompt, .prompt_tokens = tokens, .grant = std::move(grant)});
         if (!h.ok()) return h.status();
         streaming->Arm(&p.storage(), h->get(), &s.block_table());
         const absl::Time t0 = absl::Now();

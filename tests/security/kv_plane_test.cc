@@ -1,0 +1,297 @@
+// Attacks on the KV plane by a peer that holds a grant for one handoff (a
+// compromised prefill worker) or none: against a real decode worker over
+// UCX, except the landing-write check, which needs an abort to fall between
+// a write's check and its last byte and so drives the receiver directly.
+//
+// Each attack below succeeded against the code before the fix it names,
+// and now fails with a refusal counted in
+// pdserve_handoff_refusals_total{reason}, leaving the victim's KV as it was.
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <future>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/block_hash.h"
+#include "common/kv_manager.h"
+#include "gtest/gtest.h"
+#include "kv_transfer/grant.h"
+#include "kv_transfer/loopback_transport.h"
+#include "kv_transfer/receiver.h"
+#include "kv_transfer/wire.h"
+#include "tests/cluster/cluster_harness.h"
+#include "tests/cluster/kv_raw_peer.h"
+
+namespace pdserve {
+namespace {
+
+// `n` token ids from `first` on.
+std::vector<int32_t> Ids(int32_t n, int32_t first) {
+  std::vector<int32_t> ids(static_cast<size_t>(n));
+  for (int32_t i = 0; i < n; ++i) ids[static_cast<size_t>(i)] = first + i;
+  return ids;
+}
+
+struct Attack {
+  DecodeUnderTest decode;
+  kv::GrantKey key = *kv::GrantKey::FromBytes(std::string(32, '-'));  // Replaced in Start.
+  RawPeer peer;
+
+  void Start(std::vector<std::string> flags) {
+    ASSERT_TRUE(decode.Start(std::move(flags)).ok()) << decode.process.LogTail();
+    absl::StatusOr<kv::GrantKey> k = kv::GrantKey::FromFile(TestCertsDir() + "/kv_grant.key");
+    ASSERT_TRUE(k.ok()) << k.status();
+    key = *std::move(k);
+    ASSERT_NO_FATAL_FAILURE(peer.Start(decode, "kv-attack", /*tcp_only=*/false));
+  }
+  // The router's grant for handing off `context` with `room` positions
+  // beyond it.
+  std::string Grant(const std::string& request, const std::vector<int32_t>& context, int32_t room = 16,
+                    absl::Duration ttl = absl::Seconds(60)) {
+    return kv::EncodeGrant(*kv::MintGrant(key, {.request_id = request,
+                                                .attempt = 1,
+                                                .sender = "127.0.0.1",
+                                                .receiver = decode.kv_address,
+                                                .expires = absl::Now() + ttl,
+                                                .positions = static_cast<int32_t>(context.size()) + room,
+                                                .tokens_digest = kv::DigestTokens(context)}));
+  }
+  std::optional<kv::ReserveReply> Reserve(uint64_t tag, const std::vector<int32_t>& context, std::string grant,
+                                          int32_t margin = 0) {
+    peer.req.num_positions = static_cast<int32_t>(context.size());
+    peer.req.margin_positions = margin;
+    peer.req.prompt_tokens = context;
+    return peer.Reserve(tag, std::move(grant));
+  }
+  std::optional<kv::CommitReply> Commit(kv::HandoffId id, const std::string& request,
+                                        const std::vector<int32_t>& tokens) {
+    kv::Commit c;
+    c.id = id;
+    c.request_id = request;
+    c.num_positions = static_cast<int32_t>(tokens.size());
+    c.tokens = tokens;
+    c.first_token = 5;
+    peer.Send(c);
+    return peer.raw.Await<kv::CommitReply>();
+  }
+  ~Attack() {
+    peer.transport.reset();
+    decode.process.Kill();
+  }
+};
+
+constexpr int32_t kDenied = static_cast<int32_t>(absl::StatusCode::kPermissionDenied);
+
+// Prefix-cache poisoning: a sender granted a handoff of its own context
+// commits it naming the token ids of another prompt (a popular system
+// prompt), so that the decode worker publishes the sender's KV under that
+// prompt's block hashes and serves it to every later request that starts
+// with it. Before the fix the commit was taken, and the next reservation
+// of the popular prompt found its first blocks held (held_positions > 0).
+// Now the commit is refused (tokens_mismatch), nothing is published, and
+// so is a reservation whose token ids are not the grant's.
+TEST(KvPlaneSecurityTest, ACommitCannotPublishKvUnderTokensItsGrantDoesNotName) {
+  Attack a;
+  ASSERT_NO_FATAL_FAILURE(a.Start({}));
+  const int32_t bs = a.peer.req.sender.block_size;
+  const std::vector<int32_t> own = Ids(3 * bs + 1, 100);
+  const std::vector<int32_t> popular = Ids(3 * bs + 1, 300);
+
+  std::optional<kv::ReserveReply> r = a.Reserve(2, own, a.Grant("req-own", own));
+  ASSERT_TRUE(r.has_value());
+  ASSERT_EQ(r->code, 0) << r->message;
+  std::optional<kv::CommitReply> c = a.Commit(r->id, "req-own", popular);
+  ASSERT_TRUE(c.has_value());
+  EXPECT_EQ(c->code, kDenied) << c->message;
+  EXPECT_EQ(a.decode.Refusals("tokens_mismatch"), 1);
+
+  // The popular prompt, reserved properly: nothing of it is held.
+  std::optional<kv::ReserveReply> victim = a.Reserve(3, popular, a.Grant("req-victim", popular));
+  ASSERT_TRUE(victim.has_value());
+  ASSERT_EQ(victim->code, 0) << victim->message;
+  EXPECT_EQ(victim->held_positions, 0) << "the refused commit's KV was published under the popular prompt";
+
+  // A reservation presenting other ids than its grant's context.
+  r = a.Reserve(4, popular, a.Grant("req-own-2", own));
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->code, kDenied) << r->message;
+  EXPECT_EQ(a.decode.Refusals("tokens_mismatch"), 2);
+
+  // The grant's own context still commits.
+  r = a.Reserve(5, own, a.Grant("req-own-3", own));
+  ASSERT_TRUE(r.has_value());
+  ASSERT_EQ(r->code, 0) << r->message;
+  c = a.Commit(r->id, "req-own-3", own);
+  ASSERT_TRUE(c.has_value());
+  EXPECT_EQ(c->code, 0) << c->message;
+}
+
+// A grant did not bound its reservation: before the fix a sender granted
+// a 4-position handoff reserved the whole pool (margin_positions as large
+// as the pool), starving every other request. Now a reservation larger
+// than the grant's positions is refused (too_many_positions).
+TEST(KvPlaneSecurityTest, AReservationCannotExceedItsGrantsPositions) {
+  Attack a;
+  ASSERT_NO_FATAL_FAILURE(a.Start({}));
+  const std::vector<int32_t> context = Ids(4, 1);
+  std::optional<kv::ReserveReply> r = a.Reserve(2, context, a.Grant("req-big", context, /*room=*/16),
+                                                /*margin=*/100000);
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->code, kDenied) << r->message;
+  EXPECT_EQ(a.decode.Refusals("too_many_positions"), 1);
+  r = a.Reserve(3, context, a.Grant("req-fits", context, /*room=*/16), /*margin=*/16);
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->code, 0) << r->message;
+}
+
+// Anyone could renew any lease: before the fix a LayerSent naming a
+// handoff renewed it whichever connection sent it, and handoff ids were
+// sequential, so a second connection kept another's reservation (and its
+// blocks) alive forever by counting ids. Now ids are random, a renewal
+// from another connection is refused (lease_other_connection), and a
+// lease never runs past its grant's expiry even when its own sender
+// renews it.
+TEST(KvPlaneSecurityTest, OnlyTheReservingConnectionRenewsALeaseAndNeverPastItsGrant) {
+  Attack a;
+  ASSERT_NO_FATAL_FAILURE(a.Start({"--kv_lease_s", "1"}));
+  const std::vector<int32_t> context = Ids(4, 1);
+  std::optional<kv::ReserveReply> first = a.Reserve(2, context, a.Grant("req-a", context));
+  std::optional<kv::ReserveReply> second = a.Reserve(3, context, a.Grant("req-b", context));
+  ASSERT_TRUE(first.has_value() && second.has_value());
+  ASSERT_EQ(first->code, 0) << first->message;
+  ASSERT_EQ(second->code, 0) << second->message;
+  EXPECT_GT(std::max(first->id.value, second->id.value) - std::min(first->id.value, second->id.value), 1u << 16)
+      << "handoff ids look sequential: " << first->id.value << ", " << second->id.value;
+  // The grant's abort is not waited for: the peer acknowledges it below.
+  a.peer.Send(kv::Abort{second->id, static_cast<int32_t>(absl::StatusCode::kCancelled), "not needed"});
+
+  Raw other_raw;
+  absl::StatusOr<kv::Connection*> other = a.peer.transport->Connect("127.0.0.1", a.decode.kv_port, &other_raw);
+  ASSERT_TRUE(other.ok()) << other.status();
+  // Renewals from the other connection for 2 s, twice the lease.
+  const absl::Time until = absl::Now() + absl::Seconds(2);
+  bool aborted = false;
+  while (absl::Now() < until && !aborted) {
+    a.peer.transport->loop().RunSync([&] { (*other)->Send(kv::Encode(kv::LayerSent{first->id, 0})); });
+    absl::SleepFor(absl::Milliseconds(100));  // Paces the attack; nothing waits on it.
+    aborted = a.peer.raw.Peek<kv::Abort>(first->id);
+  }
+  ASSERT_TRUE(aborted) << "another connection kept the lease alive past twice its length";
+  std::optional<kv::Abort> abort = a.peer.raw.Await<kv::Abort>();
+  ASSERT_TRUE(abort.has_value());
+  EXPECT_EQ(abort->id, first->id);
+  EXPECT_GE(a.decode.Refusals("lease_other_connection"), 1);
+  a.peer.Send(kv::AbortAck{first->id});
+
+  // The reserving connection renews every 100 ms, but its grant expires
+  // after 1.5 s: the lease ends with it.
+  std::optional<kv::ReserveReply> r = a.Reserve(4, context, a.Grant("req-c", context, 16, absl::Milliseconds(1500)));
+  ASSERT_TRUE(r.has_value());
+  ASSERT_EQ(r->code, 0) << r->message;
+  const absl::Time start = absl::Now();
+  while (absl::Now() - start < absl::Seconds(4) && !a.peer.raw.Peek<kv::Abort>(r->id)) {
+    a.peer.Send(kv::LayerSent{r->id, 0});
+    absl::SleepFor(absl::Milliseconds(100));  // Paces the renewals.
+  }
+  abort = a.peer.raw.Await<kv::Abort>();
+  ASSERT_TRUE(abort.has_value()) << "renewals kept a lease past its grant";
+  EXPECT_EQ(abort->id, r->id);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(4));
+}
+
+// A connection the tests drive by hand: keeps what the receiver sends.
+class FakeConnection final : public kv::Connection {
+ public:
+  void Send(std::string message) override { sent.push_back(*kv::Decode(message)); }
+  absl::StatusOr<std::shared_ptr<kv::RemoteRegion>> ImportRegion(absl::string_view) override {
+    return absl::UnimplementedError("fake");
+  }
+  void Put(const void*, int64_t, kv::RemoteRegion&, int64_t, kv::DoneCallback) override {}
+  void Flush(kv::DoneCallback) override {}
+  void Close() override {}
+  void Fail(absl::Status) override {}
+  bool failed() const override { return false; }
+  const std::string& name() const override { return name_; }
+  bool PeerMayMapMemory() const override { return false; }
+  std::vector<Message> sent;
+
+ private:
+  std::string name_ = "fake";
+};
+
+// A write checked on arrival and landing later: a rendezvous receive's
+// bytes arrive turns of the loop after MayWrite allowed them. Before the
+// fix an abort in between freed the reservation's blocks at once, so the
+// write's remaining bytes landed in blocks another request could already
+// hold. Now the blocks of an aborted handoff stay held until every write
+// allowed into them has landed (WriteLanded), a commit waits for them, and
+// the bounds check cannot be fooled by an address or length that wraps.
+TEST(KvPlaneSecurityTest, BlocksAreNotFreedWhileAnAllowedWriteIsLanding) {
+  kv::LoopbackNetwork net;
+  kv::LoopbackTransport transport(&net, "decode");
+  KvCacheSpec spec;
+  spec.num_layers = 2;
+  spec.num_kv_heads = 2;
+  spec.head_dim = 8;
+  spec.block_size = 4;
+  spec.num_blocks = 16;
+  spec.dtype = DType::kF32;
+  std::unique_ptr<KvManager> kv = *KvManager::Create(spec, &transport.region_allocator());
+  const ModelIdentity model = HashBytes("security-test-model");
+  std::unique_ptr<kv::KvReceiver> receiver =
+      *kv::KvReceiver::Create(&transport, kv.get(), {.model = model}, [](kv::CommittedSequence s) { s.kv.Release(); });
+  FakeConnection c;
+  kv::ReserveRequest req;
+  req.tag = 1;
+  req.sender = kv::KvLayoutDescriptor::FromSpec(spec, model);
+  req.num_positions = 8;
+  req.prompt_tokens = Ids(8, 1);
+  receiver->OnMessage(c, kv::Encode(req));
+  ASSERT_EQ(c.sent.size(), 1u);
+  const kv::ReserveReply reply = std::get<kv::ReserveReply>(c.sent[0]);
+  ASSERT_EQ(reply.code, 0) << reply.message;
+  const int32_t held_blocks = static_cast<int32_t>(reply.blocks.size());
+  const int32_t free_before = kv->Counts().free;
+
+  char* base = static_cast<char*>(kv->storage().base);
+  char* dst = base + static_cast<int64_t>(reply.blocks[0]) * spec.LayerBlockBytes();
+  const size_t bytes = static_cast<size_t>(spec.LayerBlockBytes());
+  ASSERT_TRUE(receiver->MayWrite(c, dst, bytes));
+  receiver->OnMessage(c, kv::Encode(kv::Abort{reply.id, 1, "sender gave up"}));
+  EXPECT_EQ(kv->Counts().free, free_before) << "an aborted handoff's blocks were freed while a write was landing";
+  receiver->WriteLanded(c, dst, bytes);
+  EXPECT_EQ(kv->Counts().free, free_before + held_blocks);
+
+  // Wrap-around: an address below the pool with a length that reaches
+  // into it modulo 2^64, and lengths near 2^64, are refused.
+  EXPECT_FALSE(receiver->MayWrite(c, base - 4096, static_cast<size_t>(0) - 4096 + bytes));
+  EXPECT_FALSE(receiver->MayWrite(c, base, ~static_cast<size_t>(0)));
+  EXPECT_FALSE(receiver->MayWrite(c, base + spec.TotalBytes(), 1));
+
+  // A commit that arrives while a write is landing is taken only after it.
+  c.sent.clear();
+  req.tag = 2;
+  receiver->OnMessage(c, kv::Encode(req));
+  const kv::ReserveReply second = std::get<kv::ReserveReply>(c.sent.at(0));
+  ASSERT_EQ(second.code, 0) << second.message;
+  char* dst2 = base + static_cast<int64_t>(second.blocks[0]) * spec.LayerBlockBytes();
+  ASSERT_TRUE(receiver->MayWrite(c, dst2, bytes));
+  kv::Commit commit;
+  commit.id = second.id;
+  commit.num_positions = 8;
+  commit.tokens = Ids(8, 1);
+  receiver->OnMessage(c, kv::Encode(commit));
+  EXPECT_EQ(c.sent.size(), 1u) << "the commit was answered while a write was landing";
+  receiver->WriteLanded(c, dst2, bytes);
+  ASSERT_EQ(c.sent.size(), 2u);
+  EXPECT_EQ(std::get<kv::CommitReply>(c.sent[1]).code, 0);
+  receiver.reset();
+}
+
+}  // namespace
+}  // namespace pdserve

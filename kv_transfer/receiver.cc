@@ -314,19 +314,23 @@ bool KvReceiver::MayWrite(Connection& c, const void* dst, size_t bytes) {
     absl::MutexLock lock(&mu_);
     // Every block it covers belongs to one active reservation of this
     // connection.
-    HandoffId owner;
+    Handoff* owner = nullptr;
+    HandoffId owner_id;
     for (uint64_t lb = first; ok && lb <= last; ++lb) {
       const auto block = static_cast<int32_t>(lb % static_cast<uint64_t>(spec.num_blocks));
       auto w = writable_.find(block);
       auto h = w == writable_.end() ? handoffs_.end() : handoffs_.find(w->second);
       ok = h != handoffs_.end() && h->second.state == State::kActive && h->second.conn == &c &&
-           (lb == first || h->first == owner);
-      if (ok) owner = h->first;
+           (owner == nullptr || &h->second == owner);
+      if (ok) {
+        owner = &h->second;
+        owner_id = h->first;
+      }
     }
     if (ok) {
-      ++handoffs_[owner].writes_landing;
+      ++owner->writes_landing;
       auto& landing = landing_writes_[{&c, at}];
-      landing.first = owner;
+      landing.first = owner_id;
       ++landing.second;
     }
   }

@@ -109,6 +109,16 @@ std::string HostPort(const std::string& host, int port) {
              : absl::StrCat(host, ":", port);
 }
 
+// A non-blocking stream socket of `addr`'s family; `where` names it in the
+// error.
+absl::StatusOr<int> OpenSocket(const SocketAddress& addr, const std::string& where) {
+  const int fd = socket(addr.storage.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) {
+    return absl::ResourceExhaustedError(absl::StrCat("TCP transport: socket for ", where, ": ", ErrnoText(errno)));
+  }
+  return fd;
+}
+
 void SetNoDelay(int fd) {
   const int one = 1;
   (void)setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
@@ -703,10 +713,9 @@ absl::StatusOr<int> TcpTransport::Listen(const std::string& host, int port, Conn
   absl::StatusOr<SocketAddress> addr = ParseAddress(host, port);
   if (!addr.ok()) return addr.status();
   const std::string where = HostPort(host, port);
-  const int fd = socket(addr->storage.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-  if (fd < 0) {
-    return absl::ResourceExhaustedError(absl::StrCat("TCP transport: socket for ", where, ": ", ErrnoText(errno)));
-  }
+  absl::StatusOr<int> socket_fd = OpenSocket(*addr, where);
+  if (!socket_fd.ok()) return socket_fd.status();
+  const int fd = *socket_fd;
   const int one = 1;
   (void)setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
   if (bind(fd, addr->get(), addr->length) != 0 || listen(fd, SOMAXCONN) != 0) {
@@ -736,10 +745,9 @@ absl::StatusOr<Connection*> TcpTransport::Connect(const std::string& host, int p
   absl::StatusOr<SocketAddress> addr = ParseAddress(host, port);
   if (!addr.ok()) return addr.status();
   const std::string where = HostPort(host, port);
-  const int fd = socket(addr->storage.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-  if (fd < 0) {
-    return absl::ResourceExhaustedError(absl::StrCat("TCP transport: socket for ", where, ": ", ErrnoText(errno)));
-  }
+  absl::StatusOr<int> socket_fd = OpenSocket(*addr, where);
+  if (!socket_fd.ok()) return socket_fd.status();
+  const int fd = *socket_fd;
   SetNoDelay(fd);
   std::string peer_host = host;
   if (peer_host.size() >= 2 && peer_host.front() == '[') peer_host = peer_host.substr(1, peer_host.size() - 2);

@@ -134,17 +134,27 @@ struct ChatFixture {
   ChatFamily family;
 };
 
-class ChatTemplateTest : public ::testing::TestWithParam<ChatFixture> {};
+// Each fixture's tokenizer and the chat format its template is detected as.
+class ChatTemplateTest : public ::testing::TestWithParam<ChatFixture> {
+ protected:
+  void SetUp() override {
+    const ChatFixture& f = GetParam();
+    absl::StatusOr<std::unique_ptr<Tokenizer>> loaded = Tokenizer::Load(kDir + f.tokenizer);
+    ASSERT_TRUE(loaded.ok()) << loaded.status();
+    tok = *std::move(loaded);
+    std::string tmpl = tok->chat_template();
+    if (!f.template_file.empty()) tmpl = *ReadFileToString(kDir + f.template_file);
+    absl::StatusOr<ChatFormat> detected = DetectChatFormat(tmpl);
+    ASSERT_TRUE(detected.ok()) << detected.status();
+    format = *detected;
+  }
+  std::unique_ptr<Tokenizer> tok;
+  ChatFormat format;
+};
 
 TEST_P(ChatTemplateTest, RendersLikeJinja) {
   const ChatFixture& f = GetParam();
-  auto tok = Tokenizer::Load(kDir + f.tokenizer);
-  ASSERT_TRUE(tok.ok()) << tok.status();
-  std::string tmpl = (*tok)->chat_template();
-  if (!f.template_file.empty()) tmpl = *ReadFileToString(kDir + f.template_file);
-  auto format = DetectChatFormat(tmpl);
-  ASSERT_TRUE(format.ok()) << format.status();
-  EXPECT_EQ(format->family, f.family);
+  EXPECT_EQ(format.family, f.family);
   const nlohmann::json cases = nlohmann::json::parse(*ReadFileToString(kDir + "chat_cases.json"));
   int n = 0;
   for (const auto& ref : ReadJsonl(kDir + f.reference)) {
@@ -152,8 +162,8 @@ TEST_P(ChatTemplateTest, RendersLikeJinja) {
     for (const auto& m : cases[ref["case"].get<int>()]["messages"]) {
       messages.push_back({m["role"].get<std::string>(), m["content"].get<std::string>()});
     }
-    auto text = RenderChat(*format, messages, ref["add_generation_prompt"].get<bool>(),
-                           (*tok)->bos_token(), (*tok)->eos_token());
+    auto text = RenderChat(format, messages, ref["add_generation_prompt"].get<bool>(),
+                           tok->bos_token(), tok->eos_token());
     if (ref.contains("error")) {
       EXPECT_FALSE(text.ok()) << "case " << ref["case"] << " should be refused";
       continue;
@@ -161,7 +171,7 @@ TEST_P(ChatTemplateTest, RendersLikeJinja) {
     ASSERT_TRUE(text.ok()) << text.status();
     EXPECT_EQ(*text, ref["text"].get<std::string>()) << "case " << ref["case"];
     if (ref.contains("ids")) {
-      EXPECT_EQ(*(*tok)->Encode(*text, false), ref["ids"].get<std::vector<int32_t>>())
+      EXPECT_EQ(*tok->Encode(*text, false), ref["ids"].get<std::vector<int32_t>>())
           << "case " << ref["case"];
     }
     ++n;
@@ -176,12 +186,6 @@ TEST_P(ChatTemplateTest, RendersLikeJinja) {
 // no marker get HF's ids exactly.
 TEST_P(ChatTemplateTest, MessagesAreTextEvenWhereTheySpellAMarker) {
   const ChatFixture& f = GetParam();
-  auto tok = Tokenizer::Load(kDir + f.tokenizer);
-  ASSERT_TRUE(tok.ok()) << tok.status();
-  std::string tmpl = (*tok)->chat_template();
-  if (!f.template_file.empty()) tmpl = *ReadFileToString(kDir + f.template_file);
-  auto format = DetectChatFormat(tmpl);
-  ASSERT_TRUE(format.ok()) << format.status();
   const nlohmann::json cases = nlohmann::json::parse(*ReadFileToString(kDir + "chat_cases.json"));
   int spelled = 0;
   for (const auto& ref : ReadJsonl(kDir + f.reference)) {
@@ -190,14 +194,14 @@ TEST_P(ChatTemplateTest, MessagesAreTextEvenWhereTheySpellAMarker) {
     bool spells_a_marker = false;
     for (const auto& m : cases[ref["case"].get<int>()]["messages"]) {
       messages.push_back({m["role"].get<std::string>(), m["content"].get<std::string>()});
-      const std::vector<int32_t> alone = *(*tok)->Encode(messages.back().content, false);
-      for (int32_t id : alone) spells_a_marker |= (*tok)->IsSpecial(id);
+      const std::vector<int32_t> alone = *tok->Encode(messages.back().content, false);
+      for (int32_t id : alone) spells_a_marker |= tok->IsSpecial(id);
     }
-    auto rendered = RenderChatWithContent(*format, messages, ref["add_generation_prompt"].get<bool>(),
-                                          (*tok)->bos_token(), (*tok)->eos_token());
+    auto rendered = RenderChatWithContent(format, messages, ref["add_generation_prompt"].get<bool>(),
+                                          tok->bos_token(), tok->eos_token());
     ASSERT_TRUE(rendered.ok()) << rendered.status();
     EXPECT_EQ(rendered->text, ref["text"].get<std::string>()) << "case " << ref["case"];
-    auto ids = (*tok)->EncodeWithLiteralRanges(rendered->text, rendered->content);
+    auto ids = tok->EncodeWithLiteralRanges(rendered->text, rendered->content);
     ASSERT_TRUE(ids.ok()) << ids.status();
     if (!spells_a_marker) {
       if (ref.contains("ids")) {
@@ -218,17 +222,17 @@ TEST_P(ChatTemplateTest, MessagesAreTextEvenWhereTheySpellAMarker) {
     auto specials = [&](const std::vector<int32_t>& v) {
       std::vector<int32_t> out;
       for (int32_t id : v) {
-        if ((*tok)->IsSpecial(id)) out.push_back(id);
+        if (tok->IsSpecial(id)) out.push_back(id);
       }
       return out;
     };
-    EXPECT_EQ(specials(*ids), specials(*(*tok)->Encode(markers_only, false))) << "case " << ref["case"];
-    EXPECT_NE(*ids, *(*tok)->Encode(rendered->text, false)) << "case " << ref["case"];
+    EXPECT_EQ(specials(*ids), specials(*tok->Encode(markers_only, false))) << "case " << ref["case"];
+    EXPECT_NE(*ids, *tok->Encode(rendered->text, false)) << "case " << ref["case"];
   }
   EXPECT_GE(spelled, 1) << "no case spells a marker of this tokenizer";
 }
 
-TEST(ChatTemplateTest, EveryFamilyRefusesUnknownRoles) {
+TEST(ChatRoleTest, EveryFamilyRefusesUnknownRoles) {
   for (ChatFamily family : {ChatFamily::kChatML, ChatFamily::kQwen3, ChatFamily::kLlama3, ChatFamily::kLlama2,
                             ChatFamily::kZephyr}) {
     for (const std::string& role : {std::string("narrator"), std::string("user<|end_header_id|>"), std::string()}) {

@@ -39,21 +39,21 @@ std::vector<int32_t> Ids(int32_t n, int32_t first) {
 
 struct Attack {
   DecodeUnderTest decode;
-  kv::GrantKey key = *kv::GrantKey::FromBytes(std::string(32, '-'));  // Replaced in Start.
+  std::optional<kv::GrantKey> key;  // The cluster's, from Start.
   RawPeer peer;
 
   void Start(std::vector<std::string> flags) {
     ASSERT_TRUE(decode.Start(std::move(flags)).ok()) << decode.process.LogTail();
     absl::StatusOr<kv::GrantKey> k = kv::GrantKey::FromFile(TestCertsDir() + "/kv_grant.key");
     ASSERT_TRUE(k.ok()) << k.status();
-    key = *std::move(k);
+    key.emplace(*std::move(k));
     ASSERT_NO_FATAL_FAILURE(peer.Start(decode, "kv-attack", /*tcp_only=*/false));
   }
   // The router's grant for handing off `context` with `room` positions
   // beyond it.
   std::string Grant(const std::string& request, const std::vector<int32_t>& context, int32_t room = 16,
                     absl::Duration ttl = absl::Seconds(60)) {
-    return kv::EncodeGrant(*kv::MintGrant(key, {.request_id = request,
+    return kv::EncodeGrant(*kv::MintGrant(*key, {.request_id = request,
                                                 .attempt = 1,
                                                 .sender = "127.0.0.1",
                                                 .receiver = decode.kv_address,

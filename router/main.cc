@@ -75,6 +75,10 @@ ABSL_FLAG(int64_t, http_max_buffered_bytes, 4 << 20,
           "an HTTP stream with more unsent bytes than this (its client stopped reading) is cancelled");
 ABSL_FLAG(int32_t, http_socket_send_buffer_bytes, 0,
           "SO_SNDBUF of each HTTP connection (0: the kernel's, autotuned up to net.ipv4.tcp_wmem)");
+ABSL_FLAG(int64_t, max_reply_entries, pdserve::router::openai::kDefaultMaxReplyEntries,
+          "gRPC Complete (a reply held whole until its last token): refuse a request whose max_tokens x (1 + "
+          "logprobs) passes this many logprob entries (INVALID_ARGUMENT naming max_tokens); Generate streams are "
+          "not bounded so");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:0", "Prometheus /metrics address (port 0: any free; empty: off)");
 
 namespace {
@@ -98,6 +102,11 @@ int Run() {
   o.colocated = absl::GetFlag(FLAGS_colocated);
   o.api_keys_file = absl::GetFlag(FLAGS_api_keys_file);
   o.autoscale_min_samples = absl::GetFlag(FLAGS_autoscale_min_samples);
+  o.max_reply_entries = absl::GetFlag(FLAGS_max_reply_entries);
+  if (o.max_reply_entries < 1) {
+    LogEvent("error", "bad_flags", {{"error", "--max_reply_entries must be at least 1"}});
+    return 2;
+  }
   if (o.autoscale_min_samples < 1) {
     LogEvent("error", "bad_flags", {{"error", "--autoscale_min_samples must be at least 1"}});
     return 2;

@@ -256,7 +256,7 @@ openai::HttpBackend RouterService::HttpBackend() {
   return b;
 }
 
-grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequest& req,
+grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequest& req, Reply reply,
                                 const std::function<bool(const v1::GenerateResponse&)>& emit) {
   const absl::Time received = relay_context_.options.clock();  // TTFT counts tokenizing too
   // Refused before any tokenization or placement; the lease is held to the end.
@@ -265,6 +265,18 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
   if (auto it = md.find("authorization"); it != md.end()) authorization.assign(it->second.data(), it->second.size());
   absl::StatusOr<KeyLease> lease = AdmitKey(authorization, ctx->peer());
   if (!lease.ok()) return ToGrpcStatus(lease.status());
+  // max_tokens is required here (Resolve refuses 0), so it is the worst case.
+  if (reply == Reply::kWhole && req.logprobs() > 0) {
+    const int64_t entries = openai::WholeReplyEntries(req.max_tokens(), req.logprobs());
+    if (entries > options_.max_reply_entries) {
+      relay_metrics_->CountOutcome("invalid");
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          absl::StrCat("max_tokens: a reply of ", req.max_tokens(), " tokens with ", req.logprobs(),
+                                       " logprob alternatives each holds up to ", entries,
+                                       " logprob entries, over this router's limit of ", options_.max_reply_entries,
+                                       " for Complete: lower max_tokens or logprobs, or call Generate (streamed)"));
+    }
+  }
   absl::StatusOr<GenerationRequest> resolved = resolver_->Resolve(req);
   if (!resolved.ok()) {
     relay_metrics_->CountOutcome("invalid");
@@ -286,13 +298,13 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
 
 grpc::Status RouterService::Generate(grpc::ServerContext* ctx, const v1::GenerateRequest* req,
                                      grpc::ServerWriter<v1::GenerateResponse>* writer) {
-  return Run(ctx, *req, [writer](const v1::GenerateResponse& m) { return writer->Write(m); });
+  return Run(ctx, *req, Reply::kStreamed, [writer](const v1::GenerateResponse& m) { return writer->Write(m); });
 }
 
 grpc::Status RouterService::Complete(grpc::ServerContext* ctx, const v1::GenerateRequest* req,
                                      v1::CompleteResponse* out) {
   out->set_request_id(req->request_id());
-  return Run(ctx, *req, [out](const v1::GenerateResponse& m) {
+  return Run(ctx, *req, Reply::kWhole, [out](const v1::GenerateResponse& m) {
     if (m.has_chunk()) {
       out->mutable_token_ids()->Add(m.chunk().token_ids().begin(), m.chunk().token_ids().end());
       out->mutable_text()->append(m.chunk().text());

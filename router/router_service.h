@@ -35,6 +35,7 @@
 #include "router/admission.h"
 #include "router/api_keys.h"
 #include "router/measured.h"
+#include "router/openai/request.h"
 #include "router/openai/server.h"
 #include "router/placement.h"
 #include "router/prefix_index.h"
@@ -91,6 +92,10 @@ struct RouterOptions {
   // pdserve_recommended_workers is exposed once its inputs have this many
   // samples each.
   int64_t autoscale_min_samples = 20;
+  // Complete (a reply sent whole, held until its last token): a request
+  // whose max_tokens x (1 + logprobs) passes this is refused with
+  // INVALID_ARGUMENT naming max_tokens. Generate's streams are not bounded so.
+  int64_t max_reply_entries = openai::kDefaultMaxReplyEntries;
   // API keys (router/api_keys.h): "" accepts every client.
   std::string api_keys_file;
   // The router's certificate and the cluster CA, presented to the workers
@@ -144,8 +149,11 @@ class RouterService final : public v1::Generation::Service {
   // OK when keys are off or the client's "authorization" metadata holds a
   // valid key; else UNAUTHENTICATED (counted, and logged by key id only).
   grpc::Status Authenticate(grpc::ServerContext* ctx);
+  // How a reply goes back: streamed as it goes, or held whole to the end
+  // (then bounded by options_.max_reply_entries).
+  enum class Reply { kStreamed, kWhole };
   // Runs the request; `emit` gets every response message (false: stop).
-  grpc::Status Run(grpc::ServerContext* ctx, const v1::GenerateRequest& req,
+  grpc::Status Run(grpc::ServerContext* ctx, const v1::GenerateRequest& req, Reply reply,
                    const std::function<bool(const v1::GenerateResponse&)>& emit);
   void RegisterMetrics();
   // The capacities from the measurements and the pools now.

@@ -188,7 +188,36 @@ absl::Status DecodeMessages(const json& v, const DecodeLimits& limits, v1::Gener
   return absl::OkStatus();
 }
 
+// A whole reply's worst case against limits.max_reply_entries. `completion`:
+// the body gave max_completion_tokens (the field then named).
+absl::Status CheckWholeReply(const OpenAiRequest& r, bool completion, const DecodeLimits& limits) {
+  const bool chat = r.endpoint == Endpoint::kChatCompletions;
+  const std::string param = completion ? "max_completion_tokens" : "max_tokens";
+  int64_t tokens = r.generate.max_tokens();
+  std::string given = absl::StrCat(tokens, " tokens");
+  if (tokens == 0 && !chat) {
+    tokens = limits.default_completion_tokens;
+    given = absl::StrCat(tokens, " tokens (the default)");
+  } else if (tokens == 0) {
+    if (limits.context_length <= 0) {
+      return Bad(param, "required for a reply with logprobs that is not streamed (or set stream: true)");
+    }
+    tokens = limits.context_length;
+    given = absl::StrCat("the rest of the context, up to ", tokens, " tokens (max_tokens not given)");
+  }
+  const int64_t entries = WholeReplyEntries(tokens, r.top_logprobs);
+  if (entries <= limits.max_reply_entries) return absl::OkStatus();
+  return Bad(param, absl::StrCat("a reply of ", given, " with ", r.top_logprobs, " logprob alternatives each holds up to ",
+                                 entries, " logprob entries, over this server's limit of ", limits.max_reply_entries,
+                                 " for a reply that is not streamed: lower ", param, " or ",
+                                 chat ? "top_logprobs" : "logprobs", ", or set stream: true"));
+}
+
 }  // namespace
+
+int64_t WholeReplyEntries(int64_t max_tokens, int32_t alternatives) {
+  return max_tokens * (1 + static_cast<int64_t>(alternatives));
+}
 
 std::string ParamOf(const absl::Status& status) {
   const absl::optional<absl::Cord> p = status.GetPayload(kParamPayload);
@@ -335,6 +364,9 @@ absl::StatusOr<OpenAiRequest> DecodeRequest(Endpoint endpoint, absl::string_view
     }
   }
   if (r.logprobs) g.set_logprobs(std::max(1, r.top_logprobs));
+  if (!r.stream && r.logprobs) {
+    if (absl::Status st = CheckWholeReply(r, max_completion_tokens.has_value(), limits); !st.ok()) return st;
+  }
   return r;
 }
 

@@ -25,6 +25,11 @@ namespace pdserve::router::openai {
 
 enum class Endpoint { kCompletions, kChatCompletions };
 
+// The default bound on a whole reply's logprob entries (DecodeLimits::
+// max_reply_entries): about 20 MB of reply at the few hundred bytes an entry
+// takes as JSON, and room for 20 alternatives on each of 3,000 tokens.
+inline constexpr int64_t kDefaultMaxReplyEntries = 65536;
+
 // Bounds on what a body may hold, checked before and while decoding.
 struct DecodeLimits {
   int64_t max_body_bytes = 8 << 20;
@@ -32,6 +37,18 @@ struct DecodeLimits {
   int32_t max_stop = 16;   // stop strings
   int32_t max_stop_bytes = 256;
   int32_t max_messages = 4096;
+  // A reply that is not streamed is held whole until its last token, with
+  // every token's logprob entry (the chosen token and its alternatives): a
+  // request whose worst case (WholeReplyEntries) passes this is refused,
+  // naming max_tokens. Streams are sent as they go and are not bounded so.
+  int64_t max_reply_entries = kDefaultMaxReplyEntries;
+  // The model's context in positions: a chat's max_tokens when the body
+  // gives none ("the rest of the context") is at most this. 0: unknown, and
+  // a non-streamed chat with logprobs must then give max_tokens.
+  int64_t context_length = 0;
+  // completions' max_tokens when the body gives none (the caller's
+  // default, which the worst case assumes).
+  int32_t default_completion_tokens = 16;
 };
 
 struct OpenAiRequest {
@@ -55,9 +72,15 @@ inline constexpr const char* kIgnoredFields[] = {"user", "metadata", "store", "s
 
 // Errors: INVALID_ARGUMENT with the field in ParamOf and in the message
 // ("temperature: must be a number"), for malformed JSON ("body: ..."), too
-// deep or too large bodies, unknown or unsupported fields and bad values.
+// deep or too large bodies, unknown or unsupported fields, bad values, and
+// non-streamed replies over limits.max_reply_entries ("max_tokens: ...").
 absl::StatusOr<OpenAiRequest> DecodeRequest(Endpoint endpoint, absl::string_view body,
                                             const DecodeLimits& limits = {});
+
+// The logprob entries a whole reply of up to `max_tokens` tokens holds
+// with `alternatives` per token besides the chosen one (callers ask only
+// when logprobs are wanted). No overflow for int32 arguments.
+int64_t WholeReplyEntries(int64_t max_tokens, int32_t alternatives);
 
 // The field a DecodeRequest error is about ("" when none).
 std::string ParamOf(const absl::Status& status);

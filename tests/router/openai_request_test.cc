@@ -2,6 +2,8 @@
 // is accepted because it cannot change the output, or is refused naming it.
 #include "router/openai/request.h"
 
+#include <cstdint>
+#include <limits>
 #include <string>
 
 #include "absl/strings/match.h"
@@ -150,6 +152,50 @@ TEST(OpenAiRequestTest, MalformedBodiesAreRefusedAsTheBody) {
                 "at most 1");
   // Brackets inside strings do not count as nesting.
   EXPECT_TRUE(Completion("{\"prompt\": \"" + std::string(100, '[') + "\"}").ok());
+}
+
+// A reply that is not streamed is held whole: its worst case, max_tokens x
+// (1 + top_logprobs) logprob entries, is bounded; streams are not.
+TEST(OpenAiRequestTest, AWholeReplyOverTheEntryLimitIsRefusedNamingMaxTokens) {
+  const std::string msgs = R"("messages": [{"role": "user", "content": "x"}])";
+  DecodeLimits limits;
+  limits.max_reply_entries = 2100;
+  limits.context_length = 4096;
+  auto chat = [&](const std::string& rest) {
+    return DecodeRequest(Endpoint::kChatCompletions, "{" + msgs + ", " + rest + "}", limits);
+  };
+  EXPECT_TRUE(chat(R"("logprobs": true, "top_logprobs": 20, "max_tokens": 100)").ok());  // 2100 entries
+  ExpectRefused(chat(R"("logprobs": true, "top_logprobs": 20, "max_tokens": 101)"), "max_tokens",
+                "up to 2121 logprob entries, over this server's limit of 2100");
+  ExpectRefused(chat(R"("logprobs": true, "top_logprobs": 20, "max_completion_tokens": 101)"),
+                "max_completion_tokens", "lower max_completion_tokens or top_logprobs");
+  // No max_tokens: the rest of the context, at most the whole context.
+  ExpectRefused(chat(R"("logprobs": true, "top_logprobs": 1)"), "max_tokens",
+                "the rest of the context, up to 4096 tokens");
+  EXPECT_TRUE(chat(R"("logprobs": true, "top_logprobs": 1, "max_tokens": 1050)").ok());
+  // Without logprobs a reply holds its text only; streamed, nothing is held.
+  EXPECT_TRUE(chat(R"("max_tokens": 4000)").ok());
+  EXPECT_TRUE(chat(R"("logprobs": true, "top_logprobs": 20, "stream": true)").ok());
+  // Completions: logprobs N is N alternatives; no max_tokens is the default.
+  auto completion = [&](const std::string& rest) {
+    return DecodeRequest(Endpoint::kCompletions, R"({"prompt": "x", )" + rest + "}", limits);
+  };
+  ExpectRefused(completion(R"("logprobs": 20, "max_tokens": 101)"), "max_tokens", "lower max_tokens or logprobs");
+  EXPECT_TRUE(completion(R"("logprobs": 20)").ok());  // 16 tokens
+  limits.default_completion_tokens = 200;
+  ExpectRefused(completion(R"("logprobs": 20)"), "max_tokens", "200 tokens (the default)");
+}
+
+TEST(OpenAiRequestTest, AWholeChatReplyWithLogprobsNeedsMaxTokensWhenTheContextIsUnknown) {
+  const std::string msgs = R"("messages": [{"role": "user", "content": "x"}])";
+  ExpectRefused(Chat("{" + msgs + R"(, "logprobs": true, "top_logprobs": 20})"), "max_tokens",
+                "required for a reply with logprobs that is not streamed");
+  EXPECT_TRUE(Chat("{" + msgs + R"(, "logprobs": true, "top_logprobs": 20, "max_tokens": 3000})").ok());
+  EXPECT_TRUE(Chat("{" + msgs + R"(, "logprobs": true, "top_logprobs": 20, "stream": true})").ok());
+  EXPECT_TRUE(Chat("{" + msgs + "}").ok());
+  // The default limit lets 20 alternatives on 3,000 tokens through, not 4,000.
+  ExpectRefused(Chat("{" + msgs + R"(, "logprobs": true, "top_logprobs": 20, "max_tokens": 4000})"), "max_tokens");
+  EXPECT_EQ(WholeReplyEntries(std::numeric_limits<int32_t>::max(), 20), int64_t{2147483647} * 21);
 }
 
 }  // namespace

@@ -1,0 +1,90 @@
+// Attacks on what the router's client APIs give a client beyond its own
+// generation, against real processes.
+//
+// Reply amplification: a reply that is not streamed is held whole until its
+// last token, with every token's logprob entry and its alternatives. Before
+// the fix a non-streamed chat asking for top_logprobs 20 and no max_tokens
+// (the rest of the context) was served with a 200 whose body held 21
+// entries for each of the ~500 tokens kjv-tiny's 512-position context left
+// (a few hundred bytes each, built as a JSON tree first; a 128K-context
+// model: ~900 MB per request), and gRPC Complete with max_tokens 480 and
+// logprobs 20 was served the same way. Now both are refused naming
+// max_tokens (HTTP 400 with "param", gRPC INVALID_ARGUMENT), counted as
+// invalid; the same requests streamed are served.
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "router/api_keys.h"
+#include "tests/cluster/cluster_harness.h"
+#include "tests/support/http_client.h"
+
+namespace pdserve {
+namespace {
+
+using testing_support::HttpExchange;
+using testing_support::HttpReply;
+using testing_support::HttpRequest;
+using testing_support::SseData;
+
+double InvalidCount(const Cluster& c) {
+  return MetricValue(HttpGet(c.router_metrics(), "/metrics"), "pdserve_requests_total{outcome=\"invalid\"}");
+}
+
+TEST(FrontScopeTest, AWholeReplyOverTheEntryLimitIsRefusedAndTheSameStreamIsServed) {
+  const std::string dir = TempDir();
+  Cluster c;
+  c.tls = false;
+  c.extra_router_flags = {"--max_reply_entries", "1000"};
+  ASSERT_TRUE(c.Start(dir + "/c", /*colocated=*/true).ok()) << c.Logs();
+
+  // gRPC: Complete holds the reply whole; Generate streams it.
+  v1::GenerateRequest big = SeededRequest(480);
+  big.set_logprobs(20);
+  big.set_ignore_eos(true);
+  {
+    grpc::ClientContext ctx;
+    v1::CompleteResponse out;
+    const grpc::Status st = c.stub()->Complete(&ctx, big, &out);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+    EXPECT_TRUE(absl::StartsWith(st.error_message(), "max_tokens: ")) << st.error_message();
+    EXPECT_TRUE(absl::StrContains(st.error_message(), "10080 logprob entries")) << st.error_message();
+    EXPECT_EQ(out.logprobs_size(), 0);
+  }
+  EXPECT_GE(InvalidCount(c), 1);
+  const Output streamed = c.Generate(big);
+  ASSERT_TRUE(streamed.status.ok()) << streamed.status.error_message();
+  EXPECT_EQ(streamed.tokens.size(), 480u);
+  v1::GenerateRequest small = SeededRequest(40);  // 840 entries
+  small.set_logprobs(20);
+  {
+    grpc::ClientContext ctx;
+    v1::CompleteResponse out;
+    const grpc::Status st = c.stub()->Complete(&ctx, small, &out);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    EXPECT_GT(out.logprobs_size(), 0);
+  }
+
+  // HTTP: no max_tokens is the rest of the context.
+  const std::string chat =
+      R"({"messages": [{"role": "user", "content": "In the beginning"}], "logprobs": true, "top_logprobs": 20,
+          "ignore_eos": true)";
+  const HttpReply whole = HttpExchange(c.http_port(), HttpRequest("POST", "/v1/chat/completions", chat + "}"));
+  EXPECT_EQ(whole.status, 400) << whole.body.substr(0, 500);
+  const nlohmann::json error = nlohmann::json::parse(whole.body, nullptr, false);
+  ASSERT_TRUE(error.is_object() && error.contains("error")) << whole.body.substr(0, 500);
+  EXPECT_EQ(error["error"].value("param", ""), "max_tokens") << whole.body;
+  const HttpReply stream =
+      HttpExchange(c.http_port(), HttpRequest("POST", "/v1/chat/completions", chat + R"(, "stream": true})"));
+  EXPECT_EQ(stream.status, 200) << stream.body.substr(0, 500);
+  ASSERT_FALSE(SseData(stream.body).empty());
+  EXPECT_EQ(SseData(stream.body).back(), "[DONE]");
+}
+
+}  // namespace
+}  // namespace pdserve

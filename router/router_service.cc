@@ -334,8 +334,11 @@ MeasuredCapacity RouterService::CurrentCapacity() {
   return ComputeMeasuredCapacity(measured_.Snapshot(), facts);
 }
 
-grpc::Status RouterService::ClusterStatus(grpc::ServerContext*, const v1::ClusterStatusRequest*,
+grpc::Status RouterService::ClusterStatus(grpc::ServerContext* ctx, const v1::ClusterStatusRequest*,
                                           v1::ClusterStatusResponse* out) {
+  // Worker addresses, their failures and a call to every worker: for key
+  // holders only, checked before any of it.
+  if (grpc::Status auth = Authenticate(ctx); !auth.ok()) return auth;
   // Every worker at once: one that does not answer costs its deadline once,
   // not once per worker after it.
   std::vector<WorkerPtr> workers;

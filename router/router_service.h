@@ -12,6 +12,9 @@
 //
 // The service turns gRPC calls into relays, carries a client's
 // cancellation to the relay, and answers ListModels and ClusterStatus.
+// With API keys on, every call needs a valid key (UNAUTHENTICATED, counted,
+// without one), ClusterStatus included: it shows the workers' addresses
+// and failures, and calls every worker.
 //
 // Thread safety: thread-safe.
 #ifndef PDSERVE_ROUTER_ROUTER_SERVICE_H_

@@ -11,6 +11,12 @@
 // logprobs 20 was served the same way. Now both are refused naming
 // max_tokens (HTTP 400 with "param", gRPC INVALID_ARGUMENT), counted as
 // invalid; the same requests streamed are served.
+//
+// Cluster status for anyone: before the fix ClusterStatus on the router's
+// public port answered a client with no key, or a wrong one, with every
+// worker's address, KV sizes and failure reasons, after calling every
+// worker. Now it needs a valid key when keys are on (UNAUTHENTICATED,
+// counted), and pdctl status sends its --api_key.
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -31,6 +37,16 @@ using testing_support::HttpExchange;
 using testing_support::HttpReply;
 using testing_support::HttpRequest;
 using testing_support::SseData;
+
+constexpr char kAlice[] = "sk-test-alice";
+
+std::string WriteKeys(const std::string& dir) {
+  std::filesystem::create_directories(dir);
+  const std::string keys = dir + "/api_keys";
+  std::ofstream(keys) << "alice:" << router::Sha256Hex(kAlice) << "\n"
+                      << "bob:" << router::Sha256Hex("sk-test-bob") << "\n";
+  return keys;
+}
 
 double InvalidCount(const Cluster& c) {
   return MetricValue(HttpGet(c.router_metrics(), "/metrics"), "pdserve_requests_total{outcome=\"invalid\"}");
@@ -84,6 +100,42 @@ TEST(FrontScopeTest, AWholeReplyOverTheEntryLimitIsRefusedAndTheSameStreamIsServ
   EXPECT_EQ(stream.status, 200) << stream.body.substr(0, 500);
   ASSERT_FALSE(SseData(stream.body).empty());
   EXPECT_EQ(SseData(stream.body).back(), "[DONE]");
+}
+
+TEST(FrontScopeTest, ClusterStatusNeedsAValidKeyWhenKeysAreOn) {
+  const std::string dir = TempDir();
+  Cluster c;
+  c.tls = false;
+  c.extra_router_flags = {"--api_keys_file", WriteKeys(dir)};
+  ASSERT_TRUE(c.Start(dir + "/c", /*colocated=*/true).ok()) << c.Logs();
+  const std::string metrics_key = "pdserve_requests_total{outcome=\"unauthenticated\"}";
+  const double before = std::max(0.0, MetricValue(HttpGet(c.router_metrics(), "/metrics"), metrics_key));
+  for (const std::string authorization : {"", "Bearer sk-test-mallory"}) {
+    grpc::ClientContext ctx;
+    if (!authorization.empty()) ctx.AddMetadata("authorization", authorization);
+    v1::ClusterStatusResponse out;
+    const grpc::Status st = c.stub()->ClusterStatus(&ctx, {}, &out);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAUTHENTICATED) << authorization;
+    EXPECT_EQ(out.decode_size(), 0) << out.ShortDebugString();
+  }
+  EXPECT_EQ(MetricValue(HttpGet(c.router_metrics(), "/metrics"), metrics_key), before + 2);
+  {
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("authorization", absl::StrCat("Bearer ", kAlice));
+    v1::ClusterStatusResponse out;
+    const grpc::Status st = c.stub()->ClusterStatus(&ctx, {}, &out);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    ASSERT_EQ(out.decode_size(), 1);
+    EXPECT_EQ(out.decode(0).address(), c.decode_address());
+  }
+  // pdctl status sends its key ($PDSERVE_API_KEY here), and fails without.
+  const std::string pdctl = absl::StrCat(kBin, "/tools/pdctl/pdctl status --router ", c.address(), " > ", dir,
+                                         "/pdctl.out 2>&1");
+  EXPECT_NE(std::system(pdctl.c_str()), 0);
+  EXPECT_EQ(std::system(absl::StrCat("PDSERVE_API_KEY=", kAlice, " ", pdctl).c_str()), 0);
+  std::ifstream f(dir + "/pdctl.out");
+  const std::string printed((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  EXPECT_TRUE(absl::StrContains(printed, c.decode_address())) << printed;
 }
 
 }  // namespace

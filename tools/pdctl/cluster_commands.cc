@@ -15,7 +15,7 @@
 #include "grpcpp/grpcpp.h"
 #include "pdserve/v1/generation.grpc.pb.h"
 
-ABSL_FLAG(std::string, api_key, "", "generate / bench --router: the router's API key (default: $PDSERVE_API_KEY)");
+ABSL_FLAG(std::string, api_key, "", "generate / status / bench --router: the router's API key (default: $PDSERVE_API_KEY)");
 
 namespace pdserve::pdctl {
 namespace {
@@ -112,6 +112,7 @@ absl::Status RemoteGenerate(const std::string& router, const v1::GenerateRequest
 absl::Status RemoteStatus(const std::string& router, bool json) {
   auto stub = v1::Generation::NewStub(RouterChannel(router));
   grpc::ClientContext ctx;
+  AddApiKey(ctx);
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
   v1::ClusterStatusResponse out;
   const grpc::Status st = stub->ClusterStatus(&ctx, {}, &out);

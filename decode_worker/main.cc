@@ -16,7 +16,6 @@
 #include "common/tokenizer/tokenizer.h"
 #include "decode_worker/decode_service.h"
 #include "kv_transfer/receiver.h"
-#include "kv_transfer/ucx_transport.h"
 #include "common/grpc_server.h"
 #include "common/metrics.h"
 #include "common/engine/worker_runtime.h"
@@ -37,7 +36,7 @@ ABSL_FLAG(int, fault_lose_decode_calls, 0,
           "fault tests only: the first N handed-off Decode calls (-1: all) end CANCELLED unregistered, as calls "
           "cancelled before they ran here");
 ABSL_FLAG(int, fault_step_delay_ms, 0, "fault tests only: every engine step waits this long first (a slow model)");
-ABSL_FLAG(std::string, kv_host, "127.0.0.1", "address the KV receiver listens on (UCX)");
+ABSL_FLAG(std::string, kv_host, "127.0.0.1", "address the KV receiver listens on (--kv_transport)");
 ABSL_FLAG(int, kv_port, 0, "port of the KV receiver (0: any free port)");
 ABSL_FLAG(int, kv_landing_positions, 65536,
           "--backend=cuda: positions of registered host memory KV handoffs land in before they are copied to the "
@@ -64,7 +63,7 @@ int Run() {
     LogEvent("error", "bad_flags", {{"error", std::string(grant_key.status().message())}});
     return 2;
   }
-  kv::UcxTransport* transport = rt->transport.get();
+  kv::Transport* transport = rt->transport.get();
   WorkerModel* w = &rt->engine;
   ModelStack* engine = &w->engine;
   decode::DecodeServiceOptions so;

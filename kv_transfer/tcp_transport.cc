@@ -168,14 +168,15 @@ class TcpTransport::Allocator final : public KvRegionAllocator {
 class TcpTransport::Conn final : public Connection {
  public:
   Conn(TcpTransport* owner, uint64_t id, int fd, ConnectionHandler* handler, std::string name,
-       std::string peer_host, bool connected)
+       std::string peer_host, bool connected, bool outbound)
       : owner_(owner),
         id_(id),
         fd_(fd),
         handler_(handler),
         name_(std::move(name)),
         peer_host_(std::move(peer_host)),
-        connected_(connected) {}
+        connected_(connected),
+        outbound_(outbound) {}
   ~Conn() override {
     if (fd_ >= 0) close(fd_);
   }
@@ -251,6 +252,7 @@ class TcpTransport::Conn final : public Connection {
   uint64_t id() const { return id_; }
   int fd() const { return fd_; }
   ConnectionHandler* handler() const { return handler_; }
+  bool outbound() const { return outbound_; }
 
   // Loop thread, from here on.
 
@@ -283,6 +285,14 @@ class TcpTransport::Conn final : public Connection {
     }
     handler_ = nullptr;
     Close();
+  }
+
+  // Once over and kept for its handler (an outbound connection): what it
+  // held beyond its own few words goes.
+  void ReleaseBuffers() {
+    std::string().swap(message_);
+    std::deque<Out>().swap(out_);
+    std::deque<DoneCallback>().swap(flushes_);
   }
 
   // The transport is going away: ends the connection without telling the
@@ -528,9 +538,15 @@ class TcpTransport::Conn final : public Connection {
     payload_have_ = 0;
     payload_dst_ = reinterpret_cast<void*>(static_cast<uintptr_t>(address));
     read_ = Read::kDiscard;
-    if (handler_ == nullptr || !owner_->Registered(address, bytes)) return;
-    if (!handler_->MayWrite(*this, payload_dst_, bytes)) return;
+    // The handler judges every frame, so each refusal is counted in one
+    // place (the receiver's put_outside_reservation); the registered check
+    // stands behind it, whatever the handler allowed.
+    if (handler_ == nullptr || !handler_->MayWrite(*this, payload_dst_, bytes)) return;
     if (state_ == State::kDone) return;
+    if (!owner_->Registered(address, bytes)) {
+      if (handler_ != nullptr) handler_->WriteLanded(*this, payload_dst_, bytes);
+      return;
+    }
     read_ = Read::kPayload;
   }
 
@@ -578,6 +594,7 @@ class TcpTransport::Conn final : public Connection {
   std::string name_;
   std::string peer_host_;
   bool connected_;
+  const bool outbound_;  // Made by Connect (kept once over: see the header).
   State state_ = State::kOpen;
   bool failed_ = false;
   absl::Status error_;
@@ -623,6 +640,7 @@ TcpTransport::~TcpTransport() {
   });
   loop_.Stop();  // Runs the completions and frees the connections.
   conns_.clear();
+  husks_.clear();
   close(epoll_fd_);
 }
 
@@ -682,14 +700,15 @@ void TcpTransport::Accept(Listener& l) {
     }
     SetNoDelay(fd);
     const std::string host = HostOf(peer);
-    AddConn(fd, l.handler, absl::StrCat(name_, "<-", HostPort(host, PortOf(peer))), host, true);
+    AddConn(fd, l.handler, absl::StrCat(name_, "<-", HostPort(host, PortOf(peer))), host, true, false);
   }
 }
 
 TcpTransport::Conn* TcpTransport::AddConn(int fd, ConnectionHandler* handler, std::string name,
-                                          std::string peer_host, bool connected) {
+                                          std::string peer_host, bool connected, bool outbound) {
   const uint64_t id = next_id_++;
-  auto conn = std::make_unique<Conn>(this, id, fd, handler, std::move(name), std::move(peer_host), connected);
+  auto conn =
+      std::make_unique<Conn>(this, id, fd, handler, std::move(name), std::move(peer_host), connected, outbound);
   Conn* c = conn.get();
   epoll_event ev{};
   ev.events = connected ? EPOLLIN : EPOLLOUT;
@@ -705,7 +724,14 @@ void TcpTransport::Retire(uint64_t id) {
   // Posted: the caller may be deep in this connection's own frames, and
   // tasks posted before (completions, lookups by id) run first.
   loop_.Post([this, id] {
-    if (conns_.erase(id) > 0) live_.fetch_sub(1);
+    auto it = conns_.find(id);
+    if (it == conns_.end()) return;
+    live_.fetch_sub(1);
+    if (it->second->outbound() && it->second->handler() != nullptr) {
+      it->second->ReleaseBuffers();
+      husks_.push_back(std::move(it->second));
+    }
+    conns_.erase(it);
   });
 }
 
@@ -754,7 +780,7 @@ absl::StatusOr<Connection*> TcpTransport::Connect(const std::string& host, int p
   return loop_.RunSync([&]() -> absl::StatusOr<Connection*> {
     const int rc = connect(fd, addr->get(), addr->length);
     const int err = rc == 0 ? 0 : errno;
-    Conn* c = AddConn(fd, handler, where, peer_host, rc == 0);
+    Conn* c = AddConn(fd, handler, where, peer_host, rc == 0, true);
     if (err != 0 && err != EINPROGRESS) {
       // Reported as a later failure, like a refusal that takes a round trip.
       loop_.Post([this, id = c->id(), err] {
@@ -776,6 +802,7 @@ void TcpTransport::Detach(ConnectionHandler* handler) {
     for (auto& [id, c] : conns_) {
       if (c->handler() == handler) c->Detach();
     }
+    std::erase_if(husks_, [handler](const std::unique_ptr<Conn>& c) { return c->handler() == handler; });
   });
 }
 

@@ -4,8 +4,10 @@
 // anyone who reaches its port, before any handshake, at any address the
 // peer names (no UCX option turns that off). Here every byte that lands in
 // registered memory was read by this transport from the connection's
-// stream into a destination it checked: inside one registered region, and
-// allowed by the connection's handler (ConnectionHandler::MayWrite).
+// stream into a destination it checked: allowed by the connection's
+// handler (ConnectionHandler::MayWrite, asked about every data frame), and
+// inside one registered region. There is no read operation: a peer learns
+// nothing of this side's memory beyond what its handler sends.
 //
 // Wire (one stream per connection, little-endian, in order):
 //   control frame: u32 type, u32 length, then `length` bytes
@@ -15,8 +17,8 @@
 //                  `length` bytes, read straight into `address`
 // A Flush is answered by a FlushAck once every frame before it was read,
 // so every earlier Put's bytes are in the peer's memory: the ordering
-// contract of transport.h. A data frame that lies outside every registered
-// region, or that the handler refuses, is read and dropped (the connection
+// contract of transport.h. A data frame that the handler refuses, or that
+// lies outside every registered region, is read and dropped (the connection
 // stays up); one longer than any region could hold (and than
 // kMaxMessageBytes), an unknown type or an oversized message fails the
 // connection.
@@ -35,12 +37,16 @@
 // side's none (as the other transports). Connect to a peer that is not
 // there: OnDisconnected(UNAVAILABLE naming host:port) shortly after.
 //
-// Lifetime: unlike "connections live as long as their transport" in
-// transport.h, a Connection is freed once it is over, so a peer that
-// connects and disconnects forever costs nothing that stays: a Connection*
-// is valid until its OnDisconnected returns, or, for a connection this side
-// Close()d (or whose handler was Detach()ed), until its close handshake
-// ends; call nothing on it after Close().
+// Lifetime: an accepted Connection is freed once it is over, so a peer that
+// connects and disconnects forever costs the listening side nothing that
+// stays: its Connection* is valid until its OnDisconnected returns, or, for
+// one this side Close()d (or whose handler was Detach()ed), until its close
+// handshake ends; call nothing on it after Close(). A Connection this side
+// made with Connect stays valid, failed and inert, until its handler is
+// Detach()ed (or the transport destroyed), as transport.h promises: the
+// side that connects hands its pointers to other threads (a sender's
+// handoffs), and it connects only to the receivers it is sent to, so what
+// it keeps is bounded by its reconnects (a few hundred bytes each).
 //
 // Thread safety: as transport.h. Regions from region_allocator() must be
 // freed before the transport is destroyed.
@@ -95,7 +101,8 @@ class TcpTransport final : public Transport {
   // Loop thread: handles the ready events without blocking; true if any.
   bool Progress();
   void Accept(Listener& l);
-  Conn* AddConn(int fd, ConnectionHandler* handler, std::string name, std::string peer_host, bool connected);
+  Conn* AddConn(int fd, ConnectionHandler* handler, std::string name, std::string peer_host, bool connected,
+                bool outbound);
   // Frees a connection that is over, after the tasks already posted.
   void Retire(uint64_t id);
   // The registered region holding [address, address + bytes), by base.
@@ -111,6 +118,9 @@ class TcpTransport final : public Transport {
   uint64_t next_id_ = 1;
   absl::flat_hash_map<uint64_t, Listener> listeners_;
   absl::flat_hash_map<uint64_t, std::unique_ptr<Conn>> conns_;
+  // Outbound connections that are over, kept until their handler is
+  // Detach()ed (see Lifetime above).
+  std::vector<std::unique_ptr<Conn>> husks_;
   std::vector<char> scratch_;  // Where dropped payloads are read.
   // Registered regions (allocated and freed on any thread).
   mutable absl::Mutex regions_mu_;

@@ -1,11 +1,12 @@
-// pdserve-prefill-worker: chunked prefill + first token + KV handoff over UCX,
+// pdserve-prefill-worker: chunked prefill + first token + KV handoff,
 // behind the PrefillWorker gRPC service.
 //
 //   pdserve-prefill-worker --model DIR --listen 127.0.0.1:0 --ready_file F
 //
 // The KV goes to whichever decode worker each request names (its KV
-// receiver address, from the router). UCX picks the transport from its own
-// environment (UCX_TLS, UCX_NET_DEVICES); see the README.
+// receiver address, from the router), over --kv_transport (the same on
+// every worker: tcp by default; ucx takes UCX_TLS and UCX_NET_DEVICES from
+// its environment); see the README.
 // Flags may also come from a file: --flagfile=prefill.flags.
 #include <memory>
 #include <string>
@@ -20,7 +21,6 @@
 #include "common/grpc_server.h"
 #include "common/metrics.h"
 #include "kv_transfer/sender.h"
-#include "kv_transfer/ucx_transport.h"
 #include "prefill_worker/prefill_service.h"
 #include "common/engine/worker_runtime.h"
 
@@ -46,7 +46,7 @@ int Run() {
   int start_code = 0;
   absl::StatusOr<WorkerRuntime> rt = StartWorkerRuntime("prefill", &start_code);
   if (!rt.ok()) return start_code;
-  kv::UcxTransport* transport = rt->transport.get();
+  kv::Transport* transport = rt->transport.get();
   WorkerModel* w = &rt->engine;
   ModelStack* engine = &w->engine;
   CheckWorkerTransport(*rt, "");

@@ -37,6 +37,11 @@ ABSL_FLAG(std::string, weights, "", "in-memory weight format: f32, bf16 or int8 
 ABSL_FLAG(std::string, kv, "", "KV cache format (default: the weight format)");
 ABSL_FLAG(int, block_size, 16, "KV block size in positions");
 ABSL_FLAG(int, kv_positions, 16384, "KV pool size in positions");
+ABSL_FLAG(std::string, kv_transport, "tcp",
+          "how KV handoffs travel: tcp (every byte written into the pool passes the receiver's reservation "
+          "check; any network) or ucx (UCX, one-sided puts over shared memory between processes on one "
+          "host; UCX's tcp transport serves remote memory access to anyone who reaches the port, so use it "
+          "only where every host that can reach the KV port is trusted; both sides must agree)");
 
 ABSL_FLAG(double, request_life_base_s, 60,
           "a request's life in the engine is bounded by this + max_tokens x max(step factor x p99 step, min per token)");
@@ -120,13 +125,32 @@ absl::StatusOr<WorkerRuntime> StartWorkerRuntime(const std::string& name, int* e
     return tls.status();
   }
   rt.tls = *std::move(tls);
-  absl::StatusOr<std::unique_ptr<kv::UcxTransport>> transport = kv::UcxTransport::Create({.name = name});
-  if (!transport.ok()) {
-    LogEvent("error", "ucx_failed", {{"error", std::string(transport.status().message())}});
-    *exit_code = 1;
-    return transport.status();
+  const std::string kind = absl::GetFlag(FLAGS_kv_transport);
+  if (kind == "tcp") {
+    absl::StatusOr<std::unique_ptr<kv::TcpTransport>> transport = kv::TcpTransport::Create({.name = name});
+    if (!transport.ok()) {
+      LogEvent("error", "kv_transport_failed", {{"error", std::string(transport.status().message())}});
+      *exit_code = 1;
+      return transport.status();
+    }
+    rt.transport = *std::move(transport);
+  } else if (kind == "ucx") {
+    absl::StatusOr<std::unique_ptr<kv::UcxTransport>> transport = kv::UcxTransport::Create({.name = name});
+    if (!transport.ok()) {
+      LogEvent("error", "ucx_failed", {{"error", std::string(transport.status().message())}});
+      *exit_code = 1;
+      return transport.status();
+    }
+    rt.ucx = transport->get();
+    rt.transport = *std::move(transport);
+    LogEvent("warning", "kv_transport_ucx",
+             {{"detail", "UCX's tcp transport serves remote memory access to any peer that reaches the KV port; "
+                         "every host that can reach it must be trusted"}});
+  } else {
+    LogEvent("error", "bad_flags", {{"error", absl::StrCat("--kv_transport=", kind, ": expected tcp or ucx")}});
+    *exit_code = 2;
+    return absl::InvalidArgumentError("--kv_transport");
   }
-  rt.transport = *std::move(transport);
   absl::StatusOr<WorkerModel> w = LoadWorkerModel(&rt.transport->region_allocator());
   if (!w.ok()) {
     LogEvent("error", "load_failed", {{"error", std::string(w.status().message())}});
@@ -166,8 +190,13 @@ absl::StatusOr<WorkerRuntime> StartWorkerRuntime(const std::string& name, int* e
 }
 
 void CheckWorkerTransport(WorkerRuntime& rt, const std::string& host) {
-  if (host.empty()) {
-    absl::StatusOr<std::string> connectable = rt.transport->ConnectableHost();
+  if (host.empty() && rt.ucx == nullptr) {
+    // Plain sockets reach any address the kernel routes: loopback shows
+    // that the transport itself works.
+    rt.transport_check =
+        std::make_unique<kv::TransportSelfCheck>(rt.transport.get(), kv::SelfCheckOptions{.host = "127.0.0.1"});
+  } else if (host.empty()) {
+    absl::StatusOr<std::string> connectable = rt.ucx->ConnectableHost();
     if (!connectable.ok()) {
       rt.transport_check = std::make_unique<kv::TransportSelfCheck>(
           absl::UnavailableError(absl::StrCat("KV handoff self-check cannot run: ", connectable.status().message())));

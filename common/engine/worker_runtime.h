@@ -17,6 +17,7 @@
 #include "common/kv_manager.h"
 #include "common/tokenizer/tokenizer.h"
 #include "kv_transfer/self_check.h"
+#include "kv_transfer/tcp_transport.h"
 #include "kv_transfer/ucx_transport.h"
 #include "common/engine/engine.h"
 #include "common/engine/model_stack.h"
@@ -28,8 +29,8 @@ struct WorkerModel {
   std::unique_ptr<tok::Tokenizer> tokenizer;
 };
 
-// What both workers run on: a UCX transport (its thread and registered
-// memory), then the engine whose KV pool lives in that memory, and the
+// What both workers run on: a KV transport (its thread and registered
+// memory; --kv_transport), then the engine whose KV pool lives in that memory, and the
 // transport's self-check once the worker knows where to run it
 // (CheckWorkerTransport). Members are destroyed in reverse: the check,
 // the engine, the transport last, as the pool requires.
@@ -37,7 +38,9 @@ struct WorkerRuntime {
   // --tls_* (common/tls_flags.h): the worker's certificate; none with
   // --insecure.
   TlsFiles tls;
-  std::unique_ptr<kv::UcxTransport> transport;
+  // --kv_transport: TcpTransport, or UcxTransport (then also `ucx`).
+  std::unique_ptr<kv::Transport> transport;
+  kv::UcxTransport* ucx = nullptr;
   WorkerModel engine;
   // --fault_leak_kv_blocks: blocks held by nobody's work (given back
   // before the engine goes).

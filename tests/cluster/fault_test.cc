@@ -228,7 +228,8 @@ worker::v1::WorkerInfo DecodeInfo(const std::string& address) {
   return info;
 }
 
-// UCX lists its network devices once, from /sys/class/net. Without /sys it
+// UCX (--kv_transport=ucx) lists its network devices once, from
+// /sys/class/net. Without /sys it
 // finds none: its KV listener still binds, but UCX refuses every connection
 // request, so before the self-check the worker served while every handoff
 // to it failed. Now it is NOT_SERVING, with UCX's reason, as soon as it
@@ -242,8 +243,9 @@ TEST(FaultTest, DecodeWorkerWithoutSysIsNotServingWithUcxReason) {
   absl::StatusOr<std::string> broken_address =
       StartServer(broken, dir, "broken",
                   {UnshareBinary(), "-m", "sh", "-c", "mount -t tmpfs none /sys && exec \"$0\" \"$@\"", decode_bin,
-                   "--model", kModel, "--tls_cert", TestTls("decode").cert, "--tls_key", TestTls("decode").key,
-                   "--tls_ca", TestTls("decode").ca, "--kv_grant_key", TestCertsDir() + "/kv_grant.key"});
+                   "--model", kModel, "--kv_transport", "ucx", "--tls_cert", TestTls("decode").cert, "--tls_key",
+                   TestTls("decode").key, "--tls_ca", TestTls("decode").ca, "--kv_grant_key",
+                   TestCertsDir() + "/kv_grant.key"});
   ASSERT_TRUE(broken_address.ok()) << broken_address.status();
   const absl::Time serving = absl::Now();
   // Polled: the verdict is another process's.

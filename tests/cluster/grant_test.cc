@@ -35,8 +35,10 @@ namespace pdserve {
 namespace {
 
 TEST(GrantClusterTest, ADecodeWorkerRefusesEveryHandoffItsGrantDoesNotCoverAndCountsIt) {
+  // Over UCX (--kv_transport=ucx) and shared memory, where the pool's
+  // remote key lets the test read the victim's blocks back.
   DecodeUnderTest decode;
-  ASSERT_TRUE(decode.Start({"--kv_lease_s", "30"}).ok()) << decode.process.LogTail();
+  ASSERT_TRUE(decode.Start({"--kv_lease_s", "30", "--kv_transport", "ucx"}).ok()) << decode.process.LogTail();
   const std::string kv_address = decode.kv_address;
   const int kv_port = decode.kv_port;
   absl::StatusOr<kv::GrantKey> key = kv::GrantKey::FromFile(TestCertsDir() + "/kv_grant.key");
@@ -48,7 +50,7 @@ TEST(GrantClusterTest, ADecodeWorkerRefusesEveryHandoffItsGrantDoesNotCoverAndCo
         TestGrant(k != nullptr ? *k : *key, request, attempt, sender, kv_address, absl::Now() + ttl));
   };
 
-  std::unique_ptr<kv::UcxTransport> owned = TestTransport("grant-test", false);
+  std::unique_ptr<kv::UcxTransport> owned = TestUcxTransport("grant-test", false);
   ASSERT_NE(owned, nullptr);
   std::unique_ptr<kv::UcxTransport>* transport = &owned;
   Raw raw;
@@ -193,20 +195,19 @@ TEST(GrantClusterTest, ADecodeWorkerRefusesEveryHandoffItsGrantDoesNotCoverAndCo
 // reserved block is not.
 TEST(GrantClusterTest, OverTcpAPutOutsideALiveReservationIsDropped) {
   DecodeUnderTest decode;
-  ASSERT_TRUE(decode.Start({"--kv_lease_s", "1"}, {{"UCX_TLS", "tcp"}}).ok()) << decode.process.LogTail();
+  ASSERT_TRUE(decode.Start({"--kv_lease_s", "1"}).ok()) << decode.process.LogTail();
   const std::string kv_address = decode.kv_address;
   const kv::GrantKey key = *kv::GrantKey::FromFile(TestCertsDir() + "/kv_grant.key");
 
   RawPeer peer;
-  ASSERT_NO_FATAL_FAILURE(peer.Start(decode, "grant-tcp-test", /*tcp_only=*/true));  // No shared-memory puts.
+  ASSERT_NO_FATAL_FAILURE(peer.Start(decode, "grant-tcp-test"));
   std::optional<kv::ReserveReply> r = peer.Reserve(
       2, kv::EncodeGrant(TestGrant(key, "req-tcp", 1, "127.0.0.1", kv_address, absl::Now() + absl::Seconds(60))));
   ASSERT_TRUE(r.has_value());
   ASSERT_EQ(r->code, 0) << r->message;
-  kv::UcxTransport* transport = peer.transport.get();
+  kv::Transport* transport = peer.transport.get();
   kv::Connection* conn = peer.conn;
   Raw& raw = peer.raw;
-  auto send = [&](const Message& m) { peer.Send(m); };
   ASSERT_FALSE(r->blocks.empty());
   const int64_t block_bytes = r->receiver.ToSpec(r->num_blocks).LayerBlockBytes();
   absl::StatusOr<std::shared_ptr<kv::RemoteRegion>> region =
@@ -240,23 +241,24 @@ TEST(GrantClusterTest, OverTcpAPutOutsideALiveReservationIsDropped) {
   decode.process.Kill();
 }
 
-// The remote key of the decode worker's pool goes only to a peer on its
-// machine with shared memory between them (one-sided puts). Over TCP a
-// reservation's answer carries the base address alone: with the key a peer
-// could read and write the whole pool with plain UCX get/put (software RMA
-// served inside the target's progress, around the receiver's write check).
-TEST(GrantClusterTest, OverTcpNoRemoteKeyIsHandedOut) {
+// With --kv_transport=ucx the remote key of the decode worker's pool goes
+// only to a peer on its machine with shared memory between them (one-sided
+// puts). Over UCX's tcp transport a reservation's answer carries the base
+// address alone: with the key a peer could read and write the whole pool
+// with plain UCX get/put (software RMA served inside the target's
+// progress, around the receiver's write check).
+TEST(GrantClusterTest, OverUcxTcpNoRemoteKeyIsHandedOut) {
   DecodeUnderTest decode;
-  ASSERT_TRUE(decode.Start({}, {{"UCX_TLS", "tcp"}}).ok()) << decode.process.LogTail();
+  ASSERT_TRUE(decode.Start({"--kv_transport", "ucx"}, {{"UCX_TLS", "tcp"}}).ok()) << decode.process.LogTail();
   const std::string kv_address = decode.kv_address;
   const kv::GrantKey key = *kv::GrantKey::FromFile(TestCertsDir() + "/kv_grant.key");
   RawPeer peer;
-  ASSERT_NO_FATAL_FAILURE(peer.Start(decode, "rkey-test", /*tcp_only=*/true));  // No shared-memory puts.
+  ASSERT_NO_FATAL_FAILURE(peer.Start(decode, "rkey-test", PeerTransport::kUcxTcpOnly));  // No shared-memory puts.
   std::optional<kv::ReserveReply> r = peer.Reserve(
       2, kv::EncodeGrant(TestGrant(key, "req-rkey", 1, "127.0.0.1", kv_address, absl::Now() + absl::Seconds(60))));
   ASSERT_TRUE(r.has_value());
   ASSERT_EQ(r->code, 0) << r->message;
-  kv::UcxTransport* transport = peer.transport.get();
+  kv::Transport* transport = peer.transport.get();
   kv::Connection* conn = peer.conn;
   Raw& raw = peer.raw;
   auto send = [&](const Message& m) { peer.Send(m); };

@@ -1,5 +1,6 @@
 // A raw KV handoff peer of a real decode worker, for tests that play a
-// prefill worker (or an attacker) over UCX: a decode worker process with
+// prefill worker (or an attacker) over its KV transport (--kv_transport;
+// TCP unless a test starts the worker with ucx): a decode worker process with
 // TLS and the test grant key, a handler that keeps every answer, and a
 // connection that speaks the handoff protocol message by message.
 #ifndef PDSERVE_TESTS_CLUSTER_KV_RAW_PEER_H_
@@ -19,6 +20,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kv_transfer/grant.h"
+#include "kv_transfer/tcp_transport.h"
 #include "kv_transfer/ucx_transport.h"
 #include "kv_transfer/wire.h"
 #include "pdserve/v1/worker.grpc.pb.h"
@@ -37,6 +39,11 @@ class Raw : public kv::ConnectionHandler {
     if (m.ok()) messages_.push_back(*std::move(m));
   }
   void OnDisconnected(kv::Connection&, absl::Status) override {}
+  // Whether any answer has come.
+  bool Any() {
+    absl::MutexLock lock(&mu_);
+    return !messages_.empty();
+  }
   // Whether an answer of type T for handoff `id` has come (kept for Await).
   template <typename T>
   bool Peek(kv::HandoffId id) {
@@ -127,8 +134,12 @@ inline kv::Grant TestGrant(const kv::GrantKey& key, const std::string& request, 
                               .tokens_digest = kv::DigestTokens({1, 2, 3, 4})});
 }
 
-// A UCX transport for this process (`tcp_only`: no shared-memory lanes).
-inline std::unique_ptr<kv::UcxTransport> TestTransport(const std::string& name, bool tcp_only) {
+// The transport a test peer speaks: the workers' default, or UCX (for a
+// worker started with --kv_transport=ucx), over whatever UCX_TLS allows or
+// over its tcp transport alone (no shared-memory lanes).
+enum class PeerTransport { kTcp, kUcx, kUcxTcpOnly };
+
+inline std::unique_ptr<kv::UcxTransport> TestUcxTransport(const std::string& name, bool tcp_only) {
   if (tcp_only) setenv("UCX_TLS", "tcp", 1);
   absl::StatusOr<std::unique_ptr<kv::UcxTransport>> t = kv::UcxTransport::Create({.name = name});
   if (tcp_only) unsetenv("UCX_TLS");
@@ -136,17 +147,24 @@ inline std::unique_ptr<kv::UcxTransport> TestTransport(const std::string& name, 
   return t.ok() ? *std::move(t) : nullptr;
 }
 
-// A raw handoff client of a decode worker over this process's UCX
-// transport. Its first reservation carries no grant: refused, but the
+inline std::unique_ptr<kv::Transport> TestTransport(const std::string& name, PeerTransport kind) {
+  if (kind != PeerTransport::kTcp) return TestUcxTransport(name, kind == PeerTransport::kUcxTcpOnly);
+  absl::StatusOr<std::unique_ptr<kv::TcpTransport>> t = kv::TcpTransport::Create({.name = name});
+  EXPECT_TRUE(t.ok()) << t.status();
+  return t.ok() ? *std::move(t) : nullptr;
+}
+
+// A raw handoff client of a decode worker over a transport of this
+// process. Its first reservation carries no grant: refused, but the
 // answer tells the receiver's layout, which the later ones present.
 struct RawPeer {
   Raw raw;  // Outlives the transport, whose connection calls it.
-  std::unique_ptr<kv::UcxTransport> transport;
+  std::unique_ptr<kv::Transport> transport;
   kv::Connection* conn = nullptr;
   kv::ReserveRequest req;
 
-  void Start(const DecodeUnderTest& decode, const std::string& name, bool tcp_only) {
-    transport = TestTransport(name, tcp_only);
+  void Start(const DecodeUnderTest& decode, const std::string& name, PeerTransport kind = PeerTransport::kTcp) {
+    transport = TestTransport(name, kind);
     ASSERT_NE(transport, nullptr);
     absl::StatusOr<kv::Connection*> c = transport->Connect("127.0.0.1", decode.kv_port, &raw);
     ASSERT_TRUE(c.ok()) << c.status();

@@ -9,19 +9,16 @@
 //   root: router, D2 ──(link 1)── PF: bridge, P1 ──(handoff link)── DC: D1
 //     └──────────────────────(link 2: D1's gRPC)────────────────────────┘
 //
-// P1 has one address, on a bridge in PF over link 1 and the handoff link:
-// UCX 1.13 counts every tcp device as reaching every peer, and a sender
-// with two devices whose connection is set up over the second one
-// reconfigures onto the first and the receiver drops it ("Endpoint
-// timeout"). So the KV addresses share one subnet, 10.77.(2k+1).0/24
-// (root .1, P1 .2, D1 .3), and link 2 is 10.77.(2k+2).0/24 (root .1, DC .2),
-// with k = pid % 120 (third octets 1..240) so that parallel runs rarely
-// share a subnet. Namespaces are "pdnc-{pf,dc}-PID", interfaces "pdncPID"
-// plus two letters; leftovers of runs whose PID is gone are removed first.
-//
-// UCX: UCX_TLS=tcp (it would pick shared memory between namespaces of one
-// host), and UCX_NET_DEVICES names the one device each worker's KV uses, so
-// that no worker offers an address its peers cannot reach.
+// P1 has one address, on a bridge in PF over link 1 and the handoff link,
+// so the KV addresses share one subnet, 10.77.(2k+1).0/24 (root .1, P1 .2,
+// D1 .3), and link 2 is 10.77.(2k+2).0/24 (root .1, DC .2), with
+// k = pid % 120 (third octets 1..240) so that parallel runs rarely share a
+// subnet. (One subnet is also what UCX 1.13's tcp transport needs, which
+// counts every device as reaching every peer, for a cluster run with
+// --kv_transport=ucx.) Namespaces are "pdnc-{pf,dc}-PID", interfaces
+// "pdncPID" plus two letters; leftovers of runs whose PID is gone are
+// removed first. The KV transport is the workers' default, TCP: the kernel
+// routes each connection over the link to its address.
 #include <signal.h>
 #include <unistd.h>
 
@@ -193,27 +190,24 @@ class HandoffLinkTest : public ::testing::Test {
     return proc.WaitReady(ready, absl::Seconds(60));
   }
 
-  // D1, D2, P1 and the router; every worker's UCX on tcp over its KV device.
+  // D1, D2, P1 and the router.
   absl::Status StartCluster() {
-    auto ucx = [](const std::string& device) {
-      return std::map<std::string, std::string>{{"UCX_TLS", "tcp"}, {"UCX_NET_DEVICES", device}};
-    };
     absl::StatusOr<int> d1 = StartServer(d1_, "d1", dc_,
                                          {kBin + "/decode_worker/pdserve-decode-worker", "--listen", d1_ip_ + ":0",
                                           "--kv_host", d1_kv_ip_, "--kv_lease_s", kD1LeaseS, "--kv_quarantine_s", "2",
                                           "--prefill_chunk", "32", "--tls_cert", TestTls("decode").cert, "--tls_key", TestTls("decode").key, "--tls_ca", TestTls("decode").ca, "--kv_grant_key", TestCertsDir() + "/kv_grant.key"},
-                                         ucx(dc_pf_));
+                                         {});
     if (!d1.ok()) return d1.status();
     absl::StatusOr<int> d2 = StartServer(d2_, "d2", "",
                                          {kBin + "/decode_worker/pdserve-decode-worker", "--listen", "127.0.0.1:0",
                                           "--kv_host", d2_kv_ip_, "--prefill_chunk", "32", "--tls_cert", TestTls("decode").cert, "--tls_key", TestTls("decode").key, "--tls_ca", TestTls("decode").ca, "--kv_grant_key", TestCertsDir() + "/kv_grant.key"},
-                                         ucx(root_pf_));
+                                         {});
     if (!d2.ok()) return d2.status();
     absl::StatusOr<int> p1 =
         StartServer(p1_, "p1", pf_,
                     {kBin + "/prefill_worker/pdserve-prefill-worker", "--listen", p1_ip_ + ":0", "--prefill_chunk",
                      "32", "--fault_stall_before_commit_ms", absl::StrCat(kStallMs), "--kv_timeout_s", kKvTimeoutS, "--tls_cert", TestTls("prefill").cert, "--tls_key", TestTls("prefill").key, "--tls_ca", TestTls("prefill").ca},
-                    ucx(bridge_));
+                    {});
     if (!p1.ok()) return p1.status();
     d1_address_ = absl::StrCat(d1_ip_, ":", *d1);
     d2_address_ = absl::StrCat("127.0.0.1:", *d2);

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The benchmarks print each figure beside a limit measured in the same run.
 
-Runs pdctl bench-kv (a small request over shared memory), bench-attention
+Runs pdctl bench-kv (a small request over TCP, then over UCX with and
+without shared memory), bench-attention
 (small histories, both KV formats) and bench-engine (a small random model,
 forced onto each matrix path this CPU runs) with
 --json, and checks that every figure and its limit are present, positive
@@ -30,8 +31,17 @@ def main():
     pdctl = os.path.join(build, "tools", "pdctl", "pdctl")
     failures = []
 
+    # The workers' default transport (TCP): the transport's own puts and
+    # the cross-process copy are its references, and nothing of UCX's.
+    plain = run_json([pdctl, "bench-kv", "--prompt-len", "128", "--iters", "3", "--json"])
+    for key in ("handoff_gbps", "raw_put_gbps", "cross_process_copy_gbps"):
+        if not plain.get(key, 0) > 0:
+            failures.append(f"bench-kv --kv-transport=tcp: {key} missing or not positive: {plain.get(key)}")
+    if plain.get("transport") != "tcp" or any(k.startswith("ucx_perftest") for k in plain):
+        failures.append(f"bench-kv --kv-transport=tcp: not tcp, or a UCX reference: {sorted(plain)}")
+
     env = dict(os.environ, UCX_TLS="sm,tcp,self")
-    kv = run_json([pdctl, "bench-kv", "--prompt-len", "128", "--iters", "3", "--json"], env)
+    kv = run_json([pdctl, "bench-kv", "--kv-transport", "ucx", "--prompt-len", "128", "--iters", "3", "--json"], env)
     for key in ("handoff_gbps", "raw_put_gbps", "cross_process_copy_gbps", "ucx_perftest_am_gbps"):
         if not kv.get(key, 0) > 0:
             failures.append(f"bench-kv: {key} missing or not positive: {kv.get(key)} "
@@ -51,7 +61,7 @@ def main():
     # only there (shared memory writes through a mapping).
     if "ucx_perftest_peer_errors_am_gbps" in kv or "ucx_perftest_peer_errors_error" in kv:
         failures.append("bench-kv: the peer-error-handling reference ran over shared memory")
-    tcp = run_json([pdctl, "bench-kv", "--prompt-len", "128", "--iters", "3", "--json"],
+    tcp = run_json([pdctl, "bench-kv", "--kv-transport", "ucx", "--prompt-len", "128", "--iters", "3", "--json"],
                    dict(os.environ, UCX_TLS="tcp"))
     if not tcp.get("ucx_perftest_peer_errors_am_gbps", 0) > 0:
         failures.append(f"bench-kv over tcp: ucx_perftest_peer_errors_am_gbps missing or not positive: "

@@ -41,6 +41,7 @@
 #include "kv_transfer/layout_copy.h"
 #include "kv_transfer/receiver.h"
 #include "kv_transfer/sender.h"
+#include "kv_transfer/tcp_transport.h"
 #include "kv_transfer/ucx_transport.h"
 #include "nlohmann/json.hpp"
 
@@ -53,7 +54,8 @@ ABSL_FLAG(int, kv_tp, 1,
           "bench-kv: the sender's tensor-parallel ranks (without --model; the receiver's in the child)");
 ABSL_FLAG(int, kv_receiver_tp, 0, "bench-kv: the receiver's tensor-parallel ranks (0: --kv-tp)");
 ABSL_FLAG(bool, with_prefill, false, "bench-kv: run a real prefill forward, streaming KV per layer");
-ABSL_FLAG(bool, show_lanes, false, "bench-kv: print the UCX lanes of the connection (stderr)");
+ABSL_FLAG(bool, show_lanes, false, "bench-kv: print the UCX lanes of the connection (stderr; --kv_transport=ucx)");
+ABSL_FLAG(std::string, kv_transport, "tcp", "bench-kv: the KV transport both processes use, tcp or ucx (as the workers' flag)");
 ABSL_FLAG(std::string, kv_role, "", "bench-kv: internal, 'receive' in the child process");
 ABSL_FLAG(std::string, kv_model_identity, "", "bench-kv: internal, the receiver's model identity (hex lo:hi)");
 ABSL_FLAG(int, kv_blocks, 0, "bench-kv: internal, the receiver's pool size in blocks");
@@ -78,6 +80,23 @@ using kv::Handoff;
 using kv::KvReceiver;
 using kv::KvSender;
 using kv::UcxTransport;
+
+// The transport --kv_transport names (`ucx` set when it is UCX's).
+absl::StatusOr<std::unique_ptr<kv::Transport>> MakeTransport(const std::string& name, UcxTransport** ucx) {
+  const std::string kind = absl::GetFlag(FLAGS_kv_transport);
+  if (kind == "tcp") {
+    absl::StatusOr<std::unique_ptr<kv::TcpTransport>> t = kv::TcpTransport::Create({.name = name});
+    if (!t.ok()) return t.status();
+    return std::unique_ptr<kv::Transport>(*std::move(t));
+  }
+  if (kind == "ucx") {
+    absl::StatusOr<std::unique_ptr<UcxTransport>> t = UcxTransport::Create({.name = name});
+    if (!t.ok()) return t.status();
+    if (ucx != nullptr) *ucx = t->get();
+    return std::unique_ptr<kv::Transport>(*std::move(t));
+  }
+  return absl::InvalidArgumentError(absl::StrCat("bench-kv: --kv_transport=", kind, ": expected tcp or ucx"));
+}
 
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -226,7 +245,7 @@ absl::Status RunReceiver(const KvCacheSpec& spec, const ModelIdentity& model) {
       return absl::InternalError(absl::StrCat("bench-kv: cannot pin the receiver to CPU ", cpu));
     }
   }
-  auto transport = UcxTransport::Create({.name = "bench-kv-recv"});
+  auto transport = MakeTransport("bench-kv-recv", nullptr);
   if (!transport.ok()) return transport.status();
   auto pool = KvManager::Create(spec, &(*transport)->region_allocator());
   if (!pool.ok()) return pool.status();
@@ -374,7 +393,7 @@ static double Quantile(std::vector<double> v, double q) {
 // `prompt` tokens back to back; each timed reservation (one block, aborted
 // at once) goes to it while one runs. The answer comes from its transport
 // thread, which takes the KV manager's lock for bookkeeping only.
-static absl::Status TimeReservationsDuringPrefill(UcxTransport* transport, KvManager& kv, const ModelIdentity& identity,
+static absl::Status TimeReservationsDuringPrefill(kv::Transport* transport, KvManager& kv, const ModelIdentity& identity,
                                            const ReceiverProcess& child, int prompt, const BenchKvCommon& common) {
   KvSender sender(transport, kv.storage(), {.model = identity, .timeout = absl::Seconds(30)});
   auto conn = sender.Connect("127.0.0.1", child.port());
@@ -586,7 +605,8 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
     return RunReceiver(spec, model);
   }
 
-  auto transport = UcxTransport::Create({.name = "bench-kv-send"});
+  UcxTransport* ucx = nullptr;
+  auto transport = MakeTransport("bench-kv-send", &ucx);
   if (!transport.ok()) return transport.status();
 
   // The model (with --with-prefill or --model) or a bare shape.
@@ -643,7 +663,8 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
       // Room for the handoffs, and for the receiver's own prefill.
       absl::StrCat("--kv_blocks=", (reserve_during_prefill ? 2 * blocks : blocks) + 8),
       absl::StrFormat("--kv_model_identity=%x:%x", identity.lo, identity.hi),
-      absl::StrCat("--receiver_cpu=", absl::GetFlag(FLAGS_receiver_cpu))};
+      absl::StrCat("--receiver_cpu=", absl::GetFlag(FLAGS_receiver_cpu)),
+      absl::StrCat("--kv_transport=", absl::GetFlag(FLAGS_kv_transport))};
   std::string grant_key_path;
   if (absl::GetFlag(FLAGS_kv_grants)) {
     // A fresh random key for this run, readable by its owner only.
@@ -724,14 +745,14 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
       }
     }
 
-    if (absl::GetFlag(FLAGS_show_lanes)) {
-      std::fprintf(stderr, "%s", (*transport)->Describe(*conn).c_str());
+    if (absl::GetFlag(FLAGS_show_lanes) && ucx != nullptr) {
+      std::fprintf(stderr, "%s", ucx->Describe(*conn).c_str());
     }
-    // Raw UCX puts of the same sizes (one per layer) into the receiver's
+    // Raw transport puts of the same sizes (one per layer) into the receiver's
     // pool, then a flush: no protocol, same worker and connection.
     std::vector<double> raw_s;
     {
-      UcxTransport* t = transport->get();
+      kv::Transport* t = transport->get();
       Connection* c = *conn;
       auto remote = t->loop().RunSync([&] { return c->ImportRegion(child.region()); });
       if (!remote.ok()) return remote.status();
@@ -765,7 +786,8 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
 
     const double h_med = Median(handoff_s), raw_med = Median(raw_s), stream_med = Median(stream_s);
     const char* tls = std::getenv("UCX_TLS");
-    out = {{"ucx_tls", tls ? tls : "(default)"},
+    out = {{"transport", absl::GetFlag(FLAGS_kv_transport)},
+           {"ucx_tls", ucx == nullptr ? "(not used)" : tls ? tls : "(default)"},
            {"layers", spec.num_layers},
            {"kv_heads", spec.ModelKvHeads()},
            {"sender_tp", spec.num_ranks},
@@ -798,13 +820,13 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
       out[key + "_am_gbps"] = *perftest / 1e9;
       out["handoff_vs_" + key] = bytes_moved / stream_med / *perftest;
     };
-    perftest_into(false, "ucx_perftest");
+    if (ucx != nullptr) perftest_into(false, "ucx_perftest");
     // Where the KV goes by active messages on the control endpoint (no
     // shared memory with the peer), that endpoint has peer error handling;
     // ucx_perftest measured slower with it over tcp here (-e 3.6-4.2 GB/s
     // against 4.8-6.6 without): the same benchmark with it, as a second
     // reference.
-    if (!(*conn)->PeerMayMapMemory()) perftest_into(true, "ucx_perftest_peer_errors");
+    if (ucx != nullptr && !(*conn)->PeerMayMapMemory()) perftest_into(true, "ucx_perftest_peer_errors");
     // The shared-memory limit: the same bytes copied once between processes.
     if (absl::StatusOr<CrossProcessCopy> copy = CrossProcessCopyBandwidth(bytes_moved, iters); copy.ok()) {
       out["cross_process_copy_gbps"] = copy->warm_bytes_per_second / 1e9;
@@ -864,9 +886,9 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
     std::printf("%s\n", out.dump(2).c_str());
     return absl::OkStatus();
   }
-  std::printf("bench-kv  UCX_TLS=%s  %d layers x %d KV heads x %d dim, %s KV, block %d, prompt %d, TP %d -> %d, "
+  std::printf("bench-kv  transport %s, UCX_TLS=%s  %d layers x %d KV heads x %d dim, %s KV, block %d, prompt %d, TP %d -> %d, "
               "grants %s\n",
-              out["ucx_tls"].get<std::string>().c_str(), spec.num_layers, spec.ModelKvHeads(), spec.head_dim,
+              out["transport"].get<std::string>().c_str(), out["ucx_tls"].get<std::string>().c_str(), spec.num_layers, spec.ModelKvHeads(), spec.head_dim,
               std::string(DTypeName(spec.dtype)).c_str(), spec.block_size, prompt, out["sender_tp"].get<int>(),
               out["receiver_tp"].get<int>(), out["grants"].get<bool>() ? "on" : "off (--kv_grants=false)");
   const int receiver_ranks = out["receiver_tp"].get<int>();
@@ -884,13 +906,13 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
               out["stream_commit_ms_median"].get<double>(), out["handoff_gbps"].get<double>());
   std::printf("    of which commit          %10.3f ms                (after the last SendLayer: puts still in flight, flush, commit ack)\n",
               out["commit_ms_median"].get<double>());
-  std::printf("  raw UCX puts + flush     %10.3f ms   %7.2f GB/s  (same sizes, same connection)\n",
+  std::printf("  raw puts + flush         %10.3f ms   %7.2f GB/s  (same sizes, same connection)\n",
               out["raw_put_ms_median"].get<double>(), out["raw_put_gbps"].get<double>());
   std::printf("  handoff / raw bandwidth  %10.1f %%\n", 100 * out["handoff_vs_raw"].get<double>());
   if (out.contains("ucx_perftest_am_gbps")) {
     std::printf("  ucx_perftest ucp_am_bw   %10s      %7.2f GB/s  (same transport and message size; handoff at %.1f %%)\n",
                 "", out["ucx_perftest_am_gbps"].get<double>(), 100 * out["handoff_vs_ucx_perftest"].get<double>());
-  } else {
+  } else if (out.contains("ucx_perftest_error")) {
     std::printf("  ucx_perftest: %s\n", out["ucx_perftest_error"].get<std::string>().c_str());
   }
   if (out.contains("ucx_perftest_peer_errors_am_gbps")) {
@@ -919,7 +941,7 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
                 out["unhidden_ms"].get<double>(), out["one_layer_transfer_ms"].get<double>());
     std::printf("  (commit ack - last layer's K/V written %.3f ms: includes that layer's attention, MLP and the logits)\n",
                 out["ack_after_last_layer_kv_written_ms"].get<double>());
-    std::printf("  UCX progress thread's longest stall during the prefills %.3f ms\n",
+    std::printf("  transport thread's longest stall during the prefills %.3f ms\n",
                 out["transport_longest_stall_ms"].get<double>());
   }
   return absl::OkStatus();

@@ -1,10 +1,12 @@
-// `pdctl bench-kv`: moves the KV of one request between two processes over
-// UCX (this process sends; a child `pdctl bench-kv --kv-role=receive`
-// receives) and prints the handoff's GB/s and per-request time next to the
-// raw UCX put bandwidth for the same transport (UCX_TLS, inherited by the
-// child) and the same message sizes (one put per layer), measured in the
-// same run on the same connection, and UCX's own ucx_perftest (ucp_am_bw,
-// same UCX_* environment and message size), run by this command.
+// `pdctl bench-kv`: moves the KV of one request between two processes
+// (this process sends; a child `pdctl bench-kv --kv-role=receive`
+// receives) over --kv-transport (tcp, the workers' default, or ucx) and
+// prints the handoff's GB/s and per-request time next to raw puts of the
+// same message sizes (one per layer) on the same connection, measured in
+// the same run, a cross-process memcpy of the same bytes (the machine's
+// limit for moving them between processes), and, for ucx, UCX's own
+// ucx_perftest (ucp_am_bw, the same UCX_* environment, inherited by the
+// child, and message size), run by this command.
 //
 // Shape: --model DIR, else --kv-layers/--kv-heads/--head-dim (default: the
 // 125M benchmark shape, 12 x 4 x 64), --kv DTYPE, --block-size,

@@ -509,7 +509,7 @@ constexpr char kUsage[] =
     "  bench-attention  decode attention alone: KV cache-resident and from DRAM beside the read limit\n"
     "            (--decode-batch, --decode-history, --threads, --kv bf16|f32, --attention-heads, --kv-heads, --head-dim, --stream-mib);\n"
     "            --prompts 512,2048: a prompt's causal attention alone, in FLOP/s beside its instruction's peak\n"
-    "  bench-kv      KV handoff between two processes over UCX beside raw UCX puts [--with-prefill]\n"
+    "  bench-kv      KV handoff between two processes beside raw puts on the same connection [--with-prefill]\n"
     "  plan          capacity model of a deployment from --config FILE [--json]\n"
     "  help      this text; `pdctl COMMAND --help` lists the flags\n";
 

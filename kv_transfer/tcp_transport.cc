@@ -4,6 +4,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/epoll.h>
+#include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -124,11 +125,46 @@ void SetNoDelay(int fd) {
   (void)setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
 }
 
+// A peer's region: written by data frames, or, where the peer's process
+// is one this process may write (pid != 0), by process_vm_writev.
 class TcpRemote final : public RemoteRegion {
  public:
-  explicit TcpRemote(uint64_t base) : base(base) {}
+  explicit TcpRemote(uint64_t base, uint64_t size = 0, pid_t pid = 0) : base(base), size(size), pid(pid) {}
   uint64_t base;
+  uint64_t size;
+  pid_t pid;
 };
+
+// The descriptor PackRegion gives a same-host peer: the base address, then
+// what lets that peer write the region directly (see "Same host" in the
+// header): size, pid, where the nonce lies in this process, the nonce.
+constexpr size_t kBaseBytes = 8;
+constexpr size_t kNonceBytes = 16;
+constexpr size_t kDirectBytes = kBaseBytes + 8 + 8 + 8 + kNonceBytes;
+
+bool IsLoopback(const sockaddr_storage& s) {
+  if (s.ss_family == AF_INET) {
+    return (ntohl(reinterpret_cast<const sockaddr_in*>(&s)->sin_addr.s_addr) >> 24) == 127;
+  }
+  if (s.ss_family == AF_INET6) {
+    const in6_addr& a = reinterpret_cast<const sockaddr_in6*>(&s)->sin6_addr;
+    return IN6_IS_ADDR_LOOPBACK(&a) || (IN6_IS_ADDR_V4MAPPED(&a) && a.s6_addr[12] == 127);
+  }
+  return false;
+}
+
+// Whether an accepted connection comes from this host's own network stack:
+// from a loopback address, or from the very address it reached (a peer on
+// another host, or in another network namespace, has an address of its
+// own). Decided from the kernel's view of the socket, never from what the
+// peer says.
+bool FromThisHost(int fd, const sockaddr_storage& peer) {
+  if (IsLoopback(peer)) return true;
+  sockaddr_storage local{};
+  socklen_t len = sizeof(local);
+  if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) != 0) return false;
+  return HostOf(local) == HostOf(peer);
+}
 
 }  // namespace
 
@@ -168,7 +204,7 @@ class TcpTransport::Allocator final : public KvRegionAllocator {
 class TcpTransport::Conn final : public Connection {
  public:
   Conn(TcpTransport* owner, uint64_t id, int fd, ConnectionHandler* handler, std::string name,
-       std::string peer_host, bool connected, bool outbound)
+       std::string peer_host, bool connected, bool outbound, bool same_host = false)
       : owner_(owner),
         id_(id),
         fd_(fd),
@@ -176,7 +212,8 @@ class TcpTransport::Conn final : public Connection {
         name_(std::move(name)),
         peer_host_(std::move(peer_host)),
         connected_(connected),
-        outbound_(outbound) {}
+        outbound_(outbound),
+        same_host_(same_host) {}
   ~Conn() override {
     if (fd_ >= 0) close(fd_);
   }
@@ -198,11 +235,28 @@ class TcpTransport::Conn final : public Connection {
   }
 
   absl::StatusOr<std::shared_ptr<RemoteRegion>> ImportRegion(absl::string_view packed) override {
-    if (packed.size() != sizeof(uint64_t)) {
+    if (packed.size() != kBaseBytes && packed.size() != kDirectBytes) {
       return absl::InvalidArgumentError(absl::StrCat("TCP connection ", name_, ": a region descriptor of ",
-                                                     packed.size(), " bytes (want 8: the base address)"));
+                                                     packed.size(), " bytes (want 8: the base address, or ",
+                                                     kDirectBytes, ")"));
     }
-    return std::shared_ptr<RemoteRegion>(new TcpRemote(GetU64(packed.data())));
+    const uint64_t base = GetU64(packed.data());
+    if (packed.size() == kDirectBytes) {
+      const uint64_t size = GetU64(packed.data() + 8);
+      const auto pid = static_cast<pid_t>(GetU64(packed.data() + 16));
+      const uint64_t nonce_at = GetU64(packed.data() + 24);
+      // The pid is the peer's, in its pid namespace: the process it names
+      // here is the peer only if it holds the peer's nonce where the peer
+      // said. Otherwise (or without the right to write it) by frames.
+      char nonce[kNonceBytes];
+      iovec mine{nonce, sizeof(nonce)};
+      iovec theirs{reinterpret_cast<void*>(static_cast<uintptr_t>(nonce_at)), sizeof(nonce)};
+      if (pid > 0 && process_vm_readv(pid, &mine, 1, &theirs, 1, 0) == static_cast<ssize_t>(sizeof(nonce)) &&
+          std::memcmp(nonce, packed.data() + 32, sizeof(nonce)) == 0) {
+        return std::shared_ptr<RemoteRegion>(new TcpRemote(base, size, pid));
+      }
+    }
+    return std::shared_ptr<RemoteRegion>(new TcpRemote(base));
   }
 
   void Put(const void* local, int64_t bytes, RemoteRegion& remote, int64_t remote_offset,
@@ -213,6 +267,8 @@ class TcpTransport::Conn final : public Connection {
                                            "TCP connection ", name_, ": a put of ", bytes, " bytes")));
     }
     if (bytes == 0) return Complete(std::move(done), absl::OkStatus());
+    auto& r = static_cast<TcpRemote&>(remote);
+    if (r.pid != 0) return Complete(std::move(done), WriteDirect(local, bytes, r, remote_offset));
     Out& o = out_.emplace_back();
     PutU32(o.header, kData);
     PutU32(o.header + 4, 0);
@@ -247,7 +303,7 @@ class TcpTransport::Conn final : public Connection {
   bool failed() const override { return failed_; }
   const std::string& name() const override { return name_; }
   std::string peer_host() const override { return peer_host_; }
-  bool PeerMayMapMemory() const override { return false; }
+  bool PeerMayMapMemory() const override { return same_host_; }
 
   uint64_t id() const { return id_; }
   int fd() const { return fd_; }
@@ -285,6 +341,32 @@ class TcpTransport::Conn final : public Connection {
     }
     handler_ = nullptr;
     Close();
+  }
+
+  // A Put into a same-host peer's region, copied into its process at once:
+  // visible there before anything sent after it.
+  absl::Status WriteDirect(const void* local, int64_t bytes, const TcpRemote& r, int64_t offset) {
+    const auto n = static_cast<uint64_t>(bytes);
+    if (offset < 0 || n > r.size || static_cast<uint64_t>(offset) > r.size - n) {
+      return absl::InvalidArgumentError(absl::StrCat("TCP connection ", name_, ": a put of ", bytes, " bytes at ",
+                                                     offset, " lies outside the peer's region of ", r.size));
+    }
+    uint64_t done = 0;
+    while (done < n) {
+      iovec mine{const_cast<char*>(static_cast<const char*>(local)) + done, n - done};
+      iovec theirs{reinterpret_cast<void*>(static_cast<uintptr_t>(r.base + static_cast<uint64_t>(offset) + done)),
+                   n - done};
+      const ssize_t wrote = process_vm_writev(r.pid, &mine, 1, &theirs, 1, 0);
+      if (wrote <= 0) {
+        const int err = wrote < 0 ? errno : EIO;
+        const absl::Status why =
+            absl::UnavailableError(absl::StrCat("TCP connection ", name_, ": write into the peer: ", ErrnoText(err)));
+        Fail(why);
+        return why;
+      }
+      done += static_cast<uint64_t>(wrote);
+    }
+    return absl::OkStatus();
   }
 
   // Once over and kept for its handler (an outbound connection): what it
@@ -595,6 +677,7 @@ class TcpTransport::Conn final : public Connection {
   std::string peer_host_;
   bool connected_;
   const bool outbound_;  // Made by Connect (kept once over: see the header).
+  const bool same_host_;  // Accepted from this host (FromThisHost).
   State state_ = State::kOpen;
   bool failed_ = false;
   absl::Status error_;
@@ -617,12 +700,16 @@ class TcpTransport::Conn final : public Connection {
 absl::StatusOr<std::unique_ptr<TcpTransport>> TcpTransport::Create(const Options& options) {
   std::unique_ptr<TcpTransport> t(new TcpTransport());
   t->name_ = options.name;
+  t->direct_writes_ = options.direct_writes;
   t->epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
   if (t->epoll_fd_ < 0) {
     return absl::ResourceExhaustedError(absl::StrCat("TCP transport ", options.name, ": epoll: ", ErrnoText(errno)));
   }
   t->allocator_ = std::make_unique<Allocator>(t.get());
   t->scratch_.resize(kScratchBytes);
+  if (getrandom(t->nonce_, sizeof(t->nonce_), 0) != static_cast<ssize_t>(sizeof(t->nonce_))) {
+    return absl::InternalError(absl::StrCat("TCP transport ", options.name, ": getrandom: ", ErrnoText(errno)));
+  }
   TcpTransport* self = t.get();
   t->loop_.Start(options.name, EventLoop::Device{
                                    .progress = [self] { return self->Progress(); },
@@ -651,8 +738,12 @@ absl::StatusOr<std::string> TcpTransport::PackRegion(KvRegion& region) {
   if (r == nullptr || r->owner() != this) {
     return absl::InvalidArgumentError(absl::StrCat("TCP transport ", name_, ": region was not allocated by it"));
   }
-  std::string out(sizeof(uint64_t), '\0');
+  std::string out(kDirectBytes, '\0');
   PutU64(out.data(), reinterpret_cast<uintptr_t>(r->data()));
+  PutU64(out.data() + 8, r->size());
+  PutU64(out.data() + 16, static_cast<uint64_t>(getpid()));
+  PutU64(out.data() + 24, reinterpret_cast<uintptr_t>(nonce_));
+  std::memcpy(out.data() + 32, nonce_, kNonceBytes);
   return out;
 }
 
@@ -700,15 +791,16 @@ void TcpTransport::Accept(Listener& l) {
     }
     SetNoDelay(fd);
     const std::string host = HostOf(peer);
-    AddConn(fd, l.handler, absl::StrCat(name_, "<-", HostPort(host, PortOf(peer))), host, true, false);
+    AddConn(fd, l.handler, absl::StrCat(name_, "<-", HostPort(host, PortOf(peer))), host, true, false,
+            direct_writes_ && FromThisHost(fd, peer));
   }
 }
 
 TcpTransport::Conn* TcpTransport::AddConn(int fd, ConnectionHandler* handler, std::string name,
-                                          std::string peer_host, bool connected, bool outbound) {
+                                          std::string peer_host, bool connected, bool outbound, bool same_host) {
   const uint64_t id = next_id_++;
-  auto conn =
-      std::make_unique<Conn>(this, id, fd, handler, std::move(name), std::move(peer_host), connected, outbound);
+  auto conn = std::make_unique<Conn>(this, id, fd, handler, std::move(name), std::move(peer_host), connected,
+                                     outbound, same_host);
   Conn* c = conn.get();
   epoll_event ev{};
   ev.events = connected ? EPOLLIN : EPOLLOUT;

@@ -29,9 +29,22 @@
 // are handed to the kernel.
 //
 // Registered memory is ordinary page-aligned host memory
-// (HostKvRegionAllocator) that the transport tracks; PackRegion gives the
-// base address alone, there is no remote key, and no peer may map it
-// (PeerMayMapMemory() is false).
+// (HostKvRegionAllocator) that the transport tracks.
+//
+// Same host: a connection accepted from this host's own network stack (a
+// loopback address, or the very address it reached: the kernel's view of
+// the socket, never the peer's word) PeerMayMapMemory(), and the receiver
+// hands it the full PackRegion descriptor: base, size, this process's pid
+// and where a random nonce lies in it. That peer's Puts copy straight into
+// this process with process_vm_writev, once ImportRegion has read the
+// nonce back through the same call (so the pid names this process in the
+// peer's pid namespace too). The kernel allows that only to a process that
+// may already read and write this one's memory (ptrace access: the same
+// user, and what Yama and capabilities say), so it opens nothing new; where
+// it is not allowed the Puts go as data frames. Such writes cannot be
+// refused (as any shared-memory transport's), and they are as fast as one
+// memcpy between processes. Any other peer gets the base address alone
+// (WithoutRemoteKey) and writes by data frames.
 //
 // Close: Bye / ByeAck; the peer's handler sees OnDisconnected(OK), this
 // side's none (as the other transports). Connect to a peer that is not
@@ -70,6 +83,9 @@ class TcpTransport final : public Transport {
  public:
   struct Options {
     std::string name = "kv-tcp";
+    // Same-host peers may write this side's regions directly (see "Same
+    // host"); false: every peer writes by data frames.
+    bool direct_writes = true;
   };
   // The largest control message either side accepts.
   static constexpr uint32_t kMaxMessageBytes = 64u << 20;
@@ -80,6 +96,8 @@ class TcpTransport final : public Transport {
   EventLoop& loop() override { return loop_; }
   KvRegionAllocator& region_allocator() override;
   absl::StatusOr<std::string> PackRegion(KvRegion& region) override;
+  // The base address alone: what a peer that is not on this host gets.
+  std::string WithoutRemoteKey(const std::string& packed) const override { return packed.substr(0, 8); }
   // Host is an IPv4 or IPv6 literal ("127.0.0.1", "::1", "[::1]").
   absl::StatusOr<int> Listen(const std::string& host, int port, ConnectionHandler* handler) override;
   absl::StatusOr<Connection*> Connect(const std::string& host, int port, ConnectionHandler* handler) override;
@@ -102,7 +120,7 @@ class TcpTransport final : public Transport {
   bool Progress();
   void Accept(Listener& l);
   Conn* AddConn(int fd, ConnectionHandler* handler, std::string name, std::string peer_host, bool connected,
-                bool outbound);
+                bool outbound, bool same_host = false);
   // Frees a connection that is over, after the tasks already posted.
   void Retire(uint64_t id);
   // The registered region holding [address, address + bytes), by base.
@@ -110,6 +128,7 @@ class TcpTransport final : public Transport {
   uint64_t LargestRegion() const;
 
   std::string name_;
+  bool direct_writes_ = true;
   int epoll_fd_ = -1;
   EventLoop loop_;
   std::unique_ptr<Allocator> allocator_;
@@ -122,6 +141,9 @@ class TcpTransport final : public Transport {
   // Detach()ed (see Lifetime above).
   std::vector<std::unique_ptr<Conn>> husks_;
   std::vector<char> scratch_;  // Where dropped payloads are read.
+  // Random: a same-host peer reads it from this process to know the pid it
+  // was given is this process's (see "Same host").
+  char nonce_[16] = {};
   // Registered regions (allocated and freed on any thread).
   mutable absl::Mutex regions_mu_;
   std::vector<Region*> regions_ ABSL_GUARDED_BY(regions_mu_);

@@ -42,6 +42,10 @@ ABSL_FLAG(std::string, kv_transport, "tcp",
           "check; any network) or ucx (UCX, one-sided puts over shared memory between processes on one "
           "host; UCX's tcp transport serves remote memory access to anyone who reaches the port, so use it "
           "only where every host that can reach the KV port is trusted; both sides must agree)");
+ABSL_FLAG(bool, kv_direct_writes, true,
+          "--kv_transport=tcp: a peer on this host that the kernel already lets write this process's memory "
+          "(the same user) writes handoffs straight into the pool (process_vm_writev, one copy); false: every "
+          "peer's bytes pass the receiver's reservation check");
 
 ABSL_FLAG(double, request_life_base_s, 60,
           "a request's life in the engine is bounded by this + max_tokens x max(step factor x p99 step, min per token)");
@@ -127,7 +131,8 @@ absl::StatusOr<WorkerRuntime> StartWorkerRuntime(const std::string& name, int* e
   rt.tls = *std::move(tls);
   const std::string kind = absl::GetFlag(FLAGS_kv_transport);
   if (kind == "tcp") {
-    absl::StatusOr<std::unique_ptr<kv::TcpTransport>> transport = kv::TcpTransport::Create({.name = name});
+    absl::StatusOr<std::unique_ptr<kv::TcpTransport>> transport =
+        kv::TcpTransport::Create({.name = name, .direct_writes = absl::GetFlag(FLAGS_kv_direct_writes)});
     if (!transport.ok()) {
       LogEvent("error", "kv_transport_failed", {{"error", std::string(transport.status().message())}});
       *exit_code = 1;

@@ -195,7 +195,8 @@ TEST(GrantClusterTest, ADecodeWorkerRefusesEveryHandoffItsGrantDoesNotCoverAndCo
 // reserved block is not.
 TEST(GrantClusterTest, OverTcpAPutOutsideALiveReservationIsDropped) {
   DecodeUnderTest decode;
-  ASSERT_TRUE(decode.Start({"--kv_lease_s", "1"}).ok()) << decode.process.LogTail();
+  // As for a peer on another host: no direct writes, every put a frame.
+  ASSERT_TRUE(decode.Start({"--kv_lease_s", "1", "--kv_direct_writes=false"}).ok()) << decode.process.LogTail();
   const std::string kv_address = decode.kv_address;
   const kv::GrantKey key = *kv::GrantKey::FromFile(TestCertsDir() + "/kv_grant.key");
 

@@ -10,6 +10,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -302,6 +303,72 @@ TEST_F(TcpTransportTest, PutsLandByteExactBeforeAMessageSentAfterFlush) {
   std::string expect(kRegionBytes, '\0');
   for (const Write& w : writes) std::memcpy(expect.data() + w.to, src + w.from, w.bytes);
   EXPECT_TRUE(RegionBytes() == expect);
+}
+
+// A peer on this host (loopback) is offered direct writes: with the full
+// descriptor its Puts land by process_vm_writev, without a frame for the
+// handler to judge, byte-exact before a message sent after the Flush.
+TEST_F(TcpTransportTest, ASameHostPeerWritesDirectly) {
+  std::atomic<int> may_map{-1};
+  server_handler_.on_message = [&](Connection& sc, const std::string&) { may_map = sc.PeerMayMapMemory() ? 1 : 0; };
+  Connection* c = ConnectClient();
+  FlushThenMessage(c, "hello", 1);
+  EXPECT_EQ(may_map.load(), 1) << "a loopback peer is on this host";
+  const std::string packed = *server_->PackRegion(*region_);
+  EXPECT_EQ(server_->WithoutRemoteKey(packed), U64(base_));
+  std::shared_ptr<RemoteRegion> remote =
+      client_->loop().RunSync([&] { return *c->ImportRegion(packed); });
+  Put(c, *remote, 4096, 1 << 20, 12345);
+  FlushThenMessage(c, "after", 2);
+  EXPECT_EQ(std::memcmp(static_cast<char*>(region_->data()) + 12345, static_cast<char*>(source_->data()) + 4096,
+                        1 << 20),
+            0);
+  EXPECT_TRUE(server_handler_.asked().empty()) << "a direct write went as a frame";
+  // Out of the region: refused on this side, nothing written.
+  const std::string before = RegionBytes();
+  absl::Notification refused;
+  client_->loop().Post([&] {
+    c->Put(source_->data(), 100, *remote, static_cast<int64_t>(kRegionBytes) - 10, [&](absl::Status s) {
+      EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+      refused.Notify();
+    });
+  });
+  ASSERT_TRUE(refused.WaitForNotificationWithTimeout(kWait));
+  EXPECT_TRUE(RegionBytes() == before);
+}
+
+// A descriptor whose nonce is not found where it says, in the process its
+// pid names here (another process, or a forged nonce), gives frames only.
+TEST_F(TcpTransportTest, ADescriptorThatDoesNotNameItsProcessWritesByFrames) {
+  Connection* c = ConnectClient();
+  std::string forged = *server_->PackRegion(*region_);
+  forged[40] ^= 1;  // A nonce byte.
+  std::string other_process = *server_->PackRegion(*region_);
+  const uint64_t parent = static_cast<uint64_t>(getppid());
+  std::memcpy(other_process.data() + 16, &parent, sizeof(parent));
+  std::vector<std::shared_ptr<RemoteRegion>> remotes;  // Until the Puts ran.
+  for (const std::string& packed : {forged, other_process}) {
+    remotes.push_back(client_->loop().RunSync([&] { return *c->ImportRegion(packed); }));
+    Put(c, *remotes.back(), 0, 64, 0);
+  }
+  FlushThenMessage(c, "after", 1);
+  EXPECT_EQ(server_handler_.asked().size(), 2u) << "a write went around the handler";
+}
+
+// direct_writes = false: no peer is offered them, even on this host.
+TEST(TcpTransportOptionsTest, WithoutDirectWritesNoPeerMayMapMemory) {
+  std::unique_ptr<TcpTransport> server = *TcpTransport::Create({.name = "s", .direct_writes = false});
+  std::unique_ptr<TcpTransport> client = *TcpTransport::Create({.name = "c"});
+  Recorder server_handler, client_handler;
+  std::atomic<int> may_map{-1};
+  server_handler.on_message = [&](Connection& sc, const std::string&) { may_map = sc.PeerMayMapMemory() ? 1 : 0; };
+  const int port = *server->Listen("127.0.0.1", 0, &server_handler);
+  Connection* c = *client->Connect("127.0.0.1", port, &client_handler);
+  client->loop().Post([c] { c->Send("hello"); });
+  ASSERT_TRUE(server_handler.WaitMessages(1));
+  EXPECT_EQ(may_map.load(), 0);
+  server->Detach(&server_handler);
+  client->Detach(&client_handler);
 }
 
 TEST_F(TcpTransportTest, PutDoneCompletesOk) {

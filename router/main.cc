@@ -7,6 +7,8 @@
 //                  --decode dns://10.0.0.10/decode.pdserve:7002
 //
 // Flags may also come from a file: --flagfile=router.flags.
+#include <sys/resource.h>
+
 #include <memory>
 #include <string>
 #include <vector>
@@ -79,9 +81,39 @@ ABSL_FLAG(int64_t, max_reply_entries, pdserve::router::openai::kDefaultMaxReplyE
           "gRPC Complete (a reply held whole until its last token): refuse a request whose max_tokens x (1 + "
           "logprobs) passes this many logprob entries (INVALID_ARGUMENT naming max_tokens); Generate streams are "
           "not bounded so");
+ABSL_FLAG(int32_t, http_max_connections, 4096,
+          "open HTTP connections at most; more are closed on accept (the router raises its file limit to the hard "
+          "limit at start, and this must stay under it)");
+ABSL_FLAG(double, http_header_timeout, 10, "seconds a request's headers may take to arrive; then it is closed");
+ABSL_FLAG(double, http_request_timeout, 60,
+          "seconds a request's headers and body may take to arrive; then it is closed");
+ABSL_FLAG(int64_t, http_body_budget_bytes, 64 << 20,
+          "HTTP request bytes held at once across all connections (bodies being read, headers); a body that does "
+          "not fit gets 503 with Retry-After before it is read");
+ABSL_FLAG(int32_t, http_max_inflight, 256, "HTTP generations running at once; more get 503 with Retry-After");
+ABSL_FLAG(std::string, prefix_cache_scope, "shared",
+          "which requests share prefix-cache blocks: shared (all: a prompt prefix cached for one API key is reused "
+          "for every other, the most reuse, but a client can tell from cached_tokens, and from its time to first "
+          "token, whether another key recently sent the same prefix, block by block) or per_key (each key's block "
+          "hashes are salted with its id: no key hits or detects another's blocks, and a prefix common to several "
+          "keys, e.g. a shared system prompt, is computed and held once per key: more prefill work, more KV "
+          "memory, fewer hits). Applies to gRPC requests; with keys off every request is one key");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:0", "Prometheus /metrics address (port 0: any free; empty: off)");
 
 namespace {
+
+// Raises the soft limit on open files to the hard limit (each HTTP
+// connection holds one); returns the limit now in force.
+rlim_t RaiseFileLimit() {
+  rlimit r{};
+  if (getrlimit(RLIMIT_NOFILE, &r) != 0) return 0;
+  if (r.rlim_cur < r.rlim_max) {
+    rlimit raised = r;
+    raised.rlim_cur = r.rlim_max;
+    if (setrlimit(RLIMIT_NOFILE, &raised) == 0) r = raised;
+  }
+  return r.rlim_cur;
+}
 
 int Run() {
   using namespace pdserve;
@@ -103,6 +135,12 @@ int Run() {
   o.api_keys_file = absl::GetFlag(FLAGS_api_keys_file);
   o.autoscale_min_samples = absl::GetFlag(FLAGS_autoscale_min_samples);
   o.max_reply_entries = absl::GetFlag(FLAGS_max_reply_entries);
+  if (const std::string scope = absl::GetFlag(FLAGS_prefix_cache_scope); scope == "per_key") {
+    o.prefix_cache_scope = router::PrefixCacheScope::kPerKey;
+  } else if (scope != "shared") {
+    LogEvent("error", "bad_flags", {{"error", "--prefix_cache_scope must be shared or per_key"}});
+    return 2;
+  }
   if (o.max_reply_entries < 1) {
     LogEvent("error", "bad_flags", {{"error", "--max_reply_entries must be at least 1"}});
     return 2;
@@ -172,6 +210,22 @@ int Run() {
     ho.max_body_bytes = absl::GetFlag(FLAGS_http_max_body_bytes);
     ho.max_buffered_bytes = absl::GetFlag(FLAGS_http_max_buffered_bytes);
     ho.socket_send_buffer = absl::GetFlag(FLAGS_http_socket_send_buffer_bytes);
+    ho.max_connections = absl::GetFlag(FLAGS_http_max_connections);
+    ho.header_timeout = absl::Seconds(absl::GetFlag(FLAGS_http_header_timeout));
+    ho.request_timeout = absl::Seconds(absl::GetFlag(FLAGS_http_request_timeout));
+    ho.body_budget_bytes = absl::GetFlag(FLAGS_http_body_budget_bytes);
+    ho.max_inflight = absl::GetFlag(FLAGS_http_max_inflight);
+    if (ho.max_connections < 1 || ho.max_inflight < 1 || !(absl::GetFlag(FLAGS_http_header_timeout) > 0) ||
+        !(absl::GetFlag(FLAGS_http_request_timeout) > 0) || ho.body_budget_bytes < ho.max_body_bytes) {
+      LogEvent("error", "bad_flags",
+               {{"error", "--http_max_connections, --http_max_inflight and the HTTP timeouts must be above 0, and "
+                          "--http_body_budget_bytes at least --http_max_body_bytes"}});
+      return 2;
+    }
+    if (const rlim_t files = RaiseFileLimit(); files < static_cast<rlim_t>(ho.max_connections) + 256) {
+      LogEvent("warning", "file_limit_low",
+               {{"limit", std::to_string(files)}, {"http_max_connections", std::to_string(ho.max_connections)}});
+    }
     ho.tls = o.tls;
     absl::StatusOr<std::unique_ptr<router::openai::HttpServer>> h =
         router::openai::HttpServer::Start(ho, (*service)->HttpBackend());

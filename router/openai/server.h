@@ -5,8 +5,18 @@
 //   GET  /v1/models                                   the served model
 //   GET  /health                                      200 when a request can be placed, else 503
 //
-// One event-loop thread owns every connection. A generation runs on a
-// thread of its own: the body is decoded (request.h), the key checked, the
+// One event-loop thread owns every connection. Ahead of libevent's parser
+// a front reads each request's header block itself and decides before any
+// of the body is read: a generation request without a valid key (401),
+// with a body over max_body_bytes (413), without Content-Length (411), or
+// whose body would overrun the body budget (503, Retry-After) is answered
+// and its connection closed with the body left unread. The front also
+// closes a connection accepted over max_connections at once, and one whose
+// request misses the header or request deadline.
+//
+// A generation runs on a thread of its own, at most max_inflight at once
+// (more: 503 with Retry-After, as when no thread can be started): the body
+// is decoded (request.h), the key and its limits checked, the
 // prompt resolved (router/resolve.h, the gRPC path's code) and a Relay run
 // (router/relay.h), exactly as for a gRPC call. The relay thread formats
 // each message (response.h) and hands the bytes to the loop through a list
@@ -18,7 +28,8 @@
 // Errors before the first token get their own HTTP status (response.h's
 // ErrorFor: 400 naming the field, 401, 404 unknown model, 413 body too
 // large, 429 with Retry-After, 503); after it, an error event ends the
-// stream.
+// stream. Request bodies need Content-Length; only the generation
+// endpoints take one.
 //
 // Thread safety: Start and the destructor from one thread; the rest is
 // internal.
@@ -43,11 +54,31 @@ namespace pdserve::router::openai {
 struct HttpServerOptions {
   // HOST:PORT, [IPV6]:PORT; port 0: any free port.
   std::string address = "127.0.0.1:8000";
-  // Larger bodies get a 413 (with an OpenAI error body up to twice this;
-  // libevent's own reply beyond, without reading them).
+  // Larger bodies get a 413, unread (Content-Length says their size).
   int64_t max_body_bytes = 8 << 20;
-  // A connection with nothing read or written for this long is closed.
+  // A connection with nothing read or written for this long is closed
+  // (between requests on a kept-alive connection, this is what applies).
   absl::Duration idle_timeout = absl::Seconds(600);
+  // Open connections at most: one accepted beyond is closed at once,
+  // unanswered (pdserve_http_connections_refused_total). Each costs a file
+  // descriptor, so the process's limit must be above this.
+  int max_connections = 4096;
+  // A request's header block must be complete within header_timeout of
+  // its first byte (of the connection's opening, for the first request),
+  // and its body within request_timeout of the same moment; otherwise the
+  // connection is closed (pdserve_http_deadline_closes_total): slow
+  // clients cannot hold connections and buffers indefinitely.
+  absl::Duration header_timeout = absl::Seconds(10);
+  absl::Duration request_timeout = absl::Seconds(60);
+  // Request bytes held at once across all connections: header blocks
+  // being read, and the bodies of admitted requests until their generation
+  // takes them. A body that does not fit is refused (503, Retry-After)
+  // before it is read. Header blocks may hold an eighth of it (past that
+  // the connection that grew it is closed): what clients without a key can
+  // make the server keep.
+  int64_t body_budget_bytes = 64 << 20;
+  // Generations running at once, keys or none.
+  int max_inflight = 256;
   // A stream whose unsent bytes (the socket's buffer full, the rest waiting
   // in the server) pass this is a client that stopped reading: it is
   // cancelled (its KV freed) and its connection closed 5 s later.

@@ -4,6 +4,7 @@
 
 #include <cstring>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
 namespace pdserve {
@@ -25,6 +26,12 @@ BlockHash HashBytes(absl::string_view bytes) {
   return {h.low64, h.high64};
 }
 
+CacheSalt CacheSaltForKey(absl::string_view key_id) {
+  if (key_id.empty()) return {};
+  // The label keeps these apart from every other use of HashBytes.
+  return HashBytes(absl::StrCat("pdserve.prefix_cache_scope.key", absl::string_view("\0", 1), key_id));
+}
+
 BlockHasher::BlockHasher(ModelIdentity model, DType kv_dtype, int32_t block_size)
     : model_(model), kv_dtype_(kv_dtype), block_size_(block_size) {}
 
@@ -42,9 +49,9 @@ BlockHash BlockHasher::HashBlock(const BlockHash& parent,
   return HashBytes(bytes);
 }
 
-std::vector<BlockHash> BlockHasher::FullBlockHashes(absl::Span<const int32_t> tokens) const {
+std::vector<BlockHash> BlockHasher::FullBlockHashes(absl::Span<const int32_t> tokens, const CacheSalt& salt) const {
   std::vector<BlockHash> out;
-  BlockHash parent;
+  BlockHash parent = salt;
   for (size_t b = 0; (b + 1) * block_size_ <= tokens.size(); ++b) {
     parent = HashBlock(parent, tokens.subspan(b * block_size_, block_size_));
     out.push_back(parent);

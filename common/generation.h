@@ -19,6 +19,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "common/block_hash.h"
 #include "common/sampling.h"
 #include "common/tokenizer/detokenizer.h"
 #include "common/tokenizer/stop_strings.h"
@@ -31,6 +32,9 @@ struct GenerationRequest {
   SamplingParams params;        // Validated; params.seed set (see ResolveSeed).
   std::vector<std::string> stop_strings;
   std::vector<int32_t> eos_ids;  // The model's EOS ids (ignored if params.ignore_eos).
+  // Seeds the prefix cache's hash chain for this request (block_hash.h):
+  // requests share cached blocks only under the same salt. Zero: shared.
+  CacheSalt cache_salt;
 };
 
 // One streamed token.

@@ -17,14 +17,16 @@ namespace pdserve {
 // Attaches to the empty `seq` the cached blocks of the longest cached prefix
 // of `prompt`, leaving at least one prompt position to compute (its logits
 // are needed). Returns the number of positions reused (a multiple of the
-// block size). REQUIRES: seq is empty; hasher.block_size() == the pool's.
+// block size). Only blocks published under `salt` are found.
+// REQUIRES: seq is empty; hasher.block_size() == the pool's.
 int32_t AttachCachedPrefix(KvManager& kv, const BlockHasher& hasher,
-                           absl::Span<const int32_t> prompt, SequenceKv& seq);
+                           absl::Span<const int32_t> prompt, SequenceKv& seq, const CacheSalt& salt = {});
 
 // Publishes every full block of `seq` whose KV is written, given the token
-// ids of its positions so far (tokens.size() >= seq.num_positions()).
+// ids of its positions so far (tokens.size() >= seq.num_positions()),
+// under the request's `salt`.
 void PublishFullBlocks(KvManager& kv, const BlockHasher& hasher,
-                       absl::Span<const int32_t> tokens, const SequenceKv& seq);
+                       absl::Span<const int32_t> tokens, const SequenceKv& seq, const CacheSalt& salt = {});
 
 }  // namespace pdserve
 

@@ -429,7 +429,7 @@ void KvReceiver::HandleCommit(Connection& c, Commit& m) {
     metrics_.AddBytes(static_cast<int64_t>(m.num_positions - h.held_positions) *
                       kv_->spec().BytesPerPosition() * kv_->spec().num_ranks);
     const BlockHasher hasher(layout_.model, layout_.dtype, layout_.block_size);
-    kv_->Publish(h.kv, hasher.FullBlockHashes(m.tokens));
+    kv_->Publish(h.kv, hasher.FullBlockHashes(m.tokens, m.cache_salt));
     out.id = m.id;
     out.kv = std::move(h.kv);
     out.kv.SetNumPositions(m.num_positions);

@@ -165,6 +165,8 @@ struct EncodeVisitor {
     w.Pod(m.seed);
     w.Pod(m.generated);
     w.Pod(m.finish_reason);
+    w.Pod(m.cache_salt.lo);
+    w.Pod(m.cache_salt.hi);
   }
   void operator()(const CommitReply& m) {
     w.Pod(m.id.value);
@@ -201,7 +203,8 @@ bool DecodeInto(Reader& r, Commit& m) {
     if (!(r.Pod(p.first) && r.Pod(p.second))) return false;
     m.top_logprobs.push_back(p);
   }
-  return Get(r, m.sampling) && r.Pod(m.seed) && r.Pod(m.generated) && r.Pod(m.finish_reason);
+  return Get(r, m.sampling) && r.Pod(m.seed) && r.Pod(m.generated) && r.Pod(m.finish_reason) &&
+         r.Pod(m.cache_salt.lo) && r.Pod(m.cache_salt.hi);
 }
 bool DecodeInto(Reader& r, CommitReply& m) { return r.Pod(m.id.value) && r.Pod(m.code) && r.Str(m.message); }
 bool DecodeInto(Reader& r, Abort& m) { return r.Pod(m.id.value) && r.Pod(m.code) && r.Str(m.message); }

@@ -20,6 +20,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "common/block_hash.h"
 #include "common/sampling.h"
 #include "kv_transfer/descriptor.h"
 
@@ -82,6 +83,9 @@ struct Commit {
   uint64_t seed = 0;          // The seed actually used (RNG keyed by seed, position).
   int32_t generated = 0;      // Tokens generated so far (1 after prefill).
   uint8_t finish_reason = 0;  // FinishReason of the first token.
+  // The request's prefix cache salt (common/block_hash.h): the receiver
+  // publishes the blocks under hashes seeded with it.
+  CacheSalt cache_salt;
 };
 
 struct CommitReply {

@@ -402,6 +402,7 @@ void PrefillService::CommitLoop() {
     c.seed = gen.seed();
     c.generated = static_cast<int32_t>(gen.generated().size());
     c.finish_reason = static_cast<uint8_t>(job->first.finish);
+    c.cache_salt = r.cache_salt;
     absl::Status st = absl::OkStatus();
     // Not streamed: every layer now, after the forward.
     for (int32_t l = 0; !options_.stream_layers && st.ok() && l < model_->config().num_layers; ++l) {

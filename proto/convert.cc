@@ -22,6 +22,7 @@ GenerationRequest FromWork(const worker::v1::WorkRequest& w, const std::vector<i
   p.logprobs = w.logprobs();
   r.stop_strings.assign(w.stop().begin(), w.stop().end());
   r.eos_ids = eos_ids;
+  r.cache_salt = CacheSalt{w.cache_salt_lo(), w.cache_salt_hi()};
   return r;
 }
 
@@ -59,6 +60,8 @@ void ToWork(const GenerationRequest& r, worker::v1::WorkRequest* w) {
   w->set_ignore_eos(p.ignore_eos);
   w->set_logprobs(p.logprobs);
   for (const std::string& s : r.stop_strings) w->add_stop(s);
+  w->set_cache_salt_lo(r.cache_salt.lo);
+  w->set_cache_salt_hi(r.cache_salt.hi);
 }
 
 v1::FinishReason ToProto(FinishReason f) {

@@ -14,7 +14,7 @@ absl::Span<const BlockHash> PromptChains::For(const std::optional<HashScheme>& s
     if (known == *scheme) return chain;
   }
   const BlockHasher hasher(scheme->model, scheme->kv_dtype, scheme->block_size);
-  chains_.emplace_back(*scheme, hasher.FullBlockHashes(context_.first(context_.size() - 1)));
+  chains_.emplace_back(*scheme, hasher.FullBlockHashes(context_.first(context_.size() - 1), salt_));
   return chains_.back().second;
 }
 

@@ -44,10 +44,11 @@ struct PlacementOptions {
 };
 
 // A request's context hashed per worker hashing scheme (usually one),
-// computed on first use.
+// computed on first use, the chains seeded with the request's cache salt.
 class PromptChains {
  public:
-  explicit PromptChains(absl::Span<const int32_t> context) : context_(context) {}
+  explicit PromptChains(absl::Span<const int32_t> context, const CacheSalt& salt = {})
+      : context_(context), salt_(salt) {}
   // The chain a worker hashing with `scheme` would find; empty without one.
   // The last position is never in it (it is always computed).
   absl::Span<const BlockHash> For(const std::optional<HashScheme>& scheme);
@@ -55,6 +56,7 @@ class PromptChains {
 
  private:
   absl::Span<const int32_t> context_;
+  CacheSalt salt_;
   std::vector<std::pair<HashScheme, std::vector<BlockHash>>> chains_;
 };
 

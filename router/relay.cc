@@ -90,7 +90,7 @@ Relay::Relay(const RelayContext& context, GenerationRequest request, std::string
         return deadline.has_value() ? std::min(*deadline, bound) : bound;
       }()),
       received_(received),
-      prompt_chains_(request_.prompt),
+      prompt_chains_(request_.prompt, request_.cache_salt),
       replay_(request_, context.tokenizer) {}
 
 void Relay::Cancel() {
@@ -254,7 +254,7 @@ RelayState Relay::Place() {
   } else {
     context_tokens_ = request_.prompt;
     context_tokens_.insert(context_tokens_.end(), streamed_.begin(), streamed_.end());
-    migrated_chains_.emplace(context_tokens_);
+    migrated_chains_.emplace(context_tokens_, request_.cache_salt);
     chains_ = &*migrated_chains_;
   }
   PromptChains& chains = *chains_;

@@ -282,6 +282,7 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
     relay_metrics_->CountOutcome("invalid");
     return ToGrpcStatus(resolved.status());
   }
+  if (options_.prefix_cache_scope == PrefixCacheScope::kPerKey) resolved->cache_salt = CacheSaltForKey(lease->id());
   Relay relay(relay_context_, *std::move(resolved), req.request_id(), DeadlineOf(*ctx), received);
   relay.set_cancel_check([ctx] { return ctx->IsCancelled(); });
   {

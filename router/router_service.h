@@ -49,6 +49,11 @@
 
 namespace pdserve::router {
 
+// Which requests share prefix-cache blocks (common/block_hash.h): all of
+// them, or only those under the same API key (each key's hash chains are
+// salted with CacheSaltForKey of its id).
+enum class PrefixCacheScope { kShared, kPerKey };
+
 struct RouterOptions {
   std::string model_dir;
   std::string model_name;  // Reported by ListModels; requests may name it.
@@ -99,6 +104,8 @@ struct RouterOptions {
   // whose max_tokens x (1 + logprobs) passes this is refused with
   // INVALID_ARGUMENT naming max_tokens. Generate's streams are not bounded so.
   int64_t max_reply_entries = openai::kDefaultMaxReplyEntries;
+  // Over gRPC, a request's cache salt: zero (shared), or its key's.
+  PrefixCacheScope prefix_cache_scope = PrefixCacheScope::kShared;
   // API keys (router/api_keys.h): "" accepts every client.
   std::string api_keys_file;
   // The router's certificate and the cluster CA, presented to the workers

@@ -177,10 +177,11 @@ void Engine::Publish(const Request& r) {
   if (!options_.prefix_cache || r.gen == nullptr || r.kv.num_positions() == 0) return;
   // A waiting request's KV covers context[0, fed); a running one's, prompt
   // + generated tokens but the last (not fed yet).
+  const CacheSalt& salt = r.gen->request().cache_salt;
   if (!r.context.empty()) {
-    PublishFullBlocks(kv_, hasher_, r.context, r.kv);
+    PublishFullBlocks(kv_, hasher_, r.context, r.kv, salt);
   } else {
-    PublishFullBlocks(kv_, hasher_, r.gen->AllTokens(), r.kv);
+    PublishFullBlocks(kv_, hasher_, r.gen->AllTokens(), r.kv, salt);
   }
 }
 
@@ -345,7 +346,10 @@ absl::StatusOr<bool> Engine::Step() {
     const size_t room = static_cast<size_t>(std::max<int32_t>(0, options_.max_batch - static_cast<int32_t>(running_.size())));
     for (size_t j = 0; j < waiting_.size() && j < room; ++j) {
       Request& r = *waiting_[j];
-      if (r.fed == 0 && r.kv.empty()) r.fed = r.cached = AttachCachedPrefix(kv_, hasher_, r.context, r.kv);
+      if (r.fed == 0 && r.kv.empty()) {
+        r.fed = r.cached = AttachCachedPrefix(kv_, hasher_, r.context, r.kv,
+                                              r.gen != nullptr ? r.gen->request().cache_salt : CacheSalt{});
+      }
     }
   }
   const StepPlan plan = PlanStep(Describe(), {.max_batch = options_.max_batch, .chunk_tokens = options_.chunk_tokens});

@@ -3,6 +3,8 @@
 #include "common/prefix_cache.h"
 
 #include <random>
+#include <string>
+#include <vector>
 
 #include "common/model.h"
 #include "common/synthetic_model.h"
@@ -32,6 +34,32 @@ TEST(BlockHashTest, ChainDependsOnPrefixModelAndDtype) {
   EXPECT_NE(a.FullBlockHashes({9, 2, 3, 4})[1], base[1]);     // Same block, other prefix.
   EXPECT_NE(BlockHasher(HashBytes("m2"), DType::kBF16, 2).FullBlockHashes({1, 2})[0], base[0]);
   EXPECT_NE(BlockHasher(HashBytes("m1"), DType::kI8, 2).FullBlockHashes({1, 2})[0], base[0]);
+}
+
+// A scoped cache: chains under different salts share no block (not even
+// the first, nor any later one), and the zero salt is the unsalted chain
+// whose committed hashes are pinned above.
+TEST(BlockHashTest, SaltedChainsShareNoBlockAndTheZeroSaltIsTheSharedChain) {
+  const BlockHasher hasher(HashBytes("pdserve-test-model"), DType::kBF16, 4);
+  const std::vector<int32_t> tokens = {1, 2, 3, 4, 5, 6, 7, 8, 9};
+  const std::vector<BlockHash> shared = hasher.FullBlockHashes(tokens);
+  EXPECT_EQ(hasher.FullBlockHashes(tokens, CacheSalt{}), shared);
+  EXPECT_EQ(hasher.FullBlockHashes(tokens, CacheSaltForKey("")), shared);  // no keys: one tenant
+  const std::vector<BlockHash> alice = hasher.FullBlockHashes(tokens, CacheSaltForKey("alice"));
+  const std::vector<BlockHash> bob = hasher.FullBlockHashes(tokens, CacheSaltForKey("bob"));
+  ASSERT_EQ(alice.size(), 2u);
+  ASSERT_EQ(bob.size(), 2u);
+  for (const auto* other : {&shared, &bob}) {
+    for (const BlockHash& a : alice) {
+      for (const BlockHash& o : *other) EXPECT_NE(a, o);
+    }
+  }
+  // The same key's salt is the same everywhere, as its chains must be.
+  EXPECT_EQ(hasher.FullBlockHashes(tokens, CacheSaltForKey("alice")), alice);
+  EXPECT_NE(CacheSaltForKey("alice"), CacheSalt{});
+  // XXH3-128 of the label, a NUL and the id: other processes compute it alike.
+  EXPECT_EQ(CacheSaltForKey("alice"),
+            HashBytes(std::string("pdserve.prefix_cache_scope.key\0alice", 36)));
 }
 
 KvCacheSpec SmallSpec(int32_t blocks) {

@@ -233,6 +233,35 @@ TEST_P(HandoffDTypeTest, LargerReceiverBlocksAreConverted) {
   MoveAndCheck(37);
 }
 
+// A commit's blocks are published under the request's salted chain: a
+// request under another salt (another API key, or the shared scope) finds
+// none of them.
+TEST_F(HandoffTest, ACommitPublishesItsBlocksUnderItsCacheSalt) {
+  SetUp(Spec(DType::kF32, 4, 32), Spec(DType::kF32, 4, 40));
+  const int32_t n = 17;
+  SequenceKv seq = SenderSequence(n);
+  const std::vector<int32_t> tokens = Tokens(n);
+  auto h = sender_obj_->Reserve(conn_, {.num_positions = n, .prompt_tokens = tokens});
+  ASSERT_TRUE(h.ok()) << h.status();
+  for (int32_t l = 0; l < sender_.kv->spec().num_layers; ++l) {
+    ASSERT_TRUE((*h)->SendLayer(l, seq.block_table()).ok());
+  }
+  kv::Commit state = CommitState(tokens);
+  state.cache_salt = CacheSaltForKey("alice");
+  ASSERT_TRUE((*h)->Commit(state).ok());
+  seq.Release();
+  const BlockHasher hasher(kModel, DType::kF32, 4);
+  auto hits = [&](const CacheSalt& salt) {
+    SequenceKv probe = receiver_.kv->NewSequence();
+    const int32_t blocks = receiver_.kv->AttachCachedPrefix(probe, hasher.FullBlockHashes(tokens, salt));
+    probe.Release();
+    return blocks;
+  };
+  EXPECT_EQ(hits(CacheSaltForKey("alice")), 4);
+  EXPECT_EQ(hits(CacheSalt{}), 0);
+  EXPECT_EQ(hits(CacheSaltForKey("bob")), 0);
+}
+
 INSTANTIATE_TEST_SUITE_P(KvDTypes, HandoffDTypeTest, ::testing::Values(DType::kF32, DType::kBF16, DType::kI8),
                          [](const auto& info) { return std::string(DTypeName(info.param)); });
 
@@ -846,6 +875,7 @@ TEST(WireTest, RoundTripAndMalformed) {
   c.tokens = {9, 8};
   c.sampling.seed = 77;
   c.sampling.top_p = 0.5f;
+  c.cache_salt = CacheSalt{0x1122334455667788u, 0x99aabbccddeeff00u};
   std::string bytes = Encode(c);
   auto back = Decode(bytes);
   ASSERT_TRUE(back.ok());
@@ -854,6 +884,7 @@ TEST(WireTest, RoundTripAndMalformed) {
   EXPECT_EQ(d.request_id, "req-7");
   EXPECT_EQ(d.sampling.seed, std::optional<uint64_t>(77));
   EXPECT_EQ(d.sampling.top_p, 0.5f);
+  EXPECT_EQ(d.cache_salt, c.cache_salt);
   for (size_t cut = 0; cut < bytes.size(); ++cut) {
     EXPECT_FALSE(Decode(absl::string_view(bytes).substr(0, cut)).ok()) << cut;
   }

@@ -17,10 +17,21 @@
 // worker's address, KV sizes and failure reasons, after calling every
 // worker. Now it needs a valid key when keys are on (UNAUTHENTICATED,
 // counted), and pdctl status sends its --api_key.
+//
+// Cross-tenant prompt probing: block hashes were the same for every API
+// key, so a prompt prefix one key had sent was a cache hit for any other,
+// and the hit showed in the reply (cached_prompt_tokens over gRPC,
+// usage.prompt_tokens_details.cached_tokens over HTTP): bob, sending
+// alice's 160-token prefix, was told 160 of his tokens were cached, and
+// could so test guesses at another tenant's prompt block by block. With
+// --prefix_cache_scope=per_key each key's chains are salted apart: bob is
+// told 0 (and computes the prefix himself), alice still hits her own. The
+// shared scope, the default, keeps the old reuse (the test holds both).
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -136,6 +147,48 @@ TEST(FrontScopeTest, ClusterStatusNeedsAValidKeyWhenKeysAreOn) {
   std::ifstream f(dir + "/pdctl.out");
   const std::string printed((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
   EXPECT_TRUE(absl::StrContains(printed, c.decode_address())) << printed;
+}
+
+constexpr int kPrefix = 160;  // 10 blocks of 16
+
+// The same 160-token prefix, then 24 tokens particular to `variant`.
+v1::GenerateRequest PrefixRequest(int variant) {
+  v1::GenerateRequest r;
+  for (int i = 0; i < kPrefix; ++i) r.mutable_token_ids()->add_ids(100 + (i * 37) % 3000);
+  for (int i = 0; i < 24; ++i) r.mutable_token_ids()->add_ids(200 + variant * 131 + i);
+  r.set_max_tokens(4);
+  r.mutable_sampling()->set_seed(5 + static_cast<uint64_t>(variant));
+  return r;
+}
+
+// The cached prompt tokens alice, alice again and then bob are told of, and
+// bob again: [alice, alice, bob, bob].
+std::vector<int32_t> CachedAsSeen(const std::string& dir, const std::string& scope, bool colocated) {
+  Cluster c;
+  c.tls = false;
+  c.extra_router_flags = {"--api_keys_file", WriteKeys(dir), "--prefix_cache_scope", scope};
+  const absl::Status started = c.Start(dir + "/c", colocated);
+  EXPECT_TRUE(started.ok()) << started << c.Logs();
+  if (!started.ok()) return {};
+  std::vector<int32_t> cached;
+  int variant = 0;
+  for (const char* key : {kAlice, kAlice, "sk-test-bob", "sk-test-bob"}) {
+    const Output got = c.Generate(PrefixRequest(variant++), absl::StrCat("Bearer ", key));
+    EXPECT_TRUE(got.status.ok()) << got.status.error_message() << c.Logs();
+    EXPECT_EQ(got.tokens.size(), 4u);
+    cached.push_back(got.final.timings().cached_prompt_tokens());
+  }
+  return cached;
+}
+
+TEST(FrontScopeTest, PerKeyScopeHidesOneKeysCachedPromptFromAnother) {
+  const std::string dir = TempDir();
+  using V = std::vector<int32_t>;
+  EXPECT_EQ(CachedAsSeen(dir + "/per_key", "per_key", /*colocated=*/false), (V{0, kPrefix, 0, kPrefix}));
+  // The decode worker's own prefills (colocated) are scoped alike.
+  EXPECT_EQ(CachedAsSeen(dir + "/per_key_colocated", "per_key", /*colocated=*/true), (V{0, kPrefix, 0, kPrefix}));
+  // Shared: bob is a hit on alice's prefix (what per_key takes away).
+  EXPECT_EQ(CachedAsSeen(dir + "/shared", "shared", /*colocated=*/false), (V{0, kPrefix, kPrefix, kPrefix}));
 }
 
 }  // namespace

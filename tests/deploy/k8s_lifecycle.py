@@ -834,15 +834,12 @@ def main():
             if got != allowed:
                 failed.append(f"network policy: {line}, expected {'open' if allowed else 'dropped'}")
 
-        # UCX's TCP transport listens inside the range the policies open
-        # (UCX_TCP_PORT_RANGE): the handoffs above crossed only those ports.
-        for pod in (prefill, decode):
-            ports = {int(m.group(1)) for m in re.finditer(r":(\d+)\s", sh(pod.exec_argv(["ss", "-Htln"])).stdout)}
-            node.event(f"listening in {pod.name}: {sorted(ports)}")
-            env = {e["name"]: e.get("value") for e in pod.spec["containers"][0].get("env", [])}
-            lo, hi = map(int, env["UCX_TCP_PORT_RANGE"].split("-"))
-            if not any(lo <= p <= hi for p in ports):
-                failed.append(f"{pod.name}: no listener in UCX_TCP_PORT_RANGE {lo}-{hi}: {sorted(ports)}")
+        # The KV plane (the workers' default transport) listens on the
+        # decode pod's KV port, the one the policies open to prefill pods.
+        ports = {int(m.group(1)) for m in re.finditer(r":(\d+)\s", sh(decode.exec_argv(["ss", "-Htln"])).stdout)}
+        node.event(f"listening in {decode.name}: {sorted(ports)}")
+        if 7300 not in ports:
+            failed.append(f"{decode.name}: no listener on the KV port 7300: {sorted(ports)}")
 
         open(stop, "w").close()
         load.wait(timeout=90)

@@ -163,10 +163,13 @@ using CallPtr = std::shared_ptr<Call>;
 constexpr size_t kMaxHeaderBytes = 32 << 10;
 constexpr int64_t kHeaderShareOfBudget = 8;
 
-// Every refused request reaches libevent as this: no body, and the
-// connection closed after the reply, so whatever the client still sends
-// is never read.
-constexpr char kRefusedRequest[] = "GET / HTTP/1.1\r\nConnection: close\r\n\r\n";
+// Every refused request reaches libevent as one of these, without its
+// body. A body of known size up to twice max_body_bytes is then read and
+// dropped (never held), so that a client still sending it reads the reply
+// rather than a reset; any other, the connection is closed after the reply
+// and the rest never read.
+constexpr char kRefusedRequest[] = "GET / HTTP/1.1\r\n\r\n";
+constexpr char kRefusedRequestClose[] = "GET / HTTP/1.1\r\nConnection: close\r\n\r\n";
 
 // What the front decided for one request before libevent parsed it: 0 to
 // serve it, else the reply to give instead.
@@ -372,7 +375,7 @@ class HttpServer::Impl {
     // The front refuses larger ones first (Decide); libevent's limits
     // stand behind it.
     evhttp_set_max_body_size(http_, static_cast<ev_ssize_t>(options_.max_body_bytes));
-    evhttp_set_max_headers_size(http_, static_cast<ev_ssize_t>(kMaxHeaderBytes + sizeof(kRefusedRequest)));
+    evhttp_set_max_headers_size(http_, static_cast<ev_ssize_t>(kMaxHeaderBytes + sizeof(kRefusedRequestClose)));
     evhttp_set_timeout(http_, static_cast<int>(absl::ToInt64Seconds(options_.idle_timeout)));
     evhttp_set_allowed_methods(http_, EVHTTP_REQ_GET | EVHTTP_REQ_POST | EVHTTP_REQ_HEAD | EVHTTP_REQ_OPTIONS);
     evhttp_set_gencb(http_, &Impl::OnRequest, this);
@@ -424,7 +427,8 @@ class HttpServer::Impl {
   // or kRefusedRequest with the body dropped.
   struct Front {
       Impl* server = nullptr;
-    enum class Phase { kHeaders, kBody };
+    // kDrop: a refused request's body, read and dropped.
+    enum class Phase { kHeaders, kBody, kDrop };
     bufferevent* bev = nullptr;  // one reference is the front's own
     evbuffer_cb_entry* input_cb = nullptr;
     event* timer = nullptr;   // the header or request deadline, or an immediate close
@@ -435,7 +439,8 @@ class HttpServer::Impl {
     bool putting_back = false;
     Phase phase = Phase::kHeaders;
     std::string head;        // the header block so far (charged to the budget)
-    int64_t body_left = 0;   // kBody: bytes still to come
+    int64_t body_left = 0;   // kBody, kDrop: bytes still to come
+    int64_t declared_body = -1;  // the request being decided: its Content-Length (-1: unknown)
     absl::Time started = absl::InfiniteFuture();  // the request's first byte (accept, for the first)
     std::deque<Verdict> verdicts;  // one per request put back, in libevent's order
   };
@@ -770,7 +775,7 @@ class HttpServer::Impl {
       deadline = absl::InfinitePast();
     } else if (f.phase == Front::Phase::kHeaders && f.started != absl::InfiniteFuture()) {
       deadline = f.started + options_.header_timeout;
-    } else if (f.phase == Front::Phase::kBody) {
+    } else {
       deadline = f.started + options_.request_timeout;
     }
     if (deadline == absl::InfiniteFuture()) {
@@ -822,9 +827,9 @@ class HttpServer::Impl {
     std::string out;  // what libevent gets
     const size_t head_before = f.head.size();
     while (!in.empty() && !f.discarding) {
-      if (f.phase == Front::Phase::kBody) {
+      if (f.phase != Front::Phase::kHeaders) {
         const size_t take = std::min<size_t>(in.size(), static_cast<size_t>(f.body_left));
-        out.append(in.data(), take);
+        if (f.phase == Front::Phase::kBody) out.append(in.data(), take);
         in.remove_prefix(take);
         f.body_left -= static_cast<int64_t>(take);
         if (f.body_left == 0) EndRequest(f);
@@ -839,6 +844,7 @@ class HttpServer::Impl {
       const size_t end = HeadEnd(f.head, from);
       if (end == std::string::npos) {
         if (f.head.size() > kMaxHeaderBytes) {
+          f.declared_body = -1;
           Refuse(f, &out, 431,
                  ErrorBody(absl::StrCat("request headers over ", kMaxHeaderBytes, " bytes"), "invalid_request_error"));
         }
@@ -869,8 +875,10 @@ class HttpServer::Impl {
   void Decide(Front& f, std::string* out) {
     const std::string block = std::move(f.head);
     f.head.clear();
+    f.declared_body = -1;
     absl::StatusOr<RequestHead> h = ParseHead(block);
     if (!h.ok()) return Refuse(f, out, 400, ErrorBody(h.status().message(), "invalid_request_error"));
+    if (!h->transfer_encoding) f.declared_body = h->content_length;
     if (h->transfer_encoding) {
       return Refuse(f, out, 411,
                     ErrorBody("a request body must come with Content-Length (Transfer-Encoding is not accepted)",
@@ -926,17 +934,24 @@ class HttpServer::Impl {
 
   void Refuse(Front& f, std::string* out, const HttpError& e) { Refuse(f, out, e.status, e.body, ExtraHeaders(e)); }
 
-  // libevent gets kRefusedRequest; the handler answers it with this.
+  // libevent gets a stand-in request; the handler answers it with this.
   void Refuse(Front& f, std::string* out, int status, std::string body,
               std::vector<std::pair<std::string, std::string>> headers = {}) {
-    out->append(kRefusedRequest);
+    const bool drop = f.declared_body >= 0 && f.declared_body <= 2 * options_.max_body_bytes;
+    out->append(drop ? kRefusedRequest : kRefusedRequestClose);
     Verdict v;
     v.status = status;
     v.body = std::move(body);
     v.headers = std::move(headers);
     f.verdicts.push_back(std::move(v));
-    f.discarding = true;
     f.head.clear();
+    if (drop && f.declared_body > 0) {
+      f.phase = Front::Phase::kDrop;
+      f.body_left = f.declared_body;
+      ArmTimer(f);
+      return;
+    }
+    if (!drop) f.discarding = true;
     EndRequest(f);
   }
 

@@ -10,7 +10,10 @@
 // of the body is read: a generation request without a valid key (401),
 // with a body over max_body_bytes (413), without Content-Length (411), or
 // whose body would overrun the body budget (503, Retry-After) is answered
-// and its connection closed with the body left unread. The front also
+// before any of its body is read. A refused body of announced size up to
+// twice max_body_bytes is then read and dropped, never held (a client
+// still sending it reads the reply instead of a reset); a larger one is
+// never read: the connection closes after the reply. The front also
 // closes a connection accepted over max_connections at once, and one whose
 // request misses the header or request deadline.
 //

@@ -114,12 +114,15 @@ absl::StatusOr<GrantKey> GrantKey::FromFile(const std::string& path) {
   return key;
 }
 
-TokensDigest DigestTokens(absl::Span<const int32_t> tokens) {
+TokensDigest DigestTokens(absl::Span<const int32_t> tokens, const CacheSalt& salt) {
   TokensDigest digest{};
   EVP_MD_CTX* ctx = EVP_MD_CTX_new();
   EVP_DigestInit_ex(ctx, EVP_sha256(), nullptr);
   unsigned char buf[4096];
   size_t n = 0;
+  for (const uint64_t half : {salt.lo, salt.hi}) {
+    for (int i = 0; i < 8; ++i) buf[n++] = static_cast<unsigned char>((half >> (8 * i)) & 0xff);
+  }
   for (int32_t t : tokens) {
     const auto u = static_cast<uint32_t>(t);
     for (int i = 0; i < 4; ++i) buf[n++] = static_cast<unsigned char>((u >> (8 * i)) & 0xff);

@@ -160,7 +160,7 @@ absl::StatusOr<Grant> KvReceiver::CheckGrant(Connection& c, const ReserveRequest
                                                     " allows ", g->positions));
   }
   if (static_cast<int64_t>(m.prompt_tokens.size()) != m.num_positions ||
-      DigestTokens(m.prompt_tokens) != g->tokens_digest) {
+      DigestTokens(m.prompt_tokens, m.cache_salt) != g->tokens_digest) {
     Refused(GrantRefusal::kTokensMismatch);
     return absl::PermissionDeniedError(absl::StrCat("KV handoff: reservation refused: its ", m.prompt_tokens.size(),
                                                     " token ids are not the context the grant for request ",
@@ -228,7 +228,7 @@ void KvReceiver::HandleReserve(Connection& c, const ReserveRequest& m) {
   const BlockHasher hasher(layout_.model, layout_.dtype, bs);
   const int32_t hashable = std::min<int32_t>(static_cast<int32_t>(m.prompt_tokens.size()), m.num_positions - 1);
   const std::vector<BlockHash> hashes =
-      hasher.FullBlockHashes(absl::MakeConstSpan(m.prompt_tokens).subspan(0, std::max(0, hashable)));
+      hasher.FullBlockHashes(absl::MakeConstSpan(m.prompt_tokens).subspan(0, std::max(0, hashable)), m.cache_salt);
   // The manager's lock covers this bookkeeping only: a reservation never
   // waits for a forward.
   // A request-sharded pool: the request lives on the rank with the most room.
@@ -266,6 +266,7 @@ void KvReceiver::HandleReserve(Connection& c, const ReserveRequest& m) {
   h.held_positions = reply.held_positions;
   h.reserved_positions = static_cast<int32_t>(total_positions);
   h.start = options_.clock();
+  h.cache_salt = m.cache_salt;
   if (grant.has_value()) {
     h.request_id = std::move(grant->request_id);
     h.tokens_digest = grant->tokens_digest;
@@ -376,12 +377,15 @@ void KvReceiver::HandleCommit(Connection& c, Commit& m) {
       refusal = absl::PermissionDeniedError(absl::StrCat("KV handoff: commit for handoff ", m.id.value,
                                                          " names request ", m.request_id, ", its grant ",
                                                          it->second.request_id));
-    } else if (it->second.tokens_digest.has_value() && DigestTokens(m.tokens) != *it->second.tokens_digest) {
-      // Nothing is published from it: the blocks would be keyed by ids the
-      // router never placed with this sender.
+    } else if ((it->second.tokens_digest.has_value() &&
+                DigestTokens(m.tokens, m.cache_salt) != *it->second.tokens_digest) ||
+               m.cache_salt != it->second.cache_salt) {
+      // Nothing is published from it: the blocks would be keyed by ids (or
+      // a cache scope) the router never placed with this sender.
       Refused(GrantRefusal::kTokensMismatch);
       refusal = absl::PermissionDeniedError(absl::StrCat("KV handoff: commit for handoff ", m.id.value, " names ",
-                                                         m.tokens.size(), " token ids that are not its grant's context"));
+                                                         m.tokens.size(),
+                                                         " token ids, or a cache scope, that are not its reservation's"));
     } else if (it->second.state != State::kActive) {
       refusal = absl::FailedPreconditionError(
           absl::StrCat("KV handoff: commit for handoff ", m.id.value, " refused: lease expired or aborted"));

@@ -159,6 +159,7 @@ class KvReceiver final : public ConnectionHandler {
     std::string request_id;
     std::optional<TokensDigest> tokens_digest;
     absl::Time grant_expires = absl::InfiniteFuture();
+    CacheSalt cache_salt;  // The reservation's: its commit publishes under it.
     int32_t writes_landing = 0;  // Allowed by MayWrite, not yet WriteLanded.
     // A commit that came while writes were landing (UCX's rendezvous can
     // tell the sender its write is done before it tells the receiver):

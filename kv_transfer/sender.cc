@@ -111,6 +111,7 @@ absl::StatusOr<std::unique_ptr<Handoff>> KvSender::Reserve(Connection* conn, Res
   req.margin_positions = args.margin_positions;
   req.prompt_tokens = std::move(args.prompt_tokens);
   req.grant = std::move(args.grant);
+  req.cache_salt = args.cache_salt;
   const absl::Time start = absl::Now();
   transport_->loop().Post([this, conn, pending, req = std::move(req)]() mutable {
     if (conn->failed()) {

@@ -61,6 +61,7 @@ struct ReserveArgs {
   int32_t margin_positions = 0;  // Extra room for decode.
   std::vector<int32_t> prompt_tokens = {};  // For the receiver's prefix lookup.
   std::string grant = {};  // The router's grant for this attempt (grant.h), passed on as it came.
+  CacheSalt cache_salt = {};  // The request's prefix-cache salt (common/block_hash.h).
 };
 
 class KvSender;

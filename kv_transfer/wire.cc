@@ -132,6 +132,10 @@ struct EncodeVisitor {
     w.Pod(m.margin_positions);
     w.Vec(m.prompt_tokens);
     if (m.sender.protocol_version >= 4) w.Str(m.grant);  // As Decode reads it.
+    if (m.sender.protocol_version >= 5) {
+      w.Pod(m.cache_salt.lo);
+      w.Pod(m.cache_salt.hi);
+    }
   }
   void operator()(const ReserveReply& m) {
     w.Pod(m.tag);
@@ -183,7 +187,8 @@ struct EncodeVisitor {
 
 bool DecodeInto(Reader& r, ReserveRequest& m) {
   return r.Pod(m.tag) && r.Desc(m.sender) && r.Pod(m.num_positions) && r.Pod(m.margin_positions) &&
-         r.Vec(m.prompt_tokens) && (m.sender.protocol_version < 4 || r.Str(m.grant));
+         r.Vec(m.prompt_tokens) && (m.sender.protocol_version < 4 || r.Str(m.grant)) &&
+         (m.sender.protocol_version < 5 || (r.Pod(m.cache_salt.lo) && r.Pod(m.cache_salt.hi)));
 }
 bool DecodeInto(Reader& r, ReserveReply& m) {
   return r.Pod(m.tag) && r.Pod(m.code) && r.Str(m.message) && r.Pod(m.id.value) && r.Desc(m.receiver) &&

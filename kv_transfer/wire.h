@@ -48,6 +48,9 @@ struct ReserveRequest {
   // empty without one. A receiver with a grant key honours no reservation
   // without a valid one.
   std::string grant;
+  // The request's prefix-cache salt (common/block_hash.h): the cached
+  // prefix the receiver looks up, and what the commit must name.
+  CacheSalt cache_salt;
 };
 
 // Receiver -> sender. On error only tag, code and message are meaningful.

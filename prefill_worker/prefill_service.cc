@@ -258,6 +258,7 @@ absl::Status PrefillService::StartHandoff(Job& job) {
     args.margin_positions = r.params.max_tokens - static_cast<int32_t>(job.gen->generated().size());
     args.prompt_tokens = job.context;
     args.grant = job.kv_grant;
+    args.cache_salt = r.cache_salt;
     absl::StatusOr<std::unique_ptr<kv::Handoff>> h = sender_->Reserve(*conn, std::move(args));
     if (h.ok()) {
       job.handoff = *std::move(h);

@@ -78,9 +78,9 @@ ABSL_FLAG(int64_t, http_max_buffered_bytes, 4 << 20,
 ABSL_FLAG(int32_t, http_socket_send_buffer_bytes, 0,
           "SO_SNDBUF of each HTTP connection (0: the kernel's, autotuned up to net.ipv4.tcp_wmem)");
 ABSL_FLAG(int64_t, max_reply_entries, pdserve::router::openai::kDefaultMaxReplyEntries,
-          "gRPC Complete (a reply held whole until its last token): refuse a request whose max_tokens x (1 + "
-          "logprobs) passes this many logprob entries (INVALID_ARGUMENT naming max_tokens); Generate streams are "
-          "not bounded so");
+          "a reply held whole until its last token (gRPC Complete, HTTP without stream): refuse a request whose "
+          "max_tokens x (1 + logprobs) passes this many logprob entries (INVALID_ARGUMENT / 400 naming "
+          "max_tokens; a chat without max_tokens counts the rest of the context); streams are not bounded so");
 ABSL_FLAG(int32_t, http_max_connections, 4096,
           "open HTTP connections at most; more are closed on accept (the router raises its file limit to the hard "
           "limit at start, and this must stay under it)");
@@ -97,7 +97,7 @@ ABSL_FLAG(std::string, prefix_cache_scope, "shared",
           "token, whether another key recently sent the same prefix, block by block) or per_key (each key's block "
           "hashes are salted with its id: no key hits or detects another's blocks, and a prefix common to several "
           "keys, e.g. a shared system prompt, is computed and held once per key: more prefill work, more KV "
-          "memory, fewer hits). Applies to gRPC requests; with keys off every request is one key");
+          "memory, fewer hits). With keys off every request is one key");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:0", "Prometheus /metrics address (port 0: any free; empty: off)");
 
 namespace {
@@ -215,6 +215,7 @@ int Run() {
     ho.request_timeout = absl::Seconds(absl::GetFlag(FLAGS_http_request_timeout));
     ho.body_budget_bytes = absl::GetFlag(FLAGS_http_body_budget_bytes);
     ho.max_inflight = absl::GetFlag(FLAGS_http_max_inflight);
+    ho.max_reply_entries = absl::GetFlag(FLAGS_max_reply_entries);
     if (ho.max_connections < 1 || ho.max_inflight < 1 || !(absl::GetFlag(FLAGS_http_header_timeout) > 0) ||
         !(absl::GetFlag(FLAGS_http_request_timeout) > 0) || ho.body_budget_bytes < ho.max_body_bytes) {
       LogEvent("error", "bad_flags",

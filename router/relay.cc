@@ -362,7 +362,7 @@ RelayState Relay::Prefill() {
          .receiver = d.report().kv_address,
          .expires = absl::Now() + context_.grant_ttl,
          .positions = static_cast<int32_t>(request_.prompt.size() + request_.params.max_tokens),
-         .tokens_digest = kv::DigestTokens(context)});
+         .tokens_digest = kv::DigestTokens(context, request_.cache_salt)});
     if (g.ok()) preq.set_kv_grant(kv::EncodeGrant(*g));
   }
   OpenPrefill(context_.transport->Prefill(p, preq, deadline_));

@@ -252,6 +252,9 @@ openai::HttpBackend RouterService::HttpBackend() {
     b.admit = [this](absl::string_view authorization, absl::string_view peer) { return AdmitKey(authorization, peer); };
   }
   b.ready = [this] { return Ready(); };
+  if (options_.prefix_cache_scope == PrefixCacheScope::kPerKey) {
+    b.cache_salt = [](const std::string& key_id) { return CacheSaltForKey(key_id); };
+  }
   b.metrics = &metrics_;
   return b;
 }

@@ -1172,6 +1172,9 @@ class HttpServer::Impl {
     }
     DecodeLimits limits;
     limits.max_body_bytes = options_.max_body_bytes;
+    limits.max_reply_entries = options_.max_reply_entries;
+    limits.context_length = backend_.resolver->config().max_position_embeddings;
+    limits.default_completion_tokens = options_.default_completion_tokens;
     absl::StatusOr<OpenAiRequest> request = DecodeRequest(endpoint, body, limits);
     if (!request.ok()) {
       rc.metrics->CountOutcome("invalid");
@@ -1187,6 +1190,7 @@ class HttpServer::Impl {
       rc.metrics->CountOutcome("invalid");
       return ReplyError(call, resolved.status());
     }
+    if (backend_.cache_salt) resolved->cache_salt = backend_.cache_salt(lease.id());
     const uint64_t n = next_id_.fetch_add(1);
     const std::string id = absl::StrCat(chat ? "chatcmpl-" : "cmpl-", absl::Hex(id_base_ + n, absl::kZeroPad16));
     ResponseWriter writer(*request, id, absl::ToUnixSeconds(absl::Now()), backend_.resolver->model_name(),

@@ -46,9 +46,11 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "common/block_hash.h"
 #include "common/metrics.h"
 #include "common/tls.h"
 #include "router/api_keys.h"
+#include "router/openai/request.h"
 #include "router/relay.h"
 #include "router/resolve.h"
 
@@ -92,6 +94,9 @@ struct HttpServerOptions {
   int socket_send_buffer = 0;
   // completions' max_tokens when the body gives none (OpenAI's default).
   int32_t default_completion_tokens = 16;
+  // A non-streamed request whose worst-case reply (request.h's
+  // WholeReplyEntries) passes this is refused with 400 naming max_tokens.
+  int64_t max_reply_entries = kDefaultMaxReplyEntries;
   // HTTPS with this certificate and key (common/tls.h; the CA is not used:
   // clients present no certificate). Both files are looked at every
   // second; a changed pair is loaded for new connections (ones already
@@ -113,6 +118,9 @@ struct HttpBackend {
   std::function<absl::StatusOr<KeyLease>(absl::string_view authorization, absl::string_view peer)> admit;
   // OK when a request can be placed now; otherwise why not.
   std::function<absl::Status()> ready;
+  // The prefix-cache salt of a generation admitted under a key id
+  // (--prefix_cache_scope=per_key). Empty: every request shares one cache.
+  std::function<CacheSalt(const std::string& key_id)> cache_salt;
   // Where the server's own metrics go (none: not kept): replies by status
   // code, and how long a streamed event waits between the relay queueing
   // it and the loop handing it to the socket.

@@ -241,7 +241,8 @@ TEST_F(HandoffTest, ACommitPublishesItsBlocksUnderItsCacheSalt) {
   const int32_t n = 17;
   SequenceKv seq = SenderSequence(n);
   const std::vector<int32_t> tokens = Tokens(n);
-  auto h = sender_obj_->Reserve(conn_, {.num_positions = n, .prompt_tokens = tokens});
+  auto h = sender_obj_->Reserve(
+      conn_, {.num_positions = n, .prompt_tokens = tokens, .cache_salt = CacheSaltForKey("alice")});
   ASSERT_TRUE(h.ok()) << h.status();
   for (int32_t l = 0; l < sender_.kv->spec().num_layers; ++l) {
     ASSERT_TRUE((*h)->SendLayer(l, seq.block_table()).ok());
@@ -889,6 +890,22 @@ TEST(WireTest, RoundTripAndMalformed) {
     EXPECT_FALSE(Decode(absl::string_view(bytes).substr(0, cut)).ok()) << cut;
   }
   EXPECT_FALSE(Decode(std::string("\x63", 1)).ok());
+
+  ReserveRequest r;
+  r.tag = 3;
+  r.sender.protocol_version = kKvProtocolVersion;
+  r.num_positions = 2;
+  r.prompt_tokens = {9, 8};
+  r.grant = "g";
+  r.cache_salt = CacheSalt{0x0102030405060708u, 0x1112131415161718u};
+  bytes = Encode(r);
+  back = Decode(bytes);
+  ASSERT_TRUE(back.ok());
+  EXPECT_EQ(std::get<ReserveRequest>(*back).cache_salt, r.cache_salt);
+  EXPECT_EQ(std::get<ReserveRequest>(*back).grant, "g");
+  for (size_t cut = 0; cut < bytes.size(); ++cut) {
+    EXPECT_FALSE(Decode(absl::string_view(bytes).substr(0, cut)).ok()) << cut;
+  }
 }
 
 }  // namespace

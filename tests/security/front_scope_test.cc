@@ -106,6 +106,9 @@ TEST(FrontScopeTest, AWholeReplyOverTheEntryLimitIsRefusedAndTheSameStreamIsServ
   const nlohmann::json error = nlohmann::json::parse(whole.body, nullptr, false);
   ASSERT_TRUE(error.is_object() && error.contains("error")) << whole.body.substr(0, 500);
   EXPECT_EQ(error["error"].value("param", ""), "max_tokens") << whole.body;
+  const HttpReply bounded =
+      HttpExchange(c.http_port(), HttpRequest("POST", "/v1/chat/completions", chat + R"(, "max_tokens": 40})"));
+  EXPECT_EQ(bounded.status, 200) << bounded.body.substr(0, 500);  // 840 entries
   const HttpReply stream =
       HttpExchange(c.http_port(), HttpRequest("POST", "/v1/chat/completions", chat + R"(, "stream": true})"));
   EXPECT_EQ(stream.status, 200) << stream.body.substr(0, 500);
@@ -161,9 +164,20 @@ v1::GenerateRequest PrefixRequest(int variant) {
   return r;
 }
 
+// PrefixRequest(variant) as an HTTP completions body.
+std::string PrefixBody(int variant) {
+  const v1::GenerateRequest r = PrefixRequest(variant);
+  nlohmann::json body = {{"prompt", nlohmann::json::array()}, {"max_tokens", r.max_tokens()},
+                         {"seed", r.sampling().seed()}};
+  for (int32_t id : r.token_ids().ids()) body["prompt"].push_back(id);
+  return body.dump();
+}
+
 // The cached prompt tokens alice, alice again and then bob are told of, and
-// bob again: [alice, alice, bob, bob].
-std::vector<int32_t> CachedAsSeen(const std::string& dir, const std::string& scope, bool colocated) {
+// bob again: [alice, alice, bob, bob]; over gRPC, or over HTTP
+// (usage.prompt_tokens_details.cached_tokens).
+std::vector<int32_t> CachedAsSeen(const std::string& dir, const std::string& scope, bool colocated,
+                                  bool http = false) {
   Cluster c;
   c.tls = false;
   c.extra_router_flags = {"--api_keys_file", WriteKeys(dir), "--prefix_cache_scope", scope};
@@ -173,6 +187,15 @@ std::vector<int32_t> CachedAsSeen(const std::string& dir, const std::string& sco
   std::vector<int32_t> cached;
   int variant = 0;
   for (const char* key : {kAlice, kAlice, "sk-test-bob", "sk-test-bob"}) {
+    if (http) {
+      const HttpReply reply = HttpExchange(
+          c.http_port(), HttpRequest("POST", "/v1/completions", PrefixBody(variant++),
+                                     {absl::StrCat("Authorization: Bearer ", key)}));
+      EXPECT_EQ(reply.status, 200) << reply.body.substr(0, 500);
+      const nlohmann::json j = nlohmann::json::parse(reply.body, nullptr, false);
+      cached.push_back(j.is_object() ? j["usage"]["prompt_tokens_details"].value("cached_tokens", -1) : -1);
+      continue;
+    }
     const Output got = c.Generate(PrefixRequest(variant++), absl::StrCat("Bearer ", key));
     EXPECT_TRUE(got.status.ok()) << got.status.error_message() << c.Logs();
     EXPECT_EQ(got.tokens.size(), 4u);
@@ -187,6 +210,9 @@ TEST(FrontScopeTest, PerKeyScopeHidesOneKeysCachedPromptFromAnother) {
   EXPECT_EQ(CachedAsSeen(dir + "/per_key", "per_key", /*colocated=*/false), (V{0, kPrefix, 0, kPrefix}));
   // The decode worker's own prefills (colocated) are scoped alike.
   EXPECT_EQ(CachedAsSeen(dir + "/per_key_colocated", "per_key", /*colocated=*/true), (V{0, kPrefix, 0, kPrefix}));
+  // The OpenAI HTTP API's usage is scoped alike.
+  EXPECT_EQ(CachedAsSeen(dir + "/per_key_http", "per_key", /*colocated=*/false, /*http=*/true),
+            (V{0, kPrefix, 0, kPrefix}));
   // Shared: bob is a hit on alice's prefix (what per_key takes away).
   EXPECT_EQ(CachedAsSeen(dir + "/shared", "shared", /*colocated=*/false), (V{0, kPrefix, kPrefix, kPrefix}));
 }

@@ -325,6 +325,60 @@ TEST(KvPlaneSecurityTest, ACommitCannotPublishKvUnderTokensItsGrantDoesNotName) 
   EXPECT_EQ(c->code, 0) << c->message;
 }
 
+// Cross-scope poisoning (--prefix_cache_scope=per_key): a sender granted
+// a handoff for one key's request reserves, or commits, under another
+// key's cache salt, so that its KV would be published into that key's
+// cache. The grant's digest covers the salt with the tokens: a
+// reservation naming another salt is refused, and so is a commit whose
+// salt is not its reservation's (tokens_mismatch); nothing is published.
+TEST(KvPlaneSecurityTest, ASenderCannotPublishIntoAnotherKeysCacheScope) {
+  Attack a;
+  ASSERT_NO_FATAL_FAILURE(a.Start({}));
+  const int32_t bs = a.peer.req.sender.block_size;
+  const std::vector<int32_t> context = Ids(3 * bs + 1, 700);
+  const CacheSalt mine = CacheSaltForKey("bob"), theirs = CacheSaltForKey("alice");
+  auto grant = [&](const std::string& request) {
+    return kv::EncodeGrant(*kv::MintGrant(*a.key, {.request_id = request,
+                                                  .attempt = 1,
+                                                  .sender = "127.0.0.1",
+                                                  .receiver = a.decode.kv_address,
+                                                  .expires = absl::Now() + absl::Seconds(60),
+                                                  .positions = static_cast<int32_t>(context.size()) + 16,
+                                                  .tokens_digest = kv::DigestTokens(context, mine)}));
+  };
+  a.peer.req.cache_salt = theirs;
+  std::optional<kv::ReserveReply> r = a.Reserve(2, context, grant("req-scope-1"));
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->code, kDenied) << r->message;
+  EXPECT_EQ(a.decode.Refusals("tokens_mismatch"), 1);
+
+  a.peer.req.cache_salt = mine;
+  r = a.Reserve(3, context, grant("req-scope-2"));
+  ASSERT_TRUE(r.has_value());
+  ASSERT_EQ(r->code, 0) << r->message;
+  kv::Commit c;
+  c.id = r->id;
+  c.request_id = "req-scope-2";
+  c.num_positions = static_cast<int32_t>(context.size());
+  c.tokens = context;
+  c.first_token = 5;
+  c.cache_salt = theirs;
+  a.peer.Send(c);
+  std::optional<kv::CommitReply> cr = a.peer.raw.Await<kv::CommitReply>();
+  ASSERT_TRUE(cr.has_value());
+  EXPECT_EQ(cr->code, kDenied) << cr->message;
+  EXPECT_EQ(a.decode.Refusals("tokens_mismatch"), 2);
+  // Nothing of it is held under the other key's scope.
+  a.peer.req.cache_salt = theirs;
+  std::optional<kv::ReserveReply> probe = a.Reserve(4, context, kv::EncodeGrant(*kv::MintGrant(
+      *a.key, {.request_id = "req-scope-3", .attempt = 1, .sender = "127.0.0.1", .receiver = a.decode.kv_address,
+               .expires = absl::Now() + absl::Seconds(60), .positions = static_cast<int32_t>(context.size()) + 16,
+               .tokens_digest = kv::DigestTokens(context, theirs)})));
+  ASSERT_TRUE(probe.has_value());
+  ASSERT_EQ(probe->code, 0) << probe->message;
+  EXPECT_EQ(probe->held_positions, 0) << "the refused commit's KV was published under another key's scope";
+}
+
 // A grant did not bound its reservation: before the fix a sender granted
 // a 4-position handoff reserved the whole pool (margin_positions as large
 // as the pool), starving every other request. Now a reservation larger

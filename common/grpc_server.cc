@@ -10,6 +10,7 @@
 #include "absl/time/clock.h"
 #include "common/metrics.h"
 #include "common/server_util.h"
+#include "google/protobuf/stubs/logging.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 
@@ -123,6 +124,16 @@ int ServeUntilSignal(const ServeOptions& o, std::initializer_list<grpc::Service*
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   if (health_server != nullptr) health_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
   return 0;
+}
+
+void LogProtobufAsEvents() {
+  google::protobuf::SetLogHandler([](google::protobuf::LogLevel level, const char* file, int line,
+                                     const std::string& message) {
+    const char* lvl = level == google::protobuf::LOGLEVEL_INFO      ? "info"
+                      : level == google::protobuf::LOGLEVEL_WARNING ? "warning"
+                                                                     : "error";
+    LogEvent(lvl, "protobuf", {{"message", message}, {"at", absl::StrCat(file, ":", line)}});
+  });
 }
 
 }  // namespace pdserve

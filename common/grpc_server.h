@@ -63,6 +63,12 @@ struct ServeOptions {
 // 0 after a signal, 1 if the address could not be bound.
 int ServeUntilSignal(const ServeOptions& options, std::initializer_list<grpc::Service*> services);
 
+// Routes libprotobuf's own messages (e.g. "String field ... contains
+// invalid UTF-8", for a client's malformed request) into LogEvent, so they
+// are JSON lines like every other (event "protobuf"). Call once, first
+// thing in main.
+void LogProtobufAsEvents();
+
 }  // namespace pdserve
 
 #endif  // PDSERVE_COMMON_GRPC_SERVER_H_

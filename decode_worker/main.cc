@@ -182,6 +182,7 @@ int Run() {
 
 int main(int argc, char** argv) {
   pdserve::BlockShutdownSignals();
+  pdserve::LogProtobufAsEvents();
   absl::SetProgramUsageMessage("pdserve decode worker: pdserve-decode-worker --model DIR [--listen ADDR]");
   absl::ParseCommandLine(argc, argv);
   return Run();

@@ -124,6 +124,7 @@ int Run() {
 
 int main(int argc, char** argv) {
   pdserve::BlockShutdownSignals();
+  pdserve::LogProtobufAsEvents();
   absl::SetProgramUsageMessage("pdserve prefill worker: pdserve-prefill-worker --model DIR [--listen ADDR]");
   absl::ParseCommandLine(argc, argv);
   return Run();

@@ -263,6 +263,7 @@ int Run() {
 
 int main(int argc, char** argv) {
   pdserve::BlockShutdownSignals();
+  pdserve::LogProtobufAsEvents();
   absl::SetProgramUsageMessage("pdserve router: pdserve-router --model DIR --decode ADDR[,..] [--prefill ADDR[,..]]");
   absl::ParseCommandLine(argc, argv);
   return Run();

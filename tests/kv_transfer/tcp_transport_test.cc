@@ -306,8 +306,10 @@ TEST_F(TcpTransportTest, PutsLandByteExactBeforeAMessageSentAfterFlush) {
 }
 
 // A peer on this host (loopback) is offered direct writes: with the full
-// descriptor its Puts land by process_vm_writev, without a frame for the
-// handler to judge, byte-exact before a message sent after the Flush.
+// descriptor its Puts land through a mapping of the region's memory file
+// (or, where the file cannot be opened as the one named, by
+// process_vm_writev), without a frame for the handler to judge,
+// byte-exact before a message sent after the Flush.
 TEST_F(TcpTransportTest, ASameHostPeerWritesDirectly) {
   std::atomic<int> may_map{-1};
   server_handler_.on_message = [&](Connection& sc, const std::string&) { may_map = sc.PeerMayMapMemory() ? 1 : 0; };
@@ -318,10 +320,18 @@ TEST_F(TcpTransportTest, ASameHostPeerWritesDirectly) {
   EXPECT_EQ(server_->WithoutRemoteKey(packed), U64(base_));
   std::shared_ptr<RemoteRegion> remote =
       client_->loop().RunSync([&] { return *c->ImportRegion(packed); });
+  std::string other_inode = packed;
+  other_inode[56] ^= 1;
+  std::shared_ptr<RemoteRegion> unmapped =
+      client_->loop().RunSync([&] { return *c->ImportRegion(other_inode); });
   Put(c, *remote, 4096, 1 << 20, 12345);
+  Put(c, *unmapped, 3, (1 << 20) + 5, 3 << 20);
   FlushThenMessage(c, "after", 2);
   EXPECT_EQ(std::memcmp(static_cast<char*>(region_->data()) + 12345, static_cast<char*>(source_->data()) + 4096,
                         1 << 20),
+            0);
+  EXPECT_EQ(std::memcmp(static_cast<char*>(region_->data()) + (3 << 20), static_cast<char*>(source_->data()) + 3,
+                        (1 << 20) + 5),
             0);
   EXPECT_TRUE(server_handler_.asked().empty()) << "a direct write went as a frame";
   // Out of the region: refused on this side, nothing written.

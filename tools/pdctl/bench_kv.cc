@@ -56,6 +56,9 @@ ABSL_FLAG(int, kv_receiver_tp, 0, "bench-kv: the receiver's tensor-parallel rank
 ABSL_FLAG(bool, with_prefill, false, "bench-kv: run a real prefill forward, streaming KV per layer");
 ABSL_FLAG(bool, show_lanes, false, "bench-kv: print the UCX lanes of the connection (stderr; --kv_transport=ucx)");
 ABSL_FLAG(std::string, kv_transport, "tcp", "bench-kv: the KV transport both processes use, tcp or ucx (as the workers' flag)");
+ABSL_FLAG(bool, kv_direct_writes, true,
+          "bench-kv: --kv-transport=tcp: the receiver offers direct writes to its same-host sender (as the workers' "
+          "flag); false: every put is a data frame the receiver reads, as from another host");
 ABSL_FLAG(std::string, kv_role, "", "bench-kv: internal, 'receive' in the child process");
 ABSL_FLAG(std::string, kv_model_identity, "", "bench-kv: internal, the receiver's model identity (hex lo:hi)");
 ABSL_FLAG(int, kv_blocks, 0, "bench-kv: internal, the receiver's pool size in blocks");
@@ -85,7 +88,8 @@ using kv::UcxTransport;
 absl::StatusOr<std::unique_ptr<kv::Transport>> MakeTransport(const std::string& name, UcxTransport** ucx) {
   const std::string kind = absl::GetFlag(FLAGS_kv_transport);
   if (kind == "tcp") {
-    absl::StatusOr<std::unique_ptr<kv::TcpTransport>> t = kv::TcpTransport::Create({.name = name});
+    absl::StatusOr<std::unique_ptr<kv::TcpTransport>> t =
+        kv::TcpTransport::Create({.name = name, .direct_writes = absl::GetFlag(FLAGS_kv_direct_writes)});
     if (!t.ok()) return t.status();
     return std::unique_ptr<kv::Transport>(*std::move(t));
   }
@@ -664,7 +668,8 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
       absl::StrCat("--kv_blocks=", (reserve_during_prefill ? 2 * blocks : blocks) + 8),
       absl::StrFormat("--kv_model_identity=%x:%x", identity.lo, identity.hi),
       absl::StrCat("--receiver_cpu=", absl::GetFlag(FLAGS_receiver_cpu)),
-      absl::StrCat("--kv_transport=", absl::GetFlag(FLAGS_kv_transport))};
+      absl::StrCat("--kv_transport=", absl::GetFlag(FLAGS_kv_transport)),
+      absl::StrCat("--kv_direct_writes=", absl::GetFlag(FLAGS_kv_direct_writes) ? "true" : "false")};
   std::string grant_key_path;
   if (absl::GetFlag(FLAGS_kv_grants)) {
     // A fresh random key for this run, readable by its owner only.
@@ -754,7 +759,12 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
     {
       kv::Transport* t = transport->get();
       Connection* c = *conn;
-      auto remote = t->loop().RunSync([&] { return c->ImportRegion(child.region()); });
+      // What the receiver hands this connection: the whole descriptor to a
+      // peer it lets write directly, else the base alone.
+      const std::string region = c->PeerMayMapMemory() || absl::GetFlag(FLAGS_kv_direct_writes)
+                                     ? child.region()
+                                     : t->WithoutRemoteKey(child.region());
+      auto remote = t->loop().RunSync([&] { return c->ImportRegion(region); });
       if (!remote.ok()) return remote.status();
       const char* base = p.storage().base;
       for (int i = -2; i < iters; ++i) {
@@ -787,6 +797,7 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
     const double h_med = Median(handoff_s), raw_med = Median(raw_s), stream_med = Median(stream_s);
     const char* tls = std::getenv("UCX_TLS");
     out = {{"transport", absl::GetFlag(FLAGS_kv_transport)},
+           {"direct_writes", absl::GetFlag(FLAGS_kv_direct_writes)},
            {"ucx_tls", ucx == nullptr ? "(not used)" : tls ? tls : "(default)"},
            {"layers", spec.num_layers},
            {"kv_heads", spec.ModelKvHeads()},

@@ -6,14 +6,14 @@
 //   GET  /health                                      200 when a request can be placed, else 503
 //
 // One event-loop thread owns every connection. Ahead of libevent's parser
-// a front reads each request's header block itself and decides before any
-// of the body is read: a generation request without a valid key (401),
-// with a body over max_body_bytes (413), without Content-Length (411), or
-// whose body would overrun the body budget (503, Retry-After) is answered
-// before any of its body is read. A refused body of announced size up to
-// twice max_body_bytes is then read and dropped, never held (a client
-// still sending it reads the reply instead of a reset); a larger one is
-// never read: the connection closes after the reply. The front also
+// a front (front.h) reads each request's header block itself and decides
+// before any of the body is read: a generation request without a valid
+// key (401), with a body over max_body_bytes (413), without Content-Length
+// (411), or whose body would overrun the body budget (503, Retry-After) is
+// answered before any of its body is read. A refused body of announced
+// size up to twice max_body_bytes is then read and dropped, never held (a
+// client still sending it reads the reply instead of a reset); a larger
+// one is never read: the connection closes after the reply. The front also
 // closes a connection accepted over max_connections at once, and one whose
 // request misses the header or request deadline.
 //

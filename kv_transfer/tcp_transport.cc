@@ -22,7 +22,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "kv_transfer/ucx_transport.h"
+#include "kv_transfer/pages.h"
 
 namespace pdserve::kv {
 namespace {
@@ -278,10 +278,6 @@ bool FromThisHost(int fd, const sockaddr_storage& peer) {
 class TcpTransport::Region final : public KvRegion {
  public:
   Region(TcpTransport* owner, std::unique_ptr<KvRegion> memory) : owner_(owner), memory_(std::move(memory)) {
-    if (auto* shared = dynamic_cast<SharedRegion*>(memory_.get()); shared != nullptr) {
-      fd_ = static_cast<uint64_t>(shared->fd());
-      inode_ = shared->inode();
-    }
     absl::MutexLock lock(&owner_->regions_mu_);
     owner_->regions_.push_back(this);
   }
@@ -292,14 +288,12 @@ class TcpTransport::Region final : public KvRegion {
   void* data() override { return memory_->data(); }
   size_t size() const override { return memory_->size(); }
   const TcpTransport* owner() const { return owner_; }
-  uint64_t fd() const { return fd_; }
-  uint64_t inode() const { return inode_; }
+  // Its memory file, when it is one (direct writes on).
+  const SharedRegion* shared() const { return dynamic_cast<const SharedRegion*>(memory_.get()); }
 
  private:
   TcpTransport* owner_;
   std::unique_ptr<KvRegion> memory_;
-  uint64_t fd_ = kNoFile;
-  uint64_t inode_ = 0;
 };
 
 class TcpTransport::Allocator final : public KvRegionAllocator {
@@ -883,8 +877,9 @@ absl::StatusOr<std::string> TcpTransport::PackRegion(KvRegion& region) {
   PutU64(out.data() + 16, static_cast<uint64_t>(getpid()));
   PutU64(out.data() + 24, reinterpret_cast<uintptr_t>(nonce_));
   std::memcpy(out.data() + 32, nonce_, kNonceBytes);
-  PutU64(out.data() + 48, r->fd());
-  PutU64(out.data() + 56, r->inode());
+  const SharedRegion* shared = r->shared();
+  PutU64(out.data() + 48, shared != nullptr ? static_cast<uint64_t>(shared->fd()) : kNoFile);
+  PutU64(out.data() + 56, shared != nullptr ? shared->inode() : 0);
   return out;
 }
 

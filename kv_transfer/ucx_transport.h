@@ -64,18 +64,11 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "kv_transfer/pages.h"
 #include "kv_transfer/transport.h"
 
 namespace pdserve::kv {
 
-// Readies `pages` pages from `first_page` (page-aligned, mapped writable)
-// for this process's writes without changing a byte, even while others
-// write them: one madvise(MADV_POPULATE_WRITE) (kernels before 5.14 refuse
-// it), then an atomic add of zero to a word of each page. What the page
-// warmer (PrepareWrites) does to a same-host receiver's pool; bench-kv
-// times it.
-void ReadyPagesForWrites(char* first_page, size_t pages);
-size_t PageBytes();
 
 class UcxTransport final : public Transport {
  public:

@@ -759,11 +759,10 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
     {
       kv::Transport* t = transport->get();
       Connection* c = *conn;
-      // What the receiver hands this connection: the whole descriptor to a
-      // peer it lets write directly, else the base alone.
-      const std::string region = c->PeerMayMapMemory() || absl::GetFlag(FLAGS_kv_direct_writes)
-                                     ? child.region()
-                                     : t->WithoutRemoteKey(child.region());
+      // What the receiver hands this connection: the whole descriptor when
+      // it lets this same-host sender write directly, else the base alone.
+      const std::string region =
+          absl::GetFlag(FLAGS_kv_direct_writes) ? child.region() : t->WithoutRemoteKey(child.region());
       auto remote = t->loop().RunSync([&] { return c->ImportRegion(region); });
       if (!remote.ok()) return remote.status();
       const char* base = p.storage().base;

@@ -59,6 +59,14 @@ void Resolve(std::shared_ptr<std::promise<absl::Status>>& p, absl::Status s) {
   p.reset();
 }
 
+// Runs `then` once every Put issued so far on `conn` will have landed before
+// the peer handles a message sent next: at once on a connection that keeps
+// that order itself, else after a Flush (a round trip).
+void AfterPuts(Connection* conn, DoneCallback then) {
+  if (conn->MessagesFollowPuts()) return then(absl::OkStatus());
+  conn->Flush(std::move(then));
+}
+
 // A receiver that did not answer in time is treated as gone: its
 // connection is failed, so the writes still outstanding on it end (instead
 // of keeping the loop polling) and the next handoff to it reconnects.
@@ -245,7 +253,7 @@ void KvSender::OnMessage(Connection& c, std::string message) {
     if (a->code == static_cast<int32_t>(absl::StatusCode::kDeadlineExceeded)) metrics_.RecordLeaseExpired();
     st->SetError(absl::AbortedError(absl::StrCat("KV handoff ", id.value, " aborted by ", c.name(), ": ", a->message)));
     st->finished = true;
-    st->conn->Flush([this, st, id](absl::Status) {
+    AfterPuts(st->conn, [this, st, id](absl::Status) {
       st->conn->Send(Encode(AbortAck{id}));
       handoffs_.erase({st->conn, id.value});
       Resolve(st->commit_done, st->Error());
@@ -375,7 +383,7 @@ absl::Status Handoff::Commit(kv::Commit state) {
       return;
     }
     st->commit_done = done;
-    st->conn->Flush([st, state = std::move(state)](absl::Status s) mutable {
+    AfterPuts(st->conn, [st, state = std::move(state)](absl::Status s) mutable {
       if (!s.ok()) {
         st->SetError(absl::UnavailableError(absl::StrCat("KV handoff: flush failed: ", s.message())));
         return Resolve(st->commit_done, st->Error());
@@ -406,7 +414,7 @@ absl::Status Handoff::Abort(absl::Status why) {
     sender->metrics_.RecordAbort();
     sender->metrics_.RecordFailure();
     st->abort_done = done;
-    st->conn->Flush([st, why](absl::Status) {
+    AfterPuts(st->conn, [st, why](absl::Status) {
       st->conn->Send(Encode(kv::Abort{st->id, static_cast<int32_t>(why.code()), std::string(why.message())}));
     });
   });

@@ -61,6 +61,11 @@ class Connection {
                    DoneCallback done) = 0;
   // Completes when every earlier Put is visible at the peer.
   virtual void Flush(DoneCallback done) = 0;
+  // True where a message Sent after a Put reaches the peer's handler only
+  // once that Put's bytes are in the peer's memory (one ordered stream, or
+  // a Put that copies before it returns). Such a connection needs no Flush
+  // round trip between a handoff's last Put and its commit.
+  virtual bool MessagesFollowPuts() const { return false; }
   // Byte ranges (offset, length) of `remote` that Puts will write soon:
   // where this side writes the peer's memory through a mapping of its own
   // (UCX shared memory), the transport readies those pages in the

@@ -305,6 +305,61 @@ TEST_F(TcpTransportTest, PutsLandByteExactBeforeAMessageSentAfterFlush) {
   EXPECT_TRUE(RegionBytes() == expect);
 }
 
+// The stream keeps Puts and messages in order: a message sent right after
+// Puts, with no Flush between, finds their bytes in place (what lets a
+// handoff commit without a Flush round trip).
+TEST_F(TcpTransportTest, AMessageSentRightAfterPutsFindsTheirBytesInPlace) {
+  Connection* c = ConnectClient();
+  std::shared_ptr<RemoteRegion> remote = Remote(c, base_);
+  EXPECT_TRUE(c->MessagesFollowPuts());
+  const auto* src = static_cast<const char*>(source_->data());
+  auto* dst = static_cast<const char*>(region_->data());
+  constexpr int64_t kPut = (2 << 20) + 5;
+  constexpr int kPuts = 6;
+  bool all_in_place = false;
+  server_handler_.on_message = [&](Connection&, const std::string& m) {
+    if (m != "commit") return;
+    all_in_place = true;
+    for (int i = 0; i < kPuts; ++i) all_in_place &= std::memcmp(dst + i * kPut, src + i * kPut, kPut) == 0;
+  };
+  client_->loop().Post([&] {
+    for (int i = 0; i < kPuts; ++i) c->Put(src + i * kPut, kPut, *remote, i * kPut, nullptr);
+    c->Send("commit");
+  });
+  ASSERT_TRUE(server_handler_.WaitMessages(1));
+  EXPECT_TRUE(all_in_place);
+  EXPECT_EQ(server_handler_.landed().size(), static_cast<size_t>(kPuts));
+}
+
+// A payload that trickles in, in pieces far smaller than the reader's wake
+// threshold and with pauses between them, still lands whole, and a short
+// message right behind it is delivered (the threshold never asks for more
+// than the frame has left, and drops back to one byte after it).
+TEST_F(TcpTransportTest, ATricklingPayloadLandsAndTheShortMessageBehindItArrives) {
+  RawSocket raw(port_);
+  ASSERT_TRUE(raw.connected());
+  constexpr size_t kBytes = (1 << 20) + 777;
+  const std::string payload = Pattern(kBytes, 11);
+  ASSERT_TRUE(raw.SendAll(DataHeader(base_ + 8192, kBytes)));
+  constexpr size_t kPiece = 3000;
+  for (size_t at = 0; at < kBytes; at += kPiece) {
+    ASSERT_TRUE(raw.SendAll(payload.substr(at, kPiece)));
+    if ((at / kPiece) % 50 == 0) absl::SleepFor(absl::Milliseconds(2));
+  }
+  ASSERT_TRUE(raw.SendAll(MessageFrame("after")));
+  ASSERT_TRUE(server_handler_.WaitMessages(1));
+  EXPECT_EQ(server_handler_.messages()[0], "after");
+  ASSERT_EQ(server_handler_.landed().size(), 1u);
+  EXPECT_EQ(std::memcmp(static_cast<char*>(region_->data()) + 8192, payload.data(), kBytes), 0);
+  // A frame that leaves the reader's budget mid-way (more than a turn
+  // reads) and then one message of a few bytes: both arrive.
+  const std::string big = Pattern((9 << 20) + 1, 12);
+  ASSERT_TRUE(raw.SendAll(DataHeader(base_ + (16 << 20), big.size()) + big + MessageFrame("x")));
+  ASSERT_TRUE(server_handler_.WaitMessages(2));
+  EXPECT_EQ(server_handler_.messages()[1], "x");
+  EXPECT_EQ(std::memcmp(static_cast<char*>(region_->data()) + (16 << 20), big.data(), big.size()), 0);
+}
+
 // A peer on this host (loopback) is offered direct writes: with the full
 // descriptor its Puts land through a mapping of the region's memory file
 // (or, where the file cannot be opened as the one named, by

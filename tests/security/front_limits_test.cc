@@ -10,6 +10,7 @@
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -267,6 +268,84 @@ TEST(FrontLimitsTest, GenerationsOverTheInflightCapGet503WithRetryAfter) {
   EXPECT_TRUE(r.alive()) << r.LogTail();
   const HttpReply after = HttpExchange(r.http_port(), HttpRequest("POST", "/v1/completions", kCompletion, {kAlice}));
   EXPECT_EQ(after.status, 200) << after.body;
+}
+
+// A pids cgroup of this test's own that holds one process, so that no
+// thread can be started in it: cgroup v1's pids controller, or v2's where
+// the root delegates it. Empty path where neither can be made (then the
+// test says so and skips).
+class ThreadCap {
+ public:
+  ThreadCap() {
+    for (const std::string& root : {std::string("/sys/fs/cgroup/pids"), std::string("/sys/fs/cgroup")}) {
+      std::ifstream controllers(root + "/cgroup.subtree_control");
+      std::string line;
+      std::getline(controllers, line);
+      const bool v1 = root.ends_with("/pids");
+      if (!v1 && line.find("pids") == std::string::npos) continue;
+      const std::string dir = absl::StrCat(root, "/pdserve-front-test-", getpid());
+      if (mkdir(dir.c_str(), 0755) == 0 || errno == EEXIST) {
+        root_ = root;
+        dir_ = dir;
+        return;
+      }
+      why_ = absl::StrCat("mkdir ", dir, ": ", strerror(errno));
+    }
+    if (why_.empty()) why_ = "no pids controller under /sys/fs/cgroup";
+  }
+  ~ThreadCap() {
+    if (dir_.empty()) return;
+    if (pid_ > 0) Write(root_ + "/cgroup.procs", std::to_string(pid_));
+    rmdir(dir_.c_str());
+  }
+  bool ok() const { return !dir_.empty(); }
+  const std::string& why() const { return why_; }
+  // Moves `pid` (all its threads) in and caps the group at what it holds.
+  bool Hold(pid_t pid) {
+    pid_ = pid;
+    if (!Write(dir_ + "/cgroup.procs", std::to_string(pid))) return false;
+    std::ifstream current(dir_ + "/pids.current");
+    int64_t n = 0;
+    if (!(current >> n) || n <= 0) return false;
+    return Write(dir_ + "/pids.max", std::to_string(n));
+  }
+  bool Release() { return Write(dir_ + "/pids.max", "max"); }
+
+ private:
+  static bool Write(const std::string& path, const std::string& value) {
+    std::ofstream f(path);
+    f << value;
+    f.flush();
+    return f.good();
+  }
+  std::string root_, dir_, why_;
+  pid_t pid_ = 0;
+};
+
+// Attack: requests while the router can start no thread at all (its pids
+// cgroup full; as when the process reached its thread limit). Before, the
+// std::system_error of the thread's start escaped into libevent and the
+// router died. Now each such request is refused with 503 and Retry-After,
+// counted, and the router serves again once threads can be started.
+TEST(FrontLimitsTest, RequestsWhenNoThreadCanStartGet503AndTheRouterLives) {
+  ThreadCap cap;
+  if (!cap.ok()) GTEST_SKIP() << "cannot make a pids cgroup to cap the router's threads: " << cap.why();
+  Router r;
+  ASSERT_TRUE(r.Start({}).ok());
+  ASSERT_TRUE(cap.Hold(r.pid()));
+  constexpr int kRequests = 5;
+  for (int i = 0; i < kRequests; ++i) {
+    const HttpReply got = HttpExchange(r.http_port(), HttpRequest("POST", "/v1/completions", kCompletion, {kAlice}));
+    EXPECT_EQ(got.status, 503) << got.body;
+    EXPECT_EQ(got.headers.count("retry-after"), 1u);
+    EXPECT_TRUE(absl::StrContains(got.body, "no thread could be started")) << got.body;
+  }
+  EXPECT_TRUE(r.alive()) << r.LogTail();
+  ASSERT_TRUE(cap.Release());
+  EXPECT_EQ(r.Metric("pdserve_http_inflight_refusals_total"), kRequests);
+  const HttpReply after = HttpExchange(r.http_port(), HttpRequest("POST", "/v1/completions", kCompletion, {kAlice}));
+  EXPECT_EQ(after.status, 200) << after.body;
+  EXPECT_TRUE(r.alive()) << r.LogTail();
 }
 
 // One attacking connection in the load test.

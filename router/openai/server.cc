@@ -265,6 +265,13 @@ class HttpServer::Impl {
     if (bound == nullptr) {
       return absl::UnavailableError(absl::StrCat("cannot listen on ", options_.address, ": ", std::strerror(errno)));
     }
+    // libevent listens with a backlog of 128: a burst of more connections
+    // than that, arriving before the loop accepts them, had some reset at
+    // their first write (measured: 316 of 3,200 at once). The queue holds
+    // as many as may be open (the kernel caps it at net.core.somaxconn).
+    if (listen(evhttp_bound_socket_get_fd(bound), options_.max_connections) != 0) {
+      return absl::UnavailableError(absl::StrCat("cannot listen on ", options_.address, ": ", std::strerror(errno)));
+    }
     sockaddr_storage addr{};
     socklen_t len = sizeof(addr);
     if (getsockname(evhttp_bound_socket_get_fd(bound), reinterpret_cast<sockaddr*>(&addr), &len) != 0) {

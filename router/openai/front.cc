@@ -143,6 +143,11 @@ struct Front::Connection {
   bool close_now = false;   // over the cap or the header budget: closed on the next turn
   bool discarding = false;  // refused: nothing more reaches libevent
   bool putting_back = false;
+  // A request on it passed authentication: between requests it may idle
+  // (up to the idle timeout). One that never did has the header deadline
+  // from its last reply on, so clients without a key cannot fill the
+  // connection cap with idle connections.
+  bool authenticated = false;
   Phase phase = Phase::kHeaders;
   std::string head;        // the header block so far (charged to the budget)
   int64_t body_left = 0;   // kBody, kDrop: bytes still to come
@@ -401,6 +406,7 @@ void Front::Decide(Connection& f, std::string* out) {
   if (const absl::Status st = hooks_.authenticate(h->authorization, ConnectionOf(f)); !st.ok()) {
     return Refuse(f, out, ErrorFor(st));
   }
+  f.authenticated = true;
   if (h->content_length > options_.max_body_bytes) {
     return Refuse(f, out, 413,
                   ErrorBody(absl::StrCat("body: ", h->content_length, " bytes, more than the limit of ",
@@ -457,7 +463,7 @@ void Front::Refuse(Connection& f, std::string* out, int status, std::string body
 void Front::EndRequest(Connection& f) {
   f.phase = Connection::Phase::kHeaders;
   f.body_left = 0;
-  f.started = absl::InfiniteFuture();
+  f.started = f.authenticated ? absl::InfiniteFuture() : absl::Now();
   ArmTimer(f);
 }
 

@@ -24,6 +24,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
@@ -234,6 +235,44 @@ TEST(FrontLimitsTest, SlowHeadersAndSlowBodiesMissTheirDeadline) {
   close(slow_body);
   EXPECT_EQ(r.AwaitMetric("pdserve_http_deadline_closes_total{phase=\"body\"}", 1), 1);
   EXPECT_EQ(r.Metric("pdserve_http_budget_bytes_used"), 0);
+}
+
+// Attack: hold connections open without a key by sending one refused
+// request on each and then nothing (the connection cap filled with idle
+// connections shuts keyed clients out). Before, a connection whose request
+// had been answered waited for the next one for the 600 s idle timeout,
+// refused or not. Now a connection that has not authenticated has the
+// header deadline from its last reply to its next request's headers; one
+// that has, keeps its keep-alive.
+TEST(FrontLimitsTest, AnIdleConnectionAfterARefusalIsClosedAtTheHeaderDeadline) {
+  // Requests that ask to be kept alive.
+  auto keep_alive = [](std::string req) {
+    return absl::StrReplaceAll(req, {{"Connection: close\r\n", ""}});
+  };
+  Router r;
+  ASSERT_TRUE(r.Start({"--http_header_timeout", "1"}).ok());
+  // Refused, then idle: closed within the header deadline.
+  for (const std::string& key : {std::string(), std::string("Authorization: Bearer sk-wrong")}) {
+    const int fd = Connect(r.http_port(), false);
+    ASSERT_GE(fd, 0);
+    const std::string req = keep_alive(HttpRequest(
+        "POST", "/v1/completions", kCompletion, key.empty() ? std::vector<std::string>{} : std::vector<std::string>{key}));
+    ASSERT_EQ(send(fd, req.data(), req.size(), MSG_NOSIGNAL), static_cast<ssize_t>(req.size()));
+    const absl::Time start = absl::Now();
+    EXPECT_TRUE(ClosedByServer(fd, absl::Seconds(5))) << key;
+    EXPECT_LT(absl::Now() - start, absl::Seconds(4)) << key;
+    close(fd);
+  }
+  EXPECT_EQ(r.AwaitMetric("pdserve_http_deadline_closes_total{phase=\"headers\"}", 2), 2);
+  // Served with a key, then idle past the header deadline: still open, and
+  // its next request is served.
+  HttpConnection keyed(r.http_port());
+  const HttpReply first = keyed.Exchange(keep_alive(HttpRequest("POST", "/v1/completions", kCompletion, {kAlice})));
+  ASSERT_EQ(first.status, 200) << first.body;
+  absl::SleepFor(absl::Milliseconds(2500));
+  const HttpReply second = keyed.Exchange(keep_alive(HttpRequest("POST", "/v1/completions", kCompletion, {kAlice})));
+  EXPECT_EQ(second.status, 200) << second.body;
+  EXPECT_EQ(r.Metric("pdserve_http_deadline_closes_total{phase=\"headers\"}"), 2);
 }
 
 // Attack: more concurrent generations than the router has threads for.

@@ -168,6 +168,13 @@ HttpReply HttpConnection::Read(absl::Duration timeout, bool (*until)(const std::
   return r;
 }
 
+HttpReply HttpConnection::Exchange(const std::string& request, absl::Duration timeout) {
+  raw_.clear();
+  reads_.clear();
+  if (!Send(request)) return {};
+  return Read(timeout);
+}
+
 HttpReply HttpExchange(int port, const std::string& request, absl::Duration timeout) {
   HttpConnection c(port);
   if (!c.ok() || !c.Send(request)) return {};

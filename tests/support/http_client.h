@@ -47,6 +47,8 @@ class HttpConnection {
   // Reads until `done(reply so far)` holds, the server closes, or the
   // timeout; returns what came. The body is de-chunked when complete.
   HttpReply Read(absl::Duration timeout, bool (*until)(const std::string& raw) = nullptr);
+  // The next request on this connection (kept alive) and its whole reply.
+  HttpReply Exchange(const std::string& request, absl::Duration timeout = absl::Seconds(60));
   void Close();
   int fd() const { return fd_; }
   int local_port() const;  // 0: not connected

@@ -74,11 +74,8 @@ DecodeStep ComputeDecodeStep(const PlanInputs& in, int64_t batch) {
   s.step_s = std::max(s.projection_compute_s, s.weight_read_s) + s.kv_read_s + s.exchange_s + s.allreduce_s;
   s.memory_bytes_per_chip = weight_bytes + s.kv_bytes_per_chip;
   s.fits = s.memory_bytes_per_chip <= (in.chip.memory_bytes - in.chip.reserved_bytes) * (1 + kSlack);
-  const bool projections_compute = s.projection_compute_s > s.weight_read_s;
-  s.projection_bound = projections_compute ? StepBound::kCompute : StepBound::kBandwidth;
-  const double counted_compute = projections_compute ? s.projection_compute_s : 0;
-  const double counted_reads = (projections_compute ? 0 : s.weight_read_s) + s.kv_read_s;
-  s.bound = counted_compute > counted_reads ? StepBound::kCompute : StepBound::kBandwidth;
+  s.bound = s.projection_compute_s > s.weight_read_s ? StepBound::kCompute : StepBound::kBandwidth;
+  s.kv_share = s.kv_read_s / s.step_s;
   s.tokens_per_s = static_cast<double>(batch) / s.step_s;
   s.tokens_per_s_per_chip = s.tokens_per_s / chips;
   return s;

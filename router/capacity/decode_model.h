@@ -56,13 +56,14 @@ struct DecodeStep {
   double kv_bytes_per_chip = 0;      // KV_chip(B)
   double memory_bytes_per_chip = 0;  // W_chip + KV_chip(B)
   bool fits = false;                 // memory_bytes_per_chip <= usable memory
-  // The branch of max(projections, weights) the step formula took:
-  // compute when the projections' FLOP time exceeds the weights' read.
-  StepBound projection_bound = StepBound::kBandwidth;
-  // The whole step: compute when the FLOP time it counts (the projections,
-  // if that branch was taken) exceeds the read time it counts (the
-  // weights, if that branch was taken, plus the KV).
+  // The step's label: the branch of max(projections, weights) its formula
+  // took. Compute when the projections' FLOP time exceeds the weights'
+  // read: that part of the step runs at the chip's peak, and a faster chip
+  // (not faster memory) shortens it. The KV read is added after it and is
+  // reported as its own share of the step (kv_share), not folded into the
+  // label.
   StepBound bound = StepBound::kBandwidth;
+  double kv_share = 0;               // kv_read_s / step_s
   double tokens_per_s = 0;           // B / t_step, the group
   double tokens_per_s_per_chip = 0;  // B / (N * t_step)
 };

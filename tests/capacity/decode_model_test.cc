@@ -53,26 +53,59 @@ TEST(CapacityDecodeTest, OneChipStepTime) {
   ExpectClose(big.tokens_per_s, 200 / 4.8192e-3);
 }
 
-TEST(CapacityDecodeTest, LabelsSayWhichBranchTheStepFormulaTook) {
+TEST(CapacityDecodeTest, TheLabelIsTheBranchTheStepFormulaTook) {
   // Batch 110: projections 2.2 ms > weights 2 ms, so the formula takes the
   // compute branch: the step is 2.2 ms of FLOPs + 0.45 ms of KV reads,
-  // compute-bound. (Comparing the FLOPs with weights + KV, 2.45 ms, would
-  // call it bandwidth-bound while the formula counts no weight read.)
+  // compute-bound, with the KV read 0.45 / 2.65 of it.
   PlanInputs in = BaseInputs();
   const DecodeStep mid = ComputeDecodeStep(in, 110);
   ExpectClose(mid.step_s, 2.2e-3 + 110 * 4.096e-6);
-  EXPECT_EQ(mid.projection_bound, StepBound::kCompute);
   EXPECT_EQ(mid.bound, StepBound::kCompute);
-  // A 32x longer history: the projections still take the compute branch,
-  // but the KV read (14.4 ms) is most of the step: bandwidth-bound.
+  ExpectClose(mid.kv_share, 110 * 4.096e-6 / (2.2e-3 + 110 * 4.096e-6));
+  // A 32x longer history: the formula still takes the compute branch, so
+  // the step is compute-bound, though the KV read (14.4 ms) is most of it:
+  // the share says so, the label does not flip.
   in.workload.history_tokens *= 32;
   const DecodeStep long_history = ComputeDecodeStep(in, 110);
   ExpectClose(long_history.step_s, 2.2e-3 + 32 * 110 * 4.096e-6);
-  EXPECT_EQ(long_history.projection_bound, StepBound::kCompute);
-  EXPECT_EQ(long_history.bound, StepBound::kBandwidth);
-  // Batch 1: the weights' read is the branch taken, and bounds the step.
-  EXPECT_EQ(ComputeDecodeStep(in, 1).projection_bound, StepBound::kBandwidth);
+  EXPECT_EQ(long_history.bound, StepBound::kCompute);
+  EXPECT_GT(long_history.kv_share, 0.8);
+  // Batch 1: the weights' read is the branch taken.
   EXPECT_EQ(ComputeDecodeStep(in, 1).bound, StepBound::kBandwidth);
+}
+
+// A 70B-class model with int8 weights and KV at S = 2048, B = 128 on one
+// 8-chip group (8 KV heads, head-sharded) of H100-like chips: 2 * 8.825e9 *
+// 128 / 989e12 = 2.284 ms of FLOPs against 8.825e9 / 3.35e12 = 2.634 ms of
+// weights (bandwidth); at 300 TFLOP/s the FLOPs take 7.531 ms, the branch is
+// the compute one, and the step (7.531 ms + 1.603 ms of KV) is compute-bound.
+TEST(CapacityDecodeTest, A70bInt8StepOnTheComputeBranchIsComputeBound) {
+  PlanInputs in = BaseInputs();
+  in.model = {.name = "70b-class",
+              .layers = 80,
+              .hidden = 8192,
+              .q_heads = 64,
+              .kv_heads = 8,
+              .head_dim = 128,
+              .params = 70.6e9,
+              .bytes_per_weight = 1,
+              .bytes_per_kv_element = 1};
+  in.chip.memory_bytes = 80e9;
+  in.chip.reserved_bytes = 8e9;
+  in.chip.bandwidth_bytes_per_s = 3.35e12;
+  in.chip.peak_flops = 989e12;
+  in.decode.chips_per_group = 8;
+  in.workload.history_tokens = 2048;
+  const DecodeStep h100 = ComputeDecodeStep(in, 128);
+  ExpectClose(h100.projection_compute_s, 2 * 8.825e9 * 128 / 989e12);
+  ExpectClose(h100.weight_read_s, 8.825e9 / 3.35e12);
+  EXPECT_EQ(h100.bound, StepBound::kBandwidth);
+  in.chip.peak_flops = 300e12;
+  const DecodeStep slow = ComputeDecodeStep(in, 128);
+  const double kv = 2.0 * 80 * 8 * 128 * 2048 * 128 / 8 / 3.35e12;
+  ExpectClose(slow.step_s, 2 * 8.825e9 * 128 / 300e12 + kv);
+  EXPECT_EQ(slow.bound, StepBound::kCompute);
+  ExpectClose(slow.kv_share, kv / slow.step_s);
 }
 
 TEST(CapacityDecodeTest, ComputeBoundBatchIsWeightBytesTimesFlopsOverTwiceBandwidth) {

@@ -88,9 +88,8 @@ void PrintText(const std::string& path, const PlanInputs& in, const CapacityPlan
                static_cast<int64_t>(std::ceil(d.compute_bound_batch)), Num(d.compute_bound_batch));
   absl::PrintF("  max batch (target)    %d for a step <= %s\n", d.max_batch_target,
                Time(in.workload.step_time_target_s));
-  absl::PrintF("  batch                 %d, limited by %s; projections %s-bound, the step %s-bound\n",
-               d.step.batch, BatchLimitName(d.limit), StepBoundName(d.step.projection_bound),
-               StepBoundName(d.step.bound));
+  absl::PrintF("  batch                 %d, limited by %s; the step %s-bound, KV reads %.0f%% of it\n",
+               d.step.batch, BatchLimitName(d.limit), StepBoundName(d.step.bound), 100 * d.step.kv_share);
   absl::PrintF("  step time             %s\n", StepFormula(d.step));
   absl::PrintF("  memory per chip       %s\n", Bytes(d.step.memory_bytes_per_chip));
   absl::PrintF("  tokens/s              %s per group, %s per chip\n", Num(d.step.tokens_per_s),
@@ -100,11 +99,11 @@ void PrintText(const std::string& path, const PlanInputs& in, const CapacityPlan
                  Num(*d.cost_per_million_tokens));
   }
   if (!d.table.empty()) {
-    absl::PrintF("\n  %7s %10s %10s %10s %11s %11s %5s %11s %11s\n", "batch", "step", "proj", "step bound", "KV/chip",
+    absl::PrintF("\n  %7s %10s %10s %10s %11s %11s %5s %11s %11s\n", "batch", "step", "bound", "KV share", "KV/chip",
                  "mem/chip", "fits", "tok/s", "tok/s/chip");
     for (const DecodeStep& s : d.table) {
-      absl::PrintF("  %7d %10s %10s %10s %11s %11s %5s %11s %11s\n", s.batch, Time(s.step_s),
-                   StepBoundName(s.projection_bound), StepBoundName(s.bound),
+      absl::PrintF("  %7d %10s %10s %9.0f%% %11s %11s %5s %11s %11s\n", s.batch, Time(s.step_s),
+                   StepBoundName(s.bound), 100 * s.kv_share,
                    Bytes(s.kv_bytes_per_chip), Bytes(s.memory_bytes_per_chip), s.fits ? "yes" : "no",
                    Num(s.tokens_per_s), Num(s.tokens_per_s_per_chip));
     }
@@ -154,8 +153,8 @@ json StepJson(const DecodeStep& s) {
           {"kv_read_s", s.kv_read_s},
           {"exchange_s", s.exchange_s},
           {"allreduce_s", s.allreduce_s},
-          {"projection_bound", StepBoundName(s.projection_bound)},
           {"bound", StepBoundName(s.bound)},
+          {"kv_share", s.kv_share},
           {"kv_bytes_per_chip", s.kv_bytes_per_chip},
           {"memory_bytes_per_chip", s.memory_bytes_per_chip},
           {"fits", s.fits},

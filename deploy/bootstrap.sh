@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Installs the Debian packages the build needs (idempotent: apt-get is only
 # called when one is missing), then configures and builds pdserve into
-# ${PDSERVE_BUILD_DIR:-build}. Safe to run again; a no-op rebuild takes seconds.
+# ${PDSERVE_BUILD_DIR:-build}: the named targets, or everything when none is
+# named. Safe to run again; a no-op rebuild takes seconds.
+#
+#   deploy/bootstrap.sh [TARGET...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,7 +25,7 @@ for p in "${PACKAGES[@]}"; do
   fi
 done
 if ((${#missing[@]})); then
-  echo "bootstrap: installing ${missing[*]}"
+  echo "bootstrap: installing ${#missing[@]} Debian packages: ${missing[*]}"
   SUDO=""
   if [[ $(id -u) -ne 0 ]]; then SUDO="sudo"; fi
   $SUDO apt-get update -qq
@@ -31,6 +34,13 @@ fi
 
 BUILD_DIR=${PDSERVE_BUILD_DIR:-build}
 if [[ ! -f "$BUILD_DIR/build.ninja" ]]; then
+  echo "bootstrap: configuring $BUILD_DIR"
   cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=${PDSERVE_BUILD_TYPE:-Release}
 fi
-cmake --build "$BUILD_DIR" -j "$(nproc)"
+if (($#)); then
+  echo "bootstrap: building $* (ninja prints [done/total])"
+  cmake --build "$BUILD_DIR" -j "$(nproc)" --target "$@"
+else
+  echo "bootstrap: building everything (ninja prints [done/total])"
+  cmake --build "$BUILD_DIR" -j "$(nproc)"
+fi

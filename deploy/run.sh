@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
 # The main job. Installs and builds what is missing, starts a local pdserve
-# cluster on loopback — a router, a prefill worker and a decode worker, with
-# the KV cache handed from one to the other over UCX — on the embedded
-# default model (deploy/models/kjv-tiny, a small Llama-architecture model the
-# repository trained itself on the King James Bible), waits until all three
-# serve, and streams a sample generation and a chat turn through it.
+# cluster on loopback — a router, a prefill worker and a decode worker, the
+# KV cache handed from one to the other over pdserve's TCP transport — on
+# the embedded default model (deploy/models/kjv-tiny, a small
+# Llama-architecture model the repository trained itself on the King James
+# Bible), waits until all three serve, and streams a sample generation and
+# a chat turn through it.
 #
 # Options go to deploy/cluster.sh start: --prefill N, --decode M,
 # --colocated, --pin (prefill on core 0, decode on core 1). The cluster keeps
 # running afterwards; stop it with deploy/cluster.sh stop.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-deploy/bootstrap.sh
+# Only what the main job runs: the three servers and pdctl (deploy/test.sh
+# builds the rest).
+deploy/bootstrap.sh pdserve-router pdserve-prefill-worker pdserve-decode-worker pdctl
 BUILD_DIR=${PDSERVE_BUILD_DIR:-build}
 PDCTL="$BUILD_DIR/tools/pdctl/pdctl"
 PROMPT=${PDSERVE_PROMPT:-"And God said, Let there be"}

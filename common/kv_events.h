@@ -1,5 +1,5 @@
 // What a worker's prefix cache holds, as a stream of events the router
-// follows (prefix-aware routing, issue 11).
+// follows for prefix-aware routing.
 //
 // The pool reports every block it publishes under a content hash (stored,
 // with the parent block's hash: the chain of common/block_hash.h) and every

@@ -426,13 +426,13 @@ void CpuBackend::Linear(const LinearWeight& w, const float* x, int64_t m, const 
         // own share of the panels front to back, a kernel call at a time,
         // and takes calls from the back of the other's share when it runs
         // out (ParallelStealing): one cold start of the weight streams a
-        // thread, and a tail of at most one call. Zen 5 class,
-        // `bench-engine` against 2 chunks a thread, alternated: b=1 and b=8
-        // at h=128 and 512 faster in 5 of 6 runs each (0.86-0.97x in
-        // most); in a second sitting b=1 at h=4096 in 4 of 4, b=4 in 6 of
-        // 8, b=8 in 5 of 8, b=12 in 6 of 8. At 32 rows it was slower
-        // (1.02-1.07x in 5 of 6): there the kernel's own chunks keep each
-        // pass's panels in L2 for the later row tiles.
+        // thread, and a tail of at most one call. Against 2 chunks a thread
+        // (Zen 5 class, `bench-engine`, alternated runs) it is faster for
+        // b=1 and b=8 at h=128 and 512 in 5 of 6 runs each (0.86-0.97x in
+        // most), and at h=4096 for b=1 in 4 of 4, b=4 in 6 of 8, b=8 in 5
+        // of 8, b=12 in 6 of 8. At 32 rows it is slower (1.02-1.07x in 5
+        // of 6): there the kernel's own chunks keep each pass's panels in
+        // L2 for the later row tiles.
         pool_.ParallelStealing(pw.num_panels(), Bf16PanelsPerCall(m), body);
       } else {
         // Up to 32 rows: 2 chunks a thread, not 4. Each chunk starts its
@@ -671,12 +671,12 @@ void CpuBackend::BuildAttentionPlan(const AttentionBatch& batch) {
   // segment's KV heads side by side, so that the threads share the row by
   // keys and each reads whole blocks (every head's K and V) in one stream,
   // not a part of every block; AttentionCombine merges them as a lone
-  // thread would. One row, 2 threads, Zen 5 VM, `pdctl bench-attention`,
+  // thread would. One row, 2 threads, Zen 5 class, `pdctl bench-attention`,
   // 3 alternations: history 2048 29.0-29.6 GB/s against 23.9-24.5 by
   // heads, 4096 29.2-30.6 against 23.3-24.5. Rows split at 513 keys (512
   // and 1) read 0.72-0.85x as fast in `bench-engine` (3 alternations: the
   // second segment's pass and the merge for one key), so shorter rows go
-  // by heads as before. The minimum is a history, not a count a thread:
+  // by heads. The minimum is a history, not a count a thread:
   // with more threads than a row has KV heads, a long row split by keys
   // keeps every thread busy where its heads alone would not (unmeasured
   // beyond 2 threads, where the two rules agree).
@@ -718,12 +718,14 @@ void CpuBackend::BuildAttentionPlan(const AttentionBatch& batch) {
   // equal share of the heads. A thread then interleaves the KV heads of a
   // row in its chunk block by block (AttentionTyped), reading 8 KB or
   // more of each 16 KB block of the 125M shape's KV in one stream instead
-  // of one head's 4 KB. History 4096 on a 2-thread Zen 3 VM, old and new
-  // alternated 4 times: one row 17.8-18.5 against 14.6-14.7 GB/s, two
+  // of one head's 4 KB. At history 4096 on a 2-thread Zen 3 class CPU,
+  // against one head a stream (4 alternations): one row 17.8-18.5 against
+  // 14.6-14.7 GB/s, two
   // rows 17.7-18.3 against 14.7-14.8 with two heads a chunk (`pdctl
   // bench-attention`), whole rows another 1.03-1.04x at two rows (3
   // alternations); in `bench-engine`, b=1 steps 0.92-0.96x the time, b=2
-  // 0.89x. A row's heads compute as before: the same bits.
+  // 0.89x. A row's heads compute in the same order either way: the same
+  // bits.
   p.partials.resize(partials);
   int per_thread = 4;
   if (decode && batch.num_kv_heads > 1) {

@@ -13,7 +13,7 @@ bool HasAvx512Bf16() { return __builtin_cpu_supports("avx512bf16"); }
 bool HasAvx512Fp16() { return __builtin_cpu_supports("avx512fp16"); }
 
 // Sixteen accumulators as named variables, so they live in registers (an
-// array was kept in memory, which measured the store-forwarding latency).
+// array stays in memory, and the loop then times store forwarding instead).
 #define PDSERVE_X16(m) m(0) m(1) m(2) m(3) m(4) m(5) m(6) m(7) m(8) m(9) m(10) m(11) m(12) m(13) m(14) m(15)
 
 double Bf16DotPeakLoop(int64_t iters) {

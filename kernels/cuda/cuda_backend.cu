@@ -1004,7 +1004,7 @@ class CudaBackendImpl final : public CudaBackend {
     return error_;
   }
 
-  // Grows a device scratch buffer (contents not kept).
+  // Grows a device scratch buffer; its old contents are discarded.
   bool Reserve(void** p, size_t* have, size_t bytes) {
     if (bytes <= *have) return true;
     if (*p != nullptr) {

@@ -121,7 +121,7 @@ struct HttpBackend {
   // The prefix-cache salt of a generation admitted under a key id
   // (--prefix_cache_scope=per_key). Empty: every request shares one cache.
   std::function<CacheSalt(const std::string& key_id)> cache_salt;
-  // Where the server's own metrics go (none: not kept): replies by status
+  // Where the server's own metrics go (none: not recorded): replies by status
   // code, and how long a streamed event waits between the relay queueing
   // it and the loop handing it to the socket.
   MetricsRegistry* metrics = nullptr;

@@ -3,7 +3,7 @@
 // requests with seeded random prompts, several at a time. The model's output
 // head favours the 256 byte tokens, so streams put bytes together in every
 // way a trained model rarely does: characters split across tokens, runs that
-// turn invalid part way, bytes next to words (issue 17). Every stream must
+// turn invalid part way, bytes next to words. Every stream must
 // end with its final message and valid UTF-8, and the cluster must end with
 // nothing in flight and no KV held (the prefix cache aside).
 #include <atomic>

@@ -9,7 +9,7 @@
 # writer: a gRPC Write returns once gRPC has the message; over HTTP the
 # event is formatted and queued for the event loop, whose socket write is
 # not in the figure but is in the tokens/s): the median of the requests'
-# p50s and the largest p99. Targets (issues 20, 21): >= 50k tokens/s,
+# p50s and the largest p99. Targets: >= 50k tokens/s,
 # <= 50 us p50, over either API.
 #
 #   tools/bench/relay_cost.sh [BUILD_DIR] [RUNS]

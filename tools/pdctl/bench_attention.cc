@@ -31,7 +31,8 @@ using kernels::cpu::CpuBackendOptions;
 
 // The last-level cache of the CPU this runs on, as the kernel reports it
 // (sysfs; in a VM glibc's sysconf may give the host package's instead:
-// 256 MiB against the 32 MiB of this VM's one L3). 0 when unknown.
+// 256 MiB against the guest's 32 MiB L3 on a 2-vCPU cloud VM). 0 when
+// unknown.
 int64_t LastLevelCacheBytes() {
   int64_t best = 0;
   for (int i = 0; i < 8; ++i) {

@@ -98,7 +98,8 @@ RULES = [
     # issues 102 loads").
     ("issue number", re.compile(r"\bissue\s+#?[0-9]+\b|\bissues\s+#[0-9]+\b"
                                 r"|\bissues\s+#?[0-9]+\s*(?:,|and\b|&)\s*#?[0-9]+\b", I), None),
-    ("issue number", re.compile(r"#[0-9]{1,5}\b"), _issue_hash_is_diary),
+    # "#52", not a Markdown anchor ("(#8-tensor-parallelism)").
+    ("issue number", re.compile(r"#[0-9]{1,5}\b(?!-\w)"), _issue_hash_is_diary),
     ("commit hash", re.compile(r"(?<![0-9A-Za-z_])(?P<hash>[0-9A-Fa-f]{7,40})(?![0-9A-Za-z_])"), _hash_is_diary),
     ("../shared", re.compile(r"\.\./shared\b"), None),
 ]

@@ -6,6 +6,7 @@
 //
 // Run `pdctl help` for the list.
 #include <algorithm>
+#include <map>
 #include <cmath>
 #include <cstdlib>
 #include <optional>
@@ -17,6 +18,7 @@
 #include "absl/flags/declare.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
@@ -37,7 +39,7 @@
 
 ABSL_FLAG(std::string, model, "",
           "Hugging Face model directory (default: $PDSERVE_MODEL, else the shipped deploy/models/kjv-tiny)");
-ABSL_FLAG(std::string, token_ids, "", "comma-separated token ids (logits)");
+ABSL_FLAG(std::string, token_ids, "", "logits: comma-separated token ids");
 ABSL_FLAG(std::string, prompt_ids, "", "generate: comma-separated prompt token ids");
 ABSL_FLAG(bool, all_positions, false, "logits: print every position, not only the last");
 ABSL_FLAG(std::string, weights, "", "in-memory weight format: f32 or bf16 (default: as stored)");
@@ -114,8 +116,8 @@ ABSL_FLAG(std::string, shared_prefix, "8:2048:64",
 ABSL_FLAG(std::string, prefix_hit, "2048:64",
           "bench-engine: CACHED:NEW prefix-hit prefill scenario (empty = skip)");
 ABSL_FLAG(std::string, prefill, "128,512,2048", "bench-engine: prompt lengths");
-ABSL_FLAG(std::string, decode_batch, "1,8,32", "bench-engine: decode batch sizes");
-ABSL_FLAG(std::string, decode_history, "128,512,4096", "bench-engine: decode history lengths");
+ABSL_FLAG(std::string, decode_batch, "1,8,32", "bench-engine / bench-attention: decode batch sizes");
+ABSL_FLAG(std::string, decode_history, "128,512,4096", "bench-engine / bench-attention: decode history lengths");
 // bench-kv's (tools/pdctl/bench_kv.cc), also bench-attention's geometry.
 ABSL_DECLARE_FLAG(int, kv_heads);
 ABSL_DECLARE_FLAG(int, head_dim);
@@ -513,6 +515,92 @@ constexpr char kUsage[] =
     "  plan          capacity model of a deployment from --config FILE [--json]\n"
     "  help      this text; `pdctl COMMAND --help` lists the flags\n";
 
+// `pdctl COMMAND --help`: the flags COMMAND reads. A flag belongs to a
+// command when its help text is tagged with the command's name, at its start
+// or after "; " ("bench-kv: ...", "generate / status / bench --router: ...",
+// "...; probe: ..."), whichever file defines it; the untagged flags a
+// command reads (engine, output and TLS flags shared by several commands)
+// are named in kUntaggedFlags. tools/reference/gen_reference.py checks that
+// every tagged flag is listed under its commands and that every flag pdctl
+// defines is listed under at least one.
+constexpr const char* kCommands[] = {"logits",   "generate",        "status",     "probe",        "bench",
+                                     "tokenize", "detokenize",      "chat-template", "bench-tokenizer",
+                                     "make-model", "bench-engine",  "bench-attention", "bench-kv", "plan"};
+
+bool IsCommand(absl::string_view name) {
+  for (const char* c : kCommands) {
+    if (name == c) return true;
+  }
+  return false;
+}
+
+// The in-process model's flags (EngineFlags()).
+#define PDCTL_ENGINE_FLAGS \
+  "model", "weights", "kv", "threads", "backend", "cuda_device", "tp", "isa", "matrix_path", "block_size"
+
+const std::map<std::string, std::vector<std::string>>& UntaggedFlags() {
+  static const auto* m = new std::map<std::string, std::vector<std::string>>{
+      {"logits", {PDCTL_ENGINE_FLAGS}},
+      {"generate", {PDCTL_ENGINE_FLAGS, "tls_ca"}},
+      {"status", {"json", "tls_ca"}},
+      {"probe", {}},
+      {"bench", {"json", "threads", "tls_ca"}},
+      {"tokenize", {"model"}},
+      {"detokenize", {"model"}},
+      {"chat-template", {"model"}},
+      {"bench-tokenizer", {"model"}},
+      {"make-model", {}},
+      {"bench-engine", {PDCTL_ENGINE_FLAGS, "json"}},
+      {"bench-attention", {"threads", "isa", "kv", "block_size", "json"}},
+      {"bench-kv", {"model", "kv", "block_size", "threads", "json"}},
+      {"plan", {"json"}},
+  };
+  return *m;
+}
+#undef PDCTL_ENGINE_FLAGS
+
+// The commands a help text is tagged with.
+std::vector<std::string> HelpTags(absl::string_view help) {
+  std::vector<std::string> tags;
+  for (absl::string_view segment : absl::StrSplit(help, "; ")) {
+    const size_t colon = segment.find(':');
+    if (colon == absl::string_view::npos) continue;
+    absl::string_view head = segment.substr(0, colon);
+    if (const size_t dashes = head.find(" --"); dashes != absl::string_view::npos) head = head.substr(0, dashes);
+    std::vector<std::string> names = absl::StrSplit(head, " / ");
+    bool all = !names.empty();
+    for (const std::string& n : names) all = all && IsCommand(n);
+    if (all) tags.insert(tags.end(), names.begin(), names.end());
+  }
+  return tags;
+}
+
+std::string Dashed(absl::string_view name) {
+  std::string s(name);
+  std::replace(s.begin(), s.end(), '_', '-');
+  return s;
+}
+
+void PrintCommandHelp(const std::string& command) {
+  std::map<std::string, const absl::CommandLineFlag*> flags;
+  const auto all = absl::GetAllFlags();
+  for (const std::string& name : UntaggedFlags().at(command)) {
+    if (auto it = all.find(name); it != all.end()) flags[name] = it->second;
+  }
+  for (const auto& [name, flag] : all) {
+    for (const std::string& tag : HelpTags(flag->Help())) {
+      if (tag == command) flags[std::string(name)] = flag;
+    }
+  }
+  std::printf("pdctl %s [flags]\n\nFlags of pdctl %s (--name-with-dashes or --name_with_underscores):\n",
+              command.c_str(), command.c_str());
+  for (const auto& [name, flag] : flags) {
+    const std::string def = flag->DefaultValue();
+    std::printf("    --%s (%s); default: %s;\n", Dashed(name).c_str(), flag->Help().c_str(),
+                flag->IsOfType<std::string>() ? absl::StrCat("\"", def, "\"").c_str() : def.c_str());
+  }
+}
+
 }  // namespace
 }  // namespace pdserve::pdctl
 
@@ -536,6 +624,14 @@ int main(int argc, char** argv) {
       std::replace(a.begin() + 2, a.begin() + static_cast<std::ptrdiff_t>(end), '-', '_');
     }
     storage.push_back(std::move(a));
+  }
+  if (IsCommand(command)) {
+    for (const std::string& a : storage) {
+      if (a == "--help" || a == "-help") {
+        PrintCommandHelp(command);
+        return 0;
+      }
+    }
   }
   std::vector<char*> args;
   args.push_back(argv[0]);

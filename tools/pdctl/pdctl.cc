@@ -6,12 +6,12 @@
 //
 // Run `pdctl help` for the list.
 #include <algorithm>
-#include <map>
 #include <cmath>
 #include <cstdlib>
 #include <optional>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -523,9 +523,10 @@ constexpr char kUsage[] =
 // are named in kUntaggedFlags. tools/reference/gen_reference.py checks that
 // every tagged flag is listed under its commands and that every flag pdctl
 // defines is listed under at least one.
-constexpr const char* kCommands[] = {"logits",   "generate",        "status",     "probe",        "bench",
-                                     "tokenize", "detokenize",      "chat-template", "bench-tokenizer",
-                                     "make-model", "bench-engine",  "bench-attention", "bench-kv", "plan"};
+constexpr const char* kCommands[] = {"logits",     "generate",        "status",       "probe",
+                                     "bench",      "tokenize",        "detokenize",   "chat-template",
+                                     "bench-tokenizer", "make-model",   "bench-engine", "bench-attention",
+                                     "bench-kv",   "plan"};
 
 bool IsCommand(absl::string_view name) {
   for (const char* c : kCommands) {
@@ -584,8 +585,10 @@ std::string Dashed(absl::string_view name) {
 void PrintCommandHelp(const std::string& command) {
   std::map<std::string, const absl::CommandLineFlag*> flags;
   const auto all = absl::GetAllFlags();
-  for (const std::string& name : UntaggedFlags().at(command)) {
-    if (auto it = all.find(name); it != all.end()) flags[name] = it->second;
+  if (auto untagged = UntaggedFlags().find(command); untagged != UntaggedFlags().end()) {
+    for (const std::string& name : untagged->second) {
+      if (auto it = all.find(name); it != all.end()) flags[name] = it->second;
+    }
   }
   for (const auto& [name, flag] : all) {
     for (const std::string& tag : HelpTags(flag->Help())) {

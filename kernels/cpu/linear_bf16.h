@@ -1,7 +1,7 @@
 // The BF16 matrix path: y = x W^T with W held as the model's BF16 weights
 // (exactly), x rounded to BF16, and each pair of products summed into F32
 // by AVX512-BF16 VDPBF16PS: twice the F32 FMA rate on CPUs that run it at
-// full width (MACHINE_FACTS: the Zen 5 class; the Sapphire Rapids class
+// full width (the Zen 5 class; the Sapphire Rapids class
 // runs it at half the F32 rate, so the probe leaves it there).
 //
 // Layout: the FP16 path's panels (linear_fp16.h: 16 output columns x k

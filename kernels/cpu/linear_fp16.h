@@ -1,7 +1,6 @@
 // The FP16 matrix path: y = x W^T with x and W rounded to IEEE half
 // precision and multiplied in AVX512-FP16, about twice the F32 FMA rate on
-// CPUs whose FP16 FMA runs at full width (MACHINE_FACTS: the Sapphire
-// Rapids class). The backend chooses it at start-up (cpu_backend.h) and
+// CPUs whose FP16 FMA runs at full width (the Sapphire Rapids class). The backend chooses it at start-up (cpu_backend.h) and
 // never on a CPU without AVX512-FP16.
 //
 // Layout: each 512-bit vector of weights holds 16 output columns x 2

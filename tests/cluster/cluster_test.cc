@@ -249,8 +249,8 @@ TEST_F(ClusterTest, SixtyFourConcurrentStreams) {
   } while (absl::Now() < deadline);
   EXPECT_EQ(st.decode(0).kv_blocks_used(), 0) << st.ShortDebugString();
   EXPECT_EQ(st.prefill(0).kv_blocks_used(), 0) << st.ShortDebugString();
-  // And the prefill worker's queued-token count (a prompt whose first token
-  // came before its call was marked admitted used to stay counted).
+  // And the prefill worker's queued-token count, including a prompt whose
+  // first token comes before its call is marked admitted.
   EXPECT_EQ(QueuedPrefillTokensAfterSettling(*disagg_), 0) << disagg_->Status().ShortDebugString();
 }
 

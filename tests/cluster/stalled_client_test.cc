@@ -146,7 +146,7 @@ TEST(StalledClientTest, StreamsWhoseWriteStallsAreCancelledAfterTheStallTimeout)
   Worker w;
   ASSERT_TRUE(w.Start(dir, {"--stall_timeout_s", "0.5", "--max_buffered_tokens", "100000",
                             "--prefix_cache=false"}).ok());
-  // Within the stall timeout + 1 s (the bound).
+  // Within the stall timeout + 1 s.
   RunStalledClients(w, absl::Milliseconds(500) + absl::Seconds(1));
 }
 

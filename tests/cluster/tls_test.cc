@@ -370,10 +370,11 @@ bool StreamThenReset(int port, const std::string& request, size_t reset_after) {
 // Clients of the HTTPS API that vanish (reset) mid-stream or just as their
 // stream ends must cost the router nothing. Subprocess gives servers
 // SIGPIPE's default disposition, as a shell or a container runtime does.
-// The router once died of SIGPIPE under the Kubernetes lifecycle test's
-// load (tests/deploy/k8s_lifecycle.py, over veth links); this loopback test
-// did not reproduce that death before the fix (servers now ignore SIGPIPE),
-// so it pins reset handling in general, and the lifecycle test pins that.
+// Servers ignore SIGPIPE, so a write to a reset connection fails instead
+// of killing the router. A loopback reset does not reliably raise SIGPIPE,
+// so this test pins reset handling in general; the Kubernetes lifecycle
+// test (tests/deploy/k8s_lifecycle.py, over veth links) loads the router
+// where SIGPIPE does arrive.
 TEST(TlsVanishingClientTest, ClientsThatResetMidStreamCostTheRouterNothing) {
   const std::string dir = TempDir();
   Cluster c;

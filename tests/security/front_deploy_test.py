@@ -8,21 +8,21 @@ TEST is one of:
 
 - fresh_dir_is_private: make_certs.sh into a directory that does not exist
   yet. Attack: another local user lists the directory, or waits for it to be
-  made and plants files in it. Before the fix the directory was made before
-  `umask 077` took effect, so it was 0755 under the usual umask (the keys in
-  it were 0600, but anyone could list the directory).
+  made and plants files in it. The directory is made under `umask 077`:
+  made before it, it is 0755 under the usual umask (the keys in it are
+  0600, but anyone can list the directory).
 - refuses_foreign_dir: make_certs.sh into a directory another user (nobody)
   owns. Attack: that user made the directory first; as its owner it can
   rename and replace what the script writes there (a ca.pem of its own
-  chosen CA, which every service would then trust). Before the fix the
-  script wrote the CA and every key into it and exited 0. Needs root (to
+  chosen CA, which every service would then trust). The script must refuse
+  it, not write the CA and every key into it and exit 0. Needs root (to
   make a directory owned by nobody); skipped otherwise.
 - dockerignore_excludes_certs: the certificates and keys make_certs.sh
   writes under deploy/k8s/overlays/*/certs (where the Kubernetes overlays
   read them) must not enter a Docker build context: the builder stage does
-  `COPY . /src`, so they would sit in an image layer. Before the fix
-  .dockerignore did not exclude them (deploy/k8s/overlays/x/certs/ca.key
-  was in the context).
+  `COPY . /src`, so they would sit in an image layer. .dockerignore
+  excludes them (deploy/k8s/overlays/x/certs/ca.key, for one, must not be
+  in the context).
 
 Exit status: 0 passed, 1 failed, 77 skipped (CTest SKIP_RETURN_CODE).
 """

@@ -2,16 +2,16 @@
 // The API key file's lines reach the log through its parse errors (a limit
 // field is quoted back), so whoever can write that file, or a Secret
 // update gone wrong, could stop the router with a byte that is not UTF-8.
-// Before the fix:
-// - a router started with such a file died by SIGABRT (status 134,
+// What a throwing log line does, and what the tests rule out:
+// - a router started with such a file dies by SIGABRT (status 134,
 //   "terminate called after throwing an instance of
 //   nlohmann::...::type_error") instead of exiting with its start error;
-// - a running router whose key file was rewritten with such a line died
+// - a running router whose key file is rewritten with such a line dies
 //   ("terminate called after throwing ...") on the first HTTP request after
 //   the rewrite: the file is read again on a request's own thread, which
-//   logs the parse error (a gRPC request there failed UNKNOWN, "Unexpected
-//   error in RPC handling", as gRPC caught the throw).
-// Client-chosen strings were already kept out of the log's reach (gRPC
+//   logs the parse error (a gRPC request there fails UNKNOWN, "Unexpected
+//   error in RPC handling", as gRPC catches the throw).
+// Client-chosen strings are kept out of the log's reach otherwise (gRPC
 // strings must be UTF-8 to parse; an X-Request-Id that is not printable
 // ASCII is ignored; the Authorization header is never logged); the last
 // test holds those lines too.

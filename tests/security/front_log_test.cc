@@ -1,9 +1,9 @@
 // Attack: bytes that are not UTF-8 in a log line. Every server logs
 // strings that come from outside (a worker's error message, a line of the
-// API key file, a DNS name), and a log line that could not be written used
-// to throw out of LogEvent: on a gRPC or HTTP thread that ends the process.
-// Before the fix each test below threw (nlohmann's type_error 316, "invalid
-// UTF-8 byte") instead of writing its line.
+// API key file, a DNS name), and a log line that throws out of LogEvent on
+// a gRPC or HTTP thread ends the process. Dumped as JSON unchecked, each
+// line below throws (nlohmann's type_error 316, "invalid UTF-8 byte"); each
+// test checks that LogEvent writes it instead.
 #include <fcntl.h>
 #include <unistd.h>
 

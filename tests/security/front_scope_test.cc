@@ -2,31 +2,31 @@
 // generation, against real processes.
 //
 // Reply amplification: a reply that is not streamed is held whole until its
-// last token, with every token's logprob entry and its alternatives. Before
-// the fix a non-streamed chat asking for top_logprobs 20 and no max_tokens
-// (the rest of the context) was served with a 200 whose body held 21
-// entries for each of the ~500 tokens kjv-tiny's 512-position context left
-// (a few hundred bytes each, built as a JSON tree first; a 128K-context
-// model: ~900 MB per request), and gRPC Complete with max_tokens 480 and
-// logprobs 20 was served the same way. Now both are refused naming
-// max_tokens (HTTP 400 with "param", gRPC INVALID_ARGUMENT), counted as
-// invalid; the same requests streamed are served.
+// last token, with every token's logprob entry and its alternatives. Served
+// as asked, a non-streamed chat asking for top_logprobs 20 and no
+// max_tokens (the rest of the context) gets a 200 whose body holds 21
+// entries for each of the ~500 tokens kjv-tiny's 512-position context
+// leaves (a few hundred bytes each, built as a JSON tree first; a
+// 128K-context model: ~900 MB per request), and so does gRPC Complete with
+// max_tokens 480 and logprobs 20. Both are refused naming max_tokens (HTTP
+// 400 with "param", gRPC INVALID_ARGUMENT), counted as invalid; the same
+// requests streamed are served.
 //
-// Cluster status for anyone: before the fix ClusterStatus on the router's
-// public port answered a client with no key, or a wrong one, with every
-// worker's address, KV sizes and failure reasons, after calling every
-// worker. Now it needs a valid key when keys are on (UNAUTHENTICATED,
+// Cluster status for anyone: ClusterStatus on the router's public port
+// answers with every worker's address, KV sizes and failure reasons, after
+// calling every worker, so it must not answer a client with no key or a
+// wrong one. It needs a valid key when keys are on (UNAUTHENTICATED,
 // counted), and pdctl status sends its --api_key.
 //
-// Cross-tenant prompt probing: block hashes were the same for every API
-// key, so a prompt prefix one key had sent was a cache hit for any other,
-// and the hit showed in the reply (cached_prompt_tokens over gRPC,
+// Cross-tenant prompt probing: with block hashes the same for every API
+// key, a prompt prefix one key has sent is a cache hit for any other, and
+// the hit shows in the reply (cached_prompt_tokens over gRPC,
 // usage.prompt_tokens_details.cached_tokens over HTTP): bob, sending
-// alice's 160-token prefix, was told 160 of his tokens were cached, and
-// could so test guesses at another tenant's prompt block by block. With
+// alice's 160-token prefix, is told 160 of his tokens are cached, and can
+// so test guesses at another tenant's prompt block by block. With
 // --prefix_cache_scope=per_key each key's chains are salted apart: bob is
 // told 0 (and computes the prefix himself), alice still hits her own. The
-// shared scope, the default, keeps the old reuse (the test holds both).
+// shared scope, the default, keeps reuse across keys (the test holds both).
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>

@@ -3,9 +3,9 @@
 // its KV transport, except the landing-write check, which needs an abort to fall between
 // a write's check and its last byte and so drives the receiver directly.
 //
-// Each attack below succeeded against the code before the fix it names,
-// and now fails with a refusal counted in
-// pdserve_handoff_refusals_total{reason}, leaving the victim's KV as it was.
+// Each attack below names the opening it would use, and must fail with a
+// refusal counted in pdserve_handoff_refusals_total{reason}, leaving the
+// victim's KV as it was.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -99,12 +99,12 @@ struct Attack {
 
 constexpr int32_t kDenied = static_cast<int32_t>(absl::StatusCode::kPermissionDenied);
 
-// Remote memory access without a grant. Before the fix the KV port was
-// UCX's, and UCX's tcp transport serves puts and gets at whatever address
-// a peer names, checked only against a remote key the peer can forge:
-// with UCX_TLS=tcp a put outside any reservation landed in the pool, and a
-// raw UCX client needed no grant at all. Now the port speaks the TCP
-// transport's frames (kv_transfer/tcp_transport.h): it has no read
+// Remote memory access without a grant. UCX's tcp transport serves puts
+// and gets at whatever address a peer names, checked only against a remote
+// key the peer can forge: on a KV port that is UCX's, with UCX_TLS=tcp, a
+// put outside any reservation lands in the pool, and a raw UCX client
+// needs no grant at all. So the port speaks the TCP transport's frames
+// (kv_transfer/tcp_transport.h): it has no read
 // operation, a UCX client is dropped at its first bytes, and every data
 // frame is judged by the receiver, which writes it only into blocks a live
 // reservation of the same connection is to receive. The attack here, while
@@ -240,10 +240,10 @@ int64_t RssKib(pid_t pid) {
   return -1;
 }
 
-// Connection objects that are never freed: before the fix every UCX
-// connection to the KV port stayed allocated for the worker's life, so a
-// peer that connected and disconnected in a loop grew the decode worker
-// without bound. Now an accepted connection is freed once it is over:
+// Connection objects that are never freed: if every connection to the KV
+// port stays allocated for the worker's life, a peer that connects and
+// disconnects in a loop grows the decode worker without bound. An accepted
+// connection is freed once it is over:
 // 10,000 connect/disconnect cycles (a tenth of them sending a frame first)
 // leave its resident memory where it was after the first 1,000, within 5 %.
 TEST(KvPlaneSecurityTest, ConnectDisconnectCyclesLeaveTheDecodeWorkersMemoryFlat) {
@@ -285,10 +285,10 @@ TEST(KvPlaneSecurityTest, ConnectDisconnectCyclesLeaveTheDecodeWorkersMemoryFlat
 // commits it naming the token ids of another prompt (a popular system
 // prompt), so that the decode worker publishes the sender's KV under that
 // prompt's block hashes and serves it to every later request that starts
-// with it. Before the fix the commit was taken, and the next reservation
-// of the popular prompt found its first blocks held (held_positions > 0).
-// Now the commit is refused (tokens_mismatch), nothing is published, and
-// so is a reservation whose token ids are not the grant's.
+// with it. Were the commit taken, the next reservation of the popular
+// prompt would find its first blocks held (held_positions > 0). The commit
+// is refused (tokens_mismatch), nothing is published, and so is a
+// reservation whose token ids are not the grant's.
 TEST(KvPlaneSecurityTest, ACommitCannotPublishKvUnderTokensItsGrantDoesNotName) {
   Attack a;
   ASSERT_NO_FATAL_FAILURE(a.Start({}));
@@ -379,10 +379,10 @@ TEST(KvPlaneSecurityTest, ASenderCannotPublishIntoAnotherKeysCacheScope) {
   EXPECT_EQ(probe->held_positions, 0) << "the refused commit's KV was published under another key's scope";
 }
 
-// A grant did not bound its reservation: before the fix a sender granted
-// a 4-position handoff reserved the whole pool (margin_positions as large
-// as the pool), starving every other request. Now a reservation larger
-// than the grant's positions is refused (too_many_positions).
+// A grant bounds its reservation: otherwise a sender granted a 4-position
+// handoff reserves the whole pool (margin_positions as large as the pool),
+// starving every other request. A reservation larger than the grant's
+// positions is refused (too_many_positions).
 TEST(KvPlaneSecurityTest, AReservationCannotExceedItsGrantsPositions) {
   Attack a;
   ASSERT_NO_FATAL_FAILURE(a.Start({}));
@@ -397,11 +397,11 @@ TEST(KvPlaneSecurityTest, AReservationCannotExceedItsGrantsPositions) {
   EXPECT_EQ(r->code, 0) << r->message;
 }
 
-// Anyone could renew any lease: before the fix a LayerSent naming a
-// handoff renewed it whichever connection sent it, and handoff ids were
-// sequential, so a second connection kept another's reservation (and its
-// blocks) alive forever by counting ids. Now ids are random, a renewal
-// from another connection is refused (lease_other_connection), and a
+// Renewing another connection's lease: if a LayerSent naming a handoff
+// renews it whichever connection sends it, and handoff ids are sequential,
+// a second connection keeps another's reservation (and its blocks) alive
+// forever by counting ids. So ids are random, a renewal from another
+// connection is refused (lease_other_connection), and a
 // lease never runs past its grant's expiry even when its own sender
 // renews it.
 TEST(KvPlaneSecurityTest, OnlyTheReservingConnectionRenewsALeaseAndNeverPastItsGrant) {

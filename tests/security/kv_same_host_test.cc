@@ -1,10 +1,10 @@
 // Same host is decided from the socket, never from the peer's bytes.
 //
-// Before the fix the decode worker sent its boot id in a hello and took a
-// peer that echoed it back for one on its own machine, handing it the
-// pool's remote key (read and write of the whole pool); a worker that could
-// not read its boot id sent 36 '?', which anyone could echo. Now the KV
-// transport decides from the accepted socket as the kernel sees it: a
+// A worker that sends its boot id in a hello and takes a peer that echoes
+// it back for one on its own machine hands that peer the pool's remote key
+// (read and write of the whole pool); and a worker that cannot read its
+// boot id sends 36 '?', which anyone can echo. So the KV transport decides
+// from the accepted socket as the kernel sees it: a
 // loopback peer, or one whose address is the very address it reached. A
 // peer in another network namespace (standing for another host), joined by
 // a veth pair, gets the pool's base address alone, whatever it sends, and

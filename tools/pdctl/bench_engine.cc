@@ -279,7 +279,7 @@ absl::Status RunBenchEngine(const BenchEngineOptions& o) {
       // The attention kernels alone: their share of the step, and the KV
       // bytes they counted over their own time, against the same limit.
       const double t_attn = Median(attention_times);
-      // The limit of a decode step: the slower of moving its bytes
+      // The roofline limit of a decode step: the slower of moving its bytes
       // at the read limit and doing its FLOPs (projections, LM head and
       // attention over the mean history of the timed steps) at the fastest
       // matrix instruction's measured peak.
@@ -290,7 +290,7 @@ absl::Status RunBenchEngine(const BenchEngineOptions& o) {
       const double limit = std::max(bytes / bw, step_flops / fastest);
       // The same with the step's two kinds of work taking turns, as this
       // engine runs them (every thread on the products, then every thread
-      // on the attention): each at its own limit, added. The limit
+      // on the attention): each at its own limit, added. The roofline limit
       // assumes they overlap; a ratio to this one says how far the kernels
       // are from the best the step's structure allows.
       const double product_flops = B * (2.0 * linear_params + 2.0 * c.hidden_size * c.vocab_size);

@@ -43,8 +43,8 @@ constexpr size_t kScratchBytes = size_t{256} << 10;
 // once this much of it (or all that is left of it) is queued: left at one
 // byte, the reader drains the socket as fast as the sender fills it and
 // sleeps and wakes once per segment or two, and those wake-ups, not the
-// copies, made a 24 MiB handoff ~20% slower than UCX's tcp transport on
-// the 2-vCPU VMs measured (README "The KV plane"). The kernel still wakes
+// copies, make a 24 MiB handoff ~20% slower than UCX's tcp transport on a
+// 2-vCPU VM. The kernel still wakes
 // the reader at once on the peer's close or an error.
 constexpr int kPayloadWakeBytes = 256 << 10;
 constexpr int kMaxIov = 64;
@@ -155,7 +155,7 @@ class TcpRemote final : public RemoteRegion {
   }
   // Maps the whole region writable, and readies its pages in the
   // background: a page's first write through a fresh mapping faults (and,
-  // on the VMs measured, traps to the hypervisor), ~10x the copy.
+  // in a VM, traps to the hypervisor), ~10x the copy.
   void Map(char* at) {
     mapped = at;
     warmer_ = std::thread([this] {

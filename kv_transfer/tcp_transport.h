@@ -42,8 +42,8 @@
 // process in its own pid namespace too), then opens /proc/PID/fd/N, checks
 // the inode, maps the file and writes its Puts with one non-temporal copy
 // each (a background thread readies the mapping's pages first: a page's
-// first write through a fresh mapping faults, ~10x the copy on the VMs
-// measured); where it cannot open the file, with process_vm_writev (slower:
+// first write through a fresh mapping faults, ~10x the copy in a VM);
+// where it cannot open the file, with process_vm_writev (slower:
 // the kernel pins every page). The kernel allows either only to a process
 // of the same user, which may read and write this one's memory anyway, so
 // it opens nothing new; where it is not allowed the Puts go as data

@@ -70,8 +70,8 @@ class Connection {
   // where this side writes the peer's memory through a mapping of its own
   // (UCX shared memory), the transport readies those pages in the
   // background, off the Puts' path (each page's first write through a
-  // fresh mapping faults, and on the VMs measured also traps to the
-  // hypervisor: ~10x the copy). Never changes a byte; optional (a Put to a
+  // fresh mapping faults, and in a VM also traps to the hypervisor: ~10x
+  // the copy). Never changes a byte; optional (a Put to a
   // page not yet readied pays on its own); a no-op elsewhere.
   virtual void PrepareWrites(const std::shared_ptr<RemoteRegion>& remote,
                              const std::vector<std::pair<int64_t, int64_t>>& ranges) {

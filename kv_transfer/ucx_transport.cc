@@ -245,8 +245,8 @@ class UcxRemote final : public RemoteRegion {
 
 // A same-host receiver's pool is a shared-memory segment that UCX maps into
 // this process when its rkey is unpacked, and the first write to each page
-// of that mapping costs far more than the copy (a soft page fault and, on
-// the VMs measured, a trap to the hypervisor on the page's first store):
+// of that mapping costs far more than the copy (a soft page fault and, in
+// a VM, a trap to the hypervisor on the page's first store):
 // `pdctl bench-kv` prints a fresh mapping's first copy of a request beside
 // a warm one and a readied one. In a cluster every new request writes new
 // pages, and its first token gap grew by as much. This thread readies the

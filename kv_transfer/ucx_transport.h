@@ -18,7 +18,7 @@
 // are forced eager (UCP_AM_SEND_FLAG_EAGER) so the receive callback always
 // has the whole message.
 //
-// Puts or rendezvous sends, per transport: measured on the 2-vCPU dev VM
+// Puts or rendezvous sends, per transport: measured on a 2-vCPU VM
 // (UCX 1.13, 2 MiB messages, ucx_perftest -t ucp_put_bw / ucp_am_bw, 200
 // iterations, MB/s as ucx_perftest reports):
 //     transport            put        AM (rendezvous)

@@ -522,9 +522,9 @@ void CpuBackend::RmsNorm(const float* x, const float* weight, int64_t m, int64_t
                          float* y) {
   // Rows on their own (a prompt's rows in parallel), each the same
   // arithmetic wherever it runs (and on every ISA: KernelTable). The ISA
-  // kernel, not a loop here: the baseline build's one chain of d dependent
-  // float64 adds and scalar scaling made the norms 3 % of a 512-token
-  // prefill's samples on the amx path (perf, Sapphire Rapids class).
+  // kernel, not a loop here: a loop's one chain of d dependent float64 adds
+  // and scalar scaling makes the norms 3 % of a 512-token prefill's samples
+  // on the amx path (perf, Sapphire Rapids class).
   auto rows = [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) table_.rms_norm_row(x + i * d, weight, d, eps, y + i * d);
   };

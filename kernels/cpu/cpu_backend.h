@@ -55,8 +55,8 @@ struct CpuBackendOptions {
   std::optional<bool> bf16_attention;
 };
 
-// The KV prefetch's default on this CPU: on for AMD, where it was measured
-// faster (a Zen 3 pair, AVX2 F32 products, b=8: 0.94-0.97x the step time in
+// The KV prefetch's default on this CPU: on for AMD, where it is faster
+// (a Zen 3 pair, AVX2 F32 products, b=8: 0.94-0.97x the step time in
 // 13 of 15 runs), off elsewhere (a Sapphire Rapids-class pair, the same
 // products forced with --isa avx2 --matrix_path f32: b=8 1.00-1.02x, b=12
 // 1.03-1.05x, b=16 1.04-1.05x, 3 alternations each).
@@ -184,9 +184,9 @@ class CpuBackend final : public Backend {
   // Storage on whole cache lines: an AMX tile row (64 bytes) or a vector
   // load that straddles two lines costs two. Measured on a Sapphire
   // Rapids-class core, a 2x2 block of tile products from 16-byte aligned
-  // buffers took 8.9 ns a product with both operands in L1 and 17 ns with
+  // buffers takes 8.9 ns a product with both operands in L1 and 17 ns with
   // one in L2; from 64-byte aligned ones, 6.6-7.1 and 7.0-8.7. A 512-token
-  // prefill on the amx path ran 1.03-1.16x faster with x16_ aligned (5
+  // prefill on the amx path runs 1.03-1.16x faster with x16_ aligned (5
   // alternated pairs; std::vector's large blocks sit 16 bytes into a page).
   template <typename T>
   struct LineAllocator {

@@ -131,7 +131,7 @@ void Block(const LinearAmxArgs& a, int64_t m0, int64_t p) {
   float* y1 = y0 + kAmxRows * a.ldy;
   // Whole tiles with nothing to add go straight from the accumulators to y,
   // not through `c` (the same F32 values: the same bits). A 512-row product
-  // on one thread, K 768, N 2304 or 6144, took 0.92-0.97x the time (3
+  // on one thread, K 768, N 2304 or 6144, takes 0.92-0.97x the time (3
   // alternated pairs, Sapphire Rapids class).
   if (a.bias == nullptr && !a.accumulate && rows0 == kAmxRows && cols0 == 16 &&
       (!kTwoPanels || cols1 == 16) && (!kTwoRowTiles || rows1 == kAmxRows)) {

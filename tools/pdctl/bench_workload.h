@@ -48,9 +48,9 @@ struct WorkloadOptions {
 // Makes the workload. Different prefix groups' prefixes differ in their first
 // token, so groups never share a cached block. INVALID_ARGUMENT on options
 // that cannot be met (more groups than vocabulary ids, empty ranges).
-// Random lengths without prefixes draw from one stream in the order the
-// benchmark always has (prompt length, prompt, output length, gap), so a
-// seed gives the same requests as before sweeps existed.
+// Random lengths without prefixes draw from one stream in a fixed order
+// (prompt length, prompt, output length, gap), so a seed gives the same
+// requests from one build to the next, sweep or not.
 absl::StatusOr<std::vector<WorkloadRequest>> MakeWorkload(const WorkloadOptions& options);
 
 // Arrival times, in seconds after the start, at `rate` requests per second:

@@ -4,8 +4,8 @@
 //
 // gRPC's typed readers turn a message that fails to parse into the end of
 // the stream; a reader that then waits for the call's status waits for
-// every unread message, which is how a router stream once hung until its
-// deadline. RawStreamReader reads the bytes, parses them here, and cancels
+// every unread message, so a router stream hangs until its deadline.
+// RawStreamReader reads the bytes, parses them here, and cancels
 // the call on a failure.
 //
 // Thread safety: the functions are; a reader is used by one thread.

@@ -138,7 +138,7 @@ def main():
         peaks = probe["matrix_peaks"]
         paths = ["f32"] + [p for p, key in (("fp16", "fp16_fma"), ("bf16", "bf16_dot"), ("amx", "amx_bf16")) if peaks.get(key, 0) > 0]
         # Prefill alone: no decode batch, so no history is prepared for one
-        # (it once was, and ran the pool dry).
+        # (a history prepared for no batch would run the pool dry).
         alone = run_json([pdctl, "bench-engine", "--model", model, "--decode_batch", ""] + small +
                          ["--decode_history", "2048"])
         if not alone.get("prefill") or alone.get("decode"):

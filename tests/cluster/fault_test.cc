@@ -231,9 +231,9 @@ worker::v1::WorkerInfo DecodeInfo(const std::string& address) {
 // UCX (--kv_transport=ucx) lists its network devices once, from
 // /sys/class/net. Without /sys it
 // finds none: its KV listener still binds, but UCX refuses every connection
-// request, so before the self-check the worker served while every handoff
-// to it failed. Now it is NOT_SERVING, with UCX's reason, as soon as it
-// serves. A request through a router whose other decode worker is gone
+// request, so without a self-check the worker would serve while every
+// handoff to it failed. It is NOT_SERVING, with UCX's reason, as soon as
+// it serves. A request through a router whose other decode worker is gone
 // fails with an error that carries that reason.
 TEST(FaultTest, DecodeWorkerWithoutSysIsNotServingWithUcxReason) {
   if (const std::string why = CannotEmptySys(); !why.empty()) GTEST_SKIP() << why;

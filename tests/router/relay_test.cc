@@ -83,7 +83,7 @@ TEST_F(RelayTest, AHandedOffRequestStreamsEveryTokenOnce) {
 
 // A prefill worker lost before its first token: it dies (UNAVAILABLE), or
 // it shuts down (SIGTERM) as the call arrives and its server ends the call
-// CANCELLED, which the client did not ask for (seen in the chaos test).
+// CANCELLED, which the client did not ask for (the chaos test provokes it).
 // Either way the request is retried on another prefill worker.
 class PrefillLossTest : public RelayTest, public ::testing::WithParamInterface<PrefillFault> {};
 

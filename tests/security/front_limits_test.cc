@@ -150,10 +150,10 @@ rlim_t RaiseFileLimit() {
 }
 
 // Attack: announce a large body without a key, send a few KB of it, wait.
-// Before: the key was checked on the generation's thread after the whole
-// body had been read, and libevent took bodies up to twice the 8 MiB limit:
-// a 12 MiB announcement got no answer until all 12 MiB had arrived (and
-// were held), and a 100 MB one got 413 (the key never looked at).
+// Were the key checked on the generation's thread after the whole body is
+// read, with libevent taking bodies up to twice the 8 MiB limit, a 12 MiB
+// announcement would get no answer until all 12 MiB had arrived (and been
+// held), and a 100 MB one a 413 with the key never looked at.
 TEST(FrontLimitsTest, AnUnauthenticatedBodyIsRefusedUnread) {
   Router r;
   ASSERT_TRUE(r.Start({}).ok());
@@ -177,10 +177,10 @@ TEST(FrontLimitsTest, AnUnauthenticatedBodyIsRefusedUnread) {
   EXPECT_EQ(ok.status, 200) << ok.body;
 }
 
-// Attack: open connections and send nothing. Before: no limit; each open
-// connection held its descriptor and buffers until the 600 s idle timeout,
-// so a client could take every descriptor the process had (accept then
-// failed for everyone).
+// Attack: open connections and send nothing. Without a cap, each open
+// connection holds its descriptor and buffers until the 600 s idle timeout,
+// so a client can take every descriptor the process has (accept then fails
+// for everyone).
 TEST(FrontLimitsTest, ConnectionsOverTheCapAreClosedAndCounted) {
   Router r;
   ASSERT_TRUE(r.Start({"--http_max_connections", "8"}).ok());
@@ -202,9 +202,9 @@ TEST(FrontLimitsTest, ConnectionsOverTheCapAreClosedAndCounted) {
 }
 
 // Attack (slowloris): a request's headers, or its body, one piece at a
-// time, each well inside the idle timeout. Before: the only timeout was
-// libevent's 600 s per read, so such a connection stayed open as long as
-// the client kept dribbling.
+// time, each well inside the idle timeout. With libevent's 600 s per read
+// as the only timeout, such a connection stays open as long as the client
+// keeps dribbling.
 TEST(FrontLimitsTest, SlowHeadersAndSlowBodiesMissTheirDeadline) {
   Router r;
   ASSERT_TRUE(r.Start({"--http_header_timeout", "1", "--http_request_timeout", "2"}).ok());
@@ -239,9 +239,9 @@ TEST(FrontLimitsTest, SlowHeadersAndSlowBodiesMissTheirDeadline) {
 
 // Attack: hold connections open without a key by sending one refused
 // request on each and then nothing (the connection cap filled with idle
-// connections shuts keyed clients out). Before, a connection whose request
-// had been answered waited for the next one for the 600 s idle timeout,
-// refused or not. Now a connection that has not authenticated has the
+// connections shuts keyed clients out). Left to the 600 s idle timeout, a
+// connection whose request is answered waits that long for the next one,
+// refused or not. So a connection that has not authenticated has the
 // header deadline from its last reply to its next request's headers; one
 // that has, keeps its keep-alive.
 TEST(FrontLimitsTest, AnIdleConnectionAfterARefusalIsClosedAtTheHeaderDeadline) {
@@ -276,9 +276,10 @@ TEST(FrontLimitsTest, AnIdleConnectionAfterARefusalIsClosedAtTheHeaderDeadline) 
 }
 
 // Attack: more concurrent generations than the router has threads for.
-// Before: one detached thread per request with no bound (API keys' own
-// concurrency limits only where keys are on and set); when a thread could
-// not be made, std::system_error escaped into libevent and the router died.
+// With one detached thread per request and no bound (API keys' own
+// concurrency limits apply only where keys are on and set), a thread that
+// cannot be made throws std::system_error into libevent and the router
+// dies.
 TEST(FrontLimitsTest, GenerationsOverTheInflightCapGet503WithRetryAfter) {
   Router r;
   ASSERT_TRUE(r.Start({"--http_max_inflight", "2"}, {"--fault_step_delay_ms", "50"}).ok());
@@ -362,9 +363,9 @@ class ThreadCap {
 };
 
 // Attack: requests while the router can start no thread at all (its pids
-// cgroup full; as when the process reached its thread limit). Before, the
-// std::system_error of the thread's start escaped into libevent and the
-// router died. Now each such request is refused with 503 and Retry-After,
+// cgroup full; as when the process reaches its thread limit). Uncaught,
+// the std::system_error of the thread's start escapes into libevent and
+// the router dies. Each such request is refused with 503 and Retry-After,
 // counted, and the router serves again once threads can be started.
 TEST(FrontLimitsTest, RequestsWhenNoThreadCanStartGet503AndTheRouterLives) {
   ThreadCap cap;
@@ -400,10 +401,10 @@ struct Attacker {
 
 // Attack, all at once: 2,000 slowloris connections, 200 unauthenticated
 // 100 MB uploads and 1,000 unauthenticated requests, while a keyed client
-// goes on asking for completions. Before: each upload was buffered up to
-// 16 MiB before anything looked at it (200 of them: over 3 GB), every
-// slow connection stayed open for the 600 s idle timeout, and every
-// request got a thread of its own.
+// goes on asking for completions. Without the front's limits each upload
+// is buffered up to 16 MiB before anything looks at it (200 of them: over
+// 3 GB), every slow connection stays open for the 600 s idle timeout, and
+// every request gets a thread of its own.
 TEST(FrontLimitsTest, ALoadOfUnauthenticatedClientsLeavesTheRouterSmallAndServing) {
   const rlim_t files = RaiseFileLimit();
   if (files < 4000) GTEST_SKIP() << "the open-file limit (" << files << ") is below the 3,200 sockets the test opens";

@@ -473,10 +473,10 @@ class FakeConnection final : public kv::Connection {
 };
 
 // A write checked on arrival and landing later: a rendezvous receive's
-// bytes arrive turns of the loop after MayWrite allowed them. Before the
-// fix an abort in between freed the reservation's blocks at once, so the
-// write's remaining bytes landed in blocks another request could already
-// hold. Now the blocks of an aborted handoff stay held until every write
+// bytes arrive turns of the loop after MayWrite allowed them. An abort in
+// between that freed the reservation's blocks at once would let the
+// write's remaining bytes land in blocks another request may already
+// hold. So the blocks of an aborted handoff stay held until every write
 // allowed into them has landed (WriteLanded), a commit waits for them, and
 // the bounds check cannot be fooled by an address or length that wraps.
 TEST(KvPlaneSecurityTest, BlocksAreNotFreedWhileAnAllowedWriteIsLanding) {

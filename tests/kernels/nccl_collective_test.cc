@@ -1,6 +1,6 @@
-// NCCL collectives on the GPUs this machine has. Our GPU machines have one
-// device, where only a 1-rank communicator can run: multi-rank NCCL is
-// compiled here but never runs. Without a GPU every test skips.
+// NCCL collectives on the GPUs this machine has. One device runs only a
+// 1-rank communicator, so these tests use one rank: multi-rank NCCL is
+// compiled but not exercised here. Without a GPU every test skips.
 #include "kernels/cuda/nccl_collective.h"
 
 #include <cuda_runtime_api.h>

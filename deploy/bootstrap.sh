@@ -1,22 +1,36 @@
 #!/usr/bin/env bash
 # Installs the Debian packages the build needs (idempotent: apt-get is only
 # called when one is missing), then configures and builds pdserve into
-# ${PDSERVE_BUILD_DIR:-build}: the named targets, or everything when none is
-# named. Safe to run again; a no-op rebuild takes seconds.
+# ${PDSERVE_BUILD_DIR:-build}.
 #
 #   deploy/bootstrap.sh [TARGET...]
+#
+# With targets (deploy/run.sh names the servers and pdctl): only the
+# packages those need, and a build directory configured without the test
+# suite when it is new. Without: every package the tests use as well, the
+# test suite configured in, and everything built. Safe to run again; a
+# no-op rebuild takes seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# What the servers and pdctl need to build and the main job to run.
 PACKAGES=(
   build-essential cmake ninja-build pkg-config
-  libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev
-  nlohmann-json3-dev libyaml-cpp-dev libxxhash-dev libpcre2-dev libutf8proc-dev libopenblas-dev
+  libabsl-dev nlohmann-json3-dev libyaml-cpp-dev libxxhash-dev libpcre2-dev libutf8proc-dev libopenblas-dev
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
-  libucx-dev ucx-utils libmicrohttpd-dev libevent-dev
-  dnsmasq-base iproute2 nftables curl
+  libucx-dev ucx-utils libmicrohttpd-dev libevent-dev libssl-dev
+  openssl curl
+)
+# What the test suite adds: GoogleTest and Google Benchmark, clang for the
+# thread-safety analysis, and the tools the network-namespace tests run.
+TEST_PACKAGES=(
+  libgtest-dev libgmock-dev libbenchmark-dev
+  dnsmasq-base iproute2 nftables
   clang python3-yaml
 )
+WITH_TESTS=1
+(($#)) && WITH_TESTS=0
+((WITH_TESTS)) && PACKAGES+=("${TEST_PACKAGES[@]}")
 
 missing=()
 for p in "${PACKAGES[@]}"; do
@@ -25,7 +39,7 @@ for p in "${PACKAGES[@]}"; do
   fi
 done
 if ((${#missing[@]})); then
-  echo "bootstrap: installing ${#missing[@]} Debian packages: ${missing[*]}"
+  echo "bootstrap: installing ${#missing[@]} Debian packages (with what they depend on): ${missing[*]}"
   SUDO=""
   if [[ $(id -u) -ne 0 ]]; then SUDO="sudo"; fi
   $SUDO apt-get update -qq
@@ -35,7 +49,11 @@ fi
 BUILD_DIR=${PDSERVE_BUILD_DIR:-build}
 if [[ ! -f "$BUILD_DIR/build.ninja" ]]; then
   echo "bootstrap: configuring $BUILD_DIR"
-  cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=${PDSERVE_BUILD_TYPE:-Release}
+  cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=${PDSERVE_BUILD_TYPE:-Release} \
+    -DPDSERVE_BUILD_TESTS=$([[ $WITH_TESTS == 1 ]] && echo ON || echo OFF)
+elif ((WITH_TESTS)) && grep -q '^PDSERVE_BUILD_TESTS:BOOL=OFF' "$BUILD_DIR/CMakeCache.txt"; then
+  echo "bootstrap: configuring $BUILD_DIR with the test suite"
+  cmake -S . -B "$BUILD_DIR" -DPDSERVE_BUILD_TESTS=ON
 fi
 if (($#)); then
   echo "bootstrap: building $* (ninja prints [done/total])"

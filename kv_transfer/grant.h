@@ -141,7 +141,7 @@ absl::Status VerifyGrant(const GrantKey& key, const Grant& g, absl::string_view 
 // Whether a connection from `peer_host` (the address the transport saw)
 // may present a grant for `grant_sender`: equal, or `grant_sender` is not an
 // IP literal (a name the receiver does not resolve: the MAC still binds the
-// rest; documented in the README's threat model), or `peer_host` is empty
+// rest; documented in docs/security.md), or `peer_host` is empty
 // (a transport that cannot tell).
 bool SenderMatches(absl::string_view grant_sender, absl::string_view peer_host);
 

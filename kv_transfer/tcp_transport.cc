@@ -40,12 +40,12 @@ constexpr int kMaxEvents = 64;
 constexpr size_t kReadBudget = size_t{8} << 20;
 constexpr size_t kScratchBytes = size_t{256} << 10;
 // While a permitted payload is arriving, the loop asks to be woken only
-// once this much of it (or all that is left of it) is queued: left at one
-// byte, the reader drains the socket as fast as the sender fills it and
-// sleeps and wakes once per segment or two, and those wake-ups, not the
-// copies, make a 24 MiB handoff ~20% slower than UCX's tcp transport on a
-// 2-vCPU VM. The kernel still wakes
-// the reader at once on the peer's close or an error.
+// once this much of it (or all that is left of it) is queued. Left at one
+// byte, the reader drains the socket as fast as the sender fills it, and
+// sleeps and wakes once per segment or two: those wake-ups, not the copies,
+// make a 24 MiB handoff ~20% slower than UCX's tcp transport on a 2-vCPU
+// VM (docs/performance.md). The kernel still wakes the reader at once on
+// the peer's close or an error.
 constexpr int kPayloadWakeBytes = 256 << 10;
 constexpr int kMaxIov = 64;
 

@@ -12,9 +12,10 @@
 // messages on the same endpoint as the puts; the loopback copies at Put.
 //
 // Registered memory: the pool region itself (region_allocator()), so puts
-// read and write the KV blocks in place. A device-memory pool (later) can
-// keep this interface and stage through pinned host buffers from the same
-// allocator when UCX lacks CUDA support.
+// read and write the KV blocks in place. A pool in device memory, which
+// the transport cannot write, keeps this interface: puts land in a pool of
+// registered host memory and a commit copies them up (ReceiverOptions::
+// pool_backend).
 //
 // Thread safety: Transport methods may be called from any thread.
 // Connection methods and every callback (DoneCallback, ConnectionHandler)
@@ -96,7 +97,7 @@ class Connection {
   // (UCX: a process on this machine, with shared memory between them).
   // Only such a peer is given a region's remote key: any other writes by
   // message (which the receiver checks), and a key would let it read and
-  // write the whole region (README "The KV plane").
+  // write the whole region (docs/security.md, "The KV plane").
   virtual bool PeerMayMapMemory() const { return true; }
 };
 

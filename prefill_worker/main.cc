@@ -6,7 +6,7 @@
 // The KV goes to whichever decode worker each request names (its KV
 // receiver address, from the router), over --kv_transport (the same on
 // every worker: tcp by default; ucx takes UCX_TLS and UCX_NET_DEVICES from
-// its environment); see the README.
+// its environment); see docs/operations.md.
 // Flags may also come from a file: --flagfile=prefill.flags.
 #include <memory>
 #include <string>

@@ -2,9 +2,9 @@
 // chat rendered with the model's template and its messages' words
 // tokenized as text, never as the template's special tokens, or ids
 // checked against the vocabulary), the sampling parameters checked and
-// their defaults and seed resolved. Every front end (gRPC now) resolves
-// through this, so a prompt is tokenized once and the same way whatever
-// the API.
+// their defaults and seed resolved. Every front end (gRPC and the OpenAI
+// HTTP API) resolves through this, so a prompt is tokenized once and the
+// same way whatever the API.
 //
 // Thread safety: thread-safe (const after Create).
 #ifndef PDSERVE_ROUTER_RESOLVE_H_

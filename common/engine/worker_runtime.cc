@@ -17,7 +17,7 @@
 
 ABSL_FLAG(std::string, model, "", "model directory (Hugging Face layout)");
 ABSL_FLAG(std::string, backend, "cpu",
-          "compute backend: cpu, or cuda (NVIDIA GPU; needs a build with nvcc; see the README's GPU section); "
+          "compute backend: cpu, or cuda (NVIDIA GPU; needs a build with nvcc; see docs/architecture.md, the GPU backend); "
           "cpu-device is for tests: the CPU kernels behind a GPU's memory contract");
 ABSL_FLAG(int, cuda_device, 0, "--backend=cuda: the GPU to run on");
 ABSL_FLAG(double, gpu_memory_fraction, 0.9,

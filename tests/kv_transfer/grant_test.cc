@@ -83,7 +83,7 @@ TEST(GrantTest, SenderBindsToTheConnectionsAddressWhenItIsAnIpLiteral) {
   EXPECT_TRUE(SenderMatches("10.0.0.1", "10.0.0.1"));
   EXPECT_FALSE(SenderMatches("10.0.0.1", "10.0.0.7"));
   EXPECT_FALSE(SenderMatches("::1", "127.0.0.1"));
-  EXPECT_TRUE(SenderMatches("prefill-0.pdserve", "10.0.0.7"));  // A name: not resolved (README).
+  EXPECT_TRUE(SenderMatches("prefill-0.pdserve", "10.0.0.7"));  // A name: not resolved (docs/security.md).
   EXPECT_TRUE(SenderMatches("10.0.0.1", ""));                   // A transport that cannot tell.
 }
 

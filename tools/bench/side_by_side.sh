@@ -3,7 +3,7 @@
 # restructuring), alternating runs so that the machine's drift hits both
 # alike, and medians of each: the engine (pdctl bench-engine, one weight
 # format), the KV handoff (pdctl bench-kv over shared memory) and the
-# serving rows of the README (deploy/cluster.sh --pin, then pdctl bench at
+# serving rows of docs/performance.md (deploy/cluster.sh --pin, then pdctl bench at
 # concurrency 1, 8 and 32, disaggregated and colocated).
 #
 #   tools/bench/side_by_side.sh OLD_BUILD_DIR NEW_BUILD_DIR [RUNS] [WEIGHTS]

@@ -2,7 +2,7 @@
 # The README's serving rows with TLS off and on, same run: for each run,
 # deploy/cluster.sh --pin starts the cluster plaintext (--insecure), then
 # with its default TLS (mutual TLS router <-> workers, TLS to the router),
-# and pdctl bench drives each at the README's concurrencies (128-token
+# and pdctl bench drives each at docs/performance.md's concurrencies (128-token
 # prompts, 64 output tokens, greedy). Prints each row's tokens/s, TTFT and
 # ITL p50 per mode, the medians and the TLS / plaintext ratios.
 #

@@ -5,10 +5,11 @@
 #
 #   deploy/bootstrap.sh [TARGET...]
 #
-# With targets (deploy/run.sh names the servers and pdctl): only the
-# packages those need, and a build directory configured without the test
-# suite when it is new. Without: every package the tests use as well, the
-# test suite configured in, and everything built. Safe to run again; a
+# With only the main job's targets (the three servers and pdctl, as
+# deploy/run.sh names them): only the packages those need, and a build
+# directory configured without the test suite when it is new. Otherwise
+# (no target, or a test's): every package the tests use as well, and the
+# test suite configured in. Safe to run again; a
 # no-op rebuild takes seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,8 +29,13 @@ TEST_PACKAGES=(
   dnsmasq-base iproute2 nftables
   clang python3-yaml
 )
-WITH_TESTS=1
-(($#)) && WITH_TESTS=0
+# The test packages and the suite are left out only when every named
+# target is one the main job runs.
+MAIN_JOB_TARGETS=" pdserve-router pdserve-prefill-worker pdserve-decode-worker pdctl "
+WITH_TESTS=$(($# == 0))
+for t in "$@"; do
+  [[ $MAIN_JOB_TARGETS == *" $t "* ]] || WITH_TESTS=1
+done
 ((WITH_TESTS)) && PACKAGES+=("${TEST_PACKAGES[@]}")
 
 missing=()

@@ -42,10 +42,10 @@ constexpr size_t kScratchBytes = size_t{256} << 10;
 // While a permitted payload is arriving, the loop asks to be woken only
 // once this much of it (or all that is left of it) is queued. Left at one
 // byte, the reader drains the socket as fast as the sender fills it, and
-// sleeps and wakes once per segment or two: those wake-ups, not the copies,
-// make a 24 MiB handoff ~20% slower than UCX's tcp transport on a 2-vCPU
-// VM (docs/performance.md). The kernel still wakes the reader at once on
-// the peer's close or an error.
+// sleeps and wakes once per segment or two: in `pdctl bench-kv` on a
+// 2-vCPU VM those wake-ups, not the copies, kept the frames behind UCX's
+// tcp transport (the comparison as it stands: docs/performance.md). The
+// kernel still wakes the reader at once on the peer's close or an error.
 constexpr int kPayloadWakeBytes = 256 << 10;
 constexpr int kMaxIov = 64;
 

@@ -133,10 +133,34 @@ void WorkerPool::Probe(const absl::Time now, bool force_all) {
     ProbeState& ps = probes_[workers[i]];
     const absl::StatusOr<worker::v1::WorkerInfo>& a = answers[i];
     const bool healthy = a.ok() && a->status().healthy();
-    const std::string reason = a.ok() ? a->unhealthy_reason() : std::string(a.status().message());
+    std::string reason = a.ok() ? a->unhealthy_reason() : std::string(a.status().message());
     if (a.ok()) {
       Ingest(w, ps, *a, now);
-    } else {
+      if (ps.slow_since.has_value()) {
+        LogEvent("info", "worker_answering",
+                 {{"role", RoleName(w.role())}, {"address", w.address()},
+                  {"slow_for_ms", std::to_string(absl::ToInt64Milliseconds(now - *ps.slow_since))}});
+      }
+    } else if (a.status().code() == absl::StatusCode::kDeadlineExceeded && w.healthy()) {
+      // A late answer is what a busy machine gives; only a worker that also
+      // stops making progress is taken out.
+      if (!ps.slow_since.has_value()) {
+        ps.slow_since = now;
+        LogEvent("warning", "worker_slow",
+                 {{"role", RoleName(w.role())}, {"address", w.address()},
+                  {"probe_timeout_ms", std::to_string(absl::ToInt64Milliseconds(options_.probe_timeout))},
+                  {"probe_stall_ms", std::to_string(absl::ToInt64Milliseconds(options_.probe_stall))}});
+      }
+      const absl::Duration quiet = now - std::max(ps.last_answered, w.last_progress());
+      if (quiet < options_.probe_stall) {
+        ps.next_probe = now + options_.probe_period;
+        continue;
+      }
+      reason = absl::StrCat("no probe answered within ", absl::FormatDuration(options_.probe_timeout), " for ",
+                            absl::FormatDuration(quiet), " and no progress since");
+    }
+    ps.slow_since.reset();
+    if (!a.ok()) {
       // What a worker that does not answer held is no longer to be counted on.
       index_->Drop(w.address());
       ++ps.failures;
@@ -187,7 +211,9 @@ void WorkerPool::Ingest(Worker& w, ProbeState& ps, const worker::v1::WorkerInfo&
   if (!w.prefill_role() && ws.running() > 0 && ws.step_seconds() > 0 && ws.steps() != ps.last_steps) {
     measured_->RecordDecodeStep(w.address(), ws.running(), ws.mean_history_tokens(), ws.step_seconds());
   }
+  if (ws.steps() > ps.last_steps) w.NoteProgress(now);
   ps.last_steps = ws.steps();
+  ps.last_answered = now;
   ps.failures = 0;
   // A long event backlog is read again at once rather than a period later.
   ps.next_probe = info.kv_events().more() ? now : now + options_.probe_period;

@@ -1,8 +1,22 @@
 // The router's picture of its workers: who they are (discovered from the
 // targets, again every resolve interval), whether each serves (a Status
-// probe every probe period, backing off on failures), what each reports
-// (free KV, batch, step time, KV address, hashing scheme) and what each
-// caches (its KV events, applied to the prefix index).
+// probe every probe period), what each reports (free KV, batch, step time,
+// KV address, hashing scheme) and what each caches (its KV events, applied
+// to the prefix index).
+//
+// The probe policy: a worker is ejected for errors or for making no
+// progress, never for one slow health reply on a busy machine.
+//  - An answer that says it is not serving, or a probe that fails with any
+//    code but DEADLINE_EXCEEDED (UNAVAILABLE: refused, the process is gone),
+//    ejects it at once: its prefix index entries are dropped and it is
+//    probed again with exponential backoff.
+//  - A serving worker whose probes time out (DEADLINE_EXCEEDED) keeps
+//    serving, its index kept, probed every probe period, as long as it
+//    answered a probe or showed progress (Worker::NoteProgress) within
+//    probe_stall; past that it is ejected as above.
+//  - A worker not serving (never answered, or ejected) serves again only
+//    when a probe answers healthy.
+// All times come from the options' clock.
 //
 // Thread safety: thread-safe. Start() runs the probe and discovery loops on
 // threads of their own; the destructor stops them.
@@ -12,6 +26,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -71,14 +86,33 @@ class Worker {
   bool prefill_role() const { return role_ == Role::kPrefill; }
   WorkerConnection* connection() const { return connection_.get(); }
 
-  // Serving in the router's view: its last probe said so and no request
-  // has seen it fail since. False until the first probe answers healthy.
+  // Serving in the router's view: its last answered probe said so, no
+  // probe has failed but by timing out, it has not stalled (see the probe
+  // policy above) and no request has seen it fail since. False until the
+  // first probe answers healthy.
   bool healthy() const { return healthy_.load(std::memory_order_relaxed); }
   // A request saw it fail: picked no more until a probe finds it serving.
   void MarkFailed() { healthy_.store(false, std::memory_order_relaxed); }
   uint64_t instance() const { return instance_.load(std::memory_order_relaxed); }
   // No longer named by its target: picked no more; requests on it finish.
   bool removed() const { return removed_.load(std::memory_order_relaxed); }
+
+  // It did work at `now`: sent a message on one of the router's requests
+  // (a prefill's first token or done, a decode chunk) or, decode, reported
+  // steps a probe had not seen. A worker whose probes time out keeps
+  // serving while it does. Thread-safe; an earlier `now` than the last one
+  // noted changes nothing.
+  void NoteProgress(absl::Time now) {
+    const int64_t ns = absl::ToUnixNanos(now);
+    int64_t seen = last_progress_ns_.load(std::memory_order_relaxed);
+    while (seen < ns && !last_progress_ns_.compare_exchange_weak(seen, ns, std::memory_order_relaxed)) {
+    }
+  }
+  // The latest time NoteProgress noted; InfinitePast() before the first.
+  absl::Time last_progress() const {
+    const int64_t ns = last_progress_ns_.load(std::memory_order_relaxed);
+    return ns == kNoProgress ? absl::InfinitePast() : absl::FromUnixNanos(ns);
+  }
 
   WorkerReport report() const {
     absl::MutexLock lock(&mu_);
@@ -104,6 +138,8 @@ class Worker {
   std::atomic<bool> healthy_{false};
   std::atomic<uint64_t> instance_{0};
   std::atomic<bool> removed_{false};
+  static constexpr int64_t kNoProgress = std::numeric_limits<int64_t>::min();
+  std::atomic<int64_t> last_progress_ns_{kNoProgress};  // nanoseconds since the Unix epoch
   mutable absl::Mutex mu_;
   WorkerReport report_ ABSL_GUARDED_BY(mu_);
   std::string ejection_reason_ ABSL_GUARDED_BY(mu_);
@@ -115,11 +151,15 @@ struct WorkerPoolOptions {
   std::vector<WorkerTarget> decode_targets;
   absl::Duration resolve_interval = absl::Seconds(5);
   absl::Duration resolve_timeout = absl::Seconds(2);
-  // Status probes of each worker; one that fails is retried with
+  // Status probes of each worker; one that ejects it is retried with
   // exponential backoff from probe_period up to max_backoff.
   absl::Duration probe_period = absl::Milliseconds(100);
   absl::Duration probe_timeout = absl::Milliseconds(500);
   absl::Duration max_backoff = absl::Seconds(2);
+  // How long a serving worker that stops answering probes in time
+  // (DEADLINE_EXCEEDED) keeps serving in the router's view while it shows
+  // no progress: a busy machine answers health late, a stuck one not at all.
+  absl::Duration probe_stall = absl::Seconds(10);
   Clock clock = RealClock();
   // Counted each time a worker stops serving in the router's view
   // (nullable).
@@ -175,6 +215,9 @@ class WorkerPool {
     absl::Time next_probe = absl::InfinitePast();
     std::string last_reason;
     int64_t last_steps = 0;  // decode steps seen at the last probe
+    absl::Time last_answered = absl::InfinitePast();
+    // Since when its probes time out while it serves (nullopt: they don't).
+    std::optional<absl::Time> slow_since;
   };
   void Probe(const absl::Time now, bool force_all) ABSL_EXCLUSIVE_LOCKS_REQUIRED(probe_mu_);
   void Ingest(Worker& w, ProbeState& ps, const worker::v1::WorkerInfo& info, absl::Time now);

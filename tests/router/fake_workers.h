@@ -61,6 +61,9 @@ struct FakeWorker {
   std::string address;
   bool alive = true;    // answers calls at all
   bool serving = true;  // its Status says healthy
+  // When not OK (and alive), how its Status calls end instead of answering:
+  // DEADLINE_EXCEEDED is a worker too busy to answer within the timeout.
+  absl::Status status_error;
   std::string unhealthy_reason;
   uint64_t instance = 1;
   int32_t kv_blocks_free = 1000;
@@ -284,6 +287,10 @@ class FakeWorkers final : public WorkerTransport {
       ++w.status_calls;
       if (!w.alive) {
         out.emplace_back(absl::UnavailableError("failed to connect to all addresses"));
+        continue;
+      }
+      if (!w.status_error.ok()) {
+        out.emplace_back(w.status_error);
         continue;
       }
       worker::v1::WorkerInfo info;

@@ -1,14 +1,71 @@
 // The worker pool in-process: probes (health, reports, ejection reasons,
-// backoff on the injected clock), restarts, KV-event ingestion into the
-// prefix index, and discovery of fixed targets.
+// backoff on the injected clock, probes that time out on a busy worker),
+// restarts, KV-event ingestion into the prefix index, and discovery of
+// fixed targets.
 #include "router/worker_pool.h"
 
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
 #include "absl/strings/match.h"
+#include "common/metrics.h"
 #include "gtest/gtest.h"
 #include "tests/router/in_process_router.h"
 
 namespace pdserve::router::testing {
 namespace {
+
+// A snapshot of `n` stored blocks, each the child of the one before.
+worker::v1::KvEvents StoredBlocks(uint64_t n) {
+  worker::v1::KvEvents ke;
+  ke.set_snapshot(true);
+  for (uint64_t i = 1; i <= n; ++i) {
+    worker::v1::KvEvent* e = ke.add_events();
+    e->set_id(i);
+    e->set_kind(worker::v1::KvEvent::STORED);
+    e->set_hash_lo(i);
+    e->set_parent_lo(i - 1);
+  }
+  ke.set_last_id(n);
+  return ke;
+}
+
+// A pool over fake workers on a fake clock that counts its ejections.
+struct ProbedPool {
+  ProbedPool() : measured(OptionsOn<MeasuredOptions>(clock)) {
+    WorkerPoolOptions o;
+    o.clock = clock.clock();
+    o.prefill_ejections = &prefill_ejections;
+    o.decode_ejections = &decode_ejections;
+    pool = std::make_unique<WorkerPool>(o, &workers, &measured, &index);
+  }
+  // A worker in the pool, serving: its first probe has answered.
+  std::pair<FakeWorker*, WorkerPtr> AddServing(Role role, const std::string& address) {
+    FakeWorker& f = workers.Add(role, address);
+    f.kv_events = StoredBlocks(3);
+    WorkerPtr w = pool->Add(role, address);
+    pool->ProbeDue(/*force_all=*/true);
+    EXPECT_TRUE(w->healthy()) << address;
+    EXPECT_EQ(index.NumBlocks(address), 3) << address;
+    return {&f, w};
+  }
+  // Moves the clock on by `d`, 10 ms at a time, running the probes due.
+  void Advance(absl::Duration d) {
+    for (const absl::Time end = clock.now + d; clock.now < end;) {
+      clock.now += absl::Milliseconds(10);
+      pool->ProbeDue(/*force_all=*/false);
+    }
+  }
+
+  FakeClock clock;
+  FakeWorkers workers;
+  MeasuredInputs measured;
+  PrefixIndex index;
+  Counter prefill_ejections;
+  Counter decode_ejections;
+  std::unique_ptr<WorkerPool> pool;
+};
 
 TEST(WorkerPoolTest, AProbeAdmitsAWorkerAndKeepsItsReport) {
   InProcessRouter rig;
@@ -70,23 +127,113 @@ TEST(WorkerPoolTest, ANotServingAnswerCarriesTheWorkersReason) {
 TEST(WorkerPoolTest, KvEventsReachThePrefixIndexAndADeadWorkersEntriesAreDropped) {
   InProcessRouter rig;
   FakeWorker& d = rig.AddWorker(Role::kDecode, "d0");
-  worker::v1::KvEvents ke;
-  ke.set_snapshot(true);
-  for (uint64_t i = 1; i <= 3; ++i) {
-    worker::v1::KvEvent* e = ke.add_events();
-    e->set_id(i);
-    e->set_kind(worker::v1::KvEvent::STORED);
-    e->set_hash_lo(i);
-    e->set_parent_lo(i - 1);
-  }
-  ke.set_last_id(3);
-  d.kv_events = ke;
+  d.kv_events = StoredBlocks(3);
   rig.ProbeAll();
   EXPECT_EQ(rig.index.NumBlocks("d0"), 3);
   EXPECT_EQ(rig.index.NextAfter("d0"), 3u);
   d.alive = false;
   rig.ProbeAll();
   EXPECT_EQ(rig.index.NumBlocks("d0"), 0);
+}
+
+// A busy machine answers health late: a worker whose probes time out but
+// whose requests move keeps serving, probed at the normal period.
+TEST(WorkerPoolTest, AWorkerWhoseProbesTimeOutWhileItMakesProgressKeepsServing) {
+  ProbedPool p;
+  auto [d, w] = p.AddServing(Role::kDecode, "d0");
+  d->status_error = absl::DeadlineExceededError("Deadline Exceeded");
+  const int before = d->status_calls;
+  for (int s = 0; s < 60; ++s) {
+    w->NoteProgress(p.clock.now);
+    p.Advance(absl::Seconds(1));
+    ASSERT_TRUE(w->healthy()) << "after " << s + 1 << " s";
+  }
+  EXPECT_EQ(d->status_calls - before, 600);  // every 100 ms: no backoff
+  EXPECT_EQ(p.decode_ejections.value(), 0);
+  EXPECT_EQ(w->ejection_reason(), "");
+  EXPECT_EQ(p.index.NumBlocks("d0"), 3);
+  EXPECT_EQ(p.pool->Serving(Role::kDecode), 1);
+  d->status_error = absl::OkStatus();
+  p.Advance(absl::Milliseconds(100));
+  EXPECT_TRUE(w->healthy());
+  EXPECT_EQ(p.decode_ejections.value(), 0);
+}
+
+TEST(WorkerPoolTest, AWorkerWhoseProbesTimeOutWithoutProgressIsEjectedAtProbeStall) {
+  ProbedPool p;
+  auto [d, w] = p.AddServing(Role::kDecode, "d0");
+  d->status_error = absl::DeadlineExceededError("Deadline Exceeded");
+  // Its last answer was now; probe_stall is 10 s.
+  p.Advance(absl::Seconds(10) - absl::Milliseconds(10));
+  EXPECT_TRUE(w->healthy());
+  EXPECT_EQ(p.decode_ejections.value(), 0);
+  EXPECT_EQ(p.index.NumBlocks("d0"), 3);
+  p.Advance(absl::Milliseconds(10));
+  EXPECT_FALSE(w->healthy());
+  EXPECT_EQ(p.decode_ejections.value(), 1);
+  EXPECT_EQ(w->ejection_reason(), "no probe answered within 500ms for 10s and no progress since");
+  EXPECT_EQ(p.index.NumBlocks("d0"), 0);
+  // Ejected, it stays out while its probes time out, counted once.
+  p.Advance(absl::Seconds(5));
+  EXPECT_FALSE(w->healthy());
+  EXPECT_EQ(p.decode_ejections.value(), 1);
+  d->status_error = absl::OkStatus();
+  p.Advance(absl::Seconds(2));  // max_backoff
+  EXPECT_TRUE(w->healthy());
+  EXPECT_EQ(w->ejection_reason(), "");
+}
+
+TEST(WorkerPoolTest, AWorkerThatNeverAnsweredStaysOutWhileItsProbesTimeOut) {
+  ProbedPool p;
+  FakeWorker& d = p.workers.Add(Role::kDecode, "d0");
+  d.status_error = absl::DeadlineExceededError("Deadline Exceeded");
+  const WorkerPtr w = p.pool->Add(Role::kDecode, "d0");
+  w->NoteProgress(p.clock.now);
+  p.pool->ProbeDue(/*force_all=*/true);
+  p.Advance(absl::Seconds(3));
+  EXPECT_FALSE(w->healthy());
+  EXPECT_EQ(w->ejection_reason(), "Deadline Exceeded");
+  EXPECT_EQ(d.status_calls, 5);  // at 0, then backing off: +100, +300, +700, +1500 ms
+  EXPECT_EQ(p.decode_ejections.value(), 0);
+}
+
+// Any error but a timeout ejects at once: the process is gone, or broken.
+TEST(WorkerPoolTest, AProbeErrorOtherThanATimeoutEjectsAtTheFirstFailure) {
+  for (const absl::Status& error :
+       {absl::UnavailableError("failed to connect to all addresses"), absl::InternalError("stream reset")}) {
+    SCOPED_TRACE(error.ToString());
+    ProbedPool p;
+    auto [pf, w] = p.AddServing(Role::kPrefill, "p0");
+    pf->status_error = error;
+    p.Advance(absl::Milliseconds(100));
+    EXPECT_FALSE(w->healthy());
+    EXPECT_EQ(p.prefill_ejections.value(), 1);
+    EXPECT_EQ(w->ejection_reason(), error.message());
+    EXPECT_EQ(p.index.NumBlocks("p0"), 0);
+  }
+}
+
+TEST(WorkerPoolTest, AWorkerThatStopsAnsweringAltogetherIsEjectedAtTheFirstFailedProbe) {
+  ProbedPool p;
+  auto [d, w] = p.AddServing(Role::kDecode, "d0");
+  w->NoteProgress(p.clock.now);
+  d->alive = false;
+  p.Advance(absl::Milliseconds(100));
+  EXPECT_FALSE(w->healthy());
+  EXPECT_EQ(p.decode_ejections.value(), 1);
+  EXPECT_EQ(p.index.NumBlocks("d0"), 0);
+}
+
+TEST(WorkerPoolTest, AnAnswerThatSaysNotServingEjectsAtOnce) {
+  ProbedPool p;
+  auto [pf, w] = p.AddServing(Role::kPrefill, "p0");
+  w->NoteProgress(p.clock.now);
+  pf->serving = false;
+  pf->unhealthy_reason = "draining";
+  p.Advance(absl::Milliseconds(100));
+  EXPECT_FALSE(w->healthy());
+  EXPECT_EQ(p.prefill_ejections.value(), 1);
+  EXPECT_EQ(w->ejection_reason(), "draining");
 }
 
 TEST(WorkerPoolTest, ARestartIsSeenAsANewInstance) {

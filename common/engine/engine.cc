@@ -40,10 +40,20 @@ Engine::Engine(Model& model, KvManager& kv, EngineOptions options)
 
 Engine::~Engine() { Stop(); }
 
-absl::Duration Engine::LifeBound(int32_t max_tokens) const {
+absl::Duration TimeWithoutProgress(const Request& r, absl::Time now) {
+  switch (r.lifecycle.state()) {
+    case RequestState::kPrefilling:
+    case RequestState::kDecoding:
+      return std::max(absl::ZeroDuration(), now - r.last_progress);
+    default:
+      return absl::ZeroDuration();
+  }
+}
+
+absl::Duration Engine::LifeBound() const {
   const absl::Duration per_token = std::max(
       options_.life_min_per_token, absl::Seconds(options_.life_step_factor * p99_step_.load(std::memory_order_relaxed)));
-  return options_.life_base + std::max(max_tokens, 0) * per_token;
+  return options_.life_base + per_token;
 }
 
 void Engine::RecordStep(double seconds) {
@@ -64,24 +74,22 @@ void Engine::RecordStep(double seconds) {
 }
 
 void Engine::EndExpired() {
-  const absl::Time now = absl::Now();
-  // One look at the p99 per step, not one per request.
-  const absl::Duration base = options_.life_base;
-  const absl::Duration per_token = LifeBound(1) - base;
+  const absl::Time now = options_.clock();
+  const absl::Duration bound = LifeBound();  // One look at the p99 per step, not one per request.
   auto expired = [&](const std::shared_ptr<Request>& r) {
-    const int32_t max_tokens = r->gen->request().params.max_tokens;
-    const absl::Duration bound = base + std::max(max_tokens, 0) * per_token;
-    if (now - r->arrived <= bound) return false;
+    const absl::Duration silent = TimeWithoutProgress(*r, now);
+    if (silent <= bound) return false;
     ++expired_;
+    const char* state = RequestStateName(r->lifecycle.state());
     LogEvent("warning", "request_expired",
              {{"request_id", r->id.str()},
-              {"age_s", absl::StrFormat("%.3f", absl::ToDoubleSeconds(now - r->arrived))},
+              {"no_progress_s", absl::StrFormat("%.3f", absl::ToDoubleSeconds(silent))},
               {"bound_s", absl::StrFormat("%.3f", absl::ToDoubleSeconds(bound))},
-              {"state", RequestStateName(r->lifecycle.state())}});
+              {"state", state}});
     End(*r, absl::DeadlineExceededError(absl::StrFormat(
-                "request %s outlived its bound of %.1f s (%.0f s + %d tokens x %.0f ms)", r->id.str(),
-                absl::ToDoubleSeconds(bound), absl::ToDoubleSeconds(base), max_tokens,
-                absl::ToDoubleMilliseconds(per_token))),
+                "request %s made no progress for %.1f s while %s (bound %g s + 1 token x %.0f ms)", r->id.str(),
+                absl::ToDoubleSeconds(silent), state, absl::ToDoubleSeconds(options_.life_base),
+                absl::ToDoubleMilliseconds(bound - options_.life_base))),
         EndReason::kError);
     return true;
   };
@@ -224,6 +232,7 @@ void Engine::DrainInbox() {
         continue;
       }
       Move(*r, RequestState::kDecoding);
+      r->last_progress = options_.clock();
       running_.push_back(std::move(r));
       continue;
     }
@@ -440,9 +449,11 @@ absl::StatusOr<bool> Engine::Step() {
 
   // Apply: decode rows, then chunks; requests whose context is done sample
   // their next token and join the running set (or hand off).
+  const absl::Time progressed = options_.clock();
   std::vector<std::shared_ptr<Request>> still;
   still.reserve(running_.size());
   for (int32_t i = 0; i < plan.decode_rows; ++i) {
+    running_[i]->last_progress = progressed;
     if (AcceptToken(*running_[i], res->Last(i))) still.push_back(std::move(running_[i]));
   }
   std::vector<bool> leaves(waiting_.size(), false);
@@ -450,6 +461,7 @@ absl::StatusOr<bool> Engine::Step() {
     const StepPlan::Chunk& c = plan.chunks[k];
     std::shared_ptr<Request>& r = waiting_[c.waiting];
     r->fed += c.tokens;
+    r->last_progress = progressed;
     if (!c.ends_context) continue;
     leaves[c.waiting] = true;
     if (AcceptToken(*r, res->Last(plan.decode_rows + k))) still.push_back(r);

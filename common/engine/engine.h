@@ -60,13 +60,28 @@ struct EngineOptions {
   // Prefills start from the longest cached prefix of their context, and a
   // request that ends (or is preempted) publishes its full blocks.
   bool prefix_cache = false;
-  // The bound on a request's life in the engine, so that nothing waits on
-  // a client's deadline alone: life_base + max_tokens x max(life_step_factor
-  // x the measured p99 step time, life_min_per_token). A request past it
-  // ends with DEADLINE_EXCEEDED (its KV freed), logged as request_expired.
+  // The life bound frees the KV of a request that stopped moving (leaked,
+  // wedged) without waiting on its client's deadline: a request that is
+  // computing (prefilling, between its chunks too, or decoding) ends with
+  // DEADLINE_EXCEEDED (its KV freed), logged as request_expired, once it
+  // has made no progress for LifeBound() = life_base + one token's
+  // allowance, max(life_step_factor x the measured p99 step time,
+  // life_min_per_token). Progress is its first forward (a handed-off
+  // request: its admission to the running batch), a prefill chunk
+  // computed, a token. Time queued (waiting, or preempted and waiting to
+  // recompute) never counts, and a stream that keeps making progress is
+  // never ended by it: the client's deadline and cancellation end those.
+  // The bound measures silence, not age, because load stretches a
+  // healthy stream's age (queueing, slower steps) but not the gaps between
+  // its tokens, and a stream that keeps producing ends at its max_tokens
+  // anyway. Progress is stamped after each forward, so a slow forward does
+  // not count against the requests it serves; the one token's allowance
+  // keeps the bound above the engine's own step times on a slow host.
   absl::Duration life_base = absl::Seconds(60);
   double life_step_factor = 10;
   absl::Duration life_min_per_token = absl::Milliseconds(50);
+  // The life bound's clock (tests put a fake one here).
+  std::function<absl::Time()> clock = absl::Now;
   // Fault tests only: every forward waits this long first (a slow model:
   // the wait counts in the step time).
   absl::Duration fault_stall_forward = absl::ZeroDuration();
@@ -112,7 +127,17 @@ struct Request {
   int32_t cached = 0;  // Of fed, from the prefix cache.
   bool first_sent = false;
   absl::Status layer_status;  // kPrefillOnly: the first on_layer_written error.
+  // Its latest progress on the engine's clock (EngineOptions::life_base):
+  // stamped after each forward that serves it, and when a handed-off
+  // request joins the running batch.
+  absl::Time last_progress = absl::InfinitePast();
 };
+
+// How long `r` has gone without progress at `now`, as the life bound counts
+// it (EngineOptions::life_base): now - r.last_progress while it is
+// prefilling or decoding, zero in any other state (queued, preempted,
+// finished). Pure; reads engine-thread-only fields.
+absl::Duration TimeWithoutProgress(const Request& r, absl::Time now);
 
 struct EngineStats {
   int64_t steps = 0;
@@ -122,8 +147,10 @@ struct EngineStats {
   double step_seconds_avg = 0;  // Exponential average of steps with decode rows.
   double mean_history = 0;      // Mean positions per running request, last step.
   double p99_step_seconds = 0;  // Over the last 1024 steps.
-  double oldest_request_seconds = 0;  // Age of the oldest request inside (0: none).
-  int64_t expired = 0;          // Requests ended by their life bound.
+  // Since the oldest request inside arrived, queued time included (0:
+  // none): how long requests stay, not what the life bound measures.
+  double oldest_request_seconds = 0;
+  int64_t expired = 0;  // Requests ended by their life bound (no progress for LifeBound()).
   // Request-sharded KV: running requests per rank (empty otherwise); the
   // imbalance is max / mean.
   std::vector<int32_t> rank_rows;
@@ -159,8 +186,9 @@ class Engine {
   absl::StatusOr<bool> Step();
 
   EngineStats stats() const;
-  // A request of max_tokens may live this long (EngineOptions::life_base).
-  absl::Duration LifeBound(int32_t max_tokens) const;
+  // How long a computing request may go without progress
+  // (EngineOptions::life_base); thread-safe.
+  absl::Duration LifeBound() const;
   // A step hit an error (every request ended with it, and a request
   // submitted after it ends at once with the same error). Set before any
   // request's on_end hears of the error.
@@ -186,7 +214,7 @@ class Engine {
   // Samples the token ending r's row; false when r ended (or handed off).
   bool AcceptToken(Request& r, absl::Span<const float> logits);
   void PublishStats();
-  // Ends the requests past their life bound.
+  // Ends the requests that made no progress for LifeBound().
   void EndExpired();
   void RecordStep(double seconds);
 

@@ -48,9 +48,13 @@ ABSL_FLAG(bool, kv_direct_writes, true,
           "peer's bytes pass the receiver's reservation check");
 
 ABSL_FLAG(double, request_life_base_s, 60,
-          "a request's life in the engine is bounded by this + max_tokens x max(step factor x p99 step, min per token)");
-ABSL_FLAG(double, request_life_step_factor, 10, "see --request_life_base_s");
-ABSL_FLAG(double, request_life_min_token_ms, 50, "see --request_life_base_s");
+          "a request that is prefilling or decoding ends (DEADLINE_EXCEEDED, its KV freed) once it has made no "
+          "progress (a forward, a prefill chunk, a token) for this + one token's allowance, max(step factor x p99 "
+          "step, min per token); time queued never counts and a stream making progress is never ended by it");
+ABSL_FLAG(double, request_life_step_factor, 10,
+          "the life bound's one-token allowance is at least this x the p99 step time; see --request_life_base_s");
+ABSL_FLAG(double, request_life_min_token_ms, 50,
+          "the life bound's one-token allowance is at least this; see --request_life_base_s");
 ABSL_FLAG(double, drain_min_s, 0,
           "SIGTERM: stay up at least this long, refusing new work as draining, so that routers that still list "
           "this worker (until their next probe or DNS resolve) are told so instead of sending to a vanished "

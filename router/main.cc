@@ -53,6 +53,16 @@ ABSL_FLAG(double, prefix_expect_s, 10, "a routed prompt's blocks count as cached
           "the worker's KV events confirm them");
 ABSL_FLAG(std::string, log_level, "info", "lowest level logged: debug (per-request routing cost terms), info, "
           "warning or error");
+ABSL_FLAG(int64_t, max_queued_requests, 8192,
+          "requests that wait at once in the router's queue for decode KV room (a request goes to a prefill worker "
+          "only once a decode worker has room for its prompt + max_tokens); more are refused at once with "
+          "RESOURCE_EXHAUSTED / HTTP 429 and a retry-after (0: refuse whatever finds no room)");
+ABSL_FLAG(double, max_queue_wait_s, 60,
+          "the longest a request waits in the router's queue; then it is refused with RESOURCE_EXHAUSTED / HTTP 429 "
+          "and a retry-after, before any prefill work");
+ABSL_FLAG(double, probe_stall_s, 10,
+          "a worker whose status probes time out stays serving while it makes progress (tokens on its requests, "
+          "decode steps); it is ejected when no probe has answered in time and it made no progress for this long");
 ABSL_FLAG(bool, admission, false,
           "admission control: reject with RESOURCE_EXHAUSTED when the queue is full, the predicted TTFT misses "
           "the deadline or --ttft_target_ms, or arrivals exceed the bottleneck stage's measured capacity");
@@ -90,7 +100,8 @@ ABSL_FLAG(double, http_request_timeout, 60,
 ABSL_FLAG(int64_t, http_body_budget_bytes, 64 << 20,
           "HTTP request bytes held at once across all connections (bodies being read, headers); a body that does "
           "not fit gets 503 with Retry-After before it is read");
-ABSL_FLAG(int32_t, http_max_inflight, 256, "HTTP generations running at once; more get 503 with Retry-After");
+ABSL_FLAG(int32_t, http_max_inflight, 4096,
+          "HTTP generations at once, waiting in the router's queue or running; more get 503 with Retry-After");
 ABSL_FLAG(std::string, prefix_cache_scope, "shared",
           "which requests share prefix-cache blocks: shared (all: a prompt prefix cached for one API key is reused "
           "for every other, the most reuse, but a client can tell from cached_tokens, and from its time to first "
@@ -181,6 +192,21 @@ int Run() {
   o.prefix_expect = absl::Seconds(absl::GetFlag(FLAGS_prefix_expect_s));
   if (absl::Status st = SetMinLogLevel(absl::GetFlag(FLAGS_log_level)); !st.ok()) {
     LogEvent("error", "bad_flags", {{"error", std::string(st.message())}});
+    return 2;
+  }
+  {
+    router::RequestQueueOptions q;
+    q.max_queued = absl::GetFlag(FLAGS_max_queued_requests);
+    q.max_wait = absl::Seconds(absl::GetFlag(FLAGS_max_queue_wait_s));
+    if (q.max_queued < 0 || !(absl::GetFlag(FLAGS_max_queue_wait_s) >= 0)) {
+      LogEvent("error", "bad_flags", {{"error", "--max_queued_requests and --max_queue_wait_s must be at least 0"}});
+      return 2;
+    }
+    o.queue = q;
+  }
+  o.probe_stall = absl::Seconds(absl::GetFlag(FLAGS_probe_stall_s));
+  if (!(absl::GetFlag(FLAGS_probe_stall_s) > 0)) {
+    LogEvent("error", "bad_flags", {{"error", "--probe_stall_s must be above 0"}});
     return 2;
   }
   if (absl::GetFlag(FLAGS_admission)) {

@@ -53,7 +53,14 @@ bool Placement::HasHeadroom(const Worker& w) const {
   return true;
 }
 
-WorkerPtr Placement::PickDecode(int64_t positions, const Exclusions& exclude, PromptChains& chains) {
+int64_t Placement::FreeFor(const Worker& w) const {
+  if (options_.room != nullptr) {
+    if (std::optional<int64_t> free = options_.room->Free(w); free.has_value()) return std::max<int64_t>(0, *free);
+  }
+  return w.report().free_positions;
+}
+
+WorkerPtr Placement::PickDecode(int64_t positions, const Exclusions& exclude, PromptChains& chains, bool need_room) {
   std::vector<WorkerPtr> usable;
   for (WorkerPtr& w : pool_->Snapshot(Role::kDecode)) {
     if (w->healthy() && !exclude.Excludes(*w)) usable.push_back(std::move(w));
@@ -61,10 +68,12 @@ WorkerPtr Placement::PickDecode(int64_t positions, const Exclusions& exclude, Pr
   std::vector<WorkerPtr> roomy;
   std::vector<SelectionCandidate> candidates;
   for (const WorkerPtr& w : usable) {
-    const int64_t free = w->report().free_positions;
+    const int64_t free = FreeFor(*w);
     const int64_t cached = CachedTokens(*w, chains);
-    // Cached positions are shared, not allocated again.
-    if (free >= 0 && free < positions - cached) continue;
+    // Cached positions are shared, not allocated again; the ledger counts
+    // every request whole, as it leases.
+    const int64_t need = options_.room != nullptr ? options_.room->Rounded(*w, positions) : positions - cached;
+    if (free >= 0 && free < need) continue;
     roomy.push_back(w);
     SelectionCandidate c;
     c.address = w->address();
@@ -87,11 +96,12 @@ WorkerPtr Placement::PickDecode(int64_t positions, const Exclusions& exclude, Pr
     }
     return roomy[i];
   }
+  if (need_room) return nullptr;
   // None has room now: the one with the most free KV (it queues or preempts).
   WorkerPtr best;
   int64_t best_free = 0;
   for (const WorkerPtr& w : usable) {
-    const int64_t free = w->report().free_positions;
+    const int64_t free = FreeFor(*w);
     if (best == nullptr || free > best_free) {
       best = w;
       best_free = free;

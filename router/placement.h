@@ -20,6 +20,7 @@
 #include "absl/types/span.h"
 #include "common/block_hash.h"
 #include "router/admission.h"
+#include "router/decode_room.h"
 #include "router/measured.h"
 #include "router/prefix_index.h"
 #include "router/selection.h"
@@ -41,6 +42,9 @@ struct PlacementOptions {
   // before the worker's own KV events confirm them.
   absl::Duration prefix_expect = absl::Seconds(10);
   Clock clock = RealClock();
+  // The router's ledger of decode KV (none: each worker's last report
+  // alone says how much room it has). Must outlive the placement.
+  const DecodeRoom* room = nullptr;
 };
 
 // A request's context hashed per worker hashing scheme (usually one),
@@ -103,8 +107,12 @@ class Placement {
   Placed Place(int64_t positions, PromptChains& chains, const Exclusions& exclude_decode = {},
                const Exclusions& exclude_prefill = {});
   // A serving decode worker with free KV for `positions`, chosen by the
-  // decode selector; if none has room, the one with the most free KV.
-  WorkerPtr PickDecode(int64_t positions, const Exclusions& exclude, PromptChains& chains);
+  // decode selector; if none has room, the one with the most free KV, or
+  // with `need_room`, none.
+  WorkerPtr PickDecode(int64_t positions, const Exclusions& exclude, PromptChains& chains, bool need_room = false);
+  // Room for `positions` on `w` as the ledger (or, without one, its last
+  // report) counts it; -1: not known.
+  int64_t FreeFor(const Worker& w) const;
   // A serving prefill worker chosen by the prefill selector.
   WorkerPtr PickPrefill(const Exclusions& exclude, PromptChains& chains);
   // Whether the context is prefilled on decode worker `d` (colocated, or

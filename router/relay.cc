@@ -6,6 +6,7 @@
 #include <chrono>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/server_util.h"
@@ -39,14 +40,17 @@ Clock MonotonicClock() {
 
 RelayMetrics::RelayMetrics(MetricsRegistry& m) {
   for (const char* o : {"stop", "length", "cancelled", "error", "invalid", "unavailable", "rejected", "unauthenticated",
-                        "key_limited"}) {
+                        "key_limited", "queue_full", "queue_wait"}) {
     outcomes[o] = m.AddCounter("pdserve_requests_total", "Requests by how they ended.",
                                absl::StrCat("outcome=\"", o, "\""));
   }
   ttft = m.AddHistogram("pdserve_time_to_first_token_seconds", "Router receipt to first token sent.", LatencyBuckets());
   itl = m.AddHistogram("pdserve_inter_token_latency_seconds", "Gap between streamed messages.", LatencyBuckets());
   e2e = m.AddHistogram("pdserve_request_duration_seconds", "Router receipt to final message.", LatencyBuckets());
-  queue = m.AddHistogram("pdserve_queue_seconds", "Waiting for a prefill slot.", LatencyBuckets());
+  queue = m.AddHistogram("pdserve_queue_seconds", "Waiting in the router's queue for decode KV room.",
+                         LatencyBuckets());
+  prefill_queue =
+      m.AddHistogram("pdserve_prefill_queue_seconds", "Waiting in the prefill worker's own queue.", LatencyBuckets());
   prefill_time = m.AddHistogram("pdserve_prefill_seconds", "Prefill compute.", LatencyBuckets());
   handoff = m.AddHistogram("pdserve_handoff_seconds", "First token to KV committed on the decode worker.",
                            LatencyBuckets());
@@ -83,18 +87,21 @@ Relay::Relay(const RelayContext& context, GenerationRequest request, std::string
     : context_(context),
       request_(std::move(request)),
       client_id_(std::move(client_id)),
-      deadline_([&]() -> std::optional<absl::Time> {
-        const absl::Duration most = context.options.max_request_duration;
-        if (most == absl::InfiniteDuration()) return deadline;
-        const absl::Time bound = received.value_or(context.options.clock()) + most;
-        return deadline.has_value() ? std::min(*deadline, bound) : bound;
-      }()),
+      client_deadline_(deadline),
       received_(received),
       prompt_chains_(request_.prompt, request_.cache_salt),
       replay_(request_, context.tokenizer) {}
 
+std::optional<absl::Time> Relay::LifeDeadline(absl::Time from) const {
+  const absl::Duration most = context_.options.max_request_duration;
+  if (most == absl::InfiniteDuration()) return client_deadline_;
+  const absl::Time bound = from + most;
+  return client_deadline_.has_value() ? std::min(*client_deadline_, bound) : bound;
+}
+
 void Relay::Cancel() {
   client_cancelled_.store(true, std::memory_order_relaxed);
+  if (context_.queue != nullptr) context_.queue->Poke();  // ends its wait if it is queued
   absl::MutexLock lock(&streams_mu_);
   if (prefill_stream_ != nullptr) prefill_stream_->Cancel();
   if (decode_stream_ != nullptr) decode_stream_->Cancel();
@@ -193,6 +200,51 @@ bool Relay::Unparseable(const char* role, const std::string& address, const absl
   return true;
 }
 
+int64_t Relay::Positions() const {
+  return static_cast<int64_t>(request_.prompt.size()) + request_.params.max_tokens;
+}
+
+absl::Status Relay::Enqueue() {
+  Placement& placement = *context_.placement;
+  const int64_t positions = Positions();
+  std::vector<WorkerPtr> serving;
+  for (WorkerPtr& w : context_.pool->Snapshot(Role::kDecode)) {
+    if (w->healthy()) serving.push_back(std::move(w));
+  }
+  if (serving.empty()) {
+    // No decode worker serves: placement waits its pick_wait and says so,
+    // rather than the queue holding the request for a pool that is down.
+    first_ = placement.Place(positions, prompt_chains_);
+    return absl::OkStatus();
+  }
+  if (std::optional<int64_t> largest = context_.room->LargestCapacity(serving);
+      largest.has_value() && context_.room->Rounded(*serving.front(), positions) > *largest) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "max_tokens: the request needs %d positions of KV (a prompt of %d tokens + max_tokens %d), more than the "
+        "largest decode worker's pool holds (%d): lower max_tokens",
+        positions, request_.prompt.size(), request_.params.max_tokens, *largest));
+  }
+  RequestQueue::Entry entry;
+  entry.key = queue_key_;
+  entry.deadline = client_deadline_;
+  entry.cancelled = &client_cancelled_;
+  entry.place = [&]() {
+    WorkerPtr d = placement.PickDecode(positions, {}, prompt_chains_, /*need_room=*/true);
+    if (d == nullptr) return PlaceOutcome::kNoRoom;
+    lease_ = context_.room->Take(d, positions);
+    first_ = Placed{};
+    first_.local = placement.PrefillOnDecode(*d, prompt_chains_);
+    if (!first_.local) first_.prefill = placement.PickPrefill({}, prompt_chains_);
+    first_.decode = std::move(d);
+    return PlaceOutcome::kPlaced;
+  };
+  absl::Duration waited;
+  const absl::Status st = context_.queue->Wait(entry, &waited);
+  timings_.set_router_queue(absl::ToDoubleSeconds(waited));
+  context_.metrics->queue->Observe(absl::ToDoubleSeconds(waited));
+  return st;
+}
+
 bool Relay::Admit() {
   if (context_.admission == nullptr) return true;
   AdmissionRequest ar = context_.placement->AdmissionInputs(first_, prompt_chains_, context_.admission_min_samples);
@@ -209,13 +261,28 @@ bool Relay::Admit() {
 absl::Status Relay::Run(const std::function<bool(const v1::GenerateResponse&)>& emit) {
   emit_ = &emit;
   start_ = received_.value_or(Now());
+  deadline_ = LifeDeadline(start_);
   last_token_ = start_;
   context_.measured->RecordArrival();
   msg_.set_request_id(client_id_);
   timings_.set_colocated(context_.options.colocated);
   // The placement admission weighs is the one the first attempt runs with.
-  first_ = context_.placement->Place(static_cast<int64_t>(request_.prompt.size()) + request_.params.max_tokens,
-                                     prompt_chains_);
+  if (context_.queue != nullptr) {
+    if (absl::Status q = Enqueue(); !q.ok()) {
+      const char* outcome = client_cancelled()                  ? "cancelled"
+                            : absl::IsInvalidArgument(q)        ? "invalid"
+                            : absl::IsDeadlineExceeded(q)       ? "cancelled"
+                            : absl::StrContains(q.message(), "queue is full") ? "queue_full"
+                                                                : "queue_wait";
+      context_.metrics->CountOutcome(outcome);
+      if (client_cancelled()) return absl::CancelledError("cancelled by the client");
+      return q;
+    }
+    // The bound on a request's life starts once it leaves the queue.
+    deadline_ = LifeDeadline(Now());
+  } else {
+    first_ = context_.placement->Place(Positions(), prompt_chains_);
+  }
   if (!Admit()) {
     context_.metrics->CountOutcome("rejected");
     return absl::ResourceExhaustedError(error_);
@@ -234,6 +301,7 @@ absl::Status Relay::Run(const std::function<bool(const v1::GenerateResponse&)>& 
     }
   }
   trace_.push_back(RelayState::kFinish);
+  lease_.Release();
   --*context_.in_flight;
   return Finish();
 }
@@ -285,6 +353,12 @@ RelayState Relay::Place() {
                                        {"tokens_so_far", std::to_string(streamed_.size())}});
   }
   decode_ = d;
+  // The room this attempt takes: the queue's lease on the first, a new one
+  // for a migration (which does not queue again: it has a stream to finish).
+  if (context_.room != nullptr && (!lease_.held() || lease_.worker() != d)) {
+    lease_.Release();
+    lease_ = context_.room->Take(d, positions);
+  }
   const bool colocated = context_.options.colocated;
   local_ = first && d == first_.decode ? first_.local : placement.PrefillOnDecode(*d, chains);
   // Conditional disaggregation: the decode worker will hold the context.
@@ -371,6 +445,7 @@ RelayState Relay::Prefill() {
   bool handed_off = false;
   PrefillStream::ReadResult read;
   while ((read = prefill_reader_->Read(&ev)) == PrefillStream::ReadResult::kMessage) {
+    p.NoteProgress(Now());
     if (ev.has_first() && !first_seen) {
       first_seen = true;
       p.queued_tokens -= queued;
@@ -494,6 +569,7 @@ RelayState Relay::Decode() {
   bool decode_final = false;
   DecodeStream::ReadResult read;
   while ((read = decode_reader_->Read(&dev)) == DecodeStream::ReadResult::kMessage) {
+    d.NoteProgress(Now());
     if (!decode_expected_) continue;
     if (dev.has_chunk() && dev.chunk().token_ids_size() > 0) {
       for (int32_t t : dev.chunk().token_ids()) {
@@ -528,6 +604,7 @@ RelayState Relay::Decode() {
   const absl::Status parse_error = decode_reader_->parse_error();
   CloseDecode();
   d.in_flight--;
+  lease_.Release();  // the worker has freed the sequence's KV (or will at the release below)
   if (!decode_final) ReleaseHandoff(d);
   if (read == DecodeStream::ReadResult::kUnparseable && decode_expected_ && !decode_final && error_.empty() &&
       !cancelled_) {
@@ -575,6 +652,7 @@ RelayState Relay::Migrate() {
     d.in_flight--;
     ReleaseHandoff(d);
   }
+  lease_.Release();
   if (migration_.mark_failed) d.MarkFailed();
   if (migration_.exclude_decode) failed_decode_.Add(d, migration_.why);
   return RelayState::kPlace;
@@ -592,7 +670,7 @@ absl::Status Relay::Finish() {
   }
   if (completion_ > 0) m.ttft->Observe(timings_.ttft());
   if (!context_.options.colocated && !timings_.local_prefill()) {
-    m.queue->Observe(timings_.queue());
+    m.prefill_queue->Observe(timings_.queue());
     m.handoff->Observe(timings_.handoff());
   }
   m.prefill_time->Observe(timings_.prefill());

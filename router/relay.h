@@ -48,6 +48,7 @@
 #include "router/admission.h"
 #include "router/measured.h"
 #include "router/placement.h"
+#include "router/request_queue.h"
 #include "router/transport.h"
 #include "router/worker_pool.h"
 
@@ -57,14 +58,16 @@ namespace pdserve::router {
 struct RelayMetrics {
   explicit RelayMetrics(MetricsRegistry& registry);
   // "stop", "length", "cancelled", "error", "invalid", "unavailable", "rejected",
-  // "unauthenticated", "key_limited" (over an API key's rate or concurrency).
+  // "unauthenticated", "key_limited" (over an API key's rate or concurrency),
+  // "queue_full", "queue_wait" (refused by the router's queue).
   void CountOutcome(const char* outcome) const;
 
   absl::flat_hash_map<std::string, Counter*> outcomes;
   Histogram* ttft;
   Histogram* itl;
   Histogram* e2e;
-  Histogram* queue;
+  Histogram* queue;          // the router's queue for decode KV room
+  Histogram* prefill_queue;  // the prefill worker's own queue
   Histogram* prefill_time;
   Histogram* handoff;
   Counter* retries;
@@ -104,6 +107,10 @@ struct RelayContext {
   Placement* placement = nullptr;
   WorkerTransport* transport = nullptr;
   MeasuredInputs* measured = nullptr;
+  // The queue for decode KV room and the ledger it places against (none:
+  // requests go on at once, placed by the workers' reports alone).
+  RequestQueue* queue = nullptr;
+  DecodeRoom* room = nullptr;
   AdmissionController* admission = nullptr;  // none: every request is taken
   int64_t admission_min_samples = 20;
   const tok::Tokenizer* tokenizer = nullptr;
@@ -133,7 +140,9 @@ class Relay {
   // Runs the request to its end. `emit` gets every message for the client
   // (false: the client is gone). OK: the final message was emitted. Else
   // the status the client gets instead of one: CANCELLED (by the client),
-  // RESOURCE_EXHAUSTED (admission), UNAVAILABLE (no worker of a pool could
+  // RESOURCE_EXHAUSTED (the queue's bounds, admission), DEADLINE_EXCEEDED
+  // (the client's deadline passed while queued), INVALID_ARGUMENT (more KV
+  // than any decode worker holds), UNAVAILABLE (no worker of a pool could
   // take it before any token), INTERNAL (a second message that did not
   // parse, naming the field).
   absl::Status Run(const std::function<bool(const v1::GenerateResponse&)>& emit);
@@ -143,6 +152,8 @@ class Relay {
   // Also asked whether the client went away, wherever the relay checks
   // (a server context's IsCancelled). Set before Run.
   void set_cancel_check(std::function<bool()> check) { cancel_check_ = std::move(check); }
+  // The API key it came with: the queue takes keys in turn. Set before Run.
+  void set_queue_key(std::string key) { queue_key_ = std::move(key); }
 
   // Every state entered, in order (tests assert the path taken).
   const std::vector<RelayState>& trace() const { return trace_; }
@@ -159,6 +170,11 @@ class Relay {
   RelayState NoPrefillWorker(std::string error);
 
   bool Admit();
+  // Waits in the queue until a decode worker has room (first_ and lease_
+  // then say where), or returns why not.
+  absl::Status Enqueue();
+  // The positions a request takes on its decode worker.
+  int64_t Positions() const;
   // Picks, waiting up to pick_wait (and the deadline) while none is usable.
   WorkerPtr PickWaiting(const std::function<WorkerPtr()>& pick);
   // Sends a chunk to the client; keeps the TTFT, ITL and relay cost.
@@ -185,11 +201,15 @@ class Relay {
     return client_cancelled_.load(std::memory_order_relaxed) || (cancel_check_ && cancel_check_());
   }
   absl::Time Now() const { return context_.options.clock(); }
+  std::optional<absl::Time> LifeDeadline(absl::Time from) const;
 
   const RelayContext& context_;
   const GenerationRequest request_;
   const std::string client_id_;
-  const std::optional<absl::Time> deadline_;
+  const std::optional<absl::Time> client_deadline_;
+  // The client's, bounded by max_request_duration from when the request
+  // left the queue (its arrival, without a queue).
+  std::optional<absl::Time> deadline_;
   const std::optional<absl::Time> received_;
   const std::function<bool(const v1::GenerateResponse&)>* emit_ = nullptr;
   std::vector<RelayState> trace_;
@@ -198,6 +218,8 @@ class Relay {
   PromptChains prompt_chains_;
   Placed first_;  // the placement admission saw, for the first attempt
   std::optional<AdmissionTicket> ticket_;
+  std::string queue_key_;
+  RoomLease lease_;  // the current decode attempt's room on its worker
   Generation replay_;
   std::vector<int32_t> streamed_;  // every token sent to the client
   v1::GenerateResponse msg_;

@@ -101,25 +101,31 @@ absl::StatusOr<std::unique_ptr<RouterService>> RouterService::Create(RouterOptio
   absl::StatusOr<std::unique_ptr<Selector>> ds = MakeSelector(o.decode_policy, Pool::kDecode);
   if (!ds.ok()) return absl::InvalidArgumentError(absl::StrCat("--decode_policy: ", ds.status().message()));
   if (o.admission.has_value()) r->admission_ = std::make_unique<AdmissionController>(*o.admission);
+  if (o.queue.has_value()) {
+    r->queue_ = std::make_unique<RequestQueue>(*o.queue);
+    RequestQueue* queue = r->queue_.get();
+    r->room_.set_on_room([queue] { queue->Poke(); });
+  }
 
   r->RegisterMetrics();
   po.resolve_interval = o.resolve_interval;
   po.resolve_timeout = o.resolve_timeout;
   po.probe_period = o.probe_period;
   po.max_backoff = o.max_backoff;
+  po.probe_stall = o.probe_stall;
   for (const Role role : {Role::kPrefill, Role::kDecode}) {
     (role == Role::kPrefill ? po.prefill_ejections : po.decode_ejections) = r->metrics_.AddCounter(
         "pdserve_worker_ejections_total", "Times a worker stopped serving in the router's view.",
         absl::StrCat("role=\"", RoleName(role), "\""));
   }
   RouterService* raw = r.get();
-  if (r->admission_ != nullptr) {
-    po.after_probe_round = [raw] {
-      if (absl::Now() < raw->next_load_update_) return;
-      raw->admission_->UpdateLoad(LoadFromCapacity(raw->CurrentCapacity()));
-      raw->next_load_update_ = absl::Now() + absl::Milliseconds(250);
-    };
-  }
+  po.after_probe_round = [raw] {
+    // The workers' reports correct the ledger (and may show room).
+    if (raw->queue_ != nullptr) raw->room_.Refresh(raw->pool_->Snapshot(Role::kDecode));
+    if (raw->admission_ == nullptr || absl::Now() < raw->next_load_update_) return;
+    raw->admission_->UpdateLoad(LoadFromCapacity(raw->CurrentCapacity()));
+    raw->next_load_update_ = absl::Now() + absl::Milliseconds(250);
+  };
   r->transport_ = std::make_unique<GrpcTransport>(o.tls);
   r->pool_ = std::make_unique<WorkerPool>(std::move(po), r->transport_.get(), &r->measured_, &r->prefix_index_);
 
@@ -128,6 +134,7 @@ absl::StatusOr<std::unique_ptr<RouterService>> RouterService::Create(RouterOptio
   pl.itl_target = o.itl_target;
   pl.local_prefill_max_tokens = o.local_prefill_max_tokens;
   pl.prefix_expect = o.prefix_expect;
+  if (r->queue_ != nullptr) pl.room = &r->room_;
   r->placement_ = std::make_unique<Placement>(pl, r->pool_.get(), &r->prefix_index_, &r->measured_, *std::move(ps),
                                               *std::move(ds));
 
@@ -140,6 +147,8 @@ absl::StatusOr<std::unique_ptr<RouterService>> RouterService::Create(RouterOptio
   rc.transport = r->transport_.get();
   rc.measured = &r->measured_;
   rc.admission = r->admission_.get();
+  rc.queue = r->queue_.get();
+  if (r->queue_ != nullptr) rc.room = &r->room_;
   if (o.admission.has_value()) rc.admission_min_samples = o.admission->min_samples;
   rc.tokenizer = &r->resolver_->tokenizer();
   rc.metrics = r->relay_metrics_.get();
@@ -267,7 +276,12 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
   const auto& md = ctx->client_metadata();
   if (auto it = md.find("authorization"); it != md.end()) authorization.assign(it->second.data(), it->second.size());
   absl::StatusOr<KeyLease> lease = AdmitKey(authorization, ctx->peer());
-  if (!lease.ok()) return ToGrpcStatus(lease.status());
+  if (!lease.ok()) {
+    if (auto retry = lease.status().GetPayload(kRetryAfterPayload); retry.has_value()) {
+      ctx->AddTrailingMetadata("retry-after", std::string(*retry));
+    }
+    return ToGrpcStatus(lease.status());
+  }
   // max_tokens is required here (Resolve refuses 0), so it is the worst case.
   if (reply == Reply::kWhole && req.logprobs() > 0) {
     const int64_t entries = openai::WholeReplyEntries(req.max_tokens(), req.logprobs());
@@ -288,6 +302,7 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
   if (options_.prefix_cache_scope == PrefixCacheScope::kPerKey) resolved->cache_salt = CacheSaltForKey(lease->id());
   Relay relay(relay_context_, *std::move(resolved), req.request_id(), DeadlineOf(*ctx), received);
   relay.set_cancel_check([ctx] { return ctx->IsCancelled(); });
+  relay.set_queue_key(lease->id());
   {
     absl::MutexLock lock(&watch_mu_);
     watches_.push_back({ctx, &relay});
@@ -296,6 +311,9 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
   {
     absl::MutexLock lock(&watch_mu_);
     watches_.erase(std::find_if(watches_.begin(), watches_.end(), [&relay](const Watch& w) { return w.relay == &relay; }));
+  }
+  if (auto retry = st.GetPayload(kRetryAfterPayload); retry.has_value()) {
+    ctx->AddTrailingMetadata("retry-after", std::string(*retry));
   }
   return ToGrpcStatus(st);
 }
@@ -364,6 +382,24 @@ grpc::Status RouterService::ClusterStatus(grpc::ServerContext* ctx, const v1::Cl
     s->set_healthy(a.ok() && a->status().healthy());
     s->set_unhealthy_reason(a.ok() ? a->unhealthy_reason() : std::string(a.status().message()));
     s->set_prefix_index_blocks(prefix_index_.NumBlocks(w.address()));
+    if (!w.prefill_role() && queue_ != nullptr) {
+      s->set_router_placed_positions(room_.Placed(w));
+      s->set_router_free_positions(placement_->FreeFor(w));
+    }
+  }
+  v1::QueueStatus* q = out->mutable_queue();
+  q->set_enabled(queue_ != nullptr);
+  if (queue_ != nullptr) {
+    const RequestQueueStats qs = queue_->Stats();
+    q->set_waiting(qs.waiting);
+    q->set_oldest_wait_seconds(absl::ToDoubleSeconds(qs.oldest_wait));
+    q->set_max_queued(queue_->options().max_queued);
+    q->set_max_wait_seconds(absl::ToDoubleSeconds(queue_->options().max_wait));
+    q->set_placed(qs.placed);
+    q->set_placed_waited(qs.placed_waited);
+    q->set_mean_wait_seconds(qs.placed_waited > 0 ? qs.waited_seconds / static_cast<double>(qs.placed_waited) : 0);
+    q->set_refused_full(qs.refused_full);
+    q->set_refused_wait(qs.refused_wait);
   }
   const MeasuredSnapshot snapshot = measured_.Snapshot();
   const MeasuredCapacity cap = CurrentCapacity();

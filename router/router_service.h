@@ -5,6 +5,8 @@
 //                  checked sampling parameters, the seed);
 //   worker_pool.h  the workers: discovery, probes, KV-event ingestion;
 //   placement.h    where a request runs (decides only);
+//   request_queue.h  where it waits until a decode worker has KV room for
+//                  it (decode_room.h: the router's ledger of that room);
 //   admission.h    whether it is taken now, for the placement it gets;
 //   relay.h        one request's attempts as a state machine: prefill,
 //                  handoff, decode stream, retry, migration, finish;
@@ -76,6 +78,12 @@ struct RouterOptions {
   // The longest a request may run: its calls to the workers carry a
   // deadline this far from its arrival even when the client gave none.
   absl::Duration max_request_duration = absl::Seconds(600);
+  // The queue for decode KV room (router/request_queue.h); none: requests
+  // are placed at once by the workers' reports alone.
+  std::optional<RequestQueueOptions> queue = RequestQueueOptions{};
+  // How long a worker whose probes time out keeps serving in the router's
+  // view while it shows no progress (router/worker_pool.h).
+  absl::Duration probe_stall = absl::Seconds(10);
   // Admission control (router/admission.h); none: every valid request is
   // taken. A ticket is held from arrival to the first token.
   std::optional<AdmissionOptions> admission;
@@ -186,6 +194,8 @@ class RouterService final : public v1::Generation::Service {
   PrefixIndex prefix_index_;
   std::unique_ptr<WorkerTransport> transport_;
   std::unique_ptr<AdmissionController> admission_;
+  DecodeRoom room_;
+  std::unique_ptr<RequestQueue> queue_;
   absl::Time next_load_update_ = absl::InfinitePast();  // probe thread only
   // Declared after what its threads use: destroyed (and stopped) first.
   std::unique_ptr<WorkerPool> pool_;

@@ -23,6 +23,8 @@ WorkerReport ReportFromInfo(const worker::v1::WorkerInfo& info) {
                                c.block_size()};
   }
   r.free_positions = static_cast<int64_t>(ws.kv_blocks_free()) * ws.kv_block_size();
+  r.kv_positions_total = static_cast<int64_t>(ws.kv_blocks_total()) * ws.kv_block_size();
+  r.kv_block_size = ws.kv_block_size();
   r.kv_bytes_per_position = ws.kv_bytes_per_position();
   r.max_batch = ws.max_batch();
   r.running = ws.running();

@@ -67,6 +67,8 @@ struct WorkerReport {
   std::string kv_address;       // decode: where its KV receiver listens
   std::optional<HashScheme> prefix_hash;
   int64_t free_positions = -1;  // -1: not known yet
+  int64_t kv_positions_total = 0;  // its pool's size; 0: not known yet
+  int32_t kv_block_size = 0;
   int64_t kv_bytes_per_position = 0;
   int32_t max_batch = 0;
   int32_t running = 0;          // decode: sequences running

@@ -768,6 +768,7 @@ class HttpServer::Impl {
                           &backend_.resolver->tokenizer());
     Relay relay(rc, *std::move(resolved), client_id.empty() ? id : client_id, std::nullopt, received);
     relay.set_cancel_check([&call] { return call->gone.load(std::memory_order_relaxed); });
+    relay.set_queue_key(lease.id());
     {
       absl::MutexLock lock(&call->mu);
       call->relay = &relay;

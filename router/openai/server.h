@@ -83,7 +83,7 @@ struct HttpServerOptions {
   // make the server keep.
   int64_t body_budget_bytes = 64 << 20;
   // Generations running at once, keys or none.
-  int max_inflight = 256;
+  int max_inflight = 4096;
   // A stream whose unsent bytes (the socket's buffer full, the rest waiting
   // in the server) pass this is a client that stopped reading: it is
   // cancelled (its KV freed) and its connection closed 5 s later.

@@ -67,6 +67,7 @@ struct FakeWorker {
   std::string unhealthy_reason;
   uint64_t instance = 1;
   int32_t kv_blocks_free = 1000;
+  int32_t kv_blocks_total = 0;  // 0: not reported (the router's ledger knows no pool size)
   int32_t kv_block_size = 16;
   int32_t max_batch = 64;
   int32_t running = 0;
@@ -297,6 +298,7 @@ class FakeWorkers final : public WorkerTransport {
       v1::WorkerStatus* s = info.mutable_status();
       s->set_healthy(w.serving);
       s->set_kv_blocks_free(w.kv_blocks_free);
+      s->set_kv_blocks_total(w.kv_blocks_total);
       s->set_kv_block_size(w.kv_block_size);
       s->set_max_batch(w.max_batch);
       s->set_running(w.running);

@@ -20,6 +20,7 @@
 #include "router/placement.h"
 #include "router/prefix_index.h"
 #include "router/relay.h"
+#include "router/request_queue.h"
 #include "router/selection.h"
 #include "router/worker_pool.h"
 #include "tests/router/fake_clock.h"
@@ -33,6 +34,8 @@ struct RigOptions {
   std::string decode_policy = "prefix_aware";
   int64_t local_prefill_max_tokens = 0;
   std::optional<AdmissionOptions> admission;  // its clock is set to the rig's
+  // The queue for decode KV room (on the real clock: its waits are real).
+  std::optional<RequestQueueOptions> queue;
 };
 
 // What one relay did.
@@ -54,6 +57,13 @@ class InProcessRouter {
     pl.colocated = o.colocated;
     pl.local_prefill_max_tokens = o.local_prefill_max_tokens;
     pl.clock = clock.clock();
+    if (o.queue.has_value()) {
+      queue = std::make_unique<RequestQueue>(*o.queue);
+      room.set_on_room([this] { queue->Poke(); });
+      pl.room = &room;
+      context.queue = queue.get();
+      context.room = &room;
+    }
     placement = std::make_unique<Placement>(pl, pool.get(), &index, &measured,
                                             *MakeSelector(o.prefill_policy, Pool::kPrefill),
                                             *MakeSelector(o.decode_policy, Pool::kDecode));
@@ -89,7 +99,12 @@ class InProcessRouter {
     }
     return nullptr;
   }
-  void ProbeAll() { pool->ProbeDue(/*force_all=*/true); }
+  // Probes every worker; the ledger reads their reports, as the router's
+  // probe thread has it do after each round.
+  void ProbeAll() {
+    pool->ProbeDue(/*force_all=*/true);
+    if (queue != nullptr) room.Refresh(pool->Snapshot(Role::kDecode));
+  }
 
   static GenerationRequest Request(int32_t max_tokens, uint64_t seed = 7, int prompt_len = 40) {
     GenerationRequest r;
@@ -137,6 +152,8 @@ class InProcessRouter {
   MetricsRegistry metrics;
   RelayMetrics relay_metrics;
   std::unique_ptr<WorkerPool> pool;
+  DecodeRoom room;
+  std::unique_ptr<RequestQueue> queue;
   std::unique_ptr<Placement> placement;
   std::unique_ptr<AdmissionController> admission;
   std::unique_ptr<tok::Tokenizer> tokenizer;

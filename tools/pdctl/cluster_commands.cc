@@ -127,6 +127,16 @@ absl::Status RemoteStatus(const std::string& router, bool json) {
     return absl::OkStatus();
   }
   std::printf("requests in flight: %lld\n", static_cast<long long>(out.requests_in_flight()));
+  if (const v1::QueueStatus& q = out.queue(); q.enabled()) {
+    std::printf(
+        "queue for decode KV room: %lld waiting (max %lld), longest wait now %.2f s (max %.0f s); %lld placed, %lld "
+        "after waiting %.3f s on average; refused: %lld full, %lld waited too long\n",
+        static_cast<long long>(q.waiting()), static_cast<long long>(q.max_queued()), q.oldest_wait_seconds(),
+        q.max_wait_seconds(), static_cast<long long>(q.placed()), static_cast<long long>(q.placed_waited()),
+        q.mean_wait_seconds(), static_cast<long long>(q.refused_full()), static_cast<long long>(q.refused_wait()));
+  } else {
+    std::printf("queue for decode KV room: off\n");
+  }
   std::printf("%-8s %-22s %-8s %8s %7s %14s %16s %8s %9s %15s %9s\n", "pool", "address", "health", "running", "queued",
               "queued tokens", "KV blocks used", "preempt", "step ms", "cached/indexed", "oldest s");
   // cached/indexed: blocks in the worker's prefix cache, and in the
@@ -153,6 +163,10 @@ absl::Status RemoteStatus(const std::string& router, bool json) {
       const double mean = static_cast<double>(total) / w.rank_rows_size();
       std::printf("         request-sharded KV: rows per rank %s, imbalance %.2f (max/mean)\n", rows.c_str(),
                   mean > 0 ? most / mean : 1.0);
+    }
+    if (w.role() == "decode" && (w.router_placed_positions() > 0 || w.router_free_positions() > 0)) {
+      std::printf("         router's KV ledger: %lld positions placed, room for %lld more\n",
+                  static_cast<long long>(w.router_placed_positions()), static_cast<long long>(w.router_free_positions()));
     }
     if (w.requests_expired() > 0) {
       std::printf("         requests ended by their life bound: %lld\n", static_cast<long long>(w.requests_expired()));

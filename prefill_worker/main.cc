@@ -8,6 +8,7 @@
 // every worker: tcp by default; ucx takes UCX_TLS and UCX_NET_DEVICES from
 // its environment); see docs/operations.md.
 // Flags may also come from a file: --flagfile=prefill.flags.
+#include <algorithm>
 #include <memory>
 #include <string>
 
@@ -38,6 +39,10 @@ ABSL_FLAG(int, fault_unparseable_streams, 0,
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:0", "Prometheus /metrics address (port 0: any free; empty: off)");
 ABSL_FLAG(double, kv_timeout_s, 10, "a KV handoff whose receiver does not answer within this fails (the router retries it)");
 ABSL_FLAG(double, drain_grace_s, 30, "SIGTERM: seconds to finish queued requests before they go elsewhere");
+ABSL_FLAG(double, handoff_room_wait_s, 30,
+          "a KV reservation the decode worker refuses for lack of room is asked again (2 ms apart, doubling to 50 "
+          "ms) for up to this long, the prompt not yet computed; then the request fails with RESOURCE_EXHAUSTED and "
+          "the router moves it to another decode worker (0: at the first refusal)");
 
 namespace {
 
@@ -64,6 +69,7 @@ int Run() {
     so.fault_stall_before_commit_ms = absl::GetFlag(FLAGS_fault_stall_before_commit_ms);
     so.fault_stall_prefill_ms = absl::GetFlag(FLAGS_fault_stall_prefill_ms);
     so.fault_unparseable_streams = absl::GetFlag(FLAGS_fault_unparseable_streams);
+    so.handoff_room_wait = absl::Seconds(std::max(0.0, absl::GetFlag(FLAGS_handoff_room_wait_s)));
     {
       engine::EngineOptions life;
       ApplyRequestLifeFlags(life);
@@ -99,6 +105,16 @@ int Run() {
                            [&sender] { return static_cast<double>(sender.metrics().transfers); });
     metrics.AddCounterFunc("pdserve_handoff_failures_total", "Handoffs that ended without a commit.",
                            [&sender] { return static_cast<double>(sender.metrics().failures); });
+    metrics.AddCounterFunc("pdserve_handoff_room_waits_total",
+                           "KV reservations a decode worker refused for lack of room that then waited for room.",
+                           [&service] { return static_cast<double>(service.counters().room_waits); });
+    metrics.AddCounterFunc("pdserve_handoff_room_wait_seconds_total",
+                           "Seconds KV reservations waited for room on a decode worker (counted as each wait ends).",
+                           [&service] { return service.counters().room_wait_seconds; });
+    metrics.AddCounterFunc("pdserve_prefill_discarded_tokens_total",
+                           "Context tokens prefilled here whose KV no decode worker took (not counting requests "
+                           "their first token ended or their client cancelled).",
+                           [&service] { return static_cast<double>(service.counters().discarded_tokens); });
     ServeOptions serve;
     ApplyWorkerServing(*rt, serve);
   serve.metrics = &metrics;

@@ -1,5 +1,6 @@
 #include "prefill_worker/prefill_service.h"
 
+#include <algorithm>
 #include <chrono>
 #include <optional>
 #include <utility>
@@ -8,6 +9,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "common/generation.h"
 #include "common/prefix_cache.h"
@@ -27,6 +29,21 @@ double Seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
 
+// A reservation refused for room waits this long before it asks again,
+// doubling per refusal: the first room frees within a decode step or two,
+// and a long wait asks no more than 20 times a second.
+constexpr Clock::duration kRoomRetryFirst = std::chrono::milliseconds(2);
+constexpr Clock::duration kRoomRetryMax = std::chrono::milliseconds(50);
+
+// The decode worker had no room for the reservation (its pool, or the host
+// blocks handoffs into GPU memory land in): a refusal that passes as its
+// sequences end. The code alone does not say so, since this side's
+// transport gives RESOURCE_EXHAUSTED for a staging buffer it cannot
+// allocate: the receiver's refusals for room are the ones that begin so.
+bool IsNoRoom(const absl::Status& s) {
+  return absl::IsResourceExhausted(s) && absl::StartsWith(s.message(), "KV handoff: reservation of ");
+}
+
 
 }  // namespace
 
@@ -38,6 +55,9 @@ struct PrefillService::Job {
   // Set (under mu) when handed to the engine.
   std::shared_ptr<engine::Request> request;
   std::vector<int32_t> context;  // Prompt + generated_ids: what is prefilled.
+  // Of the context, what the engine computed (set with the first token).
+  int64_t computed_tokens = 0;
+  Clock::time_point room_wait_since;  // While waiting for room on its decode worker.
   SequenceKv kv;  // From the engine, after the first token: what is committed.
   std::unique_ptr<kv::Handoff> handoff;
   Clock::time_point queued_at, started_at, first_at;
@@ -179,6 +199,16 @@ class PrefillCall final : public OneWriteStream<PrefillEvent> {
 
 void PrefillService::Job::Push(PrefillEvent e) { call->Push(std::move(e)); }
 
+// The jobs a decode worker refused for lack of room, oldest first: only
+// the front one asks again, so a later (perhaps smaller) one never takes
+// the room it waits for.
+struct PrefillService::RoomWait {
+  std::deque<std::shared_ptr<Job>> jobs;
+  Clock::time_point next_try;
+  Clock::duration backoff = kRoomRetryFirst;
+  std::string refusal;  // The receiver's last word, for the error at the bound.
+};
+
 PrefillService::PrefillService(Model* model, KvManager* kv, const tok::Tokenizer* tokenizer, kv::KvSender* sender,
                                PrefillServiceOptions options)
     : model_(model),
@@ -227,6 +257,17 @@ void PrefillService::Shutdown() {
 void PrefillService::FinishJob(const std::shared_ptr<Job>& job, absl::Status status) {
   if (job->handoff != nullptr && !status.ok()) {
     (void)job->handoff->Abort(status);
+  }
+  // A forward whose KV no decode worker took: the router prefills the
+  // request again elsewhere, so this work is lost.
+  const int64_t computed = std::exchange(job->computed_tokens, 0);
+  if (computed > 0 && !status.ok() && !job->cancelled) {
+    discarded_tokens_.fetch_add(computed, std::memory_order_relaxed);
+    LogEvent("warning", "prefill_discarded",
+             {{"request_id", job->request_id},
+              {"decode", job->decode_address},
+              {"tokens", std::to_string(computed)},
+              {"error", std::string(status.message())}});
   }
   job->handoff.reset();
   job->kv.Release();
@@ -277,30 +318,151 @@ absl::Status PrefillService::StartHandoff(Job& job) {
 }
 
 void PrefillService::ReserveLoop() {
+  int64_t cancels_seen = 0;
   while (true) {
     std::shared_ptr<Job> job;
+    bool cancels = false;
     {
       absl::MutexLock lock(&mu_);
       // A bounded lookahead: a reservation is a lease on the decode side's
       // blocks, so only about two forwards' worth wait reserved.
-      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return stop_ || (!queue_.empty() && in_engine_ < 2 * options_.max_batch);
+      auto ready = [this, cancels_seen]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stop_ || cancels_ != cancels_seen || (!queue_.empty() && in_engine_ < 2 * options_.max_batch);
       };
-      mu_.Await(absl::Condition(&ready));
-      if (stop_) return;
-      job = queue_.front();
-      queue_.pop_front();
+      if (const std::optional<Clock::time_point> next = NextRoomEvent(); next.has_value()) {
+        mu_.AwaitWithTimeout(absl::Condition(&ready), absl::FromChrono(*next - Clock::now()));
+      } else {
+        mu_.Await(absl::Condition(&ready));
+      }
+      if (stop_) break;
+      cancels = cancels_ != cancels_seen;
+      cancels_seen = cancels_;
+      if (!queue_.empty() && in_engine_ < 2 * options_.max_batch) {
+        job = queue_.front();
+        queue_.pop_front();
+      }
     }
-    if (job->cancelled) {
-      FinishJob(job, absl::CancelledError("cancelled"));
-      continue;
+    ServeRoomWaits(cancels);
+    if (job != nullptr) Reserve(job);
+  }
+  for (auto& [address, wait] : room_waits_) {
+    for (const std::shared_ptr<Job>& job : wait.jobs) {
+      EndRoomWait(*job);
+      FinishJob(job, absl::UnavailableError("prefill worker shutting down"));
     }
-    job->started_at = Clock::now();
-    if (absl::Status st = StartHandoff(*job); !st.ok()) {
-      FinishJob(job, st);
-      continue;
-    }
+  }
+  room_waits_.clear();
+}
+
+void PrefillService::Reserve(const std::shared_ptr<Job>& job) {
+  if (job->cancelled) {
+    FinishJob(job, absl::CancelledError("cancelled"));
+    return;
+  }
+  if (auto it = room_waits_.find(job->decode_address); it != room_waits_.end()) {
+    BeginRoomWait(it->second, job);  // Behind those already waiting there.
+    return;
+  }
+  job->started_at = Clock::now();
+  absl::Status st = StartHandoff(*job);
+  if (st.ok()) {
     Submit(job);
+    return;
+  }
+  if (!IsNoRoom(st) || options_.handoff_room_wait <= absl::ZeroDuration()) {
+    FinishJob(job, st);
+    return;
+  }
+  RoomWait& wait = room_waits_[job->decode_address];
+  wait.next_try = Clock::now() + wait.backoff;
+  wait.refusal = std::string(st.message());
+  BeginRoomWait(wait, job);
+}
+
+void PrefillService::BeginRoomWait(RoomWait& wait, const std::shared_ptr<Job>& job) {
+  job->room_wait_since = Clock::now();
+  wait.jobs.push_back(job);
+  room_waits_total_.fetch_add(1, std::memory_order_relaxed);
+  absl::MutexLock lock(&mu_);
+  ++waiting_for_room_;
+}
+
+void PrefillService::EndRoomWait(Job& job) {
+  const double waited = Seconds(job.room_wait_since, Clock::now());
+  room_wait_seconds_.fetch_add(waited, std::memory_order_relaxed);
+  absl::MutexLock lock(&mu_);
+  --waiting_for_room_;
+}
+
+std::optional<PrefillService::Clock::time_point> PrefillService::NextRoomEvent() const {
+  const Clock::duration bound = absl::ToChronoNanoseconds(options_.handoff_room_wait);
+  std::optional<Clock::time_point> next;
+  for (const auto& [address, wait] : room_waits_) {
+    // Jobs join in arrival order, so the front one reaches the bound first.
+    const Clock::time_point t = std::min(wait.next_try, wait.jobs.front()->room_wait_since + bound);
+    if (!next.has_value() || t < *next) next = t;
+  }
+  return next;
+}
+
+void PrefillService::ServeRoomWaits(bool cancels) {
+  const Clock::duration bound = absl::ToChronoNanoseconds(options_.handoff_room_wait);
+  for (auto it = room_waits_.begin(); it != room_waits_.end();) {
+    const std::string& address = it->first;
+    RoomWait& wait = it->second;
+    if (cancels) {
+      for (auto j = wait.jobs.begin(); j != wait.jobs.end();) {
+        if (!(*j)->cancelled) {
+          ++j;
+          continue;
+        }
+        EndRoomWait(**j);
+        FinishJob(*j, absl::CancelledError("cancelled"));
+        j = wait.jobs.erase(j);
+      }
+    }
+    while (!wait.jobs.empty() && Clock::now() - wait.jobs.front()->room_wait_since >= bound) {
+      std::shared_ptr<Job> job = std::move(wait.jobs.front());
+      wait.jobs.pop_front();
+      EndRoomWait(*job);
+      FinishJob(job, absl::ResourceExhaustedError(
+                         absl::StrFormat("no KV room on decode worker %s for %.1f s: %s", address,
+                                         absl::ToDoubleSeconds(options_.handoff_room_wait), wait.refusal)));
+    }
+    while (!wait.jobs.empty() && wait.next_try <= Clock::now()) {
+      bool lookahead_full = false;
+      {
+        absl::MutexLock lock(&mu_);
+        lookahead_full = in_engine_ >= 2 * options_.max_batch;
+      }
+      if (lookahead_full) {
+        wait.next_try = Clock::now() + wait.backoff;
+        break;
+      }
+      std::shared_ptr<Job> job = wait.jobs.front();
+      job->started_at = Clock::now();
+      absl::Status st = StartHandoff(*job);
+      if (IsNoRoom(st)) {
+        wait.refusal = std::string(st.message());
+        wait.backoff = std::min(2 * wait.backoff, kRoomRetryMax);
+        wait.next_try = Clock::now() + wait.backoff;
+        break;
+      }
+      wait.jobs.pop_front();
+      EndRoomWait(*job);
+      if (st.ok()) {
+        Submit(job);
+      } else {
+        FinishJob(job, st);
+      }
+      // The next one asks at once: the room that took this one may hold it too.
+      wait.backoff = kRoomRetryFirst;
+    }
+    if (wait.jobs.empty()) {
+      room_waits_.erase(it++);
+    } else {
+      ++it;
+    }
   }
 }
 
@@ -316,6 +478,7 @@ void PrefillService::Submit(const std::shared_ptr<Job>& job) {
     const auto now = Clock::now();
     j->first = first;
     j->first_at = now;
+    j->computed_tokens = static_cast<int64_t>(j->context.size()) - cached;
     PrefillEvent ev;
     worker::v1::FirstToken* f = ev.mutable_first();
     f->mutable_token()->set_token_id(first.token);
@@ -371,8 +534,14 @@ void PrefillService::Cancel(Job& job) {
     absl::MutexLock lock(&job.mu);
     request = job.request;
   }
-  // Not in the engine yet: the reserve thread sees the flag.
-  if (request != nullptr) engine_.Cancel(request, absl::CancelledError("cancelled"));
+  if (request != nullptr) {
+    engine_.Cancel(request, absl::CancelledError("cancelled"));
+    return;
+  }
+  // Not in the engine yet: the reserve thread sees the flag, woken now in
+  // case the job waits for room.
+  absl::MutexLock lock(&mu_);
+  ++cancels_;
 }
 
 void PrefillService::CommitLoop() {
@@ -423,7 +592,13 @@ void PrefillService::CommitLoop() {
 
 PrefillService::Stats PrefillService::stats() {
   absl::MutexLock lock(&mu_);
-  return {static_cast<int32_t>(queue_.size()) + engine_.stats().waiting, queued_tokens_, in_flight_};
+  return {static_cast<int32_t>(queue_.size()) + waiting_for_room_ + engine_.stats().waiting, queued_tokens_,
+          in_flight_};
+}
+
+PrefillService::Counters PrefillService::counters() const {
+  return {room_waits_total_.load(std::memory_order_relaxed), room_wait_seconds_.load(std::memory_order_relaxed),
+          discarded_tokens_.load(std::memory_order_relaxed)};
 }
 
 bool PrefillService::draining() {
@@ -433,7 +608,7 @@ bool PrefillService::draining() {
 
 bool PrefillService::idle() {
   absl::MutexLock lock(&mu_);
-  return in_flight_ == 0 && queue_.empty() && in_engine_ == 0 && commits_.empty();
+  return in_flight_ == 0 && queue_.empty() && waiting_for_room_ == 0 && in_engine_ == 0 && commits_.empty();
 }
 
 void PrefillService::Drain(absl::Time deadline) {
@@ -515,7 +690,7 @@ grpc::ServerUnaryReactor* PrefillService::Status(grpc::CallbackServerContext* ct
     out->set_unhealthy_reason(std::move(why));
     out->set_instance_id(ProcessInstanceId());
     s->set_running(in_flight_);
-    s->set_queued(static_cast<int32_t>(queue_.size()) + engine_.stats().waiting);
+    s->set_queued(static_cast<int32_t>(queue_.size()) + waiting_for_room_ + engine_.stats().waiting);
     s->set_queued_prefill_tokens(queued_tokens_);
     const engine::EngineStats es = engine_.stats();
     s->set_oldest_request_seconds(es.oldest_request_seconds);

@@ -4,7 +4,12 @@
 //      (kv_transfer; a network round trip the compute thread never waits
 //      for), keeping at most 2 x max_batch requests reserved ahead of the
 //      compute, and hands the request to the engine (common/engine, a
-//      prefill-only request);
+//      prefill-only request). A decode worker whose pool has no room for
+//      the reservation is asked again (backing off) until it has, up to
+//      handoff_room_wait: a full pool is a wait, not a failed handoff, and
+//      the prefill is computed only once the room is held. Meanwhile the
+//      request is set aside and the others are served; the ones waiting
+//      for the same decode worker are asked in arrival order;
 // then the engine's thread runs chunked prefill over its requests with a
 // per-step token budget (several prompts per forward; the longest cached
 // prefix of each prompt is reused), and
@@ -21,8 +26,10 @@
 #define PDSERVE_PREFILL_WORKER_PREFILL_SERVICE_H_
 
 #include <atomic>
+#include <chrono>
 #include <deque>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -58,6 +65,10 @@ struct PrefillServiceOptions {
   absl::Duration life_base = absl::Seconds(60);
   double life_step_factor = 10;
   absl::Duration life_min_per_token = absl::Milliseconds(50);
+  // How long a request waits for KV room on its decode worker (each
+  // reservation refused for lack of room is asked again) before it ends
+  // with RESOURCE_EXHAUSTED; zero: it ends at the first refusal.
+  absl::Duration handoff_room_wait = absl::Seconds(30);
 };
 
 class PrefillCall;  // One Prefill stream (prefill_service.cc).
@@ -81,6 +92,16 @@ class PrefillService final : public worker::v1::PrefillWorker::CallbackService {
     int32_t in_flight = 0;
   };
   Stats stats();
+  // Monotonic, for the worker's metrics.
+  struct Counters {
+    int64_t room_waits = 0;        // Reservations that waited for room.
+    double room_wait_seconds = 0;  // Their waits, summed once each ends.
+    // Context tokens prefilled here whose KV no decode worker took (the
+    // commit failed, or the handoff ended otherwise after the forward;
+    // requests their first token ended or their caller cancelled aside).
+    int64_t discarded_tokens = 0;
+  };
+  Counters counters() const;
   engine::EngineStats engine_stats() const { return engine_.stats(); }
   // The engine's error once its thread stopped on one (OK while it runs).
   absl::Status engine_failure() const { return engine_.failure(); }
@@ -100,10 +121,23 @@ class PrefillService final : public worker::v1::PrefillWorker::CallbackService {
 
  private:
   friend class PrefillCall;
+  using Clock = std::chrono::steady_clock;
   struct Job;
+  struct RoomWait;
   // The decode side's reservation, a network round trip: on a thread of
   // its own, so the engine's thread never waits for one.
   void ReserveLoop();
+  // A job off the queue: reserved and submitted, set aside to wait for
+  // room, or ended.
+  void Reserve(const std::shared_ptr<Job>& job);
+  // The jobs waiting for room: the cancelled (when `cancels` says some
+  // may be) and those past the bound end; where the next try is due, the
+  // oldest asks again, and on success the next one at once.
+  void ServeRoomWaits(bool cancels);
+  void BeginRoomWait(RoomWait& wait, const std::shared_ptr<Job>& job);
+  void EndRoomWait(Job& job);
+  // The earliest next try or bound among the waits (none: nothing waits).
+  std::optional<Clock::time_point> NextRoomEvent() const;
   // Hands a reserved job to the engine.
   void Submit(const std::shared_ptr<Job>& job);
   // The caller went away: the job ends where it is (queued, reserving, or
@@ -135,8 +169,18 @@ class PrefillService final : public worker::v1::PrefillWorker::CallbackService {
   bool commits_closed_ ABSL_GUARDED_BY(mu_) = false;  // No more will come.
   std::string unhealthy_reason_ ABSL_GUARDED_BY(mu_);
 
+  int32_t waiting_for_room_ ABSL_GUARDED_BY(mu_) = 0;  // Jobs in room_waits_.
+  // Bumped by each cancel of a job outside the engine: wakes the reserve
+  // thread, so a wait for room ends at once.
+  int64_t cancels_ ABSL_GUARDED_BY(mu_) = 0;
+
   // Reserve thread only.
   absl::flat_hash_map<std::string, kv::Connection*> connections_;
+  absl::flat_hash_map<std::string, RoomWait> room_waits_;  // By decode KV address.
+
+  std::atomic<int64_t> room_waits_total_{0};
+  std::atomic<double> room_wait_seconds_{0};
+  std::atomic<int64_t> discarded_tokens_{0};
 
   engine::Engine engine_;
   std::thread reserve_thread_;

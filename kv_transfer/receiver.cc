@@ -223,6 +223,22 @@ void KvReceiver::HandleReserve(Connection& c, const ReserveRequest& m) {
   const int32_t bs = layout_.block_size;
   const int64_t total_positions = static_cast<int64_t>(m.num_positions) + m.margin_positions;
   const int64_t need = (total_positions + bs - 1) / bs;
+  // A grant is spent by the reservation it buys. A reservation refused for
+  // room bought nothing: its sender may ask again with the same grant once
+  // room frees (the prefill worker waits for room rather than fail).
+  auto unspend_grant = [&] {
+    if (!grant.has_value()) return;
+    absl::MutexLock lock(&mu_);
+    used_grants_.erase(std::make_pair(grant->request_id, grant->attempt));
+  };
+  // One that could never fit is refused as such: waiting would not help.
+  if (const int64_t pool = kv_->Counts().total; need > pool) {
+    metrics_.RecordFailure();
+    unspend_grant();
+    return refuse(absl::OutOfRangeError(absl::StrCat("KV handoff: reservation of ", need, " blocks (",
+                                                     total_positions, " positions) can never fit: the pool holds ",
+                                                     pool, " blocks")));
+  }
   // Full prompt blocks only; the last position is always sent so that
   // the sender never skips a partial block.
   const BlockHasher hasher(layout_.model, layout_.dtype, bs);
@@ -235,7 +251,7 @@ void KvReceiver::HandleReserve(Connection& c, const ReserveRequest& m) {
   absl::StatusOr<SequenceKv> reserved =
       kv_->Reserve(hashes, static_cast<int32_t>(need * bs), kv_->PickRank());
   if (!reserved.ok()) {
-    metrics_.RecordFailure();
+    unspend_grant();
     return refuse(absl::ResourceExhaustedError(absl::StrCat("KV handoff: reservation of ", need, " blocks (",
                                                             total_positions, " positions) refused: ",
                                                             reserved.status().message())));
@@ -248,11 +264,11 @@ void KvReceiver::HandleReserve(Connection& c, const ReserveRequest& m) {
     // held positions stay unwritten).
     landing = landing_->NewSequence();
     if (absl::Status s = landing_->Grow(landing, static_cast<int32_t>(need * bs)); !s.ok()) {
-      metrics_.RecordFailure();
       // The pool blocks go back before the sender hears of the refusal: a
       // sender that retries (or a test that counts) must find them free.
       reserved->Release();
       landing.Release();
+      unspend_grant();
       return refuse(absl::ResourceExhaustedError(absl::StrCat(
           "KV handoff: reservation of ", need, " landing blocks refused (handoffs into GPU memory land in ",
           landing_->spec().num_blocks, " host blocks): ", s.message())));

@@ -142,7 +142,9 @@ absl::StatusOr<std::unique_ptr<Handoff>> KvSender::Reserve(Connection* conn, Res
   if (!waited->ok()) return waited->status();
   ReserveReply& reply = **waited;
   if (reply.code != 0) {
-    metrics_.RecordFailure();
+    // A pool momentarily full is waited out by the caller, not a failure of
+    // the handoff; every other refusal is.
+    if (reply.code != static_cast<int32_t>(absl::StatusCode::kResourceExhausted)) metrics_.RecordFailure();
     return StatusFromWire(reply.code, reply.message);
   }
   auto st = std::make_shared<Handoff::State>();

@@ -7,6 +7,7 @@
 #include <random>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/synchronization/mutex.h"
 #include "common/block_hash.h"
 #include "common/kv_manager.h"
@@ -632,8 +633,21 @@ TEST_F(HandoffTest, PrefixTheReceiverHoldsIsNotSentAgain) {
 
 TEST_F(HandoffTest, ReservationLargerThanTheFreePoolIsResourceExhausted) {
   SetUp(Spec(DType::kF32, 4, 32), Spec(DType::kF32, 4, 8));
-  auto h = sender_obj_->Reserve(conn_, {.num_positions = 30, .margin_positions = 8});
+  SequenceKv other = receiver_.kv->NewSequence();  // half the pool held by another sequence
+  ASSERT_TRUE(receiver_.kv->Grow(other, 16).ok());
+  auto h = sender_obj_->Reserve(conn_, {.num_positions = 10, .margin_positions = 8});
   EXPECT_EQ(h.status().code(), absl::StatusCode::kResourceExhausted) << h.status();
+  EXPECT_TRUE(absl::StartsWith(h.status().message(), "KV handoff: reservation of 5 blocks")) << h.status();
+  EXPECT_EQ(receiver_.kv->Counts().free, 4);
+  other.Release();
+  EXPECT_TRUE(sender_obj_->Reserve(conn_, {.num_positions = 10, .margin_positions = 8}).ok());
+}
+
+TEST_F(HandoffTest, ReservationLargerThanTheWholePoolIsOutOfRange) {
+  SetUp(Spec(DType::kF32, 4, 32), Spec(DType::kF32, 4, 8));
+  auto h = sender_obj_->Reserve(conn_, {.num_positions = 30, .margin_positions = 8});
+  EXPECT_EQ(h.status().code(), absl::StatusCode::kOutOfRange) << h.status();
+  EXPECT_TRUE(absl::StrContains(h.status().message(), "can never fit: the pool holds 8 blocks")) << h.status();
   EXPECT_EQ(receiver_.kv->Counts().free, 8);
 }
 
@@ -848,6 +862,30 @@ TEST_F(HandoffGrantTest, OnlyAValidUnusedGrantReservesAndOnlyItsConnectionCommit
 
 // The lease still bounds a granted reservation, and a late commit for it is
 // refused (over TCP a put outside a live reservation has nowhere to land).
+// The prefill worker asks again, with the same grant, while the pool is full:
+// a refusal for room leaves the grant unspent; the reservation it buys
+// spends it.
+TEST_F(HandoffGrantTest, AReservationRefusedForRoomLeavesItsGrantForTheRetry) {
+  RawClient& raw = raw_;
+  Connection* c = *sender_.transport->Connect("127.0.0.1", port_, &raw);
+  auto send = [&](const Message& m) { sender_.transport->loop().RunSync([&] { c->Send(Encode(m)); }); };
+  SequenceKv full = receiver_.kv->NewSequence();
+  ASSERT_TRUE(receiver_.kv->Grow(full, 32 * 4).ok());
+  const std::string grant = Grant("req-r", 1);
+  send(Reserve(1, grant));
+  ReserveReply refused = raw.Await<ReserveReply>();
+  EXPECT_EQ(refused.code, static_cast<int32_t>(absl::StatusCode::kResourceExhausted)) << refused.message;
+  full.Release();
+  send(Reserve(2, grant));
+  ReserveReply granted = raw.Await<ReserveReply>();
+  EXPECT_EQ(granted.code, 0) << granted.message;
+  send(Reserve(3, grant));
+  ReserveReply again = raw.Await<ReserveReply>();
+  EXPECT_EQ(again.code, static_cast<int32_t>(absl::StatusCode::kPermissionDenied)) << again.message;
+  EXPECT_EQ(receiver_obj_->refusals(GrantRefusal::kReused), 1);
+  send(Abort{granted.id});
+}
+
 TEST_F(HandoffGrantTest, AGrantedReservationStillExpiresWithItsLease) {
   RawClient& raw = raw_;
   Connection* c = *sender_.transport->Connect("127.0.0.1", port_, &raw);

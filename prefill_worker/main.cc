@@ -39,7 +39,7 @@ ABSL_FLAG(int, fault_unparseable_streams, 0,
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:0", "Prometheus /metrics address (port 0: any free; empty: off)");
 ABSL_FLAG(double, kv_timeout_s, 10, "a KV handoff whose receiver does not answer within this fails (the router retries it)");
 ABSL_FLAG(double, drain_grace_s, 30, "SIGTERM: seconds to finish queued requests before they go elsewhere");
-ABSL_FLAG(double, handoff_room_wait_s, 30,
+ABSL_FLAG(double, handoff_room_wait_s, 20,
           "a KV reservation the decode worker refuses for lack of room is asked again (2 ms apart, doubling to 50 "
           "ms) for up to this long, the prompt not yet computed; then the request fails with RESOURCE_EXHAUSTED and "
           "the router moves it to another decode worker (0: at the first refusal)");

@@ -705,6 +705,7 @@ grpc::ServerUnaryReactor* PrefillService::Status(grpc::CallbackServerContext* ct
     s->set_tp(model_->tp());
     s->set_kv_blocks_used(k.used);
     s->set_kv_blocks_free(k.free);
+    s->set_prefill_discarded_tokens(discarded_tokens_.load(std::memory_order_relaxed));
   }
   s->set_kv_cached_blocks(static_cast<int64_t>(kv_events_.num_cached()));
   out->set_context_length(static_cast<int32_t>(model_->config().max_position_embeddings));

@@ -68,7 +68,7 @@ struct PrefillServiceOptions {
   // How long a request waits for KV room on its decode worker (each
   // reservation refused for lack of room is asked again) before it ends
   // with RESOURCE_EXHAUSTED; zero: it ends at the first refusal.
-  absl::Duration handoff_room_wait = absl::Seconds(30);
+  absl::Duration handoff_room_wait = absl::Seconds(20);
 };
 
 class PrefillCall;  // One Prefill stream (prefill_service.cc).

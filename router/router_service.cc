@@ -3,9 +3,12 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <fstream>
 #include <utility>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "grpcpp/grpcpp.h"
 #include "common/grpc_status.h"
 #include "common/server_util.h"
@@ -13,6 +16,21 @@
 
 namespace pdserve::router {
 namespace {
+
+// A "VmRSS:"-style line of /proc/self/status, in bytes (0: unreadable).
+int64_t ProcStatusBytes(absl::string_view field) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    absl::string_view l = line;
+    if (!absl::ConsumePrefix(&l, field)) continue;
+    int64_t kib = 0;
+    l = absl::StripAsciiWhitespace(l);
+    absl::ConsumeSuffix(&l, " kB");
+    return absl::SimpleAtoi(l, &kib) ? kib * 1024 : 0;
+  }
+  return 0;
+}
 
 std::optional<absl::Time> DeadlineOf(const grpc::ServerContext& ctx) {
   if (ctx.deadline() == std::chrono::system_clock::time_point::max()) return std::nullopt;
@@ -53,6 +71,14 @@ void RouterService::RegisterMetrics() {
           return static_cast<double>(*n);
         },
         absl::StrCat("pool=\"", capacity::StageName(pool), "\""));
+  }
+  metrics_.AddGauge("pdserve_router_resident_bytes", "The router process's resident memory (VmRSS).",
+                    [] { return static_cast<double>(ProcStatusBytes("VmRSS:")); });
+  metrics_.AddGauge("pdserve_router_peak_resident_bytes", "The router process's peak resident memory (VmHWM).",
+                    [] { return static_cast<double>(ProcStatusBytes("VmHWM:")); });
+  if (queue_ != nullptr) {
+    metrics_.AddGauge("pdserve_queued_requests", "Requests waiting in the router's queue for decode KV room.",
+                      [this] { return static_cast<double>(queue_->Stats().waiting); });
   }
   metrics_.AddGauge("pdserve_requests_in_flight", "Requests being served.",
                     [this] { return static_cast<double>(in_flight_.load()); });
@@ -101,7 +127,9 @@ absl::StatusOr<std::unique_ptr<RouterService>> RouterService::Create(RouterOptio
   absl::StatusOr<std::unique_ptr<Selector>> ds = MakeSelector(o.decode_policy, Pool::kDecode);
   if (!ds.ok()) return absl::InvalidArgumentError(absl::StrCat("--decode_policy: ", ds.status().message()));
   if (o.admission.has_value()) r->admission_ = std::make_unique<AdmissionController>(*o.admission);
-  if (o.queue.has_value()) {
+  // Colocated, there is no handoff to hold back: each decode worker's engine
+  // queues and preempts what its pool cannot take.
+  if (o.queue.has_value() && !o.colocated) {
     r->queue_ = std::make_unique<RequestQueue>(*o.queue);
     RequestQueue* queue = r->queue_.get();
     r->room_.set_on_room([queue] { queue->Poke(); });
@@ -114,9 +142,11 @@ absl::StatusOr<std::unique_ptr<RouterService>> RouterService::Create(RouterOptio
   po.max_backoff = o.max_backoff;
   po.probe_stall = o.probe_stall;
   for (const Role role : {Role::kPrefill, Role::kDecode}) {
-    (role == Role::kPrefill ? po.prefill_ejections : po.decode_ejections) = r->metrics_.AddCounter(
-        "pdserve_worker_ejections_total", "Times a worker stopped serving in the router's view.",
-        absl::StrCat("role=\"", RoleName(role), "\""));
+    Counter* c = r->metrics_.AddCounter("pdserve_worker_ejections_total",
+                                        "Times a worker stopped serving in the router's view.",
+                                        absl::StrCat("role=\"", RoleName(role), "\""));
+    (role == Role::kPrefill ? po.prefill_ejections : po.decode_ejections) = c;
+    r->ejections_[role == Role::kPrefill ? 0 : 1] = c;
   }
   RouterService* raw = r.get();
   po.after_probe_round = [raw] {
@@ -415,6 +445,10 @@ grpc::Status RouterService::ClusterStatus(grpc::ServerContext* ctx, const v1::Cl
   if (cap.bottleneck.has_value()) out->set_bottleneck(std::string(capacity::StageName(*cap.bottleneck)));
   out->set_measured_report(absl::StrCat(FormatSnapshot(snapshot), FormatMeasuredCapacity(cap)));
   out->set_requests_in_flight(in_flight_.load());
+  out->set_router_resident_bytes(ProcStatusBytes("VmRSS:"));
+  out->set_router_peak_resident_bytes(ProcStatusBytes("VmHWM:"));
+  out->set_prefill_ejections(static_cast<int64_t>(ejections_[0]->value()));
+  out->set_decode_ejections(static_cast<int64_t>(ejections_[1]->value()));
   return grpc::Status::OK;
 }
 

@@ -78,7 +78,8 @@ struct RouterOptions {
   // The longest a request may run: its calls to the workers carry a
   // deadline this far from its arrival even when the client gave none.
   absl::Duration max_request_duration = absl::Seconds(600);
-  // The queue for decode KV room (router/request_queue.h); none: requests
+  // The queue for decode KV room (router/request_queue.h); none, or
+  // colocated (each worker's engine queues and preempts itself): requests
   // are placed at once by the workers' reports alone.
   std::optional<RequestQueueOptions> queue = RequestQueueOptions{};
   // How long a worker whose probes time out keeps serving in the router's
@@ -196,6 +197,7 @@ class RouterService final : public v1::Generation::Service {
   std::unique_ptr<AdmissionController> admission_;
   DecodeRoom room_;
   std::unique_ptr<RequestQueue> queue_;
+  Counter* ejections_[2] = {nullptr, nullptr};  // prefill, decode
   absl::Time next_load_update_ = absl::InfinitePast();  // probe thread only
   // Declared after what its threads use: destroyed (and stopped) first.
   std::unique_ptr<WorkerPool> pool_;

@@ -78,6 +78,9 @@ struct BenchRow {
     return prompt_tokens > 0 ? static_cast<double>(cached_prompt_tokens) / static_cast<double>(prompt_tokens) : 0;
   }
   std::string first_error;
+  // What the router saw during the row (a burst, with --router): the change
+  // in its counters over the row, its peak memory. Empty: not asked for.
+  nlohmann::ordered_json router_side;
   std::string Label() const;  // "cluster 4 req/s", "in-process c=8".
 };
 

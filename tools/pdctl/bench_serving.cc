@@ -117,6 +117,15 @@ class RouterTarget final : public Target {
     r.Finish(st.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED, w.max_tokens);
     return std::move(r.s);
   }
+  absl::StatusOr<v1::ClusterStatusResponse> ClusterStatus() {
+    grpc::ClientContext ctx;
+    AddApiKey(ctx);
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    v1::ClusterStatusResponse out;
+    const grpc::Status st = stub_->ClusterStatus(&ctx, {}, &out);
+    if (!st.ok()) return absl::UnavailableError(absl::StrCat("ClusterStatus failed: ", st.error_message()));
+    return out;
+  }
   // The served model's vocabulary size, or why ListModels failed.
   absl::StatusOr<int32_t> VocabSize() {
     grpc::ClientContext ctx;
@@ -443,6 +452,43 @@ void PrintPrefixCache(const BenchRow& row) {
 
 // The single-run report, as pdctl has always printed it (a "rejected" count
 // and line appear only when the server rejected requests).
+int64_t DiscardedTokens(const v1::ClusterStatusResponse& s) {
+  int64_t n = 0;
+  for (const v1::WorkerStatus& w : s.prefill()) n += w.prefill_discarded_tokens();
+  return n;
+}
+
+// The router's counters over a row: `after` less `before`.
+nlohmann::ordered_json RouterSide(const v1::ClusterStatusResponse& before, const v1::ClusterStatusResponse& after) {
+  const v1::QueueStatus& qb = before.queue();
+  const v1::QueueStatus& qa = after.queue();
+  const int64_t waited = qa.placed_waited() - qb.placed_waited();
+  const double wait_sum = qa.mean_wait_seconds() * static_cast<double>(qa.placed_waited()) -
+                          qb.mean_wait_seconds() * static_cast<double>(qb.placed_waited());
+  return {{"prefill_ejections", after.prefill_ejections() - before.prefill_ejections()},
+          {"decode_ejections", after.decode_ejections() - before.decode_ejections()},
+          {"queued_then_placed", waited},
+          {"mean_queue_seconds", waited > 0 ? wait_sum / static_cast<double>(waited) : 0.0},
+          {"refused_queue_full", qa.refused_full() - qb.refused_full()},
+          {"refused_queue_wait", qa.refused_wait() - qb.refused_wait()},
+          {"prefill_tokens_discarded", DiscardedTokens(after) - DiscardedTokens(before)},
+          {"router_peak_resident_bytes", after.router_peak_resident_bytes()}};
+}
+
+void PrintRouterSide(const nlohmann::ordered_json& r) {
+  if (r.empty()) return;
+  std::printf(
+      "  router side: ejected %lld prefill / %lld decode; %lld queued then placed (mean wait %.2f s); refused %lld "
+      "(queue full) / %lld (waited too long); prefill tokens discarded %lld; router peak RSS %.0f MiB\n",
+      static_cast<long long>(r["prefill_ejections"].get<int64_t>()),
+      static_cast<long long>(r["decode_ejections"].get<int64_t>()),
+      static_cast<long long>(r["queued_then_placed"].get<int64_t>()), r["mean_queue_seconds"].get<double>(),
+      static_cast<long long>(r["refused_queue_full"].get<int64_t>()),
+      static_cast<long long>(r["refused_queue_wait"].get<int64_t>()),
+      static_cast<long long>(r["prefill_tokens_discarded"].get<int64_t>()),
+      static_cast<double>(r["router_peak_resident_bytes"].get<int64_t>()) / (1 << 20));
+}
+
 void PrintSingleRun(const ServingBenchOptions& o, const std::vector<BenchRow>& rows) {
   nlohmann::ordered_json runs = nlohmann::ordered_json::array();
   for (const BenchRow& row : rows) {
@@ -460,6 +506,7 @@ void PrintSingleRun(const ServingBenchOptions& o, const std::vector<BenchRow>& r
     if (full.contains("router_relay_seconds")) r["router_relay_seconds"] = full["router_relay_seconds"];
     if (full.contains("prefix_cache")) r["prefix_cache"] = full["prefix_cache"];
     if (!row.first_error.empty()) r["first_error"] = row.first_error;
+    if (!row.router_side.empty()) r["router_side"] = row.router_side;
     runs.push_back(std::move(r));
   }
   if (o.json) {
@@ -495,6 +542,7 @@ void PrintSingleRun(const ServingBenchOptions& o, const std::vector<BenchRow>& r
     PrintPrefixCache(row);
     if (row.rejected > 0) std::printf("  rejected (RESOURCE_EXHAUSTED): %d\n", row.rejected);
     if (!row.first_error.empty()) std::printf("  first error: %s\n", row.first_error.c_str());
+    PrintRouterSide(row.router_side);
   }
 }
 
@@ -676,7 +724,19 @@ absl::Status RunServingBench(const ServingBenchOptions& o) {
                        : name == "http"  ? static_cast<Target&>(*openai)
                                          : *in_process;
       const std::string progress_name = per_row && rate > 0 ? absl::StrCat(name, " ", rate, " req/s") : name;
+      // A burst's rows also say what the router went through.
+      std::optional<v1::ClusterStatusResponse> before;
+      if (o.burst > 0 && cluster && router != nullptr) {
+        absl::StatusOr<v1::ClusterStatusResponse> s = router->ClusterStatus();
+        if (!s.ok()) return s.status();
+        before = *std::move(s);
+      }
       BenchRow row = Drive(target, name == "http" ? http_work : *work, arrivals, o.concurrency, targets, progress_name);
+      if (before.has_value()) {
+        absl::StatusOr<v1::ClusterStatusResponse> after = router->ClusterStatus();
+        if (!after.ok()) return after.status();
+        row.router_side = RouterSide(*before, *after);
+      }
       row.target = name;
       row.rate = rate;
       row.concurrency = rate > 0 ? 0 : o.concurrency;

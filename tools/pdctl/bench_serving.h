@@ -30,6 +30,10 @@ struct ServingBenchOptions {
   int in_process_threads = 1;
   int requests = 64;
   int concurrency = 8;           // Closed loop (used when rate == 0).
+  // A burst: every request sent at once (requests and concurrency set to
+  // it); with a router, each cluster row also reports the router's side
+  // (ejections, queue refusals, prefill tokens discarded, peak memory).
+  int burst = 0;
   double rate = 0;               // Poisson arrivals per second (0 = closed loop).
   int prompt_min = 128, prompt_max = 128;  // Uniform in [min, max].
   int output_min = 64, output_max = 64;

@@ -90,6 +90,10 @@ ABSL_FLAG(std::string, service, "", "probe: the health service to ask (\"\": the
           "\"liveness\")");
 ABSL_FLAG(int, requests, 64, "bench: requests to send");
 ABSL_FLAG(int, concurrency, 8, "bench: requests in flight (closed loop, when --rate is 0)");
+ABSL_FLAG(int, burst, 0,
+          "bench: send this many requests at once (sets --requests and --concurrency to it); with --router each "
+          "cluster row also reports the router's side: workers ejected, requests queued and refused, prefill tokens "
+          "discarded, the router's peak memory");
 ABSL_FLAG(double, rate, 0, "bench: Poisson arrivals per second (0: closed loop at --concurrency)");
 ABSL_FLAG(std::string, prompt_tokens, "128", "bench: prompt length, N or MIN:MAX (uniform)");
 ABSL_FLAG(std::string, output_tokens, "64", "bench: output length, N or MIN:MAX (uniform)");
@@ -449,6 +453,13 @@ absl::Status RunServingBenchCommand() {
   o.in_process_threads = absl::GetFlag(FLAGS_threads);
   o.requests = absl::GetFlag(FLAGS_requests);
   o.concurrency = absl::GetFlag(FLAGS_concurrency);
+  if (const int burst = absl::GetFlag(FLAGS_burst); burst != 0) {
+    if (burst < 1) return absl::InvalidArgumentError("--burst must be at least 1");
+    if (absl::GetFlag(FLAGS_rate) > 0 || !absl::GetFlag(FLAGS_rates).empty()) {
+      return absl::InvalidArgumentError("--burst sends every request at once: no --rate or --rates with it");
+    }
+    o.burst = o.requests = o.concurrency = burst;
+  }
   o.rate = absl::GetFlag(FLAGS_rate);
   o.json = absl::GetFlag(FLAGS_json);
   if (absl::Status s = ParseRange("prompt-tokens", absl::GetFlag(FLAGS_prompt_tokens), &o.prompt_min, &o.prompt_max);

@@ -36,8 +36,8 @@ ABSL_FLAG(double, resolve_interval_s, 5, "how often DNS worker targets are resol
 ABSL_FLAG(double, max_backoff_s, 2, "a worker that fails is probed again after 0.1 s, doubling up to this");
 ABSL_FLAG(double, pick_wait_s, 3, "how long a request waits for a usable worker before UNAVAILABLE");
 ABSL_FLAG(double, max_request_s, 600,
-          "the longest a request may run: every call to a worker carries a deadline this far from the request's "
-          "arrival, also when the client gave none");
+          "the longest a request may run: every call to a worker carries a deadline this far from when the request "
+          "left the router's queue, also when the client gave none");
 ABSL_FLAG(std::string, prefill_policy, "prefix_aware",
           "how a prefill worker is chosen: prefix_aware (lowest estimated TTFT: queued + uncached prompt tokens at "
           "the worker's measured speed), least_loaded or round_robin");

@@ -47,8 +47,8 @@ json Extra(const v1::GenerateFinal& f) {
   const v1::Timings& t = f.timings();
   return {{"seed", f.seed()},
           {"timings",
-           {{"ttft_s", t.ttft()}, {"queue_s", t.queue()}, {"prefill_s", t.prefill()}, {"handoff_s", t.handoff()},
-            {"first_gap_s", t.first_gap()}, {"mean_itl_s", t.mean_itl()}, {"max_itl_s", t.max_itl()}, {"total_s", t.total()},
+           {{"ttft_s", t.ttft()}, {"router_queue_s", t.router_queue()}, {"queue_s", t.queue()},
+            {"prefill_s", t.prefill()}, {"handoff_s", t.handoff()}, {"first_gap_s", t.first_gap()}, {"mean_itl_s", t.mean_itl()}, {"max_itl_s", t.max_itl()}, {"total_s", t.total()},
             {"colocated", t.colocated()}, {"local_prefill", t.local_prefill()},
             {"router_relay_p50_s", t.router_relay_p50()}, {"router_relay_p99_s", t.router_relay_p99()}}}};
 }

@@ -8,6 +8,7 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "nlohmann/json.hpp"
@@ -100,6 +101,12 @@ uint64_t ProcessInstanceId() {
     return (static_cast<uint64_t>(rd()) << 32) ^ rd();
   }();
   return id;
+}
+
+void ConfigureServerProcess() {
+#ifdef NDEBUG
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+#endif
 }
 
 }  // namespace pdserve

@@ -22,6 +22,15 @@ void LogEvent(const char* level, const char* event,
               std::initializer_list<std::pair<const char*, std::string>> fields = {});
 void LogEvent(const char* level, const char* event, const std::vector<std::pair<std::string, std::string>>& fields);
 
+// Process-wide settings every server binary starts with, called once right
+// after its flags are parsed. In optimized builds (NDEBUG) it turns off
+// abseil's mutex deadlock detection: the distribution's abseil may be built
+// with it on, and then every lock and unlock of every absl::Mutex updates a
+// global lock-order graph under one spin lock; with thousands of request
+// threads (a burst queued in the router) that graph was a visible share of
+// the router's CPU. Debug builds keep it.
+void ConfigureServerProcess();
+
 // INVALID_ARGUMENT for a name other than debug, info, warning or error.
 absl::Status SetMinLogLevel(const std::string& level);
 // Whether a line at `level` would be written (check before building

@@ -185,5 +185,6 @@ int main(int argc, char** argv) {
   pdserve::LogProtobufAsEvents();
   absl::SetProgramUsageMessage("pdserve decode worker: pdserve-decode-worker --model DIR [--listen ADDR]");
   absl::ParseCommandLine(argc, argv);
+  pdserve::ConfigureServerProcess();
   return Run();
 }

@@ -143,5 +143,6 @@ int main(int argc, char** argv) {
   pdserve::LogProtobufAsEvents();
   absl::SetProgramUsageMessage("pdserve prefill worker: pdserve-prefill-worker --model DIR [--listen ADDR]");
   absl::ParseCommandLine(argc, argv);
+  pdserve::ConfigureServerProcess();
   return Run();
 }

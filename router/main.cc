@@ -292,5 +292,6 @@ int main(int argc, char** argv) {
   pdserve::LogProtobufAsEvents();
   absl::SetProgramUsageMessage("pdserve router: pdserve-router --model DIR --decode ADDR[,..] [--prefill ADDR[,..]]");
   absl::ParseCommandLine(argc, argv);
+  pdserve::ConfigureServerProcess();
   return Run();
 }

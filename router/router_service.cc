@@ -6,6 +6,7 @@
 #include <fstream>
 #include <utility>
 
+#include "absl/hash/hash.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
@@ -192,7 +193,7 @@ absl::StatusOr<std::unique_ptr<RouterService>> RouterService::Create(RouterOptio
 
 RouterService::~RouterService() {
   {
-    absl::MutexLock lock(&watch_mu_);
+    absl::MutexLock lock(&stop_mu_);
     stop_ = true;
   }
   if (watcher_.joinable()) watcher_.join();
@@ -204,13 +205,24 @@ absl::Status RouterService::WaitForWorkers(absl::Duration timeout) {
   return pool_->WaitForWorkers(timeout, pools, /*need_kv_address=*/!options_.colocated);
 }
 
+RouterService::WatchShard& RouterService::ShardOf(const Relay* relay) {
+  // Relays live at the same offset of every handler thread's stack, so the
+  // address is mixed before it picks a shard (in-process only).
+  return watch_shards_[absl::Hash<const Relay*>{}(relay) % kWatchShards];
+}
+
 void RouterService::WatchLoop() {
-  absl::MutexLock lock(&watch_mu_);
-  auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(watch_mu_) { return stop_; };
-  while (!stop_) {
-    watch_mu_.AwaitWithTimeout(absl::Condition(&stopping), absl::Milliseconds(10));
-    for (const Watch& w : watches_) {
-      if (w.server->IsCancelled()) w.relay->Cancel();
+  while (true) {
+    {
+      absl::MutexLock lock(&stop_mu_);
+      auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(stop_mu_) { return stop_; };
+      if (stop_mu_.AwaitWithTimeout(absl::Condition(&stopping), absl::Milliseconds(10))) return;
+    }
+    for (WatchShard& shard : watch_shards_) {
+      absl::MutexLock lock(&shard.mu);
+      for (const auto& [relay, server] : shard.relays) {
+        if (server->IsCancelled()) relay->Cancel();
+      }
     }
   }
 }
@@ -334,13 +346,15 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
   relay.set_cancel_check([ctx] { return ctx->IsCancelled(); });
   relay.set_queue_key(lease->id());
   {
-    absl::MutexLock lock(&watch_mu_);
-    watches_.push_back({ctx, &relay});
+    WatchShard& shard = ShardOf(&relay);
+    absl::MutexLock lock(&shard.mu);
+    shard.relays.emplace(&relay, ctx);
   }
   const absl::Status st = relay.Run(emit);
   {
-    absl::MutexLock lock(&watch_mu_);
-    watches_.erase(std::find_if(watches_.begin(), watches_.end(), [&relay](const Watch& w) { return w.relay == &relay; }));
+    WatchShard& shard = ShardOf(&relay);
+    absl::MutexLock lock(&shard.mu);
+    shard.relays.erase(&relay);
   }
   if (auto retry = st.GetPayload(kRetryAfterPayload); retry.has_value()) {
     ctx->AddTrailingMetadata("retry-after", std::string(*retry));
@@ -430,6 +444,8 @@ grpc::Status RouterService::ClusterStatus(grpc::ServerContext* ctx, const v1::Cl
     q->set_mean_wait_seconds(qs.placed_waited > 0 ? qs.waited_seconds / static_cast<double>(qs.placed_waited) : 0);
     q->set_refused_full(qs.refused_full);
     q->set_refused_wait(qs.refused_wait);
+    q->set_refused_full_seconds(qs.refused_full_seconds);
+    q->set_refused_full_max_seconds(qs.refused_full_max_seconds);
   }
   const MeasuredSnapshot snapshot = measured_.Snapshot();
   const MeasuredCapacity cap = CurrentCapacity();

@@ -701,6 +701,8 @@ grpc::ServerUnaryReactor* DecodeService::Status(grpc::CallbackServerContext* ctx
   s->set_step_seconds(st.step_seconds_avg);
   s->set_mean_history_tokens(st.mean_history);
   s->set_steps(st.steps);
+  s->set_busy_seconds(st.busy_seconds);
+  s->set_decode_tokens(st.decode_tokens);
   s->set_oldest_request_seconds(st.oldest_request_seconds);
   s->set_requests_expired(st.expired);
   s->set_max_batch(options_.engine.max_batch);

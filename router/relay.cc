@@ -101,7 +101,7 @@ std::optional<absl::Time> Relay::LifeDeadline(absl::Time from) const {
 
 void Relay::Cancel() {
   client_cancelled_.store(true, std::memory_order_relaxed);
-  if (context_.queue != nullptr) context_.queue->Poke();  // ends its wait if it is queued
+  if (context_.queue != nullptr) context_.queue->WakeCancelled();  // ends its wait if it is queued
   absl::MutexLock lock(&streams_mu_);
   if (prefill_stream_ != nullptr) prefill_stream_->Cancel();
   if (decode_stream_ != nullptr) decode_stream_->Cancel();
@@ -275,6 +275,7 @@ absl::Status Relay::Run(const std::function<bool(const v1::GenerateResponse&)>& 
                             : absl::StrContains(q.message(), "queue is full") ? "queue_full"
                                                                 : "queue_wait";
       context_.metrics->CountOutcome(outcome);
+      if (outcome == std::string_view("queue_full")) context_.queue->RecordRefusal(Now() - start_);
       if (client_cancelled()) return absl::CancelledError("cancelled by the client");
       return q;
     }

@@ -66,6 +66,7 @@ void RequestQueue::Dispatch() {
     if (w->entry->cancelled != nullptr && w->entry->cancelled->load(std::memory_order_relaxed)) return;
     if (w->entry->place() != PlaceOutcome::kPlaced) return;
     w->placed = true;
+    w->cv.Signal();
     q.pop_front();
     --stats_.waiting;
     ++stats_.placed;
@@ -87,9 +88,25 @@ void RequestQueue::Dispatch() {
   }
 }
 
+void RequestQueue::RecordRefusal(absl::Duration d) {
+  const double s = absl::ToDoubleSeconds(d);
+  absl::MutexLock lock(&mu_);
+  stats_.refused_full_seconds += s;
+  stats_.refused_full_max_seconds = std::max(stats_.refused_full_max_seconds, s);
+}
+
 void RequestQueue::Poke() {
   absl::MutexLock lock(&mu_);
   Dispatch();
+}
+
+void RequestQueue::WakeCancelled() {
+  absl::MutexLock lock(&mu_);
+  for (auto& [key, q] : by_key_) {
+    for (Waiter* w : q) {
+      if (w->entry->cancelled != nullptr && w->entry->cancelled->load(std::memory_order_relaxed)) w->cv.Signal();
+    }
+  }
 }
 
 absl::Status RequestQueue::Wait(const Entry& entry, absl::Duration* waited) {
@@ -107,7 +124,9 @@ absl::Status RequestQueue::Wait(const Entry& entry, absl::Duration* waited) {
                                    FormatNumber(static_cast<double>(stats_.waiting), 0)),
                    since);
   }
-  Waiter w{&entry, since};
+  Waiter w;
+  w.entry = &entry;
+  w.since = since;
   std::deque<Waiter*>& q = by_key_[entry.key];
   if (q.empty()) turns_.push_back(entry.key);
   q.push_back(&w);
@@ -124,7 +143,7 @@ absl::Status RequestQueue::Wait(const Entry& entry, absl::Duration* waited) {
   while (!done()) {
     now = options_.clock();
     if (now >= until) break;
-    mu_.AwaitWithTimeout(absl::Condition(&done), until - now);
+    w.cv.WaitWithTimeout(&mu_, until - now);
   }
   now = options_.clock();
   if (waited != nullptr) *waited = now - since;

@@ -67,6 +67,10 @@ struct RequestQueueStats {
   int64_t refused_wait = 0;
   int64_t deadline = 0;        // the client's deadline passed while queued
   int64_t cancelled = 0;
+  // From the router's receipt of each request refused because the queue
+  // was full to its refusal (RecordRefusal): the sum and the longest.
+  double refused_full_seconds = 0;
+  double refused_full_max_seconds = 0;
 };
 
 class RequestQueue {
@@ -91,17 +95,28 @@ class RequestQueue {
   absl::Status Wait(const Entry& entry, absl::Duration* waited);
 
   // Something changed that may make room (a lease returned, a report
-  // read) or end a wait (a cancel): tries again.
+  // read): tries again.
   void Poke();
+  // A waiting request's `cancelled` flag was set: wakes it to leave.
+  void WakeCancelled();
 
   RequestQueueStats Stats() const;
+  // A request refused because the queue was full took `d` from the
+  // router's receipt to its refusal (the caller times it: tokenizing and
+  // key checks come before the queue).
+  void RecordRefusal(absl::Duration d);
   const RequestQueueOptions& options() const { return options_; }
 
  private:
+  // Each waiter sleeps on a condition variable of its own and is signalled
+  // only when it is placed or cancelled: with thousands waiting, a wait on
+  // a shared mutex condition would have every unlock evaluate every
+  // waiter's condition.
   struct Waiter {
     const Entry* entry;
     absl::Time since;
     bool placed = false;
+    absl::CondVar cv;
   };
   // Places requests in turn until one finds no room.
   void Dispatch() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

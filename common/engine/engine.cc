@@ -334,6 +334,8 @@ void Engine::PublishStats() {
   stats_.p99_step_seconds = p99;
   stats_.expired = expired_;
   stats_.steps = steps_;
+  stats_.busy_seconds = busy_seconds_;
+  stats_.decode_tokens = decode_tokens_;
   stats_.preemptions = preemptions_;
   stats_.mean_history = running_.empty() ? 0 : history / static_cast<double>(running_.size());
   stats_.running = static_cast<int32_t>(running_.size());
@@ -444,6 +446,8 @@ absl::StatusOr<bool> Engine::Step() {
     return res.status();
   }
   ++steps_;
+  busy_seconds_ += t;
+  decode_tokens_ += plan.decode_rows;
   RecordStep(t);
   if (plan.decode_rows > 0) step_avg_ = step_avg_ == 0 ? t : 0.8 * step_avg_ + 0.2 * t;
 

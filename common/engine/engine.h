@@ -151,6 +151,10 @@ struct EngineStats {
   // none): how long requests stay, not what the life bound measures.
   double oldest_request_seconds = 0;
   int64_t expired = 0;  // Requests ended by their life bound (no progress for LifeBound()).
+  // Seconds spent in forwards, and tokens sampled by decode rows, since
+  // start: tokens / busy is the rate the engine decodes at while it works.
+  double busy_seconds = 0;
+  int64_t decode_tokens = 0;
   // Request-sharded KV: running requests per rank (empty otherwise); the
   // imbalance is max / mean.
   std::vector<int32_t> rank_rows;
@@ -237,6 +241,8 @@ class Engine {
   int64_t preemptions_ = 0;
   int64_t steps_ = 0;
   int64_t expired_ = 0;
+  double busy_seconds_ = 0;
+  int64_t decode_tokens_ = 0;
   std::vector<float> step_times_;  // Ring of the last kStepWindow steps.
   size_t step_next_ = 0;
   std::vector<float> p99_scratch_;

@@ -195,7 +195,7 @@ TEST(RequestQueueTest, ACancelEndsTheWaitAndTheRequestBehindItGoesOn) {
   auto first = Enter(q, room, "", "first");
   auto second = Enter(q, room, "", "second");
   first->cancelled = true;
-  q.Poke();
+  q.WakeCancelled();
   first->thread.join();
   EXPECT_TRUE(absl::IsCancelled(first->status)) << first->status;
   room.Give(1);

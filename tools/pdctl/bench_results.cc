@@ -43,8 +43,9 @@ BenchRow Summarize(const std::vector<RequestResult>& results, double wall_second
   BenchRow row;
   row.requests = static_cast<int>(results.size());
   row.wall_seconds = wall_seconds;
-  std::vector<double> ttft, itl, e2e, first_gap, steady_itl;
+  std::vector<double> ttft, itl, e2e, first_gap, steady_itl, rejected_e2e;
   for (const RequestResult& r : results) {
+    if (r.outcome == RequestOutcome::kRejected) rejected_e2e.push_back(r.e2e);
     if (r.outcome != RequestOutcome::kCompleted) {
       ++(r.outcome == RequestOutcome::kRejected ? row.rejected : row.failed);
       if (row.first_error.empty()) row.first_error = r.error;
@@ -80,6 +81,7 @@ BenchRow Summarize(const std::vector<RequestResult>& results, double wall_second
   row.ttft = Distribute(std::move(ttft));
   row.itl = Distribute(std::move(itl));
   row.e2e = Distribute(std::move(e2e));
+  row.rejected_e2e = Distribute(std::move(rejected_e2e));
   row.first_gap = Distribute(std::move(first_gap));
   row.steady_itl = Distribute(std::move(steady_itl));
   return row;

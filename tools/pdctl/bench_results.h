@@ -69,6 +69,8 @@ struct BenchRow {
   // a user: DESIGN.md fact 14), one per completed request of 2+ tokens, and
   // the steady gaps after the second token.
   Distribution first_gap, steady_itl;
+  // How long each refused (RESOURCE_EXHAUSTED) request took to be refused.
+  Distribution rejected_e2e;
   std::vector<double> relay_p50, relay_p99;                         // Router-reported, per request.
   // Over completed requests: prompt tokens, those a prefix cache supplied
   // (hit rate = cached / prompt), and prefills the decode worker ran itself.

@@ -458,30 +458,74 @@ int64_t DiscardedTokens(const v1::ClusterStatusResponse& s) {
   return n;
 }
 
-// The router's counters over a row: `after` less `before`.
+// The decode pool's tokens and forward seconds (summed over its workers).
+std::pair<int64_t, double> DecodeWork(const v1::ClusterStatusResponse& s) {
+  int64_t tokens = 0;
+  double busy = 0;
+  for (const v1::WorkerStatus& w : s.decode()) {
+    tokens += w.decode_tokens();
+    busy += w.busy_seconds();
+  }
+  return {tokens, busy};
+}
+
+// The router's counters over a row: `after` less `before`. The decode
+// pool's rate while busy (its tokens over its forward seconds, per worker,
+// summed over the pool) is what the decode stage can give at the batches it
+// ran: the row's output rate against it says how much of the run the
+// cluster kept the decode stage working.
 nlohmann::ordered_json RouterSide(const v1::ClusterStatusResponse& before, const v1::ClusterStatusResponse& after) {
   const v1::QueueStatus& qb = before.queue();
   const v1::QueueStatus& qa = after.queue();
   const int64_t waited = qa.placed_waited() - qb.placed_waited();
   const double wait_sum = qa.mean_wait_seconds() * static_cast<double>(qa.placed_waited()) -
                           qb.mean_wait_seconds() * static_cast<double>(qb.placed_waited());
-  return {{"prefill_ejections", after.prefill_ejections() - before.prefill_ejections()},
+  const auto [tokens_before, busy_before] = DecodeWork(before);
+  const auto [tokens_after, busy_after] = DecodeWork(after);
+  const double busy = busy_after - busy_before;
+  const int workers = std::max(1, after.decode_size());
+  // Busy seconds are summed over workers that run side by side: the pool's
+  // rate is each worker's tokens over its own busy time, i.e. the total over
+  // the mean busy time.
+  const double decode_rate =
+      busy > 0 ? static_cast<double>(tokens_after - tokens_before) / (busy / workers) : 0.0;
+  return {{"decode_tokens_per_second_busy", decode_rate},
+          {"prefill_ejections", after.prefill_ejections() - before.prefill_ejections()},
           {"decode_ejections", after.decode_ejections() - before.decode_ejections()},
+          {"placed", qa.placed() - qb.placed()},
           {"queued_then_placed", waited},
           {"mean_queue_seconds", waited > 0 ? wait_sum / static_cast<double>(waited) : 0.0},
           {"refused_queue_full", qa.refused_full() - qb.refused_full()},
           {"refused_queue_wait", qa.refused_wait() - qb.refused_wait()},
+          // Inside the router: its receipt of the request to the refusal.
+          {"refused_queue_full_mean_seconds",
+           qa.refused_full() > qb.refused_full()
+               ? (qa.refused_full_seconds() - qb.refused_full_seconds()) /
+                     static_cast<double>(qa.refused_full() - qb.refused_full())
+               : 0.0},
+          {"refused_queue_full_max_seconds", qa.refused_full_max_seconds()},
           {"prefill_tokens_discarded", DiscardedTokens(after) - DiscardedTokens(before)},
           {"router_peak_resident_bytes", after.router_peak_resident_bytes()}};
 }
 
-void PrintRouterSide(const nlohmann::ordered_json& r) {
+void PrintRouterSide(const BenchRow& row) {
+  const nlohmann::ordered_json& r = row.router_side;
   if (r.empty()) return;
+  if (r["refused_queue_full"].get<int64_t>() > 0) {
+    std::printf("  refused for a full queue, inside the router (receipt to refusal): mean %.3f ms, max %.3f ms\n",
+                1e3 * r["refused_queue_full_mean_seconds"].get<double>(),
+                1e3 * r["refused_queue_full_max_seconds"].get<double>());
+  }
+  if (const double rate = r["decode_tokens_per_second_busy"].get<double>(); rate > 0) {
+    std::printf("  decode pool while busy: %.1f tok/s; this row's output rate is %.2fx below it\n", rate,
+                row.tokens_per_second > 0 ? rate / row.tokens_per_second : 0.0);
+  }
   std::printf(
-      "  router side: ejected %lld prefill / %lld decode; %lld queued then placed (mean wait %.2f s); refused %lld "
-      "(queue full) / %lld (waited too long); prefill tokens discarded %lld; router peak RSS %.0f MiB\n",
+      "  router side: ejected %lld prefill / %lld decode; %lld placed on workers, %lld of them after queueing (mean "
+      "wait %.2f s); refused %lld (queue full) / %lld (waited too long); prefill tokens discarded %lld; router peak "
+      "RSS %.0f MiB\n",
       static_cast<long long>(r["prefill_ejections"].get<int64_t>()),
-      static_cast<long long>(r["decode_ejections"].get<int64_t>()),
+      static_cast<long long>(r["decode_ejections"].get<int64_t>()), static_cast<long long>(r["placed"].get<int64_t>()),
       static_cast<long long>(r["queued_then_placed"].get<int64_t>()), r["mean_queue_seconds"].get<double>(),
       static_cast<long long>(r["refused_queue_full"].get<int64_t>()),
       static_cast<long long>(r["refused_queue_wait"].get<int64_t>()),
@@ -493,7 +537,10 @@ void PrintSingleRun(const ServingBenchOptions& o, const std::vector<BenchRow>& r
   nlohmann::ordered_json runs = nlohmann::ordered_json::array();
   for (const BenchRow& row : rows) {
     nlohmann::ordered_json r = {{"target", row.target}, {"requests", row.requests}, {"failed", row.failed}};
-    if (row.rejected > 0) r["rejected"] = row.rejected;
+    if (row.rejected > 0) {
+      r["rejected"] = row.rejected;
+      r["rejected_e2e_seconds"] = Percentiles(row.rejected_e2e);
+    }
     r["wall_seconds"] = row.wall_seconds;
     r["output_tokens_per_second"] = row.tokens_per_second;
     r["requests_per_second"] = row.requests_per_second;
@@ -540,9 +587,13 @@ void PrintSingleRun(const ServingBenchOptions& o, const std::vector<BenchRow>& r
                   1e6 * r["router_relay_seconds"]["p50"].get<double>(), 1e6 * r["router_relay_seconds"]["p99"].get<double>());
     }
     PrintPrefixCache(row);
-    if (row.rejected > 0) std::printf("  rejected (RESOURCE_EXHAUSTED): %d\n", row.rejected);
+    if (row.rejected > 0) {
+      std::printf("  rejected (RESOURCE_EXHAUSTED / 429): %d, each answered in ms p50/p99/max %.2f / %.2f / %.2f\n",
+                  row.rejected, 1e3 * row.rejected_e2e.p50, 1e3 * row.rejected_e2e.p99,
+                  1e3 * row.rejected_e2e.sorted.back());
+    }
     if (!row.first_error.empty()) std::printf("  first error: %s\n", row.first_error.c_str());
-    PrintRouterSide(row.router_side);
+    PrintRouterSide(row);
   }
 }
 

@@ -669,6 +669,13 @@ absl::Status Relay::Finish() {
     m.CountOutcome("unavailable");
     return absl::UnavailableError(error_);
   }
+  // A request cut short at the client's deadline ends DEADLINE_EXCEEDED,
+  // as gRPC would end it: the workers' calls carry the same deadline, so
+  // the relay can see them end and finish before the call itself expires.
+  if (client_deadline_.has_value() && Now() >= *client_deadline_ && (cancelled_ || finish_ == FinishReason::kNone)) {
+    m.CountOutcome("cancelled");
+    return absl::DeadlineExceededError("the client's deadline passed");
+  }
   if (completion_ > 0) m.ttft->Observe(timings_.ttft());
   if (!context_.options.colocated && !timings_.local_prefill()) {
     m.prefill_queue->Observe(timings_.queue());

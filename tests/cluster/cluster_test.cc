@@ -23,6 +23,7 @@
 #include "nlohmann/json.hpp"
 #include "pdserve/v1/generation.grpc.pb.h"
 #include "tests/cluster/cluster_harness.h"
+#include "tests/cluster/reference_stream.h"
 #include "tests/support/default_model.h"
 #include "tests/support/subprocess.h"
 
@@ -57,52 +58,7 @@ class ClusterTest : public ::testing::Test {
     delete colocated_;
   }
 
-  // The in-process engine on the same request.
-  static Output Reference(const v1::GenerateRequest& req) {
-    GenerationRequest r;
-    if (req.has_token_ids()) {
-      r.prompt.assign(req.token_ids().ids().begin(), req.token_ids().ids().end());
-    } else if (req.has_chat()) {
-      std::vector<tok::ChatMessage> messages;
-      for (const auto& m : req.chat().messages()) messages.push_back({m.role(), m.content()});
-      const std::string text = *tok::RenderChat(*tok::DetectChatFormat(tokenizer_->chat_template()), messages, true,
-                                                tokenizer_->bos_token(), tokenizer_->eos_token());
-      r.prompt = *tokenizer_->Encode(text, false);
-    } else {
-      r.prompt = *tokenizer_->Encode(req.text(), false);
-    }
-    const v1::SamplingParams& s = req.sampling();
-    r.params.temperature = s.has_temperature() ? s.temperature() : 1.0f;
-    r.params.top_p = s.has_top_p() ? s.top_p() : 1.0f;
-    r.params.top_k = s.top_k();
-    r.params.min_p = s.min_p();
-    r.params.repetition_penalty = s.has_repetition_penalty() ? s.repetition_penalty() : 1.0f;
-    r.params.presence_penalty = s.presence_penalty();
-    r.params.frequency_penalty = s.frequency_penalty();
-    r.params.seed = s.seed();
-    r.params.stop_token_ids.assign(req.stop_token_ids().begin(), req.stop_token_ids().end());
-    r.params.ignore_eos = req.ignore_eos();
-    r.params.max_tokens = req.max_tokens();
-    r.stop_strings.assign(req.stop().begin(), req.stop().end());
-    r.eos_ids = model_->config().eos_token_ids;
-    auto manager = *KvManager::Create(model_->MakeKvSpec(model_->weight_dtype(), 16, 64));
-    Generation gen(r, tokenizer_);
-    SequenceKv kv = manager->NewSequence();
-    Output out;
-    std::vector<int32_t> feed = r.prompt;
-    while (!gen.finished()) {
-      ForwardSequence fs{&kv, feed, LogitsMode::kLast};
-      auto res = ForwardGrowing(*model_, *manager, {&fs, 1});
-      EXPECT_TRUE(res.ok());
-      auto ev = gen.Accept(res->Last(0));
-      out.tokens.push_back(ev->token);
-      out.text += ev->text;
-      out.finish = ev->finish == FinishReason::kStop ? v1::FINISH_REASON_STOP : v1::FINISH_REASON_LENGTH;
-      feed.assign(1, ev->token);
-    }
-    kv.Release();
-    return out;
-  }
+  static Output Reference(const v1::GenerateRequest& req) { return ReferenceStream(*model_, *tokenizer_, req); }
 
   static v1::GenerateRequest Text(const std::string& text, int max_tokens, float temperature, uint64_t seed) {
     v1::GenerateRequest r;
@@ -115,10 +71,7 @@ class ClusterTest : public ::testing::Test {
   }
 
   static void ExpectSame(const Output& got, const Output& want, const std::string& what) {
-    ASSERT_TRUE(got.status.ok()) << what << ": " << got.status.error_message();
-    EXPECT_EQ(got.tokens, want.tokens) << what;
-    EXPECT_EQ(got.text, want.text) << what;
-    EXPECT_EQ(got.finish, want.finish) << what << " " << got.final.error();
+    ExpectSameStream(got, want, what);
   }
 
   static testing_support::DefaultModel* loaded_;

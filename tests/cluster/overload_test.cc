@@ -32,6 +32,7 @@
 #include "pdserve/v1/generation.grpc.pb.h"
 #include "pdserve/v1/worker.grpc.pb.h"
 #include "tests/cluster/cluster_harness.h"
+#include "tests/cluster/reference_stream.h"
 #include "tests/support/default_model.h"
 #include "tests/support/http_client.h"
 
@@ -89,40 +90,11 @@ class OverloadTest : public ::testing::Test {
     return r;
   }
 
-  // The in-process engine on a text request of Text()'s shape.
   static Output Reference(const v1::GenerateRequest& req) {
-    Model& model = *loaded_->model;
-    GenerationRequest r;
-    r.prompt = *loaded_->tokenizer->Encode(req.text(), false);
-    r.params.temperature = req.sampling().temperature();
-    r.params.seed = req.sampling().seed();
-    r.params.ignore_eos = req.ignore_eos();
-    r.params.max_tokens = req.max_tokens();
-    r.eos_ids = model.config().eos_token_ids;
-    auto manager = *KvManager::Create(model.MakeKvSpec(model.weight_dtype(), kBlock, 64));
-    Generation gen(r, loaded_->tokenizer.get());
-    SequenceKv kv = manager->NewSequence();
-    Output out;
-    std::vector<int32_t> feed = r.prompt;
-    while (!gen.finished()) {
-      ForwardSequence fs{&kv, feed, LogitsMode::kLast};
-      auto res = ForwardGrowing(model, *manager, {&fs, 1});
-      EXPECT_TRUE(res.ok());
-      auto ev = gen.Accept(res->Last(0));
-      out.tokens.push_back(ev->token);
-      out.text += ev->text;
-      out.finish = ev->finish == FinishReason::kStop ? v1::FINISH_REASON_STOP : v1::FINISH_REASON_LENGTH;
-      feed.assign(1, ev->token);
-    }
-    kv.Release();
-    return out;
+    return ReferenceStream(*loaded_->model, *loaded_->tokenizer, req);
   }
-
   static void ExpectSame(const Output& got, const Output& want, const std::string& what) {
-    ASSERT_TRUE(got.status.ok()) << what << ": " << got.status.error_message();
-    EXPECT_EQ(got.tokens, want.tokens) << what;
-    EXPECT_EQ(got.text, want.text) << what;
-    EXPECT_EQ(got.finish, want.finish) << what << " " << got.final.error();
+    ExpectSameStream(got, want, what);
   }
 
   // `n` requests of two blocks each (a short prompt + 16 tokens), distinct seeds.

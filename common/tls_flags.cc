@@ -10,9 +10,6 @@ ABSL_FLAG(std::string, tls_ca, "", "the cluster CA (PEM): peers' certificates mu
 ABSL_FLAG(bool, insecure, false,
           "plaintext gRPC and HTTP, no peer checks: for local debugging only (a server with neither --tls_* nor "
           "--insecure does not start)");
-ABSL_FLAG(std::string, kv_grant_key, "",
-          "router and decode workers: the cluster's KV handoff grant key (a file of at least 32 bytes; "
-          "deploy/make_certs.sh writes kv_grant.key). Required with TLS; --insecure runs without grants");
 ABSL_FLAG(std::string, health_listen, "",
           "a plaintext port serving only gRPC health (kubelet probes cannot present certificates); empty: none");
 
@@ -41,25 +38,6 @@ absl::StatusOr<TlsFiles> TlsFilesFromFlags(const std::string& role) {
     return absl::InvalidArgumentError(absl::StrCat("--tls_*: ", st.message()));
   }
   return f;
-}
-
-absl::StatusOr<std::shared_ptr<const kv::GrantKey>> GrantKeyFromFlags(const std::string& role) {
-  const std::string path = absl::GetFlag(FLAGS_kv_grant_key);
-  if (path.empty()) {
-    if (absl::GetFlag(FLAGS_insecure)) {
-      LogEvent("warning", "no_kv_grants",
-               {{"role", role},
-                {"warning", "--insecure without --kv_grant_key: any host that reaches a decode worker's KV port "
-                            "can reserve its blocks and write KV into them"}});
-      return std::shared_ptr<const kv::GrantKey>();
-    }
-    return absl::InvalidArgumentError(
-        "no KV handoff grants: give --kv_grant_key (deploy/make_certs.sh writes kv_grant.key beside the "
-        "certificates), or --insecure");
-  }
-  absl::StatusOr<kv::GrantKey> key = kv::GrantKey::FromFile(path);
-  if (!key.ok()) return absl::InvalidArgumentError(absl::StrCat("--kv_grant_key: ", key.status().message()));
-  return std::make_shared<const kv::GrantKey>(*std::move(key));
 }
 
 }  // namespace pdserve

@@ -12,32 +12,23 @@
 #ifndef PDSERVE_COMMON_TLS_FLAGS_H_
 #define PDSERVE_COMMON_TLS_FLAGS_H_
 
-#include <memory>
 #include <string>
 
 #include "absl/flags/declare.h"
 #include "absl/status/statusor.h"
 #include "common/tls.h"
-#include "kv_transfer/grant.h"
 
 ABSL_DECLARE_FLAG(std::string, tls_cert);
 ABSL_DECLARE_FLAG(std::string, tls_key);
 ABSL_DECLARE_FLAG(std::string, tls_ca);
 ABSL_DECLARE_FLAG(bool, insecure);
 ABSL_DECLARE_FLAG(std::string, health_listen);
-ABSL_DECLARE_FLAG(std::string, kv_grant_key);
 
 namespace pdserve {
 
 // The files, checked for `role` (CheckTlsFiles), or none with --insecure.
 // Errors: INVALID_ARGUMENT naming the flag.
 absl::StatusOr<TlsFiles> TlsFilesFromFlags(const std::string& role);
-
-// The KV handoff grant key of --kv_grant_key (router and decode workers:
-// kv_transfer/grant.h). Without one: none (null) with --insecure (logged
-// as a warning), else INVALID_ARGUMENT: a TLS cluster does not run without
-// grants. Errors name the flag.
-absl::StatusOr<std::shared_ptr<const kv::GrantKey>> GrantKeyFromFlags(const std::string& role);
 
 }  // namespace pdserve
 

@@ -20,6 +20,7 @@
 #include "common/metrics.h"
 #include "common/engine/worker_runtime.h"
 #include "common/tls_flags.h"
+#include "kv_transfer/grant_flags.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:0", "gRPC address (port 0: any free port)");
 ABSL_FLAG(std::string, ready_file, "", "write {\"grpc_port\":..} here once serving");

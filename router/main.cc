@@ -22,6 +22,7 @@
 #include "common/server_util.h"
 #include "common/grpc_server.h"
 #include "common/tls_flags.h"
+#include "kv_transfer/grant_flags.h"
 #include "router/openai/server.h"
 #include "router/router_service.h"
 

@@ -161,6 +161,7 @@ void Engine::Run() {
       work_ = false;
     }
     while (true) {
+      const auto step_start = std::chrono::steady_clock::now();
       const absl::StatusOr<bool> stepped = Step();
       if (!stepped.ok()) {
         // Step failed the engine (Fail) and ended its requests; what was
@@ -175,6 +176,8 @@ void Engine::Run() {
         return;
       }
       if (!*stepped) break;
+      // The whole step: the forward, sampling and handing the tokens on.
+      busy_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count();
       absl::MutexLock lock(&mu_);
       if (stop_) return;
     }
@@ -446,7 +449,6 @@ absl::StatusOr<bool> Engine::Step() {
     return res.status();
   }
   ++steps_;
-  busy_seconds_ += t;
   decode_tokens_ += plan.decode_rows;
   RecordStep(t);
   if (plan.decode_rows > 0) step_avg_ = step_avg_ == 0 ? t : 0.8 * step_avg_ + 0.2 * t;

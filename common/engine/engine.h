@@ -151,8 +151,9 @@ struct EngineStats {
   // none): how long requests stay, not what the life bound measures.
   double oldest_request_seconds = 0;
   int64_t expired = 0;  // Requests ended by their life bound (no progress for LifeBound()).
-  // Seconds spent in forwards, and tokens sampled by decode rows, since
-  // start: tokens / busy is the rate the engine decodes at while it works.
+  // Seconds spent in steps that did work (the forward, sampling, handing
+  // the tokens on), and tokens sampled by decode rows, since start:
+  // tokens / busy is the rate the engine decodes at while it works.
   double busy_seconds = 0;
   int64_t decode_tokens = 0;
   // Request-sharded KV: running requests per rank (empty otherwise); the

@@ -458,7 +458,7 @@ int64_t DiscardedTokens(const v1::ClusterStatusResponse& s) {
   return n;
 }
 
-// The decode pool's tokens and forward seconds (summed over its workers).
+// The decode pool's tokens and busy seconds (summed over its workers).
 std::pair<int64_t, double> DecodeWork(const v1::ClusterStatusResponse& s) {
   int64_t tokens = 0;
   double busy = 0;
@@ -470,7 +470,7 @@ std::pair<int64_t, double> DecodeWork(const v1::ClusterStatusResponse& s) {
 }
 
 // The router's counters over a row: `after` less `before`. The decode
-// pool's rate while busy (its tokens over its forward seconds, per worker,
+// pool's rate while busy (its tokens over its engines' working seconds, per worker,
 // summed over the pool) is what the decode stage can give at the batches it
 // ran: the row's output rate against it says how much of the run the
 // cluster kept the decode stage working.

@@ -126,10 +126,14 @@ TEST(TlsImpostorTest, WorkersWithAnotherRolesOrAnotherCasCertificateGetNoTraffic
   const std::string other = MakeCerts(dir + "/other-ca");
   const std::string decode_bin = kBin + "/decode_worker/pdserve-decode-worker";
   Subprocess real, wrong_role, wrong_ca, prefill, prefill_as_decode, router;
-  // (Every process gets the grant key: the prefill worker ignores it.)
+  // The router and decode workers take the grant key; a prefill worker has
+  // no such flag. The prefill binary's launches below use prefill_tls.
   auto tls = [](const TlsFiles& f) {
     return std::vector<std::string>{"--tls_cert", f.cert, "--tls_key", f.key, "--tls_ca", f.ca,
                                     "--kv_grant_key", TestCertsDir() + "/kv_grant.key"};
+  };
+  auto prefill_tls = [](const TlsFiles& f) {
+    return std::vector<std::string>{"--tls_cert", f.cert, "--tls_key", f.key, "--tls_ca", f.ca};
   };
   auto with = [](std::vector<std::string> a, const std::vector<std::string>& b) {
     a.insert(a.end(), b.begin(), b.end());
@@ -154,13 +158,13 @@ TEST(TlsImpostorTest, WorkersWithAnotherRolesOrAnotherCasCertificateGetNoTraffic
   ASSERT_TRUE(i2.ok()) << i2.status();
   absl::StatusOr<int> p = Launch(prefill, dir, "prefill",
                                  with({kBin + "/prefill_worker/pdserve-prefill-worker", "--model", kModel},
-                                      tls(TestTls("prefill"))));
+                                      prefill_tls(TestTls("prefill"))));
   ASSERT_TRUE(p.ok()) << p.status();
   // A server with a valid certificate of another role: a prefill worker
   // listed as a decode worker.
   absl::StatusOr<int> i3 = Launch(prefill_as_decode, dir, "prefill-as-decode",
                                   with({kBin + "/prefill_worker/pdserve-prefill-worker", "--model", kModel},
-                                       tls(TestTls("prefill"))));
+                                       prefill_tls(TestTls("prefill"))));
   ASSERT_TRUE(i3.ok()) << i3.status();
   const std::string real_address = absl::StrCat("127.0.0.1:", *d);
   absl::StatusOr<int> r = Launch(

@@ -6,7 +6,6 @@
 #include <chrono>
 #include <utility>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/server_util.h"
@@ -100,7 +99,9 @@ std::optional<absl::Time> Relay::LifeDeadline(absl::Time from) const {
 }
 
 void Relay::Cancel() {
-  client_cancelled_.store(true, std::memory_order_relaxed);
+  // Once is enough: streams opened later cancel themselves (OpenDecode,
+  // OpenPrefill), and the watcher calls again every round until Run ends.
+  if (client_cancelled_.exchange(true, std::memory_order_relaxed)) return;
   if (context_.queue != nullptr) context_.queue->WakeCancelled();  // ends its wait if it is queued
   absl::MutexLock lock(&streams_mu_);
   if (prefill_stream_ != nullptr) prefill_stream_->Cancel();
@@ -204,7 +205,8 @@ int64_t Relay::Positions() const {
   return static_cast<int64_t>(request_.prompt.size()) + request_.params.max_tokens;
 }
 
-absl::Status Relay::Enqueue() {
+absl::Status Relay::Enqueue(QueueEnd* end) {
+  *end = QueueEnd::kPlaced;
   Placement& placement = *context_.placement;
   const int64_t positions = Positions();
   std::vector<WorkerPtr> serving;
@@ -228,6 +230,7 @@ absl::Status Relay::Enqueue() {
   entry.key = queue_key_;
   entry.deadline = client_deadline_;
   entry.cancelled = &client_cancelled_;
+  entry.before_queue = Now() - start_;
   entry.place = [&]() {
     WorkerPtr d = placement.PickDecode(positions, {}, prompt_chains_, /*need_room=*/true);
     if (d == nullptr) return PlaceOutcome::kNoRoom;
@@ -239,7 +242,7 @@ absl::Status Relay::Enqueue() {
     return PlaceOutcome::kPlaced;
   };
   absl::Duration waited;
-  const absl::Status st = context_.queue->Wait(entry, &waited);
+  const absl::Status st = context_.queue->Wait(entry, &waited, end);
   timings_.set_router_queue(absl::ToDoubleSeconds(waited));
   context_.metrics->queue->Observe(absl::ToDoubleSeconds(waited));
   return st;
@@ -268,14 +271,14 @@ absl::Status Relay::Run(const std::function<bool(const v1::GenerateResponse&)>& 
   timings_.set_colocated(context_.options.colocated);
   // The placement admission weighs is the one the first attempt runs with.
   if (context_.queue != nullptr) {
-    if (absl::Status q = Enqueue(); !q.ok()) {
-      const char* outcome = client_cancelled()                  ? "cancelled"
-                            : absl::IsInvalidArgument(q)        ? "invalid"
-                            : absl::IsDeadlineExceeded(q)       ? "cancelled"
-                            : absl::StrContains(q.message(), "queue is full") ? "queue_full"
-                                                                : "queue_wait";
+    QueueEnd end;
+    if (absl::Status q = Enqueue(&end); !q.ok()) {
+      const char* outcome = client_cancelled()             ? "cancelled"
+                            : end == QueueEnd::kFull          ? "queue_full"
+                            : end == QueueEnd::kWaitedTooLong ? "queue_wait"
+                            : end == QueueEnd::kPlaced        ? "invalid"  // refused before waiting
+                                                              : "cancelled";
       context_.metrics->CountOutcome(outcome);
-      if (outcome == std::string_view("queue_full")) context_.queue->RecordRefusal(Now() - start_);
       if (client_cancelled()) return absl::CancelledError("cancelled by the client");
       return q;
     }

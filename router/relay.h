@@ -171,8 +171,9 @@ class Relay {
 
   bool Admit();
   // Waits in the queue until a decode worker has room (first_ and lease_
-  // then say where), or returns why not.
-  absl::Status Enqueue();
+  // then say where), or returns why not; `end` says how the wait ended
+  // (kPlaced when it was not waited: no decode worker serves, or an error).
+  absl::Status Enqueue(QueueEnd* end);
   // The positions a request takes on its decode worker.
   int64_t Positions() const;
   // Picks, waiting up to pick_wait (and the deadline) while none is usable.

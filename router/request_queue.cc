@@ -88,13 +88,6 @@ void RequestQueue::Dispatch() {
   }
 }
 
-void RequestQueue::RecordRefusal(absl::Duration d) {
-  const double s = absl::ToDoubleSeconds(d);
-  absl::MutexLock lock(&mu_);
-  stats_.refused_full_seconds += s;
-  stats_.refused_full_max_seconds = std::max(stats_.refused_full_max_seconds, s);
-}
-
 void RequestQueue::Poke() {
   absl::MutexLock lock(&mu_);
   Dispatch();
@@ -109,17 +102,24 @@ void RequestQueue::WakeCancelled() {
   }
 }
 
-absl::Status RequestQueue::Wait(const Entry& entry, absl::Duration* waited) {
+absl::Status RequestQueue::Wait(const Entry& entry, absl::Duration* waited, QueueEnd* end) {
+  QueueEnd ignored;
+  QueueEnd& how = end != nullptr ? *end : ignored;
   absl::MutexLock lock(&mu_);
   const absl::Time since = options_.clock();
   if (waited != nullptr) *waited = absl::ZeroDuration();
   // Nobody waits: place it now if there is room, without queueing.
   if (turns_.empty() && entry.place() == PlaceOutcome::kPlaced) {
     ++stats_.placed;
+    how = QueueEnd::kPlaced;
     return absl::OkStatus();
   }
   if (stats_.waiting >= options_.max_queued) {
     ++stats_.refused_full;
+    const double took = absl::ToDoubleSeconds(entry.before_queue + (options_.clock() - since));
+    stats_.refused_full_seconds += took;
+    stats_.refused_full_max_seconds = std::max(stats_.refused_full_max_seconds, took);
+    how = QueueEnd::kFull;
     return Refusal(absl::StrFormat("the router's queue is full: %s requests waiting (--max_queued_requests)",
                                    FormatNumber(static_cast<double>(stats_.waiting), 0)),
                    since);
@@ -147,21 +147,27 @@ absl::Status RequestQueue::Wait(const Entry& entry, absl::Duration* waited) {
   }
   now = options_.clock();
   if (waited != nullptr) *waited = now - since;
-  if (w.placed) return absl::OkStatus();
+  if (w.placed) {
+    how = QueueEnd::kPlaced;
+    return absl::OkStatus();
+  }
   Remove(&w);
   // The next in line may fit where this one did not.
   Dispatch();
   if (entry.cancelled != nullptr && entry.cancelled->load(std::memory_order_relaxed)) {
     ++stats_.cancelled;
+    how = QueueEnd::kCancelled;
     return absl::CancelledError("cancelled while queued");
   }
   if (entry.deadline.has_value() && *entry.deadline <= bound) {
     ++stats_.deadline;
+    how = QueueEnd::kDeadline;
     return absl::DeadlineExceededError(absl::StrFormat(
         "the deadline passed after %.1f s in the router's queue waiting for decode KV room",
         absl::ToDoubleSeconds(now - since)));
   }
   ++stats_.refused_wait;
+  how = QueueEnd::kWaitedTooLong;
   return Refusal(absl::StrFormat("waited %.1f s in the router's queue for decode KV room (--max_queue_wait_s)",
                                  absl::ToDoubleSeconds(now - since)),
                  now);

@@ -51,6 +51,15 @@ struct RequestQueueOptions {
   Clock clock = RealClock();
 };
 
+// How a request's time in the queue ended.
+enum class QueueEnd {
+  kPlaced,
+  kFull,           // refused at once: the queue was full
+  kWaitedTooLong,  // refused after max_wait
+  kDeadline,       // the client's deadline passed while queued
+  kCancelled,
+};
+
 // What placing the request whose turn it is came to.
 enum class PlaceOutcome {
   kPlaced,  // it took its room: it leaves the queue
@@ -68,7 +77,8 @@ struct RequestQueueStats {
   int64_t deadline = 0;        // the client's deadline passed while queued
   int64_t cancelled = 0;
   // From the router's receipt of each request refused because the queue
-  // was full to its refusal (RecordRefusal): the sum and the longest.
+  // was full to its refusal (Entry::before_queue + its time here): the sum
+  // and the longest.
   double refused_full_seconds = 0;
   double refused_full_max_seconds = 0;
 };
@@ -88,11 +98,15 @@ class RequestQueue {
     std::function<PlaceOutcome()> place;
     // Read whenever the queue wakes the request: true ends its wait.
     const std::atomic<bool>* cancelled = nullptr;
+    // How long the router had the request before it came here (tokenizing,
+    // key checks): counted in the latency of a queue-full refusal.
+    absl::Duration before_queue = absl::ZeroDuration();
   };
 
   // Returns once `entry.place` placed it (OK), or refused/ended as the
-  // header says. `waited` (nullable) gets the time spent queued.
-  absl::Status Wait(const Entry& entry, absl::Duration* waited);
+  // header says. `waited` and `end` (nullable) get the time spent queued
+  // and how the wait ended.
+  absl::Status Wait(const Entry& entry, absl::Duration* waited, QueueEnd* end = nullptr);
 
   // Something changed that may make room (a lease returned, a report
   // read): tries again.
@@ -101,10 +115,6 @@ class RequestQueue {
   void WakeCancelled();
 
   RequestQueueStats Stats() const;
-  // A request refused because the queue was full took `d` from the
-  // router's receipt to its refusal (the caller times it: tokenizing and
-  // key checks come before the queue).
-  void RecordRefusal(absl::Duration d);
   const RequestQueueOptions& options() const { return options_; }
 
  private:

@@ -441,7 +441,7 @@ grpc::Status RouterService::ClusterStatus(grpc::ServerContext* ctx, const v1::Cl
     q->set_max_wait_seconds(absl::ToDoubleSeconds(queue_->options().max_wait));
     q->set_placed(qs.placed);
     q->set_placed_waited(qs.placed_waited);
-    q->set_mean_wait_seconds(qs.placed_waited > 0 ? qs.waited_seconds / static_cast<double>(qs.placed_waited) : 0);
+    q->set_waited_seconds(qs.waited_seconds);
     q->set_refused_full(qs.refused_full);
     q->set_refused_wait(qs.refused_wait);
     q->set_refused_full_seconds(qs.refused_full_seconds);

@@ -85,8 +85,10 @@ TEST(RequestQueueTest, ARequestThatFindsRoomAndNobodyWaitingGoesOnAtOnce) {
   RequestQueue::Entry e;
   e.place = [&room] { return room.Take("a"); };
   absl::Duration waited = absl::Seconds(1);
-  EXPECT_TRUE(q.Wait(e, &waited).ok());
+  QueueEnd end = QueueEnd::kCancelled;
+  EXPECT_TRUE(q.Wait(e, &waited, &end).ok());
   EXPECT_EQ(waited, absl::ZeroDuration());
+  EXPECT_EQ(end, QueueEnd::kPlaced);
   EXPECT_EQ(q.Stats().placed, 1);
   EXPECT_EQ(q.Stats().placed_waited, 0);
 }
@@ -143,8 +145,13 @@ TEST(RequestQueueTest, AFullQueueRefusesAtOnceWithARetryAfter) {
     tried = true;
     return PlaceOutcome::kPlaced;
   };
-  const absl::Status st = q.Wait(c, nullptr);
+  c.before_queue = absl::Milliseconds(3);
+  QueueEnd end = QueueEnd::kPlaced;
+  const absl::Status st = q.Wait(c, nullptr, &end);
   EXPECT_TRUE(absl::IsResourceExhausted(st)) << st;
+  EXPECT_EQ(end, QueueEnd::kFull);
+  EXPECT_GE(q.Stats().refused_full_seconds, 0.003) << "the router's time before the queue counts";
+  EXPECT_EQ(q.Stats().refused_full_max_seconds, q.Stats().refused_full_seconds);
   EXPECT_EQ(st.message(), "the router's queue is full: 2 requests waiting (--max_queued_requests)");
   EXPECT_TRUE(st.GetPayload(kRetryAfterPayload).has_value());
   EXPECT_FALSE(tried) << "a refused request is never placed";
@@ -169,8 +176,10 @@ TEST(RequestQueueTest, AWaitPastTheBoundIsRefusedWithARetryAfterAndTheNextGoesOn
   RequestQueue::Entry e;
   e.place = [] { return PlaceOutcome::kNoRoom; };
   absl::Duration waited;
-  const absl::Status st = q.Wait(e, &waited);
+  QueueEnd end = QueueEnd::kPlaced;
+  const absl::Status st = q.Wait(e, &waited, &end);
   EXPECT_TRUE(absl::IsResourceExhausted(st)) << st;
+  EXPECT_EQ(end, QueueEnd::kWaitedTooLong);
   EXPECT_TRUE(absl::StrContains(st.message(), "in the router's queue for decode KV room (--max_queue_wait_s)")) << st;
   EXPECT_TRUE(st.GetPayload(kRetryAfterPayload).has_value());
   EXPECT_GE(waited, absl::Milliseconds(50));
@@ -183,8 +192,10 @@ TEST(RequestQueueTest, TheClientsDeadlineEndsTheWaitWithDeadlineExceeded) {
   RequestQueue::Entry e;
   e.place = [] { return PlaceOutcome::kNoRoom; };
   e.deadline = absl::Now() + absl::Milliseconds(30);
-  const absl::Status st = q.Wait(e, nullptr);
+  QueueEnd end = QueueEnd::kPlaced;
+  const absl::Status st = q.Wait(e, nullptr, &end);
   EXPECT_TRUE(absl::IsDeadlineExceeded(st)) << st;
+  EXPECT_EQ(end, QueueEnd::kDeadline);
   EXPECT_EQ(q.Stats().deadline, 1);
   EXPECT_EQ(q.Stats().refused_wait, 0);
 }

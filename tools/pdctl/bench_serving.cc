@@ -478,8 +478,7 @@ nlohmann::ordered_json RouterSide(const v1::ClusterStatusResponse& before, const
   const v1::QueueStatus& qb = before.queue();
   const v1::QueueStatus& qa = after.queue();
   const int64_t waited = qa.placed_waited() - qb.placed_waited();
-  const double wait_sum = qa.mean_wait_seconds() * static_cast<double>(qa.placed_waited()) -
-                          qb.mean_wait_seconds() * static_cast<double>(qb.placed_waited());
+  const double wait_sum = qa.waited_seconds() - qb.waited_seconds();
   const auto [tokens_before, busy_before] = DecodeWork(before);
   const auto [tokens_after, busy_after] = DecodeWork(after);
   const double busy = busy_after - busy_before;

@@ -133,7 +133,8 @@ absl::Status RemoteStatus(const std::string& router, bool json) {
         "after waiting %.3f s on average; refused: %lld full, %lld waited too long\n",
         static_cast<long long>(q.waiting()), static_cast<long long>(q.max_queued()), q.oldest_wait_seconds(),
         q.max_wait_seconds(), static_cast<long long>(q.placed()), static_cast<long long>(q.placed_waited()),
-        q.mean_wait_seconds(), static_cast<long long>(q.refused_full()), static_cast<long long>(q.refused_wait()));
+        q.placed_waited() > 0 ? q.waited_seconds() / static_cast<double>(q.placed_waited()) : 0.0,
+        static_cast<long long>(q.refused_full()), static_cast<long long>(q.refused_wait()));
   } else {
     std::printf("queue for decode KV room: off\n");
   }

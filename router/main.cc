@@ -62,8 +62,8 @@ ABSL_FLAG(double, max_queue_wait_s, 60,
           "the longest a request waits in the router's queue; then it is refused with RESOURCE_EXHAUSTED / HTTP 429 "
           "and a retry-after, before any prefill work");
 ABSL_FLAG(double, probe_stall_s, 10,
-          "a worker whose status probes time out stays serving while it makes progress (tokens on its requests, "
-          "decode steps); it is ejected when no probe has answered in time and it made no progress for this long");
+          "a worker whose status probes time out stays serving while it makes progress (messages on the router's "
+          "requests); it is ejected when no probe has answered in time and it made no progress for this long");
 ABSL_FLAG(bool, admission, false,
           "admission control: reject with RESOURCE_EXHAUSTED when the queue is full, the predicted TTFT misses "
           "the deadline or --ttft_target_ms, or arrivals exceed the bottleneck stage's measured capacity");

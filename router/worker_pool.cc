@@ -213,7 +213,6 @@ void WorkerPool::Ingest(Worker& w, ProbeState& ps, const worker::v1::WorkerInfo&
   if (!w.prefill_role() && ws.running() > 0 && ws.step_seconds() > 0 && ws.steps() != ps.last_steps) {
     measured_->RecordDecodeStep(w.address(), ws.running(), ws.mean_history_tokens(), ws.step_seconds());
   }
-  if (ws.steps() > ps.last_steps) w.NoteProgress(now);
   ps.last_steps = ws.steps();
   ps.last_answered = now;
   ps.failures = 0;

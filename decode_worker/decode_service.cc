@@ -29,13 +29,16 @@ using worker::v1::DecodeEvent;
 // What it writes next (the buffered tokens as one chunk, the final
 // message, or the finish) follows OneWriteStream's rule: decided under
 // mu_, done outside it.
-class DecodeCall final : public OneWriteStream<DecodeEvent>, public std::enable_shared_from_this<DecodeCall> {
+class DecodeCall final : public OneWriteStream<DecodeEvent>,
+                         public HandoffWaiter,
+                         public std::enable_shared_from_this<DecodeCall> {
  public:
   struct Options {
     bool colocated = false;
     bool logprobs = false;
     bool unparseable = false;  // Fault tests: the second chunk's text is not UTF-8.
     int32_t max_buffered_tokens = 4096;
+    absl::Duration stall_timeout = absl::Seconds(10);
   };
 
   static std::shared_ptr<DecodeCall> Create(DecodeService* service, grpc::CallbackServerContext* ctx,
@@ -55,22 +58,6 @@ class DecodeCall final : public OneWriteStream<DecodeEvent>, public std::enable_
   std::shared_ptr<engine::Request> request() {
     absl::MutexLock lock(&mu_);
     return request_;
-  }
-  void set_waiting_for_kv(bool waiting, absl::Time since = absl::Now()) {
-    absl::MutexLock lock(&mu_);
-    waiting_for_kv_ = waiting;
-    waiting_since_ = since;
-  }
-  // Waiting for its KV handoff since `*since`.
-  bool WaitingForKv(absl::Time* since) {
-    absl::MutexLock lock(&mu_);
-    *since = waiting_since_;
-    return waiting_for_kv_ && !finishing();
-  }
-  // A write outstanding for at least `d`: the client is not reading.
-  bool StalledFor(absl::Duration d, absl::Time now) {
-    absl::MutexLock lock(&mu_);
-    return writing() && !finishing() && now - write_started_ >= d;
   }
   bool aborted() {
     absl::MutexLock lock(&mu_);
@@ -123,6 +110,33 @@ class DecodeCall final : public OneWriteStream<DecodeEvent>, public std::enable_
     Do(a);
   }
 
+  // The handoff table: this call's KV came.
+  void OnHandoff(HandedOff seq) override { service_->StartHandedOff(shared_from_this(), std::move(seq)); }
+
+  // The handoff table: this call's KV will not come.
+  void OnNoHandoff(NoHandoff why) override {
+    switch (why) {
+      case NoHandoff::kTimedOut: {
+        std::shared_ptr<engine::Request> r = request();
+        if (r == nullptr || !r->lifecycle.Transition(engine::RequestState::kFinished, engine::EndReason::kError).ok()) {
+          return;  // It ended otherwise meanwhile.
+        }
+        Abort(grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                           absl::StrCat("no KV handoff for request ", r->id.str(), " within ",
+                                        absl::FormatDuration(service_->handoff_wait()))),
+              false);
+        return;
+      }
+      case NoHandoff::kReleased:
+        // The router ended this call already; this one missed that.
+        Abort(grpc::Status(grpc::StatusCode::CANCELLED, "released by the router"), /*cancel_rpc=*/true);
+        return;
+      case NoHandoff::kDisplaced:
+        Abort(grpc::Status(grpc::StatusCode::CANCELLED, "a newer Decode call took this request"), false);
+        return;
+    }
+  }
+
   // Ends the stream with `status` and no final message (UNAVAILABLE: the
   // router continues elsewhere; DEADLINE_EXCEEDED: its KV never came;
   // CANCELLED: its client stopped reading), after the write in flight if
@@ -130,14 +144,18 @@ class DecodeCall final : public OneWriteStream<DecodeEvent>, public std::enable_
   // client will never take completes. Its request leaves the engine.
   void Abort(const grpc::Status& status, bool cancel_rpc) {
     std::shared_ptr<engine::Request> cancel;
+    std::shared_ptr<engine::Request> parked;  // Waiting for its KV in the handoff table.
     Action a;
     {
       absl::MutexLock lock(&mu_);
       if (finish_called() || abort_.has_value()) return;
       abort_ = status;
       if (!end_.has_value()) cancel = request_;
+      if (request_ != nullptr && request_->lifecycle.state() == engine::RequestState::kWaitingForKv) parked = request_;
       a = NextLocked();
     }
+    // A commit that still comes for it is freed on arrival.
+    if (parked != nullptr) service_->handoffs_.CallEnded(parked->id, this);
     if (cancel != nullptr) service_->engine_.Cancel(cancel, FromGrpcStatus(status));
     if (cancel_rpc) ctx_->TryCancel();
     Do(a);
@@ -149,6 +167,8 @@ class DecodeCall final : public OneWriteStream<DecodeEvent>, public std::enable_
     {
       absl::MutexLock lock(&mu_);
       WriteDoneLocked();
+      service_->timer_.Cancel(stall_timer_);
+      stall_timer_ = 0;
       if (!ok && !abort_.has_value()) {
         abort_ = grpc::Status(grpc::StatusCode::CANCELLED, "the caller went away");
         if (!end_.has_value()) cancel = request_;
@@ -169,6 +189,21 @@ class DecodeCall final : public OneWriteStream<DecodeEvent>, public std::enable_
       a = NextLocked();
     }
     Do(a);
+  }
+
+  // A write has been outstanding for stall_timeout: the client is not
+  // reading (its flow-control window stays full).
+  void OnStallDeadline(uint64_t write) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (!writing() || finishing() || writes_ != write) return;
+    }
+    service_->stalled_streams_.fetch_add(1);
+    LogEvent("warning", "stream_stalled", {{"request_id", RequestIdForLog()}, {"why", "write stalled"}});
+    Abort(grpc::Status(grpc::StatusCode::CANCELLED,
+                       absl::StrFormat("the client stopped reading (no write completed for %s)",
+                                       absl::FormatDuration(options_.stall_timeout))),
+          /*cancel_rpc=*/true);
   }
 
   void OnCancel() override {
@@ -261,8 +296,7 @@ class DecodeCall final : public OneWriteStream<DecodeEvent>, public std::enable_
       for (size_t i = 0; i < n; ++i) rpc::AppendToken(pending_[i], options_.logprobs, chunk);
       pending_.erase(pending_.begin(), pending_.begin() + static_cast<std::ptrdiff_t>(n));
       if (options_.unparseable && ++chunks_written_ == 2) chunk->mutable_text()->append("\xff");
-      write_started_ = absl::Now();
-      return WriteLocked();
+      return StartWriteLocked();
     }
     if (!end_.has_value()) return {};
     if (final_sent_) return FinishLocked(grpc::Status::OK);
@@ -280,7 +314,16 @@ class DecodeCall final : public OneWriteStream<DecodeEvent>, public std::enable_
     f->set_mean_itl(gaps_ > 0 ? sum_itl_ / gaps_ : 0);
     f->set_max_itl(max_itl_);
     final_sent_ = true;
-    write_started_ = absl::Now();
+    return StartWriteLocked();
+  }
+
+  // A write, with its own stall deadline.
+  Action StartWriteLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const uint64_t write = ++writes_;
+    std::weak_ptr<DecodeCall> weak = weak_from_this();
+    stall_timer_ = service_->timer_.At(service_->timer_.Now() + options_.stall_timeout, [weak, write] {
+      if (std::shared_ptr<DecodeCall> c = weak.lock()) c->OnStallDeadline(write);
+    });
     return WriteLocked();
   }
 
@@ -292,9 +335,8 @@ class DecodeCall final : public OneWriteStream<DecodeEvent>, public std::enable_
 
   std::shared_ptr<engine::Request> request_ ABSL_GUARDED_BY(mu_);
   std::vector<TokenEvent> pending_ ABSL_GUARDED_BY(mu_);
-  absl::Time write_started_ ABSL_GUARDED_BY(mu_);
-  bool waiting_for_kv_ ABSL_GUARDED_BY(mu_) = false;
-  absl::Time waiting_since_ ABSL_GUARDED_BY(mu_);
+  uint64_t writes_ ABSL_GUARDED_BY(mu_) = 0;        // Writes started.
+  Timer::Id stall_timer_ ABSL_GUARDED_BY(mu_) = 0;  // The outstanding write's.
   std::optional<absl::Status> end_ ABSL_GUARDED_BY(mu_);     // From the engine (or EndHere).
   std::optional<grpc::Status> abort_ ABSL_GUARDED_BY(mu_);   // Ends the RPC with this.
   bool final_sent_ ABSL_GUARDED_BY(mu_) = false;
@@ -318,10 +360,10 @@ DecodeService::DecodeService(Model* model, KvManager* kv, const tok::Tokenizer* 
       kv_(kv),
       tokenizer_(tokenizer),
       options_(std::move(options)),
-      engine_(*model, *kv, options_.engine) {
+      engine_(*model, *kv, options_.engine),
+      handoffs_(&timer_, HandoffTableOptions{.wait = absl::Seconds(options_.handoff_wait_seconds)}) {
   kv_->set_listener(&kv_events_);
   engine_.Start();
-  sweep_thread_ = std::thread([this] { SweepLoop(); });
   writer_thread_ = std::thread([this] { WriterLoop(); });
 }
 
@@ -349,17 +391,12 @@ void DecodeService::WriterLoop() {
 DecodeService::~DecodeService() {
   Shutdown();
   kv_->set_listener(nullptr);
-  absl::MutexLock h(&handoff_mu_);
-  rendezvous_.clear();  // Committed handoffs' KV goes back to the manager.
+  // Committed handoffs' KV goes back to the manager with handoffs_.
 }
 
 void DecodeService::Shutdown() {
-  {
-    absl::MutexLock lock(&sweep_mu_);
-    if (stop_sweeping_) return;
-    stop_sweeping_ = true;
-  }
-  if (sweep_thread_.joinable()) sweep_thread_.join();
+  if (shut_down_.exchange(true)) return;
+  timer_.Stop();  // No deadline runs from here on.
   stopped_ = true;
   engine_.Stop();  // Running streams end with UNAVAILABLE.
   {
@@ -375,115 +412,14 @@ void DecodeService::Shutdown() {
   for (auto& c : calls) c->Abort(grpc::Status(grpc::StatusCode::UNAVAILABLE, "decode worker stopped"), false);
 }
 
-void DecodeService::SweepLoop() {
-  absl::MutexLock lock(&sweep_mu_);
-  auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(sweep_mu_) { return stop_sweeping_; };
-  while (!sweep_mu_.AwaitWithTimeout(absl::Condition(&stop), absl::Milliseconds(100))) {
-    sweep_mu_.Unlock();
-    Sweep();
-    sweep_mu_.Lock();
-  }
-}
-
-void DecodeService::Sweep() {
-  const absl::Time now = absl::Now();
-  const absl::Duration wait = absl::Seconds(options_.handoff_wait_seconds);
-  std::vector<std::shared_ptr<DecodeCall>> calls;
-  {
-    absl::MutexLock lock(&calls_mu_);
-    for (const auto& [p, c] : calls_) calls.push_back(c);
-  }
-  for (auto& call : calls) {
-    if (call->StalledFor(absl::Seconds(options_.stall_timeout_seconds), now)) {
-      stalled_streams_.fetch_add(1);
-      std::shared_ptr<engine::Request> r = call->request();
-      LogEvent("warning", "stream_stalled", {{"request_id", r != nullptr ? r->id.str() : ""}, {"why", "write stalled"}});
-      call->Abort(grpc::Status(grpc::StatusCode::CANCELLED,
-                               absl::StrFormat("the client stopped reading (no write completed for %.1f s)",
-                                               options_.stall_timeout_seconds)),
-                  /*cancel_rpc=*/true);
-      continue;
-    }
-    absl::Time since;
-    if (call->WaitingForKv(&since) && now - since > wait) {
-      std::shared_ptr<engine::Request> r = call->request();
-      if (r == nullptr) continue;
-      {
-        absl::MutexLock lock(&handoff_mu_);
-        auto it = rendezvous_.find(r->id);
-        if (it != rendezvous_.end() && it->second.waiting == call) {
-          rendezvous_.erase(it);
-          abandoned_[r->id] = now;
-        }
-      }
-      if (!r->lifecycle.Transition(engine::RequestState::kFinished, engine::EndReason::kError).ok()) continue;
-      call->Abort(grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
-                               absl::StrCat("no KV handoff for request ", r->id.str(), " within ",
-                                            options_.handoff_wait_seconds, " s")),
-                  false);
-    }
-  }
-  absl::MutexLock lock(&handoff_mu_);
-  for (auto it = rendezvous_.begin(); it != rendezvous_.end();) {
-    if (it->second.committed.has_value() && now - it->second.since > wait) {
-      LogEvent("warning", "unclaimed_handoff_freed", {{"request_id", it->first.str()}});
-      rendezvous_.erase(it++);
-    } else if (it->second.waiting != nullptr && it->second.waiting->aborted()) {
-      // Its call ended (cancelled) before its KV came: a commit that still
-      // comes is freed on arrival.
-      abandoned_[it->first] = now;
-      rendezvous_.erase(it++);
-    } else {
-      ++it;
-    }
-  }
-  for (auto* ids : {&claimed_, &abandoned_, &released_}) {
-    for (auto it = ids->begin(); it != ids->end();) {
-      if (now - it->second > absl::Minutes(5)) {
-        ids->erase(it++);
-      } else {
-        ++it;
-      }
-    }
-  }
-}
-
 void DecodeService::Forget(DecodeCall* call) {
   absl::MutexLock lock(&calls_mu_);
   calls_.erase(call);
 }
 
 void DecodeService::OnHandoffCommitted(const std::string& request_id, HandedOff seq) {
-  const engine::RequestId id(request_id);
-  std::shared_ptr<DecodeCall> call;
-  {
-    absl::MutexLock lock(&handoff_mu_);
-    seq.arrived = absl::Now();
-    auto it = rendezvous_.find(id);
-    if (claimed_.contains(id) || (it != rendezvous_.end() && it->second.committed.has_value())) {
-      // A duplicate commit (a retried prefill): keep the first, free this one.
-      LogEvent("warning", "duplicate_handoff", {{"request_id", request_id}});
-      return;  // Its KV goes back with it.
-    }
-    if (released_.contains(id)) {
-      // The router released the id: its call is over, or never came.
-      LogEvent("info", "released_handoff_freed", {{"request_id", request_id}, {"when", "on arrival"}});
-      return;  // Its KV goes back with it.
-    }
-    if (it == rendezvous_.end() && abandoned_.contains(id)) {
-      // Its Decode call ended before this commit came: no one will take it.
-      LogEvent("warning", "abandoned_handoff_freed", {{"request_id", request_id}});
-      return;  // Its KV goes back with it.
-    }
-    if (it == rendezvous_.end()) {
-      rendezvous_.emplace(id, Rendezvous{std::move(seq), nullptr, absl::Now()});
-      return;
-    }
-    call = std::move(it->second.waiting);
-    rendezvous_.erase(it);
-    claimed_[id] = absl::Now();
-  }
-  StartHandedOff(call, std::move(seq));
+  seq.arrived = absl::Now();
+  (void)handoffs_.Commit(engine::RequestId(request_id), std::move(seq));
 }
 
 void DecodeService::StartHandedOff(const std::shared_ptr<DecodeCall>& call, HandedOff seq) {
@@ -491,7 +427,6 @@ void DecodeService::StartHandedOff(const std::shared_ptr<DecodeCall>& call, Hand
   // The call ended while its KV was on the way (cancelled, timed out): the
   // KV goes back with `seq`.
   if (r == nullptr || r->lifecycle.state() != engine::RequestState::kWaitingForKv || call->aborted()) return;
-  call->set_waiting_for_kv(false);
   absl::StatusOr<TokenEvent> first = r->gen->Replay(seq.first);
   if (!first.ok()) {
     (void)r->lifecycle.Transition(engine::RequestState::kFinished, engine::EndReason::kError);
@@ -517,11 +452,7 @@ bool DecodeService::idle() {
   }
   const engine::EngineStats st = engine_.stats();
   if (st.running > 0 || st.waiting > 0) return false;
-  absl::MutexLock lock(&handoff_mu_);
-  for (const auto& [id, r] : rendezvous_) {
-    if (r.committed.has_value()) return false;
-  }
-  return true;
+  return handoffs_.parked_kv() == 0;
 }
 
 void DecodeService::Drain(absl::Time deadline) {
@@ -554,6 +485,7 @@ grpc::ServerWriteReactor<DecodeEvent>* DecodeService::Decode(grpc::CallbackServe
   co.colocated = req->prefill_here();
   co.logprobs = gr.params.logprobs > 0;
   co.max_buffered_tokens = options_.max_buffered_tokens;
+  co.stall_timeout = absl::Seconds(options_.stall_timeout_seconds);
   co.unparseable = !options_.stand_in && fault_unparseable_.Take();
   std::shared_ptr<DecodeCall> call = DecodeCall::Create(this, ctx, co);
   auto reject = [&call](grpc::StatusCode code, std::string why) {
@@ -614,39 +546,18 @@ grpc::ServerWriteReactor<DecodeEvent>* DecodeService::Decode(grpc::CallbackServe
   (void)r->lifecycle.Transition(engine::RequestState::kWaitingForKv);
   call->set_request(r);
   call->CountFirstToken();
-  call->set_waiting_for_kv(true);
-  std::optional<HandedOff> seq;
-  std::shared_ptr<DecodeCall> displaced;
-  bool released = false;
-  {
-    absl::MutexLock lock(&handoff_mu_);
-    released = released_.contains(id);  // The router is done with it: nothing to meet.
-    if (!released) {
-      abandoned_.erase(id);  // This call takes the id's handoff, whenever it comes.
-      auto it = rendezvous_.find(id);
-      if (it != rendezvous_.end() && it->second.committed.has_value()) {
-        seq = std::move(it->second.committed);
-        rendezvous_.erase(it);
-        claimed_[id] = absl::Now();
-      } else if (it != rendezvous_.end()) {
-        displaced = std::move(it->second.waiting);  // An earlier call for the same request.
-        it->second = Rendezvous{std::nullopt, call, absl::Now()};
-      } else {
-        rendezvous_.emplace(id, Rendezvous{std::nullopt, call, absl::Now()});
-      }
-    }
-  }
-  if (released) {
+  const HandoffTable::CallOutcome met = handoffs_.Call(r->id, call);
+  if (met == HandoffTable::CallOutcome::kReleased || met == HandoffTable::CallOutcome::kTaken) {
     (void)r->lifecycle.Transition(engine::RequestState::kFinished, engine::EndReason::kError);
     call->Abort(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                             absl::StrCat("request ", r->id.str(), " was released by the router")),
+                             met == HandoffTable::CallOutcome::kReleased
+                                 ? absl::StrCat("request ", r->id.str(), " was released by the router")
+                                 : absl::StrCat("request ", r->id.str(), "'s KV was taken by an earlier Decode call")),
                 false);
-    return call.get();
+  } else if (met == HandoffTable::CallOutcome::kParked && call->aborted()) {
+    // Cancelled before it was in the table: a commit that comes is freed.
+    handoffs_.CallEnded(r->id, call.get());
   }
-  if (displaced != nullptr) {
-    displaced->Abort(grpc::Status(grpc::StatusCode::CANCELLED, "a newer Decode call took this request"), false);
-  }
-  if (seq.has_value()) StartHandedOff(call, *std::move(seq));
   return call.get();
 }
 
@@ -658,28 +569,7 @@ grpc::ServerUnaryReactor* DecodeService::Release(grpc::CallbackServerContext* ct
     reactor->Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "request_id: empty"));
     return reactor;
   }
-  const engine::RequestId id(req->request_id());
-  std::optional<HandedOff> freed;  // Its KV goes back when this ends, outside the lock.
-  std::shared_ptr<DecodeCall> waiting;
-  {
-    absl::MutexLock lock(&handoff_mu_);
-    released_[id] = absl::Now();
-    auto it = rendezvous_.find(id);
-    if (it != rendezvous_.end()) {
-      freed = std::move(it->second.committed);
-      waiting = std::move(it->second.waiting);
-      rendezvous_.erase(it);
-    }
-  }
-  if (freed.has_value()) {
-    LogEvent("info", "released_handoff_freed", {{"request_id", req->request_id()}, {"when", "waiting"}});
-  }
-  // The router ended this call already; one still waiting here missed that.
-  if (waiting != nullptr) {
-    waiting->Abort(grpc::Status(grpc::StatusCode::CANCELLED, "released by the router"), /*cancel_rpc=*/true);
-  }
-  out->set_freed(freed.has_value());
-  freed.reset();
+  out->set_freed(handoffs_.Release(engine::RequestId(req->request_id())));
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }
@@ -718,7 +608,7 @@ grpc::ServerUnaryReactor* DecodeService::Status(grpc::CallbackServerContext* ctx
     s->set_kv_blocks_free(k.free);
   }
   {
-    absl::MutexLock lock(&handoff_mu_);
+    absl::MutexLock lock(&info_mu_);
     out->set_kv_address(kv_address_);
     std::string why = !healthy() ? (engine_.failed() ? absl::StrCat("decode engine stopped: ", engine_.failure().message())
                                                      : "decode engine is not running")

@@ -2,7 +2,7 @@
 // engine (common/engine) that runs on its own thread. A Decode call is
 // either colocated (prefill_here: the engine prefills, then decodes) or
 // disaggregated (its KV comes by handoff from a prefill worker, and the
-// call meets it in one rendezvous map, whichever arrives first).
+// call meets it in the HandoffTable, whichever arrives first).
 //
 // Each stream has at most one write outstanding; tokens that the engine
 // produces meanwhile are buffered and go out together in the next chunk.
@@ -13,8 +13,11 @@
 // passes max_buffered_tokens, is cancelled: its request ends, its KV is
 // freed and its batch slot goes to the streams that read.
 //
+// Deadlines (a handoff's wait, a stalled write) are timer entries of their
+// own: nothing sweeps.
+//
 // Thread safety: thread-safe (gRPC's callback threads, the engine's thread,
-// the KV receiver's thread and the service's sweep thread).
+// the KV receiver's thread and the service's timer thread).
 #ifndef PDSERVE_DECODE_WORKER_DECODE_SERVICE_H_
 #define PDSERVE_DECODE_WORKER_DECODE_SERVICE_H_
 
@@ -27,11 +30,13 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/deadline_timer.h"
 #include "common/engine/engine.h"
 #include "common/kv_events.h"
 #include "common/kv_manager.h"
 #include "common/model.h"
 #include "common/tokenizer/tokenizer.h"
+#include "decode_worker/handoff_table.h"
 #include "pdserve/v1/worker.grpc.pb.h"
 #include "proto/received.h"
 
@@ -58,14 +63,6 @@ struct DecodeServiceOptions {
   // one) end CANCELLED at once and are never registered, as a call its
   // caller cancelled before this worker ran it: its handoff has no taker.
   int32_t fault_lose_decode_calls = 0;
-};
-
-// A sequence whose KV arrived by handoff (see kv_transfer), waiting for (or
-// claimed by) its Decode call.
-struct HandedOff {
-  SequenceKv kv;
-  TokenEvent first;  // Sampled by the prefill worker.
-  absl::Time arrived;
 };
 
 class DecodeCall;  // One Decode stream (decode_service.cc).
@@ -99,7 +96,7 @@ class DecodeService final : public worker::v1::DecodeWorker::CallbackService {
   bool idle();
   // The worker's health verdict ("" = serving), reported by Status.
   void set_unhealthy_reason(std::string why) {
-    absl::MutexLock lock(&handoff_mu_);
+    absl::MutexLock lock(&info_mu_);
     unhealthy_reason_ = std::move(why);
   }
   engine::EngineStats engine_stats() const { return engine_.stats(); }
@@ -107,9 +104,10 @@ class DecodeService final : public worker::v1::DecodeWorker::CallbackService {
   absl::Status engine_failure() const { return engine_.failure(); }
   // Where prefill workers send KV (reported by Status); set before serving.
   void set_kv_address(std::string a) {
-    absl::MutexLock lock(&handoff_mu_);
+    absl::MutexLock lock(&info_mu_);
     kv_address_ = std::move(a);
   }
+  absl::Duration handoff_wait() const { return absl::Seconds(options_.handoff_wait_seconds); }
   // Streams cancelled because their client stopped reading.
   int64_t stalled_streams() const { return stalled_streams_.load(); }
   // Stops the engine (running streams end with UNAVAILABLE).
@@ -122,11 +120,7 @@ class DecodeService final : public worker::v1::DecodeWorker::CallbackService {
 
  private:
   friend class DecodeCall;
-  // Every 100 ms: stalled streams, calls and handoffs that waited too long
-  // for each other, old claims.
-  void SweepLoop();
-  void Sweep();
-  // The rendezvous is complete: replay the first token, then decode.
+  // The call has its KV: replay the first token, then decode.
   void StartHandedOff(const std::shared_ptr<DecodeCall>& call, HandedOff seq);
   void Forget(DecodeCall* call);
   // Asks the writer thread to start `call`'s next write (or its finish).
@@ -152,28 +146,15 @@ class DecodeService final : public worker::v1::DecodeWorker::CallbackService {
   // Every call from Decode to OnDone, by its address.
   absl::flat_hash_map<const DecodeCall*, std::shared_ptr<DecodeCall>> calls_ ABSL_GUARDED_BY(calls_mu_);
 
-  // One rendezvous per request id: a committed handoff waiting for its
-  // call, or a call waiting for its handoff.
-  struct Rendezvous {
-    std::optional<HandedOff> committed;
-    std::shared_ptr<DecodeCall> waiting;
-    absl::Time since;
-  };
-  absl::Mutex handoff_mu_;
-  absl::flat_hash_map<engine::RequestId, Rendezvous> rendezvous_ ABSL_GUARDED_BY(handoff_mu_);
-  // Ids whose handoff a Decode call took, for a while: a second commit for
-  // one (a retried prefill whose first attempt had committed) is freed.
-  absl::flat_hash_map<engine::RequestId, absl::Time> claimed_ ABSL_GUARDED_BY(handoff_mu_);
-  // Ids whose Decode call ended (cancelled, or out of time) before their KV
-  // came, for a while: a commit that lands afterwards has no taker and is
-  // freed at once, not after handoff_wait_seconds. A new Decode call for
-  // the id takes it off.
-  absl::flat_hash_map<engine::RequestId, absl::Time> abandoned_ ABSL_GUARDED_BY(handoff_mu_);
-  // Ids the router released (Release), for a while: a commit that lands
-  // afterwards is freed at once, and a Decode call for one is refused.
-  absl::flat_hash_map<engine::RequestId, absl::Time> released_ ABSL_GUARDED_BY(handoff_mu_);
-  std::string kv_address_ ABSL_GUARDED_BY(handoff_mu_);
-  std::string unhealthy_reason_ ABSL_GUARDED_BY(handoff_mu_);
+  // Before the table: its deadlines run here, and it stops (Shutdown)
+  // before the table goes.
+  ThreadTimer timer_{"decode-timer"};
+  HandoffTable handoffs_;
+  std::atomic<bool> shut_down_{false};
+
+  absl::Mutex info_mu_;
+  std::string kv_address_ ABSL_GUARDED_BY(info_mu_);
+  std::string unhealthy_reason_ ABSL_GUARDED_BY(info_mu_);
 
   // The engine's thread hands calls with something to write to this thread,
   // which starts the writes: a step never waits for a socket.
@@ -182,9 +163,6 @@ class DecodeService final : public worker::v1::DecodeWorker::CallbackService {
   bool stop_writer_ ABSL_GUARDED_BY(writer_mu_) = false;
   std::thread writer_thread_;
 
-  absl::Mutex sweep_mu_;
-  bool stop_sweeping_ ABSL_GUARDED_BY(sweep_mu_) = false;
-  std::thread sweep_thread_;
 };
 
 }  // namespace pdserve::decode

@@ -188,8 +188,24 @@ void KvManager::Publish(const SequenceKv& seq, absl::Span<const BlockHash> hashe
 }
 
 void KvManager::Release(SequenceKv& seq) {
-  absl::MutexLock lock(&mu_);
-  ShrinkLocked(seq, 0);
+  {
+    absl::MutexLock lock(&mu_);
+    ShrinkLocked(seq, 0);
+  }
+  absl::ReaderMutexLock lock(&free_mu_);
+  for (auto& [handle, fn] : free_listeners_) fn();
+}
+
+int KvManager::AddFreeListener(std::function<void()> fn) {
+  absl::MutexLock lock(&free_mu_);
+  const int handle = next_free_listener_++;
+  free_listeners_.emplace_back(handle, std::move(fn));
+  return handle;
+}
+
+void KvManager::RemoveFreeListener(int handle) {
+  absl::MutexLock lock(&free_mu_);
+  std::erase_if(free_listeners_, [handle](const auto& l) { return l.first == handle; });
 }
 
 KvCounts KvManager::Counts() const {

@@ -13,7 +13,9 @@
 // counts or a transport thread reserving blocks never waits behind
 // compute. The bytes of a block are read and written without the lock, by
 // whoever holds it (storage()); a published (prefix-cached) block is only
-// read. The listener is called under the lock and must not call back.
+// read. The listener is called under the lock and must not call back;
+// free listeners are called outside it, on the thread that gave blocks
+// back, so whoever waits for room (an engine) wakes instead of polling.
 //
 // Programmer errors abort (they are bugs, not conditions to handle): a
 // block released by an owner that does not hold it (a double release
@@ -22,6 +24,7 @@
 #define PDSERVE_COMMON_KV_MANAGER_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -140,6 +143,11 @@ class KvManager {
   // Receives stored/removed events from now on (null: none).
   // REQUIRES: outlives the manager or is reset first.
   void set_listener(BlockPoolListener* listener);
+  // `fn` runs each time an owner gives blocks back (released or
+  // destroyed), after the manager's lock is dropped. Returns a handle for
+  // RemoveFreeListener; `fn` must not add or remove free listeners.
+  int AddFreeListener(std::function<void()> fn);
+  void RemoveFreeListener(int handle);
   // Tests: the block's reference count and whether it is cached.
   int32_t RefCount(BlockId b) const;
   bool IsCached(BlockId b) const;
@@ -163,6 +171,11 @@ class KvManager {
   std::vector<absl::InlinedVector<uint64_t, 2>> owners_ ABSL_GUARDED_BY(mu_);
   uint64_t next_owner_ ABSL_GUARDED_BY(mu_) = 1;
   int32_t last_rank_ ABSL_GUARDED_BY(mu_) = -1;  // PickRank's last choice.
+  // Its own lock: a listener may take locks under which the manager's is
+  // taken (an engine's), so they never nest inside mu_.
+  absl::Mutex free_mu_;
+  std::vector<std::pair<int, std::function<void()>>> free_listeners_ ABSL_GUARDED_BY(free_mu_);
+  int next_free_listener_ ABSL_GUARDED_BY(free_mu_) = 1;
 };
 
 }  // namespace pdserve

@@ -22,9 +22,6 @@ void Move(Request& r, RequestState to, EndReason reason = EndReason::kNone) {
   }
 }
 
-// How long an idle engine thread sleeps before it looks again without being
-// woken (a request waiting for KV that others hold gets it back this way).
-constexpr absl::Duration kIdleTick = absl::Milliseconds(20);
 // Steps whose times give the p99 of the life bound; it is recomputed every
 // kP99Every steps.
 constexpr size_t kStepWindow = 1024;
@@ -36,9 +33,21 @@ Engine::Engine(Model& model, KvManager& kv, EngineOptions options)
     : model_(model),
       kv_(kv),
       options_(options),
-      hasher_(model.identity(), kv.spec().dtype, kv.spec().block_size) {}
+      hasher_(model.identity(), kv.spec().dtype, kv.spec().block_size) {
+  // A request waiting for KV that another holder gives back (a handoff's
+  // reservation, a parked handoff) runs as soon as it is back. The
+  // engine's own frees happen inside a step, which looks again anyway.
+  free_listener_ = kv_.AddFreeListener([this] {
+    if (std::this_thread::get_id() == thread_id_.load(std::memory_order_relaxed)) return;
+    absl::MutexLock lock(&mu_);
+    work_ = true;
+  });
+}
 
-Engine::~Engine() { Stop(); }
+Engine::~Engine() {
+  Stop();
+  kv_.RemoveFreeListener(free_listener_);
+}
 
 absl::Duration TimeWithoutProgress(const Request& r, absl::Time now) {
   switch (r.lifecycle.state()) {
@@ -100,8 +109,25 @@ void Engine::EndExpired() {
 void Engine::Start() {
   thread_ = std::thread([this] {
     pthread_setname_np(pthread_self(), "engine");
+    thread_id_.store(std::this_thread::get_id(), std::memory_order_relaxed);
     Run();
   });
+}
+
+absl::Duration Engine::UntilNextExpiry() const {
+  const absl::Time now = options_.clock();
+  const absl::Duration bound = LifeBound();
+  absl::Duration next = absl::InfiniteDuration();
+  auto consider = [&](const std::shared_ptr<Request>& r) {
+    const RequestState s = r->lifecycle.state();
+    if (s == RequestState::kPrefilling || s == RequestState::kDecoding) {
+      next = std::min(next, bound - (now - r->last_progress));
+    }
+  };
+  for (const auto& r : running_) consider(r);
+  for (const auto& r : waiting_) consider(r);
+  // Just past the bound: EndExpired ends what has been silent for longer.
+  return std::max(absl::ZeroDuration(), next) + absl::Milliseconds(1);
 }
 
 void Engine::Stop() {
@@ -138,7 +164,11 @@ void Engine::Cancel(const std::shared_ptr<Request>& request, absl::Status why) {
 
 EngineStats Engine::stats() const {
   absl::MutexLock lock(&mu_);
-  return stats_;
+  EngineStats s = stats_;
+  // Aged at read time: an idle engine does not step to refresh it.
+  s.oldest_request_seconds =
+      oldest_arrived_ == absl::InfiniteFuture() ? 0 : absl::ToDoubleSeconds(absl::Now() - oldest_arrived_);
+  return s;
 }
 
 bool Engine::failed() const {
@@ -153,10 +183,14 @@ absl::Status Engine::failure() const {
 
 void Engine::Run() {
   while (true) {
+    // Idle: it sleeps until there is something to do (a submit, a cancel,
+    // KV given back by another holder, a stop) or a computing request's
+    // life bound runs out, whichever comes first. Nothing polls.
+    const absl::Duration wait = UntilNextExpiry();
     {
       absl::MutexLock lock(&mu_);
       auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return work_ || stop_; };
-      mu_.AwaitWithTimeout(absl::Condition(&ready), kIdleTick);
+      mu_.AwaitWithTimeout(absl::Condition(&ready), wait);
       if (stop_) return;
       work_ = false;
     }
@@ -333,7 +367,7 @@ void Engine::PublishStats() {
   }
   absl::MutexLock lock(&mu_);
   stats_.rank_rows = std::move(rank_rows);
-  stats_.oldest_request_seconds = oldest == absl::InfiniteFuture() ? 0 : absl::ToDoubleSeconds(absl::Now() - oldest);
+  oldest_arrived_ = oldest;
   stats_.p99_step_seconds = p99;
   stats_.expired = expired_;
   stats_.steps = steps_;

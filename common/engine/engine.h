@@ -221,6 +221,9 @@ class Engine {
   void PublishStats();
   // Ends the requests that made no progress for LifeBound().
   void EndExpired();
+  // How long until the first computing request would pass LifeBound()
+  // (infinite when none computes).
+  absl::Duration UntilNextExpiry() const;
   void RecordStep(double seconds);
 
   Model& model_;
@@ -234,6 +237,9 @@ class Engine {
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status failure_ ABSL_GUARDED_BY(mu_);  // OK until a step hits an error.
   bool work_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Time oldest_arrived_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
+  int free_listener_ = 0;  // kv_'s handle.
+  std::atomic<std::thread::id> thread_id_{};
 
   // Engine thread only.
   std::vector<std::shared_ptr<Request>> running_;  // Admission order (newest last).

@@ -96,7 +96,8 @@ TEST(OperationsTest, StatusShowsTheOldestRequestsAge) {
   ReadToEnd(*reader, got);
   EXPECT_TRUE(got.status.ok()) << got.status.error_message();
   EXPECT_EQ(got.tokens.size(), 100u);
-  // Idle: the column reads 0 (the engine's stats refresh every 20 ms).
+  // Idle: the column reads 0 (the engine publishes its stats once its last
+  // request has left).
   absl::SleepFor(absl::Milliseconds(100));
   EXPECT_EQ(OldestDecodeRequestSeconds(c, &out), 0) << out;
 }

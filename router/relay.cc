@@ -103,6 +103,7 @@ void Relay::Cancel() {
   // OpenPrefill), and the watcher calls again every round until Run ends.
   if (client_cancelled_.exchange(true, std::memory_order_relaxed)) return;
   if (context_.queue != nullptr) context_.queue->WakeCancelled();  // ends its wait if it is queued
+  if (context_.pool != nullptr) context_.pool->WakeWaiters();       // and its wait for a worker
   absl::MutexLock lock(&streams_mu_);
   if (prefill_stream_ != nullptr) prefill_stream_->Cancel();
   if (decode_stream_ != nullptr) decode_stream_->Cancel();
@@ -165,9 +166,16 @@ WorkerPtr Relay::PickWaiting(const std::function<WorkerPtr()>& pick) {
   absl::Time until = Now() + context_.options.pick_wait;
   if (deadline_.has_value()) until = std::min(until, *deadline_);
   while (true) {
+    const uint64_t seen = context_.pool->serving_epoch();
     if (WorkerPtr w = pick(); w != nullptr) return w;
     if (client_cancelled() || Now() >= until) return nullptr;
-    context_.options.sleep(context_.options.pick_poll);
+    // A worker admitted, added or removed, or the client's cancel, ends
+    // the wait at once: nothing polls.
+    if (context_.options.await_serving) {
+      context_.options.await_serving(seen, until - Now());
+    } else {
+      context_.pool->AwaitServingChange(seen, until - Now(), &client_cancelled_);
+    }
   }
 }
 

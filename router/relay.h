@@ -86,7 +86,6 @@ struct RelayOptions {
   // How long a request waits for a pool with no usable worker before it
   // ends with UNAVAILABLE (capped by the client's deadline).
   absl::Duration pick_wait = absl::Seconds(3);
-  absl::Duration pick_poll = absl::Milliseconds(20);
   // Decode attempts per request (the first and its migrations) that may
   // go back to workers that already failed it.
   int max_decode_attempts = 8;
@@ -97,7 +96,11 @@ struct RelayOptions {
   // whatever the client's deadline (none: the client's alone).
   absl::Duration max_request_duration = absl::InfiniteDuration();
   Clock clock = MonotonicClock();
-  std::function<void(absl::Duration)> sleep = [](absl::Duration d) { absl::SleepFor(d); };
+  // How a relay with no usable worker waits: until the pool's serving
+  // workers change (`seen` is the epoch its pick saw), the client cancels,
+  // or `timeout`. Null: WorkerPool::AwaitServingChange. Tests put a fake
+  // clock's step here.
+  std::function<void(uint64_t seen, absl::Duration timeout)> await_serving;
 };
 
 // What every relay of one router shares; all must outlive the relays.

@@ -66,6 +66,7 @@ WorkerPtr WorkerPool::Add(Role role, const std::string& address) {
   }
   LogEvent("info", "worker_added", {{"role", RoleName(role)}, {"address", address}});
   pool.push_back(w);
+  ++serving_epoch_;
   return w;
 }
 
@@ -79,8 +80,27 @@ void WorkerPool::Remove(Role role, const std::string& address) {
     index_->Drop(address);
     LogEvent("info", "worker_removed", {{"role", RoleName(role)}, {"address", address}});
     pool.erase(it);
+    ++serving_epoch_;
     return;
   }
+}
+
+uint64_t WorkerPool::serving_epoch() const {
+  absl::MutexLock lock(&mu_);
+  return serving_epoch_;
+}
+
+void WorkerPool::AwaitServingChange(uint64_t seen, absl::Duration timeout, const std::atomic<bool>* stop) const {
+  absl::MutexLock lock(&mu_);
+  auto changed = [this, seen, stop]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return serving_epoch_ != seen || (stop != nullptr && stop->load(std::memory_order_relaxed));
+  };
+  mu_.AwaitWithTimeout(absl::Condition(&changed), timeout);
+}
+
+void WorkerPool::WakeWaiters() const {
+  // Releasing the lock has every waiter's condition evaluated again.
+  absl::MutexLock lock(&mu_);
 }
 
 void WorkerPool::Discover() {
@@ -169,6 +189,10 @@ void WorkerPool::Probe(const absl::Time now, bool force_all) {
       ps.next_probe = now + std::min(options_.max_backoff, options_.probe_period * (1 << std::min(ps.failures - 1, 10)));
     }
     const bool was = w.healthy_.exchange(healthy);
+    if (was != healthy) {
+      absl::MutexLock pool_lock(&mu_);
+      ++serving_epoch_;  // Whoever waits for a usable worker looks again.
+    }
     Counter* ejections = w.prefill_role() ? options_.prefill_ejections : options_.decode_ejections;
     if (was && !healthy && ejections != nullptr) ejections->Add();
     if (was != healthy || (!healthy && reason != ps.last_reason)) {

@@ -204,6 +204,15 @@ class WorkerPool {
   // Starts the probe and discovery loops (WaitForWorkers does).
   void Start();
 
+  // Bumped each time the set of serving workers may have changed: a worker
+  // added, removed, admitted or ejected.
+  uint64_t serving_epoch() const;
+  // Returns once serving_epoch() differs from `seen`, `*stop` is true (a
+  // waker sets it, then calls WakeWaiters), or `timeout` has passed.
+  void AwaitServingChange(uint64_t seen, absl::Duration timeout, const std::atomic<bool>* stop) const;
+  // Has every AwaitServingChange look at its condition again.
+  void WakeWaiters() const;
+
   // "no healthy decode worker (ADDRESS: why it is not serving; ...)".
   std::string NoHealthyWorker(Role role) const;
   // Serving workers of `role`, and the largest decode batch reported.
@@ -236,6 +245,7 @@ class WorkerPool {
   mutable absl::Mutex mu_;
   std::vector<WorkerPtr> prefill_ ABSL_GUARDED_BY(mu_);
   std::vector<WorkerPtr> decode_ ABSL_GUARDED_BY(mu_);
+  uint64_t serving_epoch_ ABSL_GUARDED_BY(mu_) = 0;
 
   absl::Mutex probe_mu_;  // one probe round at a time
   // Keyed by the worker itself (held until it leaves the pool), so a new

@@ -76,7 +76,8 @@ class InProcessRouter {
     tokenizer = *tok::Tokenizer::Load(std::string(PDSERVE_SOURCE_DIR) + "/deploy/models/kjv-tiny");
     context.options.colocated = o.colocated;
     context.options.clock = clock.clock();
-    context.options.sleep = [this](absl::Duration d) { clock.now += d; };
+    // Nothing changes the fake cluster while a relay waits: its wait runs out.
+    context.options.await_serving = [this](uint64_t, absl::Duration d) { clock.now += d; };
     context.pool = pool.get();
     context.placement = placement.get();
     context.transport = &workers;
@@ -120,8 +121,12 @@ class InProcessRouter {
     return t;
   }
 
-  // Runs one relay to its end; `on_relay` sees it before it runs.
-  Relayed Run(const GenerationRequest& r, const std::function<void(Relay&)>& on_relay = nullptr) {
+  // Runs one relay to its end; `on_relay` sees it before it runs, and
+  // `on_end` is called once it has run, before it is destroyed: whoever
+  // calls the relay from another thread (Cancel) stops there, as a
+  // server's front drops its pointer under a lock before the relay goes.
+  Relayed Run(const GenerationRequest& r, const std::function<void(Relay&)>& on_relay = nullptr,
+              const std::function<void()>& on_end = nullptr) {
     Relay relay(context, r, "test", std::nullopt);
     if (on_relay) on_relay(relay);
     Relayed out;
@@ -135,6 +140,7 @@ class InProcessRouter {
       return true;
     });
     out.trace = relay.trace();
+    if (on_end) on_end();
     return out;
   }
 

@@ -293,12 +293,13 @@ TEST_F(RelayTest, AWorkerThatComesBackWithinThePickWaitIsUsed) {
   d.serving = false;
   rig_.ProbeAll();
   d.serving = true;
-  // The relay polls placement while it waits; a probe round (here, run by
-  // the fake sleep once a second of waiting has passed) brings d0 back.
+  // A probe round a second into the wait brings d0 back, and the relay
+  // picks it then (the fake wait stands in for the pool's wake-up).
   const absl::Time start = rig_.clock.now;
-  rig_.context.options.sleep = [&](absl::Duration step) {
-    rig_.clock.now += step;
-    if (rig_.clock.now - start >= absl::Seconds(1)) rig_.ProbeAll();
+  rig_.context.options.await_serving = [&](uint64_t seen, absl::Duration timeout) {
+    rig_.clock.now += std::min(timeout, absl::Seconds(1));
+    rig_.ProbeAll();
+    EXPECT_NE(rig_.pool->serving_epoch(), seen);  // d0's admission is a change.
   };
   const GenerationRequest req = InProcessRouter::Request(5);
   const Relayed got = rig_.Run(req);
@@ -398,8 +399,7 @@ TEST_F(RelayTest, ACancellingClientEndsTheDecodeCallItWaitsOn) {
       absl::SleepFor(absl::Milliseconds(50));
       relay.Cancel();
     });
-  });
-  canceller.join();
+  }, [&] { canceller.join(); });
   EXPECT_EQ(got.status.code(), absl::StatusCode::kCancelled);
   EXPECT_EQ(got.tokens.size(), 4u);
   EXPECT_EQ(rig_.Count("pdserve_requests_total", "outcome=\"cancelled\""), 1);
@@ -417,8 +417,7 @@ TEST_F(RelayTest, ACancelWhileADownstreamCallIsStillStartingEndsIt) {
       absl::SleepFor(absl::Milliseconds(50));
       relay.Cancel();
     });
-  });
-  canceller.join();
+  }, [&] { canceller.join(); });
   EXPECT_EQ(got.status.code(), absl::StatusCode::kCancelled);
   EXPECT_TRUE(got.tokens.empty());
   ExpectNoLoad(rig_);

@@ -340,10 +340,16 @@ TEST_F(QueuedRelayTest, ACancelWhileQueuedEndsTheRequestCancelledWithNoWorkerCal
   absl::Mutex mu;
   Relayed r;
   std::thread t([&] {
-    r = rig_->Run(Request(2), [&](Relay& relay) {
-      absl::MutexLock lock(&mu);
-      queued = &relay;
-    });
+    r = rig_->Run(
+        Request(2),
+        [&](Relay& relay) {
+          absl::MutexLock lock(&mu);
+          queued = &relay;
+        },
+        [&] {
+          absl::MutexLock lock(&mu);
+          queued = nullptr;
+        });
   });
   Until([&] { return rig_->queue->Stats().waiting == 1; });
   {

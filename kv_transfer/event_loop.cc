@@ -177,6 +177,14 @@ void EventLoop::Run(Device device) {
         poll(fds, nfds, kStalledWaitMs);
         uint64_t drained;
         (void)!read(wake_fd_, &drained, sizeof(drained));
+      } else {
+        // A spinning loop never sleeps, so the scheduler sees no reason to
+        // hand its core to a thread woken there (another process's loop,
+        // this process's caller waiting on an answer) until its slice ends
+        // at the next tick, 4 ms at 250 Hz: the answer it spins for may be
+        // the one that thread is to send. Yielding each round gives such a
+        // thread the core at once; alone on the core it costs a syscall.
+        sched_yield();
       }
       continue;
     }

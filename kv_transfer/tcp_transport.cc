@@ -4,6 +4,8 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <fcntl.h>
+#include <pthread.h>
+#include <sched.h>
 #include <sys/epoll.h>
 #include <sys/mman.h>
 #include <sys/random.h>
@@ -159,6 +161,11 @@ class TcpRemote final : public RemoteRegion {
   void Map(char* at) {
     mapped = at;
     warmer_ = std::thread([this] {
+      // Readying pages is background work, and it runs for seconds over a
+      // large pool: in the idle class it never keeps a transport loop or
+      // a caller waiting for a handoff's answer off the core for a tick.
+      sched_param idle{};
+      (void)pthread_setschedparam(pthread_self(), SCHED_IDLE, &idle);
       constexpr size_t kChunk = size_t{64} << 20;
       for (uint64_t off = 0; off < size && !stop_.load(std::memory_order_relaxed); off += kChunk) {
         ReadyPagesForWrites(mapped + off, (std::min<uint64_t>(kChunk, size - off) + PageBytes() - 1) / PageBytes());

@@ -9,9 +9,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
-#include "common/grpc_status.h"
-#include "common/one_write_stream.h"
-#include "common/server_util.h"
+#include "base/grpc_status.h"
+#include "base/one_write_stream.h"
+#include "base/server_util.h"
 #include "proto/convert.h"
 
 namespace pdserve::decode {

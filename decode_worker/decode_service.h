@@ -1,5 +1,5 @@
 // The decode worker's gRPC service (callback API): a thin adapter over an
-// engine (common/engine) that runs on its own thread. A Decode call is
+// engine (engine/) that runs on its own thread. A Decode call is
 // either colocated (prefill_here: the engine prefills, then decodes) or
 // disaggregated (its KV comes by handoff from a prefill worker, and the
 // call meets it in the HandoffTable, whichever arrives first).
@@ -30,12 +30,12 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "common/deadline_timer.h"
-#include "common/engine/engine.h"
-#include "common/kv_events.h"
-#include "common/kv_manager.h"
-#include "common/model.h"
-#include "common/tokenizer/tokenizer.h"
+#include "base/deadline_timer.h"
+#include "engine/engine.h"
+#include "kv/kv_events.h"
+#include "kv/kv_manager.h"
+#include "model/model.h"
+#include "text/tokenizer.h"
 #include "decode_worker/handoff_table.h"
 #include "pdserve/v1/worker.grpc.pb.h"
 #include "proto/received.h"

@@ -3,7 +3,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "common/server_util.h"
+#include "base/server_util.h"
 
 namespace pdserve::decode {
 

@@ -38,10 +38,10 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "common/deadline_timer.h"
-#include "common/engine/request.h"
-#include "common/kv_manager.h"
-#include "common/generation.h"
+#include "base/deadline_timer.h"
+#include "engine/request.h"
+#include "kv/kv_manager.h"
+#include "engine/generation.h"
 
 namespace pdserve::decode {
 

@@ -20,7 +20,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "common/dtype.h"
+#include "base/dtype.h"
 
 namespace pdserve::kernels {
 
@@ -46,7 +46,7 @@ class LinearWeight {
   virtual size_t bytes() const = 0;
 };
 
-// The KV of one layer in the paged pool (see common/kv_cache.h): block b's K
+// The KV of one layer in the paged pool (see kv/kv_cache.h): block b's K
 // for KV head h is stored transposed, [head_dim][block_size], element (d, s)
 // at base + (b * block_stride + h * head_stride + d * block_size + s); its V
 // is [block_size][head_dim], element (s, d) at the same place + v_offset +

@@ -20,9 +20,9 @@
 #include <string>
 
 #include "absl/status/status.h"
-#include "common/block_hash.h"
-#include "common/dtype.h"
-#include "common/kv_cache.h"
+#include "kv/block_hash.h"
+#include "base/dtype.h"
+#include "kv/kv_cache.h"
 
 namespace pdserve::kv {
 
@@ -31,7 +31,7 @@ namespace pdserve::kv {
 // salt in a commit.
 inline constexpr uint32_t kKvProtocolVersion = 5;
 
-// The in-block arrangement of common/kv_cache.h: K [head][dim][slot], V
+// The in-block arrangement of kv/kv_cache.h: K [head][dim][slot], V
 // [head][slot][dim], then for int8 F32 scales [K|V][head][slot], per rank
 // pool (head-sharded tensor parallelism). A request-sharded layout will get
 // a new value.

@@ -46,7 +46,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "common/block_hash.h"
+#include "kv/block_hash.h"
 
 namespace pdserve::kv {
 
@@ -76,7 +76,7 @@ using TokensDigest = std::array<uint8_t, 32>;
 // SHA-256 of the prefix-cache salt (its low then high 64 bits, little-
 // endian) and the token ids, each as 4 bytes little-endian: what a grant
 // binds a handoff's context to, so the blocks the receiver publishes are
-// keyed by the prompt and the cache scope (common/block_hash.h) the router
+// keyed by the prompt and the cache scope (kv/block_hash.h) the router
 // placed, never by ones the sender picks.
 TokensDigest DigestTokens(absl::Span<const int32_t> tokens, const CacheSalt& salt = {});
 

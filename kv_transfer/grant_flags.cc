@@ -2,8 +2,8 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
-#include "common/server_util.h"
-#include "common/tls_flags.h"
+#include "base/server_util.h"
+#include "base/tls_flags.h"
 
 ABSL_FLAG(std::string, kv_grant_key, "",
           "router and decode workers: the cluster's KV handoff grant key (a file of at least 32 bytes; "

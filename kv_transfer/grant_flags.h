@@ -1,6 +1,6 @@
 // --kv_grant_key, the flag the router and decode workers share for KV
 // handoff grants (grant.h), and the key it names. Beside the grants
-// themselves, so that common/ (TLS and the other server flags) knows
+// themselves, so that base/ (TLS and the other server flags) knows
 // nothing of the KV plane.
 #ifndef PDSERVE_KV_TRANSFER_GRANT_FLAGS_H_
 #define PDSERVE_KV_TRANSFER_GRANT_FLAGS_H_

@@ -1,5 +1,5 @@
 // Where each byte of a sequence's KV goes when it moves between two block
-// pools (common/kv_cache.h layout), per layer.
+// pools (kv/kv_cache.h layout), per layer.
 //
 // Same block size on both sides: a layer-block is copied as is (K, V and the
 // int8 scales travel together), and runs of blocks that are consecutive in
@@ -29,7 +29,7 @@
 #include <vector>
 
 #include "absl/types/span.h"
-#include "common/kv_cache.h"
+#include "kv/kv_cache.h"
 
 namespace pdserve::kv {
 

@@ -7,7 +7,7 @@
 
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
-#include "common/block_hash.h"
+#include "kv/block_hash.h"
 
 namespace pdserve::kv {
 

@@ -50,7 +50,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "common/kv_manager.h"
+#include "kv/kv_manager.h"
 #include "kernels/backend.h"
 #include "kv_transfer/descriptor.h"
 #include "kv_transfer/grant.h"

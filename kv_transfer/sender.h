@@ -36,7 +36,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "common/kv_cache.h"
+#include "kv/kv_cache.h"
 #include "kernels/backend.h"
 #include "kv_transfer/descriptor.h"
 #include "kv_transfer/metrics.h"
@@ -61,7 +61,7 @@ struct ReserveArgs {
   int32_t margin_positions = 0;  // Extra room for decode.
   std::vector<int32_t> prompt_tokens = {};  // For the receiver's prefix lookup.
   std::string grant = {};  // The router's grant for this attempt (grant.h), passed on as it came.
-  CacheSalt cache_salt = {};  // The request's prefix-cache salt (common/block_hash.h).
+  CacheSalt cache_salt = {};  // The request's prefix-cache salt (kv/block_hash.h).
 };
 
 class KvSender;

@@ -34,7 +34,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "common/kv_cache.h"
+#include "kv/kv_cache.h"
 #include "kv_transfer/event_loop.h"
 
 namespace pdserve::kv {

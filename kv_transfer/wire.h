@@ -20,8 +20,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "common/block_hash.h"
-#include "common/sampling.h"
+#include "kv/block_hash.h"
+#include "engine/sampling.h"
 #include "kv_transfer/descriptor.h"
 
 namespace pdserve::kv {
@@ -48,7 +48,7 @@ struct ReserveRequest {
   // empty without one. A receiver with a grant key honours no reservation
   // without a valid one.
   std::string grant;
-  // The request's prefix-cache salt (common/block_hash.h): the cached
+  // The request's prefix-cache salt (kv/block_hash.h): the cached
   // prefix the receiver looks up, and what the commit must name.
   CacheSalt cache_salt;
 };
@@ -86,7 +86,7 @@ struct Commit {
   uint64_t seed = 0;          // The seed actually used (RNG keyed by seed, position).
   int32_t generated = 0;      // Tokens generated so far (1 after prefill).
   uint8_t finish_reason = 0;  // FinishReason of the first token.
-  // The request's prefix cache salt (common/block_hash.h): the receiver
+  // The request's prefix cache salt (kv/block_hash.h): the receiver
   // publishes the blocks under hashes seeded with it.
   CacheSalt cache_salt;
 };

@@ -17,13 +17,13 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "common/server_util.h"
-#include "common/tokenizer/tokenizer.h"
-#include "common/grpc_server.h"
-#include "common/metrics.h"
+#include "base/server_util.h"
+#include "text/tokenizer.h"
+#include "base/grpc_server.h"
+#include "base/metrics.h"
 #include "kv_transfer/sender.h"
 #include "prefill_worker/prefill_service.h"
-#include "common/engine/worker_runtime.h"
+#include "runtime/worker_runtime.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:0", "gRPC address (port 0: any free port)");
 ABSL_FLAG(std::string, ready_file, "", "write {\"grpc_port\":..} here once serving");

@@ -3,7 +3,7 @@
 //   1. the reserve thread reserves KV blocks on the chosen decode worker
 //      (kv_transfer; a network round trip the compute thread never waits
 //      for), keeping at most 2 x max_batch requests reserved ahead of the
-//      compute, and hands the request to the engine (common/engine, a
+//      compute, and hands the request to the engine (engine/, a
 //      prefill-only request). A decode worker whose pool has no room for
 //      the reservation is asked again (backing off) until it has, up to
 //      handoff_room_wait: a full pool is a wait, not a failed handoff, and
@@ -35,11 +35,11 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
-#include "common/engine/engine.h"
-#include "common/kv_manager.h"
-#include "common/kv_events.h"
-#include "common/model.h"
-#include "common/tokenizer/tokenizer.h"
+#include "engine/engine.h"
+#include "kv/kv_manager.h"
+#include "kv/kv_events.h"
+#include "model/model.h"
+#include "text/tokenizer.h"
 #include "kv_transfer/sender.h"
 #include "proto/received.h"
 #include "pdserve/v1/worker.grpc.pb.h"

@@ -8,10 +8,10 @@
 
 #include "absl/status/statusor.h"
 
-#include "common/block_hash.h"
-#include "common/generation.h"
-#include "common/kv_events.h"
-#include "common/sampling.h"
+#include "kv/block_hash.h"
+#include "engine/generation.h"
+#include "kv/kv_events.h"
+#include "engine/sampling.h"
 #include "pdserve/v1/generation.pb.h"
 #include "pdserve/v1/worker.pb.h"
 

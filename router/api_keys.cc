@@ -16,7 +16,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/cord.h"
-#include "common/server_util.h"
+#include "base/server_util.h"
 
 namespace pdserve::router {
 namespace {

@@ -6,8 +6,8 @@
 #include <utility>
 
 #include "absl/synchronization/mutex.h"
-#include "common/grpc_status.h"
-#include "common/server_util.h"
+#include "base/grpc_status.h"
+#include "base/server_util.h"
 #include "grpcpp/grpcpp.h"
 #include "pdserve/v1/worker.grpc.pb.h"
 #include "proto/received.h"

@@ -11,7 +11,7 @@
 #include <utility>
 
 #include "absl/synchronization/mutex.h"
-#include "common/tls.h"
+#include "base/tls.h"
 #include "router/transport.h"
 
 namespace pdserve::router {

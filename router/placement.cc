@@ -4,7 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "common/server_util.h"
+#include "base/server_util.h"
 
 namespace pdserve::router {
 

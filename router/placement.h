@@ -18,7 +18,7 @@
 
 #include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "common/block_hash.h"
+#include "kv/block_hash.h"
 #include "router/admission.h"
 #include "router/decode_room.h"
 #include "router/measured.h"

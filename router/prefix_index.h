@@ -1,8 +1,8 @@
 // The router's picture of every worker's prefix cache, kept from the KV
-// events the workers report (common/kv_events.h), for prefix-aware routing.
+// events the workers report (kv/kv_events.h), for prefix-aware routing.
 //
 // Per worker (keyed by address) it holds the set of block hashes stored
-// there. A prompt's blocks are hashed the same way (common/block_hash.h:
+// there. A prompt's blocks are hashed the same way (kv/block_hash.h:
 // each hash chains its predecessor), so the worker's cached prefix of a
 // prompt is the longest run of the prompt's hashes, from the first, that
 // the set holds; matching stops at the first miss, as the worker's own
@@ -31,8 +31,8 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "common/block_hash.h"
-#include "common/kv_events.h"
+#include "kv/block_hash.h"
+#include "kv/kv_events.h"
 
 namespace pdserve::router {
 

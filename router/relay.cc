@@ -8,7 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "common/server_util.h"
+#include "base/server_util.h"
 #include "kv_transfer/grant.h"
 #include "proto/convert.h"
 

@@ -15,10 +15,10 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "common/generation.h"
-#include "common/model_config.h"
-#include "common/tokenizer/chat_template.h"
-#include "common/tokenizer/tokenizer.h"
+#include "engine/generation.h"
+#include "model/model_config.h"
+#include "text/chat_template.h"
+#include "text/tokenizer.h"
 #include "pdserve/v1/generation.pb.h"
 
 namespace pdserve::router {

@@ -11,8 +11,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "grpcpp/grpcpp.h"
-#include "common/grpc_status.h"
-#include "common/server_util.h"
+#include "base/grpc_status.h"
+#include "base/server_util.h"
 #include "router/grpc_transport.h"
 
 namespace pdserve::router {

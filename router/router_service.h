@@ -35,8 +35,8 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "common/metrics.h"
-#include "common/tls.h"
+#include "base/metrics.h"
+#include "base/tls.h"
 #include "pdserve/v1/generation.grpc.pb.h"
 #include "router/admission.h"
 #include "router/api_keys.h"
@@ -52,7 +52,7 @@
 
 namespace pdserve::router {
 
-// Which requests share prefix-cache blocks (common/block_hash.h): all of
+// Which requests share prefix-cache blocks (kv/block_hash.h): all of
 // them, or only those under the same API key (each key's hash chains are
 // salted with CacheSaltForKey of its id).
 enum class PrefixCacheScope { kShared, kPerKey };

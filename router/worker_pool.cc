@@ -5,7 +5,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
-#include "common/server_util.h"
+#include "base/server_util.h"
 #include "proto/convert.h"
 
 namespace pdserve::router {

@@ -61,7 +61,7 @@ class CudaBackend : public Backend {
   virtual absl::StatusOr<double> Bf16GemmRate(int64_t m, int64_t n, int64_t k) = 0;
 };
 
-// One row's sampling (common/sampling.h's pipeline and order, which this
+// One row's sampling (engine/sampling.h's pipeline and order, which this
 // mirrors on the GPU): the request's parameters, the token counts its
 // penalties use, and its draw u = PhiloxUniform(seed, position) (made by
 // the caller, so the draw is the CPU's exactly).

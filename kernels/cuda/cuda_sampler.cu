@@ -1,4 +1,4 @@
-// The GPU sampler (cuda_backend.h, CudaSampler): common/sampling.cc's
+// The GPU sampler (cuda_backend.h, CudaSampler): engine/sampling.cc's
 // pipeline step for step. Every F32 operation is written with an explicit
 // rounding intrinsic, so nvcc cannot contract it into an FMA the CPU does
 // not do.

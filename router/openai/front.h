@@ -48,7 +48,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
-#include "common/metrics.h"
+#include "base/metrics.h"
 #include "router/openai/response.h"
 #include "router/openai/server.h"
 

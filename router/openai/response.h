@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "common/tokenizer/tokenizer.h"
+#include "text/tokenizer.h"
 #include "pdserve/v1/generation.pb.h"
 #include "router/openai/request.h"
 

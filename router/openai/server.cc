@@ -35,7 +35,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
-#include "common/server_util.h"
+#include "base/server_util.h"
 #include "nlohmann/json.hpp"
 #include "router/openai/front.h"
 #include "router/openai/request.h"

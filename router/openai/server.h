@@ -46,9 +46,9 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
-#include "common/block_hash.h"
-#include "common/metrics.h"
-#include "common/tls.h"
+#include "kv/block_hash.h"
+#include "base/metrics.h"
+#include "base/tls.h"
 #include "router/api_keys.h"
 #include "router/openai/request.h"
 #include "router/relay.h"
@@ -97,7 +97,7 @@ struct HttpServerOptions {
   // A non-streamed request whose worst-case reply (request.h's
   // WholeReplyEntries) passes this is refused with 400 naming max_tokens.
   int64_t max_reply_entries = kDefaultMaxReplyEntries;
-  // HTTPS with this certificate and key (common/tls.h; the CA is not used:
+  // HTTPS with this certificate and key (base/tls.h; the CA is not used:
   // clients present no certificate). Both files are looked at every
   // second; a changed pair is loaded for new connections (ones already
   // open keep theirs), and a pair that does not load is logged and the

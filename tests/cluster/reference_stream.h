@@ -10,11 +10,11 @@
 #include <string>
 #include <vector>
 
-#include "common/generation.h"
-#include "common/kv_manager.h"
-#include "common/model.h"
-#include "common/tokenizer/chat_template.h"
-#include "common/tokenizer/tokenizer.h"
+#include "engine/generation.h"
+#include "kv/kv_manager.h"
+#include "model/model.h"
+#include "text/chat_template.h"
+#include "text/tokenizer.h"
 #include "gtest/gtest.h"
 #include "pdserve/v1/generation.pb.h"
 #include "tests/cluster/cluster_harness.h"

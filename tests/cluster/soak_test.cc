@@ -20,9 +20,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
-#include "common/safetensors.h"
-#include "common/synthetic_model.h"
-#include "common/tokenizer/unicode_util.h"
+#include "model/safetensors.h"
+#include "model/synthetic_model.h"
+#include "text/unicode_util.h"
 #include "gtest/gtest.h"
 #include "tests/cluster/cluster_harness.h"
 

@@ -25,7 +25,7 @@
 #include "gtest/gtest.h"
 #include "pdserve/v1/worker.grpc.pb.h"
 #include "router/api_keys.h"
-#include "common/grpc_server.h"
+#include "base/grpc_server.h"
 #include "tests/cluster/cluster_harness.h"
 #include "tests/support/http_client.h"
 

@@ -13,9 +13,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "common/generation.h"
-#include "common/model.h"
-#include "common/tokenizer/tokenizer.h"
+#include "engine/generation.h"
+#include "model/model.h"
+#include "text/tokenizer.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kv_transfer/layout_copy.h"

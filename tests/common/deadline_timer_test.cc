@@ -1,4 +1,4 @@
-#include "common/deadline_timer.h"
+#include "base/deadline_timer.h"
 
 #include <vector>
 

@@ -7,9 +7,9 @@
 #include <vector>
 
 #include "absl/strings/str_split.h"
-#include "common/model.h"
-#include "common/model_config.h"
-#include "common/tokenizer/tokenizer.h"
+#include "model/model.h"
+#include "model/model_config.h"
+#include "text/tokenizer.h"
 #include "gtest/gtest.h"
 #include "tests/support/default_model.h"
 #include "nlohmann/json.hpp"

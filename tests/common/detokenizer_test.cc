@@ -1,17 +1,17 @@
-// The streaming detokenizer's contract (common/tokenizer/detokenizer.h):
+// The streaming detokenizer's contract (text/detokenizer.h):
 // valid UTF-8 deltas, never retracted, equal to a reference computed from
 // the ids, and nothing held back past an incomplete character. The
 // tokenizer is the llama2 fixture (SentencePiece BPE with byte fallback,
 // 32000 tokens); the byte-level llama3 fixture covers the other decoder.
-#include "common/tokenizer/detokenizer.h"
+#include "text/detokenizer.h"
 
 #include <random>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_format.h"
-#include "common/tokenizer/tokenizer.h"
-#include "common/tokenizer/unicode_util.h"
+#include "text/tokenizer.h"
+#include "text/unicode_util.h"
 #include "gtest/gtest.h"
 
 namespace pdserve::tok {

@@ -1,4 +1,4 @@
-#include "common/dtype.h"
+#include "base/dtype.h"
 
 #include <cmath>
 #include <cstring>

@@ -8,12 +8,12 @@
 #include <string>
 #include <vector>
 
-#include "common/model.h"
-#include "common/prefix_cache.h"
+#include "model/model.h"
+#include "kv/prefix_cache.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "tests/support/isa_printer.h"
-#include "common/synthetic_model.h"
+#include "model/synthetic_model.h"
 #include "tests/support/reference_forward.h"
 
 namespace pdserve {

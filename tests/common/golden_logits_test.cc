@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "common/model.h"
+#include "model/model.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/linear_amx.h"

@@ -1,4 +1,4 @@
-#include "common/health.h"
+#include "base/health.h"
 
 #include "gtest/gtest.h"
 

@@ -1,4 +1,4 @@
-#include "common/kv_cache.h"
+#include "kv/kv_cache.h"
 
 #include "gtest/gtest.h"
 

@@ -1,10 +1,10 @@
-#include "common/kv_events.h"
+#include "kv/kv_events.h"
 
 #include <vector>
 
-#include "common/block_hash.h"
-#include "common/kv_manager.h"
-#include "common/prefix_cache.h"
+#include "kv/block_hash.h"
+#include "kv/kv_manager.h"
+#include "kv/prefix_cache.h"
 #include "gtest/gtest.h"
 
 namespace pdserve {

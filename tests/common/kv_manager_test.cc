@@ -2,7 +2,7 @@
 // prefix plus fresh blocks, the prefix cache shares and evicts through it,
 // owners give their blocks back, programmer errors abort, and its lock is
 // never held across a forward.
-#include "common/kv_manager.h"
+#include "kv/kv_manager.h"
 
 #include <algorithm>
 #include <cstring>
@@ -15,8 +15,8 @@
 
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
-#include "common/model.h"
-#include "common/synthetic_model.h"
+#include "model/model.h"
+#include "model/synthetic_model.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
 

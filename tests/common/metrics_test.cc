@@ -1,4 +1,4 @@
-#include "common/metrics.h"
+#include "base/metrics.h"
 
 #include <cmath>
 

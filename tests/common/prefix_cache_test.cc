@@ -1,13 +1,13 @@
 // The prefix cache: hash chain stability, pool eviction rules, and a hit
 // giving exactly the logits of a cold prefill.
-#include "common/prefix_cache.h"
+#include "kv/prefix_cache.h"
 
 #include <random>
 #include <string>
 #include <vector>
 
-#include "common/model.h"
-#include "common/synthetic_model.h"
+#include "model/model.h"
+#include "model/synthetic_model.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
 

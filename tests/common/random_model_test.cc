@@ -5,8 +5,8 @@
 #include <memory>
 #include <vector>
 
-#include "common/kv_manager.h"
-#include "common/model.h"
+#include "kv/kv_manager.h"
+#include "model/model.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
 

@@ -12,9 +12,9 @@
 #include <string>
 #include <vector>
 
-#include "common/block_hash.h"
-#include "common/model.h"
-#include "common/prefix_cache.h"
+#include "kv/block_hash.h"
+#include "model/model.h"
+#include "kv/prefix_cache.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/linear_amx.h"

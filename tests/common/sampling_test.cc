@@ -1,10 +1,10 @@
-#include "common/sampling.h"
+#include "engine/sampling.h"
 
 #include <cmath>
 #include <map>
 #include <vector>
 
-#include "common/philox.h"
+#include "engine/philox.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 

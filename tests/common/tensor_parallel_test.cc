@@ -11,10 +11,10 @@
 #include <string>
 #include <vector>
 
-#include "common/kv_manager.h"
-#include "common/model.h"
-#include "common/synthetic_model.h"
-#include "common/tensor_parallel.h"
+#include "kv/kv_manager.h"
+#include "model/model.h"
+#include "model/synthetic_model.h"
+#include "model/tensor_parallel.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
 

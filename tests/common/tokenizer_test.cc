@@ -1,12 +1,12 @@
 // Exactness against Hugging Face's own implementation: reference ids and
 // decodings made by tests/fixtures/tokenizers/make_reference.mjs with the npm
 // `tokenizers` package (HF's Rust library), on real tokenizer files.
-#include "common/tokenizer/tokenizer.h"
+#include "text/tokenizer.h"
 
-#include "common/model_config.h"
-#include "common/tokenizer/chat_template.h"
-#include "common/tokenizer/detokenizer.h"
-#include "common/tokenizer/stop_strings.h"
+#include "model/model_config.h"
+#include "text/chat_template.h"
+#include "text/detokenizer.h"
+#include "text/stop_strings.h"
 
 #include <algorithm>
 #include <fstream>

@@ -3,7 +3,7 @@
 #include <memory>
 #include <vector>
 
-#include "common/kv_manager.h"
+#include "kv/kv_manager.h"
 #include "gtest/gtest.h"
 
 namespace pdserve::decode {

@@ -160,7 +160,7 @@ def check(objects, build, external_secrets=()):
                 port = action.get("port")
                 if not any(cp.get("name") == port or cp["containerPort"] == port for cp in ports):
                     errors.append(f"Deployment {dn}: {probe} port {port} is not a port of container {c['name']}")
-                # The gRPC health services every server answers (common/grpc_server.h).
+                # The gRPC health services every server answers (base/grpc_server.h).
                 if "grpc" in p and p["grpc"].get("service", "") not in ("", "liveness"):
                     errors.append(f"Deployment {dn}: {probe} asks the health service {p['grpc']['service']!r}, "
                                   "which no server answers")
@@ -198,7 +198,7 @@ def check(objects, build, external_secrets=()):
             errors.append(f"HorizontalPodAutoscaler {hn}: no scale-down stabilization window")
     sources = ""
     root = os.path.join(os.path.dirname(__file__), "../..")
-    for d in ("router", "common", "prefill_worker", "decode_worker", "kv_transfer"):
+    for d in ("router", "base", "kv", "model", "text", "engine", "runtime", "prefill_worker", "decode_worker", "kv_transfer"):
         for dirpath, _, files in os.walk(os.path.join(root, d)):
             sources += "".join(open(os.path.join(dirpath, f)).read() for f in files if f.endswith(".cc"))
     for rule in by_kind.get("PrometheusRule", []):

@@ -20,7 +20,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/match.h"
 #include "absl/strings/string_view.h"
-#include "common/model_config.h"
+#include "model/model_config.h"
 
 #ifndef PDSERVE_FUZZ_ENTRY
 #define PDSERVE_FUZZ_ENTRY LLVMFuzzerTestOneInput

@@ -16,9 +16,9 @@
 #include <vector>
 
 #include "absl/strings/match.h"
-#include "common/model_config.h"
-#include "common/safetensors.h"
-#include "common/tokenizer/tokenizer.h"
+#include "model/model_config.h"
+#include "model/safetensors.h"
+#include "text/tokenizer.h"
 #include "gtest/gtest.h"
 #include "kv_transfer/grant.h"
 #include "kv_transfer/wire.h"

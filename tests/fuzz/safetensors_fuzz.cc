@@ -16,7 +16,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/string_view.h"
-#include "common/safetensors.h"
+#include "model/safetensors.h"
 
 #ifndef PDSERVE_FUZZ_ENTRY
 #define PDSERVE_FUZZ_ENTRY LLVMFuzzerTestOneInput

@@ -11,9 +11,9 @@
 #include <memory>
 #include <string>
 
-#include "common/tokenizer/detokenizer.h"
-#include "common/tokenizer/tokenizer.h"
-#include "common/tokenizer/unicode_util.h"
+#include "text/detokenizer.h"
+#include "text/tokenizer.h"
+#include "text/unicode_util.h"
 
 #ifndef PDSERVE_FUZZ_ENTRY
 #define PDSERVE_FUZZ_ENTRY LLVMFuzzerTestOneInput

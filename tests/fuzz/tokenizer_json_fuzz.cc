@@ -6,7 +6,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "common/tokenizer/tokenizer.h"
+#include "text/tokenizer.h"
 
 #ifndef PDSERVE_FUZZ_ENTRY
 #define PDSERVE_FUZZ_ENTRY LLVMFuzzerTestOneInput

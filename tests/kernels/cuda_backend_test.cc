@@ -17,11 +17,11 @@
 #include <string>
 #include <vector>
 
-#include "common/kv_manager.h"
-#include "common/model.h"
-#include "common/philox.h"
-#include "common/sampling.h"
-#include "common/synthetic_model.h"
+#include "kv/kv_manager.h"
+#include "model/model.h"
+#include "engine/philox.h"
+#include "engine/sampling.h"
+#include "model/synthetic_model.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cuda/cuda_backend.h"
@@ -242,7 +242,7 @@ TEST_F(CudaBackendTest, EmbeddingMatchesTheCpuAndOtherRanksRowsAreZero) {
   }
 }
 
-// A KV pool of `blocks` blocks laid out as the model's (common/kv_cache.h).
+// A KV pool of `blocks` blocks laid out as the model's (kv/kv_cache.h).
 struct Pool {
   KvCacheSpec spec;
   std::vector<char> host;

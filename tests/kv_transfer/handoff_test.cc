@@ -9,8 +9,8 @@
 
 #include "absl/strings/match.h"
 #include "absl/synchronization/mutex.h"
-#include "common/block_hash.h"
-#include "common/kv_manager.h"
+#include "kv/block_hash.h"
+#include "kv/kv_manager.h"
 #include "gtest/gtest.h"
 #include "kv_transfer/grant.h"
 #include "kv_transfer/layout_copy.h"

@@ -23,8 +23,8 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
-#include "common/block_hash.h"
-#include "common/dtype.h"
+#include "kv/block_hash.h"
+#include "base/dtype.h"
 #include "router/transport.h"
 #include "router/worker_pool.h"
 

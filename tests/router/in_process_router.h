@@ -11,9 +11,9 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "common/generation.h"
-#include "common/metrics.h"
-#include "common/tokenizer/tokenizer.h"
+#include "engine/generation.h"
+#include "base/metrics.h"
+#include "text/tokenizer.h"
 #include "gtest/gtest.h"
 #include "router/admission.h"
 #include "router/measured.h"

@@ -9,7 +9,7 @@
 #include <thread>
 #include <vector>
 
-#include "common/metrics.h"
+#include "base/metrics.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/router/fake_clock.h"

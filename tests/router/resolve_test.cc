@@ -62,7 +62,7 @@ TEST_F(ResolveTest, BadFieldsAreNamed) {
   ExpectField(resolver_->Resolve(req).status(), "model");
   req.clear_model();
   req.mutable_sampling()->set_frequency_penalty(3);
-  // Sampling checks (common/sampling.h) say "sampling: 'FIELD' ...".
+  // Sampling checks (engine/sampling.h) say "sampling: 'FIELD' ...".
   const absl::Status sampling = resolver_->Resolve(req).status();
   ExpectField(sampling, "sampling");
   EXPECT_TRUE(absl::StrContains(sampling.message(), "'frequency_penalty' must be in [-2, 2]")) << sampling;

@@ -9,7 +9,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
-#include "common/metrics.h"
+#include "base/metrics.h"
 #include "gtest/gtest.h"
 #include "tests/router/in_process_router.h"
 

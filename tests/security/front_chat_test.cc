@@ -34,8 +34,8 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "common/synthetic_model.h"
-#include "common/tokenizer/tokenizer.h"
+#include "model/synthetic_model.h"
+#include "text/tokenizer.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/cluster/cluster_harness.h"

@@ -16,7 +16,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_split.h"
-#include "common/server_util.h"
+#include "base/server_util.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 

@@ -7,8 +7,8 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "common/model.h"
-#include "common/tokenizer/tokenizer.h"
+#include "model/model.h"
+#include "text/tokenizer.h"
 #include "kernels/cpu/cpu_backend.h"
 
 namespace pdserve::testing_support {

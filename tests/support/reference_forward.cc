@@ -3,8 +3,8 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
-#include "common/checkpoint.h"
-#include "common/rope.h"
+#include "model/checkpoint.h"
+#include "model/rope.h"
 
 namespace pdserve::testing {
 namespace {

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "common/model_config.h"
+#include "model/model_config.h"
 
 namespace pdserve::testing {
 

@@ -27,8 +27,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
-#include "common/kv_manager.h"
-#include "common/model.h"
+#include "kv/kv_manager.h"
+#include "model/model.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/device_array.h"
 

@@ -9,8 +9,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "common/block_hash.h"
-#include "common/prefix_cache.h"
+#include "kv/block_hash.h"
+#include "kv/prefix_cache.h"
 #include "nlohmann/json.hpp"
 #include "tools/pdctl/bench_stats.h"
 

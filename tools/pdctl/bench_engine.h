@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "common/engine/model_stack.h"
+#include "engine/model_stack.h"
 
 namespace pdserve::pdctl {
 

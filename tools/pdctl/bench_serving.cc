@@ -26,8 +26,8 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/numbers.h"
 #include "absl/synchronization/mutex.h"
-#include "common/generation.h"
-#include "common/engine/engine.h"
+#include "engine/generation.h"
+#include "engine/engine.h"
 #include "grpcpp/grpcpp.h"
 #include "nlohmann/json.hpp"
 #include "pdserve/v1/generation.grpc.pb.h"
@@ -36,7 +36,7 @@
 #include "tools/pdctl/bench_svg.h"
 #include "tools/pdctl/bench_trace.h"
 #include "tools/pdctl/bench_workload.h"
-#include "common/engine/model_stack.h"
+#include "engine/model_stack.h"
 
 namespace pdserve::pdctl {
 namespace {

@@ -8,8 +8,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "common/tokenizer/detokenizer.h"
-#include "common/tokenizer/stop_strings.h"
+#include "text/detokenizer.h"
+#include "text/stop_strings.h"
 
 namespace pdserve::pdctl {
 namespace {

@@ -6,9 +6,9 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "common/sampling.h"
-#include "common/tokenizer/tokenizer.h"
-#include "common/engine/model_stack.h"
+#include "engine/sampling.h"
+#include "text/tokenizer.h"
+#include "engine/model_stack.h"
 
 namespace pdserve::pdctl {
 

@@ -24,18 +24,18 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "common/synthetic_model.h"
+#include "model/synthetic_model.h"
 #include "tools/pdctl/bench_attention.h"
 #include "tools/pdctl/bench_engine.h"
 #include "tools/pdctl/bench_tp.h"
 #include "tools/pdctl/bench_kv.h"
 #include "tools/pdctl/bench_serving.h"
-#include "common/tls_flags.h"
+#include "base/tls_flags.h"
 #include "tools/pdctl/cluster_commands.h"
 #include "tools/pdctl/commands.h"
 #include "tools/pdctl/plan_command.h"
 #include "tools/pdctl/tokenizer_commands.h"
-#include "common/model_config.h"
+#include "model/model_config.h"
 
 ABSL_FLAG(std::string, model, "",
           "Hugging Face model directory (default: $PDSERVE_MODEL, else the shipped deploy/models/kjv-tiny)");

@@ -9,7 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "common/model_config.h"
+#include "model/model_config.h"
 #include "nlohmann/json.hpp"
 #include "tools/pdctl/bench_stats.h"
 

@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "common/tokenizer/chat_template.h"
-#include "common/tokenizer/tokenizer.h"
+#include "text/chat_template.h"
+#include "text/tokenizer.h"
 
 namespace pdserve::pdctl {
 

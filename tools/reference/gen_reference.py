@@ -51,7 +51,7 @@ BINARIES = {
 SERVERS = ["pdserve-router", "pdserve-prefill-worker", "pdserve-decode-worker"]
 
 # Where metric registrations are looked for (non-test sources only).
-METRIC_DIRS = ["router", "common", "prefill_worker", "decode_worker", "kv_transfer", "kernels"]
+METRIC_DIRS = ["router", "base", "kv", "model", "text", "engine", "runtime", "prefill_worker", "decode_worker", "kv_transfer", "kernels"]
 # A source-only metric (not exported at start) is attributed to a process by
 # the directory of its registration.
 PROCESS_OF_DIR = {
@@ -332,10 +332,10 @@ def collect_commands(build, pdctl_flags, errors):
 
 def registration_methods(errors):
     """{method: index of its labels parameter} of MetricsRegistry's public Add* methods."""
-    header = (REPO / "common" / "metrics.h").read_text()
+    header = (REPO / "base" / "metrics.h").read_text()
     m = re.search(r"class MetricsRegistry \{(.*?)\n private:", header, re.S)
     if not m:
-        errors.add("common/metrics.h: cannot find MetricsRegistry's public section")
+        errors.add("base/metrics.h: cannot find MetricsRegistry's public section")
         return {}
     body = strip_comments(m.group(1))
     methods = {}
@@ -343,16 +343,16 @@ def registration_methods(errors):
         args, _ = call_args(body, d.end() - 1)
         names = [a.split("=")[0].split()[-1].lstrip("&*") if a.split() else "" for a in args or []]
         if not names or names[0] != "name" or "help" not in names:
-            errors.add(f"common/metrics.h: cannot read the parameters of MetricsRegistry::{d.group(1)}")
+            errors.add(f"base/metrics.h: cannot read the parameters of MetricsRegistry::{d.group(1)}")
             continue
         if d.group(1) not in METRIC_TYPE_OF_METHOD:
-            errors.add(f"common/metrics.h: MetricsRegistry::{d.group(1)} registers metrics of a type "
+            errors.add(f"base/metrics.h: MetricsRegistry::{d.group(1)} registers metrics of a type "
                        "this script does not know (METRIC_TYPE_OF_METHOD)")
             continue
         methods[d.group(1)] = {"help": names.index("help"),
                                "labels": names.index("labels") if "labels" in names else None}
     if not methods:
-        errors.add("common/metrics.h: no registration method found")
+        errors.add("base/metrics.h: no registration method found")
     return methods
 
 
@@ -374,7 +374,7 @@ def parse_metric_sources(errors):
     call = re.compile(r"(?:\.|->)\s*(" + "|".join(sorted(methods)) + r")\s*\(")
     for path in source_files():
         rel = path.relative_to(REPO).as_posix()
-        if rel in ("common/metrics.h", "common/metrics.cc"):
+        if rel in ("base/metrics.h", "base/metrics.cc"):
             continue  # the registry itself
         src = strip_comments(path.read_text(errors="replace"))
         for m in call.finditer(src):

@@ -3,7 +3,7 @@
 // recomputation, prefill-only requests handing off, handed-off sequences
 // and cancellation must not change a single token or byte of text, and
 // every request must end in the state its path leads to.
-#include "common/engine/engine.h"
+#include "engine/engine.h"
 
 #include <map>
 #include <thread>
@@ -12,9 +12,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "common/generation.h"
-#include "common/model.h"
-#include "common/tokenizer/tokenizer.h"
+#include "engine/generation.h"
+#include "model/model.h"
+#include "text/tokenizer.h"
 #include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"

@@ -1,6 +1,6 @@
 // The compute stack's backend choice: the CPU by default, the CUDA backend
 // loaded only on request, and clear errors where it cannot run.
-#include "common/engine/model_stack.h"
+#include "engine/model_stack.h"
 
 #include <cstdlib>
 #include <string>

@@ -1,4 +1,4 @@
-#include "common/engine/request.h"
+#include "engine/request.h"
 
 #include <atomic>
 #include <set>

@@ -1,4 +1,4 @@
-#include "common/engine/scheduler.h"
+#include "engine/scheduler.h"
 
 #include <random>
 

@@ -383,7 +383,7 @@ RelayState Relay::Place() {
   rpc::ToWork(request_, &work_);
   work_.set_request_id(internal_id_);
   work_.mutable_generated_ids()->Assign(streamed_.begin(), streamed_.end());
-  d->in_flight++;
+  decode_load_ = Assignment(d, 0);
   worker::v1::DecodeRequest dreq;
   *dreq.mutable_request() = work_;
   dreq.set_prefill_here(local_);
@@ -428,8 +428,7 @@ RelayState Relay::Prefill() {
   // context's blocks (counted until its own events say so).
   const int64_t queued = context_tokens - context_.placement->CachedTokens(p, chains);
   context_.placement->Expect(p, chains);
-  p.in_flight++;
-  p.queued_tokens += queued;
+  Assignment prefill_load(prefill_, queued);
   worker::v1::PrefillRequest preq;
   *preq.mutable_request() = work_;
   preq.set_decode_kv_address(d.report().kv_address);
@@ -460,7 +459,7 @@ RelayState Relay::Prefill() {
     p.NoteProgress(Now());
     if (ev.has_first() && !first_seen) {
       first_seen = true;
-      p.queued_tokens -= queued;
+      prefill_load.DequeueTokens();
       const worker::v1::FirstToken& f = ev.first();
       if (first_sent_) {
         if (f.token().token_id() != first_token_) {
@@ -512,8 +511,7 @@ RelayState Relay::Prefill() {
   const absl::Status ps = prefill_reader_->Finish();
   const absl::Status parse_error = prefill_reader_->parse_error();
   ClosePrefill();
-  if (!first_seen) p.queued_tokens -= queued;
-  p.in_flight--;
+  prefill_load.Release();
   if (read == PrefillStream::ReadResult::kUnparseable && error_.empty() && !handed_off) {
     if (Unparseable("prefill", p.address(), parse_error)) {
       StopDecode();
@@ -615,7 +613,7 @@ RelayState Relay::Decode() {
   const absl::Status ds = decode_reader_->Finish();
   const absl::Status parse_error = decode_reader_->parse_error();
   CloseDecode();
-  d.in_flight--;
+  decode_load_.Release();
   lease_.Release();  // the worker has freed the sequence's KV (or will at the release below)
   if (!decode_final) ReleaseHandoff(d);
   if (read == DecodeStream::ReadResult::kUnparseable && decode_expected_ && !decode_final && error_.empty() &&
@@ -661,7 +659,7 @@ RelayState Relay::Migrate() {
     }
     (void)decode_reader_->Finish();
     CloseDecode();
-    d.in_flight--;
+    decode_load_.Release();
     ReleaseHandoff(d);
   }
   lease_.Release();

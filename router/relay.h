@@ -46,6 +46,7 @@
 #include "kv_transfer/grant.h"
 #include "pdserve/v1/generation.pb.h"
 #include "router/admission.h"
+#include "router/assignment.h"
 #include "router/measured.h"
 #include "router/placement.h"
 #include "router/request_queue.h"
@@ -250,6 +251,7 @@ class Relay {
   std::optional<PromptChains> migrated_chains_;
   PromptChains* chains_ = nullptr;
   WorkerPtr decode_;
+  Assignment decode_load_;  // decode_'s in_flight while its call is open
   bool local_ = false;
   worker::v1::WorkRequest work_;
   bool decode_expected_ = false;

@@ -480,10 +480,9 @@ void DecodeService::Drain(absl::Time deadline) {
 grpc::ServerWriteReactor<DecodeEvent>* DecodeService::Decode(grpc::CallbackServerContext* ctx,
                                                               const worker::v1::DecodeRequest* req) {
   const worker::v1::WorkRequest& w = req->request();
-  GenerationRequest gr = rpc::FromWork(w, model_->config().eos_token_ids);
   DecodeCall::Options co;
   co.colocated = req->prefill_here();
-  co.logprobs = gr.params.logprobs > 0;
+  co.logprobs = w.logprobs() > 0;
   co.max_buffered_tokens = options_.max_buffered_tokens;
   co.stall_timeout = absl::Seconds(options_.stall_timeout_seconds);
   co.unparseable = !options_.stand_in && fault_unparseable_.Take();
@@ -494,36 +493,23 @@ grpc::ServerWriteReactor<DecodeEvent>* DecodeService::Decode(grpc::CallbackServe
   };
   if (!healthy()) return reject(grpc::StatusCode::UNAVAILABLE, "decode engine is not running");
   if (draining_) return reject(grpc::StatusCode::UNAVAILABLE, "decode worker is draining");
-  if (gr.prompt.empty()) return reject(grpc::StatusCode::INVALID_ARGUMENT, "prompt_ids: empty");
-  for (int32_t id : gr.prompt) {
-    if (id < 0 || id >= model_->config().vocab_size) {
-      return reject(grpc::StatusCode::INVALID_ARGUMENT, absl::StrCat("prompt_ids: ", id, " is outside the vocabulary"));
-    }
-  }
-  if (absl::Status s = ValidateSamplingParams(gr.params, model_->config().vocab_size); !s.ok()) {
-    call->Reject(ToGrpcStatus(s));
+  absl::StatusOr<std::unique_ptr<Generation>> made =
+      rpc::AcceptWork(w, {.eos_ids = model_->config().eos_token_ids,
+                          .vocab_size = model_->config().vocab_size,
+                          .max_positions = model_->config().max_position_embeddings,
+                          .tokenizer = tokenizer_});
+  if (!made.ok()) {
+    call->Reject(ToGrpcStatus(made.status()));
     return call.get();
-  }
-  if (gr.prompt.size() + gr.params.max_tokens > static_cast<size_t>(model_->config().max_position_embeddings)) {
-    return reject(grpc::StatusCode::INVALID_ARGUMENT,
-                  absl::StrCat("max_tokens: prompt (", gr.prompt.size(), ") + max_tokens (", gr.params.max_tokens,
-                               ") exceeds the context (", model_->config().max_position_embeddings, ")"));
   }
   {
     absl::MutexLock lock(&calls_mu_);
     calls_.emplace(call.get(), call);
   }
   if (options_.stand_in) {
-    call->StandIn(gr.params.max_tokens, model_->config().vocab_size);
+    call->StandIn((*made)->request().params.max_tokens, model_->config().vocab_size);
     return call.get();
   }
-  absl::StatusOr<std::unique_ptr<Generation>> made =
-      rpc::MakeGeneration(w, model_->config().eos_token_ids, model_->config().vocab_size, tokenizer_);
-  if (!made.ok()) {
-    call->Reject(ToGrpcStatus(made.status()));
-    return call.get();
-  }
-  if ((*made)->finished()) return reject(grpc::StatusCode::INVALID_ARGUMENT, "generated_ids: already finished");
   engine::RequestId id(w.request_id().empty() ? absl::StrCat("local-", next_id_++) : w.request_id());
 
   if (req->prefill_here()) {

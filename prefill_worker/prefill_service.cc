@@ -627,30 +627,22 @@ void PrefillService::Drain(absl::Time deadline) {
 
 grpc::ServerWriteReactor<PrefillEvent>* PrefillService::Prefill(grpc::CallbackServerContext* ctx,
                                                                 const worker::v1::PrefillRequest* req) {
-  GenerationRequest gr = rpc::FromWork(req->request(), model_->config().eos_token_ids);
-  const int64_t tokens = static_cast<int64_t>(gr.prompt.size() + req->request().generated_ids_size());
+  const worker::v1::WorkRequest& w = req->request();
+  const int64_t tokens = static_cast<int64_t>(w.prompt_ids_size()) + w.generated_ids_size();
   std::shared_ptr<PrefillCall> call = PrefillCall::Create(this, tokens);
   auto reject = [&call](const absl::Status& s) {
     call->End(s);
     return call.get();
   };
-  if (gr.prompt.empty()) return reject(absl::InvalidArgumentError("prompt_ids: empty"));
-  for (int32_t id : gr.prompt) {
-    if (id < 0 || id >= model_->config().vocab_size) {
-      return reject(absl::InvalidArgumentError(absl::StrCat("prompt_ids: ", id, " is outside the vocabulary")));
-    }
-  }
-  if (absl::Status s = ValidateSamplingParams(gr.params, model_->config().vocab_size); !s.ok()) return reject(s);
+  absl::StatusOr<std::unique_ptr<Generation>> made = rpc::AcceptWork(
+      w, {.eos_ids = model_->config().eos_token_ids, .vocab_size = model_->config().vocab_size, .tokenizer = tokenizer_});
+  if (!made.ok()) return reject(made.status());
   if (req->decode_kv_address().empty()) return reject(absl::InvalidArgumentError("decode_kv_address: empty"));
   auto job = std::make_shared<Job>();
-  job->request_id = req->request().request_id();
+  job->request_id = w.request_id();
   job->decode_address = req->decode_kv_address();
   job->kv_grant = req->kv_grant();
-  absl::StatusOr<std::unique_ptr<Generation>> made = rpc::MakeGeneration(
-      req->request(), model_->config().eos_token_ids, model_->config().vocab_size, tokenizer_);
-  if (!made.ok()) return reject(made.status());
   job->gen = *std::move(made);
-  if (job->gen->finished()) return reject(absl::InvalidArgumentError("generated_ids: already finished"));
   job->context = job->gen->AllTokens();
   job->queued_at = Clock::now();
   job->call = call;

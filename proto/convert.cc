@@ -1,5 +1,7 @@
 #include "proto/convert.h"
 
+#include <utility>
+
 #include "absl/strings/str_cat.h"
 
 namespace pdserve::rpc {
@@ -26,21 +28,34 @@ GenerationRequest FromWork(const worker::v1::WorkRequest& w, const std::vector<i
   return r;
 }
 
-absl::StatusOr<std::unique_ptr<Generation>> MakeGeneration(const worker::v1::WorkRequest& w,
-                                                          const std::vector<int32_t>& eos_ids, int64_t vocab_size,
-                                                          const tok::Tokenizer* tokenizer) {
+absl::StatusOr<std::unique_ptr<Generation>> AcceptWork(const worker::v1::WorkRequest& w, const WorkLimits& limits) {
+  GenerationRequest r = FromWork(w, limits.eos_ids);
+  if (r.prompt.empty()) return absl::InvalidArgumentError("prompt_ids: empty");
+  for (int32_t id : r.prompt) {
+    if (id < 0 || id >= limits.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("prompt_ids: ", id, " is outside the vocabulary"));
+    }
+  }
+  if (absl::Status s = ValidateSamplingParams(r.params, limits.vocab_size); !s.ok()) return s;
+  if (limits.max_positions > 0 &&
+      static_cast<int64_t>(r.prompt.size()) + r.params.max_tokens > limits.max_positions) {
+    return absl::InvalidArgumentError(absl::StrCat("max_tokens: prompt (", r.prompt.size(), ") + max_tokens (",
+                                                   r.params.max_tokens, ") exceeds the context (",
+                                                   limits.max_positions, ")"));
+  }
   for (int32_t id : w.generated_ids()) {
-    if (id < 0 || id >= vocab_size) {
+    if (id < 0 || id >= limits.vocab_size) {
       return absl::InvalidArgumentError(absl::StrCat("generated_ids: ", id, " is outside the vocabulary"));
     }
   }
-  auto gen = std::make_unique<Generation>(FromWork(w, eos_ids), tokenizer);
+  auto gen = std::make_unique<Generation>(std::move(r), limits.tokenizer);
   for (int32_t id : w.generated_ids()) {
     TokenEvent e;
     e.token = id;
-    absl::StatusOr<TokenEvent> r = gen->Replay(e);
-    if (!r.ok()) return r.status();
+    absl::StatusOr<TokenEvent> replayed = gen->Replay(e);
+    if (!replayed.ok()) return replayed.status();
   }
+  if (gen->finished()) return absl::InvalidArgumentError("generated_ids: already finished");
   return gen;
 }
 

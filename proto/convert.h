@@ -20,11 +20,21 @@ namespace pdserve::rpc {
 // The engine's request from a resolved WorkRequest (+ the model's EOS ids).
 GenerationRequest FromWork(const worker::v1::WorkRequest& w, const std::vector<int32_t>& eos_ids);
 
-// The request's state with its generated_ids (a migrated request) replayed,
-// ready to sample the next token. Errors: ids outside [0, vocab).
-absl::StatusOr<std::unique_ptr<Generation>> MakeGeneration(const worker::v1::WorkRequest& w,
-                                                          const std::vector<int32_t>& eos_ids, int64_t vocab_size,
-                                                          const tok::Tokenizer* tokenizer);
+// What a worker checks a WorkRequest against: its model's EOS ids and
+// vocabulary, and (where the worker holds the whole sequence) its context.
+struct WorkLimits {
+  std::vector<int32_t> eos_ids;
+  int64_t vocab_size = 0;
+  int64_t max_positions = 0;  // prompt + max_tokens must fit; 0: not checked
+  const tok::Tokenizer* tokenizer = nullptr;
+};
+
+// A worker's one conversion and validation of a WorkRequest: the request
+// converted (FromWork), its prompt non-empty and inside the vocabulary, its
+// sampling parameters valid, prompt + max_tokens within max_positions, and
+// its generated_ids (a migrated request) inside the vocabulary and replayed,
+// ready to sample the next token. Errors: INVALID_ARGUMENT naming the field.
+absl::StatusOr<std::unique_ptr<Generation>> AcceptWork(const worker::v1::WorkRequest& w, const WorkLimits& limits);
 
 // The resolved WorkRequest for `params` (seed set) and prompt ids.
 void ToWork(const GenerationRequest& r, worker::v1::WorkRequest* w);

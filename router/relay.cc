@@ -17,16 +17,6 @@ namespace {
 
 double Between(absl::Time a, absl::Time b) { return absl::ToDoubleSeconds(b - a); }
 
-// "host" of "host:port" or "[v6]:port" (a grant names its sender's host).
-std::string HostOfAddress(const std::string& address) {
-  if (!address.empty() && address[0] == '[') {
-    const size_t close = address.find(']');
-    return close == std::string::npos ? address : address.substr(1, close - 1);
-  }
-  const size_t colon = address.rfind(':');
-  return colon == std::string::npos ? address : address.substr(0, colon);
-}
-
 }  // namespace
 
 Clock MonotonicClock() {
@@ -37,37 +27,6 @@ Clock MonotonicClock() {
   return [] { return base + absl::FromChrono(std::chrono::steady_clock::now() - steady_base); };
 }
 
-RelayMetrics::RelayMetrics(MetricsRegistry& m) {
-  for (const char* o : {"stop", "length", "cancelled", "error", "invalid", "unavailable", "rejected", "unauthenticated",
-                        "key_limited", "queue_full", "queue_wait"}) {
-    outcomes[o] = m.AddCounter("pdserve_requests_total", "Requests by how they ended.",
-                               absl::StrCat("outcome=\"", o, "\""));
-  }
-  ttft = m.AddHistogram("pdserve_time_to_first_token_seconds", "Router receipt to first token sent.", LatencyBuckets());
-  itl = m.AddHistogram("pdserve_inter_token_latency_seconds", "Gap between streamed messages.", LatencyBuckets());
-  e2e = m.AddHistogram("pdserve_request_duration_seconds", "Router receipt to final message.", LatencyBuckets());
-  queue = m.AddHistogram("pdserve_queue_seconds", "Waiting in the router's queue for decode KV room.",
-                         LatencyBuckets());
-  prefill_queue =
-      m.AddHistogram("pdserve_prefill_queue_seconds", "Waiting in the prefill worker's own queue.", LatencyBuckets());
-  prefill_time = m.AddHistogram("pdserve_prefill_seconds", "Prefill compute.", LatencyBuckets());
-  handoff = m.AddHistogram("pdserve_handoff_seconds", "First token to KV committed on the decode worker.",
-                           LatencyBuckets());
-  retries = m.AddCounter("pdserve_prefill_retries_total", "Prefills run again after a worker failed.");
-  migrations = m.AddCounter("pdserve_migrations_total", "Sequences moved off a failed decode worker.");
-  const char* names[] = {"prefill_pool", "decode_local", "colocated"};
-  for (int i = 0; i < 3; ++i) {
-    placements[i] = m.AddCounter(
-        "pdserve_prefill_placements_total",
-        "Prefills by where they ran: a prefill worker (handoff), the decode worker itself (conditional "
-        "disaggregation: short uncached part), or colocated mode.",
-        absl::StrCat("placement=\"", names[i], "\""));
-  }
-  prompt_tokens = m.AddCounter("pdserve_prefill_context_tokens_total", "Context positions prefilled (cached or computed).");
-  cached_tokens = m.AddCounter("pdserve_prefix_cached_tokens_total", "Of them, positions taken from a worker's prefix cache.");
-}
-
-void RelayMetrics::CountOutcome(const char* outcome) const { outcomes.at(outcome)->Add(); }
 
 const char* RelayStateName(RelayState s) {
   switch (s) {
@@ -84,6 +43,8 @@ const char* RelayStateName(RelayState s) {
 Relay::Relay(const RelayContext& context, GenerationRequest request, std::string client_id,
              std::optional<absl::Time> deadline, std::optional<absl::Time> received)
     : context_(context),
+      default_observer_(context.metrics, context.measured),
+      observer_(context.observer != nullptr ? context.observer : &default_observer_),
       request_(std::move(request)),
       client_id_(std::move(client_id)),
       client_deadline_(deadline),
@@ -187,7 +148,7 @@ void Relay::SendChunk(const v1::TokenChunk& chunk) {
   } else {
     const double gap = Between(last_token_, now);
     if (gaps_ == 0) timings_.set_first_gap(gap);
-    context_.metrics->itl->Observe(gap);
+    observer_->TokenGap(gap);
     sum_itl_ += gap;
     max_itl_ = std::max(max_itl_, gap);
     ++gaps_;
@@ -252,7 +213,7 @@ absl::Status Relay::Enqueue(QueueEnd* end) {
   absl::Duration waited;
   const absl::Status st = context_.queue->Wait(entry, &waited, end);
   timings_.set_router_queue(absl::ToDoubleSeconds(waited));
-  context_.metrics->queue->Observe(absl::ToDoubleSeconds(waited));
+  observer_->Queued(waited);
   return st;
 }
 
@@ -274,7 +235,7 @@ absl::Status Relay::Run(const std::function<bool(const v1::GenerateResponse&)>& 
   start_ = received_.value_or(Now());
   deadline_ = LifeDeadline(start_);
   last_token_ = start_;
-  context_.measured->RecordArrival();
+  observer_->Arrived();
   msg_.set_request_id(client_id_);
   timings_.set_colocated(context_.options.colocated);
   // The placement admission weighs is the one the first attempt runs with.
@@ -286,7 +247,7 @@ absl::Status Relay::Run(const std::function<bool(const v1::GenerateResponse&)>& 
                             : end == QueueEnd::kWaitedTooLong ? "queue_wait"
                             : end == QueueEnd::kPlaced        ? "invalid"  // refused before waiting
                                                               : "cancelled";
-      context_.metrics->CountOutcome(outcome);
+      observer_->EndedEarly(outcome);
       if (client_cancelled()) return absl::CancelledError("cancelled by the client");
       return q;
     }
@@ -296,7 +257,7 @@ absl::Status Relay::Run(const std::function<bool(const v1::GenerateResponse&)>& 
     first_ = context_.placement->Place(Positions(), prompt_chains_);
   }
   if (!Admit()) {
-    context_.metrics->CountOutcome("rejected");
+    observer_->EndedEarly("rejected");
     return absl::ResourceExhaustedError(error_);
   }
   ++*context_.in_flight;
@@ -329,12 +290,11 @@ RelayState Relay::Place() {
     return RelayState::kFinish;
   }
   // What this attempt prefills: the prompt and any tokens already sent.
+  requests_ = Attempt(request_, internal_id_, streamed_);
   if (streamed_.empty()) {
     chains_ = &prompt_chains_;
   } else {
-    context_tokens_ = request_.prompt;
-    context_tokens_.insert(context_tokens_.end(), streamed_.begin(), streamed_.end());
-    migrated_chains_.emplace(context_tokens_, request_.cache_salt);
+    migrated_chains_.emplace(requests_.context(), request_.cache_salt);
     chains_ = &*migrated_chains_;
   }
   PromptChains& chains = *chains_;
@@ -360,7 +320,7 @@ RelayState Relay::Place() {
     return RelayState::kFinish;
   }
   if (attempt_++ > 0) {
-    context_.metrics->migrations->Add();
+    observer_->Migrated();
     LogEvent("warning", "migrating", {{"request_id", internal_id_}, {"to", d->address()},
                                        {"tokens_so_far", std::to_string(streamed_.size())}});
   }
@@ -376,18 +336,13 @@ RelayState Relay::Place() {
   // Conditional disaggregation: the decode worker will hold the context.
   if (local_ && !colocated) placement.Expect(*d, chains);
   if (attempt_ == 1) {
-    context_.metrics->placements[colocated ? 2 : local_ ? 1 : 0]->Add();
+    observer_->Placed(colocated ? PrefillPlacement::kColocated
+                      : local_  ? PrefillPlacement::kDecodeLocal
+                                : PrefillPlacement::kPrefillPool);
     timings_.set_local_prefill(local_ && !colocated);
   }
-  work_.Clear();
-  rpc::ToWork(request_, &work_);
-  work_.set_request_id(internal_id_);
-  work_.mutable_generated_ids()->Assign(streamed_.begin(), streamed_.end());
   decode_load_ = Assignment(d, 0);
-  worker::v1::DecodeRequest dreq;
-  *dreq.mutable_request() = work_;
-  dreq.set_prefill_here(local_);
-  OpenDecode(context_.transport->Decode(*d, dreq, deadline_));
+  OpenDecode(context_.transport->Decode(*d, requests_.DecodeRequest(local_), deadline_));
   decode_expected_ = true;
   if (local_) return RelayState::kDecode;
 
@@ -429,27 +384,10 @@ RelayState Relay::Prefill() {
   const int64_t queued = context_tokens - context_.placement->CachedTokens(p, chains);
   context_.placement->Expect(p, chains);
   Assignment prefill_load(prefill_, queued);
-  worker::v1::PrefillRequest preq;
-  *preq.mutable_request() = work_;
-  preq.set_decode_kv_address(d.report().kv_address);
-  if (context_.grant_key != nullptr) {
-    // This attempt's grant: only p may reserve on d for it, once, until it
-    // expires (kv_transfer/grant.h). A retry or a migration is a new attempt.
-    // It binds the context (prompt and tokens already streamed), so the
-    // decode worker publishes the KV only under these ids, and the room
-    // the reservation may take (the context plus what is left to decode).
-    const std::vector<int32_t>& context = streamed_.empty() ? request_.prompt : context_tokens_;
-    absl::StatusOr<kv::Grant> g = kv::MintGrant(
-        *context_.grant_key,
-        {.request_id = work_.request_id(),
-         .attempt = ++handoff_attempts_,
-         .sender = HostOfAddress(p.address()),
-         .receiver = d.report().kv_address,
-         .expires = absl::Now() + context_.grant_ttl,
-         .positions = static_cast<int32_t>(request_.prompt.size() + request_.params.max_tokens),
-         .tokens_digest = kv::DigestTokens(context, request_.cache_salt)});
-    if (g.ok()) preq.set_kv_grant(kv::EncodeGrant(*g));
-  }
+  // This attempt's grant: only p may reserve on d for it, once, until it
+  // expires. A retry or a migration is a new attempt.
+  const worker::v1::PrefillRequest preq =
+      requests_.PrefillRequest(p, d, context_.grant_key.get(), absl::Now(), context_.grant_ttl);
   OpenPrefill(context_.transport->Prefill(p, preq, deadline_));
   worker::v1::PrefillEvent ev;
   bool first_seen = false;
@@ -485,10 +423,7 @@ RelayState Relay::Prefill() {
         timings_.set_prefill(f.prefill_seconds());
         timings_.set_cached_prompt_tokens(f.cached_tokens());
       }
-      context_.measured->RecordPrefill(p.address(), context_tokens, context_tokens - f.cached_tokens(),
-                                       f.prefill_seconds());
-      context_.metrics->prompt_tokens->Add(static_cast<double>(context_tokens));
-      context_.metrics->cached_tokens->Add(f.cached_tokens());
+      observer_->Prefilled(p.address(), context_tokens, f.cached_tokens(), f.prefill_seconds());
       v1::TokenChunk chunk;
       rpc::AppendToken(*text, request_.params.logprobs > 0, &chunk);
       SendChunk(chunk);
@@ -502,7 +437,7 @@ RelayState Relay::Prefill() {
       context_.placement->Expect(d, chains);
       if (attempt_ == 1) {
         timings_.set_handoff(ev.done().handoff_seconds());
-        context_.measured->RecordHandoff(p.address(), d.address(),
+        observer_->HandedOff(p.address(), d.address(),
                                          static_cast<double>(context_tokens * d.report().kv_bytes_per_position),
                                          ev.done().handoff_seconds());
       }
@@ -561,7 +496,7 @@ RelayState Relay::RetryPrefill() {
   const std::string why(prefill_status_.message());
   p.MarkFailed();
   failed_prefill_.Add(p, why);
-  context_.metrics->retries->Add();
+  observer_->PrefillRetried();
   LogEvent("warning", "prefill_retry", {{"request_id", internal_id_}, {"worker", p.address()}, {"error", why}});
   PromptChains& chains = *chains_;
   WorkerPtr next = PickWaiting([&] { return context_.placement->PickPrefill(failed_prefill_, chains); });
@@ -605,8 +540,7 @@ RelayState Relay::Decode() {
         timings_.set_cached_prompt_tokens(f.cached_tokens());
       }
       if (local_) {
-        context_.metrics->prompt_tokens->Add(static_cast<double>(chains_->size()));
-        context_.metrics->cached_tokens->Add(f.cached_tokens());
+        observer_->Prefilled("", static_cast<int64_t>(chains_->size()), f.cached_tokens(), f.prefill_seconds());
       }
     }
   }
@@ -669,28 +603,21 @@ RelayState Relay::Migrate() {
 }
 
 absl::Status Relay::Finish() {
-  const RelayMetrics& m = *context_.metrics;
   if (client_cancelled()) {
-    m.CountOutcome("cancelled");
+    observer_->EndedEarly("cancelled");
     return absl::CancelledError("cancelled by the client");
   }
   if (unavailable_ && completion_ == 0) {
-    m.CountOutcome("unavailable");
+    observer_->EndedEarly("unavailable");
     return absl::UnavailableError(error_);
   }
   // A request cut short at the client's deadline ends DEADLINE_EXCEEDED,
   // as gRPC would end it: the workers' calls carry the same deadline, so
   // the relay can see them end and finish before the call itself expires.
   if (client_deadline_.has_value() && Now() >= *client_deadline_ && (cancelled_ || finish_ == FinishReason::kNone)) {
-    m.CountOutcome("cancelled");
+    observer_->EndedEarly("cancelled");
     return absl::DeadlineExceededError("the client's deadline passed");
   }
-  if (completion_ > 0) m.ttft->Observe(timings_.ttft());
-  if (!context_.options.colocated && !timings_.local_prefill()) {
-    m.prefill_queue->Observe(timings_.queue());
-    m.handoff->Observe(timings_.handoff());
-  }
-  m.prefill_time->Observe(timings_.prefill());
   if (!relay_costs_.empty()) {
     std::sort(relay_costs_.begin(), relay_costs_.end());
     timings_.set_router_relay_p50(relay_costs_[relay_costs_.size() / 2]);
@@ -711,12 +638,11 @@ absl::Status Relay::Finish() {
   } else {
     fin->set_finish_reason(rpc::ToProto(finish_));
   }
-  if (error_.empty() && !ended_early) context_.measured->RecordFinished(completion_);
-  m.CountOutcome(!error_.empty()                   ? "error"
-                 : ended_early                     ? "cancelled"
-                 : finish_ == FinishReason::kStop  ? "stop"
-                                                   : "length");
-  m.e2e->Observe(timings_.total());
+  observer_->Finished(!error_.empty()                  ? "error"
+                      : ended_early                    ? "cancelled"
+                      : finish_ == FinishReason::kStop ? "stop"
+                                                       : "length",
+                      timings_, completion_, !context_.options.colocated && !timings_.local_prefill());
   if (internal_) return absl::InternalError(error_);
   fin->mutable_usage()->set_prompt_tokens(static_cast<int32_t>(request_.prompt.size()));
   fin->mutable_usage()->set_completion_tokens(completion_);

@@ -47,36 +47,15 @@
 #include "pdserve/v1/generation.pb.h"
 #include "router/admission.h"
 #include "router/assignment.h"
+#include "router/attempt.h"
 #include "router/measured.h"
 #include "router/placement.h"
+#include "router/relay_observer.h"
 #include "router/request_queue.h"
 #include "router/transport.h"
 #include "router/worker_pool.h"
 
 namespace pdserve::router {
-
-// The router's request metrics, registered once and shared by every relay.
-struct RelayMetrics {
-  explicit RelayMetrics(MetricsRegistry& registry);
-  // "stop", "length", "cancelled", "error", "invalid", "unavailable", "rejected",
-  // "unauthenticated", "key_limited" (over an API key's rate or concurrency),
-  // "queue_full", "queue_wait" (refused by the router's queue).
-  void CountOutcome(const char* outcome) const;
-
-  absl::flat_hash_map<std::string, Counter*> outcomes;
-  Histogram* ttft;
-  Histogram* itl;
-  Histogram* e2e;
-  Histogram* queue;          // the router's queue for decode KV room
-  Histogram* prefill_queue;  // the prefill worker's own queue
-  Histogram* prefill_time;
-  Histogram* handoff;
-  Counter* retries;
-  Counter* migrations;
-  Counter* placements[3];  // prefill_pool, decode_local, colocated
-  Counter* prompt_tokens;
-  Counter* cached_tokens;
-};
 
 // Wall time that never steps back (the steady clock from a wall-clock
 // base): the relay's durations stay true across NTP steps.
@@ -119,6 +98,9 @@ struct RelayContext {
   int64_t admission_min_samples = 20;
   const tok::Tokenizer* tokenizer = nullptr;
   const RelayMetrics* metrics = nullptr;
+  // Where relays report what happened (none: a MetricsObserver over
+  // `metrics` and `measured`).
+  RelayObserver* observer = nullptr;
   std::atomic<int64_t>* in_flight = nullptr;  // requests being relayed
   std::atomic<uint64_t>* next_id = nullptr;   // internal request ids
   // Handoff grants: each prefill attempt's, for its decode worker (none: no
@@ -209,6 +191,8 @@ class Relay {
   std::optional<absl::Time> LifeDeadline(absl::Time from) const;
 
   const RelayContext& context_;
+  MetricsObserver default_observer_;
+  RelayObserver* observer_;  // context_.observer, or default_observer_
   const GenerationRequest request_;
   const std::string client_id_;
   const std::optional<absl::Time> client_deadline_;
@@ -247,17 +231,15 @@ class Relay {
   Exclusions failed_decode_;
   Exclusions avoid_prefill_;  // sent a message that did not parse
   std::string internal_id_;
-  std::vector<int32_t> context_tokens_;  // prompt + streamed, after a migration
   std::optional<PromptChains> migrated_chains_;
   PromptChains* chains_ = nullptr;
   WorkerPtr decode_;
   Assignment decode_load_;  // decode_'s in_flight while its call is open
   bool local_ = false;
-  worker::v1::WorkRequest work_;
+  Attempt requests_;  // what this decode attempt sends to workers
   bool decode_expected_ = false;
   // The prefill attempts of this decode attempt.
   WorkerPtr prefill_;
-  uint32_t handoff_attempts_ = 0;  // Every prefill attempt's grant names a new one.
   Exclusions failed_prefill_;
   absl::Status prefill_status_;
   bool first_sent_ = false;

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "tests/router/in_process_router.h"
 
@@ -49,6 +50,31 @@ std::vector<size_t> ReleasedCalls(const FakeWorker& w) {
   return out;
 }
 using Calls = std::vector<size_t>;
+
+// Every report a relay makes, in order, one line each.
+class RecordingObserver final : public RelayObserver {
+ public:
+  void Arrived() override { events.push_back("arrived"); }
+  void Queued(absl::Duration) override { events.push_back("queued"); }
+  void Placed(PrefillPlacement where) override {
+    events.push_back(absl::StrCat("placed ", static_cast<int>(where)));
+  }
+  void Migrated() override { events.push_back("migrated"); }
+  void PrefillRetried() override { events.push_back("prefill_retried"); }
+  void Prefilled(const std::string& worker, int64_t context_tokens, int64_t cached_tokens, double) override {
+    events.push_back(absl::StrCat("prefilled ", worker, " ", context_tokens, " ", cached_tokens));
+  }
+  void HandedOff(const std::string& prefill, const std::string& decode, double, double) override {
+    events.push_back(absl::StrCat("handed_off ", prefill, " ", decode));
+  }
+  void TokenGap(double) override { ++gaps; }
+  void EndedEarly(const char* outcome) override { events.push_back(absl::StrCat("ended_early ", outcome)); }
+  void Finished(const char* outcome, const v1::Timings&, int32_t completion_tokens, bool handed_off) override {
+    events.push_back(absl::StrCat("finished ", outcome, " ", completion_tokens, handed_off ? " handed_off" : ""));
+  }
+  std::vector<std::string> events;
+  int gaps = 0;
+};
 
 class RelayTest : public ::testing::Test {
  protected:
@@ -116,6 +142,40 @@ INSTANTIATE_TEST_SUITE_P(Faults, PrefillLossTest, ::testing::Values(PrefillFault
                          [](const ::testing::TestParamInfo<PrefillFault>& info) {
                            return info.param == PrefillFault::kShutDown ? "shut_down" : "died";
                          });
+
+TEST_F(RelayTest, MeasurementsGoToTheObserverInTheOrderTheyHappen) {
+  Cluster(2, 2);
+  RecordingObserver seen;
+  rig_.context.observer = &seen;
+  // p0 dies after its first token (the prefill is retried on p1); p1's
+  // handoff is refused by the decode side (the sequence migrates); the
+  // prefill for the new decode worker hands off.
+  rig_.workers.at("p0").prefill_faults.push_back(PrefillFault::kDieAfterFirst);
+  rig_.workers.at("p1").prefill_faults.push_back(PrefillFault::kRefuseHandoff);
+  const GenerationRequest req = InProcessRouter::Request(10);
+  const Relayed got = rig_.Run(req);
+  ASSERT_TRUE(got.status.ok()) << got.status;
+  ASSERT_EQ(Trace(got.trace), "place prefill retry_prefill prefill migrate place prefill decode finish");
+  EXPECT_EQ(got.tokens, InProcessRouter::Expected(req));
+  // The retried prefill's first token is the one already sent: it is not
+  // measured again. Handoffs are measured on the first decode attempt only
+  // (a migration's handoff carries the tokens streamed so far too).
+  EXPECT_EQ(seen.events, (std::vector<std::string>{"arrived", "placed 0", "prefilled p0 40 0", "prefill_retried",
+                                                   "migrated", "prefilled p1 41 0", "finished length 10 handed_off"}));
+  EXPECT_GT(seen.gaps, 0);
+  // Nothing reached the router's own metrics: the observer took it all.
+  EXPECT_EQ(rig_.Count("pdserve_requests_total", "outcome=\"length\""), 0);
+  ExpectNoLoad(rig_);
+}
+
+TEST_F(RelayTest, AHandoffOnTheFirstAttemptIsMeasured) {
+  Cluster(1, 1);
+  RecordingObserver seen;
+  rig_.context.observer = &seen;
+  ASSERT_TRUE(rig_.Run(InProcessRouter::Request(6)).status.ok());
+  EXPECT_EQ(seen.events, (std::vector<std::string>{"arrived", "placed 0", "prefilled p0 40 0", "handed_off p0 d0",
+                                                   "finished length 6 handed_off"}));
+}
 
 TEST_F(RelayTest, PrefillDeathAfterTheFirstTokenBeforeTheCommitSendsTheFirstTokenOnce) {
   Cluster(2, 1);

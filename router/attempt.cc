@@ -1,0 +1,54 @@
+#include "router/attempt.h"
+
+#include <utility>
+
+#include "proto/convert.h"
+
+namespace pdserve::router {
+
+std::string HostOfAddress(const std::string& address) {
+  if (!address.empty() && address[0] == '[') {
+    const size_t close = address.find(']');
+    return close == std::string::npos ? address : address.substr(1, close - 1);
+  }
+  const size_t colon = address.rfind(':');
+  return colon == std::string::npos ? address : address.substr(0, colon);
+}
+
+Attempt::Attempt(const GenerationRequest& request, std::string request_id, absl::Span<const int32_t> streamed)
+    : positions_(static_cast<int32_t>(request.prompt.size()) + request.params.max_tokens), salt_(request.cache_salt) {
+  rpc::ToWork(request, &work_);
+  work_.set_request_id(std::move(request_id));
+  work_.mutable_generated_ids()->Assign(streamed.begin(), streamed.end());
+  context_ = request.prompt;
+  context_.insert(context_.end(), streamed.begin(), streamed.end());
+}
+
+worker::v1::DecodeRequest Attempt::DecodeRequest(bool prefill_here) const {
+  worker::v1::DecodeRequest r;
+  *r.mutable_request() = work_;
+  r.set_prefill_here(prefill_here);
+  return r;
+}
+
+worker::v1::PrefillRequest Attempt::PrefillRequest(const Worker& prefill, const Worker& decode,
+                                                   const kv::GrantKey* key, absl::Time now, absl::Duration ttl) {
+  worker::v1::PrefillRequest r;
+  *r.mutable_request() = work_;
+  r.set_decode_kv_address(decode.report().kv_address);
+  if (key == nullptr) return r;
+  // It binds the context (prompt and tokens already streamed), so the
+  // decode worker publishes the KV only under these ids, and the room the
+  // reservation may take (the context plus what is left to decode).
+  absl::StatusOr<kv::Grant> g = kv::MintGrant(*key, {.request_id = work_.request_id(),
+                                                     .attempt = ++handoff_attempts_,
+                                                     .sender = HostOfAddress(prefill.address()),
+                                                     .receiver = decode.report().kv_address,
+                                                     .expires = now + ttl,
+                                                     .positions = positions_,
+                                                     .tokens_digest = kv::DigestTokens(context_, salt_)});
+  if (g.ok()) r.set_kv_grant(kv::EncodeGrant(*g));
+  return r;
+}
+
+}  // namespace pdserve::router

@@ -4,8 +4,10 @@
 // fixed targets.
 #include "router/worker_pool.h"
 
+#include <atomic>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
@@ -234,6 +236,54 @@ TEST(WorkerPoolTest, AnAnswerThatSaysNotServingEjectsAtOnce) {
   EXPECT_FALSE(w->healthy());
   EXPECT_EQ(p.prefill_ejections.value(), 1);
   EXPECT_EQ(w->ejection_reason(), "draining");
+}
+
+TEST(WorkerPoolTest, TheServingEpochMovesOnEveryChangeToTheServingWorkers) {
+  ProbedPool p;
+  const uint64_t empty = p.pool->serving_epoch();
+  auto [pf, w] = p.AddServing(Role::kPrefill, "p0");
+  const uint64_t serving = p.pool->serving_epoch();
+  EXPECT_NE(serving, empty);  // added, then admitted
+  p.Advance(absl::Milliseconds(100));
+  EXPECT_EQ(p.pool->serving_epoch(), serving) << "a probe that changes nothing is no change";
+  pf->serving = false;
+  p.Advance(absl::Milliseconds(100));
+  ASSERT_FALSE(w->healthy());
+  const uint64_t ejected = p.pool->serving_epoch();
+  EXPECT_NE(ejected, serving);
+  p.pool->Remove(Role::kPrefill, "p0");
+  EXPECT_NE(p.pool->serving_epoch(), ejected);
+}
+
+TEST(WorkerPoolTest, AWaiterWakesOnAnAdmissionOrItsStopAndOtherwiseAtItsTimeout) {
+  ProbedPool p;
+  // No change: the full timeout (real time, short).
+  const uint64_t seen = p.pool->serving_epoch();
+  const absl::Time t0 = absl::Now();
+  p.pool->AwaitServingChange(seen, absl::Milliseconds(50), nullptr);
+  EXPECT_GE(absl::Now() - t0, absl::Milliseconds(45));
+  // An admission from another thread ends the wait long before its timeout.
+  std::thread admit([&] {
+    absl::SleepFor(absl::Milliseconds(20));
+    p.AddServing(Role::kDecode, "d0");
+  });
+  const absl::Time t1 = absl::Now();
+  p.pool->AwaitServingChange(seen, absl::Seconds(30), nullptr);
+  EXPECT_LT(absl::Now() - t1, absl::Seconds(20));
+  EXPECT_NE(p.pool->serving_epoch(), seen);
+  admit.join();
+  // A stop flag set and the waiters woken ends it too.
+  std::atomic<bool> stop{false};
+  const uint64_t now_seen = p.pool->serving_epoch();
+  std::thread stopper([&] {
+    absl::SleepFor(absl::Milliseconds(20));
+    stop.store(true);
+    p.pool->WakeWaiters();
+  });
+  const absl::Time t2 = absl::Now();
+  p.pool->AwaitServingChange(now_seen, absl::Seconds(30), &stop);
+  EXPECT_LT(absl::Now() - t2, absl::Seconds(20));
+  stopper.join();
 }
 
 TEST(WorkerPoolTest, ARestartIsSeenAsANewInstance) {

@@ -271,6 +271,35 @@ TEST(KvManagerTest, PublishingAHashAlreadyCachedKeepsTheFirstBlock) {
   EXPECT_EQ(c.block_table(), a.block_table());
 }
 
+TEST(KvManagerTest, FreeListenersHearEveryGiveBackOutsideTheLockUntilRemoved) {
+  auto kv = Manager(8);
+  int heard = 0;
+  int32_t free_seen = -1;
+  // The manager's own lock is not held: the listener may read its counts.
+  const int handle = kv->AddFreeListener([&] {
+    ++heard;
+    free_seen = kv->Counts().free;
+  });
+  {
+    SequenceKv a = kv->NewSequence();
+    ASSERT_TRUE(kv->Grow(a, 8).ok());  // 2 blocks
+    EXPECT_EQ(heard, 0) << "allocating is not a give-back";
+    SequenceKv b = kv->NewSequence();
+    ASSERT_TRUE(kv->Grow(b, 4).ok());
+    b = kv->NewSequence();  // move-assigning gives b's block back
+    EXPECT_EQ(heard, 1);
+    EXPECT_EQ(free_seen, 6);
+  }  // a destroyed
+  EXPECT_EQ(heard, 2);
+  EXPECT_EQ(free_seen, 8);
+  kv->RemoveFreeListener(handle);
+  {
+    SequenceKv c = kv->NewSequence();
+    ASSERT_TRUE(kv->Grow(c, 4).ok());
+  }
+  EXPECT_EQ(heard, 2);
+}
+
 TEST(KvManagerTest, DestructionAndMoveAssignmentGiveBlocksBack) {
   auto kv = Manager(8);
   {

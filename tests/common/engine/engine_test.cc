@@ -5,6 +5,7 @@
 // every request must end in the state its path leads to.
 #include "engine/engine.h"
 
+#include <atomic>
 #include <map>
 #include <thread>
 #include <memory>
@@ -401,6 +402,43 @@ TEST_F(EngineTest, TheEngineThreadServesOtherThreadsAndStopEndsTheRest) {
   ASSERT_TRUE(ended.HasBeenNotified());
   EXPECT_EQ(endless.status.code(), absl::StatusCode::kUnavailable) << endless.status;
   EXPECT_EQ(r->lifecycle.state(), RequestState::kFinished);
+  EXPECT_EQ(kv->Counts().used, 0);
+}
+
+// KV freed by another owner (a decode worker's released handoff, a stream
+// ended on another thread) wakes the engine's thread: a request waiting for
+// room starts once the blocks come back, with no tick to notice them.
+TEST_F(EngineTest, KvFreedOnAnotherThreadStartsARequestWaitingForRoom) {
+  auto kv = MakeKv(8);
+  SequenceKv holder = kv->NewSequence();
+  ASSERT_TRUE(kv->Grow(holder, 8 * 16).ok());  // every block
+  Engine engine(*model_, *kv, {.max_batch = 8, .chunk_tokens = 48});
+  engine.Start();
+  const GenerationRequest req = MakeReq("In the beginning God created", 24, 0, 1);
+  Output got;
+  absl::Notification done;
+  std::atomic<bool> released{false};
+  std::atomic<bool> token_before_release{false};
+  RequestCallbacks c = Collect(&got);
+  c.on_token = [&, inner = c.on_token](const TokenEvent& t, int32_t n) {
+    if (!released.load()) token_before_release.store(true);
+    inner(t, n);
+  };
+  c.on_end = [&](const absl::Status& s) {
+    got.status = s;
+    done.Notify();
+  };
+  engine.Submit(Local(1, req, c));
+  EXPECT_FALSE(done.WaitForNotificationWithTimeout(absl::Milliseconds(200))) << "it ran with no room";
+  std::thread freer([&] {
+    released.store(true);
+    holder.Release();
+  });
+  freer.join();
+  ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  EXPECT_FALSE(token_before_release.load());
+  ExpectSame(got, Alone(req), 1);
+  engine.Stop();
   EXPECT_EQ(kv->Counts().used, 0);
 }
 

@@ -430,8 +430,38 @@ absl::StatusOr<ForwardResult> Model::Forward(const KvStorage& kv_storage,
   return tp_->Run(*this, kv_storage, batch, options);
 }
 
+struct Model::StepRows {
+  int64_t tokens = 0;
+  std::vector<int32_t> positions, blocks, slots, ids;
+  std::vector<kernels::AttentionSequence> sequences;  // the batch's, in order
+  // Those this rank attends for: every sequence when heads are sharded (or
+  // nothing is); with request-sharded KV, the ones in its block range.
+  std::vector<kernels::AttentionSequence> own_sequences;
+  std::vector<int64_t> logit_rows;
+  bool request_sharded = false;
+};
+
 absl::StatusOr<ForwardResult> Model::ForwardShard(const KvStorage& kv_storage, absl::Span<const ForwardSequence> batch,
                                                   const ForwardOptions& options, bool sync_layer_kv) {
+  StepRows rows;
+  ForwardResult result;
+  if (absl::Status s = BeginStep(kv_storage, batch, rows, result); !s.ok()) return s;
+  for (int64_t l = 0; l < config_.num_layers; ++l) {
+    if (absl::Status s = AttentionHalf(l, kv_storage, rows, options, sync_layer_kv, result); !s.ok()) return s;
+    if (absl::Status s = MlpHalf(l, rows.tokens); !s.ok()) return s;
+  }
+  if (options.advance_positions) {
+    for (size_t s = 0; s < batch.size(); ++s) {
+      SequenceKv& kv = *batch[s].kv;
+      kv.SetNumPositions(kv.num_positions() + static_cast<int32_t>(batch[s].tokens.size()));
+    }
+  }
+  if (absl::Status s = EndStep(rows, result); !s.ok()) return s;
+  return result;
+}
+
+absl::Status Model::BeginStep(const KvStorage& kv_storage, absl::Span<const ForwardSequence> batch, StepRows& rows,
+                              ForwardResult& result) {
   const ModelConfig& c = config_;
   const KvCacheSpec& spec = kv_storage.spec;
   int64_t T = 0;
@@ -454,136 +484,152 @@ absl::StatusOr<ForwardResult> Model::ForwardShard(const KvStorage& kv_storage, a
   // This rank's share (all of it unsharded).
   const int64_t D = c.hidden_size, F = ranges_.ffn.size();
   const int32_t H = static_cast<int32_t>(c.head_dim);
-  const int32_t num_heads = static_cast<int32_t>(ranges_.q_heads.size());
-  const int32_t num_kv_heads = static_cast<int32_t>(ranges_.kv_heads.size());
-  const int64_t Qd = num_heads * H, KVd = num_kv_heads * H;
-  const bool sharded = ranges_.shard.size > 1;
+  const int64_t Qd = static_cast<int64_t>(ranges_.q_heads.size()) * H;
+  const int64_t KVd = static_cast<int64_t>(ranges_.kv_heads.size()) * H;
   const int32_t bs = spec.block_size;
   for (auto [a, n] : {std::pair{&x_, T * D}, {&xn_, T * D}, {&qkv_, T * (Qd + 2 * KVd)}, {&q_, T * Qd},
                       {&k_, T * KVd}, {&v_, T * KVd}, {&attn_, T * Qd}, {&gate_up_, T * 2 * F}, {&act_, T * F}}) {
     if (absl::Status s = a->Grow(static_cast<size_t>(n)); !s.ok()) return s;
   }
 
-  std::vector<int32_t> positions(T), blocks(T), slots(T), ids(T);
-  std::vector<kernels::AttentionSequence> attn_seqs(batch.size());
-  std::vector<int64_t> logit_rows;
-  ForwardResult result;
+  rows.tokens = T;
+  rows.positions.resize(T);
+  rows.blocks.resize(T);
+  rows.slots.resize(T);
+  rows.ids.resize(T);
+  rows.sequences.resize(batch.size());
   result.vocab_size = c.vocab_size;
   int64_t row = 0;
   for (size_t s = 0; s < batch.size(); ++s) {
     const ForwardSequence& seq = batch[s];
     const int32_t s0 = seq.kv->num_positions();
     const int32_t m = static_cast<int32_t>(seq.tokens.size());
-    attn_seqs[s] = {absl::MakeConstSpan(seq.kv->block_table()), s0, m, static_cast<int32_t>(row)};
-    result.first_row.push_back(static_cast<int32_t>(logit_rows.size()));
+    rows.sequences[s] = {absl::MakeConstSpan(seq.kv->block_table()), s0, m, static_cast<int32_t>(row)};
+    result.first_row.push_back(static_cast<int32_t>(rows.logit_rows.size()));
     for (int32_t i = 0; i < m; ++i, ++row) {
       const int32_t pos = s0 + i;
-      positions[row] = pos;
-      blocks[row] = seq.kv->block_table()[pos / bs];
-      slots[row] = pos % bs;
+      rows.positions[row] = pos;
+      rows.blocks[row] = seq.kv->block_table()[pos / bs];
+      rows.slots[row] = pos % bs;
       // Row of this rank's vocabulary slice; another rank's token embeds
       // as zeros, and the all-reduce below makes it every rank's.
-      ids[row] = seq.tokens[i] - static_cast<int32_t>(ranges_.vocab.begin);
+      rows.ids[row] = seq.tokens[i] - static_cast<int32_t>(ranges_.vocab.begin);
       if (seq.logits == LogitsMode::kAll || (seq.logits == LogitsMode::kLast && i == m - 1)) {
-        logit_rows.push_back(row);
+        rows.logit_rows.push_back(row);
       }
     }
-    result.num_rows.push_back(static_cast<int32_t>(logit_rows.size()) - result.first_row.back());
+    result.num_rows.push_back(static_cast<int32_t>(rows.logit_rows.size()) - result.first_row.back());
   }
-  backend_->Embed(*embed_, ids.data(), T, x_.data());
-  if (sharded) {
+  backend_->Embed(*embed_, rows.ids.data(), T, x_.data());
+  if (ranges_.shard.size > 1) {
     if (absl::Status s = collective_->AllReduceSum(x_.data(), T * D); !s.ok()) return s;
   }
 
-  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(H)));
   // Request-sharded KV (spec.request_ranks > 1): this rank attends only for
   // the sequences in its block range, over every head.
-  const bool request_sharded = spec.request_ranks > 1;
-  std::vector<kernels::AttentionSequence> own_seqs;
-  if (request_sharded) {
+  rows.request_sharded = spec.request_ranks > 1;
+  if (rows.request_sharded) {
     for (size_t s = 0; s < batch.size(); ++s) {
-      if (batch[s].kv->rank() == ranges_.shard.rank) own_seqs.push_back(attn_seqs[s]);
+      if (batch[s].kv->rank() == ranges_.shard.rank) rows.own_sequences.push_back(rows.sequences[s]);
     }
     for (auto [a, n] : {std::pair{&all_qkv_, T * (c.QDim() + 2 * c.KvDim())}, {&all_q_, T * c.QDim()},
                         {&all_k_, T * c.KvDim()}, {&all_v_, T * c.KvDim()}, {&all_attn_, T * c.QDim()}}) {
       if (absl::Status s = a->Grow(static_cast<size_t>(n)); !s.ok()) return s;
     }
   } else {
-    own_seqs = attn_seqs;
+    rows.own_sequences = rows.sequences;
   }
+  return absl::OkStatus();
+}
+
+absl::Status Model::AttentionHalf(int64_t l, const KvStorage& kv_storage, const StepRows& rows,
+                                  const ForwardOptions& options, bool sync_layer_kv, ForwardResult& result) {
+  const ModelConfig& c = config_;
+  const int64_t T = rows.tokens, D = c.hidden_size;
+  const int32_t H = static_cast<int32_t>(c.head_dim);
+  const int32_t num_heads = static_cast<int32_t>(ranges_.q_heads.size());
+  const int32_t num_kv_heads = static_cast<int32_t>(ranges_.kv_heads.size());
+  const int64_t Qd = num_heads * H, KVd = num_kv_heads * H;
+  const bool request_sharded = rows.request_sharded;
   const float eps = static_cast<float>(c.rms_norm_eps);
   constexpr size_t kF = sizeof(float);
-  for (int64_t l = 0; l < c.num_layers; ++l) {
-    const Layer& layer = layers_[l];
-    backend_->RmsNorm(x_.data(), layer.input_norm.data(), T, D, eps, xn_.data());
-    backend_->Linear(*layer.qkv, xn_.data(), T, layer.qkv_bias.empty() ? nullptr : layer.qkv_bias.data(),
-                     qkv_.data(), false);
-    const int64_t ld = Qd + 2 * KVd;
-    backend_->Copy2D(q_.data(), Qd * kF, qkv_.data(), ld * kF, Qd * kF, T);
-    backend_->Copy2D(k_.data(), KVd * kF, qkv_.data() + Qd, ld * kF, KVd * kF, T);
-    backend_->Copy2D(v_.data(), KVd * kF, qkv_.data() + Qd + KVd, ld * kF, KVd * kF, T);
-    backend_->Rope(q_.data(), T, num_heads, H, positions.data(), rope_cos_.data(), rope_sin_.data());
-    backend_->Rope(k_.data(), T, num_kv_heads, H, positions.data(), rope_cos_.data(), rope_sin_.data());
-    const kernels::KvLayerView kv = kv_storage.LayerView(static_cast<int32_t>(l));
-    if (request_sharded) {
-      // Every head of every row, then this rank's requests' new KV.
-      if (absl::Status s = GatherAllHeads(T); !s.ok()) return s;
-      for (const kernels::AttentionSequence& seq : own_seqs) {
-        const int64_t at = seq.row_offset;
-        backend_->WriteKv(kv, static_cast<int32_t>(c.num_kv_heads), H, all_k_.data() + at * c.KvDim(),
-                          all_v_.data() + at * c.KvDim(), seq.num_new, blocks.data() + at, slots.data() + at);
-      }
-    } else {
-      backend_->WriteKv(kv, num_kv_heads, H, k_.data(), v_.data(), T, blocks.data(), slots.data());
+  const Layer& layer = layers_[l];
+  backend_->RmsNorm(x_.data(), layer.input_norm.data(), T, D, eps, xn_.data());
+  backend_->Linear(*layer.qkv, xn_.data(), T, layer.qkv_bias.empty() ? nullptr : layer.qkv_bias.data(), qkv_.data(),
+                   false);
+  const int64_t ld = Qd + 2 * KVd;
+  backend_->Copy2D(q_.data(), Qd * kF, qkv_.data(), ld * kF, Qd * kF, T);
+  backend_->Copy2D(k_.data(), KVd * kF, qkv_.data() + Qd, ld * kF, KVd * kF, T);
+  backend_->Copy2D(v_.data(), KVd * kF, qkv_.data() + Qd + KVd, ld * kF, KVd * kF, T);
+  backend_->Rope(q_.data(), T, num_heads, H, rows.positions.data(), rope_cos_.data(), rope_sin_.data());
+  backend_->Rope(k_.data(), T, num_kv_heads, H, rows.positions.data(), rope_cos_.data(), rope_sin_.data());
+  const kernels::KvLayerView kv = kv_storage.LayerView(static_cast<int32_t>(l));
+  if (request_sharded) {
+    // Every head of every row, then this rank's requests' new KV.
+    if (absl::Status s = GatherAllHeads(T); !s.ok()) return s;
+    for (const kernels::AttentionSequence& seq : rows.own_sequences) {
+      const int64_t at = seq.row_offset;
+      backend_->WriteKv(kv, static_cast<int32_t>(c.num_kv_heads), H, all_k_.data() + at * c.KvDim(),
+                        all_v_.data() + at * c.KvDim(), seq.num_new, rows.blocks.data() + at,
+                        rows.slots.data() + at);
     }
-    if (sync_layer_kv) {
-      if (absl::Status s = collective_->Barrier(); !s.ok()) return s;
-    }
-    if (options.on_layer_kv_written) {
-      // The layer's KV must be in the pool before a handoff reads it.
-      backend_->Synchronize();
-      options.on_layer_kv_written(static_cast<int32_t>(l));
-    }
-    // Head-sharded: this rank's heads of every row; request-sharded: every
-    // head of its own requests' rows (the other rows stay zero).
-    if (request_sharded) backend_->Zero(all_attn_.data(), T * c.QDim() * kF);
-    if (!own_seqs.empty()) {
-      const auto attention_start = std::chrono::steady_clock::now();
-      backend_->Attention(kernels::AttentionBatch{
-          .q = request_sharded ? all_q_.data() : q_.data(),
-          .out = request_sharded ? all_attn_.data() : attn_.data(),
-          .sequences = own_seqs,
-          .kv = kv,
-          .num_heads = request_sharded ? static_cast<int32_t>(c.num_heads) : num_heads,
-          .num_kv_heads = request_sharded ? static_cast<int32_t>(c.num_kv_heads) : num_kv_heads,
-          .head_dim = H,
-          .scale = scale,
-          .group_shared_blocks = options.group_shared_kv,
-          .kv_bytes_read = &result.kv_bytes_read,
-          .same_sequences_as_previous = l > 0,
-      });
-      result.attention_seconds +=
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - attention_start).count();
-      // The next layer attends over the same sequences: its KV may come
-      // closer while this layer's MLP and its QKV product run.
-      if (l + 1 < c.num_layers) backend_->PrefetchKv(kv_storage.LayerView(static_cast<int32_t>(l + 1)), own_seqs);
-    }
-    if (request_sharded) {
-      if (absl::Status s = TakeOwnHeads(T); !s.ok()) return s;
-    }
-    if (absl::Status s = RowParallel(*layer.o, attn_.data(), T, x_.data()); !s.ok()) return s;
-    backend_->RmsNorm(x_.data(), layer.post_norm.data(), T, D, eps, xn_.data());
-    backend_->Linear(*layer.gate_up, xn_.data(), T, nullptr, gate_up_.data(), false);
-    backend_->SiluMul(gate_up_.data(), T, F, act_.data());
-    if (absl::Status s = RowParallel(*layer.down, act_.data(), T, x_.data()); !s.ok()) return s;
+  } else {
+    backend_->WriteKv(kv, num_kv_heads, H, k_.data(), v_.data(), T, rows.blocks.data(), rows.slots.data());
   }
-  if (options.advance_positions) {
-    for (size_t s = 0; s < batch.size(); ++s) {
-      SequenceKv& kv = *batch[s].kv;
-      kv.SetNumPositions(kv.num_positions() + static_cast<int32_t>(batch[s].tokens.size()));
+  if (sync_layer_kv) {
+    if (absl::Status s = collective_->Barrier(); !s.ok()) return s;
+  }
+  if (options.on_layer_kv_written) {
+    // The layer's KV must be in the pool before a handoff reads it.
+    backend_->Synchronize();
+    options.on_layer_kv_written(static_cast<int32_t>(l));
+  }
+  // Head-sharded: this rank's heads of every row; request-sharded: every
+  // head of its own requests' rows (the other rows stay zero).
+  if (request_sharded) backend_->Zero(all_attn_.data(), T * c.QDim() * kF);
+  if (!rows.own_sequences.empty()) {
+    const auto attention_start = std::chrono::steady_clock::now();
+    backend_->Attention(kernels::AttentionBatch{
+        .q = request_sharded ? all_q_.data() : q_.data(),
+        .out = request_sharded ? all_attn_.data() : attn_.data(),
+        .sequences = rows.own_sequences,
+        .kv = kv,
+        .num_heads = request_sharded ? static_cast<int32_t>(c.num_heads) : num_heads,
+        .num_kv_heads = request_sharded ? static_cast<int32_t>(c.num_kv_heads) : num_kv_heads,
+        .head_dim = H,
+        .scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(H))),
+        .group_shared_blocks = options.group_shared_kv,
+        .kv_bytes_read = &result.kv_bytes_read,
+        .same_sequences_as_previous = l > 0,
+    });
+    result.attention_seconds +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - attention_start).count();
+    // The next layer attends over the same sequences: its KV may come
+    // closer while this layer's MLP and its QKV product run.
+    if (l + 1 < c.num_layers) {
+      backend_->PrefetchKv(kv_storage.LayerView(static_cast<int32_t>(l + 1)), rows.own_sequences);
     }
   }
+  if (request_sharded) {
+    if (absl::Status s = TakeOwnHeads(T); !s.ok()) return s;
+  }
+  return RowParallel(*layers_[l].o, attn_.data(), T, x_.data());
+}
 
+absl::Status Model::MlpHalf(int64_t l, int64_t rows) {
+  const Layer& layer = layers_[l];
+  const int64_t D = config_.hidden_size, F = ranges_.ffn.size();
+  backend_->RmsNorm(x_.data(), layer.post_norm.data(), rows, D, static_cast<float>(config_.rms_norm_eps), xn_.data());
+  backend_->Linear(*layer.gate_up, xn_.data(), rows, nullptr, gate_up_.data(), false);
+  backend_->SiluMul(gate_up_.data(), rows, F, act_.data());
+  return RowParallel(*layer.down, act_.data(), rows, x_.data());
+}
+
+absl::Status Model::EndStep(const StepRows& rows, ForwardResult& result) {
+  const ModelConfig& c = config_;
+  const int64_t D = c.hidden_size;
+  constexpr size_t kF = sizeof(float);
+  const std::vector<int64_t>& logit_rows = rows.logit_rows;
   const int64_t R = static_cast<int64_t>(logit_rows.size());
   result.logits.resize(R * c.vocab_size);
   if (R > 0) {
@@ -594,14 +640,14 @@ absl::StatusOr<ForwardResult> Model::ForwardShard(const KvStorage& kv_storage, a
       backend_->Copy2D(xn_.data() + i * D, D * kF, x_.data() + logit_rows[i] * D, D * kF, n * D * kF, 1);
       i += n;
     }
-    backend_->RmsNorm(xn_.data(), final_norm_.data(), R, D, eps, xn_.data());
+    backend_->RmsNorm(xn_.data(), final_norm_.data(), R, D, static_cast<float>(c.rms_norm_eps), xn_.data());
     // Host-addressable memory takes the logits in place.
     float* logits = result.logits.data();
     if (!backend_->HostAddressable()) {
       if (absl::Status s = logits_.Grow(R * c.vocab_size); !s.ok()) return s;
       logits = logits_.data();
     }
-    if (!sharded) {
+    if (ranges_.shard.size <= 1) {
       backend_->Linear(*lm_head_, xn_.data(), R, nullptr, logits, false);
     } else if (absl::Status s = GatherLogits(R, logits); !s.ok()) {
       return s;
@@ -612,8 +658,7 @@ absl::StatusOr<ForwardResult> Model::ForwardShard(const KvStorage& kv_storage, a
   } else {
     backend_->Synchronize();
   }
-  if (absl::Status s = backend_->status(); !s.ok()) return s;
-  return result;
+  return backend_->status();
 }
 
 absl::Status Model::GatherAllHeads(int64_t T) {

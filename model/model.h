@@ -159,6 +159,22 @@ class Model {
   // rank 0's on_layer_kv_written sees every rank's.
   absl::StatusOr<ForwardResult> ForwardShard(const KvStorage& kv, absl::Span<const ForwardSequence> batch,
                                              const ForwardOptions& options, bool sync_layer_kv = false);
+  // ForwardShard's steps. A step's rows (model.cc): each token's position,
+  // KV block and slot, its embedding row, the rows that give logits and
+  // the sequences this rank attends for.
+  struct StepRows;
+  // The RoPE tables and the activation buffers sized for the step, its
+  // rows laid out, and the embeddings of its tokens in x_.
+  absl::Status BeginStep(const KvStorage& kv, absl::Span<const ForwardSequence> batch, StepRows& rows,
+                         ForwardResult& result);
+  // Layer `l`'s attention half: norm, QKV, RoPE, the KV written to the
+  // pool, attention, and the output projection added to x_.
+  absl::Status AttentionHalf(int64_t l, const KvStorage& kv, const StepRows& rows, const ForwardOptions& options,
+                             bool sync_layer_kv, ForwardResult& result);
+  // Layer `l`'s MLP half, added to x_.
+  absl::Status MlpHalf(int64_t l, int64_t rows);
+  // The final norm and the LM head over the rows that give logits.
+  absl::Status EndStep(const StepRows& rows, ForwardResult& result);
   size_t ShardWeightBytes() const;
   size_t ShardWeightBytesPerStep() const;
   absl::Status LoadWeights(class Checkpoint& ckpt, DType storage);

@@ -39,6 +39,12 @@ int64_t Placement::CachedTokens(const Worker& w, PromptChains& chains) {
   return static_cast<int64_t>(index_->MatchBlocks(w.address(), chain, options_.clock())) * scheme->block_size;
 }
 
+Assignment Placement::AssignPrefill(WorkerPtr p, PromptChains& chains) {
+  const int64_t queued = chains.size() - CachedTokens(*p, chains);
+  Expect(*p, chains);
+  return Assignment(std::move(p), queued);
+}
+
 void Placement::Expect(const Worker& w, PromptChains& chains) {
   index_->Expect(w.address(), chains.For(w.report().prefix_hash), options_.clock(), options_.prefix_expect);
 }

@@ -20,6 +20,7 @@
 #include "absl/types/span.h"
 #include "kv/block_hash.h"
 #include "router/admission.h"
+#include "router/assignment.h"
 #include "router/decode_room.h"
 #include "router/measured.h"
 #include "router/prefix_index.h"
@@ -125,6 +126,13 @@ class Placement {
   int64_t CachedTokens(const Worker& w, PromptChains& chains);
   // The context is on its way to `w`: count its blocks there for a while.
   void Expect(const Worker& w, PromptChains& chains);
+  // The context's prefill goes to `p`: its blocks are expected there, and
+  // the Assignment holds one of p's in_flight and, on its queue, the tokens
+  // p will compute (the context less what p holds cached) until the first
+  // token comes back or it is released.
+  Assignment AssignPrefill(WorkerPtr p, PromptChains& chains);
+  // A Decode call goes to `d`: the Assignment holds one of its in_flight.
+  static Assignment AssignDecode(WorkerPtr d) { return Assignment(std::move(d), 0); }
   // What admission weighs for `placed`.
   AdmissionRequest AdmissionInputs(const Placed& placed, PromptChains& chains, int64_t min_samples);
 

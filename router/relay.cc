@@ -341,7 +341,7 @@ RelayState Relay::Place() {
                                 : PrefillPlacement::kPrefillPool);
     timings_.set_local_prefill(local_ && !colocated);
   }
-  decode_load_ = Assignment(d, 0);
+  decode_load_ = Placement::AssignDecode(d);
   OpenDecode(context_.transport->Decode(*d, requests_.DecodeRequest(local_), deadline_));
   decode_expected_ = true;
   if (local_) return RelayState::kDecode;
@@ -381,9 +381,7 @@ RelayState Relay::Prefill() {
   const int64_t context_tokens = chains.size();
   // Its queue grows by what it will compute; its cache will hold the
   // context's blocks (counted until its own events say so).
-  const int64_t queued = context_tokens - context_.placement->CachedTokens(p, chains);
-  context_.placement->Expect(p, chains);
-  Assignment prefill_load(prefill_, queued);
+  Assignment prefill_load = context_.placement->AssignPrefill(prefill_, chains);
   // This attempt's grant: only p may reserve on d for it, once, until it
   // expires. A retry or a migration is a new attempt.
   const worker::v1::PrefillRequest preq =

@@ -51,6 +51,32 @@ TEST(PlacementTest, OnlyServingWorkersNotFailedForThisRequestArePicked) {
   EXPECT_EQ(failed.last_address(), "d2");
 }
 
+TEST(PlacementTest, AnAssignedPrefillQueuesTheTokensItWillComputeUntilReleased) {
+  InProcessRouter rig;
+  FakeWorker& p0 = rig.AddWorker(Role::kPrefill, "p0");
+  p0.prefix_hash = HashScheme{ModelIdentity{1, 2}, DType::kF32, p0.kv_block_size};
+  const GenerationRequest req = InProcessRouter::Request(10);
+  p0.kv_events = Stored(p0, req.prompt, 2);  // 32 of 40 cached: 8 to compute
+  rig.AddWorker(Role::kDecode, "d0");
+  rig.ProbeAll();
+  PromptChains chains(req.prompt);
+  const WorkerPtr p = rig.Find(Role::kPrefill, "p0");
+  const WorkerPtr d = rig.Find(Role::kDecode, "d0");
+  {
+    Assignment prefill = rig.placement->AssignPrefill(p, chains);
+    Assignment decode = Placement::AssignDecode(d);
+    EXPECT_EQ(p->in_flight.load(), 1);
+    EXPECT_EQ(p->queued_tokens.load(), 8);
+    EXPECT_EQ(d->in_flight.load(), 1);
+    EXPECT_EQ(rig.placement->CachedTokens(*p, chains), 32);
+    prefill.DequeueTokens();  // the first token came back
+    EXPECT_EQ(p->queued_tokens.load(), 0);
+    EXPECT_EQ(p->in_flight.load(), 1);
+  }
+  EXPECT_EQ(p->in_flight.load(), 0);
+  EXPECT_EQ(d->in_flight.load(), 0);
+}
+
 TEST(PlacementTest, AFailedWorkerThatRestartedMayServeTheRequestAgain) {
   InProcessRouter rig;
   FakeWorker& d0 = rig.AddWorker(Role::kDecode, "d0");

@@ -167,8 +167,6 @@ class DecodeCall final : public OneWriteStream<DecodeEvent>,
     {
       absl::MutexLock lock(&mu_);
       WriteDoneLocked();
-      service_->timer_.Cancel(stall_timer_);
-      stall_timer_ = 0;
       if (!ok && !abort_.has_value()) {
         abort_ = grpc::Status(grpc::StatusCode::CANCELLED, "the caller went away");
         if (!end_.has_value()) cancel = request_;
@@ -193,10 +191,18 @@ class DecodeCall final : public OneWriteStream<DecodeEvent>,
 
   // A write has been outstanding for stall_timeout: the client is not
   // reading (its flow-control window stays full).
-  void OnStallDeadline(uint64_t write) {
+  // The call's one stall entry came due: a write still outstanding since
+  // before the deadline is stalled; a later one moves the entry on.
+  void OnStallDeadline() {
     {
       absl::MutexLock lock(&mu_);
-      if (!writing() || finishing() || writes_ != write) return;
+      stall_timer_ = 0;
+      if (!writing() || finishing()) return;  // the next write arms it again
+      const absl::Time deadline = write_started_ + options_.stall_timeout;
+      if (service_->timer_.Now() < deadline) {
+        ArmStallLocked(deadline);
+        return;
+      }
     }
     service_->stalled_streams_.fetch_add(1);
     LogEvent("warning", "stream_stalled", {{"request_id", RequestIdForLog()}, {"why", "write stalled"}});
@@ -216,6 +222,8 @@ class DecodeCall final : public OneWriteStream<DecodeEvent>,
       absl::MutexLock lock(&mu_);
       done_ = true;
       r = std::move(request_);  // The engine may still hold it (and us) a little longer.
+      service_->timer_.Cancel(stall_timer_);
+      stall_timer_ = 0;
     }
     r.reset();
     service_->Forget(this);
@@ -318,13 +326,19 @@ class DecodeCall final : public OneWriteStream<DecodeEvent>,
   }
 
   // A write, with its own stall deadline.
+  // A write costs a clock read: the call keeps one timer entry, armed at
+  // its first write and moved on when it comes due while writes complete,
+  // instead of an entry scheduled and cancelled for every message.
   Action StartWriteLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    const uint64_t write = ++writes_;
-    std::weak_ptr<DecodeCall> weak = weak_from_this();
-    stall_timer_ = service_->timer_.At(service_->timer_.Now() + options_.stall_timeout, [weak, write] {
-      if (std::shared_ptr<DecodeCall> c = weak.lock()) c->OnStallDeadline(write);
-    });
+    write_started_ = service_->timer_.Now();
+    if (stall_timer_ == 0) ArmStallLocked(write_started_ + options_.stall_timeout);
     return WriteLocked();
+  }
+  void ArmStallLocked(absl::Time when) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    std::weak_ptr<DecodeCall> weak = weak_from_this();
+    stall_timer_ = service_->timer_.At(when, [weak] {
+      if (std::shared_ptr<DecodeCall> c = weak.lock()) c->OnStallDeadline();
+    });
   }
 
   DecodeService* const service_;
@@ -335,8 +349,8 @@ class DecodeCall final : public OneWriteStream<DecodeEvent>,
 
   std::shared_ptr<engine::Request> request_ ABSL_GUARDED_BY(mu_);
   std::vector<TokenEvent> pending_ ABSL_GUARDED_BY(mu_);
-  uint64_t writes_ ABSL_GUARDED_BY(mu_) = 0;        // Writes started.
-  Timer::Id stall_timer_ ABSL_GUARDED_BY(mu_) = 0;  // The outstanding write's.
+  absl::Time write_started_ ABSL_GUARDED_BY(mu_);   // The latest write's start.
+  Timer::Id stall_timer_ ABSL_GUARDED_BY(mu_) = 0;  // The call's stall entry (0: none).
   std::optional<absl::Status> end_ ABSL_GUARDED_BY(mu_);     // From the engine (or EndHere).
   std::optional<grpc::Status> abort_ ABSL_GUARDED_BY(mu_);   // Ends the RPC with this.
   bool final_sent_ ABSL_GUARDED_BY(mu_) = false;

@@ -61,7 +61,7 @@ std::optional<absl::Time> Relay::LifeDeadline(absl::Time from) const {
 
 void Relay::Cancel() {
   // Once is enough: streams opened later cancel themselves (OpenDecode,
-  // OpenPrefill), and the watcher calls again every round until Run ends.
+  // OpenPrefill).
   if (client_cancelled_.exchange(true, std::memory_order_relaxed)) return;
   if (context_.queue != nullptr) context_.queue->WakeCancelled();  // ends its wait if it is queued
   if (context_.pool != nullptr) context_.pool->WakeWaiters();       // and its wait for a worker

@@ -136,7 +136,7 @@ class Relay {
   // The client went away: ends every call in progress. Thread-safe.
   void Cancel();
   // Also asked whether the client went away, wherever the relay checks
-  // (a server context's IsCancelled). Set before Run.
+  // (the HTTP front's view of its connection). Set before Run.
   void set_cancel_check(std::function<bool()> check) { cancel_check_ = std::move(check); }
   // The API key it came with: the queue takes keys in turn. Set before Run.
   void set_queue_key(std::string key) { queue_key_ = std::move(key); }

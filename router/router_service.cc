@@ -4,10 +4,12 @@
 #include <chrono>
 #include <cmath>
 #include <fstream>
+#include <system_error>
+#include <thread>
 #include <utility>
 
-#include "absl/hash/hash.h"
 #include "absl/strings/numbers.h"
+#include "absl/synchronization/notification.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "grpcpp/grpcpp.h"
@@ -33,12 +35,145 @@ int64_t ProcStatusBytes(absl::string_view field) {
   return 0;
 }
 
-std::optional<absl::Time> DeadlineOf(const grpc::ServerContext& ctx) {
+std::optional<absl::Time> DeadlineOf(const grpc::ServerContextBase& ctx) {
   if (ctx.deadline() == std::chrono::system_clock::time_point::max()) return std::nullopt;
   return absl::FromChrono(ctx.deadline());
 }
 
+// A generation's own thread. The reactor that owns it is deleted in its
+// OnDone, which gRPC runs after the thread's last act (Finish); OnDone
+// waits for the thread to return, or lets it go when it runs on it.
+class CallThread {
+ public:
+  ~CallThread() {
+    if (!thread_.joinable()) return;
+    if (thread_.get_id() == std::this_thread::get_id()) {
+      thread_.detach();
+    } else {
+      thread_.join();
+    }
+  }
+  // False when no thread could be started (logged). The body waits until
+  // thread_ holds its thread: a body that ends the call at once may have
+  // its reactor deleted, and this joined, before Start returns.
+  bool Start(std::function<void()> body) {
+    try {
+      thread_ = std::thread([this, body = std::move(body)] {
+        started_.WaitForNotification();
+        body();
+      });
+    } catch (const std::system_error& e) {
+      LogEvent("warning", "generation_thread_start_failed", {{"error", e.what()}});
+      return false;
+    }
+    started_.Notify();
+    return true;
+  }
+
+ private:
+  absl::Notification started_;
+  std::thread thread_;
+};
+
+const grpc::Status kNoThread(grpc::StatusCode::RESOURCE_EXHAUSTED, "no thread could be started for the generation");
+
 }  // namespace
+
+void ClientCancel::Attach(Relay* relay) {
+  absl::MutexLock lock(&mu_);
+  relay_ = relay;
+  if (cancelled_) relay_->Cancel();
+}
+
+void ClientCancel::Detach() {
+  absl::MutexLock lock(&mu_);
+  relay_ = nullptr;
+}
+
+void ClientCancel::Cancel() {
+  absl::MutexLock lock(&mu_);
+  cancelled_ = true;
+  if (relay_ != nullptr) relay_->Cancel();
+}
+
+// Generate: every message is written as the relay emits it. The relay's
+// thread waits for each write to complete, as a synchronous writer would,
+// so the client's flow control holds the relay back.
+class RouterService::StreamedCall final : public grpc::ServerWriteReactor<v1::GenerateResponse> {
+ public:
+  StreamedCall(RouterService* service, grpc::CallbackServerContext* ctx, const v1::GenerateRequest* req)
+      : service_(service), ctx_(ctx), req_(req) {
+    if (!thread_.Start([this] { Body(); })) Finish(kNoThread);
+  }
+  void OnWriteDone(bool ok) override {
+    absl::MutexLock lock(&mu_);
+    writing_ = false;
+    write_ok_ = ok;
+  }
+  void OnCancel() override { cancel_.Cancel(); }
+  void OnDone() override { delete this; }
+
+ private:
+  void Body() {
+    Finish(service_->Run(ctx_, *req_, Reply::kStreamed, [this](const v1::GenerateResponse& m) { return Write(m); },
+                         &cancel_));
+  }
+  bool Write(const v1::GenerateResponse& m) {
+    absl::MutexLock lock(&mu_);
+    message_ = m;  // kept until OnWriteDone
+    writing_ = true;
+    StartWrite(&message_);
+    mu_.Await(absl::Condition(
+        +[](bool* writing) { return !*writing; }, &writing_));
+    return write_ok_;
+  }
+
+  RouterService* const service_;
+  grpc::CallbackServerContext* const ctx_;
+  const v1::GenerateRequest* const req_;
+  ClientCancel cancel_;
+  absl::Mutex mu_;
+  v1::GenerateResponse message_ ABSL_GUARDED_BY(mu_);
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool write_ok_ ABSL_GUARDED_BY(mu_) = true;
+  CallThread thread_;  // last: joined (in OnDone's delete) before the rest goes
+};
+
+// Complete: the reply is gathered whole and sent at the end.
+class RouterService::WholeCall final : public grpc::ServerUnaryReactor {
+ public:
+  WholeCall(RouterService* service, grpc::CallbackServerContext* ctx, const v1::GenerateRequest* req,
+            v1::CompleteResponse* out)
+      : service_(service), ctx_(ctx), req_(req), out_(out) {
+    if (!thread_.Start([this] { Body(); })) Finish(kNoThread);
+  }
+  void OnCancel() override { cancel_.Cancel(); }
+  void OnDone() override { delete this; }
+
+ private:
+  void Body() {
+    out_->set_request_id(req_->request_id());
+    Finish(service_->Run(ctx_, *req_, Reply::kWhole, [this](const v1::GenerateResponse& m) { return Add(m); },
+                         &cancel_));
+  }
+  bool Add(const v1::GenerateResponse& m) {
+    if (m.has_chunk()) {
+      out_->mutable_token_ids()->Add(m.chunk().token_ids().begin(), m.chunk().token_ids().end());
+      out_->mutable_text()->append(m.chunk().text());
+      for (const auto& lp : m.chunk().logprobs()) *out_->add_logprobs() = lp;
+    } else if (m.has_final()) {
+      *out_->mutable_final() = m.final();
+    }
+    return true;
+  }
+
+  RouterService* const service_;
+  grpc::CallbackServerContext* const ctx_;
+  const v1::GenerateRequest* const req_;
+  v1::CompleteResponse* const out_;
+  ClientCancel cancel_;
+  CallThread thread_;  // last: joined (in OnDone's delete) before the rest goes
+};
 
 RouterService::RouterService(RouterOptions options) : options_(std::move(options)) {}
 
@@ -187,44 +322,17 @@ absl::StatusOr<std::unique_ptr<RouterService>> RouterService::Create(RouterOptio
   rc.next_id = &r->next_request_;
   rc.grant_key = o.grant_key;
   rc.grant_ttl = o.grant_ttl;
-  r->watcher_ = std::thread([raw] { raw->WatchLoop(); });
   return r;
 }
 
-RouterService::~RouterService() {
-  {
-    absl::MutexLock lock(&stop_mu_);
-    stop_ = true;
-  }
-  if (watcher_.joinable()) watcher_.join();
-}
+// The server ends every call (and so every generation's thread) before
+// the service goes.
+RouterService::~RouterService() = default;
 
 absl::Status RouterService::WaitForWorkers(absl::Duration timeout) {
   std::vector<Role> pools = {Role::kDecode};
   if (!options_.colocated) pools.insert(pools.begin(), Role::kPrefill);
   return pool_->WaitForWorkers(timeout, pools, /*need_kv_address=*/!options_.colocated);
-}
-
-RouterService::WatchShard& RouterService::ShardOf(const Relay* relay) {
-  // Relays live at the same offset of every handler thread's stack, so the
-  // address is mixed before it picks a shard (in-process only).
-  return watch_shards_[absl::Hash<const Relay*>{}(relay) % kWatchShards];
-}
-
-void RouterService::WatchLoop() {
-  while (true) {
-    {
-      absl::MutexLock lock(&stop_mu_);
-      auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(stop_mu_) { return stop_; };
-      if (stop_mu_.AwaitWithTimeout(absl::Condition(&stopping), absl::Milliseconds(10))) return;
-    }
-    for (WatchShard& shard : watch_shards_) {
-      absl::MutexLock lock(&shard.mu);
-      for (const auto& [relay, server] : shard.relays) {
-        if (server->IsCancelled()) relay->Cancel();
-      }
-    }
-  }
 }
 
 absl::StatusOr<std::string> RouterService::CheckKey(absl::string_view authorization, absl::string_view peer) {
@@ -276,7 +384,7 @@ absl::StatusOr<KeyLease> RouterService::AdmitKey(absl::string_view authorization
   return lease.status();
 }
 
-grpc::Status RouterService::Authenticate(grpc::ServerContext* ctx) {
+grpc::Status RouterService::Authenticate(grpc::ServerContextBase* ctx) {
   if (api_keys_ == nullptr) return grpc::Status::OK;
   std::string authorization;
   const auto& md = ctx->client_metadata();
@@ -310,8 +418,8 @@ openai::HttpBackend RouterService::HttpBackend() {
   return b;
 }
 
-grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequest& req, Reply reply,
-                                const std::function<bool(const v1::GenerateResponse&)>& emit) {
+grpc::Status RouterService::Run(grpc::ServerContextBase* ctx, const v1::GenerateRequest& req, Reply reply,
+                                const std::function<bool(const v1::GenerateResponse&)>& emit, ClientCancel* cancel) {
   const absl::Time received = relay_context_.options.clock();  // TTFT counts tokenizing too
   // Refused before any tokenization or placement; the lease is held to the end.
   std::string authorization;
@@ -343,43 +451,24 @@ grpc::Status RouterService::Run(grpc::ServerContext* ctx, const v1::GenerateRequ
   }
   if (options_.prefix_cache_scope == PrefixCacheScope::kPerKey) resolved->cache_salt = CacheSaltForKey(lease->id());
   Relay relay(relay_context_, *std::move(resolved), req.request_id(), DeadlineOf(*ctx), received);
-  relay.set_cancel_check([ctx] { return ctx->IsCancelled(); });
   relay.set_queue_key(lease->id());
-  {
-    WatchShard& shard = ShardOf(&relay);
-    absl::MutexLock lock(&shard.mu);
-    shard.relays.emplace(&relay, ctx);
-  }
+  cancel->Attach(&relay);
   const absl::Status st = relay.Run(emit);
-  {
-    WatchShard& shard = ShardOf(&relay);
-    absl::MutexLock lock(&shard.mu);
-    shard.relays.erase(&relay);
-  }
+  cancel->Detach();
   if (auto retry = st.GetPayload(kRetryAfterPayload); retry.has_value()) {
     ctx->AddTrailingMetadata("retry-after", std::string(*retry));
   }
   return ToGrpcStatus(st);
 }
 
-grpc::Status RouterService::Generate(grpc::ServerContext* ctx, const v1::GenerateRequest* req,
-                                     grpc::ServerWriter<v1::GenerateResponse>* writer) {
-  return Run(ctx, *req, Reply::kStreamed, [writer](const v1::GenerateResponse& m) { return writer->Write(m); });
+grpc::ServerWriteReactor<v1::GenerateResponse>* RouterService::Generate(grpc::CallbackServerContext* ctx,
+                                                                        const v1::GenerateRequest* req) {
+  return new StreamedCall(this, ctx, req);
 }
 
-grpc::Status RouterService::Complete(grpc::ServerContext* ctx, const v1::GenerateRequest* req,
-                                     v1::CompleteResponse* out) {
-  out->set_request_id(req->request_id());
-  return Run(ctx, *req, Reply::kWhole, [out](const v1::GenerateResponse& m) {
-    if (m.has_chunk()) {
-      out->mutable_token_ids()->Add(m.chunk().token_ids().begin(), m.chunk().token_ids().end());
-      out->mutable_text()->append(m.chunk().text());
-      for (const auto& lp : m.chunk().logprobs()) *out->add_logprobs() = lp;
-    } else if (m.has_final()) {
-      *out->mutable_final() = m.final();
-    }
-    return true;
-  });
+grpc::ServerUnaryReactor* RouterService::Complete(grpc::CallbackServerContext* ctx, const v1::GenerateRequest* req,
+                                                  v1::CompleteResponse* out) {
+  return new WholeCall(this, ctx, req, out);
 }
 
 grpc::Status RouterService::ListModels(grpc::ServerContext* ctx, const v1::ListModelsRequest*,

@@ -14,6 +14,10 @@
 //
 // The service turns gRPC calls into relays, carries a client's
 // cancellation to the relay, and answers ListModels and ClusterStatus.
+// Generate and Complete use gRPC's callback API: each generation runs its
+// relay on a thread of its own (the relay blocks on its worker calls, and
+// a reactor's callbacks must not), and the client's cancel arrives as the
+// reactor's OnCancel, which ends the relay's calls at once.
 // With API keys on, every call needs a valid key (UNAUTHENTICATED, counted,
 // without one), ClusterStatus included: it shows the workers' addresses
 // and failures, and calls every worker.
@@ -22,13 +26,11 @@
 #ifndef PDSERVE_ROUTER_ROUTER_SERVICE_H_
 #define PDSERVE_ROUTER_ROUTER_SERVICE_H_
 
-#include <array>
 #include <atomic>
 #include <functional>
 #include <memory>
 #include <optional>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -123,15 +125,35 @@ struct RouterOptions {
   TlsFiles tls;
 };
 
-class RouterService final : public v1::Generation::Service {
+// Where a client's cancel meets its relay: OnCancel may come before the
+// relay exists, while it runs, or after it ended. Thread-safe.
+class ClientCancel {
+ public:
+  // The relay runs from now until Detach; a cancel that came first
+  // cancels it at once.
+  void Attach(Relay* relay);
+  void Detach();
+  void Cancel();
+
+ private:
+  absl::Mutex mu_;
+  Relay* relay_ ABSL_GUARDED_BY(mu_) = nullptr;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+// Generate and Complete are callback methods; the rest are synchronous.
+using GenerationServiceBase =
+    v1::Generation::WithCallbackMethod_Generate<v1::Generation::WithCallbackMethod_Complete<v1::Generation::Service>>;
+
+class RouterService final : public GenerationServiceBase {
  public:
   static absl::StatusOr<std::unique_ptr<RouterService>> Create(RouterOptions options);
   ~RouterService() override;
 
-  grpc::Status Generate(grpc::ServerContext* ctx, const v1::GenerateRequest* req,
-                        grpc::ServerWriter<v1::GenerateResponse>* writer) override;
-  grpc::Status Complete(grpc::ServerContext* ctx, const v1::GenerateRequest* req,
-                        v1::CompleteResponse* out) override;
+  grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(grpc::CallbackServerContext* ctx,
+                                                           const v1::GenerateRequest* req) override;
+  grpc::ServerUnaryReactor* Complete(grpc::CallbackServerContext* ctx, const v1::GenerateRequest* req,
+                                     v1::CompleteResponse* out) override;
   grpc::Status ListModels(grpc::ServerContext* ctx, const v1::ListModelsRequest* req,
                           v1::ListModelsResponse* out) override;
   grpc::Status ClusterStatus(grpc::ServerContext* ctx, const v1::ClusterStatusRequest* req,
@@ -159,33 +181,24 @@ class RouterService final : public v1::Generation::Service {
   const MetricsRegistry& metrics() const { return metrics_; }
 
  private:
-  // The requests being relayed, watched for their clients going away (the
-  // synchronous gRPC API tells of a cancel only when asked). Sharded by
-  // relay, so that a request's start and end lock one small shard while the
-  // watcher walks the others: one list under one lock, walked every 10 ms,
-  // held back thousands of requests arriving in a burst for seconds.
-  static constexpr size_t kWatchShards = 64;
-  struct WatchShard {
-    absl::Mutex mu;
-    absl::flat_hash_map<Relay*, grpc::ServerContext*> relays ABSL_GUARDED_BY(mu);
-  };
-  WatchShard& ShardOf(const Relay* relay);
+  class StreamedCall;
+  class WholeCall;
 
   explicit RouterService(RouterOptions options);
   // OK when keys are off or the client's "authorization" metadata holds a
   // valid key; else UNAUTHENTICATED (counted, and logged by key id only).
-  grpc::Status Authenticate(grpc::ServerContext* ctx);
+  grpc::Status Authenticate(grpc::ServerContextBase* ctx);
   // How a reply goes back: streamed as it goes, or held whole to the end
   // (then bounded by options_.max_reply_entries).
   enum class Reply { kStreamed, kWhole };
-  // Runs the request; `emit` gets every response message (false: stop).
-  grpc::Status Run(grpc::ServerContext* ctx, const v1::GenerateRequest& req, Reply reply,
-                   const std::function<bool(const v1::GenerateResponse&)>& emit);
+  // Runs the request on the calling thread; `emit` gets every response
+  // message (false: stop), and `cancel` carries the client's cancel to the
+  // relay while it runs.
+  grpc::Status Run(grpc::ServerContextBase* ctx, const v1::GenerateRequest& req, Reply reply,
+                   const std::function<bool(const v1::GenerateResponse&)>& emit, ClientCancel* cancel);
   void RegisterMetrics();
   // The capacities from the measurements and the pools now.
   MeasuredCapacity CurrentCapacity();
-  // Carries each client's cancellation to its relay's downstream calls.
-  void WatchLoop();
 
   RouterOptions options_;
   MetricsRegistry metrics_;
@@ -212,11 +225,6 @@ class RouterService final : public v1::Generation::Service {
   RelayContext relay_context_;
   std::atomic<int64_t> in_flight_{0};
   std::atomic<uint64_t> next_request_{1};
-
-  std::array<WatchShard, kWatchShards> watch_shards_;
-  absl::Mutex stop_mu_;
-  bool stop_ ABSL_GUARDED_BY(stop_mu_) = false;
-  std::thread watcher_;
 };
 
 }  // namespace pdserve::router

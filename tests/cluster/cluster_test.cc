@@ -366,5 +366,50 @@ TEST_F(ClusterTest, ServingBenchRunsAgainstTheClusterAndTheEngine) {
   }
 }
 
+// A cancelled call ends its relay at once, whether or not anything was
+// written to the client: the cancel arrives as the call's OnCancel. Each
+// step takes 80 ms, so the 400 tokens would take 32 s.
+TEST(SlowClusterTest, ACancelledCallEndsItsRelayAndFreesItsKvWhetherOrNotItWrote) {
+  Cluster c;
+  c.tls = false;
+  ASSERT_TRUE(c.Start(TempDir() + "/slow", /*colocated=*/false, {"--fault_step_delay_ms", "80"}).ok());
+  auto cancelled = [&c] {
+    return MetricValue(HttpGet(c.router_metrics(), "/metrics"), "pdserve_requests_total{outcome=\"cancelled\"}");
+  };
+  auto await_cancelled = [&](double n) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(5);
+    while (cancelled() < n && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(20));
+    return cancelled();
+  };
+  v1::GenerateRequest req = ClusterTest::Text("In the beginning", 400, 0.9f, 3);
+  req.set_ignore_eos(true);
+  {  // Complete: nothing is written before the end.
+    grpc::ClientContext ctx;
+    v1::CompleteResponse out;
+    grpc::Status st;
+    std::thread call([&] { st = c.stub()->Complete(&ctx, req, &out); });
+    const absl::Time deadline = absl::Now() + absl::Seconds(20);
+    while (c.Status().decode(0).kv_blocks_used() == 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(20));
+    EXPECT_GT(c.Status().decode(0).kv_blocks_used(), 0);
+    ctx.TryCancel();
+    call.join();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::CANCELLED);
+    EXPECT_EQ(await_cancelled(1), 1);
+    EXPECT_EQ(AllKvUsedAfterSettling(c), 0);  // 32 s of decode were it not cancelled
+  }
+  {  // Generate, cancelled while its prefill runs: before its first write.
+    grpc::ClientContext ctx;
+    auto reader = c.stub()->Generate(&ctx, req);
+    absl::SleepFor(absl::Milliseconds(30));
+    ctx.TryCancel();
+    v1::GenerateResponse m;
+    while (reader->Read(&m)) {
+    }
+    EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+    EXPECT_EQ(await_cancelled(2), 2);
+    EXPECT_EQ(AllKvUsedAfterSettling(c), 0);
+  }
+}
+
 }  // namespace
 }  // namespace pdserve

@@ -138,6 +138,7 @@ struct Front::Connection {
   bufferevent* bev = nullptr;  // one reference is the front's own
   evbuffer_cb_entry* input_cb = nullptr;
   event* timer = nullptr;   // the header or request deadline, or an immediate close
+  event* attach = nullptr;  // run once, in the turn that accepted the connection
   bool attached = false;    // the close callback is set on the connection
   bool over_cap = false;    // accepted beyond max_connections
   bool close_now = false;   // over the cap or the header budget: closed on the next turn
@@ -200,12 +201,18 @@ void Front::Closed(evhttp_connection* conn) {
 void Front::Add(event_base* base, bufferevent* bev) {
   auto owned = std::make_unique<Connection>();
   Connection& f = *owned;
-  // Held until the connection's close callback (or AttachPending finding
-  // it gone): libevent frees the bufferevent with the connection.
+  // Held until the connection's close callback: libevent frees the
+  // bufferevent with the connection.
   bufferevent_incref(bev);
   f.bev = bev;
   f.started = absl::Now();
   f.timer = evtimer_new(base, &Front::OnTimer, &f);
+  // libevent makes the connection around this bufferevent before the
+  // accepting callback returns, and reads from it only in a later turn:
+  // an event made active now sets the close callback in between, so a
+  // client that closes before sending a byte is let go by that callback.
+  f.attach = event_new(base, -1, 0, &Front::OnAttach, &f);
+  event_active(f.attach, EV_TIMEOUT, 0);
   f.input_cb = evbuffer_add_cb(bufferevent_get_input(bev), &Front::OnInput, &f);
   f.front = this;
   if (static_cast<int64_t>(connections_.size()) >= options_.max_connections) {
@@ -223,6 +230,7 @@ void Front::Release(Connection& f) {
   for (const Verdict& v : f.verdicts) held += v.reserved;
   budget_used_->fetch_sub(held);
   if (f.timer != nullptr) event_free(f.timer);
+  if (f.attach != nullptr) event_free(f.attach);
   evbuffer_remove_cb_entry(bufferevent_get_input(f.bev), f.input_cb);
   bufferevent* bev = f.bev;
   connections_.erase(bev);  // destroys f
@@ -255,13 +263,9 @@ bool Front::Attach(Connection& f) {
   return true;
 }
 
-// Connections that closed before sending a byte are let go here.
-void Front::AttachPending() {
-  std::vector<Connection*> pending;
-  for (auto& [bev, f] : connections_) {
-    if (!f->attached) pending.push_back(f.get());
-  }
-  for (Connection* f : pending) Attach(*f);
+void Front::OnAttach(evutil_socket_t, short, void* arg) {
+  auto& f = *static_cast<Connection*>(arg);
+  f.front->Attach(f);
 }
 
 Front::Verdict Front::TakeVerdict(evhttp_connection* conn) {

@@ -105,10 +105,6 @@ class Front {
   // front holds a reference to it until the connection closes.
   void Add(event_base* base, bufferevent* bev);
 
-  // Lets go of connections that closed before sending a byte (libevent
-  // made no connection for them to call back on close).
-  void AttachPending();
-
   // The next verdict for a request on `conn`, in libevent's order (a
   // request the front never saw: serve it).
   Verdict TakeVerdict(evhttp_connection* conn);
@@ -127,6 +123,7 @@ class Front {
   void Release(Connection& c);
   static evhttp_connection* ConnectionOf(const Connection& c);
   bool Attach(Connection& c);
+  static void OnAttach(evutil_socket_t, short, void* arg);
   static void OnClose(evhttp_connection* conn, void* arg);
   void Closed(evhttp_connection* conn);
   void ArmTimer(Connection& c);

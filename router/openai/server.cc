@@ -130,6 +130,7 @@ struct Call {
   // written (StreamWritten), and the call stays in conns_ until then.
   bool ending = false;
   bool queued = false;  // on the wake list (guarded by the server's wake_mu_)
+  event* watch = nullptr;  // on the client's socket while the generation runs
   std::string request_id;  // the client's X-Request-Id, echoed ("": none)
 
   // Between the generation's thread and the loop.
@@ -218,11 +219,7 @@ class HttpServer::Impl {
     }
     // The loop is stopped: this thread owns its state now. Every
     // generation still running is cancelled, then awaited.
-    for (auto& [conn, call] : conns_) {
-      call->gone.store(true);
-      absl::MutexLock lock(&call->mu);
-      if (call->relay != nullptr) call->relay->Cancel();
-    }
+    for (auto& [conn, call] : conns_) CancelCall(*call);
     {
       absl::MutexLock lock(&threads_mu_);
       threads_mu_.Await(absl::Condition(
@@ -233,7 +230,7 @@ class HttpServer::Impl {
     // Connections that never got as far as their close callback.
     front_.ReleaseAll();
     if (wake_event_ != nullptr) event_free(wake_event_);
-    if (check_event_ != nullptr) event_free(check_event_);
+    if (reload_event_ != nullptr) event_free(reload_event_);
     if (base_ != nullptr) event_base_free(base_);
     if (wake_fd_ >= 0) close(wake_fd_);
     if (ssl_ctx_ != nullptr) SSL_CTX_free(ssl_ctx_);
@@ -283,14 +280,12 @@ class HttpServer::Impl {
     if (wake_fd_ < 0) return absl::InternalError("eventfd failed");
     wake_event_ = event_new(base_, wake_fd_, EV_READ | EV_PERSIST, &Impl::OnWake, this);
     if (wake_event_ == nullptr || event_add(wake_event_, nullptr) != 0) return absl::InternalError("event_add failed");
-    // libevent reads nothing more from a connection while its request is
-    // being answered, so a client that goes away before the reply's first
-    // write would go unnoticed: the loop looks for the end of each such
-    // stream itself.
-    check_event_ = event_new(base_, -1, EV_PERSIST, &Impl::OnCheck, this);
-    const timeval period = {0, 50'000};
-    if (check_event_ == nullptr || event_add(check_event_, &period) != 0) {
-      return absl::InternalError("event_add failed");
+    if (ssl_ctx_ != nullptr) {
+      reload_event_ = event_new(base_, -1, EV_PERSIST, &Impl::OnReload, this);
+      const timeval period = {1, 0};
+      if (reload_event_ == nullptr || event_add(reload_event_, &period) != 0) {
+        return absl::InternalError("event_add failed");
+      }
     }
     loop_ = std::thread([this] { event_base_dispatch(base_); });
     return absl::OkStatus();
@@ -375,6 +370,7 @@ class HttpServer::Impl {
     conns_[conn] = call;
     open_->fetch_add(1);
     SetSocketOptions(conn, options_.socket_send_buffer);
+    Watch(*call);
     try {
       std::thread([this, call, chat = route == Route::kChat, body = std::move(body), authorization,
                    peer = Peer(conn), client_id = call->request_id]() mutable {
@@ -388,6 +384,7 @@ class HttpServer::Impl {
       // Out of threads (or memory for one): this request is refused and
       // the server goes on.
       LogEvent("warning", "http_thread_start_failed", {{"error", e.what()}});
+      Unwatch(*call);
       conns_.erase(conn);
       open_->fetch_sub(1);
       {
@@ -479,6 +476,7 @@ class HttpServer::Impl {
     if (it == conns_.end()) return;
     CallPtr call = it->second;
     conns_.erase(it);
+    Unwatch(*call);
     if (call->ending) {
       // The stream's last bytes were not all written. libevent detached
       // the request from the closing connection and frees it on this end
@@ -490,32 +488,57 @@ class HttpServer::Impl {
     // libevent keeps the request (detached from the connection) until
     // the reply is ended: Pump does that once the generation is done.
     call->conn = nullptr;
-    call->gone.store(true);
-    absl::MutexLock lock(&call->mu);
-    if (call->relay != nullptr) call->relay->Cancel();
+    CancelCall(*call);
     orphans_.push_back(std::move(call));
   }
 
-  // Every 50 ms: a call whose client closed its side (EOF or an error on
-  // the socket) is cancelled. (A client that half-closes after sending
-  // its request counts as gone.)
-  static void OnCheck(evutil_socket_t, short, void* arg) {
-    auto* self = static_cast<Impl*>(arg);
-    if (self->ssl_ctx_ != nullptr && ++self->checks_ % 20 == 0) self->ReloadCertificateIfChanged();
-    self->front_.AttachPending();
-    for (auto& [conn, call] : self->conns_) {
-      if (call->gone.load(std::memory_order_relaxed)) continue;
-      bufferevent* bev = evhttp_connection_get_bufferevent(conn);
-      const evutil_socket_t fd = bev == nullptr ? -1 : bufferevent_getfd(bev);
-      if (fd < 0) continue;
-      char byte;
-      const ssize_t n = recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
-      if (n > 0 || (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))) continue;
-      call->gone.store(true);
-      absl::MutexLock lock(&call->mu);
-      if (call->relay != nullptr) call->relay->Cancel();
-    }
+  // libevent reads nothing more from a connection while its request is
+  // being answered, so a client that goes away before the reply's first
+  // write would go unnoticed: the loop watches the socket itself while the
+  // generation runs.
+  void Watch(Call& call) {
+    bufferevent* bev = evhttp_connection_get_bufferevent(call.conn);
+    const evutil_socket_t fd = bev == nullptr ? -1 : bufferevent_getfd(bev);
+    if (fd < 0) return;
+    call.watch = event_new(base_, fd, EV_READ, &Impl::OnClientReadable, &call);
+    if (call.watch != nullptr) event_add(call.watch, nullptr);
   }
+
+  void Unwatch(Call& call) {
+    if (call.watch == nullptr) return;
+    event_free(call.watch);
+    call.watch = nullptr;
+  }
+
+  // The client's socket turned readable while its generation runs. An end
+  // of stream or an error: the client is gone (one that half-closes after
+  // sending its request counts as gone). Bytes (a pipelined request, which
+  // libevent reads only after this reply) end the watch, since the socket
+  // stays readable from then on; the reply's writes and the connection's
+  // close callback still see the client leave.
+  static void OnClientReadable(evutil_socket_t fd, short, void* arg) {
+    auto& call = *static_cast<Call*>(arg);
+    char byte;
+    const ssize_t n = recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+    if (n > 0) return;  // not re-added
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+      event_add(call.watch, nullptr);
+      return;
+    }
+    call.gone.store(true);
+    absl::MutexLock lock(&call.mu);
+    if (call.relay != nullptr) call.relay->Cancel();
+  }
+
+  // The generation's answer is no longer wanted.
+  void CancelCall(Call& call) {
+    Unwatch(call);
+    call.gone.store(true);
+    absl::MutexLock lock(&call.mu);
+    if (call.relay != nullptr) call.relay->Cancel();
+  }
+
+  static void OnReload(evutil_socket_t, short, void* arg) { static_cast<Impl*>(arg)->ReloadCertificateIfChanged(); }
 
   // Each new connection: its bufferevent (TLS over the socket libevent
   // accepted, with the context loaded last) and its front.
@@ -610,6 +633,7 @@ class HttpServer::Impl {
     if (!sse) {
       if (!done) return;
       call.finished = true;
+      Unwatch(call);
       conns_.erase(call.conn);
       open_->fetch_sub(1);
       Send(call.req, status, body, headers);
@@ -632,11 +656,7 @@ class HttpServer::Impl {
       if (static_cast<int64_t>(unsent + out.size()) > options_.max_buffered_bytes) {
         LogEvent("warning", "http_client_not_reading", {{"unsent_bytes", std::to_string(unsent)}});
         if (stalled_ != nullptr) stalled_->Add();
-        call.gone.store(true);
-        {
-          absl::MutexLock lock(&call.mu);
-          if (call.relay != nullptr) call.relay->Cancel();
-        }
+        CancelCall(call);
         evhttp_connection_set_timeout(call.conn, 5);
       }
     }
@@ -657,6 +677,7 @@ class HttpServer::Impl {
       if (done) {
         call.finished = true;
         call.ending = true;
+        Unwatch(call);
         evhttp_send_reply_chunk_with_cb(call.req, buf, &Impl::OnStreamWritten, this);
       } else {
         evhttp_send_reply_chunk(call.req, buf);
@@ -837,7 +858,7 @@ class HttpServer::Impl {
   int port_ = 0;
   int wake_fd_ = -1;
   event* wake_event_ = nullptr;
-  event* check_event_ = nullptr;
+  event* reload_event_ = nullptr;  // HTTPS: the certificate files are looked at every second
   std::thread loop_;
   std::atomic<bool> stopping_{false};
   std::atomic<bool> draining_{false};
@@ -846,7 +867,6 @@ class HttpServer::Impl {
   // came from.
   SSL_CTX* ssl_ctx_ = nullptr;
   FileStamp cert_stamp_, key_stamp_, failed_cert_, failed_key_;
-  uint64_t checks_ = 0;
 
   // The loop thread's: each connection's call in progress, and the calls
   // whose connection closed before they finished.

@@ -197,6 +197,8 @@ TEST(FrontLimitsTest, ConnectionsOverTheCapAreClosedAndCounted) {
   for (int fd : held) close(fd);
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
   while (r.Metric("pdserve_http_connections_open") > 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(20));
+  // Each closed before sending a byte, and each was let go.
+  EXPECT_EQ(r.Metric("pdserve_http_connections_open"), 0);
   const HttpReply ok = HttpExchange(r.http_port(), HttpRequest("POST", "/v1/completions", kCompletion, {kAlice}));
   EXPECT_EQ(ok.status, 200) << ok.body;
 }

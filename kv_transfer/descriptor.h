@@ -28,8 +28,8 @@ namespace pdserve::kv {
 
 // 2: frequency_penalty in the sampling state; 3: the tensor-parallel layout;
 // 4: the router's grant in a reservation (grant.h); 5: the prefix cache
-// salt in a commit.
-inline constexpr uint32_t kKvProtocolVersion = 5;
+// salt in a commit; 6: RoomFreed (wire.h).
+inline constexpr uint32_t kKvProtocolVersion = 6;
 
 // The in-block arrangement of kv/kv_cache.h: K [head][dim][slot], V
 // [head][slot][dim], then for int8 F32 scales [K|V][head][slot], per rank

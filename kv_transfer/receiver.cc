@@ -42,6 +42,10 @@ absl::StatusOr<std::unique_ptr<KvReceiver>> KvReceiver::Create(Transport* transp
   transport->loop().AddTicker(r->options_.lease_check_period, [alive, self] {
     if (auto a = alive.lock(); a && *a) self->ExpireLeases();
   });
+  r->free_listeners_[kPoolRoom] = kv->AddFreeListener([self] { self->Freed(kPoolRoom); });
+  if (r->landing_ != nullptr) {
+    r->free_listeners_[kLandingRoom] = r->landing_->AddFreeListener([self] { self->Freed(kLandingRoom); });
+  }
   return r;
 }
 
@@ -55,6 +59,9 @@ KvReceiver::KvReceiver(Transport* transport, KvManager* kv, ReceiverOptions opti
       region_(std::move(region)) {}
 
 KvReceiver::~KvReceiver() {
+  // Waits for a listener call in progress: none runs after this.
+  if (free_listeners_[kPoolRoom] >= 0) kv_->RemoveFreeListener(free_listeners_[kPoolRoom]);
+  if (free_listeners_[kLandingRoom] >= 0) landing_->RemoveFreeListener(free_listeners_[kLandingRoom]);
   transport_->Detach(this);
   transport_->loop().RunSync([this] {
     *alive_ = false;
@@ -65,6 +72,35 @@ KvReceiver::~KvReceiver() {
 
 absl::StatusOr<int> KvReceiver::Listen(const std::string& host, int port) {
   return transport_->Listen(host, port, this);
+}
+
+void KvReceiver::Freed(Room room) {
+  frees_[room].fetch_add(1);
+  // One post per round of waiters: WantRoom sets the flag again for the
+  // next one.
+  if (!room_wanted_[room].exchange(false)) return;
+  std::weak_ptr<bool> alive = alive_;
+  transport_->loop().Post([this, alive, room] {
+    if (auto a = alive.lock(); a && *a) NotifyRoom(room);
+  });
+}
+
+void KvReceiver::WantRoom(Connection& c, Room room, uint64_t frees_before) {
+  {
+    absl::MutexLock lock(&mu_);
+    wants_room_[room].insert(&c);
+  }
+  room_wanted_[room].store(true);
+  if (frees_[room].load() != frees_before) NotifyRoom(room);
+}
+
+void KvReceiver::NotifyRoom(Room room) {
+  absl::flat_hash_set<Connection*> waiting;
+  {
+    absl::MutexLock lock(&mu_);
+    waiting.swap(wants_room_[room]);
+  }
+  for (Connection* c : waiting) c->Send(Encode(RoomFreed{}));
 }
 
 void KvReceiver::Abort(HandoffId id, absl::Status why) {
@@ -248,13 +284,15 @@ void KvReceiver::HandleReserve(Connection& c, const ReserveRequest& m) {
   // The manager's lock covers this bookkeeping only: a reservation never
   // waits for a forward.
   // A request-sharded pool: the request lives on the rank with the most room.
+  const uint64_t pool_frees = frees_[kPoolRoom].load();
   absl::StatusOr<SequenceKv> reserved =
       kv_->Reserve(hashes, static_cast<int32_t>(need * bs), kv_->PickRank());
   if (!reserved.ok()) {
     unspend_grant();
-    return refuse(absl::ResourceExhaustedError(absl::StrCat("KV handoff: reservation of ", need, " blocks (",
-                                                            total_positions, " positions) refused: ",
-                                                            reserved.status().message())));
+    refuse(absl::ResourceExhaustedError(absl::StrCat("KV handoff: reservation of ", need, " blocks (",
+                                                     total_positions, " positions) refused: ",
+                                                     reserved.status().message())));
+    return WantRoom(c, kPoolRoom, pool_frees);
   }
   std::vector<int32_t> blocks = reserved->block_table();
   reply.held_positions = reserved->num_positions();
@@ -263,15 +301,17 @@ void KvReceiver::HandleReserve(Connection& c, const ReserveRequest& m) {
     // The sender writes into landing blocks, one per pool block (those of
     // held positions stay unwritten).
     landing = landing_->NewSequence();
+    const uint64_t landing_frees = frees_[kLandingRoom].load();
     if (absl::Status s = landing_->Grow(landing, static_cast<int32_t>(need * bs)); !s.ok()) {
       // The pool blocks go back before the sender hears of the refusal: a
       // sender that retries (or a test that counts) must find them free.
       reserved->Release();
       landing.Release();
       unspend_grant();
-      return refuse(absl::ResourceExhaustedError(absl::StrCat(
+      refuse(absl::ResourceExhaustedError(absl::StrCat(
           "KV handoff: reservation of ", need, " landing blocks refused (handoffs into GPU memory land in ",
           landing_->spec().num_blocks, " host blocks): ", s.message())));
+      return WantRoom(c, kLandingRoom, landing_frees);
     }
     blocks = landing.block_table();
   }
@@ -558,6 +598,7 @@ void KvReceiver::OnDisconnected(Connection& c, absl::Status why) {
   std::vector<HandoffId> gone;
   {
     absl::MutexLock lock(&mu_);
+    for (auto& waiting : wants_room_) waiting.erase(&c);
     for (const auto& [id, h] : handoffs_) {
       if (h.conn == &c) {
         gone.push_back(id);

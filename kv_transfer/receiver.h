@@ -21,7 +21,8 @@
 //
 // Errors returned to the sender: UNAVAILABLE while draining, FAILED_PRECONDITION for an incompatible
 // layout (naming the field), RESOURCE_EXHAUSTED for a reservation larger
-// than the free pool, NOT_FOUND for a commit of an unknown handoff id,
+// than the free pool (the connection is then sent RoomFreed once KV frees,
+// so a sender that waits for room is woken, not polling), NOT_FOUND for a commit of an unknown handoff id,
 // FAILED_PRECONDITION for a commit of an expired or aborted one,
 // INVALID_ARGUMENT for a commit that does not fit the reservation.
 //
@@ -47,6 +48,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -173,6 +175,16 @@ class KvReceiver final : public ConnectionHandler {
   absl::Status Land(const Handoff& h, int32_t from, int32_t to);
 
   void HandleReserve(Connection& c, const ReserveRequest& m);
+  // Room: the pool's blocks, or a device pool's landing blocks.
+  enum Room { kPoolRoom = 0, kLandingRoom = 1 };
+  // `c` is refused for lack of `room`; `frees_before` is that room's
+  // free count as read before the attempt to reserve: a free since then
+  // is told of at once, a later one by the free listener.
+  void WantRoom(Connection& c, Room room, uint64_t frees_before);
+  // Sends RoomFreed to each connection waiting for `room` (loop thread).
+  void NotifyRoom(Room room);
+  // A free listener of the manager holding `room`'s blocks.
+  void Freed(Room room);
   // With a grant key: the grant, checked against the reservation, or the
   // refusal.
   absl::StatusOr<Grant> CheckGrant(Connection& c, const ReserveRequest& m);
@@ -196,7 +208,12 @@ class KvReceiver final : public ConnectionHandler {
   std::unique_ptr<kernels::BackendUploader> uploader_;
   std::string region_;  // Packed once: the landing pool's, or the pool's.
   KvTransferMetrics metrics_;
-  std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);  // For the ticker.
+  std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);  // For the ticker and posted work.
+  // Per Room: frees seen, whether a connection waits (the free listener
+  // posts NotifyRoom only then), and the listener's handle.
+  std::array<std::atomic<uint64_t>, 2> frees_{};
+  std::array<std::atomic<bool>, 2> room_wanted_{};
+  std::array<int, 2> free_listeners_ = {-1, -1};
   std::atomic<bool> accepting_{true};
 
   // Loop thread only, but read by stats().
@@ -215,6 +232,9 @@ class KvReceiver final : public ConnectionHandler {
   // many of them.
   absl::flat_hash_map<std::pair<const Connection*, uintptr_t>, std::pair<HandoffId, int32_t>> landing_writes_
       ABSL_GUARDED_BY(mu_);
+  // The connections refused a reservation for lack of each Room since it
+  // last freed.
+  std::array<absl::flat_hash_set<Connection*>, 2> wants_room_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace pdserve::kv

@@ -218,9 +218,20 @@ void KvSender::Fail(const std::shared_ptr<Handoff::State>& st, absl::Status why)
   Resolve(st->abort_done, absl::OkStatus());  // Nothing left to free over a dead link.
 }
 
+void KvSender::SetRoomListener(std::function<void(Connection&)> fn) {
+  absl::MutexLock lock(&room_mu_);
+  room_listener_ = std::move(fn);
+}
+
+void KvSender::RoomFor(Connection& c) {
+  absl::MutexLock lock(&room_mu_);
+  if (room_listener_) room_listener_(c);
+}
+
 void KvSender::OnMessage(Connection& c, std::string message) {
   absl::StatusOr<Message> m = Decode(message);
   if (!m.ok()) return;
+  if (std::holds_alternative<RoomFreed>(*m)) return RoomFor(c);
   if (auto* r = std::get_if<ReserveReply>(&*m)) {
     auto it = reserves_.find(r->tag);
     if (it == reserves_.end()) return;
@@ -289,6 +300,7 @@ void KvSender::OnDisconnected(Connection& c, absl::Status why) {
     if (!st->finished) metrics_.RecordFailure();
     Fail(st, gone);
   }
+  RoomFor(c);
 }
 
 Handoff::~Handoff() {

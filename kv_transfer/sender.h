@@ -27,6 +27,7 @@
 #ifndef PDSERVE_KV_TRANSFER_SENDER_H_
 #define PDSERVE_KV_TRANSFER_SENDER_H_
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -101,6 +102,11 @@ class KvSender final : public ConnectionHandler {
   absl::StatusOr<Connection*> Connect(const std::string& host, int port);
   absl::StatusOr<std::unique_ptr<Handoff>> Reserve(Connection* conn, ReserveArgs args);
   KvTransferStats metrics() const { return metrics_.Snapshot(); }
+  // `fn` runs on the transport's loop thread when a receiver that refused
+  // a reservation of ours for lack of room has freed KV since (RoomFreed),
+  // and when a connection fails (a wait for its room is over either way).
+  // Null: none. Returns once no call of the previous one is running.
+  void SetRoomListener(std::function<void(Connection&)> fn);
 
   void OnMessage(Connection& c, std::string message) override;
   void OnDisconnected(Connection& c, absl::Status why) override;
@@ -115,6 +121,9 @@ class KvSender final : public ConnectionHandler {
   SenderOptions options_;
   KvLayoutDescriptor layout_;
   KvTransferMetrics metrics_;
+  absl::Mutex room_mu_;
+  std::function<void(Connection&)> room_listener_ ABSL_GUARDED_BY(room_mu_);
+  void RoomFor(Connection& c);
   // Loop thread only.
   uint64_t next_tag_ = 1;
   absl::flat_hash_map<uint64_t, std::shared_ptr<PendingReserve>> reserves_;

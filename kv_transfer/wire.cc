@@ -183,6 +183,7 @@ struct EncodeVisitor {
     w.Str(m.message);
   }
   void operator()(const AbortAck& m) { w.Pod(m.id.value); }
+  void operator()(const RoomFreed&) {}
 };
 
 bool DecodeInto(Reader& r, ReserveRequest& m) {
@@ -214,6 +215,7 @@ bool DecodeInto(Reader& r, Commit& m) {
 bool DecodeInto(Reader& r, CommitReply& m) { return r.Pod(m.id.value) && r.Pod(m.code) && r.Str(m.message); }
 bool DecodeInto(Reader& r, Abort& m) { return r.Pod(m.id.value) && r.Pod(m.code) && r.Str(m.message); }
 bool DecodeInto(Reader& r, AbortAck& m) { return r.Pod(m.id.value); }
+bool DecodeInto(Reader&, RoomFreed&) { return true; }
 
 template <size_t I = 0>
 bool DecodeAlt(uint8_t type, Reader& r, Message& out) {

@@ -110,7 +110,14 @@ struct AbortAck {
   HandoffId id;
 };
 
-using Message = std::variant<ReserveRequest, ReserveReply, LayerSent, Commit, CommitReply, Abort, AbortAck>;
+// Receiver -> sender, once after a reservation on this connection was
+// refused for lack of room (RESOURCE_EXHAUSTED), when KV has been freed
+// since: asking again may now succeed. A sender waiting for room waits for
+// this, not for a timer.
+struct RoomFreed {};
+
+using Message =
+    std::variant<ReserveRequest, ReserveReply, LayerSent, Commit, CommitReply, Abort, AbortAck, RoomFreed>;
 
 std::string Encode(const Message& m);
 absl::StatusOr<Message> Decode(absl::string_view bytes);

@@ -40,8 +40,8 @@ ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:0", "Prometheus /metrics addre
 ABSL_FLAG(double, kv_timeout_s, 10, "a KV handoff whose receiver does not answer within this fails (the router retries it)");
 ABSL_FLAG(double, drain_grace_s, 30, "SIGTERM: seconds to finish queued requests before they go elsewhere");
 ABSL_FLAG(double, handoff_room_wait_s, 20,
-          "a KV reservation the decode worker refuses for lack of room is asked again (2 ms apart, doubling to 50 "
-          "ms) for up to this long, the prompt not yet computed; then the request fails with RESOURCE_EXHAUSTED and "
+          "a KV reservation the decode worker refuses for lack of room is asked again whenever it tells of freed "
+          "room, for up to this long, the prompt not yet computed; then the request fails with RESOURCE_EXHAUSTED and "
           "the router moves it to another decode worker (0: at the first refusal)");
 
 namespace {
@@ -111,6 +111,9 @@ int Run() {
     metrics.AddCounterFunc("pdserve_handoff_room_wait_seconds_total",
                            "Seconds KV reservations waited for room on a decode worker (counted as each wait ends).",
                            [&service] { return service.counters().room_wait_seconds; });
+    metrics.AddCounterFunc("pdserve_handoff_room_retries_total",
+                           "KV reservations asked again because the decode worker told of freed room.",
+                           [&service] { return static_cast<double>(service.counters().room_retries); });
     metrics.AddCounterFunc("pdserve_prefill_discarded_tokens_total",
                            "Context tokens prefilled here whose KV no decode worker took (not counting requests "
                            "their first token ended or their client cancelled).",

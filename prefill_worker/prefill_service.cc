@@ -29,12 +29,6 @@ double Seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
 
-// A reservation refused for room waits this long before it asks again,
-// doubling per refusal: the first room frees within a decode step or two,
-// and a long wait asks no more than 20 times a second.
-constexpr Clock::duration kRoomRetryFirst = std::chrono::milliseconds(2);
-constexpr Clock::duration kRoomRetryMax = std::chrono::milliseconds(50);
-
 // The decode worker had no room for the reservation (its pool, or the host
 // blocks handoffs into GPU memory land in): a refusal that passes as its
 // sequences end. The code alone does not say so, since this side's
@@ -204,8 +198,9 @@ void PrefillService::Job::Push(PrefillEvent e) { call->Push(std::move(e)); }
 // the room it waits for.
 struct PrefillService::RoomWait {
   std::deque<std::shared_ptr<Job>> jobs;
-  Clock::time_point next_try;
-  Clock::duration backoff = kRoomRetryFirst;
+  // The decode worker told of freed room (RoomFreed, or its connection
+  // failed) since the last refusal: the front job asks again.
+  bool room = false;
   std::string refusal;  // The receiver's last word, for the error at the bound.
 };
 
@@ -226,12 +221,17 @@ PrefillService::PrefillService(Model* model, KvManager* kv, const tok::Tokenizer
                                     .life_min_per_token = options.life_min_per_token,
                                     .fault_stall_forward = absl::Milliseconds(options.fault_stall_prefill_ms)}) {
   kv_->set_listener(&kv_events_);
+  sender_->SetRoomListener([this](kv::Connection& c) {
+    absl::MutexLock lock(&mu_);
+    room_freed_.insert(&c);
+  });
   engine_.Start();
   reserve_thread_ = std::thread([this] { ReserveLoop(); });
   commit_thread_ = std::thread([this] { CommitLoop(); });
 }
 
 PrefillService::~PrefillService() {
+  sender_->SetRoomListener(nullptr);
   Shutdown();
   kv_->set_listener(nullptr);
 }
@@ -326,8 +326,11 @@ void PrefillService::ReserveLoop() {
       absl::MutexLock lock(&mu_);
       // A bounded lookahead: a reservation is a lease on the decode side's
       // blocks, so only about two forwards' worth wait reserved.
+      // Room freed on a decode worker that some job waits for is a
+      // reason to run as well, once the lookahead has space.
       auto ready = [this, cancels_seen]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return stop_ || cancels_ != cancels_seen || (!queue_.empty() && in_engine_ < 2 * options_.max_batch);
+        return stop_ || cancels_ != cancels_seen ||
+               ((!queue_.empty() || !room_freed_.empty() || room_pending_) && in_engine_ < 2 * options_.max_batch);
       };
       if (const std::optional<Clock::time_point> next = NextRoomEvent(); next.has_value()) {
         mu_.AwaitWithTimeout(absl::Condition(&ready), absl::FromChrono(*next - Clock::now()));
@@ -374,7 +377,6 @@ void PrefillService::Reserve(const std::shared_ptr<Job>& job) {
     return;
   }
   RoomWait& wait = room_waits_[job->decode_address];
-  wait.next_try = Clock::now() + wait.backoff;
   wait.refusal = std::string(st.message());
   BeginRoomWait(wait, job);
 }
@@ -399,7 +401,7 @@ std::optional<PrefillService::Clock::time_point> PrefillService::NextRoomEvent()
   std::optional<Clock::time_point> next;
   for (const auto& [address, wait] : room_waits_) {
     // Jobs join in arrival order, so the front one reaches the bound first.
-    const Clock::time_point t = std::min(wait.next_try, wait.jobs.front()->room_wait_since + bound);
+    const Clock::time_point t = wait.jobs.front()->room_wait_since + bound;
     if (!next.has_value() || t < *next) next = t;
   }
   return next;
@@ -407,9 +409,16 @@ std::optional<PrefillService::Clock::time_point> PrefillService::NextRoomEvent()
 
 void PrefillService::ServeRoomWaits(bool cancels) {
   const Clock::duration bound = absl::ToChronoNanoseconds(options_.handoff_room_wait);
+  absl::flat_hash_set<const kv::Connection*> freed;
+  {
+    absl::MutexLock lock(&mu_);
+    freed.swap(room_freed_);
+  }
+  bool pending = false;
   for (auto it = room_waits_.begin(); it != room_waits_.end();) {
     const std::string& address = it->first;
     RoomWait& wait = it->second;
+    if (auto c = connections_.find(address); c != connections_.end() && freed.contains(c->second)) wait.room = true;
     if (cancels) {
       for (auto j = wait.jobs.begin(); j != wait.jobs.end();) {
         if (!(*j)->cancelled) {
@@ -429,23 +438,21 @@ void PrefillService::ServeRoomWaits(bool cancels) {
                          absl::StrFormat("no KV room on decode worker %s for %.1f s: %s", address,
                                          absl::ToDoubleSeconds(options_.handoff_room_wait), wait.refusal)));
     }
-    while (!wait.jobs.empty() && wait.next_try <= Clock::now()) {
+    while (!wait.jobs.empty() && wait.room) {
       bool lookahead_full = false;
       {
         absl::MutexLock lock(&mu_);
         lookahead_full = in_engine_ >= 2 * options_.max_batch;
       }
-      if (lookahead_full) {
-        wait.next_try = Clock::now() + wait.backoff;
-        break;
-      }
+      if (lookahead_full) break;  // asked again once the engine takes one
       std::shared_ptr<Job> job = wait.jobs.front();
       job->started_at = Clock::now();
+      room_retries_.fetch_add(1, std::memory_order_relaxed);
       absl::Status st = StartHandoff(*job);
       if (IsNoRoom(st)) {
+        // The receiver tells this connection when KV frees next.
         wait.refusal = std::string(st.message());
-        wait.backoff = std::min(2 * wait.backoff, kRoomRetryMax);
-        wait.next_try = Clock::now() + wait.backoff;
+        wait.room = false;
         break;
       }
       wait.jobs.pop_front();
@@ -456,14 +463,16 @@ void PrefillService::ServeRoomWaits(bool cancels) {
         FinishJob(job, st);
       }
       // The next one asks at once: the room that took this one may hold it too.
-      wait.backoff = kRoomRetryFirst;
     }
+    pending |= !wait.jobs.empty() && wait.room;
     if (wait.jobs.empty()) {
       room_waits_.erase(it++);
     } else {
       ++it;
     }
   }
+  absl::MutexLock lock(&mu_);
+  room_pending_ = pending;
 }
 
 void PrefillService::Submit(const std::shared_ptr<Job>& job) {
@@ -597,8 +606,12 @@ PrefillService::Stats PrefillService::stats() {
 }
 
 PrefillService::Counters PrefillService::counters() const {
-  return {room_waits_total_.load(std::memory_order_relaxed), room_wait_seconds_.load(std::memory_order_relaxed),
-          discarded_tokens_.load(std::memory_order_relaxed)};
+  Counters c;
+  c.room_waits = room_waits_total_.load(std::memory_order_relaxed);
+  c.room_wait_seconds = room_wait_seconds_.load(std::memory_order_relaxed);
+  c.room_retries = room_retries_.load(std::memory_order_relaxed);
+  c.discarded_tokens = discarded_tokens_.load(std::memory_order_relaxed);
+  return c;
 }
 
 bool PrefillService::draining() {

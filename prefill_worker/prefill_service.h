@@ -5,8 +5,8 @@
 //      for), keeping at most 2 x max_batch requests reserved ahead of the
 //      compute, and hands the request to the engine (engine/, a
 //      prefill-only request). A decode worker whose pool has no room for
-//      the reservation is asked again (backing off) until it has, up to
-//      handoff_room_wait: a full pool is a wait, not a failed handoff, and
+//      the reservation is asked again each time it tells of freed room
+//      (kv::RoomFreed), up to handoff_room_wait: a full pool is a wait, not a failed handoff, and
 //      the prefill is computed only once the room is held. Meanwhile the
 //      request is set aside and the others are served; the ones waiting
 //      for the same decode worker are asked in arrival order;
@@ -34,6 +34,7 @@
 #include <thread>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
 #include "engine/engine.h"
 #include "kv/kv_manager.h"
@@ -65,8 +66,9 @@ struct PrefillServiceOptions {
   absl::Duration life_base = absl::Seconds(60);
   double life_step_factor = 10;
   absl::Duration life_min_per_token = absl::Milliseconds(50);
-  // How long a request waits for KV room on its decode worker (each
-  // reservation refused for lack of room is asked again) before it ends
+  // How long a request waits for KV room on its decode worker (a
+  // reservation refused for lack of room is asked again when the decode
+  // worker tells of freed room) before it ends
   // with RESOURCE_EXHAUSTED; zero: it ends at the first refusal.
   absl::Duration handoff_room_wait = absl::Seconds(20);
 };
@@ -96,6 +98,7 @@ class PrefillService final : public worker::v1::PrefillWorker::CallbackService {
   struct Counters {
     int64_t room_waits = 0;        // Reservations that waited for room.
     double room_wait_seconds = 0;  // Their waits, summed once each ends.
+    int64_t room_retries = 0;      // Reservations asked again after freed room.
     // Context tokens prefilled here whose KV no decode worker took (the
     // commit failed, or the handoff ended otherwise after the forward;
     // requests their first token ended or their caller cancelled aside).
@@ -170,6 +173,12 @@ class PrefillService final : public worker::v1::PrefillWorker::CallbackService {
   std::string unhealthy_reason_ ABSL_GUARDED_BY(mu_);
 
   int32_t waiting_for_room_ ABSL_GUARDED_BY(mu_) = 0;  // Jobs in room_waits_.
+  // Connections whose decode worker told of freed room (the sender's room
+  // listener), not yet looked at by the reserve thread.
+  absl::flat_hash_set<const kv::Connection*> room_freed_ ABSL_GUARDED_BY(mu_);
+  // A wait was told of room but the lookahead was full: served once the
+  // engine takes a job.
+  bool room_pending_ ABSL_GUARDED_BY(mu_) = false;
   // Bumped by each cancel of a job outside the engine: wakes the reserve
   // thread, so a wait for room ends at once.
   int64_t cancels_ ABSL_GUARDED_BY(mu_) = 0;
@@ -180,6 +189,7 @@ class PrefillService final : public worker::v1::PrefillWorker::CallbackService {
 
   std::atomic<int64_t> room_waits_total_{0};
   std::atomic<double> room_wait_seconds_{0};
+  std::atomic<int64_t> room_retries_{0};
   std::atomic<int64_t> discarded_tokens_{0};
 
   engine::Engine engine_;

@@ -2,7 +2,8 @@
 // arrives: the prefill worker waits for room with the prompt not yet
 // computed, and hands off once the room frees (the prefill runs once); it
 // gives up at --handoff_room_wait_s with RESOURCE_EXHAUSTED naming the wait;
-// a caller's cancel ends the wait at once.
+// a caller's cancel ends the wait at once. The wait is asked again when
+// the decode worker tells of freed room (kv::RoomFreed), never by a timer.
 //
 // The test plays the router over the workers' own RPCs: the router holds a
 // request back while its ledger says a decode worker is full, and here the
@@ -183,8 +184,14 @@ TEST(HandoffRoomTest, AFullDecodePoolIsWaitedForAndThePrefillRunsOnce) {
   // Refused for room, the reservation waits; nothing is computed meanwhile.
   EXPECT_EQ(w.AwaitPrefillMetric("pdserve_handoff_room_waits_total", 1), 1) << w.Logs();
   EXPECT_EQ(w.PrefillStatus().queued(), 1);
+  // Nothing frees for a while: the reservation is not asked again (the
+  // decode worker tells when room frees; no timer asks for it).
+  absl::SleepFor(absl::Milliseconds(500));
+  EXPECT_EQ(w.PrefillMetric("pdserve_handoff_room_retries_total"), 0);
   ASSERT_TRUE(w.Release("holder")) << w.Logs();
   call.join();
+  // One free, one RoomFreed, one retry that succeeds.
+  EXPECT_EQ(w.PrefillMetric("pdserve_handoff_room_retries_total"), 1);
 
   ASSERT_TRUE(got.status.ok()) << got.status.error_message() << "\n" << w.Logs();
   EXPECT_EQ(got.firsts, 1);

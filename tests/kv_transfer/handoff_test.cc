@@ -3,6 +3,7 @@
 // re-sent, leases expire into quarantine, and errors carry the right codes.
 #include <chrono>
 #include <cstring>
+#include <atomic>
 #include <memory>
 #include <random>
 #include <thread>
@@ -643,6 +644,40 @@ TEST_F(HandoffTest, ReservationLargerThanTheFreePoolIsResourceExhausted) {
   EXPECT_TRUE(sender_obj_->Reserve(conn_, {.num_positions = 10, .margin_positions = 8}).ok());
 }
 
+// A sender refused for room is told when KV frees, once per refusal, so
+// that it waits for an event rather than asking again on a timer. An
+// out-of-range reservation, answered on the same ordered channel, shows
+// that no RoomFreed was sent before it.
+TEST_F(HandoffTest, ARefusalForRoomIsFollowedByOneRoomFreedOnceKvFrees) {
+  SetUp(Spec(DType::kF32, 4, 32), Spec(DType::kF32, 4, 8));
+  std::atomic<int> told{0};
+  sender_obj_->SetRoomListener([&](Connection& c) {
+    EXPECT_EQ(&c, conn_);
+    told.fetch_add(1);
+  });
+  auto barrier = [&] {
+    EXPECT_EQ(sender_obj_->Reserve(conn_, {.num_positions = 30, .margin_positions = 8}).status().code(),
+              absl::StatusCode::kOutOfRange);
+  };
+  SequenceKv other = receiver_.kv->NewSequence();
+  ASSERT_TRUE(receiver_.kv->Grow(other, 16).ok());
+  SequenceKv more = receiver_.kv->NewSequence();
+  ASSERT_TRUE(receiver_.kv->Grow(more, 8).ok());
+  barrier();
+  EXPECT_EQ(told.load(), 0) << "no refusal yet";
+  auto refused = sender_obj_->Reserve(conn_, {.num_positions = 10, .margin_positions = 8});
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  barrier();
+  EXPECT_EQ(told.load(), 0) << "nothing freed yet";
+  more.Release();
+  EXPECT_TRUE(Eventually([&] { return told.load() == 1; }));
+  other.Release();  // a second free, with no refusal since the first
+  barrier();
+  EXPECT_EQ(told.load(), 1);
+  EXPECT_TRUE(sender_obj_->Reserve(conn_, {.num_positions = 10, .margin_positions = 8}).ok());
+  sender_obj_->SetRoomListener(nullptr);
+}
+
 TEST_F(HandoffTest, ReservationLargerThanTheWholePoolIsOutOfRange) {
   SetUp(Spec(DType::kF32, 4, 32), Spec(DType::kF32, 4, 8));
   auto h = sender_obj_->Reserve(conn_, {.num_positions = 30, .margin_positions = 8});
@@ -928,6 +963,11 @@ TEST(WireTest, RoundTripAndMalformed) {
     EXPECT_FALSE(Decode(absl::string_view(bytes).substr(0, cut)).ok()) << cut;
   }
   EXPECT_FALSE(Decode(std::string("\x63", 1)).ok());
+  bytes = Encode(RoomFreed{});
+  EXPECT_EQ(bytes.size(), 1u);
+  back = Decode(bytes);
+  ASSERT_TRUE(back.ok());
+  EXPECT_TRUE(std::holds_alternative<RoomFreed>(*back));
 
   ReserveRequest r;
   r.tag = 3;

@@ -67,6 +67,8 @@ WorkerPtr WorkerPool::Add(Role role, const std::string& address) {
   LogEvent("info", "worker_added", {{"role", RoleName(role)}, {"address", address}});
   pool.push_back(w);
   ++serving_epoch_;
+  absl::MutexLock wake(&stop_mu_);
+  added_ = true;
   return w;
 }
 
@@ -124,9 +126,22 @@ void WorkerPool::Discover() {
   }
 }
 
-void WorkerPool::ProbeDue(bool force_all) {
+absl::Time WorkerPool::ProbeDue(bool force_all) {
   absl::MutexLock lock(&probe_mu_);
   Probe(options_.clock(), force_all);
+  return NextProbe();
+}
+
+absl::Time WorkerPool::NextProbe() {
+  absl::Time next = absl::InfiniteFuture();
+  for (const Role role : {Role::kPrefill, Role::kDecode}) {
+    for (const WorkerPtr& w : Snapshot(role)) {
+      auto it = probes_.find(w);
+      // One not yet probed is due now.
+      next = std::min(next, it == probes_.end() ? absl::InfinitePast() : it->second.next_probe);
+    }
+  }
+  return next;
 }
 
 void WorkerPool::Probe(const absl::Time now, bool force_all) {
@@ -250,11 +265,22 @@ bool WorkerPool::WaitOrStop(absl::Duration d) {
   return stop_mu_.AwaitWithTimeout(absl::Condition(&stopping), d);
 }
 
+bool WorkerPool::WaitForProbeOrStop(absl::Time due) {
+  absl::MutexLock lock(&stop_mu_);
+  auto woken = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(stop_mu_) { return stop_ || added_; };
+  stop_mu_.AwaitWithTimeout(absl::Condition(&woken), due - options_.clock());
+  added_ = false;
+  return stop_;
+}
+
+// Each round sleeps until the next worker's probe is due (its period, or
+// its backoff) or a worker joins.
 void WorkerPool::ProbeLoop() {
-  do {
-    ProbeDue(/*force_all=*/false);
+  while (true) {
+    const absl::Time next = ProbeDue(/*force_all=*/false);
     if (options_.after_probe_round) options_.after_probe_round();
-  } while (!WaitOrStop(absl::Milliseconds(20)));
+    if (WaitForProbeOrStop(next)) return;
+  }
 }
 
 void WorkerPool::DiscoverLoop() {

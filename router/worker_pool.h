@@ -192,8 +192,9 @@ class WorkerPool {
   // Resolves every target of both pools; adds new addresses, removes gone
   // ones. A target that fails to resolve keeps its previous addresses.
   void Discover();
-  // One round of Status probes (those due, or all), concurrently.
-  void ProbeDue(bool force_all);
+  // One round of Status probes (those due, or all), concurrently. Returns
+  // when the next one is due (InfiniteFuture: no worker).
+  absl::Time ProbeDue(bool force_all);
 
   // Discovers and probes until every worker answers (decode workers also
   // with their KV address when `need_kv_address`), or, once each pool in
@@ -231,11 +232,16 @@ class WorkerPool {
     std::optional<absl::Time> slow_since;
   };
   void Probe(const absl::Time now, bool force_all) ABSL_EXCLUSIVE_LOCKS_REQUIRED(probe_mu_);
+  // The earliest probe due among the workers in the pool.
+  absl::Time NextProbe() ABSL_EXCLUSIVE_LOCKS_REQUIRED(probe_mu_);
   void Ingest(Worker& w, ProbeState& ps, const worker::v1::WorkerInfo& info, absl::Time now);
   void ProbeLoop();
   void DiscoverLoop();
   // Waits `d` or until stopping; true when stopping.
   bool WaitOrStop(absl::Duration d);
+  // Waits until `due` (on the pool's clock), a worker is added, or
+  // stopping; true when stopping.
+  bool WaitForProbeOrStop(absl::Time due);
 
   const WorkerPoolOptions options_;
   WorkerTransport* const transport_;
@@ -258,6 +264,7 @@ class WorkerPool {
 
   absl::Mutex stop_mu_;
   bool stop_ ABSL_GUARDED_BY(stop_mu_) = false;
+  bool added_ ABSL_GUARDED_BY(stop_mu_) = false;  // a worker joined: probe it now
   std::thread prober_;
   std::thread discoverer_;  // a slow name server never delays the probes
 };

@@ -115,6 +115,28 @@ TEST(WorkerPoolTest, AWorkerThatStopsAnsweringIsEjectedAndProbedWithBackoff) {
   EXPECT_EQ(rig.pool->NoHealthyWorker(Role::kDecode), "no healthy decode worker");
 }
 
+// The probe loop sleeps until the time a round returns: the earliest
+// probe due, each worker's period or backoff; a worker not yet probed is
+// due at once, and an empty pool never.
+TEST(WorkerPoolTest, AProbeRoundSaysWhenTheNextProbeIsDue) {
+  ProbedPool p;
+  EXPECT_EQ(p.pool->ProbeDue(false), absl::InfiniteFuture());
+  p.workers.Add(Role::kDecode, "d0");
+  p.pool->Add(Role::kDecode, "d0");
+  const absl::Time t0 = p.clock.now;
+  EXPECT_EQ(p.pool->ProbeDue(false), t0 + absl::Milliseconds(100));  // probed: next in a period
+  FakeWorker& dead = p.workers.Add(Role::kPrefill, "p0");
+  dead.alive = false;
+  p.pool->Add(Role::kPrefill, "p0");
+  p.clock.now += absl::Milliseconds(30);
+  // d0 is not due; p0 is probed, fails and backs off 100 ms from now.
+  EXPECT_EQ(p.pool->ProbeDue(false), t0 + absl::Milliseconds(100));
+  p.clock.now = t0 + absl::Milliseconds(100);
+  EXPECT_EQ(p.pool->ProbeDue(false), t0 + absl::Milliseconds(130));  // p0's backoff comes first now
+  p.clock.now = t0 + absl::Milliseconds(130);
+  EXPECT_EQ(p.pool->ProbeDue(false), t0 + absl::Milliseconds(200));  // d0 again; p0 backs off 200 ms
+}
+
 TEST(WorkerPoolTest, ANotServingAnswerCarriesTheWorkersReason) {
   InProcessRouter rig;
   FakeWorker& p = rig.AddWorker(Role::kPrefill, "p0");

@@ -112,6 +112,16 @@ void EventLoop::AddTicker(absl::Duration period, std::function<void()> fn) {
   if (wake_fd_ >= 0) (void)!write(wake_fd_, &one, sizeof(one));
 }
 
+void EventLoop::PostAt(absl::Time when, std::function<void()> fn) {
+  {
+    absl::MutexLock lock(&mu_);
+    timers_.emplace_back(when, std::move(fn));
+  }
+  // A loop asleep must learn of the new deadline.
+  const uint64_t one = 1;
+  if (wake_fd_ >= 0) (void)!write(wake_fd_, &one, sizeof(one));
+}
+
 void EventLoop::Run(Device device) {
   absl::Time last_work = absl::Now();
   std::vector<std::function<void()>> batch;
@@ -146,6 +156,15 @@ void EventLoop::Run(Device device) {
           t.next = now + t.period;
         }
         next_tick = std::min(next_tick, t.next);
+      }
+      for (auto it = timers_.begin(); it != timers_.end();) {
+        if (it->first <= now) {
+          due.push_back(std::move(it->second));
+          it = timers_.erase(it);
+        } else {
+          next_tick = std::min(next_tick, it->first);
+          ++it;
+        }
       }
     }
     for (auto& fn : due) fn();

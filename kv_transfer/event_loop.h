@@ -10,7 +10,7 @@
 // for a while: it sleeps at once, so its next wake-up preempts the compute
 // instead of waiting a scheduler tick behind it.
 //
-// Thread safety: Post, RunSync, AddTicker, AddBusy and Stop may be called
+// Thread safety: Post, PostAt, RunSync, AddTicker, AddBusy and Stop may be called
 // from any thread; tasks, tickers and device hooks run on the loop thread.
 #ifndef PDSERVE_KV_TRANSFER_EVENT_LOOP_H_
 #define PDSERVE_KV_TRANSFER_EVENT_LOOP_H_
@@ -64,6 +64,9 @@ class EventLoop {
   bool InLoop() const { return std::this_thread::get_id() == thread_id_.load(); }
 
   void AddTicker(absl::Duration period, std::function<void()> fn);
+  // Runs `fn` once on the loop thread when `when` has passed (a deadline:
+  // the loop sleeps until the earliest of these and its tickers).
+  void PostAt(absl::Time when, std::function<void()> fn);
   // When the loop last went round (it goes round at least once per ticker
   // period): a loop stuck in a task or in the device shows an old time.
   absl::Time last_beat() const { return absl::FromUnixNanos(last_beat_ns_.load(std::memory_order_relaxed)); }
@@ -85,6 +88,7 @@ class EventLoop {
   absl::Mutex mu_;
   std::vector<std::function<void()>> tasks_ ABSL_GUARDED_BY(mu_);
   std::vector<Ticker> tickers_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::pair<absl::Time, std::function<void()>>> timers_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   int wake_fd_ = -1;
   std::atomic<int> busy_{0};

@@ -37,11 +37,7 @@ absl::StatusOr<std::unique_ptr<KvReceiver>> KvReceiver::Create(Transport* transp
                                                std::move(on_committed), *std::move(region)));
   r->landing_ = std::move(landing);
   r->uploader_ = std::move(uploader);
-  std::weak_ptr<bool> alive = r->alive_;
   KvReceiver* self = r.get();
-  transport->loop().AddTicker(r->options_.lease_check_period, [alive, self] {
-    if (auto a = alive.lock(); a && *a) self->ExpireLeases();
-  });
   r->free_listeners_[kPoolRoom] = kv->AddFreeListener([self] { self->Freed(kPoolRoom); });
   if (r->landing_ != nullptr) {
     r->free_listeners_[kLandingRoom] = r->landing_->AddFreeListener([self] { self->Freed(kLandingRoom); });
@@ -329,6 +325,7 @@ void KvReceiver::HandleReserve(Connection& c, const ReserveRequest& m) {
     h.grant_expires = absl::FromUnixMillis(grant->expires_unix_ms);
   }
   h.deadline = std::min(h.start + options_.lease, h.grant_expires);
+  ArmDeadline(h.deadline);
   {
     absl::MutexLock lock(&mu_);
     do {
@@ -552,12 +549,14 @@ void KvReceiver::Free(HandoffId id) {
 
 void KvReceiver::Quarantine(HandoffId id, absl::Status why) {
   Connection* conn = nullptr;
+  absl::Time deadline;
   {
     absl::MutexLock lock(&mu_);
     auto it = handoffs_.find(id);
     if (it == handoffs_.end() || it->second.state != State::kActive) return;
     it->second.state = State::kQuarantined;
     it->second.deadline = options_.clock() + options_.quarantine_timeout;
+    deadline = it->second.deadline;
     metrics_.AddQuarantined(static_cast<int64_t>(it->second.kv.block_table().size()));
     metrics_.RecordFailure();
     metrics_.RecordAbort();
@@ -568,6 +567,33 @@ void KvReceiver::Quarantine(HandoffId id, absl::Status why) {
     return;
   }
   conn->Send(Encode(kv::Abort{id, static_cast<int32_t>(why.code()), std::string(why.message())}));
+  ArmDeadline(deadline);
+}
+
+void KvReceiver::ArmDeadline(absl::Time deadline) {
+  if (deadline >= check_at_) return;
+  check_at_ = deadline;
+  // Just past it: a lease ends once its deadline is behind the clock.
+  const absl::Duration in = deadline - options_.clock() + absl::Milliseconds(1);
+  std::weak_ptr<bool> alive = alive_;
+  transport_->loop().PostAt(absl::Now() + in, [this, alive, deadline] {
+    if (auto a = alive.lock(); !a || !*a) return;
+    if (check_at_ != deadline) return;  // an earlier check took its place
+    check_at_ = absl::InfiniteFuture();
+    ExpireLeases();
+    ArmNextDeadline();
+  });
+}
+
+void KvReceiver::ArmNextDeadline() {
+  absl::Time next = absl::InfiniteFuture();
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, h] : handoffs_) {
+      if (h.state != State::kReleasing) next = std::min(next, h.deadline);
+    }
+  }
+  if (next != absl::InfiniteFuture()) ArmDeadline(next);
 }
 
 void KvReceiver::ExpireLeases() {

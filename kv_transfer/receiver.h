@@ -65,7 +65,6 @@ namespace pdserve::kv {
 struct ReceiverOptions {
   ModelIdentity model;
   absl::Duration lease = absl::Seconds(5);
-  absl::Duration lease_check_period = absl::Milliseconds(20);
   // A quarantined handoff whose sender neither acknowledges the abort nor
   // disconnects within this (a cut link: TCP may take many minutes to
   // notice) has its connection failed, which frees every handoff on it.
@@ -114,8 +113,9 @@ class KvReceiver final : public ConnectionHandler {
 
   // Gives up on an active handoff (quarantines it until the sender acks).
   void Abort(HandoffId id, absl::Status why);
-  // Runs the lease check now (tests with a fake clock); it also runs every
-  // lease_check_period.
+  // Runs the lease check now (tests with a fake clock); it also runs on
+  // the transport's loop when the earliest lease or quarantine deadline
+  // passes (by `clock`'s reading when the deadline was set).
   void CheckLeases();
 
   struct Stats {
@@ -196,6 +196,11 @@ class KvReceiver final : public ConnectionHandler {
   void Free(HandoffId id);
   void Quarantine(HandoffId id, absl::Status why);
   void ExpireLeases();
+  // Loop thread: has the lease check run once `deadline` passes, unless
+  // one is due before it. A renewal moves a deadline later only, so a
+  // check that finds nothing expired arms the next one (ArmNextDeadline).
+  void ArmDeadline(absl::Time deadline);
+  void ArmNextDeadline();
 
   Transport* transport_;
   KvManager* kv_;
@@ -214,6 +219,7 @@ class KvReceiver final : public ConnectionHandler {
   std::array<std::atomic<uint64_t>, 2> frees_{};
   std::array<std::atomic<bool>, 2> room_wanted_{};
   std::array<int, 2> free_listeners_ = {-1, -1};
+  absl::Time check_at_ = absl::InfiniteFuture();  // the armed lease check (loop thread)
   std::atomic<bool> accepting_{true};
 
   // Loop thread only, but read by stats().

@@ -118,7 +118,6 @@ class HandoffTest : public ::testing::Test {
     receiver_.kv = *KvManager::Create(receiver_spec, &receiver_.transport->region_allocator());
     FillRandom(sender_.kv->region(), 7);
     ReceiverOptions ro{.model = kModel, .lease = lease,
-                       .lease_check_period = absl::Hours(1),
                        .clock = [this] { return clock_.Now(); }};
     ro.grant_key = grant_key_;
     receiver_obj_ = *KvReceiver::Create(receiver_.transport.get(), receiver_.kv.get(), ro,
@@ -477,7 +476,7 @@ class HandoffToDeviceTest : public HandoffTest, public ::testing::WithParamInter
   // The receiver again, its pool a device's with `landing` landing blocks.
   void UseDevicePool(int32_t landing) {
     receiver_obj_.reset();
-    ReceiverOptions ro{.model = kModel, .lease = absl::Seconds(30), .lease_check_period = absl::Hours(1),
+    ReceiverOptions ro{.model = kModel, .lease = absl::Seconds(30),
                        .clock = [this] { return clock_.Now(); }, .pool_backend = &device_,
                        .landing_blocks = landing};
     receiver_obj_ = *KvReceiver::Create(receiver_.transport.get(), receiver_.kv.get(), ro,
@@ -708,6 +707,25 @@ TEST_F(HandoffTest, ExpiredLeaseQuarantinesUntilTheSenderAcknowledges) {
   ASSERT_TRUE(Eventually([&] { return receiver_obj_->stats().quarantined == 0; }));
   EXPECT_EQ(receiver_.kv->Counts().free, 10);
   EXPECT_EQ((*h)->Commit(CommitState(Tokens(20))).code(), absl::StatusCode::kAborted);
+  seq.Release();
+}
+
+// Nobody calls CheckLeases here: the receiver's loop runs the check when
+// the lease's deadline comes, 50 ms of real time after the reservation (by
+// then the receiver's clock has moved past it).
+TEST_F(HandoffTest, ALeaseEndsAtItsDeadlineWithNoCheckCalled) {
+  SetUp(Spec(DType::kF32, 4, 32), Spec(DType::kF32, 4, 10), absl::Milliseconds(50));
+  SequenceKv seq = SenderSequence(20);
+  auto h = sender_obj_->Reserve(conn_, {.num_positions = 20});
+  ASSERT_TRUE(h.ok()) << h.status();
+  sender_.transport->HoldPutCompletions();  // The sender is stuck mid-stream.
+  ASSERT_TRUE((*h)->SendLayer(0, seq.block_table()).ok());
+  clock_.Advance(absl::Seconds(1));
+  ASSERT_TRUE(Eventually([&] { return receiver_obj_->stats().quarantined == 1; }));
+  EXPECT_EQ(receiver_obj_->metrics().leases_expired, 1);
+  sender_.transport->ReleasePutCompletions();  // Writes drain, flush, ack.
+  ASSERT_TRUE(Eventually([&] { return receiver_obj_->stats().quarantined == 0; }));
+  EXPECT_EQ(receiver_.kv->Counts().free, 10);
   seq.Release();
 }
 

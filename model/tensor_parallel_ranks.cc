@@ -9,8 +9,8 @@ TensorParallelRanks::TensorParallelRanks(int tp) : group_(tp), rank_status_(tp),
 absl::Status TensorParallelRanks::LoadPeers(const std::string& model_dir, const ModelOptions& options,
                                             absl::Span<kernels::Backend* const> backends) {
   for (int r = 1; r < tp(); ++r) {
-    absl::StatusOr<std::unique_ptr<Model>> m =
-        Model::LoadShard(model_dir, options, backends[r - 1], TpShard{r, tp()}, &group_.rank(r));
+    absl::StatusOr<std::unique_ptr<ModelShard>> m =
+        ModelShard::Load(model_dir, options, backends[r - 1], TpShard{r, tp()}, &group_.rank(r));
     if (!m.ok()) return m.status();
     peers_.push_back(*std::move(m));
   }
@@ -33,12 +33,12 @@ absl::StatusOr<ForwardResult> TensorParallelRanks::RunRank(int r, const Job& job
   // The layer callback (a KV stream) is rank 0's: it runs after rank 0's
   // layer, and the handoff reads every rank's pool.
   if (r != 0) o.on_layer_kv_written = nullptr;
-  Model& model = r == 0 ? *job.rank0 : peer(r);
+  ModelShard& model = r == 0 ? *job.rank0 : peer(r);
   const bool streaming = job.options->on_layer_kv_written != nullptr;
   // Head-sharded: rank r's own pool; request-sharded: the one pool, each
   // rank in its block range.
   const KvStorage storage = job.storage.spec.request_ranks > 1 ? job.storage : job.storage.Rank(r);
-  absl::StatusOr<ForwardResult> result = model.ForwardShard(storage, job.batch, o, streaming);
+  absl::StatusOr<ForwardResult> result = model.Forward(storage, job.batch, o, streaming);
   if (result.ok()) {
     absl::MutexLock lock(&mu_);
     kv_bytes_read_[r] = result->kv_bytes_read;
@@ -67,7 +67,7 @@ void TensorParallelRanks::RankLoop(int r) {
   }
 }
 
-absl::StatusOr<ForwardResult> TensorParallelRanks::Run(Model& rank0, const KvStorage& storage,
+absl::StatusOr<ForwardResult> TensorParallelRanks::Run(ModelShard& rank0, const KvStorage& storage,
                                                        absl::Span<const ForwardSequence> batch,
                                                        const ForwardOptions& options) {
   if (absl::Status s = group_.broken(); !s.ok()) return s;

@@ -1,9 +1,10 @@
 // The ranks of a tensor-parallel model on the CPU (Model::Load with
 // options.tp > 1): ranks 1..N-1 are shards of the same checkpoint (each
 // loads only its slices, model/tensor_parallel.h) on their own backends
-// and threads; rank 0 is the Model the caller holds. All meet in one
-// ThreadCollectiveGroup. A forward runs the same batch on every rank (rank
-// 0 on the calling thread), rank r over its pool of the KV region
+// and threads; rank 0 is the shard the Model (model/model.h) holds
+// itself. All meet in one ThreadCollectiveGroup. A forward runs the same
+// batch on every rank (rank 0 on the calling thread), rank r over its pool
+// of the KV region
 // (KvStorage::Rank); every rank ends with the full logits, and the
 // sequences' positions advance once.
 //
@@ -26,7 +27,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 #include "kv/kv_cache.h"
-#include "model/model.h"
+#include "model/model_shard.h"
 #include "kernels/cpu/thread_collective.h"
 
 namespace pdserve {
@@ -41,19 +42,20 @@ class TensorParallelRanks {
   int tp() const { return group_.size(); }
   kernels::cpu::ThreadCollectiveGroup& group() { return group_; }
   // Rank r >= 1's shard, once loaded.
-  Model& peer(int r) { return *peers_[r - 1]; }
+  ModelShard& peer(int r) { return *peers_[r - 1]; }
 
   // Loads ranks 1..N-1 on backends[0..N-2] and starts their threads.
   absl::Status LoadPeers(const std::string& model_dir, const ModelOptions& options,
                          absl::Span<kernels::Backend* const> backends);
 
-  // The forward of every rank; `rank0` is the model holding these ranks.
-  absl::StatusOr<ForwardResult> Run(Model& rank0, const KvStorage& storage, absl::Span<const ForwardSequence> batch,
+  // The forward of every rank over a batch Model::Forward has checked;
+  // `rank0` is the Model's own shard.
+  absl::StatusOr<ForwardResult> Run(ModelShard& rank0, const KvStorage& storage, absl::Span<const ForwardSequence> batch,
                                     const ForwardOptions& options);
 
  private:
   struct Job {
-    Model* rank0 = nullptr;
+    ModelShard* rank0 = nullptr;
     KvStorage storage;
     absl::Span<const ForwardSequence> batch;
     const ForwardOptions* options = nullptr;
@@ -62,7 +64,7 @@ class TensorParallelRanks {
   absl::StatusOr<ForwardResult> RunRank(int r, const Job& job);
 
   kernels::cpu::ThreadCollectiveGroup group_;
-  std::vector<std::unique_ptr<Model>> peers_;  // Ranks 1..N-1.
+  std::vector<std::unique_ptr<ModelShard>> peers_;  // Ranks 1..N-1.
   std::vector<std::thread> threads_;
 
   absl::Mutex mu_;

@@ -125,11 +125,6 @@ std::string ErrorBody(absl::string_view message, absl::string_view type, absl::s
   return nlohmann::json({{"error", e}}).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
-std::vector<std::pair<std::string, std::string>> ErrorHeaders(const HttpError& e) {
-  if (e.status == 429) return {{"Retry-After", std::to_string(e.retry_after_seconds)}};
-  return {};
-}
-
 // One connection's state, ahead of libevent's parser.
 struct Front::Connection {
   Front* front = nullptr;

@@ -50,7 +50,7 @@
 #include "absl/strings/string_view.h"
 #include "base/metrics.h"
 #include "router/openai/response.h"
-#include "router/openai/server.h"
+#include "router/openai/server_options.h"
 
 namespace pdserve::router::openai {
 
@@ -62,8 +62,6 @@ Route RouteOf(absl::string_view path);
 // The body of a refusal the server makes itself, in the shape of
 // response.h's errors.
 std::string ErrorBody(absl::string_view message, absl::string_view type, absl::string_view param = "");
-// The headers an error reply carries besides its body: Retry-After for 429.
-std::vector<std::pair<std::string, std::string>> ErrorHeaders(const HttpError& e);
 
 class Front {
  public:

@@ -291,4 +291,9 @@ HttpError ErrorFor(const absl::Status& status) {
   return e;
 }
 
+std::vector<std::pair<std::string, std::string>> ErrorHeaders(const HttpError& e) {
+  if (e.status == 429) return {{"Retry-After", std::to_string(e.retry_after_seconds)}};
+  return {};
+}
+
 }  // namespace pdserve::router::openai

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -97,6 +98,8 @@ struct HttpError {
   int64_t retry_after_seconds = 1;
 };
 HttpError ErrorFor(const absl::Status& status);
+// The headers an error reply carries besides its body: Retry-After for 429.
+std::vector<std::pair<std::string, std::string>> ErrorHeaders(const HttpError& e);
 
 }  // namespace pdserve::router::openai
 

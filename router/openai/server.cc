@@ -9,9 +9,7 @@
 #include <event2/keyvalq_struct.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
-#include <openssl/err.h>
 #include <openssl/ssl.h>
-#include <sys/stat.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -37,9 +35,12 @@
 #include "absl/synchronization/mutex.h"
 #include "base/server_util.h"
 #include "nlohmann/json.hpp"
+#include "router/openai/call.h"
 #include "router/openai/front.h"
+#include "router/openai/generation.h"
 #include "router/openai/request.h"
 #include "router/openai/response.h"
+#include "router/openai/server_tls.h"
 
 namespace pdserve::router::openai {
 namespace {
@@ -71,82 +72,6 @@ void SetSocketOptions(evhttp_connection* conn, int send_buffer) {
   if (send_buffer > 0) setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &send_buffer, sizeof(send_buffer));
 }
 
-// The identity of a file's contents, as far as stat tells: a rewrite or a
-// rename over it (a Kubernetes Secret update) changes one of these.
-struct FileStamp {
-  ino_t inode = 0;
-  off_t size = -1;
-  timespec mtime{};
-  bool operator==(const FileStamp& o) const {
-    return inode == o.inode && size == o.size && mtime.tv_sec == o.mtime.tv_sec && mtime.tv_nsec == o.mtime.tv_nsec;
-  }
-};
-FileStamp Stamp(const std::string& path) {
-  struct stat st;
-  FileStamp f;
-  if (stat(path.c_str(), &st) == 0) f = {st.st_ino, st.st_size, st.st_mtim};
-  return f;
-}
-
-std::string OpenSslError() {
-  char buf[256];
-  const unsigned long e = ERR_get_error();
-  ERR_clear_error();
-  if (e == 0) return "unknown error";
-  ERR_error_string_n(e, buf, sizeof(buf));
-  return buf;
-}
-
-// A server SSL_CTX for the certificate chain and key. Errors:
-// INVALID_ARGUMENT saying which file and why.
-absl::StatusOr<SSL_CTX*> MakeSslContext(const TlsFiles& tls) {
-  SSL_CTX* ctx = SSL_CTX_new(TLS_server_method());
-  if (ctx == nullptr) return absl::InternalError("SSL_CTX_new failed");
-  SSL_CTX_set_min_proto_version(ctx, TLS1_2_VERSION);
-  SSL_CTX_set_options(ctx, SSL_OP_NO_RENEGOTIATION);
-  absl::Status st;
-  if (SSL_CTX_use_certificate_chain_file(ctx, tls.cert.c_str()) != 1) {
-    st = absl::InvalidArgumentError(absl::StrCat("certificate ", tls.cert, ": ", OpenSslError()));
-  } else if (SSL_CTX_use_PrivateKey_file(ctx, tls.key.c_str(), SSL_FILETYPE_PEM) != 1) {
-    st = absl::InvalidArgumentError(absl::StrCat("key ", tls.key, ": ", OpenSslError()));
-  } else if (SSL_CTX_check_private_key(ctx) != 1) {
-    st = absl::InvalidArgumentError(absl::StrCat("key ", tls.key, " is not the key of ", tls.cert));
-  }
-  if (!st.ok()) {
-    SSL_CTX_free(ctx);
-    return st;
-  }
-  return ctx;
-}
-
-// One HTTP exchange whose answer comes from another thread.
-struct Call {
-  // The loop thread's alone.
-  evhttp_request* req = nullptr;
-  evhttp_connection* conn = nullptr;  // null once the connection closed
-  bool reply_started = false;
-  bool finished = false;  // nothing more is taken from the generation
-  // A stream's last bytes are with libevent: the reply ends once they are
-  // written (StreamWritten), and the call stays in conns_ until then.
-  bool ending = false;
-  bool queued = false;  // on the wake list (guarded by the server's wake_mu_)
-  event* watch = nullptr;  // on the client's socket while the generation runs
-  std::string request_id;  // the client's X-Request-Id, echoed ("": none)
-
-  // Between the generation's thread and the loop.
-  absl::Mutex mu;
-  std::string out ABSL_GUARDED_BY(mu);  // stream bytes not yet handed to libevent
-  absl::Time out_since ABSL_GUARDED_BY(mu);  // when the oldest of them was queued
-  bool sse ABSL_GUARDED_BY(mu) = false;   // a 200 event stream has begun
-  bool done ABSL_GUARDED_BY(mu) = false;  // nothing more comes: end after `out`
-  // A whole reply (not streamed, or an error before the stream began).
-  int status ABSL_GUARDED_BY(mu) = 200;
-  std::string body ABSL_GUARDED_BY(mu);
-  std::vector<std::pair<std::string, std::string>> headers ABSL_GUARDED_BY(mu);
-  Relay* relay ABSL_GUARDED_BY(mu) = nullptr;
-  std::atomic<bool> gone{false};  // the client's connection closed
-};
-using CallPtr = std::shared_ptr<Call>;
 
 }  // namespace
 
@@ -185,8 +110,6 @@ class HttpServer::Impl {
                               },
                           .draining = [this] { return draining_.load(); },
                           .closed = [this](evhttp_connection* conn) { Closed(conn); }}) {
-    std::random_device rd;
-    id_base_ = (static_cast<uint64_t>(rd()) << 32) ^ rd();
     if (MetricsRegistry* m = backend_.metrics; m != nullptr) {
       for (const int code : {200, 400, 401, 404, 405, 411, 413, 429, 431, 499, 500, 503, 0}) {
         replies_[code] = m->AddCounter("pdserve_http_replies_total", "OpenAI HTTP API replies by status code.",
@@ -233,18 +156,15 @@ class HttpServer::Impl {
     if (reload_event_ != nullptr) event_free(reload_event_);
     if (base_ != nullptr) event_base_free(base_);
     if (wake_fd_ >= 0) close(wake_fd_);
-    if (ssl_ctx_ != nullptr) SSL_CTX_free(ssl_ctx_);
   }
 
   absl::Status Start() {
     absl::StatusOr<std::pair<std::string, int>> hp = SplitHostPort(options_.address);
     if (!hp.ok()) return hp.status();
     if (options_.tls.enabled()) {
-      cert_stamp_ = Stamp(options_.tls.cert);
-      key_stamp_ = Stamp(options_.tls.key);
-      absl::StatusOr<SSL_CTX*> ctx = MakeSslContext(options_.tls);
-      if (!ctx.ok()) return ctx.status();
-      ssl_ctx_ = *ctx;
+      absl::StatusOr<std::unique_ptr<ServerTls>> tls = ServerTls::Load(options_.tls);
+      if (!tls.ok()) return tls.status();
+      tls_ = *std::move(tls);
     }
     base_ = event_base_new();
     if (base_ == nullptr) return absl::InternalError("event_base_new failed");
@@ -280,7 +200,7 @@ class HttpServer::Impl {
     if (wake_fd_ < 0) return absl::InternalError("eventfd failed");
     wake_event_ = event_new(base_, wake_fd_, EV_READ | EV_PERSIST, &Impl::OnWake, this);
     if (wake_event_ == nullptr || event_add(wake_event_, nullptr) != 0) return absl::InternalError("event_add failed");
-    if (ssl_ctx_ != nullptr) {
+    if (tls_ != nullptr) {
       reload_event_ = event_new(base_, -1, EV_PERSIST, &Impl::OnReload, this);
       const timeval period = {1, 0};
       if (reload_event_ == nullptr || event_add(reload_event_, &period) != 0) {
@@ -374,8 +294,8 @@ class HttpServer::Impl {
     try {
       std::thread([this, call, chat = route == Route::kChat, body = std::move(body), authorization,
                    peer = Peer(conn), client_id = call->request_id]() mutable {
-        Generate(call, chat ? Endpoint::kChatCompletions : Endpoint::kCompletions, body, authorization, peer,
-                 client_id);
+        runner_.Run(call, chat ? Endpoint::kChatCompletions : Endpoint::kCompletions, body, authorization, peer,
+                    client_id);
         generations_->fetch_sub(1);
         absl::MutexLock lock(&threads_mu_);
         --running_;
@@ -538,15 +458,17 @@ class HttpServer::Impl {
     if (call.relay != nullptr) call.relay->Cancel();
   }
 
-  static void OnReload(evutil_socket_t, short, void* arg) { static_cast<Impl*>(arg)->ReloadCertificateIfChanged(); }
+  // Every second: a certificate or key file that changed is loaded for new
+  // connections.
+  static void OnReload(evutil_socket_t, short, void* arg) { static_cast<Impl*>(arg)->tls_->ReloadIfChanged(); }
 
   // Each new connection: its bufferevent (TLS over the socket libevent
   // accepted, with the context loaded last) and its front.
   static bufferevent* NewBufferevent(event_base* base, void* arg) {
     auto* self = static_cast<Impl*>(arg);
     bufferevent* bev;
-    if (self->ssl_ctx_ != nullptr) {
-      SSL* ssl = SSL_new(self->ssl_ctx_);
+    if (self->tls_ != nullptr) {
+      SSL* ssl = SSL_new(self->tls_->context());
       if (ssl == nullptr) return nullptr;
       bev = bufferevent_openssl_socket_new(base, -1, ssl, BUFFEREVENT_SSL_ACCEPTING, BEV_OPT_CLOSE_ON_FREE);
     } else {
@@ -554,28 +476,6 @@ class HttpServer::Impl {
     }
     if (bev != nullptr) self->front_.Add(base, bev);
     return bev;
-  }
-
-  // Loop thread, once a second: a certificate or key file that changed is
-  // loaded for new connections once the pair loads; until then the last
-  // good pair serves (a rotation writes the two files one after the other).
-  void ReloadCertificateIfChanged() {
-    const FileStamp cert = Stamp(options_.tls.cert), key = Stamp(options_.tls.key);
-    if (cert == cert_stamp_ && key == key_stamp_) return;
-    absl::StatusOr<SSL_CTX*> ctx = MakeSslContext(options_.tls);
-    if (!ctx.ok()) {
-      if (!(cert == failed_cert_ && key == failed_key_)) {
-        LogEvent("warning", "http_tls_reload_failed", {{"error", std::string(ctx.status().message())}});
-        failed_cert_ = cert;
-        failed_key_ = key;
-      }
-      return;
-    }
-    SSL_CTX_free(ssl_ctx_);  // connections still using it hold their own reference
-    ssl_ctx_ = *ctx;
-    cert_stamp_ = cert;
-    key_stamp_ = key;
-    LogEvent("info", "http_tls_reloaded", {{"cert", options_.tls.cert}});
   }
 
   static void OnWake(evutil_socket_t fd, short, void* arg) {
@@ -722,136 +622,18 @@ class HttpServer::Impl {
     if (signal) Signal();
   }
 
-  // --- A generation's own thread.
-
-  void Reply(const CallPtr& call, int status, std::string body,
-             std::vector<std::pair<std::string, std::string>> headers = {}) {
-    {
-      absl::MutexLock lock(&call->mu);
-      call->status = status;
-      call->body = std::move(body);
-      call->headers = std::move(headers);
-      call->done = true;
-    }
-    Wake(call);
-  }
-
-  void ReplyError(const CallPtr& call, const absl::Status& st) {
-    const HttpError e = ErrorFor(st);
-    Reply(call, e.status, e.body, ErrorHeaders(e));
-  }
-
-  void Stream(const CallPtr& call, std::string events, bool done) {
-    {
-      absl::MutexLock lock(&call->mu);
-      call->sse = true;
-      if (call->out.empty()) call->out_since = absl::Now();
-      call->out += events;
-      call->done = done;
-    }
-    Wake(call);
-  }
-
-  void Generate(const CallPtr& call, Endpoint endpoint, const std::string& body, const std::string& authorization,
-                const std::string& peer, const std::string& client_id) {
-    const RelayContext& rc = *backend_.relay;
-    const absl::Time received = rc.options.clock();  // TTFT counts decoding and tokenizing too
-    KeyLease lease;  // held to the end of the generation
-    if (backend_.admit) {
-      absl::StatusOr<KeyLease> l = backend_.admit(authorization, peer);
-      if (!l.ok()) return ReplyError(call, l.status());
-      lease = *std::move(l);
-    }
-    DecodeLimits limits;
-    limits.max_body_bytes = options_.max_body_bytes;
-    limits.max_reply_entries = options_.max_reply_entries;
-    limits.context_length = backend_.resolver->config().max_position_embeddings;
-    limits.default_completion_tokens = options_.default_completion_tokens;
-    absl::StatusOr<OpenAiRequest> request = DecodeRequest(endpoint, body, limits);
-    if (!request.ok()) {
-      rc.metrics->CountOutcome("invalid");
-      return ReplyError(call, request.status());
-    }
-    const bool chat = endpoint == Endpoint::kChatCompletions;
-    if (!chat && request->generate.max_tokens() == 0) {
-      request->generate.set_max_tokens(options_.default_completion_tokens);
-    }
-    absl::StatusOr<GenerationRequest> resolved = backend_.resolver->Resolve(
-        request->generate, chat ? RequestResolver::MaxTokens::kToContext : RequestResolver::MaxTokens::kRequired);
-    if (!resolved.ok()) {
-      rc.metrics->CountOutcome("invalid");
-      return ReplyError(call, resolved.status());
-    }
-    if (backend_.cache_salt) resolved->cache_salt = backend_.cache_salt(lease.id());
-    const uint64_t n = next_id_.fetch_add(1);
-    const std::string id = absl::StrCat(chat ? "chatcmpl-" : "cmpl-", absl::Hex(id_base_ + n, absl::kZeroPad16));
-    ResponseWriter writer(*request, id, absl::ToUnixSeconds(absl::Now()), backend_.resolver->model_name(),
-                          &backend_.resolver->tokenizer());
-    Relay relay(rc, *std::move(resolved), client_id.empty() ? id : client_id, std::nullopt, received);
-    relay.set_cancel_check([&call] { return call->gone.load(std::memory_order_relaxed); });
-    relay.set_queue_key(lease.id());
-    {
-      absl::MutexLock lock(&call->mu);
-      call->relay = &relay;
-    }
-    if (call->gone.load()) relay.Cancel();
-    const bool stream = request->stream;
-    v1::GenerateFinal final;
-    const absl::Status st = relay.Run([&](const v1::GenerateResponse& m) {
-      if (call->gone.load(std::memory_order_relaxed)) return false;
-      if (m.has_chunk()) {
-        if (stream) {
-          Stream(call, writer.ChunkEvents(m.chunk()), false);
-        } else {
-          writer.Add(m.chunk());
-        }
-      } else if (m.has_final()) {
-        final = m.final();
-      }
-      return true;
-    });
-    bool streaming;
-    {
-      absl::MutexLock lock(&call->mu);
-      call->relay = nullptr;
-      streaming = call->sse;
-    }
-    if (st.ok()) {
-      if (stream) return Stream(call, writer.FinalEvents(final), true);
-      // A whole reply has nowhere to put an error after the first token: a
-      // request that failed or was cancelled mid-way is an error reply, not
-      // a 200 whose text stops short.
-      if (final.finish_reason() == v1::FINISH_REASON_ERROR) {
-        return ReplyError(call, absl::InternalError(absl::StrCat(
-                                    final.error(), " (after ", final.usage().completion_tokens(), " tokens)")));
-      }
-      if (final.finish_reason() == v1::FINISH_REASON_CANCELLED) {
-        return ReplyError(call, absl::UnavailableError(absl::StrCat("the request was cancelled after ",
-                                                                     final.usage().completion_tokens(), " tokens")));
-      }
-      return Reply(call, 200, writer.Body(final));
-    }
-    if (streaming) {
-      // The stream began: the error goes in it.
-      v1::GenerateFinal failed;
-      failed.set_error(std::string(st.message()));
-      return Stream(call, writer.FinalEvents(failed), true);
-    }
-    ReplyError(call, st);
-  }
-
   const HttpServerOptions options_;
   const HttpBackend backend_;
   // Decides each request from its header block before libevent reads its
   // body (loop thread).
   Front front_;
+  // The generations' threads' side of each call.
+  Generations runner_{options_, backend_, [this](const CallPtr& call) { Wake(call); }};
   absl::flat_hash_map<int, Counter*> replies_;  // by status; 0: any other
   Histogram* write_delay_ = nullptr;
   Counter* stalled_ = nullptr;
   Counter* inflight_refusals_ = nullptr;
   const int64_t started_ = absl::ToUnixSeconds(absl::Now());
-  uint64_t id_base_ = 0;
-  std::atomic<uint64_t> next_id_{0};
 
   event_base* base_ = nullptr;
   evhttp* http_ = nullptr;
@@ -863,10 +645,7 @@ class HttpServer::Impl {
   std::atomic<bool> stopping_{false};
   std::atomic<bool> draining_{false};
 
-  // HTTPS (loop thread): the context new connections get, and the files it
-  // came from.
-  SSL_CTX* ssl_ctx_ = nullptr;
-  FileStamp cert_stamp_, key_stamp_, failed_cert_, failed_key_;
+  std::unique_ptr<ServerTls> tls_;  // HTTPS only (loop thread)
 
   // The loop thread's: each connection's call in progress, and the calls
   // whose connection closed before they finished.

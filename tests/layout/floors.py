@@ -1,13 +1,17 @@
 #!/usr/bin/env python3
 """The floor table: each source folder sits on a floor, and a file may
 include only from its own folder or from a lower floor. An include that
-runs up, or sideways into another folder on the same floor, fails.
+runs up, or sideways into another folder on the same floor, fails. Within
+the table, no two units (a header with its .cc) include each other, even
+through others: a cycle fails too.
 
     floors.py ROOT                       check the tree; exit 1 on any offence
     floors.py ROOT --plant FILE:HEADER   check the tree as if FILE also
                                          included HEADER; exit 0 only if
                                          that include is the one offence
-                                         reported (the checker's own test)
+                                         reported, or, staying on its
+                                         floor, closes the one cycle (the
+                                         checker's own tests)
 
 Tests (tests/) sit outside the table: they may include any floor.
 """
@@ -79,6 +83,67 @@ def offences(root, planted=None):
     return found
 
 
+def cycles(root, planted=None):
+    """The include cycles between units (path without its suffix) of the
+    table's folders, each as a sorted list of units."""
+    table = floor_of()
+    edges = {}
+    for folder in table:
+        for dirpath, dirnames, filenames in os.walk(os.path.join(root, folder)):
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+            for name in sorted(filenames):
+                if not name.endswith(SOURCE_SUFFIXES):
+                    continue
+                path = os.path.join(dirpath, name)
+                unit = os.path.splitext(os.path.relpath(path, root))[0]
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    headers = INCLUDE.findall(f.read())
+                if planted is not None and planted[0] == os.path.relpath(path, root):
+                    headers.append(planted[1])
+                for header in headers:
+                    target = os.path.splitext(header)[0]
+                    if target != unit and os.path.isfile(os.path.join(root, header)):
+                        edges.setdefault(unit, set()).add(target)
+    # Tarjan's strongly connected components, iteratively.
+    index, low, on_stack, stack, found = {}, {}, set(), [], []
+    counter = 0
+    for start in sorted(edges):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(edges.get(start, ()))))]
+        index[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
 def main(argv):
     if len(argv) not in (2, 4) or (len(argv) == 4 and argv[2] != "--plant"):
         print(__doc__, file=sys.stderr)
@@ -94,16 +159,27 @@ def main(argv):
     found = offences(root, planted)
     for rel, header, why in found:
         print(f"{rel}: #include \"{header}\" {why}")
+    loops = cycles(root, planted)
+    for loop in loops:
+        print(f"include cycle: {' <-> '.join(loop)}")
     if planted is not None:
         if [(rel, header) for rel, header, _ in found] == [planted]:
             print(f"OK: the planted include ({planted[0]} -> {planted[1]}) is the one offence found")
             return 0
+        units = {os.path.splitext(planted[0])[0], os.path.splitext(planted[1])[0]}
+        if not found and len(loops) == 1 and units <= set(loops[0]):
+            print(f"OK: the planted include ({planted[0]} -> {planted[1]}) closes the one cycle found")
+            return 0
         print(f"FAIL: expected exactly the planted include ({planted[0]} -> {planted[1]}) to be reported")
         return 1
-    if found:
-        print(f"{len(found)} include(s) cross the floor table (tests/layout/floors.py lists the floors)")
+    for loop in loops:
+        print(f"include cycle: {' <-> '.join(loop)}")
+    if found or loops:
+        print(f"{len(found)} include(s) cross the floor table (tests/layout/floors.py lists the floors); "
+              f"{len(loops)} include cycle(s)")
         return 1
-    print(f"OK: every include in {', '.join(sorted(table_folders()))} stays on its floor or goes down")
+    print(f"OK: every include in {', '.join(sorted(table_folders()))} stays on its floor or goes down, "
+          "and no units include each other")
     return 0
 
 

@@ -50,8 +50,8 @@ class TensorParallelRanks {
 
   // The forward of every rank over a batch Model::Forward has checked;
   // `rank0` is the Model's own shard.
-  absl::StatusOr<ForwardResult> Run(ModelShard& rank0, const KvStorage& storage, absl::Span<const ForwardSequence> batch,
-                                    const ForwardOptions& options);
+  absl::StatusOr<ForwardResult> Run(ModelShard& rank0, const KvStorage& storage,
+                                    absl::Span<const ForwardSequence> batch, const ForwardOptions& options);
 
  private:
   struct Job {

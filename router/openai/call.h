@@ -48,6 +48,23 @@ struct Call {
   std::vector<std::pair<std::string, std::string>> headers ABSL_GUARDED_BY(mu);
   Relay* relay ABSL_GUARDED_BY(mu) = nullptr;
   std::atomic<bool> gone{false};  // the client's connection closed
+
+  // The loop's watch on the client's socket while the generation runs:
+  // libevent reads nothing more from a connection while its request is
+  // being answered, so a client that goes away before the reply's first
+  // write would go unnoticed. An end of stream or an error on it cancels
+  // the call (one that half-closes after sending its request counts as
+  // gone). Bytes (a pipelined request, which libevent reads only after
+  // this reply) end the watch, since the socket stays readable from then
+  // on; the reply's writes and the connection's close callback still see
+  // the client leave. Loop thread.
+  void Watch(event_base* base);
+  void Unwatch();
+  // The generation's answer is no longer wanted: its relay is cancelled.
+  void Cancel();
+
+ private:
+  static void OnClientReadable(evutil_socket_t fd, short, void* arg);
 };
 using CallPtr = std::shared_ptr<Call>;
 

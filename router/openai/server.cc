@@ -18,8 +18,6 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
-#include <optional>
-#include <random>
 #include <system_error>
 #include <thread>
 #include <utility>
@@ -29,38 +27,21 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
-#include "absl/strings/strip.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "base/server_util.h"
 #include "nlohmann/json.hpp"
 #include "router/openai/call.h"
 #include "router/openai/front.h"
 #include "router/openai/generation.h"
+#include "router/openai/replies.h"
 #include "router/openai/request.h"
 #include "router/openai/response.h"
 #include "router/openai/server_tls.h"
 
 namespace pdserve::router::openai {
 namespace {
-
-const char* Reason(int code) {
-  switch (code) {
-    case 200: return "OK";
-    case 400: return "Bad Request";
-    case 401: return "Unauthorized";
-    case 404: return "Not Found";
-    case 405: return "Method Not Allowed";
-    case 411: return "Length Required";
-    case 413: return "Payload Too Large";
-    case 429: return "Too Many Requests";
-    case 431: return "Request Header Fields Too Large";
-    case 499: return "Client Closed Request";
-    case 503: return "Service Unavailable";
-    default: return "Internal Server Error";
-  }
-}
 
 // TCP_NODELAY (every event leaves at once) and, when set, SO_SNDBUF.
 void SetSocketOptions(evhttp_connection* conn, int send_buffer) {
@@ -111,10 +92,6 @@ class HttpServer::Impl {
                           .draining = [this] { return draining_.load(); },
                           .closed = [this](evhttp_connection* conn) { Closed(conn); }}) {
     if (MetricsRegistry* m = backend_.metrics; m != nullptr) {
-      for (const int code : {200, 400, 401, 404, 405, 411, 413, 429, 431, 499, 500, 503, 0}) {
-        replies_[code] = m->AddCounter("pdserve_http_replies_total", "OpenAI HTTP API replies by status code.",
-                                       code == 0 ? "code=\"other\"" : absl::StrCat("code=\"", code, "\""));
-      }
       stalled_ = m->AddCounter("pdserve_http_stalled_streams_total",
                                "HTTP streams cancelled because their client stopped reading.");
       m->AddGauge("pdserve_http_requests_open",
@@ -142,7 +119,7 @@ class HttpServer::Impl {
     }
     // The loop is stopped: this thread owns its state now. Every
     // generation still running is cancelled, then awaited.
-    for (auto& [conn, call] : conns_) CancelCall(*call);
+    for (auto& [conn, call] : conns_) call->Cancel();
     {
       absl::MutexLock lock(&threads_mu_);
       threads_mu_.Await(absl::Condition(
@@ -236,43 +213,45 @@ class HttpServer::Impl {
       int64_t n;
       ~ReleaseOnReturn() { front.ReturnToBudget(n); }
     } release{front_, verdict.reserved};
-    if (verdict.status != 0) return Send(req, verdict.status, verdict.body, verdict.headers);
+    if (verdict.status != 0) return replies_.Send(req, verdict.status, verdict.body, verdict.headers);
     const evhttp_uri* uri = evhttp_request_get_evhttp_uri(req);
     const char* path = uri == nullptr ? nullptr : evhttp_uri_get_path(uri);
     const Route route = RouteOf(path == nullptr ? "" : path);
     const evhttp_cmd_type method = evhttp_request_get_command(req);
     const bool post = route == Route::kCompletions || route == Route::kChat;
     if (route == Route::kUnknown) {
-      return Send(req, 404, ErrorBody(absl::StrCat("no such path: ", path == nullptr ? "" : path,
-                                                   " (served: POST /v1/completions, POST /v1/chat/completions, GET "
-                                                   "/v1/models, GET /health)"),
-                                      "invalid_request_error"));
+      return replies_.Send(req, 404,
+                           ErrorBody(absl::StrCat("no such path: ", path == nullptr ? "" : path,
+                                                  " (served: POST /v1/completions, POST /v1/chat/completions, GET "
+                                                  "/v1/models, GET /health)"),
+                                     "invalid_request_error"));
     }
     if (route == Route::kMetrics) {
-      return Send(req, 404,
-                  ErrorBody("metrics are served on the router's own port (--metrics_listen), not here",
-                            "invalid_request_error"));
+      return replies_.Send(req, 404,
+                           ErrorBody("metrics are served on the router's own port (--metrics_listen), not here",
+                                     "invalid_request_error"));
     }
     if ((post && method != EVHTTP_REQ_POST) || (!post && method != EVHTTP_REQ_GET && method != EVHTTP_REQ_HEAD)) {
-      return Send(req, 405, ErrorBody(absl::StrCat(path, " takes ", post ? "POST" : "GET"), "invalid_request_error"),
-                  {{"Allow", post ? "POST" : "GET, HEAD"}});
+      return replies_.Send(req, 405,
+                           ErrorBody(absl::StrCat(path, " takes ", post ? "POST" : "GET"), "invalid_request_error"),
+                           {{"Allow", post ? "POST" : "GET, HEAD"}});
     }
-    const std::string authorization = Header(req, "Authorization");
+    const std::string authorization = HeaderOf(req, "Authorization");
     if (route == Route::kHealth) return Health(req);
     if (route == Route::kModels) {
-      if (absl::Status st = Authenticate(authorization, conn); !st.ok()) return SendError(req, st);
+      if (absl::Status st = Authenticate(authorization, conn); !st.ok()) return replies_.SendError(req, st);
       return Models(req);
     }
 
     evbuffer* in = evhttp_request_get_input_buffer(req);
     const size_t size = evbuffer_get_length(in);
     if (static_cast<int64_t>(size) > options_.max_body_bytes) {
-      return Send(req, 413,
+      return replies_.Send(req, 413,
                   ErrorBody(absl::StrCat("body: ", size, " bytes, more than the limit of ", options_.max_body_bytes),
                             "invalid_request_error", "body"));
     }
     if (draining_.load()) {
-      return Send(req, 503, ErrorBody("the router is shutting down", "server_error"));
+      return replies_.Send(req, 503, ErrorBody("the router is shutting down", "server_error"));
     }
     {
       absl::MutexLock lock(&threads_mu_);
@@ -286,14 +265,14 @@ class HttpServer::Impl {
     auto call = std::make_shared<Call>();
     call->req = req;
     call->conn = conn;
-    call->request_id = RequestId(req);
+    call->request_id = RequestIdOf(req);
     conns_[conn] = call;
     open_->fetch_add(1);
     SetSocketOptions(conn, options_.socket_send_buffer);
-    Watch(*call);
+    call->Watch(base_);
     try {
       std::thread([this, call, chat = route == Route::kChat, body = std::move(body), authorization,
-                   peer = Peer(conn), client_id = call->request_id]() mutable {
+                   peer = PeerOf(conn), client_id = call->request_id]() mutable {
         runner_.Run(call, chat ? Endpoint::kChatCompletions : Endpoint::kCompletions, body, authorization, peer,
                     client_id);
         generations_->fetch_sub(1);
@@ -304,7 +283,7 @@ class HttpServer::Impl {
       // Out of threads (or memory for one): this request is refused and
       // the server goes on.
       LogEvent("warning", "http_thread_start_failed", {{"error", e.what()}});
-      Unwatch(*call);
+      call->Unwatch();
       conns_.erase(conn);
       open_->fetch_sub(1);
       {
@@ -318,41 +297,21 @@ class HttpServer::Impl {
 
   void RefuseGeneration(evhttp_request* req, absl::string_view why) {
     if (inflight_refusals_ != nullptr) inflight_refusals_->Add();
-    Send(req, 503, ErrorBody(absl::StrCat("the router is busy: ", why), "server_error"), {{"Retry-After", "1"}});
-  }
-
-  // The client's X-Request-Id when it is a plausible id (at most 128
-  // printable ASCII characters: it goes into logs); else "" (the response
-  // id is used).
-  static std::string RequestId(evhttp_request* req) {
-    std::string id = Header(req, "X-Request-Id");
-    if (id.size() > 128 || !std::all_of(id.begin(), id.end(), [](char c) { return c > 0x20 && c < 0x7f; })) return "";
-    return id;
-  }
-
-  static std::string Header(evhttp_request* req, const char* name) {
-    const char* v = evhttp_find_header(evhttp_request_get_input_headers(req), name);
-    return v == nullptr ? "" : v;
-  }
-
-  static std::string Peer(evhttp_connection* conn) {
-    char* host = nullptr;
-    ev_uint16_t port = 0;
-    evhttp_connection_get_peer(conn, &host, &port);
-    return absl::StrCat(host == nullptr ? "?" : host, ":", port);
+    replies_.Send(req, 503, ErrorBody(absl::StrCat("the router is busy: ", why), "server_error"),
+                  {{"Retry-After", "1"}});
   }
 
   absl::Status Authenticate(const std::string& authorization, evhttp_connection* conn) {
     if (!backend_.authenticate) return absl::OkStatus();
-    return backend_.authenticate(authorization, Peer(conn)).status();
+    return backend_.authenticate(authorization, PeerOf(conn)).status();
   }
 
   void Health(evhttp_request* req) {
     absl::Status st = draining_.load() ? absl::UnavailableError("the router is shutting down")
                       : backend_.ready  ? backend_.ready()
                                         : absl::OkStatus();
-    if (st.ok()) return Send(req, 200, "{\"status\":\"ok\"}");
-    Send(req, 503, ErrorBody(st.message(), "server_error"));
+    if (st.ok()) return replies_.Send(req, 200, "{\"status\":\"ok\"}");
+    replies_.Send(req, 503, ErrorBody(st.message(), "server_error"));
   }
 
   void Models(evhttp_request* req) {
@@ -363,30 +322,7 @@ class HttpServer::Impl {
                                   {"owned_by", "pdserve"},
                                   {"max_model_len", r.config().max_position_embeddings},
                                   {"pdserve", {{"vocab_size", r.config().vocab_size}}}};
-    Send(req, 200, nlohmann::json({{"object", "list"}, {"data", {model}}}).dump());
-  }
-
-  void SendError(evhttp_request* req, const absl::Status& st) {
-    const HttpError e = ErrorFor(st);
-    Send(req, e.status, e.body, ErrorHeaders(e));
-  }
-
-  void Count(int status) {
-    if (replies_.empty()) return;
-    auto it = replies_.find(status);
-    (it == replies_.end() ? replies_.at(0) : it->second)->Add();
-  }
-
-  void Send(evhttp_request* req, int status, const std::string& body,
-            const std::vector<std::pair<std::string, std::string>>& headers = {}) {
-    Count(status);
-    evkeyvalq* out = evhttp_request_get_output_headers(req);
-    evhttp_add_header(out, "Content-Type", "application/json");
-    for (const auto& [k, v] : headers) evhttp_add_header(out, k.c_str(), v.c_str());
-    evbuffer* buf = evbuffer_new();
-    evbuffer_add(buf, body.data(), body.size());
-    evhttp_send_reply(req, status, Reason(status), buf);
-    evbuffer_free(buf);
+    replies_.Send(req, 200, nlohmann::json({{"object", "list"}, {"data", {model}}}).dump());
   }
 
   // A connection closes (the front has let go of it).
@@ -396,7 +332,7 @@ class HttpServer::Impl {
     if (it == conns_.end()) return;
     CallPtr call = it->second;
     conns_.erase(it);
-    Unwatch(*call);
+    call->Unwatch();
     if (call->ending) {
       // The stream's last bytes were not all written. libevent detached
       // the request from the closing connection and frees it on this end
@@ -408,54 +344,8 @@ class HttpServer::Impl {
     // libevent keeps the request (detached from the connection) until
     // the reply is ended: Pump does that once the generation is done.
     call->conn = nullptr;
-    CancelCall(*call);
+    call->Cancel();
     orphans_.push_back(std::move(call));
-  }
-
-  // libevent reads nothing more from a connection while its request is
-  // being answered, so a client that goes away before the reply's first
-  // write would go unnoticed: the loop watches the socket itself while the
-  // generation runs.
-  void Watch(Call& call) {
-    bufferevent* bev = evhttp_connection_get_bufferevent(call.conn);
-    const evutil_socket_t fd = bev == nullptr ? -1 : bufferevent_getfd(bev);
-    if (fd < 0) return;
-    call.watch = event_new(base_, fd, EV_READ, &Impl::OnClientReadable, &call);
-    if (call.watch != nullptr) event_add(call.watch, nullptr);
-  }
-
-  void Unwatch(Call& call) {
-    if (call.watch == nullptr) return;
-    event_free(call.watch);
-    call.watch = nullptr;
-  }
-
-  // The client's socket turned readable while its generation runs. An end
-  // of stream or an error: the client is gone (one that half-closes after
-  // sending its request counts as gone). Bytes (a pipelined request, which
-  // libevent reads only after this reply) end the watch, since the socket
-  // stays readable from then on; the reply's writes and the connection's
-  // close callback still see the client leave.
-  static void OnClientReadable(evutil_socket_t fd, short, void* arg) {
-    auto& call = *static_cast<Call*>(arg);
-    char byte;
-    const ssize_t n = recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
-    if (n > 0) return;  // not re-added
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
-      event_add(call.watch, nullptr);
-      return;
-    }
-    call.gone.store(true);
-    absl::MutexLock lock(&call.mu);
-    if (call.relay != nullptr) call.relay->Cancel();
-  }
-
-  // The generation's answer is no longer wanted.
-  void CancelCall(Call& call) {
-    Unwatch(call);
-    call.gone.store(true);
-    absl::MutexLock lock(&call.mu);
-    if (call.relay != nullptr) call.relay->Cancel();
   }
 
   // Every second: a certificate or key file that changed is loaded for new
@@ -521,8 +411,8 @@ class HttpServer::Impl {
       if (call.reply_started) {
         evhttp_send_reply_end(call.req);
       } else {
-        evhttp_send_reply(call.req, 499, Reason(499), nullptr);
-        Count(499);
+        evhttp_send_reply(call.req, 499, ReasonPhrase(499), nullptr);
+        replies_.Count(499);
       }
       call.finished = true;
       open_->fetch_sub(1);
@@ -533,10 +423,10 @@ class HttpServer::Impl {
     if (!sse) {
       if (!done) return;
       call.finished = true;
-      Unwatch(call);
+      call.Unwatch();
       conns_.erase(call.conn);
       open_->fetch_sub(1);
-      Send(call.req, status, body, headers);
+      replies_.Send(call.req, status, body, headers);
       return;
     }
     if (!call.reply_started) {
@@ -546,7 +436,7 @@ class HttpServer::Impl {
       evhttp_add_header(h, "X-Accel-Buffering", "no");
       if (!call.request_id.empty()) evhttp_add_header(h, "X-Request-Id", call.request_id.c_str());
       evhttp_send_reply_start(call.req, 200, "OK");
-      Count(200);
+      replies_.Count(200);
       call.reply_started = true;
     }
     if (!out.empty() && !call.gone.load()) {
@@ -556,7 +446,7 @@ class HttpServer::Impl {
       if (static_cast<int64_t>(unsent + out.size()) > options_.max_buffered_bytes) {
         LogEvent("warning", "http_client_not_reading", {{"unsent_bytes", std::to_string(unsent)}});
         if (stalled_ != nullptr) stalled_->Add();
-        CancelCall(call);
+        call.Cancel();
         evhttp_connection_set_timeout(call.conn, 5);
       }
     }
@@ -577,7 +467,7 @@ class HttpServer::Impl {
       if (done) {
         call.finished = true;
         call.ending = true;
-        Unwatch(call);
+        call.Unwatch();
         evhttp_send_reply_chunk_with_cb(call.req, buf, &Impl::OnStreamWritten, this);
       } else {
         evhttp_send_reply_chunk(call.req, buf);
@@ -629,7 +519,7 @@ class HttpServer::Impl {
   Front front_;
   // The generations' threads' side of each call.
   Generations runner_{options_, backend_, [this](const CallPtr& call) { Wake(call); }};
-  absl::flat_hash_map<int, Counter*> replies_;  // by status; 0: any other
+  Replies replies_{backend_.metrics};
   Histogram* write_delay_ = nullptr;
   Counter* stalled_ = nullptr;
   Counter* inflight_refusals_ = nullptr;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <deque>
 #include <fstream>
 #include <system_error>
 #include <thread>
@@ -96,9 +97,12 @@ void ClientCancel::Cancel() {
   if (relay_ != nullptr) relay_->Cancel();
 }
 
-// Generate: every message is written as the relay emits it. The relay's
-// thread waits for each write to complete, as a synchronous writer would,
-// so the client's flow control holds the relay back.
+// Generate: the relay's messages are queued and written one after
+// another, each write started by the previous one's completion, so the
+// relay's thread does not wait a write's round trip through gRPC's
+// callback threads for every message. The queue is bounded: a client that
+// reads slower than the relay emits holds the relay back once
+// kMaxQueuedWrites wait, as a synchronous writer would.
 class RouterService::StreamedCall final : public grpc::ServerWriteReactor<v1::GenerateResponse> {
  public:
   StreamedCall(RouterService* service, grpc::CallbackServerContext* ctx, const v1::GenerateRequest* req)
@@ -107,33 +111,54 @@ class RouterService::StreamedCall final : public grpc::ServerWriteReactor<v1::Ge
   }
   void OnWriteDone(bool ok) override {
     absl::MutexLock lock(&mu_);
-    writing_ = false;
-    write_ok_ = ok;
+    queue_.pop_front();
+    if (!ok) {  // the client is gone: nothing more is written
+      write_ok_ = false;
+      queue_.clear();
+    }
+    if (queue_.empty()) {
+      writing_ = false;
+    } else {
+      StartWrite(&queue_.front());
+    }
   }
   void OnCancel() override { cancel_.Cancel(); }
   void OnDone() override { delete this; }
 
  private:
+  static constexpr size_t kMaxQueuedWrites = 64;
+
   void Body() {
-    Finish(service_->Run(ctx_, *req_, Reply::kStreamed, [this](const v1::GenerateResponse& m) { return Write(m); },
-                         &cancel_));
+    const grpc::Status st =
+        service_->Run(ctx_, *req_, Reply::kStreamed, [this](const v1::GenerateResponse& m) { return Write(m); },
+                      &cancel_);
+    {
+      // The status goes after the last message.
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(this, &StreamedCall::Idle));
+    }
+    Finish(st);
   }
   bool Write(const v1::GenerateResponse& m) {
     absl::MutexLock lock(&mu_);
-    message_ = m;  // kept until OnWriteDone
-    writing_ = true;
-    StartWrite(&message_);
-    mu_.Await(absl::Condition(
-        +[](bool* writing) { return !*writing; }, &writing_));
-    return write_ok_;
+    mu_.Await(absl::Condition(this, &StreamedCall::Room));
+    if (!write_ok_) return false;
+    queue_.push_back(m);  // a deque: the message being written stays where it is
+    if (!writing_) {
+      writing_ = true;
+      StartWrite(&queue_.front());
+    }
+    return true;
   }
+  bool Idle() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !writing_; }
+  bool Room() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !write_ok_ || queue_.size() < kMaxQueuedWrites; }
 
   RouterService* const service_;
   grpc::CallbackServerContext* const ctx_;
   const v1::GenerateRequest* const req_;
   ClientCancel cancel_;
   absl::Mutex mu_;
-  v1::GenerateResponse message_ ABSL_GUARDED_BY(mu_);
+  std::deque<v1::GenerateResponse> queue_ ABSL_GUARDED_BY(mu_);  // the front one is being written
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool write_ok_ ABSL_GUARDED_BY(mu_) = true;
   CallThread thread_;  // last: joined (in OnDone's delete) before the rest goes

@@ -119,7 +119,7 @@ class RouterService::StreamedCall final : public grpc::ServerWriteReactor<v1::Ge
     if (queue_.empty()) {
       writing_ = false;
     } else {
-      StartWrite(&queue_.front());
+      WriteFront();
     }
   }
   void OnCancel() override { cancel_.Cancel(); }
@@ -146,9 +146,16 @@ class RouterService::StreamedCall final : public grpc::ServerWriteReactor<v1::Ge
     queue_.push_back(m);  // a deque: the message being written stays where it is
     if (!writing_) {
       writing_ = true;
-      StartWrite(&queue_.front());
+      WriteFront();
     }
     return true;
+  }
+  // With more behind it, a message may wait in gRPC's buffer for the next
+  // (fewer, fuller frames); the last one queued is sent at once.
+  void WriteFront() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    grpc::WriteOptions options;
+    if (queue_.size() > 1) options.set_buffer_hint();
+    StartWrite(&queue_.front(), options);
   }
   bool Idle() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !writing_; }
   bool Room() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !write_ok_ || queue_.size() < kMaxQueuedWrites; }

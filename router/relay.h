@@ -133,11 +133,9 @@ class Relay {
   // parse, naming the field).
   absl::Status Run(const std::function<bool(const v1::GenerateResponse&)>& emit);
 
-  // The client went away: ends every call in progress. Thread-safe.
+  // The client went away: ends every call in progress. Thread-safe. The
+  // fronts call it through a ClientCancel (router/client_cancel.h).
   void Cancel();
-  // Also asked whether the client went away, wherever the relay checks
-  // (the HTTP front's view of its connection). Set before Run.
-  void set_cancel_check(std::function<bool()> check) { cancel_check_ = std::move(check); }
   // The API key it came with: the queue takes keys in turn. Set before Run.
   void set_queue_key(std::string key) { queue_key_ = std::move(key); }
 
@@ -184,9 +182,7 @@ class Relay {
   void OpenPrefill(std::unique_ptr<PrefillStream> s);
   void ClosePrefill();
   void CloseDecode();
-  bool client_cancelled() const {
-    return client_cancelled_.load(std::memory_order_relaxed) || (cancel_check_ && cancel_check_());
-  }
+  bool client_cancelled() const { return client_cancelled_.load(std::memory_order_relaxed); }
   absl::Time Now() const { return context_.options.clock(); }
   std::optional<absl::Time> LifeDeadline(absl::Time from) const;
 
@@ -252,7 +248,6 @@ class Relay {
   } migration_;
 
   std::atomic<bool> client_cancelled_{false};
-  std::function<bool()> cancel_check_;
   absl::Mutex streams_mu_;
   std::unique_ptr<PrefillStream> prefill_stream_ ABSL_GUARDED_BY(streams_mu_);
   std::unique_ptr<DecodeStream> decode_stream_ ABSL_GUARDED_BY(streams_mu_);

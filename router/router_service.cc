@@ -80,23 +80,6 @@ const grpc::Status kNoThread(grpc::StatusCode::RESOURCE_EXHAUSTED, "no thread co
 
 }  // namespace
 
-void ClientCancel::Attach(Relay* relay) {
-  absl::MutexLock lock(&mu_);
-  relay_ = relay;
-  if (cancelled_) relay_->Cancel();
-}
-
-void ClientCancel::Detach() {
-  absl::MutexLock lock(&mu_);
-  relay_ = nullptr;
-}
-
-void ClientCancel::Cancel() {
-  absl::MutexLock lock(&mu_);
-  cancelled_ = true;
-  if (relay_ != nullptr) relay_->Cancel();
-}
-
 // Generate: the relay's messages are queued and written one after
 // another, each write started by the previous one's completion, so the
 // relay's thread does not wait a write's round trip through gRPC's

@@ -42,6 +42,7 @@
 #include "pdserve/v1/generation.grpc.pb.h"
 #include "router/admission.h"
 #include "router/api_keys.h"
+#include "router/client_cancel.h"
 #include "router/measured.h"
 #include "router/openai/request.h"
 #include "router/openai/server.h"
@@ -123,22 +124,6 @@ struct RouterOptions {
   // The router's certificate and the cluster CA, presented to the workers
   // (mutual TLS); none: plaintext to the workers.
   TlsFiles tls;
-};
-
-// Where a client's cancel meets its relay: OnCancel may come before the
-// relay exists, while it runs, or after it ended. Thread-safe.
-class ClientCancel {
- public:
-  // The relay runs from now until Detach; a cancel that came first
-  // cancels it at once.
-  void Attach(Relay* relay);
-  void Detach();
-  void Cancel();
-
- private:
-  absl::Mutex mu_;
-  Relay* relay_ ABSL_GUARDED_BY(mu_) = nullptr;
-  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 // Generate and Complete are callback methods; the rest are synchronous.

@@ -30,16 +30,12 @@ void Call::OnClientReadable(evutil_socket_t fd, short, void* arg) {
     event_add(call.watch, nullptr);
     return;
   }
-  call.gone.store(true);
-  absl::MutexLock lock(&call.mu);
-  if (call.relay != nullptr) call.relay->Cancel();
+  call.gone.Cancel();
 }
 
 void Call::Cancel() {
   Unwatch();
-  gone.store(true);
-  absl::MutexLock lock(&mu);
-  if (relay != nullptr) relay->Cancel();
+  gone.Cancel();
 }
 
 }  // namespace pdserve::router::openai

@@ -19,7 +19,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "router/relay.h"
+#include "router/client_cancel.h"
 
 namespace pdserve::router::openai {
 
@@ -46,8 +46,9 @@ struct Call {
   int status ABSL_GUARDED_BY(mu) = 200;
   std::string body ABSL_GUARDED_BY(mu);
   std::vector<std::pair<std::string, std::string>> headers ABSL_GUARDED_BY(mu);
-  Relay* relay ABSL_GUARDED_BY(mu) = nullptr;
-  std::atomic<bool> gone{false};  // the client's connection closed
+  // The client went away (its connection closed, or it stopped reading):
+  // the generation's relay, attached while it runs, is cancelled.
+  ClientCancel gone;
 
   // The loop's watch on the client's socket while the generation runs:
   // libevent reads nothing more from a connection while its request is
@@ -60,7 +61,8 @@ struct Call {
   // the client leave. Loop thread.
   void Watch(event_base* base);
   void Unwatch();
-  // The generation's answer is no longer wanted: its relay is cancelled.
+  // The generation's answer is no longer wanted: the watch ends and the
+  // relay is cancelled.
   void Cancel();
 
  private:

@@ -79,17 +79,12 @@ void Generations::Run(const CallPtr& call, Endpoint endpoint, const std::string&
   ResponseWriter writer(*request, id, absl::ToUnixSeconds(absl::Now()), backend_.resolver->model_name(),
                         &backend_.resolver->tokenizer());
   Relay relay(rc, *std::move(resolved), client_id.empty() ? id : client_id, std::nullopt, received);
-  relay.set_cancel_check([&call] { return call->gone.load(std::memory_order_relaxed); });
   relay.set_queue_key(lease.id());
-  {
-    absl::MutexLock lock(&call->mu);
-    call->relay = &relay;
-  }
-  if (call->gone.load()) relay.Cancel();
+  call->gone.Attach(&relay);
   const bool stream = request->stream;
   v1::GenerateFinal final;
   const absl::Status st = relay.Run([&](const v1::GenerateResponse& m) {
-    if (call->gone.load(std::memory_order_relaxed)) return false;
+    if (call->gone.cancelled()) return false;
     if (m.has_chunk()) {
       if (stream) {
         Stream(call, writer.ChunkEvents(m.chunk()), false);
@@ -101,10 +96,10 @@ void Generations::Run(const CallPtr& call, Endpoint endpoint, const std::string&
     }
     return true;
   });
+  call->gone.Detach();
   bool streaming;
   {
     absl::MutexLock lock(&call->mu);
-    call->relay = nullptr;
     streaming = call->sse;
   }
   if (st.ok()) {

@@ -439,7 +439,7 @@ class HttpServer::Impl {
       replies_.Count(200);
       call.reply_started = true;
     }
-    if (!out.empty() && !call.gone.load()) {
+    if (!out.empty() && !call.gone.cancelled()) {
       // A client that stopped reading: its bytes pile up here.
       bufferevent* bev = evhttp_connection_get_bufferevent(call.conn);
       const size_t unsent = bev == nullptr ? 0 : evbuffer_get_length(bufferevent_get_output(bev));

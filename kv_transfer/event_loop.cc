@@ -11,6 +11,8 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdint>
+#include <cstring>
+#include <future>
 
 namespace pdserve::kv {
 namespace {
@@ -68,16 +70,37 @@ void RequestShortSlice() {
   attr.sched_runtime = kLoopSliceNs;
   (void)syscall(SYS_sched_setattr, 0, &attr, 0);
 }
+
+// The lowest real-time priority: above every normal-class thread (the
+// compute), below any real-time thread the operator runs.
+constexpr int kLoopRealtimePriority = 1;
+
+// Empty when the calling thread now runs in SCHED_FIFO; otherwise why not.
+std::string RequestRealtime() {
+  sched_param param{};
+  param.sched_priority = kLoopRealtimePriority;
+  const int rc = pthread_setschedparam(pthread_self(), SCHED_FIFO, &param);
+  if (rc == 0) return "";
+  return rc == EPERM ? "not permitted (needs root, CAP_SYS_NICE or RLIMIT_RTPRIO >= 1)" : std::strerror(rc);
+}
 }  // namespace
 
-void EventLoop::Start(std::string name, Device device) {
+void EventLoop::Start(std::string name, Device device, Options options) {
   wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  thread_ = std::thread([this, device = std::move(device), name = std::move(name)] {
+  std::promise<void> scheduled;
+  std::future<void> scheduled_done = scheduled.get_future();
+  thread_ = std::thread([this, device = std::move(device), name = std::move(name), options, &scheduled] {
     pthread_setname_np(pthread_self(), name.substr(0, 15).c_str());
     thread_id_.store(std::this_thread::get_id());
-    RequestShortSlice();
+    if (options.realtime) {
+      realtime_refused_ = RequestRealtime();
+      realtime_ = realtime_refused_.empty();
+    }
+    if (!realtime_) RequestShortSlice();
+    scheduled.set_value();
     Run(device);
   });
+  scheduled_done.wait();
 }
 
 void EventLoop::Stop() {
@@ -191,7 +214,13 @@ void EventLoop::Run(Device device) {
       preemptions_seen = preemptions;
     }
     if (spin && now < no_spin_until) spin = false;
-    if (busy_.load() > 0 || spin || (device.arm && !device.arm())) {
+    // A real-time loop's wake-ups are prompt, and spinning on outstanding
+    // operations (up to kSpinWhileStalled) would hold the core from the
+    // compute: it waits on its fds instead (the device signals their
+    // progress), with kStalledWaitMs as the longest wait while any are
+    // outstanding.
+    const bool poll_busy = busy_.load() > 0 && !realtime_;
+    if (poll_busy || spin || (device.arm && !device.arm())) {
       if (stalled) {
         poll(fds, nfds, kStalledWaitMs);
         uint64_t drained;
@@ -212,6 +241,7 @@ void EventLoop::Run(Device device) {
       timeout_ms = static_cast<int>(std::max<int64_t>(
           0, absl::ToInt64Milliseconds(next_tick - absl::Now()) + 1));
     }
+    if (busy_.load() > 0 && (timeout_ms < 0 || timeout_ms > kStalledWaitMs)) timeout_ms = kStalledWaitMs;
     poll(fds, nfds, timeout_ms);
     uint64_t drained;
     (void)!read(wake_fd_, &drained, sizeof(drained));

@@ -10,6 +10,18 @@
 // for a while: it sleeps at once, so its next wake-up preempts the compute
 // instead of waiting a scheduler tick behind it.
 //
+// Scheduling: a peer waits on the loop's every answer, so a loop started
+// with `realtime` runs in SCHED_FIFO at the lowest real-time priority when
+// the process may (root, CAP_SYS_NICE or RLIMIT_RTPRIO >= 1): each wake-up
+// then preempts the compute on its core at once, on any CPU and kernel. Such
+// a loop keeps the 100 us spin after work (it holds the core from the
+// compute that long at most) but never spins on outstanding operations: it
+// sleeps on its fds, which the device signals, waking at least every
+// millisecond while operations are outstanding. Without
+// that permission, or without `realtime`, it stays in the normal class and
+// asks for a short EEVDF slice, which lets most wake-ups preempt but leaves
+// some a scheduler tick behind the compute.
+//
 // Thread safety: Post, PostAt, RunSync, AddTicker, AddBusy and Stop may be called
 // from any thread; tasks, tickers and device hooks run on the loop thread.
 #ifndef PDSERVE_KV_TRANSFER_EVENT_LOOP_H_
@@ -43,9 +55,18 @@ class EventLoop {
   EventLoop(const EventLoop&) = delete;
   EventLoop& operator=(const EventLoop&) = delete;
 
+  struct Options {
+    // SCHED_FIFO when permitted (see "Scheduling" above).
+    bool realtime = false;
+  };
   // Starts the thread. REQUIRES: called once.
-  void Start(std::string name, Device device);
+  void Start(std::string name, Device device, Options options);
+  void Start(std::string name, Device device) { Start(std::move(name), std::move(device), Options()); }
   void Start(std::string name) { Start(std::move(name), Device()); }
+  // Whether the loop thread runs in SCHED_FIFO (known once Start returns),
+  // and when it asked for it and was refused, why.
+  bool realtime() const { return realtime_; }
+  const std::string& realtime_refused() const { return realtime_refused_; }
   // Runs the tasks already posted, then joins. Idempotent.
   void Stop();
 
@@ -92,6 +113,9 @@ class EventLoop {
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   int wake_fd_ = -1;
   std::atomic<int> busy_{0};
+  // Written by the loop thread before Start returns; read-only after.
+  bool realtime_ = false;
+  std::string realtime_refused_;
   std::atomic<int64_t> last_beat_ns_{absl::ToUnixNanos(absl::Now())};
   std::atomic<int64_t> longest_round_ns_{0};
   std::atomic<std::thread::id> thread_id_{};

@@ -885,7 +885,8 @@ absl::StatusOr<std::unique_ptr<TcpTransport>> TcpTransport::Create(const Options
                                    .progress = [self] { return self->Progress(); },
                                    .arm = [] { return true; },
                                    .fd = t->epoll_fd_,
-                               });
+                               },
+                 {.realtime = options.realtime_loop});
   return t;
 }
 

@@ -88,6 +88,8 @@ class TcpTransport final : public Transport {
  public:
   struct Options {
     std::string name = "kv-tcp";
+    // The transport loop in SCHED_FIFO when permitted (EventLoop's "Scheduling").
+    bool realtime_loop = false;
     // Same-host peers may write this side's regions directly (see "Same
     // host"); false: every peer writes by data frames.
     bool direct_writes = true;

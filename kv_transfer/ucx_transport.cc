@@ -726,7 +726,8 @@ absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(const Options
                                    .progress = [w] { return ucp_worker_progress(w) != 0; },
                                    .arm = [w] { return ucp_worker_arm(w) == UCS_OK; },
                                    .fd = t->efd_,
-                               });
+                               },
+                 {.realtime = options.realtime_loop});
   return t;
 }
 

@@ -74,6 +74,8 @@ class UcxTransport final : public Transport {
  public:
   struct Options {
     std::string name = "kv-ucx";
+    // The transport loop in SCHED_FIFO when permitted (EventLoop's "Scheduling").
+    bool realtime_loop = false;
   };
   static absl::StatusOr<std::unique_ptr<UcxTransport>> Create(const Options& options);
   ~UcxTransport() override;

@@ -42,6 +42,10 @@ ABSL_FLAG(std::string, kv_transport, "tcp",
           "check; any network) or ucx (UCX, one-sided puts over shared memory between processes on one "
           "host; UCX's tcp transport serves remote memory access to anyone who reaches the port, so use it "
           "only where every host that can reach the KV port is trusted; both sides must agree)");
+ABSL_FLAG(bool, kv_loop_realtime, true,
+          "run the KV transport's loop thread in SCHED_FIFO at priority 1 when the process may (root, "
+          "CAP_SYS_NICE or RLIMIT_RTPRIO >= 1), so that a peer's reservation or commit is answered at once "
+          "even while compute fills the core; otherwise, or when false, the loop stays in the normal class");
 ABSL_FLAG(bool, kv_direct_writes, true,
           "--kv_transport=tcp: a peer on this host that the kernel already lets write this process's memory "
           "(the same user) writes handoffs straight into the pool (process_vm_writev, one copy); false: every "
@@ -136,7 +140,9 @@ absl::StatusOr<WorkerRuntime> StartWorkerRuntime(const std::string& name, int* e
   const std::string kind = absl::GetFlag(FLAGS_kv_transport);
   if (kind == "tcp") {
     absl::StatusOr<std::unique_ptr<kv::TcpTransport>> transport =
-        kv::TcpTransport::Create({.name = name, .direct_writes = absl::GetFlag(FLAGS_kv_direct_writes)});
+        kv::TcpTransport::Create({.name = name,
+                                  .realtime_loop = absl::GetFlag(FLAGS_kv_loop_realtime),
+                                  .direct_writes = absl::GetFlag(FLAGS_kv_direct_writes)});
     if (!transport.ok()) {
       LogEvent("error", "kv_transport_failed", {{"error", std::string(transport.status().message())}});
       *exit_code = 1;
@@ -144,7 +150,8 @@ absl::StatusOr<WorkerRuntime> StartWorkerRuntime(const std::string& name, int* e
     }
     rt.transport = *std::move(transport);
   } else if (kind == "ucx") {
-    absl::StatusOr<std::unique_ptr<kv::UcxTransport>> transport = kv::UcxTransport::Create({.name = name});
+    absl::StatusOr<std::unique_ptr<kv::UcxTransport>> transport = kv::UcxTransport::Create(
+        {.name = name, .realtime_loop = absl::GetFlag(FLAGS_kv_loop_realtime)});
     if (!transport.ok()) {
       LogEvent("error", "ucx_failed", {{"error", std::string(transport.status().message())}});
       *exit_code = 1;
@@ -159,6 +166,15 @@ absl::StatusOr<WorkerRuntime> StartWorkerRuntime(const std::string& name, int* e
     LogEvent("error", "bad_flags", {{"error", absl::StrCat("--kv_transport=", kind, ": expected tcp or ucx")}});
     *exit_code = 2;
     return absl::InvalidArgumentError("--kv_transport");
+  }
+  if (const kv::EventLoop& loop = rt.transport->loop(); loop.realtime()) {
+    LogEvent("info", "kv_loop_scheduling", {{"class", "fifo"}, {"priority", "1"}});
+  } else if (absl::GetFlag(FLAGS_kv_loop_realtime)) {
+    LogEvent("warning", "kv_loop_scheduling",
+             {{"class", "normal"},
+              {"detail", absl::StrCat("SCHED_FIFO refused: ", loop.realtime_refused(),
+                                      "; a peer's reservation may wait a scheduler tick behind compute on the "
+                                      "transport's core")}});
   }
   absl::StatusOr<WorkerModel> w = LoadWorkerModel(&rt.transport->region_allocator());
   if (!w.ok()) {
@@ -256,6 +272,12 @@ std::function<std::string()> WorkerHealthCheck(WorkerRuntime& rt,
           "pdserve_worker_unhealthy", "1 for why the worker does not serve now (0 everywhere while it serves).",
           [kind, i] { return kind->load() == i ? 1.0 : 0.0; }, absl::StrCat("reason=\"", kReasons[i], "\""));
     }
+  }
+  if (metrics != nullptr) {
+    const bool realtime = rt.transport->loop().realtime();
+    metrics->AddGauge("pdserve_kv_loop_realtime",
+                      "1 when the KV transport's loop runs in SCHED_FIFO (--kv_loop_realtime), 0 in the normal class.",
+                      [realtime] { return realtime ? 1.0 : 0.0; });
   }
   auto judge = std::make_shared<HealthJudge>(HealthOptions{
       .leak_grace = absl::Seconds(absl::GetFlag(FLAGS_leak_grace_s)),

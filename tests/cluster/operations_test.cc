@@ -2,6 +2,8 @@
 // drained mid-prefill, workers whose health check fails (a KV leak, a
 // wedged transport) ejected, and a decode pool behind a DNS name that grows
 // and shrinks under load without a router restart.
+#include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 
 #include <arpa/inet.h>
@@ -12,6 +14,7 @@
 #include <atomic>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <thread>
@@ -189,6 +192,41 @@ INSTANTIATE_TEST_SUITE_P(
                                  {"--fault_wedge_kv_after_s", "0.5", "--wedge_after_s", "1"},
                                  "wedged", "kv_wedged"}),
     [](const ::testing::TestParamInfo<SickWorker>& i) { return std::string(i.param.name); });
+
+// Whether this process may put a thread in SCHED_FIFO (the workers it
+// starts run as the same user with the same limits): tried on a thread of
+// its own, which ends with it.
+bool RealtimePermitted() {
+  bool permitted = false;
+  std::thread([&permitted] {
+    sched_param p{};
+    p.sched_priority = 1;
+    permitted = pthread_setschedparam(pthread_self(), SCHED_FIFO, &p) == 0;
+  }).join();
+  return permitted;
+}
+
+// The KV transport's loop runs in SCHED_FIFO by default where the process
+// may, and the worker says which class it got (a metric, and a log line
+// naming the reason when it was refused); --kv_loop_realtime=false keeps it
+// in the normal class. Handoffs work either way.
+TEST(OperationsTest, TheKvLoopsSchedulingClassIsChosenByFlagAndReported) {
+  const std::string dir = TempDir();
+  Cluster c;
+  absl::Status s = c.Start(dir + "/rt", false, {}, {}, 1, {"--kv_loop_realtime=false"});
+  ASSERT_TRUE(s.ok()) << s;
+  const Output got = c.Generate(SeededRequest(8));
+  ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+  EXPECT_EQ(got.final.finish_reason(), v1::FINISH_REASON_LENGTH) << got.final.error() << "\n" << c.Logs();
+  const bool permitted = RealtimePermitted();
+  const std::string decode = HttpGet(c.decode_metrics(), "/metrics");
+  EXPECT_EQ(MetricValue(decode, "pdserve_kv_loop_realtime"), permitted ? 1 : 0) << decode;
+  EXPECT_EQ(MetricValue(HttpGet(c.prefill_metrics(), "/metrics"), "pdserve_kv_loop_realtime"), 0);
+  std::ifstream f(dir + "/rt/decode0.log");
+  const std::string log((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  EXPECT_TRUE(absl::StrContains(log, "kv_loop_scheduling")) << log;
+  EXPECT_TRUE(absl::StrContains(log, permitted ? "fifo" : "not permitted")) << log;
+}
 
 // A port free on both addresses (the pods of a headless Service share one).
 int PortFreeOn(const std::vector<std::string>& ips) {

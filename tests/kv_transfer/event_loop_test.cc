@@ -1,8 +1,16 @@
 // EventLoop's deadlines: PostAt runs a task once, on the loop thread, after
 // its time and in deadline order, and wakes a loop asleep with nothing else
-// to wake it.
+// to wake it. Its scheduling: a loop started `realtime` runs in SCHED_FIFO
+// where the process may, says why not where it may not, and never spins on
+// outstanding operations.
 #include "kv_transfer/event_loop.h"
 
+#include <pthread.h>
+#include <sched.h>
+#include <time.h>
+
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
@@ -52,6 +60,77 @@ TEST(EventLoopTest, APastDeadlineRunsAtOnce) {
   absl::Notification done;
   loop.PostAt(absl::InfinitePast(), [&] { done.Notify(); });
   EXPECT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+}
+
+// Whether this process may put a thread in SCHED_FIFO: tried on a thread
+// of its own, which ends with it.
+bool RealtimePermitted() {
+  bool permitted = false;
+  std::thread([&permitted] {
+    sched_param p{};
+    p.sched_priority = 1;
+    permitted = pthread_setschedparam(pthread_self(), SCHED_FIFO, &p) == 0;
+  }).join();
+  return permitted;
+}
+
+TEST(EventLoopTest, ARealtimeLoopRunsInFifoWherePermittedAndSaysWhyNotElsewhere) {
+  EventLoop loop;
+  loop.Start("test-rt", EventLoop::Device(), {.realtime = true});
+  const int policy = loop.RunSync([] { return sched_getscheduler(0); });
+  if (RealtimePermitted()) {
+    EXPECT_TRUE(loop.realtime());
+    EXPECT_TRUE(loop.realtime_refused().empty());
+    EXPECT_EQ(policy, SCHED_FIFO);
+  } else {
+    EXPECT_FALSE(loop.realtime());
+    EXPECT_NE(loop.realtime_refused().find("not permitted"), std::string::npos) << loop.realtime_refused();
+    EXPECT_EQ(policy, SCHED_OTHER);
+  }
+}
+
+TEST(EventLoopTest, ALoopStartedNormalStaysInTheNormalClass) {
+  EventLoop loop;
+  loop.Start("test-normal");
+  EXPECT_FALSE(loop.realtime());
+  EXPECT_TRUE(loop.realtime_refused().empty());
+  EXPECT_EQ(loop.RunSync([] { return sched_getscheduler(0); }), SCHED_OTHER);
+}
+
+// A real-time loop that spun on an outstanding operation would hold its
+// core from the compute for as long as the operation lasts: it sleeps on
+// its fds instead, so it uses a small part of the wall time. (A loop in
+// the normal class, which does spin, uses nearly all of it here.)
+TEST(EventLoopTest, ARealtimeLoopDoesNotSpinOnOutstandingOperations) {
+  if (!RealtimePermitted()) GTEST_SKIP() << "SCHED_FIFO is not permitted to this process";
+  EventLoop loop;
+  loop.Start("test-rt-busy", EventLoop::Device(), {.realtime = true});
+  ASSERT_TRUE(loop.realtime());
+  const clockid_t clock = loop.RunSync([] {
+    clockid_t c;
+    pthread_getcpuclockid(pthread_self(), &c);
+    return c;
+  });
+  auto cpu = [clock] {
+    timespec ts{};
+    clock_gettime(clock, &ts);
+    return absl::DurationFromTimespec(ts);
+  };
+  // An operation outstanding throughout, and a little work every 2 ms (a
+  // normal-class loop keeps spinning while work keeps coming).
+  loop.AddBusy(1);
+  const absl::Duration cpu0 = cpu();
+  const absl::Duration wall = absl::Milliseconds(400);
+  const absl::Time end = absl::Now() + wall;
+  while (absl::Now() < end) {
+    loop.Post([] {});
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  const absl::Duration used = cpu() - cpu0;
+  loop.AddBusy(-1);
+  // It runs the 100 us spin after each piece of work and a wake-up a
+  // millisecond: about a twentieth of the wall time.
+  EXPECT_LT(used, wall / 4) << "the loop thread used " << used << " of CPU in " << wall;
 }
 
 }  // namespace

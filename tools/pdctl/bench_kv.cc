@@ -59,6 +59,8 @@ ABSL_FLAG(int, kv_receiver_tp, 0, "bench-kv: the receiver's tensor-parallel rank
 ABSL_FLAG(bool, with_prefill, false, "bench-kv: run a real prefill forward, streaming KV per layer");
 ABSL_FLAG(bool, show_lanes, false, "bench-kv: print the UCX lanes of the connection (stderr; --kv_transport=ucx)");
 ABSL_FLAG(std::string, kv_transport, "tcp", "bench-kv: the KV transport both processes use, tcp or ucx (as the workers' flag)");
+ABSL_FLAG(bool, kv_loop_realtime, true,
+          "bench-kv: both processes' transport loops in SCHED_FIFO when permitted (as the workers' flag)");
 ABSL_FLAG(bool, kv_direct_writes, true,
           "bench-kv: --kv-transport=tcp: the receiver offers direct writes to its same-host sender (as the workers' "
           "flag); false: every put is a data frame the receiver reads, as from another host");
@@ -72,7 +74,8 @@ ABSL_FLAG(std::string, kv_grant_key_file, "", "bench-kv: internal, the receiver'
 ABSL_FLAG(bool, reserve_during_prefill, false,
           "bench-kv: the receiving process prefills --prompt-len tokens over and over (--threads) while "
           "reservations of its KV are timed");
-ABSL_FLAG(int, receiver_cpu, -1, "bench-kv: pin the receiving process to this CPU (-1: no pinning)");
+ABSL_FLAG(int, receiver_cpu, -1,
+          "bench-kv: pin the receiving process to this CPU, and keep the sending one off it (-1: no pinning)");
 ABSL_FLAG(int, reservations, 200, "bench-kv: reservations timed by --reserve-during-prefill");
 ABSL_FLAG(std::string, kv_compute_model, "", "bench-kv: internal, the model the receiving process prefills with");
 ABSL_FLAG(int, kv_compute_tokens, 0, "bench-kv: internal, the receiving process's prefill length");
@@ -92,18 +95,23 @@ absl::StatusOr<std::unique_ptr<kv::Transport>> MakeTransport(const std::string& 
   const std::string kind = absl::GetFlag(FLAGS_kv_transport);
   if (kind == "tcp") {
     absl::StatusOr<std::unique_ptr<kv::TcpTransport>> t =
-        kv::TcpTransport::Create({.name = name, .direct_writes = absl::GetFlag(FLAGS_kv_direct_writes)});
+        kv::TcpTransport::Create({.name = name,
+                                  .realtime_loop = absl::GetFlag(FLAGS_kv_loop_realtime),
+                                  .direct_writes = absl::GetFlag(FLAGS_kv_direct_writes)});
     if (!t.ok()) return t.status();
     return std::unique_ptr<kv::Transport>(*std::move(t));
   }
   if (kind == "ucx") {
-    absl::StatusOr<std::unique_ptr<UcxTransport>> t = UcxTransport::Create({.name = name});
+    absl::StatusOr<std::unique_ptr<UcxTransport>> t = UcxTransport::Create({.name = name, .realtime_loop = absl::GetFlag(FLAGS_kv_loop_realtime)});
     if (!t.ok()) return t.status();
     if (ucx != nullptr) *ucx = t->get();
     return std::unique_ptr<kv::Transport>(*std::move(t));
   }
   return absl::InvalidArgumentError(absl::StrCat("bench-kv: --kv_transport=", kind, ": expected tcp or ucx"));
 }
+
+// "fifo" or "normal": the class a transport's loop runs in.
+const char* LoopClass(const kv::EventLoop& loop) { return loop.realtime() ? "fifo" : "normal"; }
 
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -282,7 +290,7 @@ absl::Status RunReceiver(const KvCacheSpec& spec, const ModelIdentity& model) {
       return s;
     }
   }
-  std::printf("%d %s\n", *port, absl::BytesToHexString(*region).c_str());
+  std::printf("%d %s %s\n", *port, absl::BytesToHexString(*region).c_str(), LoopClass((*transport)->loop()));
   std::fflush(stdout);
   std::string line;
   while (std::getline(std::cin, line)) {
@@ -332,23 +340,27 @@ class ReceiverProcess {
       got.clear();
       while (poll(&pfd, 1, 20000) > 0 && read(out[0], &c, 1) == 1 && c != '\n') got.push_back(c);
       parts = absl::StrSplit(got, ' ');
-      if (got.empty() || (parts.size() == 2 && absl::SimpleAtoi(parts[0], &port_))) break;
+      if (got.empty() || (parts.size() == 3 && absl::SimpleAtoi(parts[0], &port_))) break;
     }
     close(out[0]);
-    if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &port_)) {
+    if (parts.size() != 3 || !absl::SimpleAtoi(parts[0], &port_)) {
       return absl::UnavailableError(absl::StrCat("bench-kv: the receiver process did not start ('", got, "')"));
     }
     region_ = absl::HexStringToBytes(parts[1]);
+    loop_class_ = parts[2];
     return absl::OkStatus();
   }
   int port() const { return port_; }
   const std::string& region() const { return region_; }
+  // The receiver's transport loop's scheduling class (LoopClass).
+  const std::string& loop_class() const { return loop_class_; }
 
  private:
   pid_t pid_ = -1;
   int stdin_ = -1;
   int port_ = 0;
   std::string region_;
+  std::string loop_class_;
 };
 
 // Forwards to a backend and streams each layer as soon as its K/V are
@@ -441,6 +453,8 @@ static absl::Status TimeReservationsDuringPrefill(kv::Transport* transport, KvMa
                         {"reserve_ms_p99", Quantile(ms, 0.99)},
                         {"reserve_ms_max", Quantile(ms, 1.0)},
                         {"reserve_ms_p99_target", kReserveTargetP99Ms},
+                        {"sender_loop", LoopClass(transport->loop())},
+                        {"receiver_loop", child.loop_class()},
                         {"cpu", CpuModelName()}};
   if (common.json) {
     std::printf("%s\n", out.dump(2).c_str());
@@ -453,9 +467,9 @@ static absl::Status TimeReservationsDuringPrefill(kv::Transport* transport, KvMa
   std::printf("  reservation answered   p50 %.3f ms   p99 %.3f ms   max %.3f ms   (%d reservations)\n",
               out["reserve_ms_p50"].get<double>(), out["reserve_ms_p99"].get<double>(),
               out["reserve_ms_max"].get<double>(), n);
-  std::printf("  p99 target < %.0f ms: %s   (CPU: %s)\n", kReserveTargetP99Ms,
-              out["reserve_ms_p99"].get<double>() < kReserveTargetP99Ms ? "met" : "MISSED",
-              out["cpu"].get<std::string>().c_str());
+  std::printf("  p99 target < %.0f ms: %s   (CPU: %s; transport loops: sender %s, receiver %s)\n",
+              kReserveTargetP99Ms, out["reserve_ms_p99"].get<double>() < kReserveTargetP99Ms ? "met" : "MISSED",
+              out["cpu"].get<std::string>().c_str(), LoopClass(transport->loop()), child.loop_class().c_str());
   return absl::OkStatus();
 }
 
@@ -633,6 +647,16 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
     return RunReceiver(spec, model);
   }
 
+  if (const int cpu = absl::GetFlag(FLAGS_receiver_cpu); cpu >= 0) {
+    // The sender keeps off the receiver's CPU (where one is left), so that
+    // what is timed is the receiver answering beside its own compute, not
+    // the sender's threads queued behind that compute.
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_ISSET(cpu, &set) && CPU_COUNT(&set) > 1) {
+      CPU_CLR(cpu, &set);
+      (void)sched_setaffinity(0, sizeof(set), &set);
+    }
+  }
   UcxTransport* ucx = nullptr;
   auto transport = MakeTransport("bench-kv-send", &ucx);
   if (!transport.ok()) return transport.status();
@@ -693,6 +717,7 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
       absl::StrFormat("--kv_model_identity=%x:%x", identity.lo, identity.hi),
       absl::StrCat("--receiver_cpu=", absl::GetFlag(FLAGS_receiver_cpu)),
       absl::StrCat("--kv_transport=", absl::GetFlag(FLAGS_kv_transport)),
+      absl::StrCat("--kv_loop_realtime=", absl::GetFlag(FLAGS_kv_loop_realtime) ? "true" : "false"),
       absl::StrCat("--kv_direct_writes=", absl::GetFlag(FLAGS_kv_direct_writes) ? "true" : "false")};
   std::string grant_key_path;
   if (absl::GetFlag(FLAGS_kv_grants)) {

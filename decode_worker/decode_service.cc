@@ -453,6 +453,7 @@ void DecodeService::StartHandedOff(const std::shared_ptr<DecodeCall>& call, Hand
     return;
   }
   r->kv = std::move(seq.kv);
+  r->kv_check = std::move(seq.check);
   engine_.Submit(r);
   // A cancel that came while this was starting found the request not yet
   // in the engine: send it again.

@@ -51,6 +51,7 @@ struct HandedOff {
   SequenceKv kv;
   TokenEvent first;  // Sampled by the prefill worker.
   absl::Time arrived;
+  engine::KvCheck check;  // What the KV must hash to (empty: not checked).
 };
 
 enum class HandoffState : uint8_t {

@@ -43,6 +43,11 @@ ABSL_FLAG(int, kv_landing_positions, 65536,
           "--backend=cuda: positions of registered host memory KV handoffs land in before they are copied to the "
           "GPU (bounds the handoffs in flight)");
 ABSL_FLAG(double, kv_lease_s, 5, "a KV reservation not renewed for this long is aborted");
+ABSL_FLAG(std::string, kv_verify_handoffs, "sample",
+          "which KV handoffs are checked against per-layer checksums from the prefill worker before their KV "
+          "is used: all, sample (a share of them, --kv_verify_sample_rate) or off; a mismatch discards the KV "
+          "and the request computes its context here");
+ABSL_FLAG(double, kv_verify_sample_rate, 1.0 / 16, "--kv_verify_handoffs=sample: the share of handoffs checked");
 ABSL_FLAG(double, kv_quarantine_s, 30,
           "an aborted reservation whose sender neither acknowledges nor disconnects within this is freed "
           "(its connection is dropped)");
@@ -72,6 +77,7 @@ int Run() {
   so.engine.chunk_tokens = absl::GetFlag(FLAGS_prefill_chunk);
   so.engine.itl_target_seconds = absl::GetFlag(FLAGS_itl_target_ms) / 1e3;
   so.engine.prefix_cache = absl::GetFlag(FLAGS_prefix_cache);
+  so.engine.tier2 = so.engine.prefix_cache ? w->tier2.get() : nullptr;
   ApplyRequestLifeFlags(so.engine);
   so.engine.fault_stall_forward = absl::Milliseconds(absl::GetFlag(FLAGS_fault_step_delay_ms));
   so.allow_prefill = absl::GetFlag(FLAGS_prefill_local);
@@ -86,6 +92,20 @@ int Run() {
   ro.lease = absl::Seconds(absl::GetFlag(FLAGS_kv_lease_s));
   ro.quarantine_timeout = absl::Seconds(absl::GetFlag(FLAGS_kv_quarantine_s));
   ro.grant_key = *grant_key;
+  if (const std::string v = absl::GetFlag(FLAGS_kv_verify_handoffs); v == "all") {
+    ro.verify_fraction = 1;
+  } else if (v == "sample") {
+    const double rate = absl::GetFlag(FLAGS_kv_verify_sample_rate);
+    if (!(rate >= 0 && rate <= 1)) {
+      LogEvent("error", "bad_flags", {{"error", absl::StrCat("--kv_verify_sample_rate=", rate, ": expected 0 to 1")}});
+      return 2;
+    }
+    ro.verify_fraction = rate;
+  } else if (v != "off") {
+    LogEvent("error", "bad_flags",
+             {{"error", absl::StrCat("--kv_verify_handoffs=", v, ": expected all, sample or off")}});
+    return 2;
+  }
   if (engine->gpu != nullptr) {
     // The pool is GPU memory: handoffs land in host memory, then are copied.
     const int32_t bs = engine->kv->spec().block_size;
@@ -99,6 +119,12 @@ int Run() {
         h.first.token = c.state.first_token;
         h.first.logprob = c.state.first_logprob;
         h.first.top_logprobs = c.state.top_logprobs;
+        if (c.verify) {
+          h.check = {.layer_checksums = std::move(c.state.layer_checksums),
+                     .first_block = c.first_block,
+                     .end_block = c.end_block,
+                     .producer = std::move(c.producer)};
+        }
         service.OnHandoffCommitted(c.state.request_id, std::move(h));
       });
   if (!receiver.ok()) {
@@ -118,6 +144,7 @@ int Run() {
   MetricsRegistry metrics;
   {
     AddKvPoolMetrics(metrics, engine->kv.get());
+    if (w->tier2 != nullptr) AddKvTier2Metrics(metrics, w->tier2.get());
     kv::KvReceiver* r = receiver->get();
     metrics.AddGauge("pdserve_kv_blocks", "KV blocks by state.",
                      [r] { return static_cast<double>(r->stats().quarantined_blocks); }, "state=\"quarantined\"");
@@ -129,6 +156,17 @@ int Run() {
                      [&service] { return service.engine_stats().step_seconds_avg; });
     metrics.AddCounterFunc("pdserve_requests_expired_total", "Requests ended by the bound on a request's life.",
                            [&service] { return static_cast<double>(service.engine_stats().expired); });
+    metrics.AddCounterFunc("pdserve_kv_handoffs_verified_total",
+                           "Handed-off KV checked against its producer's checksums before use (--kv_verify_handoffs).",
+                           [&service] { return static_cast<double>(service.engine_stats().kv_checked); });
+    metrics.AddCounterFunc("pdserve_kv_checksum_failures_total",
+                           "KV blocks whose bytes did not match the checksum recorded by their producer (discarded; "
+                           "their positions are computed again), by path.",
+                           [&service] { return static_cast<double>(service.engine_stats().kv_checksum_failures); },
+                           "path=\"handoff\"");
+    metrics.AddCounterFunc("pdserve_kv_recomputed_positions_total",
+                           "KV positions that arrived and were computed again here because they failed their check.",
+                           [&service] { return static_cast<double>(service.engine_stats().kv_recomputed_positions); });
     metrics.AddCounterFunc("pdserve_stalled_streams_total", "Streams cancelled because their client stopped reading.",
                            [&service] { return static_cast<double>(service.stalled_streams()); });
     metrics.AddCounterFunc("pdserve_preemptions_total", "Sequences preempted for recomputation.",

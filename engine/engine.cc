@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "base/server_util.h"
+#include "kv/kv_checksum.h"
 #include "kv/prefix_cache.h"
 
 namespace pdserve::engine {
@@ -223,11 +224,75 @@ void Engine::Publish(const Request& r) {
   // A waiting request's KV covers context[0, fed); a running one's, prompt
   // + generated tokens but the last (not fed yet).
   const CacheSalt& salt = r.gen->request().cache_salt;
-  if (!r.context.empty()) {
-    PublishFullBlocks(kv_, hasher_, r.context, r.kv, salt);
-  } else {
-    PublishFullBlocks(kv_, hasher_, r.gen->AllTokens(), r.kv, salt);
+  const std::vector<int32_t> all = r.context.empty() ? r.gen->AllTokens() : std::vector<int32_t>();
+  const absl::Span<const int32_t> tokens = r.context.empty() ? absl::MakeConstSpan(all) : absl::MakeConstSpan(r.context);
+  const std::vector<BlockHash> hashes =
+      hasher_.FullBlockHashes(tokens.first(static_cast<size_t>(r.kv.num_positions())), salt);
+  kv_.Publish(r.kv, hashes);
+  if (options_.tier2 == nullptr) return;
+  // The tier copies each block out on its own thread, holding the block
+  // while it reads: a block evicted from the pool before then is not
+  // written (the store counts it).
+  for (size_t b = 0; b < hashes.size(); ++b) {
+    if (options_.tier2->Contains(hashes[b])) continue;
+    options_.tier2->Write(hashes[b], b > 0 ? hashes[b - 1] : salt, [kv = &kv_, hash = hashes[b]](char* out) {
+      SequenceKv pin = kv->PinCached(hash);
+      if (pin.empty()) return false;
+      CopyBlockOut(kv->storage(), pin.block_table()[0], out);
+      return true;
+    });
   }
+}
+
+std::vector<BlockHash> Engine::ContextHashes(const Request& r, int32_t blocks) const {
+  const size_t n = std::min(r.context.size(), static_cast<size_t>(blocks) * kv_.spec().block_size);
+  return hasher_.FullBlockHashes(absl::MakeConstSpan(r.context).first(n), r.gen->request().cache_salt);
+}
+
+bool Engine::StartRestore(const std::shared_ptr<Request>& r) {
+  if (r->context.empty() || r->restore_tried) return false;
+  const int32_t bs = kv_.spec().block_size;
+  const int32_t have = static_cast<int32_t>(r->kv.block_table().size());
+  // As from the pool: at least one context position is left to compute
+  // (its logits are sampled).
+  const int32_t most = static_cast<int32_t>((r->context.size() - 1) / static_cast<size_t>(bs));
+  if (r->fed != have * bs || have >= most) return false;
+  const std::vector<BlockHash> hashes = ContextHashes(*r, most);
+  const int32_t n = options_.tier2->CountPrefix(absl::MakeConstSpan(hashes).subspan(static_cast<size_t>(have)));
+  if (n == 0) return false;
+  // The blocks to read into; with no room now, the prefix is computed.
+  if (!kv_.Grow(r->kv, (have + n) * bs).ok()) return false;
+  std::vector<int32_t> blocks(r->kv.block_table().begin() + have, r->kv.block_table().end());
+  r->restore_tried = true;
+  restoring_.push_back(r);
+  options_.tier2->Restore(kv_.storage(), std::vector<BlockHash>(hashes.begin() + have, hashes.begin() + have + n),
+                          std::move(blocks), [this, r](int32_t verified) {
+                            absl::MutexLock lock(&mu_);
+                            inbox_.restored.emplace_back(r, verified);
+                            work_ = true;
+                          });
+  return true;
+}
+
+void Engine::FinishRestore(const std::shared_ptr<Request>& r, int32_t verified) {
+  restoring_.erase(std::find(restoring_.begin(), restoring_.end(), r));
+  const int32_t bs = kv_.spec().block_size;
+  const int32_t keep = r->fed / bs + verified;
+  // Blocks that were not read back (absent by then, or failed their
+  // check) hold nothing: they go back, and those positions are computed.
+  kv_.Truncate(r->kv, keep);
+  r->kv.SetNumPositions(keep * bs);
+  kv_.Publish(r->kv, ContextHashes(*r, keep));
+  r->fed = r->cached = keep * bs;
+  if (auto c = std::find_if(restore_cancels_.begin(), restore_cancels_.end(),
+                            [&r](const auto& p) { return p.first == r; });
+      c != restore_cancels_.end()) {
+    const absl::Status why = c->second;
+    restore_cancels_.erase(c);
+    End(*r, why, absl::IsCancelled(why) ? EndReason::kCancelled : EndReason::kError);
+    return;
+  }
+  waiting_.push_front(r);
 }
 
 void Engine::End(Request& r, absl::Status status, EndReason reason) {
@@ -249,6 +314,16 @@ void Engine::Fail(const absl::Status& status) {
 }
 
 void Engine::EndAll(const absl::Status& status) {
+  if (!restoring_.empty()) {
+    // Their blocks are being read into: wait for the reads, then end them.
+    options_.tier2->Flush();
+    std::vector<std::pair<std::shared_ptr<Request>, int32_t>> restored;
+    {
+      absl::MutexLock lock(&mu_);
+      std::swap(restored, inbox_.restored);
+    }
+    for (auto& [r, verified] : restored) FinishRestore(r, verified);
+  }
   for (auto& r : running_) End(*r, status, EndReason::kError);
   for (auto& r : waiting_) End(*r, status, EndReason::kError);
   running_.clear();
@@ -268,6 +343,18 @@ void Engine::DrainInbox() {
         End(*r, absl::OkStatus(), EndReasonFor(r->gen->finish()));
         continue;
       }
+      if (!CheckHandedOffKv(*r)) {
+        // Its KV is not what its producer wrote: computed here instead,
+        // from its prompt and first token, as a preempted request is.
+        kv_recomputed_positions_ += r->kv.num_positions();
+        r->kv.Release();
+        Move(*r, RequestState::kDecoding);
+        r->context = r->gen->AllTokens();
+        r->fed = r->cached = 0;
+        Move(*r, RequestState::kPreempted);
+        waiting_.push_back(std::move(r));
+        continue;
+      }
       Move(*r, RequestState::kDecoding);
       r->last_progress = options_.clock();
       running_.push_back(std::move(r));
@@ -278,6 +365,7 @@ void Engine::DrainInbox() {
     r->fed = 0;
     waiting_.push_back(std::move(r));
   }
+  for (auto& [r, verified] : in.restored) FinishRestore(r, verified);
   for (auto& [r, why] : in.cancels) {
     const EndReason reason = absl::IsCancelled(why) ? EndReason::kCancelled : EndReason::kError;
     if (auto it = std::find(running_.begin(), running_.end(), r); it != running_.end()) {
@@ -286,8 +374,40 @@ void Engine::DrainInbox() {
     } else if (auto w = std::find(waiting_.begin(), waiting_.end(), r); w != waiting_.end()) {
       End(**w, why, reason);
       waiting_.erase(w);
+    } else if (std::find(restoring_.begin(), restoring_.end(), r) != restoring_.end()) {
+      restore_cancels_.emplace_back(r, why);
     }
   }
+}
+
+bool Engine::CheckHandedOffKv(Request& r) {
+  KvCheck& check = r.kv_check;
+  if (check.layer_checksums.empty()) return true;
+  ++kv_checked_;
+  const KvStorage storage = kv_.storage();
+  const std::vector<int32_t>& table = r.kv.block_table();
+  bool ok = static_cast<int32_t>(check.layer_checksums.size()) == storage.spec.num_layers &&
+            check.first_block >= 0 && check.first_block <= check.end_block &&
+            check.end_block <= static_cast<int32_t>(table.size());
+  int32_t bad_layer = -1;
+  for (int32_t l = 0; ok && l < storage.spec.num_layers; ++l) {
+    if (LayerChecksum(storage, l, table, check.first_block, check.end_block) != check.layer_checksums[l]) {
+      ok = false;
+      bad_layer = l;
+    }
+  }
+  if (ok) {
+    Publish(r);  // Held back from the prefix cache until now.
+  } else {
+    ++kv_checksum_failures_;
+    LogEvent("warning", "kv_checksum_mismatch",
+             {{"request_id", r.id.str()},
+              {"producer", check.producer},
+              {"layer", absl::StrCat(bad_layer)},
+              {"detail", "handed-off KV does not match its producer's checksums; discarded, computed here"}});
+  }
+  check = {};
+  return ok;
 }
 
 void Engine::Preempt(std::shared_ptr<Request> r) {
@@ -359,6 +479,7 @@ void Engine::PublishStats() {
   absl::Time oldest = absl::InfiniteFuture();
   for (const auto& r : running_) oldest = std::min(oldest, r->arrived);
   for (const auto& r : waiting_) oldest = std::min(oldest, r->arrived);
+  for (const auto& r : restoring_) oldest = std::min(oldest, r->arrived);
   const double p99 = p99_step_.load(std::memory_order_relaxed);
   std::vector<int32_t> rank_rows;
   if (const int32_t ranks = kv_.spec().request_ranks; ranks > 1) {
@@ -370,13 +491,16 @@ void Engine::PublishStats() {
   oldest_arrived_ = oldest;
   stats_.p99_step_seconds = p99;
   stats_.expired = expired_;
+  stats_.kv_checked = kv_checked_;
+  stats_.kv_checksum_failures = kv_checksum_failures_;
+  stats_.kv_recomputed_positions = kv_recomputed_positions_;
   stats_.steps = steps_;
   stats_.busy_seconds = busy_seconds_;
   stats_.decode_tokens = decode_tokens_;
   stats_.preemptions = preemptions_;
   stats_.mean_history = running_.empty() ? 0 : history / static_cast<double>(running_.size());
   stats_.running = static_cast<int32_t>(running_.size());
-  stats_.waiting = static_cast<int32_t>(waiting_.size());
+  stats_.waiting = static_cast<int32_t>(waiting_.size() + restoring_.size());
   stats_.step_seconds_avg = step_avg_;
 }
 
@@ -392,12 +516,17 @@ absl::StatusOr<bool> Engine::Step() {
   if (options_.prefix_cache) {
     // Requests that may start this step begin from their cached prefix.
     const size_t room = static_cast<size_t>(std::max<int32_t>(0, options_.max_batch - static_cast<int32_t>(running_.size())));
-    for (size_t j = 0; j < waiting_.size() && j < room; ++j) {
+    for (size_t j = 0; j < waiting_.size() && j < room;) {
       Request& r = *waiting_[j];
       if (r.fed == 0 && r.kv.empty()) {
         r.fed = r.cached = AttachCachedPrefix(kv_, hasher_, r.context, r.kv,
                                               r.gen != nullptr ? r.gen->request().cache_salt : CacheSalt{});
+        if (options_.tier2 != nullptr && r.gen != nullptr && StartRestore(waiting_[j])) {
+          waiting_.erase(waiting_.begin() + static_cast<ptrdiff_t>(j));
+          continue;
+        }
       }
+      ++j;
     }
   }
   const StepPlan plan = PlanStep(Describe(), {.max_batch = options_.max_batch, .chunk_tokens = options_.chunk_tokens});

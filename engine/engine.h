@@ -34,6 +34,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -46,6 +47,7 @@
 #include "engine/scheduler.h"
 #include "engine/generation.h"
 #include "kv/kv_manager.h"
+#include "kv/tier2_store.h"
 #include "model/model.h"
 
 namespace pdserve::engine {
@@ -80,6 +82,14 @@ struct EngineOptions {
   absl::Duration life_base = absl::Seconds(60);
   double life_step_factor = 10;
   absl::Duration life_min_per_token = absl::Milliseconds(50);
+  // The prefix cache's second tier (kv/tier2_store.h; null: none). With
+  // prefix_cache, a request whose cached prefix runs on in the tier reads
+  // those blocks back into the pool before it computes (it leaves the
+  // queue while they are read, and the rest of the engine goes on), and
+  // every block the engine publishes is offered to the tier. A block read
+  // back is verified first; one that fails is computed instead.
+  // REQUIRES: outlives the engine; the pool is in host memory.
+  Tier2Store* tier2 = nullptr;
   // The life bound's clock (tests put a fake one here).
   std::function<absl::Time()> clock = absl::Now;
   // Fault tests only: every forward waits this long first (a slow model:
@@ -119,12 +129,18 @@ struct Request {
   // Set before Submit, then the engine thread's only.
   std::unique_ptr<Generation> gen;
   SequenceKv kv;  // kDecodeOnly: the handed-off KV.
+  // kDecodeOnly: what its handed-off KV must hash to, checked on the
+  // engine's thread before its first step (KvCheck). A mismatch discards
+  // the KV and the request computes its context here, as a preempted one
+  // does.
+  KvCheck kv_check;
   RequestCallbacks callbacks;
 
   // Engine thread only.
   std::vector<int32_t> context;  // Waiting: what to prefill; fed of it is in kv.
   int32_t fed = 0;
-  int32_t cached = 0;  // Of fed, from the prefix cache.
+  int32_t cached = 0;  // Of fed, from the prefix cache (either tier).
+  bool restore_tried = false;  // Read from the second tier once at most.
   bool first_sent = false;
   absl::Status layer_status;  // kPrefillOnly: the first on_layer_written error.
   // Its latest progress on the engine's clock (EngineOptions::life_base):
@@ -156,6 +172,12 @@ struct EngineStats {
   // tokens / busy is the rate the engine decodes at while it works.
   double busy_seconds = 0;
   int64_t decode_tokens = 0;
+  // Handed-off KV checked against its producer's checksums, and of those,
+  // how many failed (their KV discarded and computed here: the positions
+  // recomputed are kv_recomputed_positions).
+  int64_t kv_checked = 0;
+  int64_t kv_checksum_failures = 0;
+  int64_t kv_recomputed_positions = 0;
   // Request-sharded KV: running requests per rank (empty otherwise); the
   // imbalance is max / mean.
   std::vector<int32_t> rank_rows;
@@ -205,6 +227,9 @@ class Engine {
   struct Inbox {
     std::vector<std::shared_ptr<Request>> requests;
     std::vector<std::pair<std::shared_ptr<Request>, absl::Status>> cancels;
+    // Second-tier reads that finished: the request and how many of its
+    // blocks were read back and verified.
+    std::vector<std::pair<std::shared_ptr<Request>, int32_t>> restored;
   };
 
   void Run();
@@ -214,8 +239,20 @@ class Engine {
   // Records the engine's failure, then ends every request with it.
   void Fail(const absl::Status& status);
   void Publish(const Request& r);
+  // The context's full-block hashes of `r` (its salt's chain), the first
+  // `blocks` of them.
+  std::vector<BlockHash> ContextHashes(const Request& r, int32_t blocks) const;
+  // Starts reading the blocks that follow r's pool prefix from the second
+  // tier; true when a read started (r then waits in restoring_).
+  bool StartRestore(const std::shared_ptr<Request>& r);
+  // A read started by StartRestore finished with `verified` blocks good:
+  // they join the pool's prefix cache and r goes back to the queue's front.
+  void FinishRestore(const std::shared_ptr<Request>& r, int32_t verified);
   void Preempt(std::shared_ptr<Request> r);
   SchedulerInput Describe() const;
+  // Checks a handed-off request's KV against r.kv_check; true when it
+  // matches (or there is nothing to check).
+  bool CheckHandedOffKv(Request& r);
   // Samples the token ending r's row; false when r ended (or handed off).
   bool AcceptToken(Request& r, absl::Span<const float> logits);
   void PublishStats();
@@ -244,10 +281,18 @@ class Engine {
   // Engine thread only.
   std::vector<std::shared_ptr<Request>> running_;  // Admission order (newest last).
   std::deque<std::shared_ptr<Request>> waiting_;
+  // Out of the queue while the second tier reads their blocks; a cancel
+  // that comes meanwhile waits in restore_cancels_ until the read is done
+  // (the read writes into their blocks until then).
+  std::vector<std::shared_ptr<Request>> restoring_;
+  std::vector<std::pair<std::shared_ptr<Request>, absl::Status>> restore_cancels_;
   double step_avg_ = 0;
   int64_t preemptions_ = 0;
   int64_t steps_ = 0;
   int64_t expired_ = 0;
+  int64_t kv_checked_ = 0;
+  int64_t kv_checksum_failures_ = 0;
+  int64_t kv_recomputed_positions_ = 0;
   double busy_seconds_ = 0;
   int64_t decode_tokens_ = 0;
   std::vector<float> step_times_;  // Ring of the last kStepWindow steps.

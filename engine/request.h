@@ -26,6 +26,7 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "engine/sampling.h"
@@ -50,6 +51,16 @@ class RequestId {
 
  private:
   std::string value_;
+};
+
+// What a handed-off KV must hash to (kv/kv_checksum.h's LayerChecksum):
+// one checksum per layer of the sequence's blocks [first_block, end_block).
+// Empty: not checked.
+struct KvCheck {
+  std::vector<uint64_t> layer_checksums;
+  int32_t first_block = 0;
+  int32_t end_block = 0;
+  std::string producer;  // Where the KV came from, for the log.
 };
 
 enum class RequestState : uint8_t {

@@ -265,6 +265,13 @@ std::vector<BlockId> BlockPool::AcquireCachedPrefix(absl::Span<const BlockHash> 
   return out;
 }
 
+std::optional<BlockId> BlockPool::AcquireCached(const BlockHash& hash) {
+  auto it = cache_.find(hash);
+  if (it == cache_.end()) return std::nullopt;
+  AddRef(BlockId{it->second});
+  return BlockId{it->second};
+}
+
 void BlockPool::MarkCached(BlockId b, const BlockHash& hash, const BlockHash& parent) {
   if (hash_of_[b.value].has_value() || cache_.contains(hash)) return;
   hash_of_[b.value] = hash;

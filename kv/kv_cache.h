@@ -186,6 +186,9 @@ class BlockPool {
   // The blocks of the longest prefix of `hashes` that is cached, each with a
   // reference taken for the caller. Counts hits and misses.
   std::vector<BlockId> AcquireCachedPrefix(absl::Span<const BlockHash> hashes);
+  // The block cached under `hash`, with a reference taken for the caller;
+  // none when it is not cached. Counts nothing (not a prefix lookup).
+  std::optional<BlockId> AcquireCached(const BlockHash& hash);
   // Publishes a held, fully written block under `hash` (`parent`: the
   // hash of the block before it, for the listener). If another block is
   // already cached under it, nothing changes (the first copy stays).

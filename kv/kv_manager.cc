@@ -176,6 +176,29 @@ absl::StatusOr<SequenceKv> KvManager::Reserve(absl::Span<const BlockHash> hashes
   return seq;
 }
 
+SequenceKv KvManager::PinCached(const BlockHash& hash) {
+  SequenceKv seq = NewSequence();
+  absl::MutexLock lock(&mu_);
+  if (std::optional<BlockId> b = pool_->AcquireCached(hash); b.has_value()) {
+    seq.block_table_.push_back(b->value);
+    AddOwnerLocked(b->value, seq.owner_);
+  }
+  return seq;
+}
+
+void KvManager::Truncate(SequenceKv& seq, int32_t keep) {
+  if (seq.manager_ != this) ABSL_RAW_LOG(FATAL, "a SequenceKv truncated by a KV manager it does not belong to");
+  const size_t k = static_cast<size_t>(std::max<int32_t>(0, keep));
+  if (seq.block_table_.size() <= k) return;
+  {
+    absl::MutexLock lock(&mu_);
+    ShrinkLocked(seq, k);
+  }
+  seq.num_positions_ = std::min(seq.num_positions_, static_cast<int32_t>(k) * storage_.spec.block_size);
+  absl::ReaderMutexLock lock(&free_mu_);
+  for (auto& [handle, fn] : free_listeners_) fn();
+}
+
 void KvManager::Publish(const SequenceKv& seq, absl::Span<const BlockHash> hashes) {
   absl::MutexLock lock(&mu_);
   if (hashes.size() > seq.block_table_.size()) {

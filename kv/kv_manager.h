@@ -131,6 +131,14 @@ class KvManager {
   // the fresh blocks come in ascending id order (a transfer merges
   // consecutive ones).
   absl::StatusOr<SequenceKv> Reserve(absl::Span<const BlockHash> hashes, int32_t positions, int32_t rank = 0);
+  // A new owner holding the one block cached under `hash` (a reader of
+  // its bytes, such as the prefix cache's second tier copying it out), or
+  // holding nothing when it is not cached. Not a prefix lookup: counts no
+  // hit or miss.
+  SequenceKv PinCached(const BlockHash& hash);
+  // Gives back seq's blocks past its first `keep` (nothing when it holds no
+  // more), and caps its positions at what the rest hold.
+  void Truncate(SequenceKv& seq, int32_t keep);
   // Publishes seq's first hashes.size() blocks, fully written, under
   // `hashes` (a chain: hashes[i-1] is block i's parent). A hash already
   // cached under another block keeps that block.

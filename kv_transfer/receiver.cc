@@ -319,6 +319,9 @@ void KvReceiver::HandleReserve(Connection& c, const ReserveRequest& m) {
   h.reserved_positions = static_cast<int32_t>(total_positions);
   h.start = options_.clock();
   h.cache_salt = m.cache_salt;
+  h.verify = landing_ == nullptr && options_.verify_fraction > 0 &&
+             (options_.verify_fraction >= 1 || absl::Bernoulli(bitgen_, options_.verify_fraction));
+  reply.verify = h.verify ? 1 : 0;
   if (grant.has_value()) {
     h.request_id = std::move(grant->request_id);
     h.tokens_digest = grant->tokens_digest;
@@ -456,6 +459,10 @@ void KvReceiver::HandleCommit(Connection& c, Commit& m) {
       refusal = absl::InvalidArgumentError(absl::StrCat(
           "KV handoff: commit for handoff ", m.id.value, " has ", m.num_positions, " positions and ",
           m.tokens.size(), " tokens for a reservation of ", it->second.reserved_positions));
+    } else if (it->second.verify && static_cast<int32_t>(m.layer_checksums.size()) != kv_->spec().num_layers) {
+      refusal = absl::InvalidArgumentError(absl::StrCat("KV handoff: commit for handoff ", m.id.value, " carries ",
+                                                        m.layer_checksums.size(), " layer checksums; its reservation "
+                                                        "asked for ", kv_->spec().num_layers));
     }
     if (!refusal.ok()) {
       reply.code = static_cast<int32_t>(refusal.code());
@@ -485,8 +492,18 @@ void KvReceiver::HandleCommit(Connection& c, Commit& m) {
     metrics_.RecordTransfer(options_.clock() - h.start);
     metrics_.AddBytes(static_cast<int64_t>(m.num_positions - h.held_positions) *
                       kv_->spec().BytesPerPosition() * kv_->spec().num_ranks);
-    const BlockHasher hasher(layout_.model, layout_.dtype, layout_.block_size);
-    kv_->Publish(h.kv, hasher.FullBlockHashes(m.tokens, m.cache_salt));
+    if (h.verify) {
+      // Published by the consumer once checked: until then no prefix hit
+      // may attach these blocks.
+      const int32_t bs = kv_->spec().block_size;
+      out.verify = true;
+      out.first_block = h.held_positions / bs;
+      out.end_block = (m.num_positions + bs - 1) / bs;
+      out.producer = c.peer_host();
+    } else {
+      const BlockHasher hasher(layout_.model, layout_.dtype, layout_.block_size);
+      kv_->Publish(h.kv, hasher.FullBlockHashes(m.tokens, m.cache_salt));
+    }
     out.id = m.id;
     out.kv = std::move(h.kv);
     out.kv.SetNumPositions(m.num_positions);

@@ -49,6 +49,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/random/random.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -86,12 +87,28 @@ struct ReceiverOptions {
   // Lets writes that arrive as messages land anywhere in the pool (see
   // MayWrite): for bench-kv's raw-put probe only, never in a server.
   bool writes_outside_reservations = false;
+  // The share of handoffs whose KV is verified (0: none, 1: every one; in
+  // between, each reservation is chosen at random with this chance): the
+  // reservation's answer asks the sender for per-layer checksums, and the
+  // commit hands them on with the sequence (CommittedSequence::verify),
+  // unpublished, for its consumer to check before the blocks are used. A
+  // device pool's handoffs are never verified (the pool is not
+  // host-readable).
+  double verify_fraction = 0;
 };
 
 struct CommittedSequence {
   HandoffId id;
   SequenceKv kv;  // The reservation's blocks, owned from now on by whoever holds this.
   Commit state;   // Tokens, first token, sampling state, stop state.
+  // Verification asked for (state.layer_checksums holds one checksum per
+  // layer of blocks [first_block, end_block) of kv's table): the blocks are
+  // not published to the prefix cache, and must not be used until they
+  // are checked (kv/kv_checksum.h). `producer`: the sender's host.
+  bool verify = false;
+  int32_t first_block = 0;
+  int32_t end_block = 0;
+  std::string producer;
 };
 
 class KvReceiver final : public ConnectionHandler {
@@ -162,6 +179,7 @@ class KvReceiver final : public ConnectionHandler {
     std::optional<TokensDigest> tokens_digest;
     absl::Time grant_expires = absl::InfiniteFuture();
     CacheSalt cache_salt;  // The reservation's: its commit publishes under it.
+    bool verify = false;   // Its answer asked for checksums.
     int32_t writes_landing = 0;  // Allowed by MayWrite, not yet WriteLanded.
     // A commit that came while writes were landing (UCX's rendezvous can
     // tell the sender its write is done before it tells the receiver):
@@ -220,6 +238,7 @@ class KvReceiver final : public ConnectionHandler {
   std::array<std::atomic<bool>, 2> room_wanted_{};
   std::array<int, 2> free_listeners_ = {-1, -1};
   absl::Time check_at_ = absl::InfiniteFuture();  // the armed lease check (loop thread)
+  absl::BitGen bitgen_;  // Which handoffs are verified (loop thread).
   std::atomic<bool> accepting_{true};
 
   // Loop thread only, but read by stats().

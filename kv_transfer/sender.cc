@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "kv/kv_checksum.h"
 #include "kv_transfer/layout_copy.h"
 
 namespace pdserve::kv {
@@ -29,6 +30,11 @@ struct Handoff::State {
   std::vector<int32_t> mirror_table;  // 0, 1, ...: the mirror's blocks in the request's order.
   absl::Time start;
   absl::Duration lease;
+  // The receiver verifies this handoff: each layer's LayerChecksum
+  // (kv/kv_checksum.h) of what SendLayer wrote, for the commit. Compute
+  // thread only.
+  bool verify = false;
+  std::vector<uint64_t> layer_checksums;
   // Loop thread only.
   absl::Time last_renewal;
   std::shared_ptr<std::promise<absl::Status>> commit_done, abort_done;
@@ -154,6 +160,8 @@ absl::StatusOr<std::unique_ptr<Handoff>> KvSender::Reserve(Connection* conn, Res
   st->dst_spec = reply.receiver.ToSpec(reply.num_blocks);
   st->dst_table = std::move(reply.blocks);
   st->held_positions = reply.held_positions;
+  st->verify = reply.verify != 0;
+  if (st->verify) st->layer_checksums.assign(static_cast<size_t>(storage_.spec.num_layers), 0);
   st->num_positions = args.num_positions;
   st->start = start;
   st->lease = absl::Milliseconds(reply.lease_ms);
@@ -356,6 +364,7 @@ absl::Status Handoff::SendLayer(int32_t layer, absl::Span<const int32_t> table) 
               st.num_positions, staging + at);
     runs = PlanPacked(st.dst_spec, st.dst_table, layer, st.held_positions, st.num_positions, at);
     local_base = staging;
+    if (st.verify) st.layer_checksums[layer] = BytesChecksum(staging + at, st.packed_layer_bytes);
   } else if (st.staging != nullptr) {
     const int64_t at = st.packed_layer_bytes * layer;
     char* staging = static_cast<char*>(st.staging->data());
@@ -363,9 +372,16 @@ absl::Status Handoff::SendLayer(int32_t layer, absl::Span<const int32_t> table) 
               st.held_positions, st.num_positions, staging + at);
     runs = PlanPacked(st.dst_spec, st.dst_table, layer, st.held_positions, st.num_positions, at);
     local_base = staging;
+    // The packed layer is the receiver's blocks, rank after rank.
+    if (st.verify) st.layer_checksums[layer] = BytesChecksum(staging + at, st.packed_layer_bytes);
   } else {
     runs = PlanSameLayout(src, table, st.dst_spec, st.dst_table, layer, st.held_positions, st.num_positions);
     local_base = sender_->storage_.base;
+    // Same layout: the sender's blocks hold the receiver's bytes.
+    if (st.verify) {
+      st.layer_checksums[layer] = LayerChecksum(sender_->storage_, layer, table, st.held_positions / src.block_size,
+                                                (st.num_positions + src.block_size - 1) / src.block_size);
+    }
   }
   KvSender* sender = sender_;
   sender->transport_->loop().Post([sender, st = state_, runs = std::move(runs), local_base, layer] {
@@ -390,6 +406,10 @@ absl::Status Handoff::Commit(kv::Commit state) {
   auto done = std::make_shared<std::promise<absl::Status>>();
   auto future = done->get_future();
   state.id = state_->id;
+  if (state_->verify) {
+    state.layer_checksums = state_->layer_checksums;
+    if (sender_->options_.fault_wrong_checksums && !state.layer_checksums.empty()) state.layer_checksums[0] ^= 1;
+  }
   KvSender* sender = sender_;
   sender->transport_->loop().Post([sender, st = state_, done, state = std::move(state)]() mutable {
     if (absl::Status e = st->Error(); !e.ok() || st->finished) {

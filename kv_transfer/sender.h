@@ -55,6 +55,9 @@ struct SenderOptions {
   // (the transport cannot read device memory). Its copies must see the
   // layer written: SendLayer is called after the forward synchronised.
   kernels::Backend* pool_backend = nullptr;
+  // Fault tests only: a commit's checksums (when its receiver asked for
+  // them) are wrong by one bit, as if the bytes changed on the way.
+  bool fault_wrong_checksums = false;
 };
 
 struct ReserveArgs {

@@ -148,6 +148,7 @@ struct EncodeVisitor {
     w.Vec(m.blocks);
     w.Str(m.region);
     w.Pod(m.lease_ms);
+    if (m.receiver.protocol_version >= 7) w.Pod(m.verify);  // As Decode reads it.
   }
   void operator()(const LayerSent& m) {
     w.Pod(m.id.value);
@@ -171,6 +172,7 @@ struct EncodeVisitor {
     w.Pod(m.finish_reason);
     w.Pod(m.cache_salt.lo);
     w.Pod(m.cache_salt.hi);
+    w.Vec(m.layer_checksums);
   }
   void operator()(const CommitReply& m) {
     w.Pod(m.id.value);
@@ -194,7 +196,7 @@ bool DecodeInto(Reader& r, ReserveRequest& m) {
 bool DecodeInto(Reader& r, ReserveReply& m) {
   return r.Pod(m.tag) && r.Pod(m.code) && r.Str(m.message) && r.Pod(m.id.value) && r.Desc(m.receiver) &&
          r.Pod(m.held_positions) && r.Pod(m.num_blocks) && r.Vec(m.blocks) && r.Str(m.region) &&
-         r.Pod(m.lease_ms);
+         r.Pod(m.lease_ms) && (m.receiver.protocol_version < 7 || r.Pod(m.verify));
 }
 bool DecodeInto(Reader& r, LayerSent& m) { return r.Pod(m.id.value) && r.Pod(m.layer); }
 bool DecodeInto(Reader& r, Commit& m) {
@@ -210,7 +212,7 @@ bool DecodeInto(Reader& r, Commit& m) {
     m.top_logprobs.push_back(p);
   }
   return Get(r, m.sampling) && r.Pod(m.seed) && r.Pod(m.generated) && r.Pod(m.finish_reason) &&
-         r.Pod(m.cache_salt.lo) && r.Pod(m.cache_salt.hi);
+         r.Pod(m.cache_salt.lo) && r.Pod(m.cache_salt.hi) && r.Vec(m.layer_checksums);
 }
 bool DecodeInto(Reader& r, CommitReply& m) { return r.Pod(m.id.value) && r.Pod(m.code) && r.Str(m.message); }
 bool DecodeInto(Reader& r, Abort& m) { return r.Pod(m.id.value) && r.Pod(m.code) && r.Str(m.message); }

@@ -65,6 +65,9 @@ struct ReserveReply {
   std::vector<int32_t> blocks;  // Receiver block table covering all positions + margin.
   std::string region;           // Packed remote-access descriptor of the receiver's pool.
   int32_t lease_ms = 0;
+  // 1: the receiver verifies this handoff's KV; the commit must carry
+  // layer_checksums.
+  uint8_t verify = 0;
 };
 
 // Sender -> receiver after a layer's puts were issued: renews the lease.
@@ -89,6 +92,11 @@ struct Commit {
   // The request's prefix cache salt (kv/block_hash.h): the receiver
   // publishes the blocks under hashes seeded with it.
   CacheSalt cache_salt;
+  // When the reservation asked for verification: per layer, the
+  // LayerChecksum (kv/kv_checksum.h) of the receiver blocks it wrote, from
+  // the one holding position held_positions to the one holding the last
+  // position, in the receiver's layout; empty otherwise.
+  std::vector<uint64_t> layer_checksums;
 };
 
 struct CommitReply {

@@ -34,6 +34,9 @@ ABSL_FLAG(bool, kv_stream_layers, true,
           "what streaming saves: tools/bench/first_gap.sh)");
 ABSL_FLAG(int, fault_stall_before_commit_ms, 0, "fault tests only: stall each handoff before its commit");
 ABSL_FLAG(int, fault_stall_prefill_ms, 0, "fault tests only: stall before each prefill forward");
+ABSL_FLAG(bool, fault_wrong_kv_checksums, false,
+          "fault tests only: the checksums of every verified handoff are wrong by one bit, as if its KV changed on "
+          "the way");
 ABSL_FLAG(int, fault_unparseable_streams, 0,
           "fault tests only: the first N streams (-1: all) send their first token unparseable");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:0", "Prometheus /metrics address (port 0: any free; empty: off)");
@@ -61,7 +64,8 @@ int Run() {
     kv::KvSender sender(transport, engine->kv->storage(),
                         {.model = engine->model->identity(),
                          .timeout = absl::Seconds(absl::GetFlag(FLAGS_kv_timeout_s)),
-                         .pool_backend = engine->gpu.get()});
+                         .pool_backend = engine->gpu.get(),
+                         .fault_wrong_checksums = absl::GetFlag(FLAGS_fault_wrong_kv_checksums)});
     prefill::PrefillServiceOptions so;
     so.chunk_tokens = absl::GetFlag(FLAGS_prefill_chunk);
     so.stream_layers = absl::GetFlag(FLAGS_kv_stream_layers);
@@ -77,10 +81,12 @@ int Run() {
       so.life_step_factor = life.life_step_factor;
       so.life_min_per_token = life.life_min_per_token;
     }
+    so.tier2 = w->tier2.get();
     prefill::PrefillService service(engine->model.get(), engine->kv.get(), w->tokenizer.get(), &sender, so);
 
     MetricsRegistry metrics;
     AddKvPoolMetrics(metrics, engine->kv.get());
+    if (w->tier2 != nullptr) AddKvTier2Metrics(metrics, w->tier2.get());
     const KvManager* kv = engine->kv.get();
     auto pool_gauge = [kv](auto read) {
       return [kv, read] { return static_cast<double>(read(kv->Counts().prefix)); };

@@ -219,6 +219,7 @@ PrefillService::PrefillService(Model* model, KvManager* kv, const tok::Tokenizer
                                     .life_base = options.life_base,
                                     .life_step_factor = options.life_step_factor,
                                     .life_min_per_token = options.life_min_per_token,
+                                    .tier2 = options.tier2,
                                     .fault_stall_forward = absl::Milliseconds(options.fault_stall_prefill_ms)}) {
   kv_->set_listener(&kv_events_);
   sender_->SetRoomListener([this](kv::Connection& c) {

@@ -71,6 +71,9 @@ struct PrefillServiceOptions {
   // worker tells of freed room) before it ends
   // with RESOURCE_EXHAUSTED; zero: it ends at the first refusal.
   absl::Duration handoff_room_wait = absl::Seconds(20);
+  // The prefix cache's second tier (engine::EngineOptions::tier2; null:
+  // none). REQUIRES: outlives the service.
+  Tier2Store* tier2 = nullptr;
 };
 
 class PrefillCall;  // One Prefill stream (prefill_service.cc).

@@ -51,6 +51,14 @@ ABSL_FLAG(bool, kv_direct_writes, true,
           "(the same user) writes handoffs straight into the pool (process_vm_writev, one copy); false: every "
           "peer's bytes pass the receiver's reservation check");
 
+ABSL_FLAG(std::string, kv_tier2_dir, "",
+          "a directory on local disk for the prefix cache's second tier: full KV blocks are written there as "
+          "they are published and read back (checked) when a prompt's cached prefix runs on past the pool; it "
+          "survives restarts (empty: no second tier; CPU backend only)");
+ABSL_FLAG(int64_t, kv_tier2_bytes, int64_t{4} << 30,
+          "--kv_tier2_dir: the most bytes of block files it keeps (least recently used go first)");
+ABSL_FLAG(int32_t, kv_tier2_io_threads, 2, "--kv_tier2_dir: threads reading and writing block files");
+
 ABSL_FLAG(double, request_life_base_s, 60,
           "a request that is prefilling or decoding ends (DEADLINE_EXCEEDED, its KV freed) once it has made no "
           "progress (a forward, a prefill chunk, a token) for this + one token's allowance, max(step factor x p99 "
@@ -112,6 +120,27 @@ absl::StatusOr<WorkerModel> LoadWorkerModel(KvRegionAllocator* allocator) {
   absl::StatusOr<std::unique_ptr<tok::Tokenizer>> tokenizer = tok::Tokenizer::Load(eo.model_dir);
   if (!tokenizer.ok()) return tokenizer.status();
   w.tokenizer = *std::move(tokenizer);
+  if (const std::string dir = absl::GetFlag(FLAGS_kv_tier2_dir); !dir.empty()) {
+    if (eo.backend != "cpu") {
+      return absl::InvalidArgumentError("--kv_tier2_dir: the second tier holds host memory pools only (--backend=cpu)");
+    }
+    absl::StatusOr<std::unique_ptr<Tier2Store>> tier2 =
+        Tier2Store::Open(w.engine.model->identity(), w.engine.kv->spec(),
+                         {.dir = dir,
+                          .capacity_bytes = absl::GetFlag(FLAGS_kv_tier2_bytes),
+                          .io_threads = absl::GetFlag(FLAGS_kv_tier2_io_threads)});
+    if (!tier2.ok()) {
+      return absl::Status(tier2.status().code(), absl::StrCat("--kv_tier2_dir: ", tier2.status().message()));
+    }
+    w.tier2 = *std::move(tier2);
+    const Tier2Stats st = w.tier2->Stats();
+    LogEvent("info", "kv_tier2_opened",
+             {{"dir", dir},
+              {"blocks", absl::StrCat(st.blocks)},
+              {"bytes", absl::StrCat(st.bytes)},
+              {"capacity_bytes", absl::StrCat(st.capacity_bytes)},
+              {"discarded", absl::StrCat(st.discarded_at_open)}});
+  }
   return w;
 }
 
@@ -256,6 +285,42 @@ void AddKvPoolMetrics(MetricsRegistry& metrics, const KvManager* kv) {
   metrics.AddGauge("pdserve_kv_bytes_per_position_per_rank",
                    "KV bytes one position takes on one rank (what pdctl plan counts per chip).",
                    [spec] { return static_cast<double>(spec.BytesPerPosition()); });
+}
+
+void AddKvTier2Metrics(MetricsRegistry& metrics, const Tier2Store* tier2) {
+  auto stat = [tier2](auto read) { return [tier2, read] { return static_cast<double>(read(tier2->Stats())); }; };
+  metrics.AddGauge("pdserve_kv_tier2_bytes", "Bytes of block files the prefix cache's second tier holds.",
+                   stat([](const Tier2Stats& s) { return s.bytes; }));
+  metrics.AddGauge("pdserve_kv_tier2_capacity_bytes", "The second tier's capacity (--kv_tier2_bytes).",
+                   stat([](const Tier2Stats& s) { return s.capacity_bytes; }));
+  metrics.AddGauge("pdserve_kv_tier2_blocks", "Blocks the second tier holds.",
+                   stat([](const Tier2Stats& s) { return s.blocks; }));
+  metrics.AddCounterFunc("pdserve_kv_tier2_restored_blocks_total",
+                         "Blocks read back from the second tier, verified, into the pool (prefix hits in tier 2).",
+                         stat([](const Tier2Stats& s) { return s.restored_blocks; }));
+  metrics.AddCounterFunc("pdserve_kv_tier2_restore_misses_total",
+                         "Blocks a restore asked for and did not get (gone by then, or failed their check).",
+                         stat([](const Tier2Stats& s) { return s.restore_misses; }));
+  metrics.AddCounterFunc("pdserve_kv_tier2_writes_total", "Blocks offered to the second tier, by outcome.",
+                         stat([](const Tier2Stats& s) { return s.writes; }), "result=\"written\"");
+  metrics.AddCounterFunc("pdserve_kv_tier2_writes_total", "Blocks offered to the second tier, by outcome.",
+                         stat([](const Tier2Stats& s) { return s.write_drops; }), "result=\"dropped\"");
+  metrics.AddCounterFunc("pdserve_kv_tier2_writes_total", "Blocks offered to the second tier, by outcome.",
+                         stat([](const Tier2Stats& s) { return s.write_errors; }), "result=\"failed\"");
+  metrics.AddCounterFunc("pdserve_kv_tier2_evictions_total", "Block files the second tier deleted for room.",
+                         stat([](const Tier2Stats& s) { return s.evictions; }));
+  metrics.AddCounterFunc("pdserve_kv_tier2_discarded_files_total",
+                         "Block files refused when the second tier opened (truncated, corrupt header, foreign).",
+                         stat([](const Tier2Stats& s) { return s.discarded_at_open; }));
+  metrics.AddCounterFunc("pdserve_kv_tier2_restores_total", "Second-tier reads completed (one per request).",
+                         stat([](const Tier2Stats& s) { return s.restores; }));
+  metrics.AddCounterFunc("pdserve_kv_tier2_restore_seconds_total",
+                         "Seconds from each second-tier read's start to its end, queueing included.",
+                         [tier2] { return tier2->Stats().restore_seconds; });
+  metrics.AddCounterFunc("pdserve_kv_checksum_failures_total",
+                         "KV blocks whose bytes did not match the checksum recorded by their producer (discarded; "
+                         "their positions are computed again), by path.",
+                         stat([](const Tier2Stats& s) { return s.checksum_failures; }), "path=\"tier2\"");
 }
 
 std::function<std::string()> WorkerHealthCheck(WorkerRuntime& rt,

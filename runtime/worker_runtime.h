@@ -21,12 +21,16 @@
 #include "kv_transfer/ucx_transport.h"
 #include "engine/engine.h"
 #include "engine/model_stack.h"
+#include "kv/tier2_store.h"
 
 namespace pdserve {
 
 struct WorkerModel {
   ModelStack engine;
   std::unique_ptr<tok::Tokenizer> tokenizer;
+  // --kv_tier2_dir: the prefix cache's second tier (null: none). After
+  // `engine`, so it goes first: its last writes still read the pool.
+  std::unique_ptr<Tier2Store> tier2;
 };
 
 // What both workers run on: a KV transport (its thread and registered
@@ -86,6 +90,10 @@ void ApplyRequestLifeFlags(engine::EngineOptions& options);
 
 // The pool's gauges pdserve_kv_blocks{state=used|free}, from the KV manager.
 void AddKvPoolMetrics(MetricsRegistry& metrics, const KvManager* kv);
+
+// The second tier's gauges and counters (pdserve_kv_tier2_*, and
+// pdserve_kv_checksum_failures_total{path="tier2"}), from its stats.
+void AddKvTier2Metrics(MetricsRegistry& metrics, const Tier2Store* tier2);
 
 }  // namespace pdserve
 

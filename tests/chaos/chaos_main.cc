@@ -65,6 +65,9 @@ ABSL_FLAG(double, request_deadline_s, 60, "each request's gRPC deadline");
 ABSL_FLAG(double, settle_s, 15, "after the load: how long workers get to be healthy with no KV block used");
 ABSL_FLAG(std::vector<std::string>, worker_flags, {},
           "extra flags for every worker, comma-separated (e.g. --worker_flags=--kv_lease_s=2)");
+ABSL_FLAG(bool, kv_tier2, false,
+          "every worker keeps a prefix cache second tier (--kv_tier2_dir) in a directory of its own, reopened "
+          "when it restarts");
 ABSL_FLAG(bool, tls, true, "mutual TLS between the processes and TLS to the router (deploy/make_certs.sh certificates)");
 ABSL_FLAG(int, log_tail_bytes, 2500, "on failure: bytes printed from the end of each server log");
 
@@ -467,6 +470,7 @@ int Run() {
   fo.dir = dir;
   fo.drain_grace_s = absl::GetFlag(FLAGS_drain_grace_s);
   fo.extra_worker_flags = absl::GetFlag(FLAGS_worker_flags);
+  fo.kv_tier2 = absl::GetFlag(FLAGS_kv_tier2);
   if (absl::GetFlag(FLAGS_tls)) {
     fo.certs_dir = dir + "/certs";
     const std::string make = absl::StrCat("'", PDSERVE_SOURCE_DIR, "/deploy/make_certs.sh' '", fo.certs_dir, "' > /dev/null");

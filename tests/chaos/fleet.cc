@@ -55,6 +55,10 @@ Fleet::Fleet(FleetOptions options) : options_(std::move(options)) {
               grace};
     for (std::string& f : TlsFlags(options_.certs_dir, prefill ? "prefill" : "decode")) w.argv.push_back(std::move(f));
     w.argv.insert(w.argv.end(), options_.extra_worker_flags.begin(), options_.extra_worker_flags.end());
+    if (options_.kv_tier2) {
+      w.argv.push_back("--kv_tier2_dir");
+      w.argv.push_back(absl::StrCat(options_.dir, "/", w.name, ".tier2"));
+    }
     w.ready_file = absl::StrCat(options_.dir, "/", w.name, ".ready");
     workers_.push_back(std::move(w));
   }

@@ -30,6 +30,9 @@ struct FleetOptions {
   int num_decode = 2;
   double drain_grace_s = 2;                     // Workers' --drain_grace_s: SIGTERM drain before in-flight work moves.
   std::vector<std::string> extra_worker_flags;  // Appended to every worker's command line.
+  // Each worker keeps a prefix cache second tier in a directory of its own
+  // under `dir` (--kv_tier2_dir), reopened by its restarts.
+  bool kv_tier2 = false;
   // deploy/make_certs.sh's output: each process gets its role's certificate
   // (mutual TLS). "": every process runs --insecure.
   std::string certs_dir;

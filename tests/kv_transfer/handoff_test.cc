@@ -11,6 +11,7 @@
 #include "absl/strings/match.h"
 #include "absl/synchronization/mutex.h"
 #include "kv/block_hash.h"
+#include "kv/kv_checksum.h"
 #include "kv/kv_manager.h"
 #include "gtest/gtest.h"
 #include "kv_transfer/grant.h"
@@ -120,6 +121,7 @@ class HandoffTest : public ::testing::Test {
     ReceiverOptions ro{.model = kModel, .lease = lease,
                        .clock = [this] { return clock_.Now(); }};
     ro.grant_key = grant_key_;
+    ro.verify_fraction = verify_fraction_;
     receiver_obj_ = *KvReceiver::Create(receiver_.transport.get(), receiver_.kv.get(), ro,
                                         [this](CommittedSequence s) {
                                           absl::MutexLock lock(&committed_mu_);
@@ -201,7 +203,44 @@ class HandoffTest : public ::testing::Test {
     seq.Release();
   }
 
+  // A verified handoff of n positions: the commit carries one checksum per
+  // layer, the receiver's blocks hash to them, and the blocks stay out of
+  // the prefix cache until their consumer has checked them.
+  void MoveAndCheckVerified(int32_t n) {
+    SequenceKv seq = SenderSequence(n);
+    const std::vector<int32_t> tokens = Tokens(n);
+    auto h = sender_obj_->Reserve(conn_, {.num_positions = n, .prompt_tokens = tokens});
+    ASSERT_TRUE(h.ok()) << h.status();
+    for (int32_t l = 0; l < sender_.kv->spec().num_layers; ++l) {
+      ASSERT_TRUE((*h)->SendLayer(l, seq.block_table()).ok());
+    }
+    ASSERT_TRUE((*h)->Commit(CommitState(tokens)).ok());
+    seq.Release();
+    absl::MutexLock lock(&committed_mu_);
+    ASSERT_EQ(committed_.size(), 1u);
+    const CommittedSequence& got = committed_.back();
+    ASSERT_TRUE(got.verify);
+    const KvStorage pool = receiver_.kv->storage();
+    const int32_t bs = pool.spec.block_size;
+    EXPECT_EQ(got.first_block, 0);
+    EXPECT_EQ(got.end_block, (n + bs - 1) / bs);
+    EXPECT_EQ(got.producer, "prefill");  // The loopback transport's name for the sending side.
+    ASSERT_EQ(got.state.layer_checksums.size(), static_cast<size_t>(pool.spec.num_layers));
+    for (int32_t l = 0; l < pool.spec.num_layers; ++l) {
+      EXPECT_EQ(LayerChecksum(pool, l, got.kv.block_table(), got.first_block, got.end_block),
+                got.state.layer_checksums[l])
+          << "layer " << l;
+    }
+    // A byte changed in a block changes its layer's checksum.
+    char* byte = static_cast<char*>(pool.BlockData(1, BlockId{got.kv.block_table()[0]})) + 3;
+    *byte = static_cast<char>(*byte ^ 0x10);
+    EXPECT_NE(LayerChecksum(pool, 1, got.kv.block_table(), got.first_block, got.end_block),
+              got.state.layer_checksums[1]);
+    for (int32_t b : got.kv.block_table()) EXPECT_FALSE(receiver_.kv->IsCached(BlockId{b})) << "block " << b;
+  }
+
   static constexpr const char* kReceiverAddress = "10.0.0.2:7300";
+  double verify_fraction_ = 0;  // Set before SetUp: the receiver's share of verified handoffs.
   std::shared_ptr<const GrantKey> grant_key_;  // Set before SetUp: grants required.
   LoopbackNetwork net_;
   FakeClock clock_;
@@ -232,6 +271,24 @@ TEST_P(HandoffDTypeTest, SmallerReceiverBlocksAreConverted) {
 TEST_P(HandoffDTypeTest, LargerReceiverBlocksAreConverted) {
   SetUp(Spec(GetParam(), 4, 32), Spec(GetParam(), 16, 8));
   MoveAndCheck(37);
+}
+
+TEST_P(HandoffDTypeTest, AVerifiedHandoffOfTheSameLayoutCarriesChecksumsTheReceiversBlocksMatch) {
+  verify_fraction_ = 1;
+  SetUp(Spec(GetParam(), 4, 32), Spec(GetParam(), 4, 40));
+  MoveAndCheckVerified(23);
+}
+
+TEST_P(HandoffDTypeTest, AVerifiedHandoffIntoSmallerBlocksCarriesChecksumsTheReceiversBlocksMatch) {
+  verify_fraction_ = 1;
+  SetUp(Spec(GetParam(), 8, 16), Spec(GetParam(), 4, 40));
+  MoveAndCheckVerified(21);
+}
+
+TEST_P(HandoffDTypeTest, AVerifiedHandoffIntoLargerBlocksCarriesChecksumsTheReceiversBlocksMatch) {
+  verify_fraction_ = 1;
+  SetUp(Spec(GetParam(), 4, 32), Spec(GetParam(), 16, 8));
+  MoveAndCheckVerified(37);
 }
 
 // A commit's blocks are published under the request's salted chain: a
@@ -968,11 +1025,13 @@ TEST(WireTest, RoundTripAndMalformed) {
   c.sampling.seed = 77;
   c.sampling.top_p = 0.5f;
   c.cache_salt = CacheSalt{0x1122334455667788u, 0x99aabbccddeeff00u};
+  c.layer_checksums = {0xfedcba9876543210u, 7};
   std::string bytes = Encode(c);
   auto back = Decode(bytes);
   ASSERT_TRUE(back.ok());
   const auto& d = std::get<kv::Commit>(*back);
   EXPECT_EQ(d.tokens, c.tokens);
+  EXPECT_EQ(d.layer_checksums, c.layer_checksums);
   EXPECT_EQ(d.request_id, "req-7");
   EXPECT_EQ(d.sampling.seed, std::optional<uint64_t>(77));
   EXPECT_EQ(d.sampling.top_p, 0.5f);
@@ -999,6 +1058,20 @@ TEST(WireTest, RoundTripAndMalformed) {
   ASSERT_TRUE(back.ok());
   EXPECT_EQ(std::get<ReserveRequest>(*back).cache_salt, r.cache_salt);
   EXPECT_EQ(std::get<ReserveRequest>(*back).grant, "g");
+  for (size_t cut = 0; cut < bytes.size(); ++cut) {
+    EXPECT_FALSE(Decode(absl::string_view(bytes).substr(0, cut)).ok()) << cut;
+  }
+
+  ReserveReply rr;
+  rr.tag = 4;
+  rr.receiver.protocol_version = kKvProtocolVersion;
+  rr.blocks = {3, 1};
+  rr.verify = 1;
+  bytes = Encode(rr);
+  back = Decode(bytes);
+  ASSERT_TRUE(back.ok());
+  EXPECT_EQ(std::get<ReserveReply>(*back).verify, 1);
+  EXPECT_EQ(std::get<ReserveReply>(*back).blocks, rr.blocks);
   for (size_t cut = 0; cut < bytes.size(); ++cut) {
     EXPECT_FALSE(Decode(absl::string_view(bytes).substr(0, cut)).ok()) << cut;
   }

@@ -41,6 +41,7 @@
 #include "model/synthetic_model.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/forwarding_backend.h"
+#include "kv/kv_checksum.h"
 #include "kv_transfer/layout_copy.h"
 #include "kv_transfer/receiver.h"
 #include "kv_transfer/sender.h"
@@ -896,6 +897,38 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
     } else {
       out["cross_process_copy_error"] = std::string(copy.status().message());
     }
+    // A verified handoff (--kv_verify_handoffs) hashes its bytes once on
+    // each side (LayerChecksum, one thread): that rate beside one thread's
+    // read rate from DRAM, sampled alternately in this run, and the two
+    // sides' hashing as a share of the handoff.
+    {
+      kernels::cpu::CpuBackendOptions bo;
+      bo.num_threads = 1;
+      absl::StatusOr<std::unique_ptr<kernels::cpu::CpuBackend>> one = kernels::cpu::CpuBackend::Create(bo);
+      if (!one.ok()) return one.status();
+      kernels::cpu::CpuBackend::ReadProbe probe(one->get(), size_t{256} << 20);
+      const KvStorage pool = p.storage();
+      SequenceKv request = p.NewSequence();  // A request's blocks, as the handoff's.
+      if (absl::Status s = p.Grow(request, prompt); !s.ok()) return s;
+      const std::vector<int32_t>& table = request.block_table();
+      const int64_t hashed = static_cast<int64_t>(table.size()) * spec.LayerBlockBytes() * spec.num_layers * spec.num_ranks;
+      std::vector<double> hash_s, read_bps;
+      uint64_t sink = 0;
+      for (int i = 0; i < std::max(5, iters / 2); ++i) {
+        const absl::Time t0 = absl::Now();
+        for (int32_t l = 0; l < spec.num_layers; ++l) {
+          sink ^= LayerChecksum(pool, l, table, 0, static_cast<int32_t>(table.size()));
+        }
+        hash_s.push_back(absl::ToDoubleSeconds(absl::Now() - t0));
+        read_bps.push_back(probe.Sample());
+      }
+      out["checksum_sink"] = sink;  // Kept, so the hashing is not elided.
+      out["checksum_bytes"] = hashed;
+      out["checksum_ms_median"] = Median(hash_s) * 1e3;
+      out["checksum_gbps"] = static_cast<double>(hashed) / Median(hash_s) / 1e9;
+      out["read_gbps_one_thread"] = Median(read_bps) / 1e9;
+      out["checksum_both_sides_vs_handoff"] = 2 * Median(hash_s) / h_med;
+    }
 
     if (with_prefill) {
       std::vector<int32_t> tokens(prompt);
@@ -994,6 +1027,11 @@ absl::Status RunBenchKv(const BenchKvCommon& common) {
   } else {
     std::printf("  cross-process copy: %s\n", out["cross_process_copy_error"].get<std::string>().c_str());
   }
+  std::printf("  checksum (XXH3-64)       %10.3f ms     %7.2f GB/s  (one thread over the request's %.1f MiB; one "
+              "thread's DRAM read %.2f GB/s; both sides' hashing = %.1f %% of the handoff)\n",
+              out["checksum_ms_median"].get<double>(), out["checksum_gbps"].get<double>(),
+              out["checksum_bytes"].get<double>() / (1 << 20), out["read_gbps_one_thread"].get<double>(),
+              100 * out["checksum_both_sides_vs_handoff"].get<double>());
   if (with_prefill) {
     std::printf("  prefill forward          %10.3f ms\n", out["prefill_forward_ms"].get<double>());
     std::printf("  unhidden: commit ack - last layer computed %8.3f ms  (one layer's raw transfer %.3f ms)\n",

@@ -29,6 +29,7 @@
 #include "tools/pdctl/bench_engine.h"
 #include "tools/pdctl/bench_tp.h"
 #include "tools/pdctl/bench_kv.h"
+#include "tools/pdctl/bench_tier2.h"
 #include "tools/pdctl/bench_serving.h"
 #include "base/tls_flags.h"
 #include "tools/pdctl/cluster_commands.h"
@@ -523,6 +524,7 @@ constexpr char kUsage[] =
     "            (--decode-batch, --decode-history, --threads, --kv bf16|f32, --attention-heads, --kv-heads, --head-dim, --stream-mib);\n"
     "            --prompts 512,2048: a prompt's causal attention alone, in FLOP/s beside its instruction's peak\n"
     "  bench-kv      KV handoff between two processes beside raw puts on the same connection [--with-prefill]\n"
+    "  bench-tier2   the prefix cache's second tier: writes and checked restores beside the disk's read rate\n"
     "  plan          capacity model of a deployment from --config FILE [--json]\n"
     "  help      this text; `pdctl COMMAND --help` lists the flags\n";
 
@@ -537,7 +539,7 @@ constexpr char kUsage[] =
 constexpr const char* kCommands[] = {"logits",     "generate",        "status",       "probe",
                                      "bench",      "tokenize",        "detokenize",   "chat-template",
                                      "bench-tokenizer", "make-model",   "bench-engine", "bench-attention",
-                                     "bench-kv",   "plan"};
+                                     "bench-kv",   "bench-tier2", "plan"};
 
 bool IsCommand(absl::string_view name) {
   for (const char* c : kCommands) {
@@ -565,6 +567,7 @@ const std::map<std::string, std::vector<std::string>>& UntaggedFlags() {
       {"bench-engine", {PDCTL_ENGINE_FLAGS, "json"}},
       {"bench-attention", {"threads", "isa", "kv", "block_size", "json"}},
       {"bench-kv", {"model", "kv", "block_size", "threads", "json"}},
+      {"bench-tier2", {"json"}},
       {"plan", {"json"}},
   };
   return *m;
@@ -693,6 +696,8 @@ int main(int argc, char** argv) {
     kv.threads = absl::GetFlag(FLAGS_threads);
     kv.json = absl::GetFlag(FLAGS_json);
     status = RunBenchKv(kv);
+  } else if (command == "bench-tier2") {
+    status = RunBenchTier2(absl::GetFlag(FLAGS_json));
   } else if (command == "plan") {
     status = RunPlan(absl::GetFlag(FLAGS_config), absl::GetFlag(FLAGS_json));
   } else {

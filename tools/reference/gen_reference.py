@@ -261,7 +261,7 @@ def parse_usage(text):
     """[(command, description)] from `pdctl help`."""
     commands = []
     for line in text.splitlines():
-        m = re.match(r"^  ([a-z][a-z-]*)\s+(\S.*)$", line)
+        m = re.match(r"^  ([a-z][a-z0-9-]*)\s+(\S.*)$", line)
         if m:
             commands.append([m.group(1), m.group(2).strip()])
         elif re.match(r"^\s{4,}\S", line) and commands:
@@ -460,8 +460,11 @@ def start_and_scrape(build, errors):
             raise RuntimeError(f"{binary} did not become ready:\n{(tmp / f'{binary}.log').read_text()[-2000:]}")
 
         try:
-            decode = start("pdserve-decode-worker", "--kv_positions=256")
-            prefill = start("pdserve-prefill-worker", "--kv_positions=256")
+            # Each with a second tier, so that its metrics are exported too.
+            decode = start("pdserve-decode-worker", "--kv_positions=256", f"--kv_tier2_dir={tmp}/tier2-decode",
+                           "--kv_tier2_bytes=1048576")
+            prefill = start("pdserve-prefill-worker", "--kv_positions=256", f"--kv_tier2_dir={tmp}/tier2-prefill",
+                            "--kv_tier2_bytes=1048576")
             router = start("pdserve-router", f"--prefill=127.0.0.1:{prefill['grpc_port']}",
                            f"--decode=127.0.0.1:{decode['grpc_port']}", "--http_listen=127.0.0.1:0")
             for binary, ready in (("pdserve-router", router), ("pdserve-prefill-worker", prefill),

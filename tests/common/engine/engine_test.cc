@@ -5,7 +5,11 @@
 // every request must end in the state its path leads to.
 #include "engine/engine.h"
 
+#include <stdlib.h>
+
 #include <atomic>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <thread>
 #include <memory>
@@ -14,6 +18,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/generation.h"
+#include "kv/kv_checksum.h"
+#include "kv/tier2_store.h"
 #include "model/model.h"
 #include "text/tokenizer.h"
 #include "absl/synchronization/notification.h"
@@ -214,6 +220,140 @@ TEST_F(EngineTest, PrefixCacheReusesPublishedBlocksWithoutChangingATokenEvenUnde
   EXPECT_EQ(big->Counts().used, 0);
 }
 
+// The prefix cache's second tier (kv/tier2_store.h): a fresh pool (as after
+// a restart, or once the pool evicted the prefix) reads the prefix back from
+// the tier instead of computing it, and no token changes; a block that fails
+// its check is computed instead, and still no token changes.
+class EngineTier2Test : public EngineTest {
+ protected:
+  void SetUp() override {
+    char dir[] = "/tmp/pdserve-engine-tier2-XXXXXX";
+    ASSERT_NE(mkdtemp(dir), nullptr);
+    dir_ = dir;
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+
+  std::unique_ptr<Tier2Store> OpenStore(const KvManager& kv) {
+    auto store = Tier2Store::Open(model_->identity(), kv.spec(), {.dir = dir_, .capacity_bytes = 64 << 20});
+    EXPECT_TRUE(store.ok()) << store.status();
+    return store.ok() ? *std::move(store) : nullptr;
+  }
+
+  // Steps until idle with no read of the tier outstanding.
+  static void RunToIdleWith(Engine& engine, Tier2Store& store) {
+    for (int i = 0; i < 1000; ++i) {
+      RunToIdle(engine);
+      store.Flush();
+      auto r = engine.Step();
+      ASSERT_TRUE(r.ok()) << r.status();
+      if (!*r) return;
+    }
+    FAIL() << "engine never went idle";
+  }
+
+  // One request through a fresh pool and engine over `store`; its cached
+  // token count is the first token's.
+  Output Serve(Tier2Store& store, const GenerationRequest& req, int32_t* cached) {
+    auto kv = MakeKv(32);
+    Engine engine(*model_, *kv, {.max_batch = 4, .chunk_tokens = 48, .prefix_cache = true, .tier2 = &store});
+    Output out;
+    RequestCallbacks sink = Collect(&out);
+    *cached = -1;
+    sink.on_token = [cached, collect = sink.on_token](const TokenEvent& t, int32_t c) {
+      if (*cached < 0) *cached = c;
+      collect(t, c);
+    };
+    engine.Submit(Local(1, req, sink));
+    RunToIdleWith(engine, store);
+    store.Flush();  // The blocks it published are written.
+    EXPECT_EQ(kv->Counts().used, 0);
+    return out;
+  }
+
+  std::vector<GenerationRequest> LongPrompts() {
+    const std::string text =
+        "And it came to pass, when men began to multiply on the face of the earth, and daughters were born "
+        "unto them, that the sons of God saw the daughters of men that they were fair; and they took them "
+        "wives of all which they chose.";
+    return {MakeReq(text, 20, 0, 3), MakeReq(text, 20, 0.8f, 7)};
+  }
+
+  std::string dir_;
+};
+
+TEST_F(EngineTier2Test, AFreshPoolReadsThePrefixBackFromTheTierAndNoTokenChanges) {
+  for (const GenerationRequest& req : LongPrompts()) {
+    auto probe = MakeKv(32);
+    std::unique_ptr<Tier2Store> store = OpenStore(*probe);
+    ASSERT_NE(store, nullptr);
+    const Output want = Alone(req);
+    int32_t cached = 0;
+    const Output first = Serve(*store, req, &cached);
+    ExpectSame(first, want, 0);
+    EXPECT_EQ(cached, 0);
+    const int32_t full_blocks = static_cast<int32_t>(req.prompt.size() - 1) / 16;
+    ASSERT_GE(full_blocks, 2);
+    EXPECT_GE(store->Stats().blocks, full_blocks) << "the prompt's blocks are written";
+    const Output second = Serve(*store, req, &cached);
+    ExpectSame(second, want, 1);
+    EXPECT_EQ(cached, full_blocks * 16) << "the whole prefix came from the tier";
+    EXPECT_EQ(store->Stats().restored_blocks, full_blocks);
+    EXPECT_EQ(store->Stats().checksum_failures, 0);
+    store.reset();
+    std::filesystem::remove_all(dir_);
+  }
+}
+
+TEST_F(EngineTier2Test, ABlockThatFailsItsCheckIsComputedAndNoTokenChanges) {
+  const GenerationRequest req = LongPrompts()[0];
+  const Output want = Alone(req);
+  auto probe = MakeKv(32);
+  std::unique_ptr<Tier2Store> store = OpenStore(*probe);
+  ASSERT_NE(store, nullptr);
+  int32_t cached = 0;
+  ExpectSame(Serve(*store, req, &cached), want, 0);
+  // Corrupt the second block's file: one payload byte.
+  const std::vector<BlockHash> hashes =
+      BlockHasher(model_->identity(), DType::kF32, 16).FullBlockHashes(absl::MakeConstSpan(req.prompt).first(32));
+  ASSERT_EQ(hashes.size(), 2u);
+  const std::string path = dir_ + "/" + hashes[1].ToHex() + ".kvb";
+  {
+    std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+    ASSERT_TRUE(f.good()) << path;
+    f.seekg(Tier2Store::kHeaderBytes + 5);
+    char c = 0;
+    f.read(&c, 1);
+    c = static_cast<char>(c ^ 0x40);
+    f.seekp(Tier2Store::kHeaderBytes + 5);
+    f.write(&c, 1);
+  }
+  ExpectSame(Serve(*store, req, &cached), want, 1);
+  EXPECT_EQ(cached, 16) << "the first block came from the tier, the rest was computed";
+  EXPECT_EQ(store->Stats().checksum_failures, 1);
+  EXPECT_EQ(store->Stats().restored_blocks, 1);
+}
+
+TEST_F(EngineTier2Test, ARequestCancelledWhileItsPrefixIsReadEndsCancelledAndFreesItsKv) {
+  const GenerationRequest req = LongPrompts()[0];
+  auto probe = MakeKv(32);
+  std::unique_ptr<Tier2Store> store = OpenStore(*probe);
+  ASSERT_NE(store, nullptr);
+  int32_t cached = 0;
+  Serve(*store, req, &cached);
+  auto kv = MakeKv(32);
+  Engine engine(*model_, *kv, {.max_batch = 4, .chunk_tokens = 48, .prefix_cache = true, .tier2 = store.get()});
+  Output out;
+  std::shared_ptr<Request> r = Local(1, req, Collect(&out));
+  engine.Submit(r);
+  ASSERT_TRUE(engine.Step().ok());  // Starts the read.
+  engine.Cancel(r, absl::CancelledError("client went away"));
+  RunToIdleWith(engine, *store);
+  EXPECT_TRUE(absl::IsCancelled(out.status)) << out.status;
+  EXPECT_TRUE(out.tokens.empty());
+  EXPECT_EQ(kv->Counts().used, 0);
+  EXPECT_EQ(engine.stats().waiting, 0);
+}
+
 TEST_F(EngineTest, HandedOffSequencesContinueFromTheirFirstToken) {
   const auto reqs = Mixed();
   auto kv = MakeKv(128);
@@ -245,6 +385,57 @@ TEST_F(EngineTest, HandedOffSequencesContinueFromTheirFirstToken) {
   RunToIdle(engine);
   for (size_t i = 0; i < reqs.size(); ++i) ExpectSame(got[i], Alone(reqs[i]), static_cast<int>(i));
   EXPECT_EQ(kv->Counts().used, 0);
+}
+
+// A handed-off request whose KV does not hash to its producer's checksums
+// computes its context here instead, and no token changes; one whose KV
+// matches decodes from it, and its blocks are published once checked.
+TEST_F(EngineTest, HandedOffKvThatFailsItsCheckIsComputedHereAndNoTokenChanges) {
+  const GenerationRequest req = MakeReq(
+      "And it came to pass, when men began to multiply on the face of the earth, and daughters were born "
+      "unto them,",
+      12, 0.8f, 7);
+  const Output want = Alone(req);
+  const int32_t positions = static_cast<int32_t>(req.prompt.size());
+  ASSERT_GE(positions, 17);
+  for (const bool corrupt : {false, true}) {
+    SCOPED_TRACE(corrupt ? "corrupted" : "intact");
+    auto kv = MakeKv(64);
+    // The prefill side, in the same pool: its KV and first token.
+    Generation prefill_side(req, tokenizer_);
+    SequenceKv seq = kv->NewSequence();
+    ForwardSequence fs{&seq, req.prompt, LogitsMode::kLast};
+    auto fwd = ForwardGrowing(*model_, *kv, {&fs, 1});
+    ASSERT_TRUE(fwd.ok()) << fwd.status();
+    auto first = prefill_side.Accept(fwd->Last(0));
+    ASSERT_TRUE(first.ok());
+    KvCheck check{.first_block = 0, .end_block = (positions + 15) / 16, .producer = "10.0.0.9"};
+    for (int32_t l = 0; l < kv->spec().num_layers; ++l) {
+      check.layer_checksums.push_back(LayerChecksum(kv->storage(), l, seq.block_table(), 0, check.end_block));
+    }
+    if (corrupt) {  // One byte of one layer changed on the way.
+      char* byte = static_cast<char*>(kv->storage().BlockData(1, BlockId{seq.block_table()[1]})) + 9;
+      *byte = static_cast<char>(*byte ^ 0x04);
+    }
+    auto gen = std::make_unique<Generation>(req, tokenizer_);
+    ASSERT_TRUE(gen->Replay(*first).ok());
+    Output got;
+    got.tokens.push_back(first->token);
+    got.text += first->text;
+    got.finish = first->finish;
+    auto r = std::make_shared<Request>(RequestId("d"), RequestMode::kDecodeOnly, std::move(gen), Collect(&got));
+    r->kv = std::move(seq);
+    r->kv_check = check;
+    ASSERT_TRUE(r->lifecycle.Transition(RequestState::kWaitingForKv).ok());
+    Engine engine(*model_, *kv, {.max_batch = 4, .prefix_cache = true});
+    engine.Submit(r);
+    RunToIdle(engine);
+    ExpectSame(got, want, corrupt ? 1 : 0);
+    EXPECT_EQ(engine.stats().kv_checked, 1);
+    EXPECT_EQ(engine.stats().kv_checksum_failures, corrupt ? 1 : 0);
+    EXPECT_EQ(engine.stats().kv_recomputed_positions, corrupt ? positions : 0);
+    EXPECT_EQ(kv->Counts().used, 0);
+  }
 }
 
 TEST_F(EngineTest, CancelFreesTheKvAtOnce) {

@@ -1,0 +1,170 @@
+// KV that outlives or leaves the pool, checked, in real workers:
+// - the prefix cache's second tier (--kv_tier2_dir): blocks a prefill
+//   worker published before a restart are read back after it instead of
+//   computed, and a damaged store (a truncated file, corrupted payloads) is
+//   refused or caught by its checksums and the prefix computed;
+// - a verified handoff (--kv_verify_handoffs): KV that does not match the
+//   prefill worker's checksums is discarded and computed on the decode
+//   worker;
+// with the stream the same either way.
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+#include "tests/cluster/cluster_harness.h"
+
+namespace pdserve {
+namespace {
+
+// A prompt of several full blocks (kjv-tiny's context is 512 positions).
+v1::GenerateRequest LongRequest() {
+  v1::GenerateRequest r;
+  r.set_text(
+      "And it came to pass, when men began to multiply on the face of the earth, and daughters were born unto "
+      "them, that the sons of God saw the daughters of men that they were fair; and they took them wives of all "
+      "which they chose. And the LORD said, My spirit shall not always strive with man, for that he also is "
+      "flesh: yet his days shall be an hundred and twenty years.");
+  r.set_max_tokens(16);
+  r.mutable_sampling()->set_temperature(0.8f);
+  r.mutable_sampling()->set_seed(5);
+  return r;
+}
+
+std::vector<std::string> Tier2Flags(const std::string& dir) { return {"--kv_tier2_dir", dir}; }
+
+// Waits until `series` on the prefill worker's metrics reads at least `at_least`.
+double AwaitPrefillMetric(Cluster& c, const std::string& series, double at_least) {
+  double v = 0;
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  do {
+    v = MetricValue(HttpGet(c.prefill_metrics(), "/metrics"), series);
+    if (v >= at_least) break;
+    absl::SleepFor(absl::Milliseconds(50));
+  } while (absl::Now() < deadline);
+  return v;
+}
+
+// Serves LongRequest once on a fresh cluster whose prefill worker keeps its
+// second tier in `tier2`, and waits until the tier has written its blocks.
+Output ServeOnce(const std::string& dir, const std::string& tier2, Cluster& c) {
+  absl::Status s = c.Start(dir, false, {}, {}, 1, Tier2Flags(tier2));
+  EXPECT_TRUE(s.ok()) << s;
+  if (!s.ok()) return {};
+  Output got = c.Generate(LongRequest());
+  EXPECT_TRUE(got.status.ok()) << got.status.error_message() << "\n" << c.Logs();
+  EXPECT_EQ(got.final.finish_reason(), v1::FINISH_REASON_LENGTH) << got.final.error();
+  return got;
+}
+
+std::vector<std::filesystem::path> BlockFiles(const std::string& tier2) {
+  std::vector<std::filesystem::path> files;
+  for (const auto& e : std::filesystem::directory_iterator(tier2)) {
+    if (e.path().extension() == ".kvb") files.push_back(e.path());
+  }
+  return files;
+}
+
+TEST(Tier2ClusterTest, BlocksWrittenBeforeARestartAreReadBackAfterItAndTheStreamIsTheSame) {
+  const std::string dir = TempDir();
+  const std::string tier2 = dir + "/tier2";
+  Output first;
+  {
+    Cluster c;
+    first = ServeOnce(dir + "/before", tier2, c);
+    EXPECT_GT(AwaitPrefillMetric(c, "pdserve_kv_tier2_writes_total{result=\"written\"}", 2), 1);
+  }
+  ASSERT_GE(BlockFiles(tier2).size(), 2u);
+  Cluster c;
+  const Output again = ServeOnce(dir + "/after", tier2, c);
+  EXPECT_EQ(again.tokens, first.tokens);
+  EXPECT_EQ(again.text, first.text);
+  const std::string page = HttpGet(c.prefill_metrics(), "/metrics");
+  EXPECT_GE(MetricValue(page, "pdserve_kv_tier2_restored_blocks_total"), 2) << page;
+  EXPECT_EQ(MetricValue(page, "pdserve_kv_checksum_failures_total{path=\"tier2\"}"), 0) << page;
+  EXPECT_GT(MetricValue(page, "pdserve_kv_tier2_restore_seconds_total"), 0) << page;
+}
+
+TEST(Tier2ClusterTest, ADamagedStoreIsRefusedOrCaughtAndThePrefixIsComputed) {
+  const std::string dir = TempDir();
+  const std::string tier2 = dir + "/tier2";
+  Output first;
+  {
+    Cluster c;
+    first = ServeOnce(dir + "/before", tier2, c);
+    EXPECT_GT(AwaitPrefillMetric(c, "pdserve_kv_tier2_writes_total{result=\"written\"}", 3), 2);
+  }
+  std::vector<std::filesystem::path> files = BlockFiles(tier2);
+  ASSERT_GE(files.size(), 3u);
+  // The prompt's first block is the one whose parent (header bytes 40-56)
+  // is the zero salt: its payload gets a flipped byte, so the read back
+  // fails its check at once; another file is cut short, so it is refused
+  // when the store opens.
+  auto parent_is_zero = [](const std::filesystem::path& p) {
+    std::ifstream f(p, std::ios::binary);
+    std::string parent(16, '\1');
+    f.seekg(40);
+    f.read(parent.data(), 16);
+    return parent == std::string(16, '\0');
+  };
+  auto first_block = std::find_if(files.begin(), files.end(), parent_is_zero);
+  ASSERT_NE(first_block, files.end());
+  std::iter_swap(files.begin(), first_block);
+  {
+    std::fstream f(files[0], std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(200);
+    char b = 0;
+    f.read(&b, 1);
+    b = static_cast<char>(b ^ 0x01);
+    f.seekp(200);
+    f.write(&b, 1);
+  }
+  std::filesystem::resize_file(files[1], std::filesystem::file_size(files[1]) - 7);
+  Cluster c;
+  const Output again = ServeOnce(dir + "/after", tier2, c);
+  EXPECT_EQ(again.tokens, first.tokens);
+  EXPECT_EQ(again.text, first.text);
+  const std::string page = HttpGet(c.prefill_metrics(), "/metrics");
+  EXPECT_EQ(MetricValue(page, "pdserve_kv_tier2_discarded_files_total"), 1) << page;
+  EXPECT_EQ(MetricValue(page, "pdserve_kv_checksum_failures_total{path=\"tier2\"}"), 1) << page;
+  EXPECT_EQ(MetricValue(page, "pdserve_kv_tier2_restored_blocks_total"), 0) << page;
+}
+
+TEST(HandoffChecksumClusterTest, KvThatFailsItsCheckIsComputedOnTheDecodeWorkerAndTheStreamIsTheSame) {
+  const std::string dir = TempDir();
+  Output want;
+  {
+    Cluster c;
+    ASSERT_TRUE(c.Start(dir + "/intact", false, {"--kv_verify_handoffs", "all"}).ok());
+    want = c.Generate(LongRequest());
+    ASSERT_TRUE(want.status.ok()) << want.status.error_message() << "\n" << c.Logs();
+    const std::string page = HttpGet(c.decode_metrics(), "/metrics");
+    EXPECT_EQ(MetricValue(page, "pdserve_kv_handoffs_verified_total"), 1) << page;
+    EXPECT_EQ(MetricValue(page, "pdserve_kv_checksum_failures_total{path=\"handoff\"}"), 0) << page;
+  }
+  Cluster c;
+  ASSERT_TRUE(c.Start(dir + "/corrupt", false, {"--kv_verify_handoffs", "all"}, {}, 1,
+                      {"--fault_wrong_kv_checksums"})
+                  .ok());
+  const Output got = c.Generate(LongRequest());
+  ASSERT_TRUE(got.status.ok()) << got.status.error_message() << "\n" << c.Logs();
+  EXPECT_EQ(got.tokens, want.tokens);
+  EXPECT_EQ(got.text, want.text);
+  const std::string page = HttpGet(c.decode_metrics(), "/metrics");
+  EXPECT_EQ(MetricValue(page, "pdserve_kv_handoffs_verified_total"), 1) << page;
+  EXPECT_EQ(MetricValue(page, "pdserve_kv_checksum_failures_total{path=\"handoff\"}"), 1) << page;
+  EXPECT_GT(MetricValue(page, "pdserve_kv_recomputed_positions_total"), 16) << page;
+  std::ifstream f(dir + "/corrupt/decode0.log");
+  const std::string log((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  EXPECT_TRUE(absl::StrContains(log, "kv_checksum_mismatch")) << log;
+  EXPECT_TRUE(absl::StrContains(log, "\"producer\":\"127.0.0.1\"")) << log;
+}
+
+}  // namespace
+}  // namespace pdserve

@@ -583,6 +583,19 @@ grpc::ServerUnaryReactor* DecodeService::Status(grpc::CallbackServerContext* ctx
   const engine::EngineStats st = engine_.stats();
   v1::WorkerStatus* s = out->mutable_status();
   s->set_kv_cached_blocks(static_cast<int64_t>(kv_events_.num_cached()));
+  s->set_kv_checksum_failures(st.kv_checksum_failures);
+  {
+    // The prefix cache by tier.
+    s->set_kv_prefix_hit_blocks(kv_->Counts().prefix.hit_blocks);
+    if (options_.engine.tier2 != nullptr) {
+      const Tier2Stats t2 = options_.engine.tier2->Stats();
+      s->set_kv_tier2_restored_blocks(t2.restored_blocks);
+      s->set_kv_tier2_bytes(t2.bytes);
+      s->set_kv_tier2_capacity_bytes(t2.capacity_bytes);
+      s->set_kv_tier2_blocks(t2.blocks);
+      s->set_kv_checksum_failures(s->kv_checksum_failures() + t2.checksum_failures);
+    }
+  }
   s->set_role("decode");
   s->set_kernels(model_->backend().Name());
   out->set_instance_id(ProcessInstanceId());

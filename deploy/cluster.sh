@@ -5,7 +5,7 @@
 #   deploy/cluster.sh start [--prefill N] [--decode M] [--colocated] [--pin] [--model DIR]
 #                           [--router-flag FLAG]...   (e.g. --router-flag --admission)
 #                           [--prefill-flag FLAG]... [--decode-flag FLAG]...
-#                           [--prefill-tp N] [--decode-tp N] [--insecure]
+#                           [--prefill-tp N] [--decode-tp N] [--insecure] [--kv-tier2 DIR]
 #   deploy/cluster.sh status
 #   deploy/cluster.sh stop
 #
@@ -23,7 +23,9 @@
 # (which then also prefills) runs --threads nproc. --prefill-tp/--decode-tp
 # run that pool's workers tensor-parallel over N ranks (threads), sharing
 # the worker's threads (at least one each); pools of different TP sizes
-# hand off to each other.
+# hand off to each other. --kv-tier2 DIR gives every worker a prefix cache
+# second tier of its own in DIR/<worker> (--kv_tier2_dir), kept across
+# restarts of the cluster.
 # Needs a build (deploy/bootstrap.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -44,7 +46,7 @@ wait_ready() {  # file, pid, what
 
 start() {
   local prefill=1 decode=1 colocated=0 pin=0 model=${PDSERVE_MODEL:-deploy/models/kjv-tiny}
-  local router_extra=() prefill_extra=() decode_extra=() insecure=0 prefill_tp=1 decode_tp=1
+  local router_extra=() prefill_extra=() decode_extra=() insecure=0 prefill_tp=1 decode_tp=1 tier2=
   while (($#)); do
     case "$1" in
       --prefill) prefill=$2; shift 2 ;;
@@ -58,6 +60,7 @@ start() {
       --prefill-tp) prefill_tp=$2; shift 2 ;;
       --decode-tp) decode_tp=$2; shift 2 ;;
       --insecure) insecure=1; shift ;;
+      --kv-tier2) tier2=$2; shift 2 ;;
       *) die "unknown option $1" ;;
     esac
   done
@@ -105,6 +108,7 @@ start() {
     if [[ $4 == prefill ]]; then extra=("${prefill_extra[@]}"); tp=$prefill_tp; else extra=("${decode_extra[@]}"); fi
     local rank_threads=$(( threads / tp > 0 ? threads / tp : 1 ))
     ((tp > 1)) && extra=(--tp "$tp" "${extra[@]}")
+    [[ -n $tier2 ]] && extra+=(--kv_tier2_dir "$tier2/$1")
     setsid "${pre[@]}" "$BUILD_DIR/$3" --model "$model" --threads "$rank_threads" "${tls[@]}" "${extra[@]}" \
       --ready_file "$STATE/$1.ready" < /dev/null > "$STATE/$1.log" 2>&1 &
     echo "$!" >> "$STATE/pids"

@@ -714,6 +714,18 @@ grpc::ServerUnaryReactor* PrefillService::Status(grpc::CallbackServerContext* ct
     s->set_prefill_discarded_tokens(discarded_tokens_.load(std::memory_order_relaxed));
   }
   s->set_kv_cached_blocks(static_cast<int64_t>(kv_events_.num_cached()));
+  {
+    // The prefix cache by tier.
+    s->set_kv_prefix_hit_blocks(kv_->Counts().prefix.hit_blocks);
+    if (options_.tier2 != nullptr) {
+      const Tier2Stats t2 = options_.tier2->Stats();
+      s->set_kv_tier2_restored_blocks(t2.restored_blocks);
+      s->set_kv_tier2_bytes(t2.bytes);
+      s->set_kv_tier2_capacity_bytes(t2.capacity_bytes);
+      s->set_kv_tier2_blocks(t2.blocks);
+      s->set_kv_checksum_failures(s->kv_checksum_failures() + t2.checksum_failures);
+    }
+  }
   out->set_context_length(static_cast<int32_t>(model_->config().max_position_embeddings));
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   reactor->Finish(grpc::Status::OK);

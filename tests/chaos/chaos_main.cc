@@ -65,6 +65,9 @@ ABSL_FLAG(double, request_deadline_s, 60, "each request's gRPC deadline");
 ABSL_FLAG(double, settle_s, 15, "after the load: how long workers get to be healthy with no KV block used");
 ABSL_FLAG(std::vector<std::string>, worker_flags, {},
           "extra flags for every worker, comma-separated (e.g. --worker_flags=--kv_lease_s=2)");
+ABSL_FLAG(bool, long_prompts, false,
+          "every prompt starts with the same long preamble (several full KV blocks): prefix-cache hits, and with "
+          "--kv_tier2 reads from the second tier after each restart");
 ABSL_FLAG(bool, kv_tier2, false,
           "every worker keeps a prefix cache second tier (--kv_tier2_dir) in a directory of its own, reopened "
           "when it restarts");
@@ -95,7 +98,11 @@ double Since(absl::Time t) { return absl::ToDoubleSeconds(t - kProgramStart); }
 // The fixed request set: King James-like prompts, half greedy and half
 // seeded sampling, max_tokens spread over [min_tokens, max_tokens], and
 // every third one ignoring EOS so some streams run to their full length.
-std::vector<v1::GenerateRequest> RequestSet(int min_tokens, int max_tokens) {
+std::vector<v1::GenerateRequest> RequestSet(int min_tokens, int max_tokens, bool long_prompts) {
+  static const char kPreamble[] =
+      "In the beginning God created the heaven and the earth. And the earth was without form, and void; and "
+      "darkness was upon the face of the deep. And the Spirit of God moved upon the face of the waters. And God "
+      "said, Let there be light: and there was light. ";
   static const char* const kPrompts[] = {
       "In the beginning God created the heaven and the earth.",
       "And God said, Let there be light:",
@@ -118,7 +125,7 @@ std::vector<v1::GenerateRequest> RequestSet(int min_tokens, int max_tokens) {
   std::vector<v1::GenerateRequest> out;
   for (int i = 0; i < kCount; ++i) {
     v1::GenerateRequest r;
-    r.set_text(kPrompts[i]);
+    r.set_text(long_prompts ? std::string(kPreamble) + kPrompts[i] : std::string(kPrompts[i]));
     // i * 7 mod 16 visits every step once, so long and short requests mix.
     r.set_max_tokens(min_tokens + (max_tokens - min_tokens) * ((i * 7) % kCount) / (kCount - 1));
     if (i % 2 == 0) {
@@ -498,7 +505,7 @@ int Run() {
     channel = grpc::CreateCustomChannel(fleet.router_address(), ChannelTlsCredentials(ca, "", &args), args);
   }
   const std::unique_ptr<v1::Generation::Stub> stub = v1::Generation::NewStub(channel);
-  const std::vector<v1::GenerateRequest> requests = RequestSet(min_tokens, max_tokens);
+  const std::vector<v1::GenerateRequest> requests = RequestSet(min_tokens, max_tokens, absl::GetFlag(FLAGS_long_prompts));
   absl::StatusOr<std::vector<Reference>> references = ReferencePass(*stub, requests, deadline);
   if (!references.ok()) {
     Say(std::string(references.status().message()));

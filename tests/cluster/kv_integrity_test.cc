@@ -89,6 +89,14 @@ TEST(Tier2ClusterTest, BlocksWrittenBeforeARestartAreReadBackAfterItAndTheStream
   EXPECT_GE(MetricValue(page, "pdserve_kv_tier2_restored_blocks_total"), 2) << page;
   EXPECT_EQ(MetricValue(page, "pdserve_kv_checksum_failures_total{path=\"tier2\"}"), 0) << page;
   EXPECT_GT(MetricValue(page, "pdserve_kv_tier2_restore_seconds_total"), 0) << page;
+  // The router's status (pdctl status) shows the tier by worker.
+  const v1::WorkerStatus st = c.Status().prefill(0);
+  EXPECT_GE(st.kv_tier2_restored_blocks(), 2) << st.ShortDebugString();
+  EXPECT_EQ(st.kv_tier2_capacity_bytes(), int64_t{4} << 30) << st.ShortDebugString();
+  EXPECT_GE(st.kv_tier2_blocks(), 2) << st.ShortDebugString();
+  EXPECT_GT(st.kv_tier2_bytes(), 0) << st.ShortDebugString();
+  EXPECT_EQ(st.kv_checksum_failures(), 0) << st.ShortDebugString();
+  EXPECT_EQ(c.Status().decode(0).kv_tier2_capacity_bytes(), 0) << "no second tier there";
 }
 
 TEST(Tier2ClusterTest, ADamagedStoreIsRefusedOrCaughtAndThePrefixIsComputed) {
@@ -134,6 +142,7 @@ TEST(Tier2ClusterTest, ADamagedStoreIsRefusedOrCaughtAndThePrefixIsComputed) {
   EXPECT_EQ(MetricValue(page, "pdserve_kv_tier2_discarded_files_total"), 1) << page;
   EXPECT_EQ(MetricValue(page, "pdserve_kv_checksum_failures_total{path=\"tier2\"}"), 1) << page;
   EXPECT_EQ(MetricValue(page, "pdserve_kv_tier2_restored_blocks_total"), 0) << page;
+  EXPECT_EQ(c.Status().prefill(0).kv_checksum_failures(), 1);
 }
 
 TEST(HandoffChecksumClusterTest, KvThatFailsItsCheckIsComputedOnTheDecodeWorkerAndTheStreamIsTheSame) {
@@ -160,6 +169,7 @@ TEST(HandoffChecksumClusterTest, KvThatFailsItsCheckIsComputedOnTheDecodeWorkerA
   EXPECT_EQ(MetricValue(page, "pdserve_kv_handoffs_verified_total"), 1) << page;
   EXPECT_EQ(MetricValue(page, "pdserve_kv_checksum_failures_total{path=\"handoff\"}"), 1) << page;
   EXPECT_GT(MetricValue(page, "pdserve_kv_recomputed_positions_total"), 16) << page;
+  EXPECT_EQ(c.Status().decode(0).kv_checksum_failures(), 1);
   std::ifstream f(dir + "/corrupt/decode0.log");
   const std::string log((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
   EXPECT_TRUE(absl::StrContains(log, "kv_checksum_mismatch")) << log;

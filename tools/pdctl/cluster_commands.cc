@@ -6,6 +6,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "google/protobuf/util/json_util.h"
 #include "base/grpc_status.h"
@@ -168,6 +169,19 @@ absl::Status RemoteStatus(const std::string& router, bool json) {
     if (w.role() == "decode" && (w.router_placed_positions() > 0 || w.router_free_positions() > 0)) {
       std::printf("         router's KV ledger: %lld positions placed, room for %lld more\n",
                   static_cast<long long>(w.router_placed_positions()), static_cast<long long>(w.router_free_positions()));
+    }
+    {
+      // The prefix cache by tier: blocks found in the pool and read back
+      // from the second tier since the worker started, and the tier's use.
+      std::string tiers = absl::StrCat("         prefix cache: ", w.kv_prefix_hit_blocks(), " blocks hit in the pool");
+      if (w.kv_tier2_capacity_bytes() > 0) {
+        absl::StrAppend(&tiers, ", ", w.kv_tier2_restored_blocks(), " read back from tier 2; tier 2 holds ",
+                        w.kv_tier2_blocks(), " blocks, ",
+                        absl::StrFormat("%.1f of %.1f GiB", static_cast<double>(w.kv_tier2_bytes()) / (1 << 30),
+                                        static_cast<double>(w.kv_tier2_capacity_bytes()) / (1 << 30)));
+      }
+      if (w.kv_checksum_failures() > 0) absl::StrAppend(&tiers, "; KV CHECKS FAILED: ", w.kv_checksum_failures());
+      std::printf("%s\n", tiers.c_str());
     }
     if (w.requests_expired() > 0) {
       std::printf("         requests ended by their life bound: %lld\n", static_cast<long long>(w.requests_expired()));

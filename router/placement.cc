@@ -40,7 +40,13 @@ int64_t Placement::CachedTokens(const Worker& w, PromptChains& chains) {
 }
 
 Assignment Placement::AssignPrefill(WorkerPtr p, PromptChains& chains) {
-  const int64_t queued = chains.size() - CachedTokens(*p, chains);
+  const int64_t cached = CachedTokens(*p, chains);
+  const int64_t queued = chains.size() - cached;
+  int64_t elsewhere = 0;
+  for (const WorkerPtr& w : pool_->Snapshot(Role::kPrefill)) {
+    if (w.get() != p.get() && w->healthy()) elsewhere = std::max(elsewhere, CachedTokens(*w, chains));
+  }
+  if (elsewhere > cached) tokens_cached_elsewhere_.fetch_add(elsewhere - cached, std::memory_order_relaxed);
   Expect(*p, chains);
   return Assignment(std::move(p), queued);
 }

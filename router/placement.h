@@ -9,6 +9,7 @@
 #ifndef PDSERVE_ROUTER_PLACEMENT_H_
 #define PDSERVE_ROUTER_PLACEMENT_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -135,11 +136,18 @@ class Placement {
   static Assignment AssignDecode(WorkerPtr d) { return Assignment(std::move(d), 0); }
   // What admission weighs for `placed`.
   AdmissionRequest AdmissionInputs(const Placed& placed, PromptChains& chains, int64_t min_samples);
+  // Prompt tokens assigned to a prefill worker that computes them although
+  // another serving prefill worker holds them in its prefix cache, as the
+  // index sees it (the most any other holds, less what the chosen one
+  // holds), since start: the computing that fetching prefixes from the
+  // worker that holds them would save.
+  int64_t tokens_cached_elsewhere() const { return tokens_cached_elsewhere_.load(std::memory_order_relaxed); }
 
  private:
   SelectionCandidate PrefillCandidate(const Worker& w, PromptChains& chains);
 
   const PlacementOptions options_;
+  std::atomic<int64_t> tokens_cached_elsewhere_{0};
   WorkerPool* const pool_;
   PrefixIndex* const index_;
   MeasuredInputs* const measured_;

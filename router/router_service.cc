@@ -231,6 +231,11 @@ void RouterService::RegisterMetrics() {
     metrics_.AddGauge("pdserve_queued_requests", "Requests waiting in the router's queue for decode KV room.",
                       [this] { return static_cast<double>(queue_->Stats().waiting); });
   }
+  metrics_.AddCounterFunc(
+      "pdserve_prefill_tokens_cached_elsewhere_total",
+      "Prompt tokens a prefill worker computed although another prefill worker held them in its prefix cache "
+      "(what fetching prefixes between workers would save).",
+      [this] { return placement_ != nullptr ? static_cast<double>(placement_->tokens_cached_elsewhere()) : 0.0; });
   metrics_.AddGauge("pdserve_requests_in_flight", "Requests being served.",
                     [this] { return static_cast<double>(in_flight_.load()); });
   for (const Role role : {Role::kPrefill, Role::kDecode}) {

@@ -77,6 +77,33 @@ TEST(PlacementTest, AnAssignedPrefillQueuesTheTokensItWillComputeUntilReleased) 
   EXPECT_EQ(d->in_flight.load(), 0);
 }
 
+// A prefill assigned to a worker that holds less of the prompt than another
+// serving prefill worker counts the difference: prompt tokens computed that
+// a fetch from that worker would have saved. A worker that is not serving
+// does not count, and an assignment makes its worker expected to hold the
+// prompt from then on.
+TEST(PlacementTest, APrefillComputingWhatAnotherWorkerHoldsIsCounted) {
+  InProcessRouter rig;
+  FakeWorker& p0 = rig.AddWorker(Role::kPrefill, "p0");
+  FakeWorker& p1 = rig.AddWorker(Role::kPrefill, "p1");
+  FakeWorker& p2 = rig.AddWorker(Role::kPrefill, "p2");
+  for (FakeWorker* w : {&p0, &p1, &p2}) w->prefix_hash = HashScheme{ModelIdentity{1, 2}, DType::kF32, w->kv_block_size};
+  const GenerationRequest req = InProcessRouter::Request(10);
+  p0.kv_events = Stored(p0, req.prompt, 1);  // 16 of the 40 positions cached
+  p1.kv_events = Stored(p1, req.prompt, 2);  // 32
+  p1.serving = false;
+  rig.ProbeAll();
+  PromptChains chains(req.prompt);
+  { Assignment a = rig.placement->AssignPrefill(rig.Find(Role::kPrefill, "p2"), chains); }
+  EXPECT_EQ(rig.placement->tokens_cached_elsewhere(), 16) << "p0 held 16; p1 does not serve";
+  p1.serving = true;
+  rig.ProbeAll();
+  { Assignment a = rig.placement->AssignPrefill(rig.Find(Role::kPrefill, "p1"), chains); }
+  EXPECT_EQ(rig.placement->tokens_cached_elsewhere(), 16) << "p1 holds as much as any other";
+  { Assignment a = rig.placement->AssignPrefill(rig.Find(Role::kPrefill, "p0"), chains); }
+  EXPECT_EQ(rig.placement->tokens_cached_elsewhere(), 16 + 16) << "p1 and p2 held 16 more than p0";
+}
+
 TEST(PlacementTest, AFailedWorkerThatRestartedMayServeTheRequestAgain) {
   InProcessRouter rig;
   FakeWorker& d0 = rig.AddWorker(Role::kDecode, "d0");

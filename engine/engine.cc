@@ -224,17 +224,15 @@ void Engine::Publish(const Request& r) {
   // A waiting request's KV covers context[0, fed); a running one's, prompt
   // + generated tokens but the last (not fed yet).
   const CacheSalt& salt = r.gen->request().cache_salt;
-  const std::vector<int32_t> all = r.context.empty() ? r.gen->AllTokens() : std::vector<int32_t>();
-  const absl::Span<const int32_t> tokens = r.context.empty() ? absl::MakeConstSpan(all) : absl::MakeConstSpan(r.context);
   const std::vector<BlockHash> hashes =
-      hasher_.FullBlockHashes(tokens.first(static_cast<size_t>(r.kv.num_positions())), salt);
-  kv_.Publish(r.kv, hashes);
+      r.context.empty() ? PublishFullBlocks(kv_, hasher_, r.gen->AllTokens(), r.kv, salt)
+                        : PublishFullBlocks(kv_, hasher_, r.context, r.kv, salt);
   if (options_.tier2 == nullptr) return;
   // The tier copies each block out on its own thread, holding the block
   // while it reads: a block evicted from the pool before then is not
-  // written (the store counts it).
+  // written (the store counts it). A block it holds or has queued already
+  // is not queued again.
   for (size_t b = 0; b < hashes.size(); ++b) {
-    if (options_.tier2->Contains(hashes[b])) continue;
     options_.tier2->Write(hashes[b], b > 0 ? hashes[b - 1] : salt, [kv = &kv_, hash = hashes[b]](char* out) {
       SequenceKv pin = kv->PinCached(hash);
       if (pin.empty()) return false;

@@ -11,11 +11,12 @@ int32_t AttachCachedPrefix(KvManager& kv, const BlockHasher& hasher,
   return kv.AttachCachedPrefix(seq, hashes) * hasher.block_size();
 }
 
-void PublishFullBlocks(KvManager& kv, const BlockHasher& hasher,
-                       absl::Span<const int32_t> tokens, const SequenceKv& seq, const CacheSalt& salt) {
-  const std::vector<BlockHash> hashes =
-      hasher.FullBlockHashes(tokens.first(static_cast<size_t>(seq.num_positions())), salt);
+std::vector<BlockHash> PublishFullBlocks(KvManager& kv, const BlockHasher& hasher,
+                                         absl::Span<const int32_t> tokens, const SequenceKv& seq,
+                                         const CacheSalt& salt) {
+  std::vector<BlockHash> hashes = hasher.FullBlockHashes(tokens.first(static_cast<size_t>(seq.num_positions())), salt);
   kv.Publish(seq, hashes);
+  return hashes;
 }
 
 }  // namespace pdserve

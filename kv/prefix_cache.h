@@ -7,6 +7,7 @@
 #define PDSERVE_KV_PREFIX_CACHE_H_
 
 #include <cstdint>
+#include <vector>
 
 #include "absl/types/span.h"
 #include "kv/block_hash.h"
@@ -24,8 +25,8 @@ int32_t AttachCachedPrefix(KvManager& kv, const BlockHasher& hasher,
 
 // Publishes every full block of `seq` whose KV is written, given the token
 // ids of its positions so far (tokens.size() >= seq.num_positions()),
-// under the request's `salt`.
-void PublishFullBlocks(KvManager& kv, const BlockHasher& hasher,
+// under the request's `salt`. Returns their hashes, in order (a chain).
+std::vector<BlockHash> PublishFullBlocks(KvManager& kv, const BlockHasher& hasher,
                        absl::Span<const int32_t> tokens, const SequenceKv& seq, const CacheSalt& salt = {});
 
 }  // namespace pdserve

@@ -63,6 +63,16 @@ Output ServeOnce(const std::string& dir, const std::string& tier2, Cluster& c) {
   return got;
 }
 
+// Serves LongRequest once on a cluster of its own (gone on return) whose
+// prefill worker keeps its second tier in `tier2`, once the tier has
+// written at least `blocks` blocks.
+Output FillTier(const std::string& dir, const std::string& tier2, int blocks) {
+  Cluster c;
+  Output got = ServeOnce(dir, tier2, c);
+  EXPECT_GE(AwaitPrefillMetric(c, "pdserve_kv_tier2_writes_total{result=\"written\"}", blocks), blocks);
+  return got;
+}
+
 std::vector<std::filesystem::path> BlockFiles(const std::string& tier2) {
   std::vector<std::filesystem::path> files;
   for (const auto& e : std::filesystem::directory_iterator(tier2)) {
@@ -74,12 +84,7 @@ std::vector<std::filesystem::path> BlockFiles(const std::string& tier2) {
 TEST(Tier2ClusterTest, BlocksWrittenBeforeARestartAreReadBackAfterItAndTheStreamIsTheSame) {
   const std::string dir = TempDir();
   const std::string tier2 = dir + "/tier2";
-  Output first;
-  {
-    Cluster c;
-    first = ServeOnce(dir + "/before", tier2, c);
-    EXPECT_GT(AwaitPrefillMetric(c, "pdserve_kv_tier2_writes_total{result=\"written\"}", 2), 1);
-  }
+  const Output first = FillTier(dir + "/before", tier2, 2);
   ASSERT_GE(BlockFiles(tier2).size(), 2u);
   Cluster c;
   const Output again = ServeOnce(dir + "/after", tier2, c);
@@ -102,12 +107,7 @@ TEST(Tier2ClusterTest, BlocksWrittenBeforeARestartAreReadBackAfterItAndTheStream
 TEST(Tier2ClusterTest, ADamagedStoreIsRefusedOrCaughtAndThePrefixIsComputed) {
   const std::string dir = TempDir();
   const std::string tier2 = dir + "/tier2";
-  Output first;
-  {
-    Cluster c;
-    first = ServeOnce(dir + "/before", tier2, c);
-    EXPECT_GT(AwaitPrefillMetric(c, "pdserve_kv_tier2_writes_total{result=\"written\"}", 3), 2);
-  }
+  const Output first = FillTier(dir + "/before", tier2, 3);
   std::vector<std::filesystem::path> files = BlockFiles(tier2);
   ASSERT_GE(files.size(), 3u);
   // The prompt's first block is the one whose parent (header bytes 40-56)

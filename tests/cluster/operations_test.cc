@@ -2,8 +2,6 @@
 // drained mid-prefill, workers whose health check fails (a KV leak, a
 // wedged transport) ejected, and a decode pool behind a DNS name that grows
 // and shrinks under load without a router restart.
-#include <pthread.h>
-#include <sched.h>
 #include <signal.h>
 
 #include <arpa/inet.h>
@@ -26,6 +24,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
+#include "tests/support/realtime.h"
 #include "router/api_keys.h"
 #include "tests/cluster/cluster_harness.h"
 #include "tests/support/dnsmasq.h"
@@ -193,19 +192,6 @@ INSTANTIATE_TEST_SUITE_P(
                                  "wedged", "kv_wedged"}),
     [](const ::testing::TestParamInfo<SickWorker>& i) { return std::string(i.param.name); });
 
-// Whether this process may put a thread in SCHED_FIFO (the workers it
-// starts run as the same user with the same limits): tried on a thread of
-// its own, which ends with it.
-bool RealtimePermitted() {
-  bool permitted = false;
-  std::thread([&permitted] {
-    sched_param p{};
-    p.sched_priority = 1;
-    permitted = pthread_setschedparam(pthread_self(), SCHED_FIFO, &p) == 0;
-  }).join();
-  return permitted;
-}
-
 // The KV transport's loop runs in SCHED_FIFO by default where the process
 // may, and the worker says which class it got (a metric, and a log line
 // naming the reason when it was refused); --kv_loop_realtime=false keeps it
@@ -218,7 +204,7 @@ TEST(OperationsTest, TheKvLoopsSchedulingClassIsChosenByFlagAndReported) {
   const Output got = c.Generate(SeededRequest(8));
   ASSERT_TRUE(got.status.ok()) << got.status.error_message();
   EXPECT_EQ(got.final.finish_reason(), v1::FINISH_REASON_LENGTH) << got.final.error() << "\n" << c.Logs();
-  const bool permitted = RealtimePermitted();
+  const bool permitted = testing_support::RealtimePermitted();
   const std::string decode = HttpGet(c.decode_metrics(), "/metrics");
   EXPECT_EQ(MetricValue(decode, "pdserve_kv_loop_realtime"), permitted ? 1 : 0) << decode;
   EXPECT_EQ(MetricValue(HttpGet(c.prefill_metrics(), "/metrics"), "pdserve_kv_loop_realtime"), 0);

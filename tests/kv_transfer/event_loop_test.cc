@@ -17,6 +17,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
+#include "tests/support/realtime.h"
 
 namespace pdserve::kv {
 namespace {
@@ -62,23 +63,11 @@ TEST(EventLoopTest, APastDeadlineRunsAtOnce) {
   EXPECT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(10)));
 }
 
-// Whether this process may put a thread in SCHED_FIFO: tried on a thread
-// of its own, which ends with it.
-bool RealtimePermitted() {
-  bool permitted = false;
-  std::thread([&permitted] {
-    sched_param p{};
-    p.sched_priority = 1;
-    permitted = pthread_setschedparam(pthread_self(), SCHED_FIFO, &p) == 0;
-  }).join();
-  return permitted;
-}
-
 TEST(EventLoopTest, ARealtimeLoopRunsInFifoWherePermittedAndSaysWhyNotElsewhere) {
   EventLoop loop;
   loop.Start("test-rt", EventLoop::Device(), {.realtime = true});
   const int policy = loop.RunSync([] { return sched_getscheduler(0); });
-  if (RealtimePermitted()) {
+  if (testing_support::RealtimePermitted()) {
     EXPECT_TRUE(loop.realtime());
     EXPECT_TRUE(loop.realtime_refused().empty());
     EXPECT_EQ(policy, SCHED_FIFO);
@@ -102,7 +91,7 @@ TEST(EventLoopTest, ALoopStartedNormalStaysInTheNormalClass) {
 // its fds instead, so it uses a small part of the wall time. (A loop in
 // the normal class, which does spin, uses nearly all of it here.)
 TEST(EventLoopTest, ARealtimeLoopDoesNotSpinOnOutstandingOperations) {
-  if (!RealtimePermitted()) GTEST_SKIP() << "SCHED_FIFO is not permitted to this process";
+  if (!testing_support::RealtimePermitted()) GTEST_SKIP() << "SCHED_FIFO is not permitted to this process";
   EventLoop loop;
   loop.Start("test-rt-busy", EventLoop::Device(), {.realtime = true});
   ASSERT_TRUE(loop.realtime());

@@ -84,9 +84,10 @@ start() {
   fi
   tls_flags() {
     if [[ -n $certs ]]; then
-      # The router and decode workers check KV handoff grants with the key.
+      # The router mints KV grants; decode and prefill workers check them
+      # (handoffs; prefix pulls).
       local grant=""
-      [[ $1 == router || $1 == decode ]] && grant=" --kv_grant_key=$certs/kv_grant.key"
+      [[ $1 == router || $1 == decode || $1 == prefill ]] && grant=" --kv_grant_key=$certs/kv_grant.key"
       echo "--tls_cert=$certs/$1.pem --tls_key=$certs/$1.key --tls_ca=$certs/ca.pem$grant"
     elif ((insecure)); then
       echo "--insecure"

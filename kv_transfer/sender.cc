@@ -37,6 +37,7 @@ struct Handoff::State {
   std::vector<uint64_t> layer_checksums;
   // Loop thread only.
   absl::Time last_renewal;
+  bool sending = false;  // A layer's writes were issued (they renew the lease from then on).
   std::shared_ptr<std::promise<absl::Status>> commit_done, abort_done;
   bool finished = false;  // Committed or aborted (by either side).
 
@@ -100,6 +101,7 @@ KvSender::KvSender(Transport* transport, const KvStorage& storage, SenderOptions
 KvSender::~KvSender() {
   transport_->Detach(this);
   transport_->loop().RunSync([this] {
+    *alive_ = false;  // Renewals still queued on the loop do nothing.
     for (auto& [tag, r] : reserves_) r->reply.set_value(absl::CancelledError("KV sender shut down"));
     reserves_.clear();
     for (auto& [key, st] : handoffs_) {
@@ -209,6 +211,7 @@ absl::StatusOr<std::unique_ptr<Handoff>> KvSender::Reserve(Connection* conn, Res
         }
       }
       conn->PrepareWrites(st->remote, ranges);
+      KeepLeased(st);
       return absl::OkStatus();
     });
   }
@@ -218,6 +221,21 @@ absl::StatusOr<std::unique_ptr<Handoff>> KvSender::Reserve(Connection* conn, Res
     return setup;
   }
   return h;
+}
+
+void KvSender::KeepLeased(const std::shared_ptr<Handoff::State>& st) {
+  if (st->lease <= absl::ZeroDuration()) return;
+  // Weak: a renewal still queued must not keep the handoff's state (its
+  // staging region, the peer's imported region) past the handoff's end.
+  transport_->loop().PostAt(absl::Now() + st->lease / 3, [this, alive = alive_, weak = std::weak_ptr(st)] {
+    const std::shared_ptr<Handoff::State> st = weak.lock();
+    if (st == nullptr || !*alive || st->sending || st->finished || !st->Error().ok() || st->conn->failed()) return;
+    if (const absl::Time now = absl::Now(); now - st->last_renewal >= st->lease / 4) {
+      st->last_renewal = now;
+      st->conn->Send(Encode(LayerSent{st->id, -1}));
+    }
+    KeepLeased(st);
+  });
 }
 
 void KvSender::Fail(const std::shared_ptr<Handoff::State>& st, absl::Status why) {
@@ -386,6 +404,7 @@ absl::Status Handoff::SendLayer(int32_t layer, absl::Span<const int32_t> table) 
   KvSender* sender = sender_;
   sender->transport_->loop().Post([sender, st = state_, runs = std::move(runs), local_base, layer] {
     if (st->finished || !st->Error().ok()) return;
+    st->sending = true;
     // No completion per put: the flush before commit (or abort ack)
     // covers them all, and a dead receiver shows on the connection.
     for (const CopyRun& r : runs) {

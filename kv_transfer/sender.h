@@ -14,6 +14,10 @@
 // (layout_copy.h); same block size: blocks are written in place from the
 // pool (no copy).
 //
+// The lease: renewed on the transport's loop every third of it from the
+// reservation until the first layer is sent (KeepLeased), then by the
+// layers' writes.
+//
 // Errors: a dead receiver fails pending calls and the next SendLayer with
 // UNAVAILABLE; a receiver that aborted (lease expired) makes them return
 // ABORTED, and the sender acknowledges the abort once its outstanding
@@ -118,6 +122,14 @@ class KvSender final : public ConnectionHandler {
   friend class Handoff;
   struct PendingReserve;
   void Fail(const std::shared_ptr<Handoff::State>& st, absl::Status why);
+  // Loop thread: renews the handoff's lease every third of it until the
+  // first layer is sent, so a reservation made ahead of the forward (the
+  // request queued behind others' compute, a prompt of many chunks)
+  // outlives that wait while this side lives and means to send. Once
+  // layers go, their writes renew it, and a sender stuck in them lets it
+  // lapse. A receiver still bounds it by the grant's expiry, and this
+  // side's bound on a request's life ends the handoff.
+  void KeepLeased(const std::shared_ptr<Handoff::State>& st);
 
   Transport* transport_;
   const KvStorage storage_;
@@ -132,6 +144,7 @@ class KvSender final : public ConnectionHandler {
   absl::flat_hash_map<uint64_t, std::shared_ptr<PendingReserve>> reserves_;
   absl::flat_hash_map<std::pair<Connection*, uint64_t>, std::shared_ptr<Handoff::State>> handoffs_;
   absl::flat_hash_map<std::pair<Connection*, std::string>, std::shared_ptr<RemoteRegion>> remotes_;
+  std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);  // False once destroyed (loop thread).
 };
 
 }  // namespace pdserve::kv

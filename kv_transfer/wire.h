@@ -70,7 +70,8 @@ struct ReserveReply {
   uint8_t verify = 0;
 };
 
-// Sender -> receiver after a layer's puts were issued: renews the lease.
+// Sender -> receiver after a layer's puts were issued, or (layer -1) alone
+// while the sender waits to compute: renews the lease.
 struct LayerSent {
   HandoffId id;
   int32_t layer = 0;

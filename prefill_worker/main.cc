@@ -21,8 +21,11 @@
 #include "text/tokenizer.h"
 #include "base/grpc_server.h"
 #include "base/metrics.h"
+#include "kv_transfer/grant_flags.h"
+#include "kv_transfer/receiver.h"
 #include "kv_transfer/sender.h"
 #include "prefill_worker/prefill_service.h"
+#include "prefill_worker/prefix_pull.h"
 #include "runtime/worker_runtime.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:0", "gRPC address (port 0: any free port)");
@@ -39,6 +42,12 @@ ABSL_FLAG(bool, fault_wrong_kv_checksums, false,
           "the way");
 ABSL_FLAG(int, fault_unparseable_streams, 0,
           "fault tests only: the first N streams (-1: all) send their first token unparseable");
+ABSL_FLAG(bool, kv_pulls, true,
+          "take prefixes other prefill workers hold from them, when the router predicts that cheaper than computing "
+          "them, and send the ones held here on request (CPU backend; needs --kv_grant_key unless --insecure)");
+ABSL_FLAG(std::string, kv_host, "127.0.0.1", "address the prefix pull receiver listens on (--kv_pulls)");
+ABSL_FLAG(int, kv_port, 0, "port of the prefix pull receiver (0: any free port)");
+ABSL_FLAG(double, kv_lease_s, 5, "a prefix pull's reservation not renewed for this long is aborted");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:0", "Prometheus /metrics address (port 0: any free; empty: off)");
 ABSL_FLAG(double, kv_timeout_s, 10, "a KV handoff whose receiver does not answer within this fails (the router retries it)");
 ABSL_FLAG(double, drain_grace_s, 30, "SIGTERM: seconds to finish queued requests before they go elsewhere");
@@ -57,9 +66,51 @@ int Run() {
   kv::Transport* transport = rt->transport.get();
   WorkerModel* w = &rt->engine;
   ModelStack* engine = &w->engine;
-  CheckWorkerTransport(*rt, "");
   int exit_code = 0;
   {
+    // Prefix pulls: a receiver on this pool that checks every pull (its
+    // blocks are published only once they match their producer's
+    // checksums), and a pusher answering PushPrefix from the same sender
+    // as the handoffs.
+    prefill::PullCounters pull_counters;
+    std::unique_ptr<kv::KvReceiver> pull_receiver;
+    std::string pull_address;
+    std::string pulls_off;
+    std::shared_ptr<const kv::GrantKey> grant_key;
+    if (!absl::GetFlag(FLAGS_kv_pulls)) {
+      pulls_off = "--kv_pulls=false";
+    } else if (engine->gpu != nullptr) {
+      pulls_off = "a device pool: pulled KV cannot be checked on the host";
+    } else if (absl::StatusOr<std::shared_ptr<const kv::GrantKey>> k = GrantKeyFromFlags("prefill"); !k.ok()) {
+      pulls_off = std::string(k.status().message());
+    } else {
+      grant_key = *k;
+    }
+    if (pulls_off.empty()) {
+      kv::ReceiverOptions ro;
+      ro.model = engine->model->identity();
+      ro.lease = absl::Seconds(absl::GetFlag(FLAGS_kv_lease_s));
+      ro.grant_key = grant_key;
+      ro.verify_fraction = 1;
+      KvManager* pool = engine->kv.get();
+      const ModelIdentity model = engine->model->identity();
+      absl::StatusOr<std::unique_ptr<kv::KvReceiver>> r = kv::KvReceiver::Create(
+          transport, pool, ro, [pool, model, &pull_counters](kv::CommittedSequence c) {
+            prefill::AcceptPulledPrefix(pool, model, std::move(c), &pull_counters);
+          });
+      absl::StatusOr<int> port = r.ok() ? (*r)->Listen(absl::GetFlag(FLAGS_kv_host), absl::GetFlag(FLAGS_kv_port))
+                                        : absl::StatusOr<int>(r.status());
+      if (!port.ok()) {
+        LogEvent("error", "kv_listen_failed", {{"error", std::string(port.status().message())}});
+        return 1;
+      }
+      pull_receiver = *std::move(r);
+      pull_address = absl::StrCat(absl::GetFlag(FLAGS_kv_host), ":", *port);
+      pull_receiver->SetAddress(pull_address);  // What the router names in pull grants.
+    } else {
+      LogEvent("info", "kv_pulls_off", {{"reason", pulls_off}});
+    }
+    CheckWorkerTransport(*rt, pull_receiver != nullptr ? absl::GetFlag(FLAGS_kv_host) : "");
     // A GPU's pool is copied out through its backend, layer by layer.
     kv::KvSender sender(transport, engine->kv->storage(),
                         {.model = engine->model->identity(),
@@ -82,6 +133,13 @@ int Run() {
       so.life_min_per_token = life.life_min_per_token;
     }
     so.tier2 = w->tier2.get();
+    std::unique_ptr<prefill::PrefixPusher> pusher;
+    if (pull_receiver != nullptr) {
+      pusher = std::make_unique<prefill::PrefixPusher>(engine->model->identity(), engine->kv.get(), &sender);
+      so.pusher = pusher.get();
+      so.pull_address = pull_address;
+      so.pulls = &pull_counters;
+    }
     prefill::PrefillService service(engine->model.get(), engine->kv.get(), w->tokenizer.get(), &sender, so);
 
     MetricsRegistry metrics;
@@ -124,9 +182,40 @@ int Run() {
                            "Context tokens prefilled here whose KV no decode worker took (not counting requests "
                            "their first token ended or their client cancelled).",
                            [&service] { return static_cast<double>(service.counters().discarded_tokens); });
+    if (pull_receiver != nullptr) {
+      const prefill::PushCounters* pc = &pusher->counters();
+      const prefill::PullCounters* pl = &pull_counters;
+      auto counter = [](const std::atomic<int64_t>* v) { return [v] { return static_cast<double>(v->load()); }; };
+      metrics.AddCounterFunc("pdserve_kv_pulls_total", "Prefixes pulled from other prefill workers, by result.",
+                             counter(&pl->received), "result=\"published\"");
+      metrics.AddCounterFunc("pdserve_kv_pulls_total", "Prefixes pulled from other prefill workers, by result.",
+                             counter(&pl->checksum_failures), "result=\"checksum_failed\"");
+      metrics.AddCounterFunc("pdserve_kv_pulled_positions_total",
+                             "Prefix positions published from pulls (held ones included).", counter(&pl->positions));
+      metrics.AddCounterFunc("pdserve_kv_checksum_failures_total",
+                             "KV whose bytes did not match their producer's checksums, by path; discarded.",
+                             counter(&pl->checksum_failures), "path=\"pull\"");
+      for (const auto& [result, v] : {std::pair{"pushed", &pc->pushed}, std::pair{"failed", &pc->failed},
+                                      std::pair{"not_cached", &pc->empty}}) {
+        metrics.AddCounterFunc("pdserve_kv_pushes_total",
+                               "Prefixes sent to other prefill workers on the router's request, by result.",
+                               counter(v), absl::StrCat("result=\"", result, "\""));
+      }
+      metrics.AddCounterFunc("pdserve_kv_push_bytes_total", "KV bytes of prefixes sent to other prefill workers.",
+                             counter(&pc->bytes));
+      kv::KvReceiver* r = pull_receiver.get();
+      for (int k = 1; k < kv::kGrantRefusalKinds; ++k) {
+        const auto why = static_cast<kv::GrantRefusal>(k);
+        metrics.AddCounterFunc("pdserve_handoff_refusals_total",
+                               "Pull reservations and commits refused: no, a bad, an expired, a foreign or a reused "
+                               "grant; a commit from another connection or for another request.",
+                               [r, why] { return static_cast<double>(r->refusals(why)); },
+                               absl::StrCat("reason=\"", kv::GrantRefusalName(why), "\""));
+      }
+    }
     ServeOptions serve;
     ApplyWorkerServing(*rt, serve);
-  serve.metrics = &metrics;
+    serve.metrics = &metrics;
     serve.metrics_address = absl::GetFlag(FLAGS_metrics_listen);
     serve.address = absl::GetFlag(FLAGS_listen);
     serve.ready_file = absl::GetFlag(FLAGS_ready_file);
@@ -140,6 +229,7 @@ int Run() {
     serve.drain_grace = absl::Seconds(absl::GetFlag(FLAGS_drain_grace_s));
     serve.on_shutdown = [&service] { service.Shutdown(); };
     exit_code = ServeUntilSignal(serve, {&service});
+    if (pull_receiver != nullptr) transport->Detach(pull_receiver.get());
     transport->Detach(&sender);
   }
   return exit_code;

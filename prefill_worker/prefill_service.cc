@@ -1,5 +1,7 @@
 #include "prefill_worker/prefill_service.h"
 
+#include "prefill_worker/prefix_pull.h"
+
 #include <algorithm>
 #include <chrono>
 #include <optional>
@@ -227,6 +229,7 @@ PrefillService::PrefillService(Model* model, KvManager* kv, const tok::Tokenizer
     room_freed_.insert(&c);
   });
   engine_.Start();
+  push_thread_ = std::thread([this] { PushLoop(); });
   reserve_thread_ = std::thread([this] { ReserveLoop(); });
   commit_thread_ = std::thread([this] { CommitLoop(); });
 }
@@ -244,6 +247,7 @@ void PrefillService::Shutdown() {
     stop_ = true;
   }
   if (reserve_thread_.joinable()) reserve_thread_.join();
+  if (push_thread_.joinable()) push_thread_.join();  // Each push is bounded by the KV timeout.
   engine_.Stop();  // What it holds ends with UNAVAILABLE.
   {
     absl::MutexLock lock(&mu_);
@@ -726,10 +730,52 @@ grpc::ServerUnaryReactor* PrefillService::Status(grpc::CallbackServerContext* ct
       s->set_kv_checksum_failures(s->kv_checksum_failures() + t2.checksum_failures);
     }
   }
+  if (options_.pulls != nullptr) {
+    out->set_kv_address(options_.pull_address);
+    s->set_kv_checksum_failures(s->kv_checksum_failures() + options_.pulls->checksum_failures.load());
+    s->set_kv_pulled_blocks(options_.pulls->positions.load() / kv_->spec().block_size);
+  }
   out->set_context_length(static_cast<int32_t>(model_->config().max_position_embeddings));
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;
+}
+
+grpc::ServerUnaryReactor* PrefillService::PushPrefix(grpc::CallbackServerContext* ctx,
+                                                     const worker::v1::PushPrefixRequest* req,
+                                                     worker::v1::PushPrefixResponse* out) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  if (options_.pusher == nullptr) {
+    reactor->Finish(ToGrpcStatus(absl::FailedPreconditionError("this prefill worker sends no prefixes")));
+    return reactor;
+  }
+  absl::MutexLock lock(&mu_);
+  if (stop_ || draining_) {
+    reactor->Finish(ToGrpcStatus(absl::UnavailableError("prefill worker draining")));
+    return reactor;
+  }
+  // req and out live until Finish.
+  pushes_.push_back([this, reactor, req, out] {
+    absl::StatusOr<worker::v1::PushPrefixResponse> r = options_.pusher->Push(*req);
+    if (r.ok()) *out = *std::move(r);
+    reactor->Finish(r.ok() ? grpc::Status::OK : ToGrpcStatus(r.status()));
+  });
+  return reactor;
+}
+
+void PrefillService::PushLoop() {
+  for (;;) {
+    std::function<void()> push;
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(
+          +[](PrefillService* s) ABSL_NO_THREAD_SAFETY_ANALYSIS { return s->stop_ || !s->pushes_.empty(); }, this));
+      if (pushes_.empty()) return;
+      push = std::move(pushes_.front());
+      pushes_.pop_front();
+    }
+    push();
+  }
 }
 
 }  // namespace pdserve::prefill

@@ -28,6 +28,7 @@
 #include <atomic>
 #include <chrono>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -46,6 +47,9 @@
 #include "pdserve/v1/worker.grpc.pb.h"
 
 namespace pdserve::prefill {
+
+class PrefixPusher;  // prefix_pull.h
+struct PullCounters;
 
 struct PrefillServiceOptions {
   int32_t chunk_tokens = 512;  // Prompt tokens per forward, across requests.
@@ -74,6 +78,13 @@ struct PrefillServiceOptions {
   // The prefix cache's second tier (engine::EngineOptions::tier2; null:
   // none). REQUIRES: outlives the service.
   Tier2Store* tier2 = nullptr;
+  // Prefix pulls (prefix_pull.h; null: off). `pusher` answers PushPrefix;
+  // `pull_address` is this worker's pull receiver (Status reports it as
+  // kv_address) and `pulls` its counters. REQUIRES: they outlive the
+  // service.
+  PrefixPusher* pusher = nullptr;
+  std::string pull_address;
+  const PullCounters* pulls = nullptr;
 };
 
 class PrefillCall;  // One Prefill stream (prefill_service.cc).
@@ -89,6 +100,10 @@ class PrefillService final : public worker::v1::PrefillWorker::CallbackService {
                                                               const worker::v1::PrefillRequest* req) override;
   grpc::ServerUnaryReactor* Status(grpc::CallbackServerContext* ctx, const worker::v1::WorkerStatusRequest* req,
                                    worker::v1::WorkerInfo* out) override;
+  // Runs on the push thread (a handoff's round trips never hold a gRPC
+  // callback thread); FAILED_PRECONDITION without a pusher.
+  grpc::ServerUnaryReactor* PushPrefix(grpc::CallbackServerContext* ctx, const worker::v1::PushPrefixRequest* req,
+                                       worker::v1::PushPrefixResponse* out) override;
 
   void Shutdown();
   struct Stats {
@@ -150,6 +165,7 @@ class PrefillService final : public worker::v1::PrefillWorker::CallbackService {
   // in the engine).
   void Cancel(Job& job);
   void CommitLoop();
+  void PushLoop();
   // Connects (once per address) and reserves; errors end the job.
   absl::Status StartHandoff(Job& job);
   void FinishJob(const std::shared_ptr<Job>& job, absl::Status status);
@@ -195,7 +211,11 @@ class PrefillService final : public worker::v1::PrefillWorker::CallbackService {
   std::atomic<int64_t> room_retries_{0};
   std::atomic<int64_t> discarded_tokens_{0};
 
+  // PushPrefix calls waiting for the push thread.
+  std::deque<std::function<void()>> pushes_ ABSL_GUARDED_BY(mu_);
+
   engine::Engine engine_;
+  std::thread push_thread_;
   std::thread reserve_thread_;
   std::thread commit_thread_;
 };

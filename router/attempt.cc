@@ -1,7 +1,9 @@
 #include "router/attempt.h"
 
+#include <algorithm>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "proto/convert.h"
 
 namespace pdserve::router {
@@ -47,6 +49,28 @@ worker::v1::PrefillRequest Attempt::PrefillRequest(const Worker& prefill, const 
                                                      .expires = now + ttl,
                                                      .positions = positions_,
                                                      .tokens_digest = kv::DigestTokens(context_, salt_)});
+  if (g.ok()) r.set_kv_grant(kv::EncodeGrant(*g));
+  return r;
+}
+
+worker::v1::PushPrefixRequest Attempt::PullRequest(const Worker& from, const Worker& to, int64_t positions,
+                                                   const kv::GrantKey* key, absl::Time now, absl::Duration ttl) {
+  worker::v1::PushPrefixRequest r;
+  const int64_t n = std::clamp<int64_t>(positions, 0, static_cast<int64_t>(context_.size()));
+  r.mutable_tokens()->Assign(context_.begin(), context_.begin() + n);
+  r.set_cache_salt_lo(salt_.lo);
+  r.set_cache_salt_hi(salt_.hi);
+  r.set_receiver_kv_address(to.report().kv_address);
+  r.set_request_id(absl::StrCat(work_.request_id(), "/pull"));
+  if (key == nullptr) return r;
+  absl::StatusOr<kv::Grant> g = kv::MintGrant(
+      *key, {.request_id = r.request_id(),
+             .attempt = ++pulls_,
+             .sender = HostOfAddress(from.address()),
+             .receiver = to.report().kv_address,
+             .expires = now + ttl,
+             .positions = static_cast<int32_t>(n),
+             .tokens_digest = kv::DigestTokens(absl::MakeConstSpan(context_).first(static_cast<size_t>(n)), salt_)});
   if (g.ok()) r.set_kv_grant(kv::EncodeGrant(*g));
   return r;
 }

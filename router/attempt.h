@@ -44,6 +44,14 @@ class Attempt {
   // max_tokens) (kv_transfer/grant.h).
   worker::v1::PrefillRequest PrefillRequest(const Worker& prefill, const Worker& decode, const kv::GrantKey* key,
                                             absl::Time now, absl::Duration ttl);
+  // The PushPrefix request asking prefill worker `from` to send the
+  // context's first `positions` to prefill worker `to`'s pull receiver.
+  // With a grant key, it carries a grant minted for this pull (its own
+  // request id, "<id>/pull", and the next pull number as the attempt):
+  // only `from`'s host may reserve on `to` for it, once, for exactly
+  // those token ids.
+  worker::v1::PushPrefixRequest PullRequest(const Worker& from, const Worker& to, int64_t positions,
+                                            const kv::GrantKey* key, absl::Time now, absl::Duration ttl);
 
  private:
   worker::v1::WorkRequest work_;
@@ -51,6 +59,7 @@ class Attempt {
   int32_t positions_ = 0;
   CacheSalt salt_;
   uint32_t handoff_attempts_ = 0;
+  uint32_t pulls_ = 0;
 };
 
 // "host" of "host:port" or "[v6]:port" (a grant names its sender's host).

@@ -99,6 +99,18 @@ GrpcTransport::~GrpcTransport() {
   r.mu.AwaitWithTimeout(absl::Condition(&none), absl::Seconds(3));
 }
 
+absl::StatusOr<worker::v1::PushPrefixResponse> GrpcTransport::PushPrefix(
+    const Worker& worker, const worker::v1::PushPrefixRequest& request, absl::Duration timeout) {
+  GrpcConnection& conn = ConnectionOf(worker);
+  if (conn.prefill == nullptr) return absl::FailedPreconditionError("only prefill workers push prefixes");
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  worker::v1::PushPrefixResponse out;
+  const grpc::Status st = conn.prefill->PushPrefix(&ctx, request, &out);
+  if (!st.ok()) return FromGrpcStatus(st);
+  return out;
+}
+
 void GrpcTransport::Release(const Worker& worker, const worker::v1::ReleaseRequest& request) {
   struct Call {
     grpc::ClientContext ctx;

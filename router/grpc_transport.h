@@ -30,6 +30,9 @@ class GrpcTransport final : public WorkerTransport {
   std::unique_ptr<DecodeStream> Decode(const Worker& worker, const worker::v1::DecodeRequest& request,
                                        std::optional<absl::Time> deadline) override;
   void Release(const Worker& worker, const worker::v1::ReleaseRequest& request) override;
+  absl::StatusOr<worker::v1::PushPrefixResponse> PushPrefix(const Worker& worker,
+                                                             const worker::v1::PushPrefixRequest& request,
+                                                             absl::Duration timeout) override;
   std::vector<absl::StatusOr<worker::v1::WorkerInfo>> Status(absl::Span<const StatusQuery> queries,
                                                              absl::Duration timeout) override;
 

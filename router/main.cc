@@ -50,6 +50,10 @@ ABSL_FLAG(double, itl_target_ms, 0,
 ABSL_FLAG(int64_t, local_prefill_max_tokens, 0,
           "conditional disaggregation: prefill on the chosen decode worker when at most this many context "
           "tokens are not cached there and it has headroom (0: off)");
+ABSL_FLAG(int64_t, prefix_pull_min_tokens, 64,
+          "a prefill worker about to compute at least this many prompt positions that another prefill worker holds "
+          "takes them from it instead, when the transfer is predicted faster than the compute (0: never)");
+ABSL_FLAG(double, prefix_pull_overhead_ms, 2, "the fixed cost of a prefix pull in its prediction (round trips)");
 ABSL_FLAG(double, prefix_expect_s, 10, "a routed prompt's blocks count as cached on its worker this long before "
           "the worker's KV events confirm them");
 ABSL_FLAG(std::string, log_level, "info", "lowest level logged: debug (per-request routing cost terms), info, "
@@ -190,6 +194,8 @@ int Run() {
   o.decode_policy = absl::GetFlag(FLAGS_decode_policy);
   o.itl_target = absl::Milliseconds(absl::GetFlag(FLAGS_itl_target_ms));
   o.local_prefill_max_tokens = absl::GetFlag(FLAGS_local_prefill_max_tokens);
+  o.pull_min_tokens = absl::GetFlag(FLAGS_prefix_pull_min_tokens);
+  o.pull_overhead = absl::Milliseconds(absl::GetFlag(FLAGS_prefix_pull_overhead_ms));
   o.prefix_expect = absl::Seconds(absl::GetFlag(FLAGS_prefix_expect_s));
   if (absl::Status st = SetMinLogLevel(absl::GetFlag(FLAGS_log_level)); !st.ok()) {
     LogEvent("error", "bad_flags", {{"error", std::string(st.message())}});

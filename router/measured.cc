@@ -198,6 +198,34 @@ void MeasuredInputs::RecordHandoff(const std::string& prefill_worker, const std:
   handoff_bytes_.Add(bytes, options_.alpha, now);
 }
 
+void MeasuredInputs::RecordPull(const std::string& from, const std::string& to, double bytes, double seconds) {
+  if (!(bytes > 0) || !(seconds > 0)) return;
+  const absl::Time now = options_.clock();
+  absl::MutexLock lock(&mu_);
+  links_[{from, to}].Add(bytes, seconds, options_.alpha, now);
+}
+
+MeasuredValue MeasuredInputs::LinkBytesPerS(const std::string& from, const std::string& to) const {
+  const absl::Time now = options_.clock();
+  absl::MutexLock lock(&mu_);
+  if (auto it = links_.find({from, to}); it != links_.end()) {
+    if (MeasuredValue v = it->second.Read(now); v.has_data()) return v;
+  }
+  MeasuredValue mean;
+  double sum = 0;
+  int64_t n = 0;
+  for (const auto& [key, rate] : links_) {
+    const MeasuredValue v = rate.Read(now);
+    if (!v.has_data()) continue;
+    sum += *v.value;
+    mean.samples += v.samples;
+    if (v.age.has_value() && (!mean.age.has_value() || *v.age < *mean.age)) mean.age = v.age;
+    ++n;
+  }
+  if (n > 0) mean.value = sum / static_cast<double>(n);
+  return mean;
+}
+
 void MeasuredInputs::RecordFinished(int64_t output_tokens) {
   if (output_tokens < 0) return;
   const absl::Time now = options_.clock();

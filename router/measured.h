@@ -148,6 +148,11 @@ class MeasuredInputs {
   // One KV handoff of `bytes` from `prefill_worker` to `decode_worker`.
   // Ignored unless bytes > 0 and seconds > 0.
   void RecordHandoff(const std::string& prefill_worker, const std::string& decode_worker, double bytes, double seconds);
+  // A prefix pulled from prefill worker `from` to prefill worker `to`: a
+  // link like a handoff's (the pull's cost model reads it), not a handoff
+  // (the mean handoff size stays the handoffs'). Ignored unless bytes > 0
+  // and seconds > 0.
+  void RecordPull(const std::string& from, const std::string& to, double bytes, double seconds);
   // A request finished having generated `output_tokens` (>= 0).
   void RecordFinished(int64_t output_tokens);
   // A request arrived now (rejected ones too: the rate is the offered load).
@@ -167,6 +172,10 @@ class MeasuredInputs {
   // weighs on short computations far more than on long ones.
   MeasuredValue PrefillTokensPerS(const std::string& worker, int64_t uncached_tokens,
                                   int64_t min_bucket_samples = 1) const;
+  // The KV bytes/s from `from` to `to`: that link's, when it has data,
+  // else the mean over every measured link (the same transport carries
+  // them all); no data when none is measured.
+  MeasuredValue LinkBytesPerS(const std::string& from, const std::string& to) const;
   // The worker's tokens/s over prefills of every size: how fast a queue of
   // mixed prefills drains. No data when it has none.
   MeasuredValue PrefillQueueTokensPerS(const std::string& worker) const;

@@ -51,6 +51,74 @@ Assignment Placement::AssignPrefill(WorkerPtr p, PromptChains& chains) {
   return Assignment(std::move(p), queued);
 }
 
+std::optional<PullPlan> Placement::PlanPull(const Worker& p, PromptChains& chains) {
+  if (options_.pull_min_tokens <= 0) return std::nullopt;
+  const WorkerReport pr = p.report();
+  if (pr.kv_address.empty() || !pr.prefix_hash.has_value() || pr.kv_bytes_per_position <= 0) return std::nullopt;
+  const int64_t cached = CachedTokens(p, chains);
+  PullPlan plan;
+  for (const WorkerPtr& w : pool_->Snapshot(Role::kPrefill)) {
+    if (w.get() == &p || !w->healthy() || w->removed()) continue;
+    const WorkerReport wr = w->report();
+    if (wr.kv_address.empty() || wr.prefix_hash != pr.prefix_hash) continue;
+    const int64_t held = CachedTokens(*w, chains);
+    if (held - cached > plan.gain) {
+      plan.from = w;
+      plan.positions = held;
+      plan.gain = held - cached;
+    }
+  }
+  if (plan.from == nullptr || plan.gain < options_.pull_min_tokens) return std::nullopt;
+  const MeasuredValue bw = measured_->LinkBytesPerS(plan.from->address(), p.address());
+  const MeasuredValue speed = measured_->PrefillTokensPerS(p.address(), plan.gain);
+  if (!bw.has_data() || !speed.has_data() || *bw.value <= 0 || *speed.value <= 0) {
+    ++pull_stats_.unmeasured;
+    return std::nullopt;
+  }
+  plan.transfer_s = static_cast<double>(plan.gain * pr.kv_bytes_per_position) / *bw.value +
+                    absl::ToDoubleSeconds(options_.pull_overhead);
+  plan.compute_s = static_cast<double>(plan.gain) / *speed.value;
+  if (plan.transfer_s >= plan.compute_s) {
+    ++pull_stats_.slower;
+    return std::nullopt;
+  }
+  ++pull_stats_.planned;
+  return plan;
+}
+
+void Placement::PullDone(const Worker& p, PromptChains& chains, const PullPlan& plan,
+                         const absl::StatusOr<worker::v1::PushPrefixResponse>& result, const std::string& request_id) {
+  if (!result.ok()) {
+    ++pull_stats_.failed;
+    LogEvent("warning", "prefix_pull_failed",
+             {{"request_id", request_id}, {"from", plan.from->address()}, {"to", p.address()},
+              {"error", std::string(result.status().message())}});
+    return;
+  }
+  if (result->positions() <= 0) {
+    ++pull_stats_.empty;
+    return;
+  }
+  ++pull_stats_.pulled;
+  pull_stats_.pulled_positions += result->positions();
+  pull_stats_.bytes += result->bytes();
+  pull_stats_.seconds.fetch_add(result->seconds(), std::memory_order_relaxed);
+  measured_->RecordPull(plan.from->address(), p.address(), static_cast<double>(result->bytes()), result->seconds());
+  const std::optional<HashScheme> scheme = p.report().prefix_hash;
+  const absl::Span<const BlockHash> chain = chains.For(scheme);
+  if (chain.empty()) return;
+  const int64_t blocks = std::min<int64_t>(static_cast<int64_t>(chain.size()), result->positions() / scheme->block_size);
+  index_->Expect(p.address(), chain.first(blocks), options_.clock(), options_.prefix_expect);
+  if (LogLevelEnabled("debug")) {
+    LogEvent("debug", "prefix_pulled",
+             {{"request_id", request_id}, {"from", plan.from->address()}, {"to", p.address()},
+              {"positions", absl::StrCat(result->positions())}, {"sent", absl::StrCat(result->sent_positions())},
+              {"seconds", absl::StrFormat("%.4f", result->seconds())},
+              {"predicted_s", absl::StrFormat("%.4f", plan.transfer_s)},
+              {"compute_s", absl::StrFormat("%.4f", plan.compute_s)}});
+  }
+}
+
 void Placement::Expect(const Worker& w, PromptChains& chains) {
   index_->Expect(w.address(), chains.For(w.report().prefix_hash), options_.clock(), options_.prefix_expect);
 }

@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "kv/block_hash.h"
@@ -27,6 +28,7 @@
 #include "router/prefix_index.h"
 #include "router/selection.h"
 #include "router/worker_pool.h"
+#include "pdserve/v1/worker.pb.h"
 
 namespace pdserve::router {
 
@@ -43,6 +45,13 @@ struct PlacementOptions {
   // How long a placed context's blocks count as cached on its worker
   // before the worker's own KV events confirm them.
   absl::Duration prefix_expect = absl::Seconds(10);
+  // Prefix pulls: a chosen prefill worker that lacks at least this many
+  // of the context's positions which another serving prefill worker holds
+  // takes them from that worker, when the predicted transfer (their KV
+  // bytes at the link's measured bandwidth, plus pull_overhead) is shorter
+  // than computing them at the chosen worker's measured speed. 0: none.
+  int64_t pull_min_tokens = 0;
+  absl::Duration pull_overhead = absl::Milliseconds(2);
   Clock clock = RealClock();
   // The router's ledger of decode KV (none: each worker's last report
   // alone says how much room it has). Must outlive the placement.
@@ -87,6 +96,17 @@ class Exclusions {
     std::string error;
   };
   std::vector<Failed> failed_;
+};
+
+// A prefix to pull before a prefill: `positions` of the context (whole
+// blocks) from `from`, `gain` of them missing on the puller, with the
+// predictions that chose it.
+struct PullPlan {
+  WorkerPtr from;
+  int64_t positions = 0;
+  int64_t gain = 0;
+  double transfer_s = 0;
+  double compute_s = 0;
 };
 
 // A placement. decode null: no decode worker can take it now; prefill null
@@ -134,13 +154,35 @@ class Placement {
   Assignment AssignPrefill(WorkerPtr p, PromptChains& chains);
   // A Decode call goes to `d`: the Assignment holds one of its in_flight.
   static Assignment AssignDecode(WorkerPtr d) { return Assignment(std::move(d), 0); }
+  // The pull, if any, that should come before `p` prefills the context:
+  // the serving prefill worker holding the most of it (pull receivers on
+  // both, the same block hashing) when that beats computing it (options'
+  // pull_min_tokens, pull_overhead). Counts the decisions (pull_stats).
+  std::optional<PullPlan> PlanPull(const Worker& p, PromptChains& chains);
+  // The answer to `plan`'s PushPrefix (for `request_id`, logged): the
+  // pulled blocks count as cached on `p` (as Expect does for a prefill),
+  // the transfer is measured on the link, and the outcome counted.
+  void PullDone(const Worker& p, PromptChains& chains, const PullPlan& plan,
+                const absl::StatusOr<worker::v1::PushPrefixResponse>& result, const std::string& request_id);
+  struct PullStats {
+    std::atomic<int64_t> planned{0};
+    std::atomic<int64_t> slower{0};       // A holder existed; computing was predicted faster.
+    std::atomic<int64_t> unmeasured{0};   // A holder existed; no link or prefill speed measured yet.
+    std::atomic<int64_t> pulled{0};       // Pushes that committed.
+    std::atomic<int64_t> empty{0};        // The holder no longer held the prefix.
+    std::atomic<int64_t> failed{0};       // Pushes that failed (the prefix was computed).
+    std::atomic<int64_t> pulled_positions{0};  // Positions now cached on the puller thanks to pulls.
+    std::atomic<int64_t> bytes{0};
+    std::atomic<double> seconds{0};
+  };
+  const PullStats& pull_stats() const { return pull_stats_; }
   // What admission weighs for `placed`.
   AdmissionRequest AdmissionInputs(const Placed& placed, PromptChains& chains, int64_t min_samples);
   // Prompt tokens assigned to a prefill worker that computes them although
   // another serving prefill worker holds them in its prefix cache, as the
   // index sees it (the most any other holds, less what the chosen one
-  // holds), since start: the computing that fetching prefixes from the
-  // worker that holds them would save.
+  // holds, a successful pull counting as held), since start: the
+  // computing that prefix pulls did not avoid.
   int64_t tokens_cached_elsewhere() const { return tokens_cached_elsewhere_.load(std::memory_order_relaxed); }
 
  private:
@@ -148,6 +190,7 @@ class Placement {
 
   const PlacementOptions options_;
   std::atomic<int64_t> tokens_cached_elsewhere_{0};
+  PullStats pull_stats_;
   WorkerPool* const pool_;
   PrefixIndex* const index_;
   MeasuredInputs* const measured_;

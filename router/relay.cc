@@ -379,6 +379,7 @@ RelayState Relay::Prefill() {
   Worker& d = *decode_;
   PromptChains& chains = *chains_;
   const int64_t context_tokens = chains.size();
+  PullPrefix(p);
   // Its queue grows by what it will compute; its cache will hold the
   // context's blocks (counted until its own events say so).
   Assignment prefill_load = context_.placement->AssignPrefill(prefill_, chains);
@@ -487,6 +488,21 @@ RelayState Relay::Prefill() {
   }
   prefill_status_ = ps;
   return RelayState::kRetryPrefill;
+}
+
+void Relay::PullPrefix(Worker& p) {
+  PromptChains& chains = *chains_;
+  std::optional<PullPlan> plan = context_.placement->PlanPull(p, chains);
+  if (!plan.has_value()) return;
+  const worker::v1::PushPrefixRequest req = requests_.PullRequest(*plan->from, p, plan->positions,
+                                                                  context_.grant_key.get(), absl::Now(),
+                                                                  context_.grant_ttl);
+  // Waiting longer than computing would take loses what the pull is for.
+  absl::Duration timeout = absl::Seconds(std::max(0.25, 2 * plan->compute_s));
+  if (deadline_.has_value()) timeout = std::min(timeout, std::max(absl::ZeroDuration(), *deadline_ - absl::Now()));
+  const absl::StatusOr<worker::v1::PushPrefixResponse> r =
+      context_.transport->PushPrefix(*plan->from, req, timeout);
+  context_.placement->PullDone(p, chains, *plan, r, internal_id_);
 }
 
 RelayState Relay::RetryPrefill() {

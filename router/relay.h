@@ -145,6 +145,10 @@ class Relay {
  private:
   RelayState Place();
   RelayState Prefill();
+  // Before prefill worker `p` computes the context: the prefix another
+  // prefill worker holds, pulled to `p` where the placement predicts that
+  // cheaper (Placement::PlanPull). Any failure only means `p` computes it.
+  void PullPrefix(Worker& p);
   RelayState RetryPrefill();
   RelayState Decode();
   RelayState Migrate();

@@ -234,8 +234,32 @@ void RouterService::RegisterMetrics() {
   metrics_.AddCounterFunc(
       "pdserve_prefill_tokens_cached_elsewhere_total",
       "Prompt tokens a prefill worker computed although another prefill worker held them in its prefix cache "
-      "(what fetching prefixes between workers would save).",
+      "(recomputation that prefix pulls did not avoid: off, failed or predicted slower).",
       [this] { return placement_ != nullptr ? static_cast<double>(placement_->tokens_cached_elsewhere()) : 0.0; });
+  {
+    auto stat = [this](std::atomic<int64_t> Placement::PullStats::* field) {
+      return [this, field] {
+        return placement_ != nullptr ? static_cast<double>((placement_->pull_stats().*field).load()) : 0.0;
+      };
+    };
+    using S = Placement::PullStats;
+    for (const auto& [outcome, field] : {std::pair{"pulled", &S::pulled}, std::pair{"not_cached", &S::empty},
+                                         std::pair{"failed", &S::failed}, std::pair{"slower", &S::slower},
+                                         std::pair{"unmeasured", &S::unmeasured}}) {
+      metrics_.AddCounterFunc(
+          "pdserve_prefix_pulls_total",
+          "Prefixes a prefill worker was about to compute while another held them, by what the router did: pulled, "
+          "not_cached (the holder had let them go), failed (computed instead), slower (computing predicted faster), "
+          "unmeasured (no link or prefill speed measured yet).",
+          stat(field), absl::StrCat("outcome=\"", outcome, "\""));
+    }
+    metrics_.AddCounterFunc("pdserve_prefix_pulled_tokens_total",
+                            "Prompt positions cached on a prefill worker by pulls (held ones included).",
+                            stat(&S::pulled_positions));
+    metrics_.AddCounterFunc("pdserve_prefix_pull_bytes_total", "KV bytes moved by prefix pulls.", stat(&S::bytes));
+    metrics_.AddCounterFunc("pdserve_prefix_pull_seconds_total", "Seconds prefix pulls took, request to commit.",
+                            [this] { return placement_ != nullptr ? placement_->pull_stats().seconds.load() : 0.0; });
+  }
   metrics_.AddGauge("pdserve_requests_in_flight", "Requests being served.",
                     [this] { return static_cast<double>(in_flight_.load()); });
   for (const Role role : {Role::kPrefill, Role::kDecode}) {
@@ -319,6 +343,8 @@ absl::StatusOr<std::unique_ptr<RouterService>> RouterService::Create(RouterOptio
   pl.colocated = o.colocated;
   pl.itl_target = o.itl_target;
   pl.local_prefill_max_tokens = o.local_prefill_max_tokens;
+  pl.pull_min_tokens = o.pull_min_tokens;
+  pl.pull_overhead = o.pull_overhead;
   pl.prefix_expect = o.prefix_expect;
   if (r->queue_ != nullptr) pl.room = &r->room_;
   r->placement_ = std::make_unique<Placement>(pl, r->pool_.get(), &r->prefix_index_, &r->measured_, *std::move(ps),

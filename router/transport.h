@@ -79,6 +79,17 @@ class WorkerTransport {
   // call will claim is freed now. Returns at once; the answer, or its
   // failure (a dead worker frees everything anyway), is only logged.
   virtual void Release(const Worker& worker, const worker::v1::ReleaseRequest& request) = 0;
+  // Asks prefill worker `worker` to send a cached prefix to another
+  // prefill worker (worker.proto's PushPrefix); blocks until it answers or
+  // `timeout` passes. UNIMPLEMENTED where the transport has no such call.
+  virtual absl::StatusOr<worker::v1::PushPrefixResponse> PushPrefix(const Worker& worker,
+                                                                     const worker::v1::PushPrefixRequest& request,
+                                                                     absl::Duration timeout) {
+    (void)worker;
+    (void)request;
+    (void)timeout;
+    return absl::UnimplementedError("no prefix pushes over this transport");
+  }
   // Every query at once; returns when each has answered or failed, within
   // about `timeout`. One result per query, in order.
   virtual std::vector<absl::StatusOr<worker::v1::WorkerInfo>> Status(absl::Span<const StatusQuery> queries,

@@ -28,8 +28,9 @@ std::vector<std::string> TlsFlags(const std::string& certs_dir, const std::strin
   if (certs_dir.empty()) return {"--insecure"};
   std::vector<std::string> flags = {"--tls_cert", absl::StrCat(certs_dir, "/", role, ".pem"), "--tls_key",
                                     absl::StrCat(certs_dir, "/", role, ".key"), "--tls_ca", certs_dir + "/ca.pem"};
-  // KV handoff grants: the router mints, the decode workers check.
-  if (role == "router" || role == "decode") {
+  // KV grants: the router mints, the workers check (handoffs on decode
+  // workers, prefix pulls on prefill workers).
+  if (role == "router" || role == "decode" || role == "prefill") {
     flags.push_back("--kv_grant_key");
     flags.push_back(certs_dir + "/kv_grant.key");
   }

@@ -67,13 +67,13 @@ inline TlsFiles TestTls(const std::string& role, const std::string& dir = "") {
 
 // A server's TLS flags for `role`: its certificate from TestCertsDir, or
 // --insecure when `tls` is off.
-// The router and decode workers also get the grant key (make_certs.sh's
-// kv_grant.key): KV handoff grants are on wherever TLS is.
+// The router and both worker roles also get the grant key (make_certs.sh's
+// kv_grant.key): KV grants (handoffs, prefix pulls) are on wherever TLS is.
 inline std::vector<std::string> TlsArgs(const std::string& role, bool tls = true, const std::string& dir = "") {
   if (!tls) return {"--insecure"};
   const TlsFiles f = TestTls(role, dir);
   std::vector<std::string> args = {"--tls_cert", f.cert, "--tls_key", f.key, "--tls_ca", f.ca};
-  if (role == "router" || role == "decode") {
+  if (role == "router" || role == "decode" || role == "prefill") {
     args.push_back("--kv_grant_key");
     args.push_back(absl::StrCat(dir.empty() ? TestCertsDir() : dir, "/kv_grant.key"));
   }

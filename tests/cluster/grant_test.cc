@@ -4,7 +4,8 @@
 // refused; a commit from another connection and one naming another request
 // are refused; each is counted in pdserve_handoff_refusals_total{reason}; a
 // valid grant still reserves, and a committed request's KV is unchanged,
-// byte for byte, through all of it.
+// byte for byte, through all of it. A prefill worker's prefix pull
+// receiver holds to the same grants.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 
@@ -290,6 +291,46 @@ TEST(GrantClusterTest, OverUcxTcpNoRemoteKeyIsHandedOut) {
 }
 
 // A TLS decode worker without a grant key does not start.
+// A prefill worker's pull receiver (where other prefill workers send the
+// prefixes it pulls) takes a reservation only under a grant the router
+// minted for it: none, or one for another receiver, is refused and
+// counted; the right one reserves.
+TEST(GrantClusterTest, APrefillWorkersPullReceiverRefusesAPullWithoutItsGrant) {
+  Cluster c;
+  const std::string dir = TempDir();
+  ASSERT_TRUE(c.Start(dir, false).ok()) << c.Logs();
+  const int grpc_port = ReadyPort(dir + "/prefill0.ready", "grpc_port");
+  auto stub = worker::v1::PrefillWorker::NewStub(TestChannel(absl::StrCat("127.0.0.1:", grpc_port), "prefill"));
+  grpc::ClientContext ctx;
+  worker::v1::WorkerInfo info;
+  ASSERT_TRUE(stub->Status(&ctx, {}, &info).ok());
+  const std::string pull_address = info.kv_address();
+  ASSERT_FALSE(pull_address.empty()) << "no pull receiver";
+  const int pull_port = std::stoi(pull_address.substr(pull_address.rfind(':') + 1));
+  const int metrics = MetricsPort(dir + "/prefill0.ready");
+  auto refusals = [&](const std::string& reason) {
+    return MetricValue(HttpGet(metrics, "/metrics"), absl::StrCat("pdserve_handoff_refusals_total{reason=\"", reason,
+                                                                  "\"}"));
+  };
+  const kv::GrantKey key = *kv::GrantKey::FromFile(TestCertsDir() + "/kv_grant.key");
+
+  RawPeer peer;
+  ASSERT_NO_FATAL_FAILURE(peer.Start(pull_port, "pull-grant-test"));  // Its first reservation has no grant.
+  EXPECT_EQ(refusals("missing"), 1);
+  std::optional<kv::ReserveReply> r = peer.Reserve(
+      2, kv::EncodeGrant(TestGrant(key, "pull-1", 1, "127.0.0.1", "127.0.0.1:1", absl::Now() + absl::Seconds(60))));
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->code, static_cast<int32_t>(absl::StatusCode::kPermissionDenied)) << r->message;
+  EXPECT_EQ(refusals("wrong_receiver"), 1);
+  r = peer.Reserve(
+      3, kv::EncodeGrant(TestGrant(key, "pull-2", 1, "127.0.0.1", pull_address, absl::Now() + absl::Seconds(60))));
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->code, 0) << r->message;
+  peer.Send(kv::Abort{r->id, 0, "test done"});
+  ASSERT_TRUE(peer.raw.Await<kv::AbortAck>().has_value());
+  peer.transport.reset();
+}
+
 TEST(GrantClusterTest, ATlsDecodeWorkerWithoutAGrantKeyDoesNotStart) {
   const std::string dir = TempDir();
   const TlsFiles f = TestTls("decode");

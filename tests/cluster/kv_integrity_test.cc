@@ -6,6 +6,9 @@
 // - a verified handoff (--kv_verify_handoffs): KV that does not match the
 //   prefill worker's checksums is discarded and computed on the decode
 //   worker;
+// - a prefix pulled from the prefill worker that holds it: published in
+//   the puller's cache when it matches its checksums (the prompt is not
+//   computed again), discarded and computed when it does not;
 // with the stream the same either way.
 #include <algorithm>
 #include <filesystem>
@@ -174,6 +177,80 @@ TEST(HandoffChecksumClusterTest, KvThatFailsItsCheckIsComputedOnTheDecodeWorkerA
   const std::string log((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
   EXPECT_TRUE(absl::StrContains(log, "kv_checksum_mismatch")) << log;
   EXPECT_TRUE(absl::StrContains(log, "\"producer\":\"127.0.0.1\"")) << log;
+}
+
+// Two prefill workers taken in turn (round robin), pulls predicted by the
+// measured speeds alone (no fixed cost), grants on (TLS): request 1 and 2
+// measure each worker's prefill speed and the KV links; LongRequest then
+// runs on worker 0 (computed) and again on worker 1, which lacks it and
+// pulls it from worker 0 first.
+struct PullRun {
+  Output computed;  // LongRequest on worker 0
+  Output pulled;    // LongRequest on worker 1
+};
+
+PullRun RunPull(Cluster& c, const std::string& dir, const std::vector<std::string>& prefill_flags) {
+  c.extra_router_flags = {"--prefill_policy", "round_robin", "--prefix_pull_min_tokens", "16",
+                          "--prefix_pull_overhead_ms", "0"};
+  absl::Status s = c.Start(dir, false, {"--kv_verify_handoffs", "off"}, {}, 2, prefill_flags);
+  EXPECT_TRUE(s.ok()) << s;
+  if (!s.ok()) return {};
+  for (const char* text : {"In the beginning God created the heaven and the earth.",
+                           "And the earth was without form, and void; and darkness was upon the face of the deep."}) {
+    v1::GenerateRequest warm;
+    warm.set_text(text);
+    warm.set_max_tokens(2);
+    const Output o = c.Generate(warm);
+    EXPECT_TRUE(o.status.ok()) << o.status.error_message() << "\n" << c.Logs();
+  }
+  PullRun run;
+  run.computed = c.Generate(LongRequest());
+  run.pulled = c.Generate(LongRequest());
+  EXPECT_TRUE(run.computed.status.ok()) << run.computed.status.error_message() << "\n" << c.Logs();
+  EXPECT_TRUE(run.pulled.status.ok()) << run.pulled.status.error_message() << "\n" << c.Logs();
+  return run;
+}
+
+TEST(PrefixPullClusterTest, APrefixAnotherPrefillWorkerHoldsIsPulledNotComputedAndTheStreamIsTheSame) {
+  const std::string dir = TempDir();
+  Cluster c;
+  const PullRun run = RunPull(c, dir, {});
+  EXPECT_EQ(run.pulled.tokens, run.computed.tokens);
+  EXPECT_EQ(run.pulled.text, run.computed.text);
+  const std::string router = HttpGet(c.router_metrics(), "/metrics");
+  EXPECT_EQ(MetricValue(router, "pdserve_prefix_pulls_total{outcome=\"pulled\"}"), 1) << router << c.Logs();
+  EXPECT_EQ(MetricValue(router, "pdserve_prefix_pulls_total{outcome=\"failed\"}"), 0) << router;
+  EXPECT_GE(MetricValue(router, "pdserve_prefix_pulled_tokens_total"), 64) << router;
+  EXPECT_GT(MetricValue(router, "pdserve_prefix_pull_bytes_total"), 0) << router;
+  // Nothing another worker held was computed again.
+  EXPECT_EQ(MetricValue(router, "pdserve_prefill_tokens_cached_elsewhere_total"), 0) << router;
+  const std::string holder = HttpGet(MetricsPort(dir + "/prefill0.ready"), "/metrics");
+  EXPECT_EQ(MetricValue(holder, "pdserve_kv_pushes_total{result=\"pushed\"}"), 1) << holder;
+  EXPECT_GT(MetricValue(holder, "pdserve_kv_push_bytes_total"), 0) << holder;
+  const std::string puller = HttpGet(MetricsPort(dir + "/prefill1.ready"), "/metrics");
+  EXPECT_EQ(MetricValue(puller, "pdserve_kv_pulls_total{result=\"published\"}"), 1) << puller;
+  EXPECT_EQ(MetricValue(puller, "pdserve_kv_checksum_failures_total{path=\"pull\"}"), 0) << puller;
+  // The pulled blocks were hits of the prefill that followed.
+  EXPECT_GE(MetricValue(puller, "pdserve_prefix_cache_blocks_total{result=\"hit\"}"), 4) << puller;
+}
+
+TEST(PrefixPullClusterTest, APulledPrefixThatFailsItsCheckIsDiscardedAndComputed) {
+  const std::string dir = TempDir();
+  Cluster c;
+  // Every checksum a prefill worker sends is one bit off (decode workers
+  // verify no handoff here, so only the pull is checked).
+  const PullRun run = RunPull(c, dir, {"--fault_wrong_kv_checksums"});
+  EXPECT_EQ(run.pulled.tokens, run.computed.tokens);
+  EXPECT_EQ(run.pulled.text, run.computed.text);
+  const std::string puller = HttpGet(MetricsPort(dir + "/prefill1.ready"), "/metrics");
+  EXPECT_EQ(MetricValue(puller, "pdserve_kv_checksum_failures_total{path=\"pull\"}"), 1) << puller << c.Logs();
+  EXPECT_EQ(MetricValue(puller, "pdserve_kv_pulls_total{result=\"published\"}"), 0) << puller;
+  EXPECT_EQ(MetricValue(puller, "pdserve_prefix_cache_blocks_total{result=\"hit\"}"), 0) << puller;
+  EXPECT_EQ(c.Status().prefill(1).kv_checksum_failures(), 1);
+  std::ifstream f(dir + "/prefill1.log");
+  const std::string log((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  EXPECT_TRUE(absl::StrContains(log, "kv_checksum_mismatch")) << log;
+  EXPECT_TRUE(absl::StrContains(log, "\"path\":\"pull\"")) << log;
 }
 
 }  // namespace

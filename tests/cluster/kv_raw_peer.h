@@ -164,9 +164,13 @@ struct RawPeer {
   kv::ReserveRequest req;
 
   void Start(const DecodeUnderTest& decode, const std::string& name, PeerTransport kind = PeerTransport::kTcp) {
+    Start(decode.kv_port, name, kind);
+  }
+  // Any KV receiver on this host (a prefill worker's pull receiver too).
+  void Start(int kv_port, const std::string& name, PeerTransport kind = PeerTransport::kTcp) {
     transport = TestTransport(name, kind);
     ASSERT_NE(transport, nullptr);
-    absl::StatusOr<kv::Connection*> c = transport->Connect("127.0.0.1", decode.kv_port, &raw);
+    absl::StatusOr<kv::Connection*> c = transport->Connect("127.0.0.1", kv_port, &raw);
     ASSERT_TRUE(c.ok()) << c.status();
     conn = *c;
     req.num_positions = 4;

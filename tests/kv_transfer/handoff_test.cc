@@ -767,6 +767,27 @@ TEST_F(HandoffTest, ExpiredLeaseQuarantinesUntilTheSenderAcknowledges) {
   seq.Release();
 }
 
+// A reservation made ahead of its forward (the prompt queued behind other
+// compute) is kept alive by the sender's renewals until its first layer
+// goes, however long that takes.
+TEST_F(HandoffTest, ASenderWaitingToComputeKeepsItsReservationLeased) {
+  SetUp(Spec(DType::kF32, 4, 32), Spec(DType::kF32, 4, 10), absl::Milliseconds(300));
+  SequenceKv seq = SenderSequence(20);
+  auto h = sender_obj_->Reserve(conn_, {.num_positions = 20});
+  ASSERT_TRUE(h.ok()) << h.status();
+  // Four leases of the receiver's clock pass; the sender renews every
+  // 100 ms of real time, twice per 50 ms the clock moves.
+  for (int i = 0; i < 24; ++i) {
+    absl::SleepFor(absl::Milliseconds(100));
+    clock_.Advance(absl::Milliseconds(50));
+    receiver_obj_->CheckLeases();
+  }
+  EXPECT_EQ(receiver_obj_->metrics().leases_expired, 0);
+  for (int32_t l = 0; l < sender_.kv->spec().num_layers; ++l) ASSERT_TRUE((*h)->SendLayer(l, seq.block_table()).ok());
+  EXPECT_TRUE((*h)->Commit(CommitState(Tokens(20))).ok());
+  seq.Release();
+}
+
 // Nobody calls CheckLeases here: the receiver's loop runs the check when
 // the lease's deadline comes, 50 ms of real time after the reservation (by
 // then the receiver's clock has moved past it).

@@ -73,6 +73,7 @@ struct FakeWorker {
   int32_t running = 0;
   double step_seconds = 0;
   std::optional<HashScheme> prefix_hash;
+  bool pulls = false;  // A prefill worker with a pull receiver (reports a kv_address).
   // KV events served by the next Status that asks for them (then cleared).
   std::optional<worker::v1::KvEvents> kv_events;
   std::deque<PrefillFault> prefill_faults;
@@ -307,6 +308,7 @@ class FakeWorkers final : public WorkerTransport {
       info.set_unhealthy_reason(w.serving ? "" : w.unhealthy_reason);
       info.set_instance_id(w.instance);
       if (w.role == Role::kDecode) info.set_kv_address(w.address + "-kv");
+      if (w.role == Role::kPrefill && w.pulls) info.set_kv_address(w.address + "-pull");
       if (w.prefix_hash.has_value()) {
         worker::v1::PrefixHashConfig* c = info.mutable_prefix_hash();
         c->set_model_lo(w.prefix_hash->model.lo);

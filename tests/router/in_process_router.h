@@ -33,6 +33,8 @@ struct RigOptions {
   std::string prefill_policy = "prefix_aware";
   std::string decode_policy = "prefix_aware";
   int64_t local_prefill_max_tokens = 0;
+  int64_t pull_min_tokens = 0;  // PlacementOptions'
+  absl::Duration pull_overhead = absl::ZeroDuration();
   std::optional<AdmissionOptions> admission;  // its clock is set to the rig's
   // The queue for decode KV room (on the real clock: its waits are real).
   std::optional<RequestQueueOptions> queue;
@@ -56,6 +58,8 @@ class InProcessRouter {
     PlacementOptions pl;
     pl.colocated = o.colocated;
     pl.local_prefill_max_tokens = o.local_prefill_max_tokens;
+    pl.pull_min_tokens = o.pull_min_tokens;
+    pl.pull_overhead = o.pull_overhead;
     pl.clock = clock.clock();
     if (o.queue.has_value()) {
       queue = std::make_unique<RequestQueue>(*o.queue);

@@ -5,6 +5,10 @@
 // the request then runs with, by the configured selector.
 #include "router/placement.h"
 
+#include <algorithm>
+#include <string>
+#include <vector>
+
 #include "absl/strings/match.h"
 #include "gtest/gtest.h"
 #include "tests/router/in_process_router.h"
@@ -102,6 +106,78 @@ TEST(PlacementTest, APrefillComputingWhatAnotherWorkerHoldsIsCounted) {
   EXPECT_EQ(rig.placement->tokens_cached_elsewhere(), 16) << "p1 holds as much as any other";
   { Assignment a = rig.placement->AssignPrefill(rig.Find(Role::kPrefill, "p0"), chains); }
   EXPECT_EQ(rig.placement->tokens_cached_elsewhere(), 16 + 16) << "p1 and p2 held 16 more than p0";
+}
+
+// Three prefill workers with pull receivers; p0 holds 32 of the context's
+// 40 positions, p2 16, p1 none.
+struct PullRig {
+  // `no_pulls`: the workers without a pull receiver.
+  explicit PullRig(absl::Duration overhead = absl::ZeroDuration(), const std::vector<std::string>& no_pulls = {})
+      : rig(RigOptions{.pull_min_tokens = 16, .pull_overhead = overhead}) {
+    for (const char* name : {"p0", "p1", "p2"}) {
+      FakeWorker& w = rig.AddWorker(Role::kPrefill, name);
+      w.prefix_hash = HashScheme{ModelIdentity{1, 2}, DType::kF32, w.kv_block_size};
+      w.pulls = std::find(no_pulls.begin(), no_pulls.end(), name) == no_pulls.end();
+    }
+    rig.AddWorker(Role::kDecode, "d0");
+    FakeWorker& p0 = rig.workers.at("p0");
+    FakeWorker& p2 = rig.workers.at("p2");
+    p0.kv_events = Stored(p0, req.prompt, 2);
+    p2.kv_events = Stored(p2, req.prompt, 1);
+    rig.ProbeAll();
+  }
+  // p1 computes 1,000 tokens/s; KV moves at 1 GB/s (fake workers report
+  // 64 bytes per position: 32 positions take 2 us).
+  void Measure() {
+    rig.measured.RecordPrefill("p1", 40, 40, 0.04);
+    rig.measured.RecordHandoff("p0", "d0", 1e6, 1e-3);
+  }
+  std::optional<PullPlan> Plan() {
+    PromptChains chains(req.prompt);
+    return rig.placement->PlanPull(*rig.Find(Role::kPrefill, "p1"), chains);
+  }
+  InProcessRouter rig;
+  GenerationRequest req = InProcessRouter::Request(10);
+};
+
+TEST(PlacementTest, APrefixAnotherPrefillWorkerHoldsIsPulledFromTheOneHoldingMostWhenThatIsFaster) {
+  PullRig r;
+  EXPECT_FALSE(r.Plan().has_value()) << "nothing measured yet";
+  EXPECT_EQ(r.rig.placement->pull_stats().unmeasured.load(), 1);
+  r.Measure();
+  std::optional<PullPlan> plan = r.Plan();
+  ASSERT_TRUE(plan.has_value());
+  EXPECT_EQ(plan->from->address(), "p0");
+  EXPECT_EQ(plan->positions, 32);
+  EXPECT_EQ(plan->gain, 32);
+  EXPECT_NEAR(plan->compute_s, 0.032, 1e-9);
+  EXPECT_NEAR(plan->transfer_s, 32 * 64 / 1e9, 1e-9);
+  EXPECT_EQ(r.rig.placement->pull_stats().planned.load(), 1);
+  // From p2 (16 held) to p0 nothing is worth pulling: p0 holds more.
+  PromptChains chains(r.req.prompt);
+  EXPECT_FALSE(r.rig.placement->PlanPull(*r.rig.Find(Role::kPrefill, "p0"), chains).has_value());
+}
+
+TEST(PlacementTest, NoPullWhereComputingIsPredictedFasterOrAWorkerTakesNone) {
+  {
+    PullRig r(absl::Milliseconds(40));  // The fixed cost alone exceeds the 32 ms compute.
+    r.Measure();
+    EXPECT_FALSE(r.Plan().has_value());
+    EXPECT_EQ(r.rig.placement->pull_stats().slower.load(), 1);
+  }
+  {
+    PullRig r(absl::ZeroDuration(), {"p0"});  // p0 sends none: p2's 16 remain, and they are enough.
+    r.Measure();
+    std::optional<PullPlan> plan = r.Plan();
+    ASSERT_TRUE(plan.has_value());
+    EXPECT_EQ(plan->from->address(), "p2");
+    EXPECT_EQ(plan->gain, 16);
+  }
+  {
+    PullRig r(absl::ZeroDuration(), {"p1"});  // p1 takes none.
+    r.Measure();
+    EXPECT_FALSE(r.Plan().has_value());
+  }
 }
 
 TEST(PlacementTest, AFailedWorkerThatRestartedMayServeTheRequestAgain) {

@@ -134,6 +134,57 @@ TEST(BenchWorkloadTest, SharedPrefixesAreExactPerGroupDistinctAcrossGroupsAndDra
   for (size_t i = 0; i < work->size(); ++i) EXPECT_EQ((*again)[i].prompt, (*work)[i].prompt) << "seeded";
 }
 
+TEST(BenchWorkloadTest, MultiTurnTurnsResendTheirConversationsHistoryRoundByRound) {
+  WorkloadOptions o;
+  o.vocab_size = 1000;
+  o.requests = 40;  // 10 conversations of 4 turns
+  o.prompt_min = 8;
+  o.prompt_max = 12;
+  o.output_min = o.output_max = 5;
+  o.multi_turn_turns = 4;
+  o.multi_turn_system_tokens = 64;
+  o.shared_prefix_groups = 3;
+  o.draw_gaps = true;
+  absl::StatusOr<std::vector<WorkloadRequest>> work = MakeWorkload(o);
+  ASSERT_TRUE(work.ok()) << work.status();
+  ASSERT_EQ(work->size(), 40u);
+  std::map<int32_t, const WorkloadRequest*> last;  // by conversation
+  std::map<int64_t, std::vector<int32_t>> systems;
+  for (size_t i = 0; i < work->size(); ++i) {
+    const WorkloadRequest& w = (*work)[i];
+    EXPECT_EQ(w.turn, static_cast<int32_t>(i / 10)) << "every conversation's turn t before any turn t+1";
+    EXPECT_GT(w.unit_gap, 0);
+    ASSERT_GE(w.prompt.size(), 64u + 8u);
+    const std::vector<int32_t> system(w.prompt.begin(), w.prompt.begin() + 64);
+    auto [it, fresh] = systems.emplace(w.prefix_group, system);
+    EXPECT_EQ(it->second, system) << "one system prompt per group";
+    if (auto prev = last.find(w.conversation); prev != last.end()) {
+      const std::vector<int32_t>& before = prev->second->prompt;
+      // The earlier turn, its reply (5 tokens), then 8-12 new ones.
+      ASSERT_GE(w.prompt.size(), before.size() + 5 + 8);
+      EXPECT_LE(w.prompt.size(), before.size() + 5 + 12);
+      EXPECT_TRUE(std::equal(before.begin(), before.end(), w.prompt.begin())) << "the history is resent whole";
+      EXPECT_EQ(w.prefix_group, prev->second->prefix_group);
+    } else {
+      EXPECT_EQ(w.turn, 0);
+    }
+    last[w.conversation] = &w;
+  }
+  EXPECT_EQ(last.size(), 10u);
+  EXPECT_LE(systems.size(), 3u);
+  // Distinct system prompts differ from their first token on.
+  std::set<int32_t> firsts;
+  for (const auto& [g, p] : systems) firsts.insert(p[0]);
+  EXPECT_EQ(firsts.size(), systems.size());
+  // Two conversations on one system prompt part right after it.
+  o.multi_turn_turns = 1;
+  o.requests = 4;
+  o.shared_prefix_groups = 1;
+  work = MakeWorkload(o);
+  ASSERT_TRUE(work.ok());
+  EXPECT_NE((*work)[0].prompt[64], (*work)[1].prompt[64]);
+}
+
 TEST(BenchWorkloadTest, RandomLengthsStayInRangeAndGapsScaleWithRate) {
   WorkloadOptions o;
   o.vocab_size = 1000;

@@ -117,6 +117,7 @@ nlohmann::ordered_json RowJson(const BenchRow& row) {
                          {"hit_rate", row.prefix_hit_rate()},
                          {"local_prefills", row.local_prefills}};
   }
+  if (!row.tiers.empty()) j["prefill_prefix_cache_by_tier"] = row.tiers;
   if (!row.first_error.empty()) j["first_error"] = row.first_error;
   return j;
 }

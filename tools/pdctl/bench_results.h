@@ -83,6 +83,11 @@ struct BenchRow {
   // What the router saw during the row (a burst, with --router): the change
   // in its counters over the row, its peak memory. Empty: not asked for.
   nlohmann::ordered_json router_side;
+  // The prefill pool's prefix cache by tier over the row (a cluster row of
+  // a shared-prefix or multi-turn workload): blocks hit in the pools (of
+  // them, pulled from another worker first), read back from second tiers,
+  // and prompt blocks sent. Empty: not asked for.
+  nlohmann::ordered_json tiers;
   std::string Label() const;  // "cluster 4 req/s", "in-process c=8".
 };
 

@@ -442,12 +442,45 @@ std::string Millis(const Distribution& d) {
   return absl::StrFormat("%.2f/%.2f/%.2f", 1e3 * d.p50, 1e3 * d.p90, 1e3 * d.p99);
 }
 
-// The router-reported prefix-cache figures of a row (cluster rows only).
+// The router-reported prefix-cache figures of a row (cluster rows only),
+// and the prefill pool's by tier where the row has them.
 void PrintPrefixCache(const BenchRow& row) {
   if (row.prompt_tokens <= 0) return;
   std::printf("  prefix cache: %lld of %lld prompt tokens cached (hit rate %.1f %%); decode-local prefills: %d\n",
               static_cast<long long>(row.cached_prompt_tokens), static_cast<long long>(row.prompt_tokens),
               100 * row.prefix_hit_rate(), row.local_prefills);
+  if (row.tiers.empty()) return;
+  const nlohmann::ordered_json& t = row.tiers;
+  const double blocks = std::max<double>(1, t["prompt_blocks"].get<double>());
+  std::printf(
+      "  prefill prefix cache by tier: %lld of %lld prompt blocks hit in the pools (%.1f %%; %lld of them pulled from "
+      "another worker first), %lld read back from tier 2 (%.1f %%)\n",
+      static_cast<long long>(t["pool_hit_blocks"].get<int64_t>()),
+      static_cast<long long>(t["prompt_blocks"].get<int64_t>()), 100 * t["pool_hit_blocks"].get<double>() / blocks,
+      static_cast<long long>(t["pulled_blocks"].get<int64_t>()),
+      static_cast<long long>(t["tier2_restored_blocks"].get<int64_t>()),
+      100 * t["tier2_restored_blocks"].get<double>() / blocks);
+}
+
+// The prefill pool's prefix cache over a row: `after` less `before`, per
+// tier, beside the row's prompt blocks (in the first prefill worker's
+// block size).
+nlohmann::ordered_json Tiers(const v1::ClusterStatusResponse& before, const v1::ClusterStatusResponse& after,
+                             int64_t prompt_tokens) {
+  auto sum = [](const v1::ClusterStatusResponse& s, int64_t (v1::WorkerStatus::*field)() const) {
+    int64_t n = 0;
+    for (const v1::WorkerStatus& w : s.prefill()) n += (w.*field)();
+    return n;
+  };
+  const int64_t bs = after.prefill_size() > 0 && after.prefill(0).kv_block_size() > 0 ? after.prefill(0).kv_block_size()
+                                                                                      : 16;
+  return {{"prompt_blocks", prompt_tokens / bs},
+          {"pool_hit_blocks",
+           sum(after, &v1::WorkerStatus::kv_prefix_hit_blocks) - sum(before, &v1::WorkerStatus::kv_prefix_hit_blocks)},
+          {"pulled_blocks",
+           sum(after, &v1::WorkerStatus::kv_pulled_blocks) - sum(before, &v1::WorkerStatus::kv_pulled_blocks)},
+          {"tier2_restored_blocks", sum(after, &v1::WorkerStatus::kv_tier2_restored_blocks) -
+                                        sum(before, &v1::WorkerStatus::kv_tier2_restored_blocks)}};
 }
 
 // The single-run report, as pdctl has always printed it (a "rejected" count
@@ -606,6 +639,12 @@ std::string WorkloadText(const ServingBenchOptions& o, size_t requests) {
   std::string lengths;
   if (!o.trace_file.empty()) {
     lengths = absl::StrCat("lengths from ", o.trace_file);
+  } else if (o.multi_turn_turns > 0) {
+    lengths = absl::StrCat("multi-turn chat: ", o.multi_turn_turns, " turns per conversation, each resending its "
+                           "history, over ", o.shared_prefix_groups > 0 ? o.shared_prefix_groups : 64, " ",
+                           o.multi_turn_system_tokens, "-token system prompts; user turns ",
+                           RangeText(o.prompt_min, o.prompt_max), " tokens, replies ",
+                           RangeText(o.output_min, o.output_max), " tokens");
   } else if (o.shared_prefix_groups > 0) {
     lengths = absl::StrCat(o.shared_prefix_groups, " groups sharing ", o.shared_prefix_tokens,
                            "-token prefixes, then ", RangeText(o.prompt_min, o.prompt_max), " tokens each, output ",
@@ -642,7 +681,11 @@ void PrintRows(const ServingBenchOptions& o, const std::vector<BenchRow>& rows, 
     } else {
       workload["prompt_tokens"] = {o.prompt_min, o.prompt_max};
       workload["output_tokens"] = {o.output_min, o.output_max};
-      if (o.shared_prefix_groups > 0) {
+      if (o.multi_turn_turns > 0) {
+        workload["multi_turn"] = {{"turns", o.multi_turn_turns},
+                                  {"system_prompts", o.shared_prefix_groups > 0 ? o.shared_prefix_groups : 64},
+                                  {"system_tokens", o.multi_turn_system_tokens}};
+      } else if (o.shared_prefix_groups > 0) {
         workload["shared_prefix"] = {{"groups", o.shared_prefix_groups}, {"prefix_tokens", o.shared_prefix_tokens}};
       }
     }
@@ -699,6 +742,9 @@ absl::Status RunServingBench(const ServingBenchOptions& o) {
   if (!o.trace_file.empty() && o.shared_prefix_groups > 0) {
     return absl::InvalidArgumentError("--trace and --shared-prefix do not go together (the trace names its groups)");
   }
+  if (!o.trace_file.empty() && o.multi_turn_turns > 0) {
+    return absl::InvalidArgumentError("--trace and --multi-turn do not go together");
+  }
   WorkloadOptions wo;
   wo.requests = o.requests;
   wo.prompt_min = o.prompt_min;
@@ -707,6 +753,8 @@ absl::Status RunServingBench(const ServingBenchOptions& o) {
   wo.output_max = o.output_max;
   wo.shared_prefix_groups = o.shared_prefix_groups;
   wo.shared_prefix_tokens = o.shared_prefix_tokens;
+  wo.multi_turn_turns = o.multi_turn_turns;
+  wo.multi_turn_system_tokens = o.multi_turn_system_tokens;
   wo.draw_gaps = open_loop;
   wo.seed = o.seed;
   if (!o.trace_file.empty()) {
@@ -776,7 +824,8 @@ absl::Status RunServingBench(const ServingBenchOptions& o) {
       const std::string progress_name = per_row && rate > 0 ? absl::StrCat(name, " ", rate, " req/s") : name;
       // A burst's rows also say what the router went through.
       std::optional<v1::ClusterStatusResponse> before;
-      if (o.burst > 0 && cluster && router != nullptr) {
+      const bool tiers = (o.multi_turn_turns > 0 || o.shared_prefix_groups > 0) && name == "cluster";
+      if ((o.burst > 0 || tiers) && cluster && router != nullptr) {
         absl::StatusOr<v1::ClusterStatusResponse> s = router->ClusterStatus();
         if (!s.ok()) return s.status();
         before = *std::move(s);
@@ -785,7 +834,8 @@ absl::Status RunServingBench(const ServingBenchOptions& o) {
       if (before.has_value()) {
         absl::StatusOr<v1::ClusterStatusResponse> after = router->ClusterStatus();
         if (!after.ok()) return after.status();
-        row.router_side = RouterSide(*before, *after);
+        if (o.burst > 0) row.router_side = RouterSide(*before, *after);
+        if (tiers) row.tiers = Tiers(*before, *after, row.prompt_tokens);
       }
       row.target = name;
       row.rate = rate;

@@ -43,10 +43,15 @@ struct ServingBenchOptions {
   std::vector<double> rates;  // Poisson rates, one row each (REQUIRES: > 0).
   std::string trace_file;     // JSONL lengths (bench_trace.h), "" = random.
   int shared_prefix_groups = 0, shared_prefix_tokens = 0;  // 0 groups = off.
+  // Multi-turn chat (bench_workload.h's WorkloadOptions): TURNS per
+  // conversation over SYSTEM_TOKENS-token system prompts (as many as
+  // shared_prefix_groups, 64 by default). 0 turns = off.
+  int multi_turn_turns = 0, multi_turn_system_tokens = 0;
   double ttft_target_ms = 0, itl_target_ms = 0;            // 0 = no target.
   std::string svg_file;       // Where to write the picture ("" = none).
   bool PerRowReport() const {
-    return !rates.empty() || !trace_file.empty() || shared_prefix_groups > 0 || ttft_target_ms > 0 ||
+    return !rates.empty() || !trace_file.empty() || shared_prefix_groups > 0 || multi_turn_turns > 0 ||
+           ttft_target_ms > 0 ||
            itl_target_ms > 0 || !svg_file.empty();
   }
 };

@@ -93,6 +93,58 @@ absl::StatusOr<std::vector<WorkloadRequest>> FromTrace(const WorkloadOptions& o,
   return work;
 }
 
+absl::StatusOr<std::vector<WorkloadRequest>> MultiTurn(const WorkloadOptions& o, Drawer& draw) {
+  const int turns = o.multi_turn_turns;
+  const int systems = o.shared_prefix_groups > 0 ? o.shared_prefix_groups : 64;
+  if (o.multi_turn_system_tokens < 1) return absl::InvalidArgumentError("--multi-turn: need at least 1 system token");
+  if (systems > o.vocab_size) {
+    return absl::InvalidArgumentError(absl::StrCat("--multi-turn: ", systems, " system prompts, more than the ",
+                                                   "vocabulary's ", o.vocab_size, " ids"));
+  }
+  const std::vector<std::vector<int32_t>> system_prompts =
+      GroupPrefixes(std::vector<int32_t>(systems, o.multi_turn_system_tokens), o.vocab_size, draw);
+  const int conversations = (o.requests + turns - 1) / turns;
+  // Each conversation's history so far, and its system prompt.
+  std::vector<std::vector<int32_t>> history(conversations);
+  std::vector<int> system_of(conversations);
+  std::vector<int64_t> in_group(systems, 0);
+  for (int c = 0; c < conversations; ++c) {
+    system_of[c] = draw.Uniform(0, systems - 1);
+    history[c] = system_prompts[system_of[c]];
+  }
+  std::vector<int> order(conversations);
+  for (int c = 0; c < conversations; ++c) order[c] = c;
+  std::vector<WorkloadRequest> work;
+  work.reserve(static_cast<size_t>(conversations) * turns);
+  std::vector<int32_t> last_reply(conversations, 0);
+  for (int t = 0; t < turns; ++t) {
+    for (int i = conversations - 1; i > 0; --i) std::swap(order[i], order[draw.Uniform(0, i)]);
+    for (int c : order) {
+      std::vector<int32_t>& h = history[c];
+      if (t > 0) draw.AppendTokens(last_reply[c], h);  // The reply to the turn before.
+      // The user turn; at turn 0 its first token tells the conversation
+      // apart from others on the same system prompt.
+      const int n = draw.Uniform(o.prompt_min, o.prompt_max);
+      if (t == 0) {
+        AppendSuffix(in_group[system_of[c]]++, n, o.vocab_size, draw, h);
+      } else {
+        draw.AppendTokens(n, h);
+      }
+      WorkloadRequest w;
+      w.prompt = h;
+      w.prefix_group = system_of[c];
+      w.prefix_tokens = o.multi_turn_system_tokens;
+      w.conversation = c;
+      w.turn = t;
+      w.max_tokens = draw.Uniform(o.output_min, o.output_max);
+      last_reply[c] = w.max_tokens;
+      if (o.draw_gaps) w.unit_gap = draw.UnitGap();
+      work.push_back(std::move(w));
+    }
+  }
+  return work;
+}
+
 }  // namespace
 
 absl::StatusOr<std::vector<WorkloadRequest>> MakeWorkload(const WorkloadOptions& o) {
@@ -107,6 +159,8 @@ absl::StatusOr<std::vector<WorkloadRequest>> MakeWorkload(const WorkloadOptions&
   if (o.requests < 1) return absl::InvalidArgumentError("--requests must be at least 1");
   if (absl::Status s = CheckRange("--prompt-tokens", o.prompt_min, o.prompt_max); !s.ok()) return s;
   if (absl::Status s = CheckRange("--output-tokens", o.output_min, o.output_max); !s.ok()) return s;
+  if (o.multi_turn_turns < 0) return absl::InvalidArgumentError("--multi-turn: turns must be at least 1");
+  if (o.multi_turn_turns > 0) return MultiTurn(o, draw);
   const int groups = o.shared_prefix_groups;
   if (groups < 0 || (groups > 0 && o.shared_prefix_tokens < 1)) {
     return absl::InvalidArgumentError("--shared-prefix: need at least 1 group and 1 prefix token");

@@ -19,6 +19,9 @@ struct WorkloadRequest {
   int32_t max_tokens = 0;
   int64_t prefix_group = -1;  // -1: none (the group's index otherwise).
   int32_t prefix_tokens = 0;  // Leading prompt tokens shared with the group.
+  // Multi-turn: the conversation and the turn (from 0); -1 otherwise.
+  int32_t conversation = -1;
+  int32_t turn = -1;
   // A draw of Exp(1): the gap before the next arrival is unit_gap / rate, so
   // that every rate of a sweep replays the same requests in the same order,
   // only faster or slower.
@@ -39,6 +42,18 @@ struct WorkloadOptions {
   // while a group has at most vocab_size requests). 0 groups: off.
   int shared_prefix_groups = 0;
   int shared_prefix_tokens = 0;
+  // Multi-turn chat: `multi_turn_turns` turns per conversation, each a
+  // request that resends the conversation's whole history: its system
+  // prompt (one of shared_prefix_groups, 64 by default, of
+  // multi_turn_system_tokens tokens each), then every earlier user turn
+  // and reply, then the new user turn (prompt_min..prompt_max tokens). A
+  // reply's tokens are drawn (as long as the earlier turn's max_tokens):
+  // the workload is made before anything is sent. Turns go out round by
+  // round: every conversation's turn 1 (in a shuffled order), then every
+  // turn 2, and so on, so a conversation's turns are a whole round apart.
+  // `requests` rounds up to whole conversations. 0 turns: off.
+  int multi_turn_turns = 0;
+  int multi_turn_system_tokens = 0;
   // Lengths (and prefix groups) one request a line; empty: random lengths.
   std::vector<TraceEntry> trace;
   bool draw_gaps = false;  // Draw unit_gap (Poisson arrivals are wanted).

@@ -180,6 +180,9 @@ absl::Status RemoteStatus(const std::string& router, bool json) {
                         absl::StrFormat("%.1f of %.1f GiB", static_cast<double>(w.kv_tier2_bytes()) / (1 << 30),
                                         static_cast<double>(w.kv_tier2_capacity_bytes()) / (1 << 30)));
       }
+      if (w.kv_pulled_blocks() > 0) {
+        absl::StrAppend(&tiers, "; ", w.kv_pulled_blocks(), " pulled from other prefill workers");
+      }
       if (w.kv_checksum_failures() > 0) absl::StrAppend(&tiers, "; KV CHECKS FAILED: ", w.kv_checksum_failures());
       std::printf("%s\n", tiers.c_str());
     }

@@ -114,6 +114,10 @@ ABSL_FLAG(std::string, corpus, "tests/fixtures/tokenizers/corpus.jsonl",
           "bench-tokenizer: JSONL corpus of strings");
 ABSL_FLAG(std::string, reference_dir, "tests/fixtures/tokenizers",
           "bench-tokenizer: where the npm reference is installed");
+ABSL_FLAG(std::string, multi_turn, "",
+          "bench: TURNS:SYSTEM_TOKENS multi-turn chat, each turn resending its conversation's history over one of "
+          "64 (or --shared-prefix's GROUPS) system prompts; --prompt-tokens is each user turn, --output-tokens each "
+          "reply");
 ABSL_FLAG(std::string, shared_prefix, "8:2048:64",
           "bench-engine: REQUESTS:SHARED:PRIVATE shared-prefix decode scenario (empty = skip); "
           "bench: GROUPS:PREFIX_TOKENS, requests in groups (each drawn at random) sharing a prefix of that many tokens, "
@@ -497,6 +501,15 @@ absl::Status RunServingBenchCommand() {
           absl::StrCat("--shared-prefix: bench expects GROUPS:PREFIX_TOKENS, both at least 1, got '", shared, "'"));
     }
   }
+  if (const std::string mt = absl::GetFlag(FLAGS_multi_turn); !mt.empty()) {
+    std::vector<std::string> parts = absl::StrSplit(mt, ':');
+    if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &o.multi_turn_turns) ||
+        !absl::SimpleAtoi(parts[1], &o.multi_turn_system_tokens) || o.multi_turn_turns < 1 ||
+        o.multi_turn_system_tokens < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--multi-turn: expected TURNS:SYSTEM_TOKENS, both at least 1, got '", mt, "'"));
+    }
+  }
   return RunServingBench(o);
 }
 
@@ -513,6 +526,7 @@ constexpr char kUsage[] =
     "            --requests,\n"
     "            --prompt-tokens, --output-tokens, --in-process-model DIR for the engine alone; --json);\n"
     "            sweeps and SLOs: --rates 2,4,8 --trace FILE.jsonl --shared-prefix GROUPS:PREFIX_TOKENS\n"
+    "            --multi-turn TURNS:SYSTEM_TOKENS\n"
     "            --ttft-target-ms --itl-target-ms (goodput) --svg FILE\n"
     "  tokenize      ids of --text (or --text-file [--jsonl]) as JSON [--add-special-tokens]\n"
     "  detokenize    text of --ids [--skip-special-tokens]\n"

@@ -157,8 +157,8 @@ absl::StatusOr<std::vector<std::string>> ReadNotes(const json& root) {
 
 absl::StatusOr<PlanInputs> FromJson(const json& root) {
   if (!root.is_object()) return Invalid("the config", absl::StrCat("must be an object, got ", TypeName(root)));
-  static const std::set<std::string, std::less<>> kSections = {"notes",   "model",   "chip",     "decode",
-                                                               "prefill", "handoff", "workload", "report"};
+  static const std::set<std::string, std::less<>> kSections = {"notes",   "model",    "chip",   "decode", "prefill",
+                                                               "handoff", "workload", "prefix", "report"};
   for (const auto& [key, unused] : root.items()) {
     if (!kSections.contains(key)) return Invalid(key, "is not a known section");
   }
@@ -216,6 +216,7 @@ absl::StatusOr<PlanInputs> FromJson(const json& root) {
   handoff.OptionalNumber("kv_bytes_per_request", &in.handoff.kv_bytes_per_request);
   if (absl::Status s = handoff.Finish(); !s.ok()) return s;
 
+  std::optional<double> pool_hit, tier2_hit;
   Section workload(root, "workload");
   WorkloadSpec& w = in.workload;
   workload.Int("prompt_tokens", &w.prompt_tokens);
@@ -224,6 +225,15 @@ absl::StatusOr<PlanInputs> FromJson(const json& root) {
   workload.Number("step_time_target_s", &w.step_time_target_s);
   workload.OptionalNumber("target_requests_per_s", &w.target_requests_per_s);
   if (absl::Status s = workload.Finish(); !s.ok()) return s;
+
+  Section prefix(root, "prefix", /*required=*/false);
+  prefix.OptionalNumber("pool_hit_rate", &pool_hit);
+  prefix.OptionalNumber("tier2_hit_rate", &tier2_hit);
+  prefix.OptionalNumber("tier2_bytes_per_group", &in.prefix.tier2_bytes_per_group);
+  prefix.OptionalNumber("tier2_read_bytes_per_s", &in.prefix.tier2_read_bytes_per_s);
+  if (absl::Status s = prefix.Finish(); !s.ok()) return s;
+  in.prefix.pool_hit_rate = pool_hit.value_or(0);
+  in.prefix.tier2_hit_rate = tier2_hit.value_or(0);
 
   Section report(root, "report", /*required=*/false);
   report.IntList("batch_sizes", &in.table_batches);

@@ -14,6 +14,8 @@
 //   handoff:  link_bytes_per_s, kv_bytes_per_request?
 //   workload: prompt_tokens, history_tokens, mean_output_tokens,
 //             step_time_target_s, target_requests_per_s?
+//   prefix:   pool_hit_rate?, tier2_hit_rate?, tier2_bytes_per_group?,
+//             tier2_read_bytes_per_s? (the prefix cache by tier; optional)
 //   report:   batch_sizes? (list of batches for the per-batch table; optional)
 //
 // Fields marked ? are optional. Errors are INVALID_ARGUMENT naming the

@@ -118,6 +118,28 @@ absl::Status ValidateHandoff(const HandoffSpec& h) {
   return absl::OkStatus();
 }
 
+absl::Status ValidatePrefix(const PrefixSpec& p) {
+  for (const auto& [field, v] : {std::pair{"prefix.pool_hit_rate", p.pool_hit_rate},
+                                 std::pair{"prefix.tier2_hit_rate", p.tier2_hit_rate}}) {
+    if (!(v >= 0 && v < 1)) return Invalid(field, absl::StrCat("is a share of prompt tokens in [0, 1), got ", v));
+  }
+  if (!(p.pool_hit_rate + p.tier2_hit_rate < 1)) {
+    return Invalid("prefix.tier2_hit_rate",
+                   absl::StrCat("with prefix.pool_hit_rate covers ", p.pool_hit_rate + p.tier2_hit_rate,
+                                " of the prompt; the last position is always computed, so the sum is below 1"));
+  }
+  if (p.tier2_bytes_per_group.has_value()) {
+    if (absl::Status s = Positive("prefix.tier2_bytes_per_group", *p.tier2_bytes_per_group); !s.ok()) return s;
+  }
+  if (p.tier2_read_bytes_per_s.has_value()) {
+    if (absl::Status s = Positive("prefix.tier2_read_bytes_per_s", *p.tier2_read_bytes_per_s); !s.ok()) return s;
+  } else if (p.tier2_hit_rate > 0) {
+    return Invalid("prefix.tier2_read_bytes_per_s",
+                   "is required with prefix.tier2_hit_rate above 0 (pdctl bench-tier2 measures it)");
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidateWorkload(const WorkloadSpec& w) {
   if (absl::Status s = Positive("workload.prompt_tokens", w.prompt_tokens); !s.ok()) return s;
   if (absl::Status s = Positive("workload.history_tokens", w.history_tokens); !s.ok()) return s;
@@ -158,6 +180,7 @@ absl::Status Validate(const PlanInputs& in) {
   if (absl::Status s = ValidatePrefill(in.prefill); !s.ok()) return s;
   if (absl::Status s = ValidateHandoff(in.handoff); !s.ok()) return s;
   if (absl::Status s = ValidateWorkload(in.workload); !s.ok()) return s;
+  if (absl::Status s = ValidatePrefix(in.prefix); !s.ok()) return s;
   const bool request_sharded = in.decode.kv_layout == KvLayout::kRequestSharded;
   for (int64_t b : in.table_batches) {
     if (absl::Status s = Positive("report.batch_sizes", b); !s.ok()) return s;

@@ -82,6 +82,19 @@ struct HandoffSpec {                           // handoff.*
   std::optional<double> kv_bytes_per_request;  // kv_bytes_per_request: default prompt_tokens * KV bytes/token
 };
 
+// The prefix cache by tier (optional): what share of a prompt's tokens a
+// prefill worker finds cached instead of computing. Hit rates come from a
+// running cluster (pdctl bench's "prefill prefix cache by tier" line,
+// pdctl status) or from the workload's shape.
+struct PrefixSpec {                              // prefix.*
+  double pool_hit_rate = 0;                      // pool_hit_rate: found in the prefill worker's KV pool
+  double tier2_hit_rate = 0;                     // tier2_hit_rate: read back from its second tier
+  std::optional<double> tier2_bytes_per_group;   // tier2_bytes_per_group: --kv_tier2_bytes
+  // tier2_read_bytes_per_s: one group's restore rate (pdctl bench-tier2);
+  // required with tier2_hit_rate > 0.
+  std::optional<double> tier2_read_bytes_per_s;
+};
+
 struct WorkloadSpec {         // workload.*
   int64_t prompt_tokens = 0;  // prompt_tokens
   // history_tokens: KV positions each decode request holds and reads per
@@ -100,6 +113,7 @@ struct PlanInputs {
   PrefillPoolSpec prefill;
   HandoffSpec handoff;
   WorkloadSpec workload;
+  PrefixSpec prefix;
   std::vector<int64_t> table_batches;  // report.batch_sizes: the per-batch table
 };
 

@@ -3,10 +3,13 @@
 // minimum, never the inverse of summed latencies), what a target rate takes,
 // one request's end-to-end latency, and cost.
 //
-//   prefill:  t_pre = (2 * P * S_p [+ 4 * H * N_q * L * S_p (S_p + 1) / 2])
-//                     / (chips_per_group * C * utilization)
-//             rate  = groups / seconds_per_request (given, else t_pre with
-//                     the attention term)
+//   prefill:  t_pre = (2 * P * S_c [+ 4 * H * N_q * L * (S_p (S_p + 1) - c (c + 1)) / 2])
+//                     / (chips_per_group * C * utilization), with c = S_p * (pool + tier 2
+//                     hit rates) positions cached and S_c = S_p - c computed
+//             t_t2  = S_p * tier2_hit_rate * c_kv / tier2_read_bytes_per_s (the
+//                     second tier's read-back, on its own threads)
+//             rate  = groups / max(seconds_per_request (given, else t_pre with
+//                     the attention term), t_t2)
 //   handoff:  rate  = link_bytes_per_s / kv_bytes_per_request (given, else
 //                     S_p * c_kv: the whole prompt's KV crosses the link)
 //   decode:   rate  = groups * B / t_step / mean_output_tokens
@@ -28,8 +31,10 @@
 namespace pdserve::capacity {
 
 struct PrefillEstimate {
-  double projection_flops = 0;     // 2 * P * S_p
-  double attention_flops = 0;      // 4 * H * N_q * L * S_p (S_p + 1) / 2
+  double cached_tokens = 0;        // c: S_p * (pool + tier 2 hit rates)
+  double computed_tokens = 0;      // S_c = S_p - c
+  double projection_flops = 0;     // 2 * P * S_c
+  double attention_flops = 0;      // 4 * H * N_q * L * (S_p (S_p + 1) - c (c + 1)) / 2
   double projections_only_s = 0;   // projection_flops at the given utilisation
   double with_attention_s = 0;     // both terms
   double seconds_per_request = 0;  // prefill.seconds_per_request, else with_attention_s
@@ -66,8 +71,19 @@ struct Latency {
   double total_half_itl_s = 0;   // the same with ITL halved
 };
 
+// The second tier's part of a prefill (zero without one).
+struct Tier2Estimate {
+  double bytes_per_request = 0;   // S_p * tier2_hit_rate * c_kv
+  double seconds_per_request = 0;  // t_t2
+  double prompts_held = 0;        // tier2_bytes_per_group / (S_p * c_kv): whole prompts' KV one group keeps
+  bool bounds_prefill = false;    // t_t2 > the compute: the disk, not the compute, sets the prefill rate
+};
+
 struct SystemPlan {
   PrefillEstimate prefill;
+  Tier2Estimate tier2;
+  // One group's seconds per request at its rate: max(compute, t_t2).
+  double prefill_group_seconds = 0;
   double handoff_kv_bytes_per_request = 0;
   bool handoff_bytes_given = false;
   StageRates rates;

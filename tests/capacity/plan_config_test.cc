@@ -24,6 +24,7 @@ constexpr char kJson[] = R"({
   "handoff": {"link_bytes_per_s": 1e9},
   "workload": {"prompt_tokens": 500, "history_tokens": 1000, "mean_output_tokens": 100,
                "step_time_target_s": 0.05, "target_requests_per_s": 10},
+  "prefix": {"pool_hit_rate": 0.25, "tier2_hit_rate": 0.5, "tier2_read_bytes_per_s": 2e9},
   "report": {"batch_sizes": [4, 8]}
 })";
 
@@ -55,6 +56,7 @@ workload:
   mean_output_tokens: 100
   step_time_target_s: 0.05
   target_requests_per_s: 10
+prefix: {pool_hit_rate: 0.25, tier2_hit_rate: 0.5, tier2_read_bytes_per_s: 2e9}
 report:
   batch_sizes: [4, 8]
 )";
@@ -98,6 +100,10 @@ TEST(CapacityConfigTest, JsonAndYamlReadTheSame) {
     EXPECT_EQ(in->workload.history_tokens, 1000);
     EXPECT_EQ(in->workload.target_requests_per_s, 10);
     EXPECT_EQ(in->table_batches, (std::vector<int64_t>{4, 8}));
+    EXPECT_EQ(in->prefix.pool_hit_rate, 0.25);
+    EXPECT_EQ(in->prefix.tier2_hit_rate, 0.5);
+    EXPECT_EQ(in->prefix.tier2_read_bytes_per_s, 2e9);
+    EXPECT_FALSE(in->prefix.tier2_bytes_per_group.has_value());
     EXPECT_TRUE(PlanCapacity(*in).ok());
   }
 }

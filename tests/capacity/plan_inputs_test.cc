@@ -25,6 +25,17 @@ struct BadCase {
 TEST(CapacityInputsTest, InvalidInputsNameTheirField) {
   const BadCase cases[] = {
       {"zero layers", [](PlanInputs& in) { in.model.layers = 0; }, "model.layers: must be positive, got 0"},
+      {"hit rate above 1", [](PlanInputs& in) { in.prefix.pool_hit_rate = 1.2; },
+       "prefix.pool_hit_rate: is a share of prompt tokens in [0, 1), got 1.2"},
+      {"hit rates cover the prompt",
+       [](PlanInputs& in) {
+         in.prefix.pool_hit_rate = 0.5;
+         in.prefix.tier2_hit_rate = 0.5;
+         in.prefix.tier2_read_bytes_per_s = 1e9;
+       },
+       "prefix.tier2_hit_rate: with prefix.pool_hit_rate covers 1 of the prompt"},
+      {"tier 2 hits without a read rate", [](PlanInputs& in) { in.prefix.tier2_hit_rate = 0.2; },
+       "prefix.tier2_read_bytes_per_s: is required with prefix.tier2_hit_rate above 0"},
       {"negative kv heads", [](PlanInputs& in) { in.model.kv_heads = -4; },
        "model.kv_heads: must be positive, got -4 (negative)"},
       {"zero head dim", [](PlanInputs& in) { in.model.head_dim = 0; }, "model.head_dim: must be positive"},

@@ -54,6 +54,37 @@ TEST(CapacityStageTest, PrefillTimeWithAndWithoutAttention) {
   ExpectClose(given.projections_only_s, 0.005);
 }
 
+TEST(CapacityStageTest, CachedPrefixesAreNotComputedAndTheSecondTiersReadBackCanBoundThePrefill) {
+  // 30 % of the 500 prompt tokens from the pool and 40 % from tier 2:
+  // c = 350 cached, 150 computed. Projections 2 * 1e9 * 150 = 3e11 FLOP;
+  // attention 4 * 64 * 16 * 4 * (500 * 501 - 350 * 351) / 2 = 1.0457088e9;
+  // at 5e13 FLOP/s: 6.020914176 ms. Tier 2 reads 500 * 0.4 * 4096 B =
+  // 819,200 B per request: at 1e8 B/s, 8.192 ms, longer than the compute.
+  PlanInputs in = BaseInputs();
+  in.prefix.pool_hit_rate = 0.3;
+  in.prefix.tier2_hit_rate = 0.4;
+  in.prefix.tier2_read_bytes_per_s = 1e8;
+  in.prefix.tier2_bytes_per_group = 4e9;
+  const SystemPlan p = Plan(in);
+  ExpectClose(p.prefill.cached_tokens, 350);
+  ExpectClose(p.prefill.computed_tokens, 150);
+  ExpectClose(p.prefill.projection_flops, 3e11);
+  ExpectClose(p.prefill.attention_flops, 1.0457088e9);
+  ExpectClose(p.prefill.seconds_per_request, 6.020914176e-3);
+  ExpectClose(p.tier2.bytes_per_request, 819200);
+  ExpectClose(p.tier2.seconds_per_request, 8.192e-3);
+  EXPECT_TRUE(p.tier2.bounds_prefill);
+  ExpectClose(p.prefill_group_seconds, 8.192e-3);
+  ExpectClose(p.rates.prefill, 1 / 8.192e-3);
+  ExpectClose(p.latency.ttft_s, 6.020914176e-3 + 8.192e-3);
+  ExpectClose(p.tier2.prompts_held, 4e9 / (500 * 4096.0));
+  // A faster disk: the compute sets the rate again.
+  in.prefix.tier2_read_bytes_per_s = 1e9;
+  const SystemPlan fast = Plan(in);
+  EXPECT_FALSE(fast.tier2.bounds_prefill);
+  ExpectClose(fast.rates.prefill, 1 / 6.020914176e-3);
+}
+
 TEST(CapacityStageTest, PrefillIsTheBottleneck) {
   // prefill 1 / 20.04 ms = 49.90; handoff 1e9 / 2.048e6 = 488.3; decode 415.0.
   const SystemPlan p = Plan(BaseInputs());

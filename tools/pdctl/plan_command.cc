@@ -111,6 +111,20 @@ void PrintText(const std::string& path, const PlanInputs& in, const CapacityPlan
 
   absl::PrintF("\nprefill: %d-token prompt on %s at %g of peak\n", in.workload.prompt_tokens,
                Count(in.prefill.chips_per_group, "chip"), in.prefill.utilization);
+  const capacity::PrefixSpec& px = in.prefix;
+  if (px.pool_hit_rate > 0 || px.tier2_hit_rate > 0 || px.tier2_bytes_per_group.has_value()) {
+    absl::PrintF("  prefix cache          %.0f%% of prompt tokens from the pool, %.0f%% from tier 2: %s computed\n",
+                 100 * px.pool_hit_rate, 100 * px.tier2_hit_rate, Num(sys.prefill.computed_tokens));
+  }
+  if (sys.tier2.bytes_per_request > 0) {
+    absl::PrintF("  tier 2 read-back      %s per request at %s: %s%s\n", Bytes(sys.tier2.bytes_per_request),
+                 Scaled(*px.tier2_read_bytes_per_s, "B/s"), Time(sys.tier2.seconds_per_request),
+                 sys.tier2.bounds_prefill ? " (bounds the prefill rate: a faster disk or fewer tier-2 hits)" : "");
+  }
+  if (px.tier2_bytes_per_group.has_value()) {
+    absl::PrintF("  tier 2 capacity       %s per group: the KV of %s whole prompts\n",
+                 Bytes(*px.tier2_bytes_per_group), Num(sys.tier2.prompts_held));
+  }
   absl::PrintF("  projections only      %s per request (%s)\n", Time(sys.prefill.projections_only_s),
                Scaled(sys.prefill.projection_flops, "FLOP"));
   absl::PrintF("  with attention        %s per request (+%s)\n", Time(sys.prefill.with_attention_s),
@@ -121,7 +135,7 @@ void PrintText(const std::string& path, const PlanInputs& in, const CapacityPlan
 
   absl::PrintF("\nthree stages (requests/s):\n");
   absl::PrintF("  prefill   %10s   %s / %s per request\n", Num(sys.rates.prefill), Count(in.prefill.groups, "group"),
-               Time(sys.prefill.seconds_per_request));
+               Time(sys.prefill_group_seconds));
   absl::PrintF("  handoff   %10s   %s / %s KV per request%s\n", Num(sys.rates.handoff),
                Scaled(in.handoff.link_bytes_per_s, "B/s"), Bytes(sys.handoff_kv_bytes_per_request),
                sys.handoff_bytes_given ? " (given)" : "");
@@ -198,7 +212,19 @@ json PlanJson(const std::string& path, const PlanInputs& in, const CapacityPlan&
                 {"projections_only_s", sys.prefill.projections_only_s},
                 {"with_attention_s", sys.prefill.with_attention_s},
                 {"seconds_per_request", sys.prefill.seconds_per_request},
-                {"seconds_given", sys.prefill.seconds_given}}},
+                {"seconds_given", sys.prefill.seconds_given},
+                {"group_seconds_per_request", sys.prefill_group_seconds}}},
+              {"prefix",
+               {{"pool_hit_rate", in.prefix.pool_hit_rate},
+                {"tier2_hit_rate", in.prefix.tier2_hit_rate},
+                {"cached_tokens", sys.prefill.cached_tokens},
+                {"computed_tokens", sys.prefill.computed_tokens},
+                {"tier2_bytes_per_request", sys.tier2.bytes_per_request},
+                {"tier2_seconds_per_request", sys.tier2.seconds_per_request},
+                {"tier2_bytes_per_group",
+                 in.prefix.tier2_bytes_per_group ? json(*in.prefix.tier2_bytes_per_group) : json()},
+                {"tier2_prompts_held", sys.tier2.prompts_held},
+                {"tier2_bounds_prefill", sys.tier2.bounds_prefill}}},
               {"handoff",
                {{"link_bytes_per_s", in.handoff.link_bytes_per_s},
                 {"kv_bytes_per_request", sys.handoff_kv_bytes_per_request},

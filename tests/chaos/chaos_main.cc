@@ -65,6 +65,9 @@ ABSL_FLAG(double, request_deadline_s, 60, "each request's gRPC deadline");
 ABSL_FLAG(double, settle_s, 15, "after the load: how long workers get to be healthy with no KV block used");
 ABSL_FLAG(std::vector<std::string>, worker_flags, {},
           "extra flags for every worker, comma-separated (e.g. --worker_flags=--kv_lease_s=2)");
+ABSL_FLAG(std::vector<std::string>, router_flags, {},
+          "extra flags for the router, comma-separated (e.g. --router_flags=--prefill_policy=round_robin: prompts "
+          "land where their prefix is not, and prefixes are pulled between prefill workers)");
 ABSL_FLAG(bool, long_prompts, false,
           "every prompt starts with the same long preamble (several full KV blocks): prefix-cache hits, and with "
           "--kv_tier2 reads from the second tier after each restart");
@@ -477,6 +480,7 @@ int Run() {
   fo.dir = dir;
   fo.drain_grace_s = absl::GetFlag(FLAGS_drain_grace_s);
   fo.extra_worker_flags = absl::GetFlag(FLAGS_worker_flags);
+  fo.extra_router_flags = absl::GetFlag(FLAGS_router_flags);
   fo.kv_tier2 = absl::GetFlag(FLAGS_kv_tier2);
   if (absl::GetFlag(FLAGS_tls)) {
     fo.certs_dir = dir + "/certs";
@@ -572,6 +576,9 @@ int Run() {
       absl::PrintF("%-50s %g\n", series, v);
     }
     for (const auto& [series, v] : Series(metrics, "pdserve_requests_total")) absl::PrintF("%-50s %g\n", series, v);
+    for (const auto& [series, v] : Series(metrics, "pdserve_prefix_pulls_total")) {
+      if (v > 0) absl::PrintF("%-50s %g\n", series, v);
+    }
   }
   absl::PrintF("latency (completed) p50 %.3fs, p99 %.3fs\n", absl::ToDoubleSeconds(Percentile(t.latencies, 0.5)),
                absl::ToDoubleSeconds(Percentile(t.latencies, 0.99)));

@@ -109,6 +109,7 @@ absl::Status Fleet::Start() {
                                          "--http_listen",
                                          "127.0.0.1:0"};
   for (std::string& f : TlsFlags(options_.certs_dir, "router")) argv.push_back(std::move(f));
+  argv.insert(argv.end(), options_.extra_router_flags.begin(), options_.extra_router_flags.end());
   if (absl::Status s = router_.Start(argv, router_log_); !s.ok()) return s;
   absl::StatusOr<int> port = router_.WaitReady(ready, options_.ready_timeout);
   if (!port.ok()) return absl::UnavailableError(absl::StrCat("router: ", port.status().message()));

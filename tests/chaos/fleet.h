@@ -30,6 +30,7 @@ struct FleetOptions {
   int num_decode = 2;
   double drain_grace_s = 2;                     // Workers' --drain_grace_s: SIGTERM drain before in-flight work moves.
   std::vector<std::string> extra_worker_flags;  // Appended to every worker's command line.
+  std::vector<std::string> extra_router_flags;  // Appended to the router's.
   // Each worker keeps a prefix cache second tier in a directory of its own
   // under `dir` (--kv_tier2_dir), reopened by its restarts.
   bool kv_tier2 = false;

@@ -12,6 +12,7 @@
 #include "base/grpc_status.h"
 #include "base/one_write_stream.h"
 #include "base/server_util.h"
+#include "kv/tier2_store.h"
 #include "proto/convert.h"
 
 namespace pdserve::decode {
@@ -376,7 +377,14 @@ DecodeService::DecodeService(Model* model, KvManager* kv, const tok::Tokenizer* 
       options_(std::move(options)),
       engine_(*model, *kv, options_.engine),
       handoffs_(&timer_, HandoffTableOptions{.wait = absl::Seconds(options_.handoff_wait_seconds)}) {
-  kv_->set_listener(&kv_events_);
+  // With a second tier, the router follows both tiers as one.
+  if (options_.engine.tier2 != nullptr) {
+    tiered_events_ = std::make_unique<TieredListener>(&kv_events_);
+    kv_->set_listener(tiered_events_->pool());
+    options_.engine.tier2->set_listener(tiered_events_->tier2());
+  } else {
+    kv_->set_listener(&kv_events_);
+  }
   engine_.Start();
   writer_thread_ = std::thread([this] { WriterLoop(); });
 }
@@ -405,6 +413,7 @@ void DecodeService::WriterLoop() {
 DecodeService::~DecodeService() {
   Shutdown();
   kv_->set_listener(nullptr);
+  if (options_.engine.tier2 != nullptr) options_.engine.tier2->set_listener(nullptr);
   // Committed handoffs' KV goes back to the manager with handoffs_.
 }
 

@@ -136,6 +136,7 @@ class DecodeService final : public worker::v1::DecodeWorker::CallbackService {
   // What the prefix cache holds (committed handoffs' prompts, finished
   // local sequences), for the router; Status carries it.
   KvEventLog kv_events_;
+  std::unique_ptr<TieredListener> tiered_events_;  // With a second tier: both tiers into kv_events_.
   engine::Engine engine_;
   std::atomic<uint64_t> next_id_{1};
   std::atomic<bool> stopped_{false};

@@ -62,4 +62,21 @@ size_t KvEventLog::num_cached() const {
   return cached_.size();
 }
 
+void TieredListener::Stored(uint8_t bit, const BlockHash& hash, const BlockHash& parent) {
+  absl::MutexLock lock(&mu_);
+  uint8_t& tiers = held_[hash];
+  if (tiers == 0) out_->OnStored(hash, parent);
+  tiers |= bit;
+}
+
+void TieredListener::Removed(uint8_t bit, const BlockHash& hash) {
+  absl::MutexLock lock(&mu_);
+  auto it = held_.find(hash);
+  if (it == held_.end() || (it->second & bit) == 0) return;
+  it->second &= static_cast<uint8_t>(~bit);
+  if (it->second != 0) return;
+  held_.erase(it);
+  out_->OnRemoved(hash);
+}
+
 }  // namespace pdserve

@@ -74,6 +74,43 @@ class KvEventLog final : public BlockPoolListener {
   absl::flat_hash_map<BlockHash, BlockHash> cached_ ABSL_GUARDED_BY(mu_);
 };
 
+// The prefix cache's tiers as one stream: a block counts as held while the
+// pool or the second tier (kv/tier2_store.h) holds it. Give pool() to the
+// KV manager and tier2() to the store; `out` hears a block stored when the
+// first tier takes it, and removed when the last one lets it go. So the
+// router's index counts a prefix evicted from the pool but kept on disk as
+// held there (reading it back costs a restore, not a prefill).
+//
+// Thread safety: thread-safe. Each side is called under its tier's lock and
+// calls `out` under its own: the order is always tier, this, `out`.
+class TieredListener {
+ public:
+  // REQUIRES: `out` outlives this.
+  explicit TieredListener(BlockPoolListener* out) : out_(out) {}
+  BlockPoolListener* pool() { return &pool_; }
+  BlockPoolListener* tier2() { return &tier2_; }
+
+ private:
+  class Side final : public BlockPoolListener {
+   public:
+    Side(TieredListener* owner, uint8_t bit) : owner_(owner), bit_(bit) {}
+    void OnStored(const BlockHash& hash, const BlockHash& parent) override { owner_->Stored(bit_, hash, parent); }
+    void OnRemoved(const BlockHash& hash) override { owner_->Removed(bit_, hash); }
+
+   private:
+    TieredListener* owner_;
+    uint8_t bit_;
+  };
+  void Stored(uint8_t bit, const BlockHash& hash, const BlockHash& parent);
+  void Removed(uint8_t bit, const BlockHash& hash);
+
+  BlockPoolListener* const out_;
+  absl::Mutex mu_;
+  absl::flat_hash_map<BlockHash, uint8_t> held_ ABSL_GUARDED_BY(mu_);  // Which tiers hold each block.
+  Side pool_{this, 1};
+  Side tier2_{this, 2};
+};
+
 }  // namespace pdserve
 
 #endif  // PDSERVE_KV_KV_EVENTS_H_

@@ -264,6 +264,14 @@ class Tier2Store::Impl {
     mu_.Await(absl::Condition(this, &Impl::Idle));
   }
 
+  void SetListener(BlockPoolListener* listener) {
+    absl::MutexLock lock(&mu_);
+    listener_ = listener;
+    if (listener_ == nullptr) return;
+    // Oldest first, as they were stored.
+    for (const BlockHash& h : lru_) listener_->OnStored(h, index_.at(h).parent);
+  }
+
   Tier2Stats Stats() const {
     absl::ReaderMutexLock lock(&mu_);
     Tier2Stats s = stats_;
@@ -302,8 +310,9 @@ class Tier2Store::Impl {
   bool RestoreOne(const KvStorage& storage, const BlockHash& hash, int32_t block);
   void RunWrite(WriteJob& job);
 
-  // Adds `hash` at the most recently used end (or moves it there).
-  void Index(const BlockHash& hash) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Adds `hash` (whose chain parent is `parent`) at the most recently used
+  // end, or moves it there when indexed already.
+  void Index(const BlockHash& hash, const BlockHash& parent) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops `hash` from the index (its file is the caller's to delete).
   void Forget(const BlockHash& hash) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void EvictToCapacity() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -324,7 +333,12 @@ class Tier2Store::Impl {
   mutable absl::Mutex mu_;
   // Least recently used first.
   std::list<BlockHash> lru_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<BlockHash, std::list<BlockHash>::iterator> index_ ABSL_GUARDED_BY(mu_);
+  struct Entry {
+    std::list<BlockHash>::iterator lru;
+    BlockHash parent;
+  };
+  absl::flat_hash_map<BlockHash, Entry> index_ ABSL_GUARDED_BY(mu_);
+  BlockPoolListener* listener_ ABSL_GUARDED_BY(mu_) = nullptr;
   int64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
   // Hashes with a write waiting or in flight.
   absl::flat_hash_set<BlockHash> writing_ ABSL_GUARDED_BY(mu_);
@@ -358,6 +372,7 @@ absl::Status Tier2Store::Impl::Load() {
     struct timespec mtime;
     std::string name;
     BlockHash hash;
+    BlockHash parent;
   };
   std::vector<Found> found;
   int64_t discarded = 0;
@@ -385,7 +400,7 @@ absl::Status Tier2Store::Impl::Load() {
       ++discarded;
       continue;
     }
-    found.push_back({st.st_mtim, name, header->hash});
+    found.push_back({st.st_mtim, name, header->hash, header->parent});
   }
   // Oldest first; the name breaks ties (timestamps are coarser than a burst
   // of writes) so that the order does not depend on the directory's.
@@ -395,26 +410,28 @@ absl::Status Tier2Store::Impl::Load() {
 
   absl::MutexLock lock(&mu_);
   stats_.discarded_at_open = discarded;
-  for (const Found& f : found) Index(f.hash);
+  for (const Found& f : found) Index(f.hash, f.parent);
   EvictToCapacity();
   return absl::OkStatus();
 }
 
-void Tier2Store::Impl::Index(const BlockHash& hash) {
+void Tier2Store::Impl::Index(const BlockHash& hash, const BlockHash& parent) {
   if (auto it = index_.find(hash); it != index_.end()) {
-    lru_.splice(lru_.end(), lru_, it->second);
+    lru_.splice(lru_.end(), lru_, it->second.lru);
     return;
   }
-  index_.emplace(hash, lru_.insert(lru_.end(), hash));
+  index_.emplace(hash, Entry{lru_.insert(lru_.end(), hash), parent});
   bytes_ += file_bytes_;
+  if (listener_ != nullptr) listener_->OnStored(hash, parent);
 }
 
 void Tier2Store::Impl::Forget(const BlockHash& hash) {
   auto it = index_.find(hash);
   if (it == index_.end()) return;
-  lru_.erase(it->second);
+  lru_.erase(it->second.lru);
   index_.erase(it);
   bytes_ -= file_bytes_;
+  if (listener_ != nullptr) listener_->OnRemoved(hash);
 }
 
 void Tier2Store::Impl::EvictToCapacity() {
@@ -565,7 +582,7 @@ bool Tier2Store::Impl::RestoreOne(const KvStorage& storage, const BlockHash& has
   // The modification time is the recency a later open sees.
   ::futimens(fd.get(), nullptr);
   absl::MutexLock lock(&mu_);
-  if (index_.contains(hash)) Index(hash);
+  if (auto it = index_.find(hash); it != index_.end()) Index(hash, it->second.parent);
   return true;
 }
 
@@ -599,7 +616,7 @@ void Tier2Store::Impl::RunWrite(WriteJob& job) {
   absl::MutexLock lock(&mu_);
   writing_.erase(job.hash);
   if (ok && ::rename(temp.c_str(), path.c_str()) == 0) {
-    Index(job.hash);
+    Index(job.hash, job.parent);
     ++stats_.writes;
     EvictToCapacity();
   } else {
@@ -658,5 +675,7 @@ bool Tier2Store::Write(const BlockHash& hash, const BlockHash& parent, std::func
 void Tier2Store::Flush() { impl_->Flush(); }
 
 Tier2Stats Tier2Store::Stats() const { return impl_->Stats(); }
+
+void Tier2Store::set_listener(BlockPoolListener* listener) { impl_->SetListener(listener); }
 
 }  // namespace pdserve

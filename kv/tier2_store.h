@@ -120,6 +120,13 @@ class Tier2Store {
 
   Tier2Stats Stats() const;
 
+  // Told of every block the store indexes (stored, with its chain parent)
+  // and drops (removed: evicted, found corrupt), as a pool's listener is;
+  // on being set, of every block indexed now, oldest first. Called under
+  // the store's lock: must not call back into the store. Null: none.
+  // REQUIRES: outlives the store or is reset first.
+  void set_listener(BlockPoolListener* listener);
+
   static constexpr int64_t kHeaderBytes = 128;
 
   class Impl;

@@ -135,7 +135,8 @@ int Run() {
     so.tier2 = w->tier2.get();
     std::unique_ptr<prefill::PrefixPusher> pusher;
     if (pull_receiver != nullptr) {
-      pusher = std::make_unique<prefill::PrefixPusher>(engine->model->identity(), engine->kv.get(), &sender);
+      pusher = std::make_unique<prefill::PrefixPusher>(engine->model->identity(), engine->kv.get(), &sender,
+                                                       w->tier2.get());
       so.pusher = pusher.get();
       so.pull_address = pull_address;
       so.pulls = &pull_counters;
@@ -193,7 +194,8 @@ int Run() {
       metrics.AddCounterFunc("pdserve_kv_pulled_positions_total",
                              "Prefix positions published from pulls (held ones included).", counter(&pl->positions));
       metrics.AddCounterFunc("pdserve_kv_checksum_failures_total",
-                             "KV whose bytes did not match their producer's checksums, by path; discarded.",
+                             "KV blocks whose bytes did not match the checksum recorded by their producer (discarded; "
+                             "their positions are computed again), by path.",
                              counter(&pl->checksum_failures), "path=\"pull\"");
       for (const auto& [result, v] : {std::pair{"pushed", &pc->pushed}, std::pair{"failed", &pc->failed},
                                       std::pair{"not_cached", &pc->empty}}) {
@@ -203,6 +205,10 @@ int Run() {
       }
       metrics.AddCounterFunc("pdserve_kv_push_bytes_total", "KV bytes of prefixes sent to other prefill workers.",
                              counter(&pc->bytes));
+      metrics.AddCounterFunc("pdserve_kv_push_tier2_blocks_total",
+                             "Blocks of prefixes sent to other prefill workers that were read back from the second "
+                             "tier to be sent (the pool no longer held them).",
+                             counter(&pc->tier2_blocks));
       kv::KvReceiver* r = pull_receiver.get();
       for (int k = 1; k < kv::kGrantRefusalKinds; ++k) {
         const auto why = static_cast<kv::GrantRefusal>(k);

@@ -15,6 +15,7 @@
 #include "absl/time/clock.h"
 #include "engine/generation.h"
 #include "kv/prefix_cache.h"
+#include "kv/tier2_store.h"
 #include "base/grpc_status.h"
 #include "base/one_write_stream.h"
 #include "base/server_util.h"
@@ -223,7 +224,14 @@ PrefillService::PrefillService(Model* model, KvManager* kv, const tok::Tokenizer
                                     .life_min_per_token = options.life_min_per_token,
                                     .tier2 = options.tier2,
                                     .fault_stall_forward = absl::Milliseconds(options.fault_stall_prefill_ms)}) {
-  kv_->set_listener(&kv_events_);
+  // With a second tier, the router follows both tiers as one.
+  if (options_.tier2 != nullptr) {
+    tiered_events_ = std::make_unique<TieredListener>(&kv_events_);
+    kv_->set_listener(tiered_events_->pool());
+    options_.tier2->set_listener(tiered_events_->tier2());
+  } else {
+    kv_->set_listener(&kv_events_);
+  }
   sender_->SetRoomListener([this](kv::Connection& c) {
     absl::MutexLock lock(&mu_);
     room_freed_.insert(&c);
@@ -238,6 +246,7 @@ PrefillService::~PrefillService() {
   sender_->SetRoomListener(nullptr);
   Shutdown();
   kv_->set_listener(nullptr);
+  if (options_.tier2 != nullptr) options_.tier2->set_listener(nullptr);
 }
 
 void PrefillService::Shutdown() {

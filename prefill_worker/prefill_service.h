@@ -179,6 +179,7 @@ class PrefillService final : public worker::v1::PrefillWorker::CallbackService {
   rpc::UnparseableFault fault_unparseable_;
   // What the prefix cache holds, for the router (Status carries it).
   KvEventLog kv_events_;
+  std::unique_ptr<TieredListener> tiered_events_;  // With a second tier: both tiers into kv_events_.
 
   absl::Mutex mu_;
   std::deque<std::shared_ptr<Job>> queue_ ABSL_GUARDED_BY(mu_);  // Not reserved yet.

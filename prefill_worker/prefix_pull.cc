@@ -1,6 +1,7 @@
 #include "prefill_worker/prefix_pull.h"
 
 #include <chrono>
+#include <future>
 #include <utility>
 #include <vector>
 
@@ -37,11 +38,29 @@ absl::StatusOr<worker::v1::PushPrefixResponse> PrefixPusher::Push(const worker::
   // evict them, and they are never written (cached blocks are immutable).
   std::vector<SequenceKv> pins;
   std::vector<int32_t> table;
-  for (const BlockHash& h : hasher.FullBlockHashes(tokens, salt)) {
+  const std::vector<BlockHash> hashes = hasher.FullBlockHashes(tokens, salt);
+  for (const BlockHash& h : hashes) {
     SequenceKv pin = kv_->PinCached(h);
     if (pin.empty()) break;
     table.push_back(pin.block_table()[0]);
     pins.push_back(std::move(pin));
+  }
+  // The rest of the prefix from the second tier, read into blocks of this
+  // push's own (given back when it ends, never published here).
+  SequenceKv restored;
+  if (tier2_ != nullptr && table.size() < hashes.size()) {
+    const std::vector<BlockHash> rest(hashes.begin() + static_cast<ptrdiff_t>(table.size()), hashes.end());
+    const int32_t n = tier2_->CountPrefix(rest);
+    restored = kv_->NewSequence();
+    if (n > 0 && kv_->Grow(restored, n * spec.block_size).ok()) {
+      std::promise<int32_t> read;
+      std::future<int32_t> verified = read.get_future();
+      tier2_->Restore(kv_->storage(), std::vector<BlockHash>(rest.begin(), rest.begin() + n), restored.block_table(),
+                      [&read](int32_t v) { read.set_value(v); });
+      const int32_t v = verified.get();
+      table.insert(table.end(), restored.block_table().begin(), restored.block_table().begin() + v);
+      counters_.tier2_blocks += v;
+    }
   }
   if (table.empty()) {
     ++counters_.empty;

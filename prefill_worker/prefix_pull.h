@@ -11,8 +11,11 @@
 // counts and logs it (the prefix is then computed, as without the pull).
 //
 // Only cached whole blocks travel: a pull never waits for a forward on
-// either side, and A's engine goes on meanwhile (its blocks are pinned,
-// not copied). Device pools do not pull (their receivers cannot check
+// either side, and A's engine goes on meanwhile (its pool's blocks are
+// pinned, not copied). Where A's pool stops short of the prefix and its
+// second tier holds the next blocks, they are read back (and checked)
+// into blocks taken for this push alone and sent from there, unpublished
+// on A. Device pools do not pull (their receivers cannot check
 // the landed bytes on the host).
 //
 // Thread safety: PrefixPusher::Push is thread-safe (pushes run one at a
@@ -28,6 +31,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "kv/kv_manager.h"
+#include "kv/tier2_store.h"
 #include "kv_transfer/receiver.h"
 #include "kv_transfer/sender.h"
 #include "model/model.h"
@@ -42,13 +46,15 @@ struct PushCounters {
   std::atomic<int64_t> empty{0};        // Asked for a prefix not cached here.
   std::atomic<int64_t> bytes{0};        // KV bytes sent.
   std::atomic<int64_t> positions{0};    // Positions sent.
+  std::atomic<int64_t> tier2_blocks{0};  // Of them, blocks read back from the second tier to be sent.
 };
 
 class PrefixPusher {
  public:
-  // REQUIRES: everything outlives the pusher; `sender` reads `kv`'s pool.
-  PrefixPusher(const ModelIdentity& model, KvManager* kv, kv::KvSender* sender)
-      : model_(model), kv_(kv), sender_(sender) {}
+  // REQUIRES: everything outlives the pusher; `sender` reads `kv`'s pool;
+  // `tier2` (null: none) is the pool's second tier.
+  PrefixPusher(const ModelIdentity& model, KvManager* kv, kv::KvSender* sender, Tier2Store* tier2 = nullptr)
+      : model_(model), kv_(kv), sender_(sender), tier2_(tier2) {}
 
   // Sends the longest cached prefix of the request's tokens (whole blocks)
   // to its receiver and returns what was sent. A prefix not cached here
@@ -65,6 +71,7 @@ class PrefixPusher {
   const ModelIdentity model_;
   KvManager* const kv_;
   kv::KvSender* const sender_;
+  Tier2Store* const tier2_;
   PushCounters counters_;
   absl::Mutex mu_;  // One push at a time; held across it.
   absl::flat_hash_map<std::string, kv::Connection*> connections_ ABSL_GUARDED_BY(mu_);

@@ -135,6 +135,8 @@ class Cluster {
  public:
   // Flags for one decode worker only (by index), set before Start.
   std::map<int, std::vector<std::string>> extra_decode_flags;
+  // Flags for prefill worker i alone (after prefill_flags).
+  std::map<int, std::vector<std::string>> extra_prefill_flags;
   std::vector<std::string> extra_router_flags;
   // The model directory every process serves, set before Start.
   std::string model = kModel;
@@ -192,6 +194,9 @@ class Cluster {
                                           "--ready_file", ready, "--prefill_chunk", "32"};
         for (std::string& a : TlsArgs("prefill", tls, certs_dir)) pargs.push_back(std::move(a));
         pargs.insert(pargs.end(), prefill_flags.begin(), prefill_flags.end());
+        if (auto it = extra_prefill_flags.find(i); it != extra_prefill_flags.end()) {
+          pargs.insert(pargs.end(), it->second.begin(), it->second.end());
+        }
         if (absl::Status s = prefill_.back()->Start(pargs, absl::StrCat(dir, "/prefill", i, ".log"), env); !s.ok()) {
           return s;
         }

@@ -232,6 +232,66 @@ TEST(PrefixPullClusterTest, APrefixAnotherPrefillWorkerHoldsIsPulledNotComputedA
   EXPECT_EQ(MetricValue(puller, "pdserve_kv_checksum_failures_total{path=\"pull\"}"), 0) << puller;
   // The pulled blocks were hits of the prefill that followed.
   EXPECT_GE(MetricValue(puller, "pdserve_prefix_cache_blocks_total{result=\"hit\"}"), 4) << puller;
+  // Greedy too: another prompt, computed on worker 0, then pulled to 1.
+  v1::GenerateRequest greedy = LongRequest();
+  greedy.set_text(absl::StrCat("There were giants in the earth in those days. ", greedy.text()));
+  greedy.mutable_sampling()->set_temperature(0);
+  const Output computed = c.Generate(greedy);
+  const Output pulled = c.Generate(greedy);
+  ASSERT_TRUE(computed.status.ok() && pulled.status.ok()) << c.Logs();
+  EXPECT_EQ(pulled.tokens, computed.tokens);
+  EXPECT_EQ(pulled.text, computed.text);
+  EXPECT_EQ(MetricValue(HttpGet(c.router_metrics(), "/metrics"), "pdserve_prefix_pulls_total{outcome=\"pulled\"}"),
+            2);
+}
+
+// The holder's pool has let the prefix go but its second tier keeps it
+// (and the router, following both tiers, still counts it there): the push
+// reads the blocks back from disk and sends them from there.
+TEST(PrefixPullClusterTest, APrefixHeldOnlyInTheHoldersSecondTierIsReadBackAndPulled) {
+  const std::string dir = TempDir();
+  Cluster c;
+  c.extra_router_flags = {"--prefill_policy", "round_robin", "--prefix_pull_min_tokens", "16",
+                          "--prefix_pull_overhead_ms", "0"};
+  // Pools of 8 blocks, each worker's second tier a directory of its own.
+  c.extra_prefill_flags = {{0, Tier2Flags(dir + "/tier2_0")}, {1, Tier2Flags(dir + "/tier2_1")}};
+  ASSERT_TRUE(c.Start(dir, false, {"--kv_verify_handoffs", "off"}, {}, 2, {"--kv_positions", "128"}).ok())
+      << c.Logs();
+  const int holder = MetricsPort(dir + "/prefill0.ready");
+  auto generate = [&](const std::string& text, int max_tokens) {
+    v1::GenerateRequest r;
+    r.set_text(text);
+    r.set_max_tokens(max_tokens);
+    const Output o = c.Generate(r);
+    EXPECT_TRUE(o.status.ok()) << o.status.error_message() << "\n" << c.Logs();
+  };
+  // Turns go 0, 1, 0, 1, ...: both workers measured first.
+  generate("In the beginning God created the heaven and the earth.", 2);
+  generate("And the earth was without form, and void; and darkness was upon the face of the deep.", 2);
+  const Output computed = c.Generate(LongRequest());  // worker 0
+  ASSERT_TRUE(computed.status.ok()) << c.Logs();
+  // LongRequest is 85 tokens: 5 full blocks.
+  const double written = AwaitPrefillMetric(c, "pdserve_kv_tier2_writes_total{result=\"written\"}", 5);
+  ASSERT_GE(written, 5) << "worker 0's blocks reached its second tier";
+  generate("And God said, Let there be light: and there was light.", 2);  // worker 1
+  // Worker 0 again: a prompt of its own that fills its pool.
+  generate(
+      "And God called the firmament Heaven. And the evening and the morning were the second day. And God said, Let "
+      "the waters under the heaven be gathered together unto one place, and let the dry land appear: and it was "
+      "so. And God called the dry land Earth; and the gathering together of the waters called he Seas: and God "
+      "saw that it was good.",
+      2);
+  const Output pulled = c.Generate(LongRequest());  // worker 1: pulls from worker 0's second tier
+  ASSERT_TRUE(pulled.status.ok()) << c.Logs();
+  EXPECT_EQ(pulled.tokens, computed.tokens);
+  EXPECT_EQ(pulled.text, computed.text);
+  const std::string router = HttpGet(c.router_metrics(), "/metrics");
+  EXPECT_EQ(MetricValue(router, "pdserve_prefix_pulls_total{outcome=\"pulled\"}"), 1) << router << c.Logs();
+  const std::string held = HttpGet(holder, "/metrics");
+  EXPECT_GE(MetricValue(held, "pdserve_kv_push_tier2_blocks_total"), 1) << held;
+  EXPECT_GE(MetricValue(held, "pdserve_kv_tier2_restored_blocks_total"), 1) << held;
+  const std::string puller = HttpGet(MetricsPort(dir + "/prefill1.ready"), "/metrics");
+  EXPECT_EQ(MetricValue(puller, "pdserve_kv_pulls_total{result=\"published\"}"), 1) << puller;
 }
 
 TEST(PrefixPullClusterTest, APulledPrefixThatFailsItsCheckIsDiscardedAndComputed) {

@@ -41,6 +41,27 @@ TEST(KvEventLogTest, StartsClearedAndNumbersEventsInOrder) {
   EXPECT_EQ(log.num_cached(), 1u);
 }
 
+TEST(TieredListenerTest, ABlockIsHeldWhileEitherTierHoldsIt) {
+  KvEventLog log;
+  TieredListener tiers(&log);
+  tiers.pool()->OnStored(H(1), BlockHash{});
+  tiers.tier2()->OnStored(H(1), BlockHash{});  // Written to disk too: nothing new.
+  tiers.tier2()->OnStored(H(2), H(1));         // Only on disk (read back at start).
+  tiers.pool()->OnRemoved(H(1));               // Evicted from the pool, kept on disk.
+  EXPECT_EQ(log.num_cached(), 2u);
+  tiers.tier2()->OnRemoved(H(1));              // Gone from both.
+  tiers.pool()->OnRemoved(H(2));               // Never in the pool: nothing.
+  tiers.tier2()->OnStored(H(3), H(2));
+  const KvEventBatch all = log.Read(0);
+  EXPECT_EQ(Kinds(all), (std::vector<KvEventKind>{KvEventKind::kCleared, KvEventKind::kStored, KvEventKind::kStored,
+                                                  KvEventKind::kRemoved, KvEventKind::kStored}));
+  EXPECT_EQ(all.events[2].hash, H(2));
+  EXPECT_EQ(all.events[2].parent, H(1));
+  EXPECT_EQ(all.events[3].hash, H(1));
+  EXPECT_EQ(all.events[4].parent, H(2));
+  EXPECT_EQ(log.num_cached(), 2u);
+}
+
 TEST(KvEventLogTest, BatchesAreBoundedAndSayMoreFollows) {
   KvEventLog log;
   for (uint64_t i = 1; i <= 10; ++i) log.OnStored(H(i), H(i - 1));

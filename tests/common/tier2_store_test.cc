@@ -9,11 +9,13 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
+#include "kv/kv_events.h"
 
 namespace pdserve {
 namespace {
@@ -229,6 +231,56 @@ TEST(Tier2StoreTest, EvictionDeletesTheLeastRecentlyUsedFileAndARestoreRefreshes
   EXPECT_EQ(stats.evictions, 2);
   EXPECT_EQ(stats.blocks, 3);
   EXPECT_EQ(stats.capacity_bytes, 3 * store->FileBytes());
+}
+
+// The router follows the tier through its listener: every block indexed
+// (with its chain parent) and dropped, and, when a listener is set, every
+// block indexed then, also after a restart (the parents from the headers).
+TEST(Tier2StoreTest, AListenerHearsEveryBlockStoredAndDroppedAndOnBeingSetWhatIsHeld) {
+  ScratchDir dir;
+  auto pool = PoolOrDie();
+  const KvStorage storage = pool->storage();
+  {
+    auto store = OpenOrDie(dir.path(), SmallSpec(), TestModel(), /*capacity_files=*/3);
+    ASSERT_NE(store, nullptr);
+    KvEventLog log;
+    store->set_listener(&log);
+    for (int i = 0; i < 4; ++i) {
+      Fill(storage, i, i + 1);
+      const BlockHash parent = i == 0 ? BlockHash{} : HashOf(i - 1);
+      store->Write(HashOf(i), parent, [storage, i](char* out) {
+        std::memcpy(out, Payload(storage, i).data(), Payload(storage, i).size());
+        return true;
+      });
+      store->Flush();
+    }
+    store->set_listener(nullptr);
+    const KvEventBatch b = log.Read(0);
+    std::vector<std::pair<KvEventKind, BlockHash>> got;
+    for (const KvEvent& e : b.events) {
+      if (e.kind != KvEventKind::kCleared) got.emplace_back(e.kind, e.hash);
+    }
+    EXPECT_EQ(got, (std::vector<std::pair<KvEventKind, BlockHash>>{{KvEventKind::kStored, HashOf(0)},
+                                                                   {KvEventKind::kStored, HashOf(1)},
+                                                                   {KvEventKind::kStored, HashOf(2)},
+                                                                   {KvEventKind::kStored, HashOf(3)},
+                                                                   {KvEventKind::kRemoved, HashOf(0)}}));
+    EXPECT_EQ(b.events[4].parent, HashOf(2));
+  }
+  auto store = OpenOrDie(dir.path(), SmallSpec(), TestModel(), /*capacity_files=*/3);
+  ASSERT_NE(store, nullptr);
+  KvEventLog log;
+  store->set_listener(&log);
+  const KvEventBatch b = log.Read(0);
+  ASSERT_EQ(b.events.size(), 4u);  // Cleared, then the three held (in the order of their files' times).
+  absl::flat_hash_map<BlockHash, BlockHash> parents;
+  for (int i = 1; i < 4; ++i) {
+    EXPECT_EQ(b.events[i].kind, KvEventKind::kStored);
+    parents[b.events[i].hash] = b.events[i].parent;
+  }
+  EXPECT_EQ(parents, (absl::flat_hash_map<BlockHash, BlockHash>{
+                         {HashOf(1), HashOf(0)}, {HashOf(2), HashOf(1)}, {HashOf(3), HashOf(2)}}));
+  store->set_listener(nullptr);
 }
 
 TEST(Tier2StoreTest, ReopeningTheDirectoryIndexesTheSameBlocksAndRestoresThemByteIdentical) {

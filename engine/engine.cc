@@ -281,6 +281,7 @@ void Engine::FinishRestore(const std::shared_ptr<Request>& r, int32_t verified) 
   kv_.Truncate(r->kv, keep);
   r->kv.SetNumPositions(keep * bs);
   kv_.Publish(r->kv, ContextHashes(*r, keep));
+  r->restored = verified * bs;
   r->fed = r->cached = keep * bs;
   if (auto c = std::find_if(restore_cancels_.begin(), restore_cancels_.end(),
                             [&r](const auto& p) { return p.first == r; });
@@ -452,6 +453,7 @@ bool Engine::AcceptToken(Request& r, absl::Span<const float> logits) {
     r.context.clear();
     r.context.shrink_to_fit();
   }
+  if (first && r.callbacks.on_first_cached) r.callbacks.on_first_cached(cached, r.restored);
   if (r.callbacks.on_token) r.callbacks.on_token(*ev, cached);
   if (ev->finish != FinishReason::kNone) {
     End(r, absl::OkStatus(), EndReasonFor(ev->finish));

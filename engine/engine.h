@@ -103,6 +103,10 @@ struct RequestCallbacks {
   // A sampled token; the first of a prefill carries the context positions
   // that came from the prefix cache.
   std::function<void(const TokenEvent& token, int32_t cached_tokens)> on_token;
+  // Just before the first token's on_token: the context positions that
+  // came from the prefix cache, and of them those read back from the
+  // second tier (null: not wanted).
+  std::function<void(int32_t cached_tokens, int32_t tier2_tokens)> on_first_cached;
   // The request ended inside the engine: OK (stop or length), CANCELLED,
   // or its error. Called once, after its last token. (A kPrefillOnly
   // request that hands off ends with its owner instead.)
@@ -141,6 +145,7 @@ struct Request {
   int32_t fed = 0;
   int32_t cached = 0;  // Of fed, from the prefix cache (either tier).
   bool restore_tried = false;  // Read from the second tier once at most.
+  int32_t restored = 0;        // Context positions read back from it (of `cached`).
   bool first_sent = false;
   absl::Status layer_status;  // kPrefillOnly: the first on_layer_written error.
   // Its latest progress on the engine's clock (EngineOptions::life_base):

@@ -54,6 +54,7 @@ struct PrefillService::Job {
   std::vector<int32_t> context;  // Prompt + generated_ids: what is prefilled.
   // Of the context, what the engine computed (set with the first token).
   int64_t computed_tokens = 0;
+  int32_t tier2_tokens = 0;  // Of the cached positions, read back from the second tier (engine thread).
   Clock::time_point room_wait_since;  // While waiting for room on its decode worker.
   SequenceKv kv;  // From the engine, after the first token: what is committed.
   std::unique_ptr<kv::Handoff> handoff;
@@ -497,6 +498,8 @@ void PrefillService::Submit(const std::shared_ptr<Job>& job) {
       return j->handoff->SendLayer(layer, kv.block_table());
     };
   }
+  // The engine's thread, just before on_token.
+  c.on_first_cached = [j](int32_t, int32_t tier2) { j->tier2_tokens = tier2; };
   c.on_token = [j](const TokenEvent& first, int32_t cached) {
     const auto now = Clock::now();
     j->first = first;
@@ -513,6 +516,7 @@ void PrefillService::Submit(const std::shared_ptr<Job>& job) {
     }
     f->set_finish_reason(rpc::ToProto(first.finish));
     f->set_cached_tokens(cached);
+    f->set_tier2_tokens(j->tier2_tokens);
     f->set_queue_seconds(Seconds(j->queued_at, j->started_at));
     f->set_prefill_seconds(Seconds(j->started_at, now));
     j->Push(std::move(ev));

@@ -198,6 +198,14 @@ void MeasuredInputs::RecordHandoff(const std::string& prefill_worker, const std:
   handoff_bytes_.Add(bytes, options_.alpha, now);
 }
 
+void MeasuredInputs::RecordPrefixTiers(int64_t pool_tokens, int64_t tier2_tokens) {
+  if (pool_tokens < 0 || tier2_tokens < 0) return;
+  const absl::Time now = options_.clock();
+  absl::MutexLock lock(&mu_);
+  pool_cached_tokens_.Add(static_cast<double>(pool_tokens), options_.alpha, now);
+  tier2_cached_tokens_.Add(static_cast<double>(tier2_tokens), options_.alpha, now);
+}
+
 void MeasuredInputs::RecordPull(const std::string& from, const std::string& to, double bytes, double seconds) {
   if (!(bytes > 0) || !(seconds > 0)) return;
   const absl::Time now = options_.clock();
@@ -302,6 +310,8 @@ MeasuredSnapshot MeasuredInputs::Snapshot() const {
   for (const auto& [key, rate] : links_) s.links.push_back({key.first, key.second, rate.Read(now)});
   s.prompt_tokens = prompt_tokens_.Read(now);
   s.uncached_prompt_tokens = uncached_tokens_.Read(now);
+  s.pool_cached_tokens = pool_cached_tokens_.Read(now);
+  s.tier2_cached_tokens = tier2_cached_tokens_.Read(now);
   s.decode_history_tokens = history_tokens_.Read(now);
   s.handoff_bytes = handoff_bytes_.Read(now);
   s.output_tokens = output_tokens_.Read(now);
@@ -350,6 +360,14 @@ std::string FormatSnapshot(const MeasuredSnapshot& s) {
   }
   absl::StrAppend(&out, "prompt tokens: ", FormatMeasuredValue(s.prompt_tokens, 1), "\n");
   absl::StrAppend(&out, "uncached prompt tokens: ", FormatMeasuredValue(s.uncached_prompt_tokens, 1), "\n");
+  if (s.tier2_cached_tokens.has_data() && s.prompt_tokens.has_data() && *s.prompt_tokens.value > 0) {
+    // The prefix cache by tier, as shares of the prompt.
+    absl::StrAppend(&out, "prefix cache by tier: ",
+                    absl::StrFormat("%.1f%% of prompt tokens from the pools, %.1f%% read back from second tiers",
+                                    100 * *s.pool_cached_tokens.value / *s.prompt_tokens.value,
+                                    100 * *s.tier2_cached_tokens.value / *s.prompt_tokens.value),
+                    " (", s.tier2_cached_tokens.samples, " samples)\n");
+  }
   absl::StrAppend(&out, "decode history tokens: ", FormatMeasuredValue(s.decode_history_tokens, 1), "\n");
   absl::StrAppend(&out, "handoff bytes: ", FormatMeasuredValue(s.handoff_bytes, 0), "\n");
   absl::StrAppend(&out, "output tokens: ", FormatMeasuredValue(s.output_tokens, 1), "\n");

@@ -120,6 +120,10 @@ struct MeasuredSnapshot {
   std::vector<LinkReading> links;
   MeasuredValue prompt_tokens;           // mean per prefilled request
   MeasuredValue uncached_prompt_tokens;  // mean per prefilled request
+  // Of the cached prompt tokens, mean per prefill on a prefill worker:
+  // found in its pool, read back from its second tier.
+  MeasuredValue pool_cached_tokens;
+  MeasuredValue tier2_cached_tokens;
   MeasuredValue decode_history_tokens;   // mean over decode step samples
   MeasuredValue handoff_bytes;           // mean KV bytes per handoff
   MeasuredValue output_tokens;           // mean per finished request
@@ -148,6 +152,9 @@ class MeasuredInputs {
   // One KV handoff of `bytes` from `prefill_worker` to `decode_worker`.
   // Ignored unless bytes > 0 and seconds > 0.
   void RecordHandoff(const std::string& prefill_worker, const std::string& decode_worker, double bytes, double seconds);
+  // A prefill worker's first token said `pool_tokens` of the context came
+  // from its pool's prefix cache and `tier2_tokens` from its second tier.
+  void RecordPrefixTiers(int64_t pool_tokens, int64_t tier2_tokens);
   // A prefix pulled from prefill worker `from` to prefill worker `to`: a
   // link like a handoff's (the pull's cost model reads it), not a handoff
   // (the mean handoff size stays the handoffs'). Ignored unless bytes > 0
@@ -223,6 +230,8 @@ class MeasuredInputs {
   std::map<std::pair<std::string, std::string>, RateEwma> links_ ABSL_GUARDED_BY(mu_);
   MeanEwma prompt_tokens_ ABSL_GUARDED_BY(mu_);
   MeanEwma uncached_tokens_ ABSL_GUARDED_BY(mu_);
+  MeanEwma pool_cached_tokens_ ABSL_GUARDED_BY(mu_);
+  MeanEwma tier2_cached_tokens_ ABSL_GUARDED_BY(mu_);
   MeanEwma history_tokens_ ABSL_GUARDED_BY(mu_);
   MeanEwma handoff_bytes_ ABSL_GUARDED_BY(mu_);
   MeanEwma output_tokens_ ABSL_GUARDED_BY(mu_);

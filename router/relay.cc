@@ -423,6 +423,7 @@ RelayState Relay::Prefill() {
         timings_.set_cached_prompt_tokens(f.cached_tokens());
       }
       observer_->Prefilled(p.address(), context_tokens, f.cached_tokens(), f.prefill_seconds());
+      observer_->PrefixTiers(f.cached_tokens() - f.tier2_tokens(), f.tier2_tokens());
       v1::TokenChunk chunk;
       rpc::AppendToken(*text, request_.params.logprobs > 0, &chunk);
       SendChunk(chunk);

@@ -34,6 +34,8 @@ RelayMetrics::RelayMetrics(MetricsRegistry& m) {
   }
   prompt_tokens = m.AddCounter("pdserve_prefill_context_tokens_total", "Context positions prefilled (cached or computed).");
   cached_tokens = m.AddCounter("pdserve_prefix_cached_tokens_total", "Of them, positions taken from a worker's prefix cache.");
+  tier2_tokens = m.AddCounter("pdserve_prefix_tier2_tokens_total",
+                              "Of the cached positions, those a prefill worker read back from its second tier.");
 }
 
 void RelayMetrics::CountOutcome(const char* outcome) const { outcomes.at(outcome)->Add(); }
@@ -53,6 +55,11 @@ void MetricsObserver::Prefilled(const std::string& worker, int64_t context_token
   if (!worker.empty()) measured_->RecordPrefill(worker, context_tokens, context_tokens - cached_tokens, seconds);
   metrics_->prompt_tokens->Add(static_cast<double>(context_tokens));
   metrics_->cached_tokens->Add(static_cast<double>(cached_tokens));
+}
+
+void MetricsObserver::PrefixTiers(int64_t pool_tokens, int64_t tier2_tokens) {
+  measured_->RecordPrefixTiers(pool_tokens, tier2_tokens);
+  metrics_->tier2_tokens->Add(static_cast<double>(tier2_tokens));
 }
 
 void MetricsObserver::HandedOff(const std::string& prefill, const std::string& decode, double bytes, double seconds) {

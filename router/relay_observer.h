@@ -42,6 +42,7 @@ struct RelayMetrics {
   Counter* placements[3];  // prefill_pool, decode_local, colocated
   Counter* prompt_tokens;
   Counter* cached_tokens;
+  Counter* tier2_tokens;
 };
 
 // Where a request's prefill runs.
@@ -66,6 +67,12 @@ class RelayObserver {
   // reports no time apart from its decode.
   virtual void Prefilled(const std::string& worker, int64_t context_tokens, int64_t cached_tokens,
                          double seconds) = 0;
+  // A prefill worker's first token: of its cached context positions,
+  // `pool_tokens` came from its pool and `tier2_tokens` from its second tier.
+  virtual void PrefixTiers(int64_t pool_tokens, int64_t tier2_tokens) {
+    (void)pool_tokens;
+    (void)tier2_tokens;
+  }
   // A handoff committed: `bytes` of KV from `prefill` to `decode` in `seconds`.
   virtual void HandedOff(const std::string& prefill, const std::string& decode, double bytes, double seconds) = 0;
   // The gap before a streamed message other than the first.
@@ -91,6 +98,7 @@ class MetricsObserver final : public RelayObserver {
   void Migrated() override;
   void PrefillRetried() override;
   void Prefilled(const std::string& worker, int64_t context_tokens, int64_t cached_tokens, double seconds) override;
+  void PrefixTiers(int64_t pool_tokens, int64_t tier2_tokens) override;
   void HandedOff(const std::string& prefill, const std::string& decode, double bytes, double seconds) override;
   void TokenGap(double seconds) override;
   void EndedEarly(const char* outcome) override;

@@ -105,6 +105,10 @@ TEST(Tier2ClusterTest, BlocksWrittenBeforeARestartAreReadBackAfterItAndTheStream
   EXPECT_GT(st.kv_tier2_bytes(), 0) << st.ShortDebugString();
   EXPECT_EQ(st.kv_checksum_failures(), 0) << st.ShortDebugString();
   EXPECT_EQ(c.Status().decode(0).kv_tier2_capacity_bytes(), 0) << "no second tier there";
+  // The router measures the prefix cache by tier from the first tokens.
+  EXPECT_GE(MetricValue(HttpGet(c.router_metrics(), "/metrics"), "pdserve_prefix_tier2_tokens_total"), 32);
+  EXPECT_TRUE(absl::StrContains(c.Status().measured_report(), "read back from second tiers"))
+      << c.Status().measured_report();
 }
 
 TEST(Tier2ClusterTest, ADamagedStoreIsRefusedOrCaughtAndThePrefixIsComputed) {

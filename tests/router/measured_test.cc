@@ -89,6 +89,21 @@ TEST(MeasuredInputsTest, APullIsMeasuredOnItsLinkAndOtherwiseEveryLinksMeanStand
   EXPECT_DOUBLE_EQ(*m.Snapshot().handoff_bytes.value, 3e6);
 }
 
+TEST(MeasuredInputsTest, ThePrefixCacheIsMeasuredByTierAsSharesOfThePrompt) {
+  FakeClock clock;
+  MeasuredInputs m(Options(clock));
+  EXPECT_EQ(FormatSnapshot(m.Snapshot()).find("prefix cache by tier"), std::string::npos) << "no data: no line";
+  m.RecordPrefill("p0", 400, 100, 0.1);
+  m.RecordPrefixTiers(100, 200);
+  const MeasuredSnapshot s = m.Snapshot();
+  EXPECT_DOUBLE_EQ(*s.pool_cached_tokens.value, 100);
+  EXPECT_DOUBLE_EQ(*s.tier2_cached_tokens.value, 200);
+  EXPECT_NE(FormatSnapshot(s).find("prefix cache by tier: 25.0% of prompt tokens from the pools, 50.0% read back "
+                                   "from second tiers (1 samples)"),
+            std::string::npos)
+      << FormatSnapshot(s);
+}
+
 TEST(MeasuredInputsTest, EarlySamplesArePlainMeansThenWeighted) {
   FakeClock clock;
   MeasuredInputs m(Options(clock));  // alpha 0.1: the first 10 samples are a plain mean

@@ -4,6 +4,8 @@
 #include <numeric>
 #include <utility>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "kv/kv_checksum.h"
 #include "kv_transfer/layout_copy.h"
@@ -474,6 +476,40 @@ absl::Status Handoff::Abort(absl::Status why) {
   absl::StatusOr<absl::Status> waited = Wait(future, sender->options_.timeout, "abort", *state_->conn);
   if (!waited.ok()) FailSilent(sender->transport_, state_->conn, waited.status());
   return waited.ok() ? *waited : waited.status();
+}
+
+absl::StatusOr<Connection*> ReceiverConnections::Get(const std::string& address) {
+  auto it = connections_.find(address);
+  if (it != connections_.end() && !it->second->failed()) return it->second;
+  const size_t colon = address.rfind(':');
+  int port = 0;
+  if (colon == std::string::npos || !absl::SimpleAtoi(address.substr(colon + 1), &port)) {
+    return absl::InvalidArgumentError(absl::StrCat("KV receiver address '", address, "' is not host:port"));
+  }
+  absl::StatusOr<Connection*> c = sender_->Connect(address.substr(0, colon), port);
+  if (!c.ok()) return c.status();
+  connections_[address] = *c;
+  return *c;
+}
+
+absl::StatusOr<std::unique_ptr<Handoff>> ReceiverConnections::Reserve(const std::string& address,
+                                                                      const ReserveArgs& args) {
+  for (int attempt = 0;; ++attempt) {
+    const bool kept = connections_.contains(address);
+    absl::StatusOr<Connection*> conn = Get(address);
+    if (!conn.ok()) return conn.status();
+    absl::StatusOr<std::unique_ptr<Handoff>> h = sender_->Reserve(*conn, args);
+    if (h.ok() || attempt > 0 || !kept || !absl::IsUnavailable(h.status()) ||
+        absl::StrContains(h.status().message(), "draining")) {
+      return h;
+    }
+    connections_.erase(address);
+  }
+}
+
+const Connection* ReceiverConnections::Find(const std::string& address) const {
+  auto it = connections_.find(address);
+  return it != connections_.end() ? it->second : nullptr;
 }
 
 }  // namespace pdserve::kv

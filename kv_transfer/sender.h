@@ -147,6 +147,28 @@ class KvSender final : public ConnectionHandler {
   std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);  // False once destroyed (loop thread).
 };
 
+// One sender's connections, kept per receiver address ("host:port"), and
+// a reservation that connects again once when a kept connection's receiver
+// went away (and perhaps came back at the same address: the first use of
+// the old connection fails). Not thread-safe: one caller at a time.
+class ReceiverConnections {
+ public:
+  explicit ReceiverConnections(KvSender* sender) : sender_(sender) {}
+  // The kept live connection to `address`, or a new one. INVALID_ARGUMENT
+  // when `address` is not host:port; the connection's own errors.
+  absl::StatusOr<Connection*> Get(const std::string& address);
+  // KvSender::Reserve on `address`'s receiver, connecting again once when
+  // a kept connection fails UNAVAILABLE for any reason but a draining
+  // receiver.
+  absl::StatusOr<std::unique_ptr<Handoff>> Reserve(const std::string& address, const ReserveArgs& args);
+  // The kept connection to `address` (null: none); never connects.
+  const Connection* Find(const std::string& address) const;
+
+ private:
+  KvSender* const sender_;
+  absl::flat_hash_map<std::string, Connection*> connections_;
+};
+
 }  // namespace pdserve::kv
 
 #endif  // PDSERVE_KV_TRANSFER_SENDER_H_

@@ -289,47 +289,18 @@ void PrefillService::FinishJob(const std::shared_ptr<Job>& job, absl::Status sta
   job->call->End(status);
 }
 
-absl::StatusOr<kv::Connection*> PrefillService::ConnectionTo(const std::string& address) {
-  auto it = connections_.find(address);
-  if (it != connections_.end() && !it->second->failed()) return it->second;
-  const size_t colon = address.rfind(':');
-  int port = 0;
-  if (colon == std::string::npos || !absl::SimpleAtoi(address.substr(colon + 1), &port)) {
-    return absl::InvalidArgumentError(absl::StrCat("decode_kv_address: '", address, "' is not host:port"));
-  }
-  absl::StatusOr<kv::Connection*> c = sender_->Connect(address.substr(0, colon), port);
-  if (!c.ok()) return c.status();
-  connections_[address] = *c;
-  return *c;
-}
-
 absl::Status PrefillService::StartHandoff(Job& job) {
   const GenerationRequest& r = job.gen->request();
-  for (int attempt = 0;; ++attempt) {
-    const bool cached = connections_.contains(job.decode_address);
-    absl::StatusOr<kv::Connection*> conn = ConnectionTo(job.decode_address);
-    if (!conn.ok()) return conn.status();
-    kv::ReserveArgs args;
-    args.num_positions = static_cast<int32_t>(job.context.size());
-    args.margin_positions = r.params.max_tokens - static_cast<int32_t>(job.gen->generated().size());
-    args.prompt_tokens = job.context;
-    args.grant = job.kv_grant;
-    args.cache_salt = r.cache_salt;
-    absl::StatusOr<std::unique_ptr<kv::Handoff>> h = sender_->Reserve(*conn, std::move(args));
-    if (h.ok()) {
-      job.handoff = *std::move(h);
-      return absl::OkStatus();
-    }
-    // A kept connection whose receiver went away (and perhaps came back at
-    // the same address) fails on first use: connect once more before
-    // reporting the decode side as failed.
-    if (attempt == 0 && cached && absl::IsUnavailable(h.status()) &&
-        !absl::StrContains(h.status().message(), "draining")) {
-      connections_.erase(job.decode_address);
-      continue;
-    }
-    return h.status();
-  }
+  kv::ReserveArgs args;
+  args.num_positions = static_cast<int32_t>(job.context.size());
+  args.margin_positions = r.params.max_tokens - static_cast<int32_t>(job.gen->generated().size());
+  args.prompt_tokens = job.context;
+  args.grant = job.kv_grant;
+  args.cache_salt = r.cache_salt;
+  absl::StatusOr<std::unique_ptr<kv::Handoff>> h = connections_.Reserve(job.decode_address, args);
+  if (!h.ok()) return h.status();
+  job.handoff = *std::move(h);
+  return absl::OkStatus();
 }
 
 void PrefillService::ReserveLoop() {
@@ -433,7 +404,7 @@ void PrefillService::ServeRoomWaits(bool cancels) {
   for (auto it = room_waits_.begin(); it != room_waits_.end();) {
     const std::string& address = it->first;
     RoomWait& wait = it->second;
-    if (auto c = connections_.find(address); c != connections_.end() && freed.contains(c->second)) wait.room = true;
+    if (const kv::Connection* c = connections_.Find(address); c != nullptr && freed.contains(c)) wait.room = true;
     if (cancels) {
       for (auto j = wait.jobs.begin(); j != wait.jobs.end();) {
         if (!(*j)->cancelled) {

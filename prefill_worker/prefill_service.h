@@ -169,7 +169,6 @@ class PrefillService final : public worker::v1::PrefillWorker::CallbackService {
   // Connects (once per address) and reserves; errors end the job.
   absl::Status StartHandoff(Job& job);
   void FinishJob(const std::shared_ptr<Job>& job, absl::Status status);
-  absl::StatusOr<kv::Connection*> ConnectionTo(const std::string& address);
 
   Model* model_;
   KvManager* kv_;
@@ -204,7 +203,7 @@ class PrefillService final : public worker::v1::PrefillWorker::CallbackService {
   int64_t cancels_ ABSL_GUARDED_BY(mu_) = 0;
 
   // Reserve thread only.
-  absl::flat_hash_map<std::string, kv::Connection*> connections_;
+  kv::ReceiverConnections connections_{sender_};
   absl::flat_hash_map<std::string, RoomWait> room_waits_;  // By decode KV address.
 
   std::atomic<int64_t> room_waits_total_{0};

@@ -5,27 +5,12 @@
 #include <utility>
 #include <vector>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "base/server_util.h"
 #include "kv/block_hash.h"
 #include "kv/kv_checksum.h"
 
 namespace pdserve::prefill {
-
-absl::StatusOr<kv::Connection*> PrefixPusher::ConnectionTo(const std::string& address) {
-  auto it = connections_.find(address);
-  if (it != connections_.end() && !it->second->failed()) return it->second;
-  const size_t colon = address.rfind(':');
-  int port = 0;
-  if (colon == std::string::npos || !absl::SimpleAtoi(address.substr(colon + 1), &port)) {
-    return absl::InvalidArgumentError(absl::StrCat("receiver_kv_address: '", address, "' is not host:port"));
-  }
-  absl::StatusOr<kv::Connection*> c = sender_->Connect(address.substr(0, colon), port);
-  if (!c.ok()) return c.status();
-  connections_[address] = *c;
-  return *c;
-}
 
 absl::StatusOr<worker::v1::PushPrefixResponse> PrefixPusher::Push(const worker::v1::PushPrefixRequest& req) {
   const auto start = std::chrono::steady_clock::now();
@@ -72,28 +57,14 @@ absl::StatusOr<worker::v1::PushPrefixResponse> PrefixPusher::Push(const worker::
     ++counters_.failed;
     return s;
   };
-  std::unique_ptr<kv::Handoff> handoff;
-  for (int attempt = 0;; ++attempt) {
-    const bool kept = connections_.contains(req.receiver_kv_address());
-    absl::StatusOr<kv::Connection*> conn = ConnectionTo(req.receiver_kv_address());
-    if (!conn.ok()) return fail(conn.status());
-    kv::ReserveArgs args;
-    args.num_positions = positions;
-    args.prompt_tokens.assign(tokens.begin(), tokens.begin() + positions);
-    args.grant = req.kv_grant();
-    args.cache_salt = salt;
-    absl::StatusOr<std::unique_ptr<kv::Handoff>> h = sender_->Reserve(*conn, std::move(args));
-    if (h.ok()) {
-      handoff = *std::move(h);
-      break;
-    }
-    // A kept connection whose receiver restarted fails on first use.
-    if (attempt == 0 && kept && absl::IsUnavailable(h.status())) {
-      connections_.erase(req.receiver_kv_address());
-      continue;
-    }
-    return fail(h.status());
-  }
+  kv::ReserveArgs args;
+  args.num_positions = positions;
+  args.prompt_tokens.assign(tokens.begin(), tokens.begin() + positions);
+  args.grant = req.kv_grant();
+  args.cache_salt = salt;
+  absl::StatusOr<std::unique_ptr<kv::Handoff>> reserved = connections_.Reserve(req.receiver_kv_address(), args);
+  if (!reserved.ok()) return fail(reserved.status());
+  std::unique_ptr<kv::Handoff> handoff = *std::move(reserved);
   for (int32_t l = 0; l < spec.num_layers; ++l) {
     if (absl::Status s = handoff->SendLayer(l, table); !s.ok()) return fail(s);
   }

@@ -27,7 +27,6 @@
 #include <cstdint>
 #include <string>
 
-#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "kv/kv_manager.h"
@@ -66,15 +65,13 @@ class PrefixPusher {
   const PushCounters& counters() const { return counters_; }
 
  private:
-  absl::StatusOr<kv::Connection*> ConnectionTo(const std::string& address) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-
   const ModelIdentity model_;
   KvManager* const kv_;
   kv::KvSender* const sender_;
   Tier2Store* const tier2_;
   PushCounters counters_;
   absl::Mutex mu_;  // One push at a time; held across it.
-  absl::flat_hash_map<std::string, kv::Connection*> connections_ ABSL_GUARDED_BY(mu_);
+  kv::ReceiverConnections connections_ ABSL_GUARDED_BY(mu_) = kv::ReceiverConnections(sender_);
 };
 
 // The receiving side's counters.

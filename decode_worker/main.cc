@@ -179,14 +179,7 @@ int Run() {
                            [r] { return static_cast<double>(r->metrics().failures); });
     metrics.AddCounterFunc("pdserve_handoff_leases_expired_total", "KV reservations whose lease expired.",
                            [r] { return static_cast<double>(r->metrics().leases_expired); });
-    for (int k = 1; k < kv::kGrantRefusalKinds; ++k) {
-      const auto why = static_cast<kv::GrantRefusal>(k);
-      metrics.AddCounterFunc("pdserve_handoff_refusals_total",
-                             "Reservations and commits refused: no, a bad, an expired, a foreign or a reused grant; "
-                             "a commit from another connection or for another request.",
-                             [r, why] { return static_cast<double>(r->refusals(why)); },
-                             absl::StrCat("reason=\"", kv::GrantRefusalName(why), "\""));
-    }
+    AddGrantRefusalMetrics(metrics, r);
   }
   ServeOptions serve;
   ApplyWorkerServing(*rt, serve);

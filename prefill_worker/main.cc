@@ -209,15 +209,7 @@ int Run() {
                              "Blocks of prefixes sent to other prefill workers that were read back from the second "
                              "tier to be sent (the pool no longer held them).",
                              counter(&pc->tier2_blocks));
-      kv::KvReceiver* r = pull_receiver.get();
-      for (int k = 1; k < kv::kGrantRefusalKinds; ++k) {
-        const auto why = static_cast<kv::GrantRefusal>(k);
-        metrics.AddCounterFunc("pdserve_handoff_refusals_total",
-                               "Pull reservations and commits refused: no, a bad, an expired, a foreign or a reused "
-                               "grant; a commit from another connection or for another request.",
-                               [r, why] { return static_cast<double>(r->refusals(why)); },
-                               absl::StrCat("reason=\"", kv::GrantRefusalName(why), "\""));
-      }
+      AddGrantRefusalMetrics(metrics, pull_receiver.get());
     }
     ServeOptions serve;
     ApplyWorkerServing(*rt, serve);

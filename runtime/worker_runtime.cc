@@ -287,6 +287,17 @@ void AddKvPoolMetrics(MetricsRegistry& metrics, const KvManager* kv) {
                    [spec] { return static_cast<double>(spec.BytesPerPosition()); });
 }
 
+void AddGrantRefusalMetrics(MetricsRegistry& metrics, const kv::KvReceiver* receiver) {
+  for (int k = 1; k < kv::kGrantRefusalKinds; ++k) {
+    const auto why = static_cast<kv::GrantRefusal>(k);
+    metrics.AddCounterFunc("pdserve_handoff_refusals_total",
+                           "Reservations and commits refused: no, a bad, an expired, a foreign or a reused grant; "
+                           "a commit from another connection or for another request.",
+                           [receiver, why] { return static_cast<double>(receiver->refusals(why)); },
+                           absl::StrCat("reason=\"", kv::GrantRefusalName(why), "\""));
+  }
+}
+
 void AddKvTier2Metrics(MetricsRegistry& metrics, const Tier2Store* tier2) {
   auto stat = [tier2](auto read) { return [tier2, read] { return static_cast<double>(read(tier2->Stats())); }; };
   metrics.AddGauge("pdserve_kv_tier2_bytes", "Bytes of block files the prefix cache's second tier holds.",

@@ -16,6 +16,7 @@
 #include "base/tls.h"
 #include "kv/kv_manager.h"
 #include "text/tokenizer.h"
+#include "kv_transfer/receiver.h"
 #include "kv_transfer/self_check.h"
 #include "kv_transfer/tcp_transport.h"
 #include "kv_transfer/ucx_transport.h"
@@ -90,6 +91,11 @@ void ApplyRequestLifeFlags(engine::EngineOptions& options);
 
 // The pool's gauges pdserve_kv_blocks{state=used|free}, from the KV manager.
 void AddKvPoolMetrics(MetricsRegistry& metrics, const KvManager* kv);
+
+// pdserve_handoff_refusals_total{reason}: reservations and commits a KV
+// receiver (a decode worker's handoffs, a prefill worker's pulls) refused
+// for their grant, by reason.
+void AddGrantRefusalMetrics(MetricsRegistry& metrics, const kv::KvReceiver* receiver);
 
 // The second tier's gauges and counters (pdserve_kv_tier2_*, and
 // pdserve_kv_checksum_failures_total{path="tier2"}), from its stats.

@@ -82,7 +82,6 @@ std::optional<PullPlan> Placement::PlanPull(const Worker& p, PromptChains& chain
     ++pull_stats_.slower;
     return std::nullopt;
   }
-  ++pull_stats_.planned;
   return plan;
 }
 

@@ -165,7 +165,6 @@ class Placement {
   void PullDone(const Worker& p, PromptChains& chains, const PullPlan& plan,
                 const absl::StatusOr<worker::v1::PushPrefixResponse>& result, const std::string& request_id);
   struct PullStats {
-    std::atomic<int64_t> planned{0};
     std::atomic<int64_t> slower{0};       // A holder existed; computing was predicted faster.
     std::atomic<int64_t> unmeasured{0};   // A holder existed; no link or prefill speed measured yet.
     std::atomic<int64_t> pulled{0};       // Pushes that committed.

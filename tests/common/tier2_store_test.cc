@@ -91,8 +91,9 @@ std::string Payload(const KvStorage& storage, int32_t block) {
   return out;
 }
 
-bool WriteBlock(Tier2Store& store, const KvStorage& storage, int32_t block, const BlockHash& hash) {
-  return store.Write(hash, BlockHash{}, [storage, block](char* out) {
+bool WriteBlock(Tier2Store& store, const KvStorage& storage, int32_t block, const BlockHash& hash,
+                const BlockHash& parent = {}) {
+  return store.Write(hash, parent, [storage, block](char* out) {
     CopyBlockOut(storage, block, out);
     return true;
   });
@@ -247,11 +248,7 @@ TEST(Tier2StoreTest, AListenerHearsEveryBlockStoredAndDroppedAndOnBeingSetWhatIs
     store->set_listener(&log);
     for (int i = 0; i < 4; ++i) {
       Fill(storage, i, i + 1);
-      const BlockHash parent = i == 0 ? BlockHash{} : HashOf(i - 1);
-      store->Write(HashOf(i), parent, [storage, i](char* out) {
-        std::memcpy(out, Payload(storage, i).data(), Payload(storage, i).size());
-        return true;
-      });
+      WriteBlock(*store, storage, i, HashOf(i), i == 0 ? BlockHash{} : HashOf(i - 1));
       store->Flush();
     }
     store->set_listener(nullptr);

@@ -453,13 +453,13 @@ void PrintPrefixCache(const BenchRow& row) {
   const nlohmann::ordered_json& t = row.tiers;
   const double blocks = std::max<double>(1, t["prompt_blocks"].get<double>());
   std::printf(
-      "  prefill prefix cache by tier: %lld of %lld prompt blocks hit in the pools (%.1f %%; %lld of them pulled from "
-      "another worker first), %lld read back from tier 2 (%.1f %%)\n",
+      "  prefill prefix cache by tier: %lld of %lld prompt blocks hit in the pools (%.1f %%), %lld read back from "
+      "tier 2 (%.1f %%); pulls from another worker put %lld blocks in the pools (each pull's whole prefix)\n",
       static_cast<long long>(t["pool_hit_blocks"].get<int64_t>()),
       static_cast<long long>(t["prompt_blocks"].get<int64_t>()), 100 * t["pool_hit_blocks"].get<double>() / blocks,
-      static_cast<long long>(t["pulled_blocks"].get<int64_t>()),
       static_cast<long long>(t["tier2_restored_blocks"].get<int64_t>()),
-      100 * t["tier2_restored_blocks"].get<double>() / blocks);
+      100 * t["tier2_restored_blocks"].get<double>() / blocks,
+      static_cast<long long>(t["pulled_blocks"].get<int64_t>()));
 }
 
 // The prefill pool's prefix cache over a row: `after` less `before`, per

@@ -66,13 +66,18 @@ Output ServeOnce(const std::string& dir, const std::string& tier2, Cluster& c) {
   return got;
 }
 
+// LongRequest's full blocks (85 tokens, kjv-tiny's blocks of 16).
+constexpr int kLongRequestBlocks = 5;
+
 // Serves LongRequest once on a cluster of its own (gone on return) whose
 // prefill worker keeps its second tier in `tier2`, once the tier has
-// written at least `blocks` blocks.
-Output FillTier(const std::string& dir, const std::string& tier2, int blocks) {
+// written every one of its blocks: the I/O threads write them in any
+// order, so fewer could miss the chain's first and nothing would restore.
+Output FillTier(const std::string& dir, const std::string& tier2) {
   Cluster c;
   Output got = ServeOnce(dir, tier2, c);
-  EXPECT_GE(AwaitPrefillMetric(c, "pdserve_kv_tier2_writes_total{result=\"written\"}", blocks), blocks);
+  EXPECT_GE(AwaitPrefillMetric(c, "pdserve_kv_tier2_writes_total{result=\"written\"}", kLongRequestBlocks),
+            kLongRequestBlocks);
   return got;
 }
 
@@ -87,7 +92,7 @@ std::vector<std::filesystem::path> BlockFiles(const std::string& tier2) {
 TEST(Tier2ClusterTest, BlocksWrittenBeforeARestartAreReadBackAfterItAndTheStreamIsTheSame) {
   const std::string dir = TempDir();
   const std::string tier2 = dir + "/tier2";
-  const Output first = FillTier(dir + "/before", tier2, 2);
+  const Output first = FillTier(dir + "/before", tier2);
   ASSERT_GE(BlockFiles(tier2).size(), 2u);
   Cluster c;
   const Output again = ServeOnce(dir + "/after", tier2, c);
@@ -114,7 +119,7 @@ TEST(Tier2ClusterTest, BlocksWrittenBeforeARestartAreReadBackAfterItAndTheStream
 TEST(Tier2ClusterTest, ADamagedStoreIsRefusedOrCaughtAndThePrefixIsComputed) {
   const std::string dir = TempDir();
   const std::string tier2 = dir + "/tier2";
-  const Output first = FillTier(dir + "/before", tier2, 3);
+  const Output first = FillTier(dir + "/before", tier2);
   std::vector<std::filesystem::path> files = BlockFiles(tier2);
   ASSERT_GE(files.size(), 3u);
   // The prompt's first block is the one whose parent (header bytes 40-56)
@@ -274,9 +279,9 @@ TEST(PrefixPullClusterTest, APrefixHeldOnlyInTheHoldersSecondTierIsReadBackAndPu
   generate("And the earth was without form, and void; and darkness was upon the face of the deep.", 2);
   const Output computed = c.Generate(LongRequest());  // worker 0
   ASSERT_TRUE(computed.status.ok()) << c.Logs();
-  // LongRequest is 85 tokens: 5 full blocks.
-  const double written = AwaitPrefillMetric(c, "pdserve_kv_tier2_writes_total{result=\"written\"}", 5);
-  ASSERT_GE(written, 5) << "worker 0's blocks reached its second tier";
+  const double written =
+      AwaitPrefillMetric(c, "pdserve_kv_tier2_writes_total{result=\"written\"}", kLongRequestBlocks);
+  ASSERT_GE(written, kLongRequestBlocks) << "worker 0's blocks reached its second tier";
   generate("And God said, Let there be light: and there was light.", 2);  // worker 1
   // Worker 0 again: a prompt of its own that fills its pool.
   generate(

@@ -12,6 +12,7 @@
 #include "base/grpc_status.h"
 #include "base/one_write_stream.h"
 #include "base/server_util.h"
+#include "decode_worker/sequence_move.h"
 #include "kv/tier2_store.h"
 #include "proto/convert.h"
 
@@ -64,6 +65,34 @@ class DecodeCall final : public OneWriteStream<DecodeEvent>,
     absl::MutexLock lock(&mu_);
     return abort_.has_value();
   }
+  // Positions the sequence holds: its prompt and the tokens sampled so far.
+  int64_t ContextTokens() {
+    absl::MutexLock lock(&mu_);
+    if (request_ == nullptr) return 0;
+    return static_cast<int64_t>(request_->gen->request().prompt.size()) + completion_tokens_;
+  }
+  // The sequence is paused for a move: after every token buffered, the
+  // stream says so (MovePoint).
+  void MarkPaused(int32_t generated, const std::string& reason) {
+    bool kick;
+    {
+      absl::MutexLock lock(&mu_);
+      if (finishing()) return;
+      move_point_ = {generated, reason};
+      move_point_sent_ = false;
+      kick = NeedsKickLocked();
+    }
+    if (kick) service_->Kick(shared_from_this());
+  }
+  // It resumes here (a MovePoint not yet written is not written).
+  void ClearPaused() {
+    absl::MutexLock lock(&mu_);
+    move_point_.reset();
+  }
+  // The target committed its KV: the stream is over here. It ends OK
+  // without a final message, which the router reads as the move's end.
+  void EndMoved() { Abort(grpc::Status::OK, /*cancel_rpc=*/false); }
+
   // The disaggregated call counts the prefill worker's first token.
   void CountFirstToken() {
     absl::MutexLock lock(&mu_);
@@ -240,9 +269,14 @@ class DecodeCall final : public OneWriteStream<DecodeEvent>,
   void OnToken(const TokenEvent& t, int32_t cached) {
     bool overflow = false;
     bool kick = false;
+    bool pause = false;
     {
       absl::MutexLock lock(&mu_);
       if (finishing()) return;
+      // The engine's thread: the Generation is its own.
+      const int32_t fault_at = service_->options_.fault_move_at_token;
+      pause = fault_at > 0 && t.finish == FinishReason::kNone && request_ != nullptr &&
+              static_cast<int32_t>(request_->gen->generated().size()) == fault_at;
       const absl::Time now = absl::Now();
       const double gap = absl::ToDoubleSeconds(now - last_);
       if (options_.colocated && completion_tokens_ == 0) {
@@ -261,6 +295,7 @@ class DecodeCall final : public OneWriteStream<DecodeEvent>,
       kick = !overflow && NeedsKickLocked();
     }
     if (kick) service_->Kick(shared_from_this());
+    if (pause) service_->RequestPause(shared_from_this(), "rebalance");
     if (overflow) {
       service_->stalled_streams_.fetch_add(1);
       LogEvent("warning", "stream_stalled", {{"request_id", RequestIdForLog()}, {"why", "buffer full"}});
@@ -305,6 +340,14 @@ class DecodeCall final : public OneWriteStream<DecodeEvent>,
       for (size_t i = 0; i < n; ++i) rpc::AppendToken(pending_[i], options_.logprobs, chunk);
       pending_.erase(pending_.begin(), pending_.begin() + static_cast<std::ptrdiff_t>(n));
       if (options_.unparseable && ++chunks_written_ == 2) chunk->mutable_text()->append("\xff");
+      return StartWriteLocked();
+    }
+    if (move_point_.has_value() && !move_point_sent_) {
+      out_.Clear();
+      worker::v1::MovePoint* m = out_.mutable_paused();
+      m->set_generated(move_point_->first);
+      m->set_reason(move_point_->second);
+      move_point_sent_ = true;
       return StartWriteLocked();
     }
     if (!end_.has_value()) return {};
@@ -355,6 +398,8 @@ class DecodeCall final : public OneWriteStream<DecodeEvent>,
   std::optional<absl::Status> end_ ABSL_GUARDED_BY(mu_);     // From the engine (or EndHere).
   std::optional<grpc::Status> abort_ ABSL_GUARDED_BY(mu_);   // Ends the RPC with this.
   bool final_sent_ ABSL_GUARDED_BY(mu_) = false;
+  std::optional<std::pair<int32_t, std::string>> move_point_ ABSL_GUARDED_BY(mu_);  // generated, reason
+  bool move_point_sent_ ABSL_GUARDED_BY(mu_) = false;
   bool done_ ABSL_GUARDED_BY(mu_) = false;
   bool one_token_per_chunk_ ABSL_GUARDED_BY(mu_) = false;
   bool kick_queued_ ABSL_GUARDED_BY(mu_) = false;
@@ -387,6 +432,7 @@ DecodeService::DecodeService(Model* model, KvManager* kv, const tok::Tokenizer* 
   }
   engine_.Start();
   writer_thread_ = std::thread([this] { WriterLoop(); });
+  if (options_.mover != nullptr) mover_thread_ = std::thread([this] { MoverLoop(); });
 }
 
 void DecodeService::Kick(std::shared_ptr<DecodeCall> call) {
@@ -427,6 +473,19 @@ void DecodeService::Shutdown() {
     stop_writer_ = true;
   }
   if (writer_thread_.joinable()) writer_thread_.join();
+  {
+    absl::MutexLock lock(&move_mu_);
+    stop_mover_ = true;
+  }
+  if (mover_thread_.joinable()) mover_thread_.join();
+  {
+    // Paused sequences' KV goes back; their calls end below.
+    absl::flat_hash_map<std::string, Paused> paused;
+    {
+      absl::MutexLock lock(&move_mu_);
+      paused.swap(paused_);
+    }
+  }
   std::vector<std::shared_ptr<DecodeCall>> calls;
   {
     absl::MutexLock lock(&calls_mu_);
@@ -481,6 +540,7 @@ bool DecodeService::idle() {
 
 void DecodeService::Drain(absl::Time deadline) {
   draining_ = true;
+  if (options_.mover != nullptr) MoveAllOut(deadline);
   auto none = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(calls_mu_) { return calls_.empty(); };
   std::vector<std::shared_ptr<DecodeCall>> calls;
   {
@@ -489,6 +549,10 @@ void DecodeService::Drain(absl::Time deadline) {
     for (const auto& [p, c] : calls_) calls.push_back(c);
   }
   // Past the grace period: what still runs continues elsewhere.
+  {
+    absl::MutexLock lock(&move_mu_);
+    move_counts_.drain_replayed += static_cast<int64_t>(calls.size());
+  }
   for (auto& c : calls) {
     c->Abort(grpc::Status(grpc::StatusCode::UNAVAILABLE, "decode worker drained: continue elsewhere"), false);
   }
@@ -644,6 +708,236 @@ grpc::ServerUnaryReactor* DecodeService::Status(grpc::CallbackServerContext* ctx
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;
+}
+
+// --- Moves ------------------------------------------------------------------
+
+bool DecodeService::RequestPause(const std::shared_ptr<DecodeCall>& call, const std::string& reason) {
+  if (options_.mover == nullptr || call->aborted()) return false;
+  std::shared_ptr<engine::Request> r = call->request();
+  if (r == nullptr || r->lifecycle.state() != engine::RequestState::kDecoding) return false;
+  const std::string id = r->id.str();
+  {
+    absl::MutexLock lock(&move_mu_);
+    if (paused_.contains(id) || !pausing_.insert(id).second) return false;
+    settled_.erase(id);
+  }
+  engine_.Pause(r, [this, call, r, reason](bool out) { OnPaused(call, r, reason, out); });
+  return true;
+}
+
+void DecodeService::OnPaused(const std::shared_ptr<DecodeCall>& call, const std::shared_ptr<engine::Request>& r,
+                             const std::string& reason, bool out) {
+  const std::string id = r->id.str();
+  uint64_t serial = 0;
+  {
+    absl::MutexLock lock(&move_mu_);
+    pausing_.erase(id);
+    if (!out) {
+      Settle(id, false);
+      return;
+    }
+    serial = ++next_pause_;
+    paused_[id] = Paused{call, r, reason, serial};
+  }
+  // The engine's thread: the sequence's Generation is still its own here.
+  call->MarkPaused(static_cast<int32_t>(r->gen->generated().size()), reason);
+  timer_.At(timer_.Now() + absl::Seconds(options_.move_wait_seconds),
+            [this, id, serial] { PauseTimedOut(id, serial); });
+}
+
+void DecodeService::Settle(const std::string& id, bool moved) {
+  if (draining_) settled_[id] = moved;
+}
+
+void DecodeService::PauseTimedOut(const std::string& id, uint64_t serial) {
+  Paused p;
+  {
+    absl::MutexLock lock(&move_mu_);
+    auto it = paused_.find(id);
+    if (it == paused_.end() || it->second.serial != serial) return;
+    p = std::move(it->second);
+    paused_.erase(it);
+  }
+  ResumeOrEnd(std::move(p), absl::StrCat("no move within ", options_.move_wait_seconds, " s"));
+}
+
+bool DecodeService::ResumeOrEnd(Paused p, const std::string& why) {
+  const std::string id = p.request->id.str();
+  LogEvent("warning", "sequence_not_moved", {{"request_id", id}, {"reason", p.reason}, {"why", why}});
+  const bool ended = p.call->aborted() || draining_ || stopped_;
+  {
+    absl::MutexLock lock(&move_mu_);
+    ++move_counts_.failed;
+    if (draining_) ++move_counts_.drain_replayed;
+    Settle(id, false);
+  }
+  if (ended) {
+    (void)p.request->lifecycle.Transition(engine::RequestState::kFinished, engine::EndReason::kError);
+    p.request->kv.Release();
+    p.call->Abort(grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                               absl::StrCat("decode worker drained: continue elsewhere (not moved: ", why, ")")),
+                  false);
+    return false;
+  }
+  p.call->ClearPaused();
+  std::shared_ptr<engine::Request> r = p.request;
+  engine_.Resume(r);
+  // A cancel that came while it was out found it nowhere: send it again.
+  if (p.call->aborted()) engine_.Cancel(r, absl::CancelledError("cancelled by the caller"));
+  return true;
+}
+
+grpc::ServerUnaryReactor* DecodeService::PauseSequence(grpc::CallbackServerContext* ctx,
+                                                       const worker::v1::PauseSequenceRequest* req,
+                                                       worker::v1::PauseSequenceResponse* out) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  std::shared_ptr<DecodeCall> call;
+  {
+    absl::MutexLock lock(&calls_mu_);
+    for (const auto& [p, c] : calls_) {
+      std::shared_ptr<engine::Request> r = c->request();
+      if (r != nullptr && r->id.str() == req->request_id()) call = c;
+    }
+  }
+  out->set_pausing(call != nullptr && RequestPause(call, req->reason().empty() ? "rebalance" : req->reason()));
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* DecodeService::MoveSequence(grpc::CallbackServerContext* ctx,
+                                                      const worker::v1::MoveSequenceRequest* req,
+                                                      worker::v1::MoveSequenceResponse* out) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  if (options_.mover == nullptr) {
+    out->set_error("this decode worker does not move sequences");
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+  }
+  absl::MutexLock lock(&move_mu_);
+  if (stop_mover_) {
+    reactor->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "decode worker stopped"));
+    return reactor;
+  }
+  move_jobs_.push_back({req, out, reactor});
+  return reactor;
+}
+
+void DecodeService::MoverLoop() {
+  pthread_setname_np(pthread_self(), "seq-mover");
+  while (true) {
+    MoveJob job;
+    {
+      absl::MutexLock lock(&move_mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(move_mu_) { return stop_mover_ || !move_jobs_.empty(); };
+      move_mu_.Await(absl::Condition(&ready));
+      if (move_jobs_.empty()) return;
+      if (stop_mover_) {
+        for (MoveJob& j : move_jobs_) j.reactor->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "decode worker stopped"));
+        move_jobs_.clear();
+        return;
+      }
+      job = move_jobs_.front();
+      move_jobs_.pop_front();
+    }
+    RunMove(*job.req, job.out);
+    job.reactor->Finish(grpc::Status::OK);
+  }
+}
+
+void DecodeService::RunMove(const worker::v1::MoveSequenceRequest& req, worker::v1::MoveSequenceResponse* out) {
+  std::optional<Paused> found;
+  {
+    absl::MutexLock lock(&move_mu_);
+    if (auto it = paused_.find(req.request_id()); it != paused_.end()) {
+      found = std::move(it->second);
+      paused_.erase(it);
+    }
+  }
+  if (!found.has_value()) {
+    // Its wait ran out (it resumed, or ended), or it never paused here.
+    out->set_error(absl::StrCat("request ", req.request_id(), " is not paused here"));
+    std::shared_ptr<DecodeCall> call;
+    {
+      absl::MutexLock lock(&calls_mu_);
+      for (const auto& [p, c] : calls_) {
+        std::shared_ptr<engine::Request> r = c->request();
+        if (r != nullptr && r->id.str() == req.request_id()) call = c;
+      }
+    }
+    out->set_resumed(call != nullptr && !call->aborted());
+    return;
+  }
+  Paused p = *std::move(found);
+  if (req.target_kv_address().empty()) {
+    out->set_error("no decode worker to move to");
+    out->set_resumed(ResumeOrEnd(std::move(p), out->error()));
+    return;
+  }
+  if (p.call->aborted()) {
+    out->set_error("the stream ended");
+    out->set_resumed(ResumeOrEnd(std::move(p), out->error()));
+    return;
+  }
+  if (options_.fault_stall_move_ms > 0) absl::SleepFor(absl::Milliseconds(options_.fault_stall_move_ms));
+  absl::StatusOr<SentSequence> sent = SendSequence(move_connections_, kv_->spec(), *p.request, req);
+  if (!sent.ok()) {
+    out->set_error(std::string(sent.status().message()));
+    out->set_resumed(ResumeOrEnd(std::move(p), out->error()));
+    return;
+  }
+  (void)p.request->lifecycle.Transition(engine::RequestState::kFinished, engine::EndReason::kHandedOff);
+  p.request->kv.Release();
+  p.call->EndMoved();
+  {
+    absl::MutexLock lock(&move_mu_);
+    ++move_counts_.moved;
+    if (draining_) ++move_counts_.drain_moved;
+    Settle(req.request_id(), true);
+  }
+  out->set_moved(true);
+  out->set_positions(sent->positions);
+  out->set_sent_positions(sent->sent_positions);
+  out->set_bytes(sent->bytes);
+  out->set_seconds(sent->seconds);
+  LogEvent("info", "sequence_moved", {{"request_id", req.request_id()},
+                                      {"to", req.target_kv_address()},
+                                      {"reason", p.reason},
+                                      {"positions", absl::StrCat(sent->positions)},
+                                      {"bytes", absl::StrCat(sent->bytes)},
+                                      {"seconds", absl::StrFormat("%.4f", sent->seconds)}});
+}
+
+void DecodeService::MoveAllOut(absl::Time deadline) {
+  absl::flat_hash_set<const DecodeCall*> asked;
+  while (absl::Now() < deadline) {
+    std::shared_ptr<DecodeCall> next;
+    int64_t longest = -1;
+    {
+      absl::MutexLock lock(&calls_mu_);
+      for (const auto& [p, c] : calls_) {
+        if (asked.contains(p) || c->aborted()) continue;
+        if (const int64_t n = c->ContextTokens(); n > longest) {
+          longest = n;
+          next = c;
+        }
+      }
+    }
+    if (next == nullptr) return;
+    asked.insert(next.get());
+    std::shared_ptr<engine::Request> r = next->request();
+    if (r == nullptr || !RequestPause(next, "drain")) continue;
+    const std::string id = r->id.str();
+    absl::MutexLock lock(&move_mu_);
+    auto settled = [this, &id]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(move_mu_) { return settled_.contains(id); };
+    move_mu_.AwaitWithDeadline(absl::Condition(&settled), deadline);
+    settled_.erase(id);
+  }
+}
+
+MoveCounts DecodeService::move_counts() const {
+  absl::MutexLock lock(&move_mu_);
+  return move_counts_;
 }
 
 }  // namespace pdserve::decode

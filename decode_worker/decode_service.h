@@ -16,24 +16,38 @@
 // Deadlines (a handoff's wait, a stalled write) are timer entries of their
 // own: nothing sweeps.
 //
+// Moves: a running sequence leaves for another decode worker with its KV
+// (sequence_move.h) when this worker drains (longest context first) or
+// the router asks (PauseSequence, to rebalance). The engine takes it out
+// of the batch between steps; the stream says so (MovePoint) after every
+// token sampled so far; the router picks the target, opens the target's
+// Decode call and answers MoveSequence, which sends the KV. Moved: the
+// stream ends OK and the router reads the target's from there. Not moved
+// (no target, the handoff failed, no answer within move_wait): the
+// sequence resumes here, or on a draining worker ends UNAVAILABLE so
+// that the router replays it elsewhere.
+//
 // Thread safety: thread-safe (gRPC's callback threads, the engine's thread,
 // the KV receiver's thread and the service's timer thread).
 #ifndef PDSERVE_DECODE_WORKER_DECODE_SERVICE_H_
 #define PDSERVE_DECODE_WORKER_DECODE_SERVICE_H_
 
 #include <atomic>
+#include <deque>
 #include <memory>
 #include <optional>
 #include <string>
 #include <thread>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "base/deadline_timer.h"
 #include "engine/engine.h"
 #include "kv/kv_events.h"
 #include "kv/kv_manager.h"
+#include "kv_transfer/sender.h"
 #include "model/model.h"
 #include "text/tokenizer.h"
 #include "decode_worker/handoff_table.h"
@@ -63,6 +77,26 @@ struct DecodeServiceOptions {
   // one) end CANCELLED at once and are never registered, as a call its
   // caller cancelled before this worker ran it: its handoff has no taker.
   int32_t fault_lose_decode_calls = 0;
+  // Where moved sequences' KV goes out (reading this worker's pool; null:
+  // no moves: pauses are refused, and a drain lets streams finish or
+  // replay).
+  kv::KvSender* mover = nullptr;
+  // A paused sequence whose MoveSequence has not come within this is not
+  // moved.
+  double move_wait_seconds = 5;
+  // Fault tests only: every sequence pauses for a move (as the rebalance
+  // asks) once it has generated this many tokens (0: never); and each
+  // move waits this long before its KV is sent.
+  int32_t fault_move_at_token = 0;
+  int32_t fault_stall_move_ms = 0;
+};
+
+// Sequences moved out of this worker, and a drain's by outcome.
+struct MoveCounts {
+  int64_t moved = 0;
+  int64_t failed = 0;  // Paused, not moved (resumed, or ended for replay).
+  int64_t drain_moved = 0;
+  int64_t drain_replayed = 0;  // Left for the router to replay (not moved by the grace's end, or a move failed).
 };
 
 class DecodeCall;  // One Decode stream (decode_service.cc).
@@ -89,6 +123,12 @@ class DecodeService final : public worker::v1::DecodeWorker::CallbackService {
                                     worker::v1::ReleaseResponse* out) override;
   grpc::ServerUnaryReactor* Status(grpc::CallbackServerContext* ctx, const worker::v1::WorkerStatusRequest* req,
                                    worker::v1::WorkerInfo* out) override;
+  grpc::ServerUnaryReactor* PauseSequence(grpc::CallbackServerContext* ctx,
+                                          const worker::v1::PauseSequenceRequest* req,
+                                          worker::v1::PauseSequenceResponse* out) override;
+  grpc::ServerUnaryReactor* MoveSequence(grpc::CallbackServerContext* ctx, const worker::v1::MoveSequenceRequest* req,
+                                         worker::v1::MoveSequenceResponse* out) override;
+  MoveCounts move_counts() const;
 
   bool healthy() const { return !stopped_.load() && !engine_.failed(); }
   bool draining() const { return draining_.load(); }
@@ -113,9 +153,10 @@ class DecodeService final : public worker::v1::DecodeWorker::CallbackService {
   // Stops the engine (running streams end with UNAVAILABLE).
   void Shutdown();
   // SIGTERM: new Decode calls get UNAVAILABLE (the router goes elsewhere)
-  // and Status reports not healthy; running streams finish until
-  // `deadline`, after which they end with UNAVAILABLE so the router
-  // migrates them. Returns when no stream is left.
+  // and Status reports not healthy; running sequences move to other
+  // workers one at a time, longest context first (with a mover); what
+  // stays runs until `deadline`, after which it ends with UNAVAILABLE so
+  // the router replays it elsewhere. Returns when no stream is left.
   void Drain(absl::Time deadline);
 
  private:
@@ -123,6 +164,30 @@ class DecodeService final : public worker::v1::DecodeWorker::CallbackService {
   // The call has its KV: replay the first token, then decode.
   void StartHandedOff(const std::shared_ptr<DecodeCall>& call, HandedOff seq);
   void Forget(DecodeCall* call);
+  // A sequence out of the engine for a move, waiting for its MoveSequence.
+  struct Paused {
+    std::shared_ptr<DecodeCall> call;
+    std::shared_ptr<engine::Request> request;
+    std::string reason;
+    uint64_t serial = 0;  // Tells this pause's wait from a later one's.
+  };
+  // Asks the engine to pause `call`'s sequence for a move; false when
+  // there is nothing to pause (no mover, no sequence, already pausing).
+  bool RequestPause(const std::shared_ptr<DecodeCall>& call, const std::string& reason);
+  // The engine's answer (its thread).
+  void OnPaused(const std::shared_ptr<DecodeCall>& call, const std::shared_ptr<engine::Request>& r,
+                const std::string& reason, bool out);
+  // A pause whose MoveSequence did not come in time.
+  void PauseTimedOut(const std::string& id, uint64_t serial);
+  // A paused sequence that does not move: resumes (true), or, on a
+  // draining worker or with its stream gone, ends (false).
+  bool ResumeOrEnd(Paused p, const std::string& why);
+  void RunMove(const worker::v1::MoveSequenceRequest& req, worker::v1::MoveSequenceResponse* out);
+  void MoverLoop();
+  // A draining worker's moves, one sequence at a time, until `deadline`.
+  void MoveAllOut(absl::Time deadline);
+  // The pause of `id` is over (moved or not); a drain waits for this.
+  void Settle(const std::string& id, bool moved) ABSL_EXCLUSIVE_LOCKS_REQUIRED(move_mu_);
   // Asks the writer thread to start `call`'s next write (or its finish).
   void Kick(std::shared_ptr<DecodeCall> call);
   void WriterLoop();
@@ -164,6 +229,23 @@ class DecodeService final : public worker::v1::DecodeWorker::CallbackService {
   bool stop_writer_ ABSL_GUARDED_BY(writer_mu_) = false;
   std::thread writer_thread_;
 
+  mutable absl::Mutex move_mu_;
+  absl::flat_hash_map<std::string, Paused> paused_ ABSL_GUARDED_BY(move_mu_);
+  absl::flat_hash_set<std::string> pausing_ ABSL_GUARDED_BY(move_mu_);  // Asked of the engine.
+  // While draining: pauses that are over, and whether they moved.
+  absl::flat_hash_map<std::string, bool> settled_ ABSL_GUARDED_BY(move_mu_);
+  uint64_t next_pause_ ABSL_GUARDED_BY(move_mu_) = 0;
+  MoveCounts move_counts_ ABSL_GUARDED_BY(move_mu_);
+  struct MoveJob {
+    const worker::v1::MoveSequenceRequest* req = nullptr;
+    worker::v1::MoveSequenceResponse* out = nullptr;
+    grpc::ServerUnaryReactor* reactor = nullptr;
+  };
+  std::deque<MoveJob> move_jobs_ ABSL_GUARDED_BY(move_mu_);
+  bool stop_mover_ ABSL_GUARDED_BY(move_mu_) = false;
+  // Sends moves one at a time (each blocks on its handoff).
+  std::thread mover_thread_;
+  kv::ReceiverConnections move_connections_{options_.mover};  // The mover thread's.
 };
 
 }  // namespace pdserve::decode

@@ -36,6 +36,10 @@ ABSL_FLAG(int, fault_unparseable_streams, 0,
 ABSL_FLAG(int, fault_lose_decode_calls, 0,
           "fault tests only: the first N handed-off Decode calls (-1: all) end CANCELLED unregistered, as calls "
           "cancelled before they ran here");
+ABSL_FLAG(int, fault_move_at_token, 0,
+          "fault tests only: every sequence pauses for a move to another decode worker once it has generated this "
+          "many tokens (0: never)");
+ABSL_FLAG(int, fault_stall_move_ms, 0, "fault tests only: each move waits this long before its KV is sent");
 ABSL_FLAG(int, fault_step_delay_ms, 0, "fault tests only: every engine step waits this long first (a slow model)");
 ABSL_FLAG(std::string, kv_host, "127.0.0.1", "address the KV receiver listens on (--kv_transport)");
 ABSL_FLAG(int, kv_port, 0, "port of the KV receiver (0: any free port)");
@@ -55,7 +59,14 @@ ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:0", "Prometheus /metrics addre
 ABSL_FLAG(double, stall_timeout_s, 10,
           "a stream whose client stops reading (no write completes for this long) is cancelled and its KV freed");
 ABSL_FLAG(int, max_buffered_tokens, 4096, "tokens a stream may hold behind a write its client has not taken; more cancels it");
-ABSL_FLAG(double, drain_grace_s, 30, "SIGTERM: seconds to finish running streams before they migrate");
+ABSL_FLAG(double, drain_grace_s, 30,
+          "SIGTERM: seconds to move running sequences to other decode workers (--kv_moves) or let them finish; "
+          "what is left then is replayed elsewhere");
+ABSL_FLAG(bool, kv_moves, true,
+          "move running sequences, KV and all, to other decode workers on drain and when the router rebalances "
+          "(false: a drain lets streams finish, then they are replayed, and the router's pauses are refused)");
+ABSL_FLAG(double, move_wait_s, 5, "a sequence paused for a move whose target the router has not named within this is not moved");
+ABSL_FLAG(double, kv_timeout_s, 10, "a move's KV handoff whose receiver does not answer within this fails");
 
 namespace {
 
@@ -86,6 +97,15 @@ int Run() {
   so.max_buffered_tokens = absl::GetFlag(FLAGS_max_buffered_tokens);
   so.fault_unparseable_streams = absl::GetFlag(FLAGS_fault_unparseable_streams);
   so.fault_lose_decode_calls = absl::GetFlag(FLAGS_fault_lose_decode_calls);
+  // Moves read this worker's pool; a GPU's is copied out through its backend.
+  kv::KvSender mover(transport, engine->kv->storage(),
+                     {.model = engine->model->identity(),
+                      .timeout = absl::Seconds(absl::GetFlag(FLAGS_kv_timeout_s)),
+                      .pool_backend = engine->gpu.get()});
+  if (absl::GetFlag(FLAGS_kv_moves)) so.mover = &mover;
+  so.move_wait_seconds = absl::GetFlag(FLAGS_move_wait_s);
+  so.fault_move_at_token = absl::GetFlag(FLAGS_fault_move_at_token);
+  so.fault_stall_move_ms = absl::GetFlag(FLAGS_fault_stall_move_ms);
   decode::DecodeService service(engine->model.get(), engine->kv.get(), w->tokenizer.get(), so);
   kv::ReceiverOptions ro;
   ro.model = engine->model->identity();
@@ -180,6 +200,26 @@ int Run() {
     metrics.AddCounterFunc("pdserve_handoff_leases_expired_total", "KV reservations whose lease expired.",
                            [r] { return static_cast<double>(r->metrics().leases_expired); });
     AddGrantRefusalMetrics(metrics, r);
+    for (const char* outcome : {"moved", "not_moved"}) {
+      metrics.AddCounterFunc("pdserve_decode_moves_out_total",
+                             "Running sequences this worker paused to move to another decode worker, by outcome "
+                             "(not_moved: resumed here, or ended for the router to replay).",
+                             [&service, moved = std::string(outcome) == "moved"] {
+                               const decode::MoveCounts c = service.move_counts();
+                               return static_cast<double>(moved ? c.moved : c.failed);
+                             },
+                             absl::StrCat("outcome=\"", outcome, "\""));
+    }
+    for (const char* outcome : {"moved", "replayed"}) {
+      metrics.AddCounterFunc("pdserve_drain_sequences_total",
+                             "Sequences running when this worker drained, by how they left (moved with their KV, or "
+                             "replayed elsewhere from their tokens).",
+                             [&service, moved = std::string(outcome) == "moved"] {
+                               const decode::MoveCounts c = service.move_counts();
+                               return static_cast<double>(moved ? c.drain_moved : c.drain_replayed);
+                             },
+                             absl::StrCat("outcome=\"", outcome, "\""));
+    }
   }
   ServeOptions serve;
   ApplyWorkerServing(*rt, serve);
@@ -205,7 +245,9 @@ int Run() {
   serve.drain_grace = absl::Seconds(absl::GetFlag(FLAGS_drain_grace_s));
   serve.on_shutdown = [&service] { service.Shutdown(); };
   const int exit_code = ServeUntilSignal(serve, {&service});
+  service.Shutdown();  // The mover's thread stops before the sender goes.
   transport->Detach(receiver->get());
+  transport->Detach(&mover);
   receiver->reset();
   return exit_code;
 }

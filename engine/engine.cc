@@ -163,6 +163,18 @@ void Engine::Cancel(const std::shared_ptr<Request>& request, absl::Status why) {
   work_ = true;
 }
 
+void Engine::Pause(const std::shared_ptr<Request>& request, std::function<void(bool paused)> done) {
+  absl::MutexLock lock(&mu_);
+  inbox_.pauses.emplace_back(request, std::move(done));
+  work_ = true;
+}
+
+void Engine::Resume(std::shared_ptr<Request> request) {
+  absl::MutexLock lock(&mu_);
+  inbox_.resumes.push_back(std::move(request));
+  work_ = true;
+}
+
 EngineStats Engine::stats() const {
   absl::MutexLock lock(&mu_);
   EngineStats s = stats_;
@@ -365,6 +377,20 @@ void Engine::DrainInbox() {
     waiting_.push_back(std::move(r));
   }
   for (auto& [r, verified] : in.restored) FinishRestore(r, verified);
+  for (auto& r : in.resumes) {
+    if (r->lifecycle.state() != RequestState::kDecoding) continue;  // Ended while it was out.
+    r->last_progress = options_.clock();
+    running_.push_back(std::move(r));
+  }
+  for (auto& [r, done] : in.pauses) {
+    // Only a sequence between its steps, whose KV holds all it was fed:
+    // a queued or preempted one has nothing to move yet.
+    auto it = std::find(running_.begin(), running_.end(), r);
+    const bool out = it != running_.end() && r->lifecycle.state() == RequestState::kDecoding &&
+                     r->kv.num_positions() == r->gen->next_position() - 1;
+    if (out) running_.erase(it);
+    done(out);
+  }
   for (auto& [r, why] : in.cancels) {
     const EndReason reason = absl::IsCancelled(why) ? EndReason::kCancelled : EndReason::kError;
     if (auto it = std::find(running_.begin(), running_.end(), r); it != running_.end()) {

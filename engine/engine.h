@@ -212,6 +212,17 @@ class Engine {
   // A request that is no longer inside is left alone.
   void Cancel(const std::shared_ptr<Request>& request, absl::Status why);
 
+  // Takes a decoding request out of the running batch at the next step,
+  // its KV kept (a decode worker moving the sequence to another: nothing
+  // runs it meanwhile and nothing frees its blocks). `done` runs on the
+  // engine's thread: true when it came out (from then on its holder keeps
+  // it, and its KV holds every position but its last sampled token's,
+  // until it Resumes it or lets it go), false when it was not decoding in
+  // the batch (queued, preempted, finished) and is left as it was.
+  void Pause(const std::shared_ptr<Request>& request, std::function<void(bool paused)> done);
+  // A paused request joins the running batch again.
+  void Resume(std::shared_ptr<Request> request);
+
   // One step. Returns whether it did anything (false: nothing to do, or
   // waiting for KV that others hold). An error is fatal for the engine:
   // every request inside has ended with it.
@@ -232,6 +243,8 @@ class Engine {
   struct Inbox {
     std::vector<std::shared_ptr<Request>> requests;
     std::vector<std::pair<std::shared_ptr<Request>, absl::Status>> cancels;
+    std::vector<std::pair<std::shared_ptr<Request>, std::function<void(bool)>>> pauses;
+    std::vector<std::shared_ptr<Request>> resumes;
     // Second-tier reads that finished: the request and how many of its
     // blocks were read back and verified.
     std::vector<std::pair<std::shared_ptr<Request>, int32_t>> restored;

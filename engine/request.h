@@ -81,7 +81,7 @@ enum class EndReason : uint8_t {
   kLength,     // max_tokens, or the context's end.
   kCancelled,  // By its caller (or the caller went away).
   kError,      // The worker could not finish it (see the status it ended with).
-  kHandedOff,  // Prefill side: the decode worker has it now.
+  kHandedOff,  // Another worker has it now (a prefill's handoff, a decode worker's move).
 };
 inline constexpr int kNumEndReasons = 6;
 

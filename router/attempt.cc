@@ -39,17 +39,34 @@ worker::v1::PrefillRequest Attempt::PrefillRequest(const Worker& prefill, const 
   *r.mutable_request() = work_;
   r.set_decode_kv_address(decode.report().kv_address);
   if (key == nullptr) return r;
+  r.set_kv_grant(HandoffGrant(prefill.address(), decode, *key, now, ttl));
+  return r;
+}
+
+std::string Attempt::HandoffGrant(const std::string& sender, const Worker& receiver, const kv::GrantKey& key,
+                                  absl::Time now, absl::Duration ttl) {
   // It binds the context (prompt and tokens already streamed), so the
   // decode worker publishes the KV only under these ids, and the room the
   // reservation may take (the context plus what is left to decode).
-  absl::StatusOr<kv::Grant> g = kv::MintGrant(*key, {.request_id = work_.request_id(),
-                                                     .attempt = ++handoff_attempts_,
-                                                     .sender = HostOfAddress(prefill.address()),
-                                                     .receiver = decode.report().kv_address,
-                                                     .expires = now + ttl,
-                                                     .positions = positions_,
-                                                     .tokens_digest = kv::DigestTokens(context_, salt_)});
-  if (g.ok()) r.set_kv_grant(kv::EncodeGrant(*g));
+  absl::StatusOr<kv::Grant> g = kv::MintGrant(key, {.request_id = work_.request_id(),
+                                                    .attempt = ++handoff_attempts_,
+                                                    .sender = HostOfAddress(sender),
+                                                    .receiver = receiver.report().kv_address,
+                                                    .expires = now + ttl,
+                                                    .positions = positions_,
+                                                    .tokens_digest = kv::DigestTokens(context_, salt_)});
+  return g.ok() ? kv::EncodeGrant(*g) : std::string();
+}
+
+worker::v1::MoveSequenceRequest Attempt::MoveRequest(const Worker& source, const std::string& source_request_id,
+                                                     int32_t generated, const Worker& target, const kv::GrantKey* key,
+                                                     absl::Time now, absl::Duration ttl) {
+  worker::v1::MoveSequenceRequest r;
+  r.set_request_id(source_request_id);
+  r.set_target_request_id(work_.request_id());
+  r.set_target_kv_address(target.report().kv_address);
+  r.set_generated(generated);
+  if (key != nullptr) r.set_kv_grant(HandoffGrant(source.address(), target, *key, now, ttl));
   return r;
 }
 

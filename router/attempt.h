@@ -44,6 +44,15 @@ class Attempt {
   // max_tokens) (kv_transfer/grant.h).
   worker::v1::PrefillRequest PrefillRequest(const Worker& prefill, const Worker& decode, const kv::GrantKey* key,
                                             absl::Time now, absl::Duration ttl);
+  // The MoveSequence request asking decode worker `source` to send paused
+  // sequence `source_request_id` to `target` under this attempt's request
+  // id (the target's Decode call waits for it there). `generated`: the
+  // tokens relayed so far (this attempt's context is the prompt and all
+  // of them but the last). With a grant key, it carries a grant minted as
+  // PrefillRequest's is, with `source`'s host as the sender.
+  worker::v1::MoveSequenceRequest MoveRequest(const Worker& source, const std::string& source_request_id,
+                                              int32_t generated, const Worker& target, const kv::GrantKey* key,
+                                              absl::Time now, absl::Duration ttl);
   // The PushPrefix request asking prefill worker `from` to send the
   // context's first `positions` to prefill worker `to`'s pull receiver.
   // With a grant key, it carries a grant minted for this pull (its own
@@ -54,6 +63,11 @@ class Attempt {
                                             const kv::GrantKey* key, absl::Time now, absl::Duration ttl);
 
  private:
+  // A handoff grant for this attempt's context, from `sender` (a worker's
+  // gRPC address) to `receiver`'s KV receiver; empty when minting fails.
+  std::string HandoffGrant(const std::string& sender, const Worker& receiver, const kv::GrantKey& key, absl::Time now,
+                           absl::Duration ttl);
+
   worker::v1::WorkRequest work_;
   std::vector<int32_t> context_;
   int32_t positions_ = 0;

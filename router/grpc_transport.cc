@@ -111,6 +111,30 @@ absl::StatusOr<worker::v1::PushPrefixResponse> GrpcTransport::PushPrefix(
   return out;
 }
 
+absl::StatusOr<worker::v1::PauseSequenceResponse> GrpcTransport::PauseSequence(
+    const Worker& worker, const worker::v1::PauseSequenceRequest& request, absl::Duration timeout) {
+  GrpcConnection& conn = ConnectionOf(worker);
+  if (conn.decode == nullptr) return absl::FailedPreconditionError("only decode workers run sequences");
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  worker::v1::PauseSequenceResponse out;
+  const grpc::Status st = conn.decode->PauseSequence(&ctx, request, &out);
+  if (!st.ok()) return FromGrpcStatus(st);
+  return out;
+}
+
+absl::StatusOr<worker::v1::MoveSequenceResponse> GrpcTransport::MoveSequence(
+    const Worker& worker, const worker::v1::MoveSequenceRequest& request, absl::Duration timeout) {
+  GrpcConnection& conn = ConnectionOf(worker);
+  if (conn.decode == nullptr) return absl::FailedPreconditionError("only decode workers run sequences");
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  worker::v1::MoveSequenceResponse out;
+  const grpc::Status st = conn.decode->MoveSequence(&ctx, request, &out);
+  if (!st.ok()) return FromGrpcStatus(st);
+  return out;
+}
+
 void GrpcTransport::Release(const Worker& worker, const worker::v1::ReleaseRequest& request) {
   struct Call {
     grpc::ClientContext ctx;

@@ -30,6 +30,12 @@ class GrpcTransport final : public WorkerTransport {
   std::unique_ptr<DecodeStream> Decode(const Worker& worker, const worker::v1::DecodeRequest& request,
                                        std::optional<absl::Time> deadline) override;
   void Release(const Worker& worker, const worker::v1::ReleaseRequest& request) override;
+  absl::StatusOr<worker::v1::PauseSequenceResponse> PauseSequence(const Worker& worker,
+                                                                   const worker::v1::PauseSequenceRequest& request,
+                                                                   absl::Duration timeout) override;
+  absl::StatusOr<worker::v1::MoveSequenceResponse> MoveSequence(const Worker& worker,
+                                                                 const worker::v1::MoveSequenceRequest& request,
+                                                                 absl::Duration timeout) override;
   absl::StatusOr<worker::v1::PushPrefixResponse> PushPrefix(const Worker& worker,
                                                              const worker::v1::PushPrefixRequest& request,
                                                              absl::Duration timeout) override;

@@ -36,6 +36,10 @@ ABSL_FLAG(std::vector<std::string>, decode, {}, "decode workers, as --prefill");
 ABSL_FLAG(double, resolve_interval_s, 5, "how often DNS worker targets are resolved again");
 ABSL_FLAG(double, max_backoff_s, 2, "a worker that fails is probed again after 0.1 s, doubling up to this");
 ABSL_FLAG(double, pick_wait_s, 3, "how long a request waits for a usable worker before UNAVAILABLE");
+ABSL_FLAG(bool, decode_moves, true,
+          "a sequence its decode worker pauses to move (drain, rebalance) goes to another decode worker with its KV "
+          "(false: it resumes there, or a draining worker's is replayed elsewhere)");
+ABSL_FLAG(double, move_timeout_s, 10, "the longest a move of a running sequence between decode workers may take");
 ABSL_FLAG(double, max_request_s, 600,
           "the longest a request may run: every call to a worker carries a deadline this far from when the request "
           "left the router's queue, also when the client gave none");
@@ -185,6 +189,8 @@ int Run() {
   o.resolve_interval = absl::Seconds(absl::GetFlag(FLAGS_resolve_interval_s));
   o.max_backoff = absl::Seconds(absl::GetFlag(FLAGS_max_backoff_s));
   o.pick_wait = absl::Seconds(absl::GetFlag(FLAGS_pick_wait_s));
+  o.decode_moves = absl::GetFlag(FLAGS_decode_moves);
+  o.move_timeout = absl::Seconds(absl::GetFlag(FLAGS_move_timeout_s));
   o.max_request_duration = absl::Seconds(absl::GetFlag(FLAGS_max_request_s));
   if (!(absl::GetFlag(FLAGS_max_request_s) > 0)) {
     LogEvent("error", "bad_flags", {{"error", "--max_request_s must be above 0"}});

@@ -206,7 +206,7 @@ void MeasuredInputs::RecordPrefixTiers(int64_t pool_tokens, int64_t tier2_tokens
   tier2_cached_tokens_.Add(static_cast<double>(tier2_tokens), options_.alpha, now);
 }
 
-void MeasuredInputs::RecordPull(const std::string& from, const std::string& to, double bytes, double seconds) {
+void MeasuredInputs::RecordLink(const std::string& from, const std::string& to, double bytes, double seconds) {
   if (!(bytes > 0) || !(seconds > 0)) return;
   const absl::Time now = options_.clock();
   absl::MutexLock lock(&mu_);

@@ -155,11 +155,12 @@ class MeasuredInputs {
   // A prefill worker's first token said `pool_tokens` of the context came
   // from its pool's prefix cache and `tier2_tokens` from its second tier.
   void RecordPrefixTiers(int64_t pool_tokens, int64_t tier2_tokens);
-  // A prefix pulled from prefill worker `from` to prefill worker `to`: a
-  // link like a handoff's (the pull's cost model reads it), not a handoff
-  // (the mean handoff size stays the handoffs'). Ignored unless bytes > 0
-  // and seconds > 0.
-  void RecordPull(const std::string& from, const std::string& to, double bytes, double seconds);
+  // KV sent from worker `from` to worker `to` other than by a handoff (a
+  // prefix pulled between prefill workers, a sequence moved between decode
+  // workers): a link like a handoff's (the pull's and the move's cost
+  // models read it), not a handoff (the mean handoff size stays the
+  // handoffs'). Ignored unless bytes > 0 and seconds > 0.
+  void RecordLink(const std::string& from, const std::string& to, double bytes, double seconds);
   // A request finished having generated `output_tokens` (>= 0).
   void RecordFinished(int64_t output_tokens);
   // A request arrived now (rejected ones too: the rate is the offered load).

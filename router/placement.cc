@@ -102,7 +102,7 @@ void Placement::PullDone(const Worker& p, PromptChains& chains, const PullPlan& 
   pull_stats_.pulled_positions += result->positions();
   pull_stats_.bytes += result->bytes();
   pull_stats_.seconds.fetch_add(result->seconds(), std::memory_order_relaxed);
-  measured_->RecordPull(plan.from->address(), p.address(), static_cast<double>(result->bytes()), result->seconds());
+  measured_->RecordLink(plan.from->address(), p.address(), static_cast<double>(result->bytes()), result->seconds());
   const std::optional<HashScheme> scheme = p.report().prefix_hash;
   const absl::Span<const BlockHash> chain = chains.For(scheme);
   if (chain.empty()) return;

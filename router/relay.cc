@@ -34,6 +34,7 @@ const char* RelayStateName(RelayState s) {
     case RelayState::kPrefill: return "prefill";
     case RelayState::kRetryPrefill: return "retry_prefill";
     case RelayState::kDecode: return "decode";
+    case RelayState::kMove: return "move";
     case RelayState::kMigrate: return "migrate";
     case RelayState::kFinish: return "finish";
   }
@@ -68,6 +69,7 @@ void Relay::Cancel() {
   absl::MutexLock lock(&streams_mu_);
   if (prefill_stream_ != nullptr) prefill_stream_->Cancel();
   if (decode_stream_ != nullptr) decode_stream_->Cancel();
+  if (move_stream_ != nullptr) move_stream_->Cancel();
 }
 
 // Reachable by Cancel before it starts: a start that blocks can be ended.
@@ -269,6 +271,7 @@ absl::Status Relay::Run(const std::function<bool(const v1::GenerateResponse&)>& 
       case RelayState::kPrefill: state = Prefill(); break;
       case RelayState::kRetryPrefill: state = RetryPrefill(); break;
       case RelayState::kDecode: state = Decode(); break;
+      case RelayState::kMove: state = Move(); break;
       case RelayState::kMigrate: state = Migrate(); break;
       case RelayState::kFinish: break;
     }
@@ -540,6 +543,11 @@ RelayState Relay::Decode() {
       }
       SendChunk(dev.chunk());
       if (client_gone_) decode_reader_->Cancel();
+    } else if (dev.has_paused()) {
+      // Every token the worker sampled is relayed: the stream stays open
+      // while kMove settles where the sequence goes on.
+      pause_ = dev.paused();
+      return RelayState::kMove;
     } else if (dev.has_final()) {
       decode_final = true;
       const worker::v1::DecodeFinal& f = dev.final();
@@ -598,17 +606,127 @@ RelayState Relay::Decode() {
   return RelayState::kMigrate;
 }
 
+void Relay::DrainDecode() {
+  decode_reader_->Cancel();
+  worker::v1::DecodeEvent ignored;
+  while (decode_reader_->Read(&ignored) == DecodeStream::ReadResult::kMessage) {
+  }
+  (void)decode_reader_->Finish();
+  CloseDecode();
+  decode_load_.Release();
+}
+
+RelayState Relay::Move() {
+  WorkerPtr source = decode_;
+  const std::string reason = pause_.reason().empty() ? "rebalance" : pause_.reason();
+  const int32_t generated = pause_.generated();
+  const int64_t positions = Positions();
+  // The target's context: the prompt and every token relayed but the
+  // last, which travels as the handoff's first token.
+  const std::vector<int32_t> context_tokens(streamed_.begin(), streamed_.empty() ? streamed_.end() : streamed_.end() - 1);
+  std::string target_id;
+  Attempt move;
+  WorkerPtr target;
+  RoomLease target_lease;
+  std::optional<PromptChains> target_chains;
+  worker::v1::MoveSequenceRequest req;
+  req.set_request_id(internal_id_);
+  req.set_generated(generated);
+  if (context_.options.moves && generated == static_cast<int32_t>(streamed_.size()) && !streamed_.empty() &&
+      !replay_.finished() && !client_cancelled()) {
+    target_id = absl::StrFormat("%s-%d-%d", client_id_.empty() ? "req" : client_id_, getpid(),
+                                context_.next_id->fetch_add(1));
+    move = Attempt(request_, target_id, context_tokens);
+    target_chains.emplace(move.context(), request_.cache_salt);
+    Exclusions away = failed_decode_;
+    away.Add(*source, "moving away");
+    target = context_.placement->PickDecode(positions, away, *target_chains, /*need_room=*/true);
+  }
+  absl::Time moved_at = Now();
+  if (target != nullptr) {
+    if (context_.room != nullptr) target_lease = context_.room->Take(target, positions);
+    req = move.MoveRequest(*source, internal_id_, generated, *target, context_.grant_key.get(), absl::Now(),
+                           context_.grant_ttl);
+    // The target's call waits for the KV under the new id, as it waits
+    // for a prefill worker's.
+    std::unique_ptr<DecodeStream> s = context_.transport->Decode(*target, move.DecodeRequest(false), deadline_);
+    DecodeStream* started = s.get();
+    {
+      absl::MutexLock lock(&streams_mu_);
+      move_stream_ = std::move(s);
+      if (client_cancelled()) move_stream_->Cancel();
+    }
+    started->Start();
+  }
+  absl::Duration timeout = context_.options.move_timeout;
+  if (deadline_.has_value()) timeout = std::min(timeout, std::max(absl::ZeroDuration(), *deadline_ - Now()));
+  const absl::StatusOr<worker::v1::MoveSequenceResponse> r = context_.transport->MoveSequence(*source, req, timeout);
+  std::unique_ptr<DecodeStream> target_stream;
+  {
+    absl::MutexLock lock(&streams_mu_);
+    target_stream = std::move(move_stream_);
+  }
+  if (r.ok() && r->moved() && target != nullptr) {
+    // The source's stream is over (it ends OK, without a final message).
+    DrainDecode();
+    lease_.Release();
+    lease_ = std::move(target_lease);
+    observer_->Moved(reason, "moved", source->address(), target->address(), static_cast<double>(r->bytes()),
+                     r->seconds());
+    LogEvent("info", "sequence_moved", {{"request_id", internal_id_}, {"to_request_id", target_id},
+                                        {"from", source->address()}, {"to", target->address()},
+                                        {"reason", reason}, {"tokens_so_far", std::to_string(streamed_.size())},
+                                        {"bytes", std::to_string(r->bytes())},
+                                        {"seconds", absl::StrFormat("%.4f", absl::ToDoubleSeconds(Now() - moved_at))}});
+    // The target publishes the context's full blocks on commit.
+    context_.placement->Expect(*target, *target_chains);
+    internal_id_ = target_id;
+    requests_ = std::move(move);
+    migrated_chains_ = std::move(target_chains);
+    chains_ = &*migrated_chains_;
+    decode_ = target;
+    local_ = false;
+    decode_load_ = Placement::AssignDecode(target);
+    decode_reader_ = target_stream.get();
+    {
+      absl::MutexLock lock(&streams_mu_);
+      decode_stream_ = std::move(target_stream);
+      if (client_cancelled()) decode_stream_->Cancel();
+    }
+    return RelayState::kDecode;
+  }
+  // Not moved: the target's call ends, and its id there is released.
+  if (target_stream != nullptr) {
+    target_stream->Cancel();
+    worker::v1::DecodeEvent ignored;
+    while (target_stream->Read(&ignored) == DecodeStream::ReadResult::kMessage) {
+    }
+    (void)target_stream->Finish();
+    worker::v1::ReleaseRequest rel;
+    rel.set_request_id(target_id);
+    context_.transport->Release(*target, rel);
+  }
+  target_lease.Release();
+  const std::string why = !r.ok() ? std::string(r.status().message())
+                          : target == nullptr ? std::string("no decode worker with room to move to")
+                                              : r->error();
+  const bool resumed = r.ok() && r->resumed();
+  observer_->Moved(reason, resumed ? "resumed" : "replayed", source->address(), target != nullptr ? target->address() : "",
+                   0, 0);
+  LogEvent("warning", "sequence_not_moved", {{"request_id", internal_id_}, {"from", source->address()},
+                                             {"reason", reason}, {"resumed", resumed ? "true" : "false"},
+                                             {"error", why}});
+  if (resumed) return RelayState::kDecode;
+  // The source ended the sequence (it drains) or is gone: replay it.
+  migration_ = Migration{true, !r.ok(), absl::StrCat("not moved: ", why)};
+  return RelayState::kMigrate;
+}
+
 RelayState Relay::Migrate() {
   Worker& d = *decode_;
   if (decode_reader_ != nullptr) {
     // The attempt's decode stream is still open: end it.
-    decode_reader_->Cancel();
-    worker::v1::DecodeEvent ignored;
-    while (decode_reader_->Read(&ignored) == DecodeStream::ReadResult::kMessage) {
-    }
-    (void)decode_reader_->Finish();
-    CloseDecode();
-    decode_load_.Release();
+    DrainDecode();
     ReleaseHandoff(d);
   }
   lease_.Release();

@@ -11,10 +11,17 @@
 //                  died mid-stream, a message that did not parse)
 //                   └──► kPlace (prompt + every token sent so far)
 //
+//   kDecode ──(the worker paused the sequence to move it)──► kMove
+//   kMove ──(moved: the target's stream)──────────────────► kDecode
+//         ──(not moved: resumed on its worker)────────────► kDecode
+//         ──(not moved: the worker ended it)──────────────► kMigrate
+//
 // kPlace picks a decode worker (the placement admission was given, on the
 // first attempt) and opens its stream; kPrefill runs one prefill attempt,
 // relaying the first token as soon as it is sampled; kDecode relays the
-// decode worker's tokens; kMigrate abandons a decode attempt; kFinish
+// decode worker's tokens; kMove sends a sequence its decode worker paused
+// (draining, or asked to by the rebalance) to another decode worker, KV
+// and all, or hands it back; kMigrate abandons a decode attempt; kFinish
 // sends the final message. The router's own replay of every token gives
 // the text and the state a migration continues from, so a stream is the
 // same byte for byte whatever failed on the way.
@@ -81,6 +88,12 @@ struct RelayOptions {
   // or `timeout`. Null: WorkerPool::AwaitServingChange. Tests put a fake
   // clock's step here.
   std::function<void(uint64_t seen, absl::Duration timeout)> await_serving;
+  // A sequence its decode worker paused to move is sent to another decode
+  // worker with its KV (false: it resumes where it is, or, from a
+  // draining worker, is replayed elsewhere).
+  bool moves = true;
+  // How long a move's MoveSequence may take.
+  absl::Duration move_timeout = absl::Seconds(10);
 };
 
 // What every relay of one router shares; all must outlive the relays.
@@ -109,7 +122,7 @@ struct RelayContext {
   absl::Duration grant_ttl = absl::Seconds(120);
 };
 
-enum class RelayState { kPlace, kPrefill, kRetryPrefill, kDecode, kMigrate, kFinish };
+enum class RelayState { kPlace, kPrefill, kRetryPrefill, kDecode, kMove, kMigrate, kFinish };
 const char* RelayStateName(RelayState s);
 
 class Relay {
@@ -151,6 +164,7 @@ class Relay {
   void PullPrefix(Worker& p);
   RelayState RetryPrefill();
   RelayState Decode();
+  RelayState Move();
   RelayState Migrate();
   absl::Status Finish();
   // No prefill worker can take the attempt: the request ends UNAVAILABLE
@@ -183,6 +197,8 @@ class Relay {
   // its death or shutdown.
   bool StillServing(const Worker& w);
   void OpenDecode(std::unique_ptr<DecodeStream> s);
+  // Cancels the open decode stream and reads it to its end.
+  void DrainDecode();
   void OpenPrefill(std::unique_ptr<PrefillStream> s);
   void ClosePrefill();
   void CloseDecode();
@@ -250,11 +266,15 @@ class Relay {
     bool mark_failed = false;     // nor for any, until a probe says it serves
     std::string why;
   } migration_;
+  // The decode worker's MovePoint that kMove answers.
+  worker::v1::MovePoint pause_;
 
   std::atomic<bool> client_cancelled_{false};
   absl::Mutex streams_mu_;
   std::unique_ptr<PrefillStream> prefill_stream_ ABSL_GUARDED_BY(streams_mu_);
   std::unique_ptr<DecodeStream> decode_stream_ ABSL_GUARDED_BY(streams_mu_);
+  // A move's target stream, until the move is done.
+  std::unique_ptr<DecodeStream> move_stream_ ABSL_GUARDED_BY(streams_mu_);
   // The same streams, read by Run's thread (null: none open).
   PrefillStream* prefill_reader_ = nullptr;
   DecodeStream* decode_reader_ = nullptr;

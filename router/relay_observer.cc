@@ -36,6 +36,20 @@ RelayMetrics::RelayMetrics(MetricsRegistry& m) {
   cached_tokens = m.AddCounter("pdserve_prefix_cached_tokens_total", "Of them, positions taken from a worker's prefix cache.");
   tier2_tokens = m.AddCounter("pdserve_prefix_tier2_tokens_total",
                               "Of the cached positions, those a prefill worker read back from its second tier.");
+  for (const char* reason : {"drain", "rebalance"}) {
+    for (const char* outcome : {"moved", "resumed", "replayed"}) {
+      moves[absl::StrCat(reason, "/", outcome)] = m.AddCounter(
+          "pdserve_decode_moves_total",
+          "Running sequences a decode worker paused to move elsewhere, by why (drain, rebalance) and outcome: moved "
+          "with their KV, resumed on their worker, or replayed (recomputed) elsewhere.",
+          absl::StrCat("reason=\"", reason, "\",outcome=\"", outcome, "\""));
+    }
+  }
+}
+
+void RelayMetrics::CountMove(const std::string& reason, const char* outcome) const {
+  auto it = moves.find(absl::StrCat(reason == "drain" ? "drain" : "rebalance", "/", outcome));
+  if (it != moves.end()) it->second->Add();
 }
 
 void RelayMetrics::CountOutcome(const char* outcome) const { outcomes.at(outcome)->Add(); }
@@ -64,6 +78,13 @@ void MetricsObserver::PrefixTiers(int64_t pool_tokens, int64_t tier2_tokens) {
 
 void MetricsObserver::HandedOff(const std::string& prefill, const std::string& decode, double bytes, double seconds) {
   measured_->RecordHandoff(prefill, decode, bytes, seconds);
+}
+
+void MetricsObserver::Moved(const std::string& reason, const char* outcome, const std::string& from,
+                            const std::string& to, double bytes, double seconds) {
+  metrics_->CountMove(reason, outcome);
+  // The decode-to-decode link's bandwidth (the rebalance's cost model).
+  measured_->RecordLink(from, to, bytes, seconds);
 }
 
 void MetricsObserver::TokenGap(double seconds) { metrics_->itl->Observe(seconds); }

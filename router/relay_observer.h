@@ -43,6 +43,10 @@ struct RelayMetrics {
   Counter* prompt_tokens;
   Counter* cached_tokens;
   Counter* tier2_tokens;
+  // By "reason/outcome": reason drain or rebalance; outcome moved,
+  // resumed (stayed on its worker) or replayed (recomputed elsewhere).
+  absl::flat_hash_map<std::string, Counter*> moves;
+  void CountMove(const std::string& reason, const char* outcome) const;
 };
 
 // Where a request's prefill runs.
@@ -73,6 +77,18 @@ class RelayObserver {
     (void)pool_tokens;
     (void)tier2_tokens;
   }
+  // A running sequence's move from decode worker `from` (to `to`, none when
+  // no worker could take it), asked for `reason` (drain, rebalance):
+  // `outcome` moved, resumed or replayed; a move's `bytes` took `seconds`.
+  virtual void Moved(const std::string& reason, const char* outcome, const std::string& from, const std::string& to,
+                     double bytes, double seconds) {
+    (void)reason;
+    (void)outcome;
+    (void)from;
+    (void)to;
+    (void)bytes;
+    (void)seconds;
+  }
   // A handoff committed: `bytes` of KV from `prefill` to `decode` in `seconds`.
   virtual void HandedOff(const std::string& prefill, const std::string& decode, double bytes, double seconds) = 0;
   // The gap before a streamed message other than the first.
@@ -100,6 +116,8 @@ class MetricsObserver final : public RelayObserver {
   void Prefilled(const std::string& worker, int64_t context_tokens, int64_t cached_tokens, double seconds) override;
   void PrefixTiers(int64_t pool_tokens, int64_t tier2_tokens) override;
   void HandedOff(const std::string& prefill, const std::string& decode, double bytes, double seconds) override;
+  void Moved(const std::string& reason, const char* outcome, const std::string& from, const std::string& to,
+             double bytes, double seconds) override;
   void TokenGap(double seconds) override;
   void EndedEarly(const char* outcome) override;
   void Finished(const char* outcome, const v1::Timings& timings, int32_t completion_tokens, bool handed_off) override;

@@ -353,6 +353,8 @@ absl::StatusOr<std::unique_ptr<RouterService>> RouterService::Create(RouterOptio
   RelayContext& rc = r->relay_context_;
   rc.options.colocated = o.colocated;
   rc.options.pick_wait = o.pick_wait;
+  rc.options.moves = o.decode_moves;
+  rc.options.move_timeout = o.move_timeout;
   rc.options.max_request_duration = o.max_request_duration;
   rc.pool = r->pool_.get();
   rc.placement = r->placement_.get();

@@ -79,6 +79,10 @@ struct RouterOptions {
   // How long a request waits for a pool with no usable worker before it
   // ends with UNAVAILABLE (capped by the client's deadline).
   absl::Duration pick_wait = absl::Seconds(3);
+  // Sequences a decode worker pauses to move (its drain, the rebalance)
+  // go to another decode worker with their KV (router/relay.h).
+  bool decode_moves = true;
+  absl::Duration move_timeout = absl::Seconds(10);
   // The longest a request may run: its calls to the workers carry a
   // deadline this far from its arrival even when the client gave none.
   absl::Duration max_request_duration = absl::Seconds(600);

@@ -90,6 +90,24 @@ class WorkerTransport {
     (void)timeout;
     return absl::UnimplementedError("no prefix pushes over this transport");
   }
+  // A decode worker's running sequence, moved to another (worker.proto's
+  // PauseSequence and MoveSequence); each blocks until it answers or
+  // `timeout` passes. UNIMPLEMENTED where the transport has no such call.
+  virtual absl::StatusOr<worker::v1::PauseSequenceResponse> PauseSequence(
+      const Worker& worker, const worker::v1::PauseSequenceRequest& request, absl::Duration timeout) {
+    (void)worker;
+    (void)request;
+    (void)timeout;
+    return absl::UnimplementedError("no sequence moves over this transport");
+  }
+  virtual absl::StatusOr<worker::v1::MoveSequenceResponse> MoveSequence(const Worker& worker,
+                                                                        const worker::v1::MoveSequenceRequest& request,
+                                                                        absl::Duration timeout) {
+    (void)worker;
+    (void)request;
+    (void)timeout;
+    return absl::UnimplementedError("no sequence moves over this transport");
+  }
   // Every query at once; returns when each has answered or failed, within
   // about `timeout`. One result per query, in order.
   virtual std::vector<absl::StatusOr<worker::v1::WorkerInfo>> Status(absl::Span<const StatusQuery> queries,

@@ -282,6 +282,8 @@ class Cluster {
   // The router's OpenAI HTTP API port.
   int http_port() const { return http_port_; }
   int decode_metrics() const { return decode_metrics_; }
+  // Decode worker i's metrics port (as its latest ready file says).
+  int decode_metrics(int i) const { return MetricsPort(absl::StrCat(dir_, "/decode", i, ".ready")); }
   int prefill_metrics() const { return prefill_metrics_; }
 
  private:

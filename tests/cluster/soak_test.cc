@@ -24,67 +24,15 @@
 #include "model/synthetic_model.h"
 #include "text/unicode_util.h"
 #include "gtest/gtest.h"
+#include "tests/cluster/byte_model.h"
 #include "tests/cluster/cluster_harness.h"
 
 namespace pdserve {
 namespace {
 
-constexpr int kVocab = 32000;  // The llama2 tokenizer's.
 constexpr int kRequests = 200;
 constexpr int kClients = 8;
 constexpr auto kRequestDeadline = std::chrono::seconds(30);
-
-constexpr int kFirstByteToken = 3;  // <0x00>; <0xFF> is 258.
-// The byte tokens' lm_head rows are scaled by this: their logits spread
-// wider, so a plain random head's 0.8% of samples (too few to meet the
-// byte runs that broke streams in 300 requests) becomes about 15%.
-constexpr float kByteRowScale = 1.7f;
-
-// Rewrites the f32 model at `path` with the byte tokens' lm_head rows scaled.
-absl::Status FavourByteTokens(const std::string& path) {
-  std::vector<std::string> blobs;
-  std::vector<TensorToWrite> tensors;
-  {
-    absl::StatusOr<std::unique_ptr<SafetensorsFile>> file = SafetensorsFile::Open(path);
-    if (!file.ok()) return file.status();
-    blobs.reserve((*file)->tensors().size());
-    for (const TensorView& t : (*file)->tensors()) {
-      blobs.emplace_back(static_cast<const char*>(t.data), t.num_bytes);
-      std::string& data = blobs.back();
-      if (t.name == "lm_head.weight") {
-        float* rows = reinterpret_cast<float*>(data.data());  // [vocab, hidden]
-        const int64_t hidden = t.shape[1];
-        for (int64_t i = kFirstByteToken * hidden; i < (kFirstByteToken + 256) * hidden; ++i) {
-          rows[i] *= kByteRowScale;
-        }
-      }
-      tensors.push_back({t.name, t.dtype, t.shape, data});
-    }
-  }
-  return WriteSafetensors(path, tensors);
-}
-
-// A model directory: random weights of a small shape with the llama2
-// tokenizer fixture's vocabulary (byte tokens favoured), and that tokenizer.
-std::string MakeByteFallbackModel(const std::string& dir) {
-  RandomModelSpec spec;
-  spec.vocab_size = kVocab;
-  spec.hidden_size = 64;
-  spec.intermediate_size = 128;
-  spec.num_layers = 2;
-  spec.num_heads = 8;
-  spec.num_kv_heads = 2;
-  spec.head_dim = 8;
-  spec.seed = 17;
-  absl::Status s = WriteRandomModel(dir, spec);
-  if (s.ok()) s = FavourByteTokens(dir + "/model.safetensors");
-  EXPECT_TRUE(s.ok()) << s;
-  const std::string fixture = std::string(PDSERVE_SOURCE_DIR) + "/tests/fixtures/tokenizers/llama2";
-  for (const char* f : {"tokenizer.json", "tokenizer_config.json"}) {
-    std::filesystem::copy_file(absl::StrCat(fixture, "/", f), absl::StrCat(dir, "/", f));
-  }
-  return dir;
-}
 
 // Random token ids (never the special <unk>, <s>, </s>), sampled at
 // temperature 1 with its own seed.

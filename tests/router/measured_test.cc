@@ -82,7 +82,7 @@ TEST(MeasuredInputsTest, APullIsMeasuredOnItsLinkAndOtherwiseEveryLinksMeanStand
   m.RecordHandoff("p0", "d0", 4e6, 1e-3);  // 4 GB/s
   m.RecordHandoff("p1", "d0", 2e6, 1e-3);  // 2 GB/s
   EXPECT_DOUBLE_EQ(*m.LinkBytesPerS("p0", "p1").value, 3e9) << "no pull measured: the links' mean";
-  m.RecordPull("p0", "p1", 1e6, 1e-3);
+  m.RecordLink("p0", "p1", 1e6, 1e-3);
   EXPECT_DOUBLE_EQ(*m.LinkBytesPerS("p0", "p1").value, 1e9);
   EXPECT_DOUBLE_EQ(*m.LinkBytesPerS("p0", "d0").value, 4e9);
   // A pull is not a handoff: the mean handoff size is the handoffs' alone.

@@ -459,6 +459,41 @@ TEST_F(EngineTest, CancelFreesTheKvAtOnce) {
   EXPECT_EQ(kv->Counts().used, 0);
 }
 
+// A paused sequence leaves the batch with its KV (nothing decodes it, its
+// blocks stay held, the other sequence goes on), and one resumed continues
+// to the same tokens; a sequence still prefilling is not paused.
+TEST_F(EngineTest, APausedSequenceKeepsItsKvOutOfTheBatchAndResumesUnchanged) {
+  auto kv = MakeKv(64);
+  Engine engine(*model_, *kv, {});
+  const GenerationRequest ra = MakeReq("In the beginning", 40, 0.8f, 5), rb = MakeReq("And God said", 20, 0, 1);
+  Output a, b;
+  auto first = Local(1, ra, Collect(&a));
+  engine.Submit(first);
+  engine.Submit(Local(2, rb, Collect(&b)));
+  std::optional<bool> paused;
+  engine.Pause(first, [&paused](bool out) { paused = out; });
+  ASSERT_TRUE(engine.Step().ok());
+  EXPECT_EQ(paused, false) << "a sequence that has not prefilled is not paused";
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(engine.Step().ok());
+  paused.reset();
+  engine.Pause(first, [&paused](bool out) { paused = out; });
+  ASSERT_TRUE(engine.Step().ok());
+  ASSERT_EQ(paused, true);
+  const size_t at_pause = a.tokens.size();
+  EXPECT_EQ(first->kv.num_positions(), first->gen->next_position() - 1) << "every fed position has its KV";
+  const int32_t held = kv->Counts().used;
+  RunToIdle(engine);  // The other sequence finishes; the paused one waits.
+  EXPECT_EQ(a.tokens.size(), at_pause) << "tokens while paused";
+  EXPECT_TRUE(b.status.ok());
+  EXPECT_GT(kv->Counts().used, 0);
+  EXPECT_LE(kv->Counts().used, held);
+  engine.Resume(first);
+  RunToIdle(engine);
+  ExpectSame(a, Alone(ra), 1);
+  ExpectSame(b, Alone(rb), 2);
+  EXPECT_EQ(kv->Counts().used, 0);
+}
+
 // The prefill role: kPrefillOnly requests are batched and chunked like any
 // other, report every layer's KV during their last chunk's forward, and
 // hand their KV over after the first token; a decode-only engine then

@@ -40,6 +40,15 @@ ABSL_FLAG(bool, decode_moves, true,
           "a sequence its decode worker pauses to move (drain, rebalance) goes to another decode worker with its KV "
           "(false: it resumes there, or a draining worker's is replayed elsewhere)");
 ABSL_FLAG(double, move_timeout_s, 10, "the longest a move of a running sequence between decode workers may take");
+ABSL_FLAG(bool, rebalance, true,
+          "move running sequences off a decode worker whose step time or KV in use exceeds its coolest peer's by "
+          "the margins below (with --decode_moves)");
+ABSL_FLAG(double, rebalance_step_margin, 0.5, "rebalance: a step time this fraction above the coolest peer's is hot");
+ABSL_FLAG(double, rebalance_kv_margin, 0.25,
+          "rebalance: KV in use this fraction of the pool above the coolest peer's is hot");
+ABSL_FLAG(double, rebalance_sustain_s, 3, "rebalance: a worker must stay hot this long before a sequence moves off it");
+ABSL_FLAG(double, rebalance_window_s, 30,
+          "rebalance: a sequence moves at most once within this, and a worker that received a move sheds none");
 ABSL_FLAG(double, max_request_s, 600,
           "the longest a request may run: every call to a worker carries a deadline this far from when the request "
           "left the router's queue, also when the client gave none");
@@ -191,6 +200,14 @@ int Run() {
   o.pick_wait = absl::Seconds(absl::GetFlag(FLAGS_pick_wait_s));
   o.decode_moves = absl::GetFlag(FLAGS_decode_moves);
   o.move_timeout = absl::Seconds(absl::GetFlag(FLAGS_move_timeout_s));
+  if (absl::GetFlag(FLAGS_rebalance)) {
+    o.rebalance = router::RebalanceOptions{.step_margin = absl::GetFlag(FLAGS_rebalance_step_margin),
+                                           .kv_margin = absl::GetFlag(FLAGS_rebalance_kv_margin),
+                                           .sustain = absl::Seconds(absl::GetFlag(FLAGS_rebalance_sustain_s)),
+                                           .window = absl::Seconds(absl::GetFlag(FLAGS_rebalance_window_s))};
+  } else {
+    o.rebalance.reset();
+  }
   o.max_request_duration = absl::Seconds(absl::GetFlag(FLAGS_max_request_s));
   if (!(absl::GetFlag(FLAGS_max_request_s) > 0)) {
     LogEvent("error", "bad_flags", {{"error", "--max_request_s must be above 0"}});

@@ -526,8 +526,24 @@ RelayState Relay::RetryPrefill() {
   return RelayState::kPrefill;
 }
 
+void Relay::ListRunning() {
+  if (context_.running == nullptr) return;
+  const int64_t streamed = static_cast<int64_t>(streamed_.size());
+  context_.running->Set(this, {.id = internal_id_,
+                               .worker = decode_->address(),
+                               .context = static_cast<int64_t>(request_.prompt.size()) + streamed,
+                               .remaining = std::max<int64_t>(0, request_.params.max_tokens - streamed)});
+}
+
 RelayState Relay::Decode() {
+  const RelayState next = ReadDecode();
+  if (context_.running != nullptr) context_.running->Remove(this);
+  return next;
+}
+
+RelayState Relay::ReadDecode() {
   Worker& d = *decode_;
+  ListRunning();
   worker::v1::DecodeEvent dev;
   bool decode_final = false;
   DecodeStream::ReadResult read;
@@ -543,6 +559,8 @@ RelayState Relay::Decode() {
       }
       SendChunk(dev.chunk());
       if (client_gone_) decode_reader_->Cancel();
+      // The rebalance weighs what is left: kept roughly current.
+      if (streamed_.size() % 16 < static_cast<size_t>(dev.chunk().token_ids_size())) ListRunning();
     } else if (dev.has_paused()) {
       // Every token the worker sampled is relayed: the stream stays open
       // while kMove settles where the sequence goes on.

@@ -59,6 +59,7 @@
 #include "router/placement.h"
 #include "router/relay_observer.h"
 #include "router/request_queue.h"
+#include "router/running_sequences.h"
 #include "router/transport.h"
 #include "router/worker_pool.h"
 
@@ -120,6 +121,8 @@ struct RelayContext {
   // grants; decode workers without a key take any reservation).
   std::shared_ptr<const kv::GrantKey> grant_key;
   absl::Duration grant_ttl = absl::Seconds(120);
+  // Where relays list the sequences they are decoding (none: not listed).
+  RunningSequences* running = nullptr;
 };
 
 enum class RelayState { kPlace, kPrefill, kRetryPrefill, kDecode, kMove, kMigrate, kFinish };
@@ -164,6 +167,7 @@ class Relay {
   void PullPrefix(Worker& p);
   RelayState RetryPrefill();
   RelayState Decode();
+  RelayState ReadDecode();
   RelayState Move();
   RelayState Migrate();
   absl::Status Finish();
@@ -197,6 +201,8 @@ class Relay {
   // its death or shutdown.
   bool StillServing(const Worker& w);
   void OpenDecode(std::unique_ptr<DecodeStream> s);
+  // Lists (or updates) the decoding sequence in context_.running.
+  void ListRunning();
   // Cancels the open decode stream and reads it to its end.
   void DrainDecode();
   void OpenPrefill(std::unique_ptr<PrefillStream> s);

@@ -12,6 +12,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/synchronization/notification.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
 #include "grpcpp/grpcpp.h"
 #include "base/grpc_status.h"
@@ -370,12 +371,66 @@ absl::StatusOr<std::unique_ptr<RouterService>> RouterService::Create(RouterOptio
   rc.next_id = &r->next_request_;
   rc.grant_key = o.grant_key;
   rc.grant_ttl = o.grant_ttl;
+  rc.running = &r->running_;
+  if (o.rebalance.has_value() && o.decode_moves && !o.colocated) {
+    r->rebalance_thread_ = std::thread([raw] { raw->RebalanceLoop(); });
+  }
   return r;
+}
+
+void RouterService::RebalanceLoop() {
+  RebalancePolicy policy(*options_.rebalance);
+  auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(rebalance_mu_) { return stop_rebalance_; };
+  while (true) {
+    {
+      absl::MutexLock lock(&rebalance_mu_);
+      if (rebalance_mu_.AwaitWithTimeout(absl::Condition(&stopping), options_.rebalance_period)) return;
+    }
+    const std::vector<WorkerPtr> decode = pool_->Snapshot(Role::kDecode);
+    std::vector<DecodeLoad> loads;
+    loads.reserve(decode.size());
+    for (const WorkerPtr& w : decode) {
+      const WorkerReport r = w->report();
+      DecodeLoad l;
+      l.address = w->address();
+      l.step_seconds = r.step_seconds;
+      if (r.kv_positions_total > 0 && r.free_positions >= 0) {
+        l.kv_used_fraction = 1.0 - static_cast<double>(r.free_positions) / static_cast<double>(r.kv_positions_total);
+      }
+      l.kv_bytes_per_position = r.kv_bytes_per_position;
+      l.serving = w->healthy() && !w->removed();
+      loads.push_back(std::move(l));
+    }
+    const std::optional<MoveChoice> choice =
+        policy.Decide(absl::Now(), loads, running_.Snapshot(), [this](const std::string& from, const std::string& to) {
+          const MeasuredValue v = measured_.LinkBytesPerS(from, to);
+          return v.has_data() ? *v.value : 0.0;
+        });
+    if (!choice.has_value()) continue;
+    for (const WorkerPtr& w : decode) {
+      if (w->address() != choice->from) continue;
+      worker::v1::PauseSequenceRequest req;
+      req.set_request_id(choice->id);
+      req.set_reason("rebalance");
+      const absl::StatusOr<worker::v1::PauseSequenceResponse> r =
+          transport_->PauseSequence(*w, req, absl::Seconds(2));
+      LogEvent("info", "rebalance", {{"request_id", choice->id}, {"from", choice->from}, {"toward", choice->to},
+                                     {"saves_s", absl::StrFormat("%.3f", choice->saves_s)},
+                                     {"costs_s", absl::StrFormat("%.3f", choice->costs_s)},
+                                     {"pausing", r.ok() && r->pausing() ? "true" : "false"}});
+    }
+  }
 }
 
 // The server ends every call (and so every generation's thread) before
 // the service goes.
-RouterService::~RouterService() = default;
+RouterService::~RouterService() {
+  {
+    absl::MutexLock lock(&rebalance_mu_);
+    stop_rebalance_ = true;
+  }
+  if (rebalance_thread_.joinable()) rebalance_thread_.join();
+}
 
 absl::Status RouterService::WaitForWorkers(absl::Duration timeout) {
   std::vector<Role> pools = {Role::kDecode};

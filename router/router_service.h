@@ -31,6 +31,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -48,8 +49,10 @@
 #include "router/openai/server.h"
 #include "router/placement.h"
 #include "router/prefix_index.h"
+#include "router/rebalance.h"
 #include "router/relay.h"
 #include "router/resolve.h"
+#include "router/running_sequences.h"
 #include "router/transport.h"
 #include "router/worker_pool.h"
 
@@ -83,6 +86,11 @@ struct RouterOptions {
   // go to another decode worker with their KV (router/relay.h).
   bool decode_moves = true;
   absl::Duration move_timeout = absl::Seconds(10);
+  // The rebalance (router/rebalance.h): every period the router looks
+  // at the decode workers' reports and may ask a hot one to move a
+  // sequence to a peer. None: off (or without decode_moves).
+  std::optional<RebalanceOptions> rebalance = RebalanceOptions{};
+  absl::Duration rebalance_period = absl::Seconds(1);
   // The longest a request may run: its calls to the workers carry a
   // deadline this far from its arrival even when the client gave none.
   absl::Duration max_request_duration = absl::Seconds(600);
@@ -192,6 +200,8 @@ class RouterService final : public GenerationServiceBase {
   void RegisterMetrics();
   // The capacities from the measurements and the pools now.
   MeasuredCapacity CurrentCapacity();
+  // The rebalance's thread: a look at the decode pool every period.
+  void RebalanceLoop();
 
   RouterOptions options_;
   MetricsRegistry metrics_;
@@ -218,6 +228,10 @@ class RouterService final : public GenerationServiceBase {
   RelayContext relay_context_;
   std::atomic<int64_t> in_flight_{0};
   std::atomic<uint64_t> next_request_{1};
+  RunningSequences running_;
+  absl::Mutex rebalance_mu_;
+  bool stop_rebalance_ ABSL_GUARDED_BY(rebalance_mu_) = false;
+  std::thread rebalance_thread_;  // Last: stopped first.
 };
 
 }  // namespace pdserve::router

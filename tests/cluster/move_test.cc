@@ -188,6 +188,36 @@ TEST(MoveTest, AMoveWhileACharacterIsHalfSentKeepsTheStreamExact) {
   EXPECT_EQ(RouterMetric(c, Moves("rebalance", "moved")), 1) << c.Logs();
 }
 
+// One decode worker much slower than the other (its every step waits
+// 60 ms): once it has been hot for the sustain period the router moves
+// sequences off it, and every stream is exact.
+TEST(MoveTest, TheRebalanceMovesSequencesOffASlowWorkerAndStreamsStayExact) {
+  const std::string dir = TempDir();
+  std::vector<v1::GenerateRequest> requests;
+  for (int i = 0; i < 4; ++i) requests.push_back(Request("And God said, Let there be light", 200, 0.7f, 40 + i));
+  std::vector<Output> want;
+  {
+    Cluster calm;
+    ASSERT_TRUE(calm.Start(dir + "/calm", false).ok());
+    for (const auto& r : requests) want.push_back(calm.Generate(r));
+  }
+  Cluster c;
+  c.extra_decode_flags[0] = {"--fault_step_delay_ms", "60"};
+  c.extra_router_flags = {"--decode_policy", "round_robin", "--rebalance_sustain_s", "0.5"};
+  ASSERT_TRUE(c.Start(dir + "/rebalance", false, {}, {}, 1, {}, 2).ok());
+  std::vector<Output> got(requests.size());
+  std::vector<std::thread> clients;
+  for (size_t i = 0; i < requests.size(); ++i) clients.emplace_back([&, i] { got[i] = c.Generate(requests[i]); });
+  for (std::thread& t : clients) t.join();
+  for (size_t i = 0; i < requests.size(); ++i) {
+    SCOPED_TRACE(absl::StrCat("stream ", i));
+    ExpectUndisturbed(got[i], want[i], c);
+  }
+  EXPECT_GE(RouterMetric(c, Moves("rebalance", "moved")), 1) << c.Logs();
+  EXPECT_EQ(RouterMetric(c, "pdserve_migrations_total"), 0) << c.Logs();
+  EXPECT_EQ(AllKvUsedAfterSettling(c), 0) << c.Status().ShortDebugString();
+}
+
 // The fault tests' cluster: every sequence pauses at its 10th token, and
 // each move waits 1.5 s before sending, long enough to kill a worker.
 struct StalledMove {

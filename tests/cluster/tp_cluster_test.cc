@@ -68,8 +68,12 @@ class TpClusterTest : public ::testing::TestWithParam<std::pair<int, int>> {
     return r;
   }
 
-  // Prefill on `prefill`, the KV converted into `decode`'s layout, decode on `decode`.
-  static RefOutput Reference(const v1::GenerateRequest& req, TpModel& prefill, TpModel& decode) {
+  // Prefill on `prefill`, the KV converted into `decode`'s layout, decode
+  // on `decode`; with `moved_to`, once `move_at` tokens are generated the
+  // KV is converted again, into its layout, and decoding goes on there (a
+  // sequence moved between decode workers).
+  static RefOutput Reference(const v1::GenerateRequest& req, TpModel& prefill, TpModel& decode,
+                             TpModel* moved_to = nullptr, int move_at = 0) {
     GenerationRequest r;
     r.prompt = *tokenizer_->Encode(req.text(), false);
     r.params.temperature = req.sampling().temperature();
@@ -101,9 +105,28 @@ class TpClusterTest : public ::testing::TestWithParam<std::pair<int, int>> {
     dst.SetNumPositions(n);
     src.Release();
     std::vector<int32_t> feed = {ev->token};
+    TpModel* on = &decode;
     while (!gen.finished()) {
+      if (moved_to != nullptr && static_cast<int>(gen.generated().size()) == move_at && on == &decode) {
+        // Every position but the last token's has its KV: those move.
+        const int32_t m = static_cast<int32_t>(r.prompt.size() + gen.generated().size()) - 1;
+        SequenceKv to = moved_to->kv->NewSequence(moved_to->kv->PickRank());
+        EXPECT_TRUE(moved_to->kv->Grow(to, m).ok());
+        const KvCacheSpec& ms = moved_to->kv->spec();
+        std::vector<char> moved(kv::PackedLayerBytes(ms, 0, m));
+        for (int32_t l = 0; l < ds.num_layers; ++l) {
+          kv::PackLayer(ds, decode.kv->storage().base, dst.block_table(), ms, l, 0, m, moved.data());
+          for (const kv::CopyRun& run : kv::PlanPacked(ms, to.block_table(), l, 0, m, 0)) {
+            std::memcpy(moved_to->kv->storage().base + run.dst_offset, moved.data() + run.src_offset, run.bytes);
+          }
+        }
+        to.SetNumPositions(m);
+        dst.Release();
+        dst = std::move(to);
+        on = moved_to;
+      }
       ForwardSequence step{&dst, feed, LogitsMode::kLast};
-      auto res = ForwardGrowing(*decode.model, *decode.kv, {&step, 1});
+      auto res = ForwardGrowing(*on->model, *on->kv, {&step, 1});
       EXPECT_TRUE(res.ok()) << res.status();
       ev = gen.Accept(res->Last(0));
       out.tokens.push_back(ev->token);
@@ -239,6 +262,47 @@ TEST_F(TpClusterTest, ADecodeWorkerWhoseCollectiveFailsStopsServingAndItsStreams
   }
   EXPECT_EQ(engine_failed, 1);
 }
+
+// A sequence moved between decode workers of different TP sizes: the
+// source's KV goes through the same layout conversion as a handoff's, and
+// the stream equals the in-process engine that decodes on a model of the
+// source's TP until the move, then on one of the target's. Only the first
+// decode worker pauses its sequences (--fault_move_at_token); a request
+// placed on the second decodes there throughout.
+class TpMoveTest : public TpClusterTest {};
+
+TEST_P(TpMoveTest, ASequenceMovedBetweenTpSizesEqualsTheInProcessEngine) {
+  const auto [from_tp, to_tp] = GetParam();
+  constexpr int kMoveAt = 12;
+  TpModel prefill = TpModel::Load(1), from = TpModel::Load(from_tp), to = TpModel::Load(to_tp);
+  Cluster c;
+  c.tls = false;
+  c.extra_decode_flags[0] = {"--tp", absl::StrCat(from_tp), "--fault_move_at_token", absl::StrCat(kMoveAt)};
+  c.extra_decode_flags[1] = {"--tp", absl::StrCat(to_tp)};
+  c.extra_router_flags = {"--decode_policy", "round_robin", "--rebalance=false"};
+  ASSERT_TRUE(c.Start(TempDir() + absl::StrCat("/move", from_tp, "to", to_tp), false, {}, {}, 1, {}, 2).ok());
+  const std::string moved_series = "pdserve_decode_moves_out_total{outcome=\"moved\"}";
+  int moved = 0;
+  for (const v1::GenerateRequest& req : {Request("In the beginning God created", 32, 0.0f, 42),
+                                         Request("And God said, Let there be light", 32, 0.8f, 7),
+                                         Request("The LORD is my shepherd", 32, 0.9f, 8)}) {
+    const double before = MetricValue(HttpGet(c.decode_metrics(0), "/metrics"), moved_series);
+    const Output got = c.Generate(req);
+    ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+    const bool was_moved = MetricValue(HttpGet(c.decode_metrics(0), "/metrics"), moved_series) > before;
+    const RefOutput want = was_moved ? Reference(req, prefill, from, &to, kMoveAt) : Reference(req, prefill, to);
+    EXPECT_EQ(got.tokens, want.tokens) << "tp " << from_tp << " to " << to_tp << (was_moved ? " (moved): " : ": ")
+                                       << req.text();
+    EXPECT_EQ(got.text, want.text);
+    moved += was_moved ? 1 : 0;
+  }
+  EXPECT_GE(moved, 1) << c.Logs();
+}
+
+INSTANTIATE_TEST_SUITE_P(Sizes, TpMoveTest, ::testing::Values(std::make_pair(2, 1), std::make_pair(1, 2)),
+                         [](const ::testing::TestParamInfo<std::pair<int, int>>& i) {
+                           return absl::StrCat("Tp", i.param.first, "ToTp", i.param.second);
+                         });
 
 INSTANTIATE_TEST_SUITE_P(Pairings, TpClusterTest,
                          ::testing::Values(std::make_pair(1, 1), std::make_pair(1, 2), std::make_pair(1, 4),

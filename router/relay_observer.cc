@@ -45,6 +45,9 @@ RelayMetrics::RelayMetrics(MetricsRegistry& m) {
           absl::StrCat("reason=\"", reason, "\",outcome=\"", outcome, "\""));
     }
   }
+  move_bytes = m.AddCounter("pdserve_decode_move_bytes_total", "KV bytes of the sequences moved between decode workers.");
+  move_seconds = m.AddCounter("pdserve_decode_move_seconds_total",
+                              "Seconds the moves' KV handoffs took (reservation to commit), summed.");
 }
 
 void RelayMetrics::CountMove(const std::string& reason, const char* outcome) const {
@@ -83,6 +86,8 @@ void MetricsObserver::HandedOff(const std::string& prefill, const std::string& d
 void MetricsObserver::Moved(const std::string& reason, const char* outcome, const std::string& from,
                             const std::string& to, double bytes, double seconds) {
   metrics_->CountMove(reason, outcome);
+  if (bytes > 0) metrics_->move_bytes->Add(bytes);
+  if (seconds > 0) metrics_->move_seconds->Add(seconds);
   // The decode-to-decode link's bandwidth (the rebalance's cost model).
   measured_->RecordLink(from, to, bytes, seconds);
 }

@@ -46,6 +46,8 @@ struct RelayMetrics {
   // By "reason/outcome": reason drain or rebalance; outcome moved,
   // resumed (stayed on its worker) or replayed (recomputed elsewhere).
   absl::flat_hash_map<std::string, Counter*> moves;
+  Counter* move_bytes;
+  Counter* move_seconds;
   void CountMove(const std::string& reason, const char* outcome) const;
 };
 

@@ -9,11 +9,12 @@
 #include <thread>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
-#include "absl/synchronization/notification.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
+#include "absl/synchronization/notification.h"
 #include "grpcpp/grpcpp.h"
 #include "base/grpc_status.h"
 #include "base/server_util.h"
@@ -656,6 +657,21 @@ grpc::Status RouterService::ClusterStatus(grpc::ServerContext* ctx, const v1::Cl
   out->set_router_resident_bytes(ProcStatusBytes("VmRSS:"));
   out->set_router_peak_resident_bytes(ProcStatusBytes("VmHWM:"));
   out->set_prefill_ejections(static_cast<int64_t>(ejections_[0]->value()));
+  {
+    const RelayMetrics& m = *relay_metrics_;
+    double moved = 0, replayed = 0;
+    for (const auto& [key, counter] : m.moves) {
+      if (absl::EndsWith(key, "/moved")) moved += counter->value();
+      if (absl::EndsWith(key, "/replayed")) replayed += counter->value();
+    }
+    out->set_decode_moves(static_cast<int64_t>(moved));
+    out->set_decode_moves_replayed(static_cast<int64_t>(replayed));
+    out->set_migrations(static_cast<int64_t>(m.migrations->value()));
+    out->set_prefill_context_tokens(static_cast<int64_t>(m.prompt_tokens->value()));
+    out->set_prefix_cached_tokens(static_cast<int64_t>(m.cached_tokens->value()));
+    out->set_decode_move_bytes(static_cast<int64_t>(m.move_bytes->value()));
+    out->set_decode_move_seconds(m.move_seconds->value());
+  }
   out->set_decode_ejections(static_cast<int64_t>(ejections_[1]->value()));
   return grpc::Status::OK;
 }

@@ -1,6 +1,7 @@
 // pdserve-chaos: steady load on two prefill and two decode workers behind a
 // router while one worker at a time is killed (SIGKILL, or SIGTERM and a
-// drain) and started again. Every request is checked against the same
+// drain, which moves the decode worker's running sequences to the other
+// one) and started again. Every request is checked against the same
 // request on the undisturbed cluster; the run passes only if none was lost,
 // none streamed a token twice or a different token, and no KV block is
 // still held once the load stops.
@@ -57,6 +58,11 @@ ABSL_FLAG(double, kill_period_s, 5,
           "mean pause between a restarted worker being ready and the next kill (jittered 0.5x..1.5x)");
 ABSL_FLAG(double, sigterm_fraction, 0.3, "share of kills that are SIGTERM (a drain); the rest are SIGKILL");
 ABSL_FLAG(double, drain_grace_s, 2, "the workers' --drain_grace_s");
+ABSL_FLAG(bool, decode_only, false,
+          "kill only decode workers (with --sigterm_fraction 1: every kill a drain, whose running sequences move)");
+ABSL_FLAG(int, min_moves, 0,
+          "fail unless the router moved at least this many running sequences between decode workers (a drain's "
+          "live moves; pdserve_decode_moves_total outcome moved)");
 ABSL_FLAG(uint64_t, seed, 0, "seeds the kills and the clients' choices (0: from the clock, printed)");
 ABSL_FLAG(std::string, dir, "", "ready files and server logs (default: a new /tmp/pdserve-chaos-XXXXXX)");
 ABSL_FLAG(int, min_tokens, 16, "smallest max_tokens among the requests");
@@ -333,13 +339,17 @@ void ClientLoop(int client, uint64_t seed, v1::Generation::Stub& stub, const std
 // Kills one random worker at a time and starts it again, until `stop`; a
 // restart under way when `stop` comes is finished first. A worker that
 // cannot be restarted ends the killing and is reported in `*error`.
-void KillerLoop(uint64_t seed, Fleet& fleet, double kill_period_s, double sigterm_fraction,
+void KillerLoop(uint64_t seed, Fleet& fleet, double kill_period_s, double sigterm_fraction, bool decode_only,
                 const absl::Notification& stop, Ledger& ledger, std::string* error) {
   std::mt19937_64 rng(seed);
-  std::uniform_int_distribution<int> victim(0, fleet.num_workers() - 1);
+  std::vector<int> victims;
+  for (int w = 0; w < fleet.num_workers(); ++w) {
+    if (!decode_only || fleet.role(w) == Role::kDecode) victims.push_back(w);
+  }
+  std::uniform_int_distribution<size_t> victim(0, victims.size() - 1);
   std::uniform_real_distribution<double> unit(0, 1);
   while (!stop.WaitForNotificationWithTimeout(absl::Seconds(kill_period_s * (0.5 + unit(rng))))) {
-    const int w = victim(rng);
+    const int w = victims[victim(rng)];
     const int sig = unit(rng) < sigterm_fraction ? SIGTERM : SIGKILL;
     const std::string log = fleet.current_log(w);
     const int number = ledger.KillStarted(fleet.name(w), fleet.role(w), sig, log);
@@ -535,7 +545,8 @@ int Run() {
                          std::cref(*references), deadline, std::cref(stop), std::ref(ledger));
   }
   std::thread killer(KillerLoop, seed, std::ref(fleet), absl::GetFlag(FLAGS_kill_period_s),
-                     absl::GetFlag(FLAGS_sigterm_fraction), std::cref(stop), std::ref(ledger), &killer_error);
+                     absl::GetFlag(FLAGS_sigterm_fraction), absl::GetFlag(FLAGS_decode_only), std::cref(stop),
+                     std::ref(ledger), &killer_error);
   const absl::Time chaos_end = chaos_start + absl::Seconds(duration_s);
   while (absl::Now() < chaos_end &&
          !interrupted.WaitForNotificationWithTimeout(std::min(kProgressPeriod, chaos_end - absl::Now()))) {
@@ -568,6 +579,7 @@ int Run() {
   absl::PrintF("kills               %d (%s)\n", t.kills, kinds.empty() ? "none" : kinds);
   absl::PrintF("unclean exits       %d%s\n", t.unclean_exits.size(),
                t.unclean_exits.empty() ? "" : absl::StrCat(": ", absl::StrJoin(t.unclean_exits, "; ")));
+  int64_t moved = 0;  // Running sequences moved with their KV.
   if (metrics.empty()) {
     absl::PrintF("router metrics      unavailable\n");
   } else {
@@ -576,6 +588,10 @@ int Run() {
       absl::PrintF("%-50s %g\n", series, v);
     }
     for (const auto& [series, v] : Series(metrics, "pdserve_requests_total")) absl::PrintF("%-50s %g\n", series, v);
+    for (const auto& [series, v] : Series(metrics, "pdserve_decode_moves_total")) {
+      if (v > 0) absl::PrintF("%-50s %g\n", series, v);
+      if (absl::StrContains(series, "outcome=\"moved\"")) moved += static_cast<int64_t>(v);
+    }
     for (const auto& [series, v] : Series(metrics, "pdserve_prefix_pulls_total")) {
       if (v > 0) absl::PrintF("%-50s %g\n", series, v);
     }
@@ -598,6 +614,9 @@ int Run() {
   if (t.completed == 0) failed.push_back("nothing completed");
   if (!killer_error.empty()) failed.push_back(killer_error);
   if (!t.unclean_exits.empty()) failed.push_back("SIGTERMed workers that did not exit 0");
+  if (moved < absl::GetFlag(FLAGS_min_moves)) {
+    failed.push_back(absl::StrCat("sequences moved ", moved, ", fewer than --min_moves ", absl::GetFlag(FLAGS_min_moves)));
+  }
   if (failed.empty()) {
     absl::PrintF("PASS\n");
     return 0;

@@ -84,10 +84,12 @@ INSTANTIATE_TEST_SUITE_P(Modes, DecodeDeathTest, ::testing::Values(false, true),
                            return i.param ? "Colocated" : "Disaggregated";
                          });
 
-// SIGTERM to the decode worker holding a stream: with a short grace period
-// the stream migrates at the deadline; with a long one it finishes where it
-// is and the worker exits cleanly afterwards. Either way the client sees
-// the undisturbed stream, and new requests go to the other worker.
+// SIGTERM to the decode worker holding a stream, with moves off
+// (--kv_moves=false; tests/cluster/move_test.cc drains with them): with a
+// short grace period the stream migrates at the deadline; with a long one
+// it finishes where it is and the worker exits cleanly afterwards. Either
+// way the client sees the undisturbed stream, and new requests go to the
+// other worker.
 class DrainTest : public ::testing::TestWithParam<bool> {};
 
 TEST_P(DrainTest, SigtermDrainsThenMigratesAtTheDeadline) {
@@ -97,7 +99,8 @@ TEST_P(DrainTest, SigtermDrainsThenMigratesAtTheDeadline) {
   req.set_ignore_eos(true);
   const Output want = Undisturbed(dir, false, req);
   Cluster c;
-  absl::Status s = c.Start(dir + "/drain", false, {"--drain_grace_s", short_grace ? "0.05" : "30"}, {}, 1, {}, 2);
+  absl::Status s = c.Start(dir + "/drain", false, {"--drain_grace_s", short_grace ? "0.05" : "30", "--kv_moves=false"}, {}, 1,
+                           {}, 2);
   ASSERT_TRUE(s.ok()) << s;
   grpc::ClientContext ctx;
   auto reader = Open(c, ctx, req);

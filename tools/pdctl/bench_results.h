@@ -88,6 +88,9 @@ struct BenchRow {
   // them, pulled from another worker first), read back from second tiers,
   // and prompt blocks sent. Empty: not asked for.
   nlohmann::ordered_json tiers;
+  // A drain mid-run (--drain-at): what the streams and the router went
+  // through. Empty: none.
+  nlohmann::ordered_json drain;
   std::string Label() const;  // "cluster 4 req/s", "in-process c=8".
 };
 

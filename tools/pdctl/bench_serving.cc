@@ -1,5 +1,8 @@
 #include "tools/pdctl/bench_serving.h"
 
+#include <signal.h>
+
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -395,7 +398,8 @@ class InProcessTarget final : public Target {
 // One run of `work` against `target`: open loop at `arrivals` (seconds after
 // the start), or closed loop at `concurrency` when arrivals is empty.
 BenchRow Drive(Target& target, const std::vector<WorkloadRequest>& work, const std::vector<double>& arrivals,
-               int concurrency, const LatencyTargets& targets, const std::string& name) {
+               int concurrency, const LatencyTargets& targets, const std::string& name,
+               std::vector<double>* largest_gaps = nullptr) {
   std::vector<RequestResult> results(work.size());
   std::atomic<size_t> next{0};
   std::atomic<int> done{0};
@@ -431,7 +435,116 @@ BenchRow Drive(Target& target, const std::vector<WorkloadRequest>& work, const s
   for (auto& t : threads) t.join();
   const double wall = Seconds(start, Clock::now());
   progress.join();
+  if (largest_gaps != nullptr) {
+    for (const RequestResult& r : results) {
+      if (r.outcome != RequestOutcome::kCompleted || r.itl.empty()) continue;
+      largest_gaps->push_back(*std::max_element(r.itl.begin(), r.itl.end()));
+    }
+  }
   return Summarize(results, wall, targets);
+}
+
+// The drain of a row (--drain-at): waits until the decode pool runs
+// `streams` sequences, then drain_at seconds more, then SIGTERMs the
+// worker. Stops early once `row_done`.
+class Drainer {
+ public:
+  Drainer(RouterTarget* router, const ServingBenchOptions& o, int streams)
+      : thread_([this, router, o, streams] { Run(router, o, streams); }) {}
+  ~Drainer() { Stop(); }
+  void Stop() {
+    done_ = true;
+    if (thread_.joinable()) thread_.join();
+  }
+  double drained_at() const { return drained_at_; }  // Seconds into the row; < 0: never.
+  double step_seconds() const { return step_seconds_; }  // The drained worker's pool's slowest step, before.
+
+ private:
+  void Run(RouterTarget* router, const ServingBenchOptions& o, int streams) {
+    const auto start = Clock::now();
+    while (!done_) {
+      absl::StatusOr<v1::ClusterStatusResponse> s = router->ClusterStatus();
+      int running = 0;
+      double step = 0;
+      if (s.ok()) {
+        for (const v1::WorkerStatus& d : s->decode()) {
+          running += d.running();
+          step = std::max(step, d.step_seconds());
+        }
+      }
+      if (running >= streams) {
+        step_seconds_ = step;
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    const auto at = Clock::now() + std::chrono::microseconds(static_cast<int64_t>(o.drain_at * 1e6));
+    while (!done_ && Clock::now() < at) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    if (done_) return;
+    if (kill(o.drain_pid, SIGTERM) != 0) {
+      std::fprintf(stderr, "bench: SIGTERM to pid %d failed\n", o.drain_pid);
+      return;
+    }
+    drained_at_ = Seconds(start, Clock::now());
+    std::fprintf(stderr, "bench: SIGTERM to decode worker pid %d, %.1f s into the run\n", o.drain_pid, drained_at_.load());
+  }
+
+  std::atomic<bool> done_{false};
+  std::atomic<double> drained_at_{-1};
+  std::atomic<double> step_seconds_{0};
+  std::thread thread_;
+};
+
+// What a drained row went through: the streams' largest gaps, and the
+// router's moves, replays and context positions prefilled again (beyond
+// each request's own prompt) over the row.
+nlohmann::ordered_json DrainReport(const BenchRow& row, std::vector<double> gaps, const Drainer& d,
+                                   const v1::ClusterStatusResponse& before, const v1::ClusterStatusResponse& after) {
+  const int64_t moves = after.decode_moves() - before.decode_moves();
+  const double move_seconds = after.decode_move_seconds() - before.decode_move_seconds();
+  const int64_t move_bytes = after.decode_move_bytes() - before.decode_move_bytes();
+  const int64_t context = after.prefill_context_tokens() - before.prefill_context_tokens();
+  const int64_t cached = after.prefix_cached_tokens() - before.prefix_cached_tokens();
+  std::sort(gaps.begin(), gaps.end());
+  auto at = [&gaps](double p) {
+    return gaps.empty() ? 0.0 : gaps[std::min(gaps.size() - 1, static_cast<size_t>(p * (gaps.size() - 1) + 0.5))];
+  };
+  const double per_move = moves > 0 ? move_seconds / static_cast<double>(moves) : 0;
+  return {{"drained_at_seconds", d.drained_at()},
+          {"streams", gaps.size()},
+          {"largest_gap_seconds", {{"p50", at(0.5)}, {"p75", at(0.75)}, {"max", at(1.0)}}},
+          {"moves", moves},
+          {"moves_replayed", after.decode_moves_replayed() - before.decode_moves_replayed()},
+          {"replays", after.migrations() - before.migrations()},
+          {"move_bytes", move_bytes},
+          {"move_bytes_per_second", move_seconds > 0 ? static_cast<double>(move_bytes) / move_seconds : 0.0},
+          {"context_positions_prefilled_again", context - row.prompt_tokens},
+          {"positions_computed_again", (context - cached) - (row.prompt_tokens - row.cached_prompt_tokens)},
+          {"decode_step_seconds", d.step_seconds()},
+          {"stall_bound_seconds", 3 * d.step_seconds() + per_move}};
+}
+
+void PrintDrain(const BenchRow& row) {
+  const nlohmann::ordered_json& r = row.drain;
+  if (r.empty()) return;
+  if (r["drained_at_seconds"].get<double>() < 0) {
+    std::printf("  drain: the run ended before the drain came (lower --drain-at, or raise --output-tokens)\n");
+    return;
+  }
+  const nlohmann::ordered_json& g = r["largest_gap_seconds"];
+  std::printf(
+      "  drain at %.1f s: largest inter-token gap per stream (%d streams) p50 %.1f ms, p75 %.1f ms, max %.1f ms; "
+      "bound for a move (3 decode steps of %.1f ms + its KV at the moves' %.2f GB/s) %.1f ms\n",
+      r["drained_at_seconds"].get<double>(), r["streams"].get<int>(), 1e3 * g["p50"].get<double>(),
+      1e3 * g["p75"].get<double>(), 1e3 * g["max"].get<double>(), 1e3 * r["decode_step_seconds"].get<double>(),
+      r["move_bytes_per_second"].get<double>() / 1e9, 1e3 * r["stall_bound_seconds"].get<double>());
+  std::printf(
+      "  drain: moved %lld (%.1f MiB of KV), replayed %lld (of them %lld whose move failed); context positions "
+      "prefilled again %lld, computed again %lld\n",
+      static_cast<long long>(r["moves"].get<int64_t>()), static_cast<double>(r["move_bytes"].get<int64_t>()) / (1 << 20),
+      static_cast<long long>(r["replays"].get<int64_t>()), static_cast<long long>(r["moves_replayed"].get<int64_t>()),
+      static_cast<long long>(r["context_positions_prefilled_again"].get<int64_t>()),
+      static_cast<long long>(r["positions_computed_again"].get<int64_t>()));
 }
 
 nlohmann::ordered_json Percentiles(const Distribution& d) {
@@ -586,6 +699,7 @@ void PrintSingleRun(const ServingBenchOptions& o, const std::vector<BenchRow>& r
     if (full.contains("prefix_cache")) r["prefix_cache"] = full["prefix_cache"];
     if (!row.first_error.empty()) r["first_error"] = row.first_error;
     if (!row.router_side.empty()) r["router_side"] = row.router_side;
+    if (!row.drain.empty()) r["drain"] = row.drain;
     runs.push_back(std::move(r));
   }
   if (o.json) {
@@ -626,6 +740,7 @@ void PrintSingleRun(const ServingBenchOptions& o, const std::vector<BenchRow>& r
     }
     if (!row.first_error.empty()) std::printf("  first error: %s\n", row.first_error.c_str());
     PrintRouterSide(row);
+    PrintDrain(row);
   }
 }
 
@@ -745,6 +860,10 @@ absl::Status RunServingBench(const ServingBenchOptions& o) {
   if (!o.trace_file.empty() && o.multi_turn_turns > 0) {
     return absl::InvalidArgumentError("--trace and --multi-turn do not go together");
   }
+  if (o.drain_at >= 0 && (o.drain_pid <= 0 || o.router.empty() || open_loop)) {
+    return absl::InvalidArgumentError(
+        "--drain-at needs --drain-pid PID (a decode worker's), --router, and a closed loop (--concurrency)");
+  }
   WorkloadOptions wo;
   wo.requests = o.requests;
   wo.prompt_min = o.prompt_min;
@@ -825,17 +944,26 @@ absl::Status RunServingBench(const ServingBenchOptions& o) {
       // A burst's rows also say what the router went through.
       std::optional<v1::ClusterStatusResponse> before;
       const bool tiers = (o.multi_turn_turns > 0 || o.shared_prefix_groups > 0) && name == "cluster";
-      if ((o.burst > 0 || tiers) && cluster && router != nullptr) {
+      const bool drain = o.drain_at >= 0 && name == "cluster";
+      if ((o.burst > 0 || tiers || drain) && cluster && router != nullptr) {
         absl::StatusOr<v1::ClusterStatusResponse> s = router->ClusterStatus();
         if (!s.ok()) return s.status();
         before = *std::move(s);
       }
-      BenchRow row = Drive(target, name == "http" ? http_work : *work, arrivals, o.concurrency, targets, progress_name);
+      std::unique_ptr<Drainer> drainer;
+      std::vector<double> gaps;
+      if (drain) {
+        drainer = std::make_unique<Drainer>(router.get(), o, std::min(o.concurrency, static_cast<int>(work->size())));
+      }
+      BenchRow row = Drive(target, name == "http" ? http_work : *work, arrivals, o.concurrency, targets, progress_name,
+                           drain ? &gaps : nullptr);
+      if (drainer != nullptr) drainer->Stop();
       if (before.has_value()) {
         absl::StatusOr<v1::ClusterStatusResponse> after = router->ClusterStatus();
         if (!after.ok()) return after.status();
         if (o.burst > 0) row.router_side = RouterSide(*before, *after);
         if (tiers) row.tiers = Tiers(*before, *after, row.prompt_tokens);
+        if (drain) row.drain = DrainReport(row, std::move(gaps), *drainer, *before, *after);
       }
       row.target = name;
       row.rate = rate;

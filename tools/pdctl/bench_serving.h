@@ -3,6 +3,13 @@
 // the same run (--in-process-model DIR), so the cluster's overheads are
 // measured against what the engine alone does.
 //
+// A drain (--drain-at S --drain-pid PID): S seconds after every stream of
+// the run is decoding, the decode worker PID gets SIGTERM; the row reports
+// each stream's largest gap (the switch stall of those that moved), the
+// moves, replays and context positions prefilled again, and the stall
+// bound a move should meet: 3 decode steps plus its KV transfer at the
+// bandwidth the moves measured.
+//
 // Sweeps and SLOs: --rates runs the workload once per Poisson rate (the same
 // requests each time, arrivals scaled), lengths may come from a trace or a
 // shared-prefix recipe (bench_workload.h), requests are judged against TTFT
@@ -49,6 +56,12 @@ struct ServingBenchOptions {
   int multi_turn_turns = 0, multi_turn_system_tokens = 0;
   double ttft_target_ms = 0, itl_target_ms = 0;            // 0 = no target.
   std::string svg_file;       // Where to write the picture ("" = none).
+  // A drain mid-run (cluster rows): drain_at seconds after the decode pool
+  // runs every stream of the run (as many as the concurrency), SIGTERM to
+  // decode worker drain_pid; the row then reports each stream's largest
+  // inter-token gap and what the router moved, replayed and recomputed.
+  double drain_at = -1;  // < 0: no drain.
+  int drain_pid = 0;
   bool PerRowReport() const {
     return !rates.empty() || !trace_file.empty() || shared_prefix_groups > 0 || multi_turn_turns > 0 ||
            ttft_target_ms > 0 ||

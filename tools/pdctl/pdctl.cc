@@ -114,6 +114,10 @@ ABSL_FLAG(std::string, corpus, "tests/fixtures/tokenizers/corpus.jsonl",
           "bench-tokenizer: JSONL corpus of strings");
 ABSL_FLAG(std::string, reference_dir, "tests/fixtures/tokenizers",
           "bench-tokenizer: where the npm reference is installed");
+ABSL_FLAG(double, drain_at, -1,
+          "bench: S seconds after the decode pool runs every stream of the run, SIGTERM --drain-pid (a decode worker) "
+          "and report each stream's stall and what was recomputed");
+ABSL_FLAG(int, drain_pid, 0, "bench --drain-at: the decode worker's process id");
 ABSL_FLAG(std::string, multi_turn, "",
           "bench: TURNS:SYSTEM_TOKENS multi-turn chat, each turn resending its conversation's history over one of "
           "64 (or --shared-prefix's GROUPS) system prompts; --prompt-tokens is each user turn, --output-tokens each "
@@ -510,6 +514,8 @@ absl::Status RunServingBenchCommand() {
           absl::StrCat("--multi-turn: expected TURNS:SYSTEM_TOKENS, both at least 1, got '", mt, "'"));
     }
   }
+  o.drain_at = absl::GetFlag(FLAGS_drain_at);
+  o.drain_pid = absl::GetFlag(FLAGS_drain_pid);
   return RunServingBench(o);
 }
 

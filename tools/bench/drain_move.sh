@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Drains one of two decode workers in the middle of a run, once with live
+# moves (the draining worker ships each running sequence's KV to the other
+# worker) and once with replay (moves off: the other worker recomputes each
+# sequence's prompt and tokens so far), at each history length. Each row
+# runs 16 streams of the 125M benchmark model against a fresh local cluster
+# (1 prefill + 2 decode workers, TLS on) and reports `pdctl bench
+# --drain-at`'s figures: each stream's largest inter-token gap, the moves
+# and replays, the KV bytes moved and at what rate, the context positions
+# computed again, and the bound a move's stall is held to (3 decode steps
+# plus the KV transfer at the moves' measured rate).
+#
+#   tools/bench/drain_move.sh [--model DIR] [--streams N] [--output-tokens N] [--drain-at S] [HISTORY...]
+#
+# Defaults: the 125M model made once in ${PDSERVE_BENCH_MODEL:-/tmp/pdserve-125m}
+# (pdctl make-model), 16 streams, 96 output tokens each, the drain 2 s after
+# all 16 streams decode, histories 512 and 4096. State lives in
+# $PDSERVE_CLUSTER_DIR (default /tmp/pdserve-drain). Needs a build.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+BUILD_DIR=${PDSERVE_BUILD_DIR:-build}
+PDCTL="$BUILD_DIR/tools/pdctl/pdctl"
+export PDSERVE_CLUSTER_DIR=${PDSERVE_CLUSTER_DIR:-/tmp/pdserve-drain}
+export PDSERVE_HTTP_PORT=${PDSERVE_HTTP_PORT:-8191}
+model=${PDSERVE_BENCH_MODEL:-/tmp/pdserve-125m} streams=16 output=96 drain_at=2
+histories=()
+while (($#)); do
+  case "$1" in
+    --model) model=$2; shift 2 ;;
+    --streams) streams=$2; shift 2 ;;
+    --output-tokens) output=$2; shift 2 ;;
+    --drain-at) drain_at=$2; shift 2 ;;
+    -*) echo "drain_move.sh: unknown option $1" >&2; exit 2 ;;
+    *) histories+=("$1"); shift ;;
+  esac
+done
+((${#histories[@]})) || histories=(512 4096)
+if [[ ! -f $model/config.json ]]; then
+  echo "drain_move.sh: making the 125M model in $model"
+  "$PDCTL" make-model --shape 125m --out "$model"
+fi
+trap 'deploy/cluster.sh stop >/dev/null 2>&1 || true' EXIT
+echo "cluster: 1 prefill + 2 decode, $model, $(nproc) CPUs ($(lscpu | sed -n 's/^Model name: *//p'))"
+for history in "${histories[@]}"; do
+  for mode in move replay; do
+    flags=()
+    # Replay: the worker does not move its sequences and hands them back at
+    # once, so the router replays each on the other worker.
+    [[ $mode == replay ]] && flags=(--decode-flag --kv_moves=false --decode-flag --drain_grace_s=0.1)
+    deploy/cluster.sh stop >/dev/null 2>&1 || true
+    deploy/cluster.sh start --prefill 1 --decode 2 --model "$model" "${flags[@]}" >/dev/null
+    pid=$(head -n 1 "$PDSERVE_CLUSTER_DIR/pids")  # decode0 starts first
+    echo "== history $history, $mode"
+    "$PDCTL" bench --router "$(cat "$PDSERVE_CLUSTER_DIR/router.address")" --tls_ca "$(cat "$PDSERVE_CLUSTER_DIR/tls_ca")" \
+      --requests "$streams" --concurrency "$streams" --prompt-tokens "$history" --output-tokens "$output" \
+      --drain-at "$drain_at" --drain-pid "$pid" 2> >(grep -v '^bench [a-z]*:' >&2)
+  done
+done

@@ -116,7 +116,19 @@ KvSender::~KvSender() {
 }
 
 absl::StatusOr<Connection*> KvSender::Connect(const std::string& host, int port) {
-  return transport_->Connect(host, port, this);
+  absl::StatusOr<Connection*> c = transport_->Connect(host, port, this);
+  if (c.ok()) {
+    // A new connection may take the address of one that ended.
+    absl::MutexLock lock(&closed_mu_);
+    closed_.erase(*c);
+  }
+  return c;
+}
+
+bool KvSender::Usable(const Connection* conn) const {
+  if (conn->failed()) return false;
+  absl::MutexLock lock(&closed_mu_);
+  return !closed_.contains(conn);
 }
 
 absl::StatusOr<std::unique_ptr<Handoff>> KvSender::Reserve(Connection* conn, ReserveArgs args) {
@@ -132,7 +144,7 @@ absl::StatusOr<std::unique_ptr<Handoff>> KvSender::Reserve(Connection* conn, Res
   req.cache_salt = args.cache_salt;
   const absl::Time start = absl::Now();
   transport_->loop().Post([this, conn, pending, req = std::move(req)]() mutable {
-    if (conn->failed()) {
+    if (!Usable(conn)) {
       pending->reply.set_value(absl::UnavailableError(absl::StrCat("KV handoff: ", conn->name(), " is down")));
       return;
     }
@@ -307,6 +319,10 @@ void KvSender::OnMessage(Connection& c, std::string message) {
 }
 
 void KvSender::OnDisconnected(Connection& c, absl::Status why) {
+  {
+    absl::MutexLock lock(&closed_mu_);
+    closed_.insert(&c);
+  }
   const absl::Status gone = absl::UnavailableError(
       absl::StrCat("KV handoff: receiver ", c.name(), " is gone", why.ok() ? "" : ": ", why.message()));
   for (auto it = reserves_.begin(); it != reserves_.end();) {
@@ -480,7 +496,7 @@ absl::Status Handoff::Abort(absl::Status why) {
 
 absl::StatusOr<Connection*> ReceiverConnections::Get(const std::string& address) {
   auto it = connections_.find(address);
-  if (it != connections_.end() && !it->second->failed()) return it->second;
+  if (it != connections_.end() && sender_->Usable(it->second)) return it->second;
   const size_t colon = address.rfind(':');
   int port = 0;
   if (colon == std::string::npos || !absl::SimpleAtoi(address.substr(colon + 1), &port)) {

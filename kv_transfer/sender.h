@@ -38,6 +38,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
@@ -107,6 +108,11 @@ class KvSender final : public ConnectionHandler {
   ~KvSender() override;
 
   absl::StatusOr<Connection*> Connect(const std::string& host, int port);
+  // Whether `conn` can still carry a reservation: not failed, and not
+  // closed by its receiver (a receiver that goes away gracefully says Bye:
+  // its connection ends without failing, and a message sent on it then
+  // would never be answered).
+  bool Usable(const Connection* conn) const;
   absl::StatusOr<std::unique_ptr<Handoff>> Reserve(Connection* conn, ReserveArgs args);
   KvTransferStats metrics() const { return metrics_.Snapshot(); }
   // `fn` runs on the transport's loop thread when a receiver that refused
@@ -138,6 +144,8 @@ class KvSender final : public ConnectionHandler {
   KvTransferMetrics metrics_;
   absl::Mutex room_mu_;
   std::function<void(Connection&)> room_listener_ ABSL_GUARDED_BY(room_mu_);
+  mutable absl::Mutex closed_mu_;
+  absl::flat_hash_set<const Connection*> closed_ ABSL_GUARDED_BY(closed_mu_);  // Ended, either way.
   void RoomFor(Connection& c);
   // Loop thread only.
   uint64_t next_tag_ = 1;

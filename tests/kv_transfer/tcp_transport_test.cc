@@ -696,5 +696,65 @@ TEST(TcpTransportHandoffTest, SameLayoutHandoffLandsByteIdentical) {
   receiver_kv.reset();
 }
 
+// A receiver that goes away gracefully (its KvReceiver closes each
+// connection with a Bye, as a draining worker's does) leaves the sender's
+// kept connection closed, not failed: the next reservation to that
+// address must connect again at once, never wait out the sender's timeout
+// on the closed connection. Here a new receiver listens on the same port,
+// as a restarted worker would.
+TEST(TcpTransportHandoffTest, AReceiverThatSaidByeIsConnectedAgainNotWaitedFor) {
+  const ModelIdentity model = HashBytes("tcp-handoff-test-model");
+  const KvCacheSpec spec = {.num_layers = 2, .num_kv_heads = 2, .head_dim = 8, .block_size = 4,
+                            .dtype = DType::kF32, .num_blocks = 32};
+  std::unique_ptr<TcpTransport> prefill = *TcpTransport::Create({.name = "tcp-prefill"});
+  std::unique_ptr<TcpTransport> decode = *TcpTransport::Create({.name = "tcp-decode"});
+  std::unique_ptr<KvManager> sender_kv = *KvManager::Create(spec, &prefill->region_allocator());
+  std::unique_ptr<KvManager> receiver_kv = *KvManager::Create(spec, &decode->region_allocator());
+  ReceiverOptions options;
+  options.model = model;
+  auto make_receiver = [&] {
+    return *KvReceiver::Create(decode.get(), receiver_kv.get(), options, [](CommittedSequence s) { s.kv.Release(); });
+  };
+  std::unique_ptr<KvReceiver> receiver = make_receiver();
+  const int port = *receiver->Listen("127.0.0.1", 0);
+  const std::string address = absl::StrCat("127.0.0.1:", port);
+  // A timeout longer than the test's bound below: a wait on the closed
+  // connection would show as DEADLINE_EXCEEDED.
+  auto sender = std::make_unique<KvSender>(prefill.get(), sender_kv->storage(),
+                                           SenderOptions{.model = model, .timeout = absl::Seconds(15)});
+  absl::Notification gone;
+  sender->SetRoomListener([&gone](Connection&) {
+    if (!gone.HasBeenNotified()) gone.Notify();
+  });
+  ReceiverConnections connections(sender.get());
+  const std::vector<int32_t> tokens = {5, 6, 7, 8, 9};
+  const ReserveArgs args = {.num_positions = 5, .prompt_tokens = tokens};
+  {
+    auto h = connections.Reserve(address, args);
+    ASSERT_TRUE(h.ok()) << h.status();
+    ASSERT_TRUE((*h)->Abort(absl::CancelledError("test")).ok());
+  }
+  receiver.reset();  // Bye on every connection; the listener closes.
+  ASSERT_TRUE(gone.WaitForNotificationWithTimeout(kWait));
+  // Nothing listens: refused at once.
+  absl::Time start = absl::Now();
+  auto refused = connections.Reserve(address, args);
+  EXPECT_TRUE(absl::IsUnavailable(refused.status())) << refused.status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5)) << refused.status();
+  // Back on the same port: served.
+  receiver = make_receiver();
+  ASSERT_EQ(*receiver->Listen("127.0.0.1", port), port);
+  start = absl::Now();
+  auto h = connections.Reserve(address, args);
+  ASSERT_TRUE(h.ok()) << h.status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  ASSERT_TRUE((*h)->Abort(absl::CancelledError("test")).ok());
+  h->reset();
+  sender.reset();
+  receiver.reset();
+  sender_kv.reset();
+  receiver_kv.reset();
+}
+
 }  // namespace
 }  // namespace pdserve::kv

@@ -399,8 +399,9 @@ class InProcessTarget final : public Target {
 // the start), or closed loop at `concurrency` when arrivals is empty.
 BenchRow Drive(Target& target, const std::vector<WorkloadRequest>& work, const std::vector<double>& arrivals,
                int concurrency, const LatencyTargets& targets, const std::string& name,
-               std::vector<double>* largest_gaps = nullptr) {
+               std::vector<std::vector<double>>* token_times = nullptr) {
   std::vector<RequestResult> results(work.size());
+  std::vector<double> sent_at(work.size());
   std::atomic<size_t> next{0};
   std::atomic<int> done{0};
   const auto start = Clock::now();
@@ -418,6 +419,7 @@ BenchRow Drive(Target& target, const std::vector<WorkloadRequest>& work, const s
       const auto at = start + std::chrono::microseconds(static_cast<int64_t>(arrivals[i] * 1e6));
       std::this_thread::sleep_until(at);
       threads.emplace_back([&, i] {
+        sent_at[i] = Seconds(start, Clock::now());
         results[i] = target.Run(work[i]);
         ++done;
       });
@@ -426,6 +428,7 @@ BenchRow Drive(Target& target, const std::vector<WorkloadRequest>& work, const s
     for (int c = 0; c < concurrency; ++c) {
       threads.emplace_back([&] {
         for (size_t i = next++; i < work.size(); i = next++) {
+          sent_at[i] = Seconds(start, Clock::now());
           results[i] = target.Run(work[i]);
           ++done;
         }
@@ -435,10 +438,14 @@ BenchRow Drive(Target& target, const std::vector<WorkloadRequest>& work, const s
   for (auto& t : threads) t.join();
   const double wall = Seconds(start, Clock::now());
   progress.join();
-  if (largest_gaps != nullptr) {
-    for (const RequestResult& r : results) {
-      if (r.outcome != RequestOutcome::kCompleted || r.itl.empty()) continue;
-      largest_gaps->push_back(*std::max_element(r.itl.begin(), r.itl.end()));
+  if (token_times != nullptr) {
+    // Each completed stream's token arrivals, seconds after the row began.
+    for (size_t i = 0; i < results.size(); ++i) {
+      const RequestResult& r = results[i];
+      if (r.outcome != RequestOutcome::kCompleted) continue;
+      std::vector<double>& t = token_times->emplace_back();
+      t.push_back(sent_at[i] + r.ttft);
+      for (double gap : r.itl) t.push_back(t.back() + gap);
     }
   }
   return Summarize(results, wall, targets);
@@ -495,11 +502,22 @@ class Drainer {
   std::thread thread_;
 };
 
-// What a drained row went through: the streams' largest gaps, and the
-// router's moves, replays and context positions prefilled again (beyond
-// each request's own prompt) over the row.
-nlohmann::ordered_json DrainReport(const BenchRow& row, std::vector<double> gaps, const Drainer& d,
-                                   const v1::ClusterStatusResponse& before, const v1::ClusterStatusResponse& after) {
+// What a drained row went through: each stream's largest gap between two
+// tokens from the drain on (the switch, for a stream that moved or was
+// replayed; its ordinary gap on the worker that stayed, for the rest), and
+// the router's moves, replays and context positions prefilled again
+// (beyond each request's own prompt) over the row.
+nlohmann::ordered_json DrainReport(const BenchRow& row, const std::vector<std::vector<double>>& token_times,
+                                   const Drainer& d, const v1::ClusterStatusResponse& before,
+                                   const v1::ClusterStatusResponse& after) {
+  std::vector<double> gaps;
+  for (const std::vector<double>& t : token_times) {
+    double largest = -1;
+    for (size_t i = 1; i < t.size(); ++i) {
+      if (t[i] >= d.drained_at()) largest = std::max(largest, t[i] - t[i - 1]);
+    }
+    if (largest >= 0) gaps.push_back(largest);
+  }
   const int64_t moves = after.decode_moves() - before.decode_moves();
   const double move_seconds = after.decode_move_seconds() - before.decode_move_seconds();
   const int64_t move_bytes = after.decode_move_bytes() - before.decode_move_bytes();
@@ -533,11 +551,16 @@ void PrintDrain(const BenchRow& row) {
   }
   const nlohmann::ordered_json& g = r["largest_gap_seconds"];
   std::printf(
-      "  drain at %.1f s: largest inter-token gap per stream (%d streams) p50 %.1f ms, p75 %.1f ms, max %.1f ms; "
-      "bound for a move (3 decode steps of %.1f ms + its KV at the moves' %.2f GB/s) %.1f ms\n",
+      "  drain at %.1f s: each stream's largest inter-token gap from then on (%d streams) p50 %.1f ms, p75 %.1f ms, "
+      "max %.1f ms",
       r["drained_at_seconds"].get<double>(), r["streams"].get<int>(), 1e3 * g["p50"].get<double>(),
-      1e3 * g["p75"].get<double>(), 1e3 * g["max"].get<double>(), 1e3 * r["decode_step_seconds"].get<double>(),
-      r["move_bytes_per_second"].get<double>() / 1e9, 1e3 * r["stall_bound_seconds"].get<double>());
+      1e3 * g["p75"].get<double>(), 1e3 * g["max"].get<double>());
+  if (r["moves"].get<int64_t>() > 0) {
+    std::printf("; bound for a move (3 decode steps of %.1f ms + its KV at the moves' %.2f GB/s) %.1f ms",
+                1e3 * r["decode_step_seconds"].get<double>(), r["move_bytes_per_second"].get<double>() / 1e9,
+                1e3 * r["stall_bound_seconds"].get<double>());
+  }
+  std::printf("\n");
   std::printf(
       "  drain: moved %lld (%.1f MiB of KV), replayed %lld (of them %lld whose move failed); context positions "
       "prefilled again %lld, computed again %lld\n",
@@ -951,19 +974,19 @@ absl::Status RunServingBench(const ServingBenchOptions& o) {
         before = *std::move(s);
       }
       std::unique_ptr<Drainer> drainer;
-      std::vector<double> gaps;
+      std::vector<std::vector<double>> token_times;
       if (drain) {
         drainer = std::make_unique<Drainer>(router.get(), o, std::min(o.concurrency, static_cast<int>(work->size())));
       }
       BenchRow row = Drive(target, name == "http" ? http_work : *work, arrivals, o.concurrency, targets, progress_name,
-                           drain ? &gaps : nullptr);
+                           drain ? &token_times : nullptr);
       if (drainer != nullptr) drainer->Stop();
       if (before.has_value()) {
         absl::StatusOr<v1::ClusterStatusResponse> after = router->ClusterStatus();
         if (!after.ok()) return after.status();
         if (o.burst > 0) row.router_side = RouterSide(*before, *after);
         if (tiers) row.tiers = Tiers(*before, *after, row.prompt_tokens);
-        if (drain) row.drain = DrainReport(row, std::move(gaps), *drainer, *before, *after);
+        if (drain) row.drain = DrainReport(row, token_times, *drainer, *before, *after);
       }
       row.target = name;
       row.rate = rate;

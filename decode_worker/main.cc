@@ -65,6 +65,9 @@ ABSL_FLAG(double, drain_grace_s, 30,
 ABSL_FLAG(bool, kv_moves, true,
           "move running sequences, KV and all, to other decode workers on drain and when the router rebalances "
           "(false: a drain lets streams finish, then they are replayed, and the router's pauses are refused)");
+ABSL_FLAG(double, handoff_wait_s, 30,
+          "how long a Decode call waits for its KV handoff to commit (its prefill queued included), and a committed "
+          "handoff for its Decode call; past it the router replays the request");
 ABSL_FLAG(double, move_wait_s, 5, "a sequence paused for a move whose target the router has not named within this is not moved");
 ABSL_FLAG(double, kv_timeout_s, 10, "a move's KV handoff whose receiver does not answer within this fails");
 
@@ -104,6 +107,7 @@ int Run() {
                       .pool_backend = engine->gpu.get()});
   if (absl::GetFlag(FLAGS_kv_moves)) so.mover = &mover;
   so.move_wait_seconds = absl::GetFlag(FLAGS_move_wait_s);
+  so.handoff_wait_seconds = absl::GetFlag(FLAGS_handoff_wait_s);
   so.fault_move_at_token = absl::GetFlag(FLAGS_fault_move_at_token);
   so.fault_stall_move_ms = absl::GetFlag(FLAGS_fault_stall_move_ms);
   decode::DecodeService service(engine->model.get(), engine->kv.get(), w->tokenizer.get(), so);

@@ -56,7 +56,12 @@ for pair in "${histories[@]}"; do
   for mode in ${modes//,/ }; do
     [[ $mode == move || $mode == replay ]] || { echo "drain_move.sh: --modes takes move and replay, got $mode" >&2; exit 2; }
     # The rebalance is off in both modes: only the drain moves sequences.
-    flags=(--decode-flag "--kv_positions=$((streams * (history + output) + 4096))" --router-flag --rebalance=false)
+    # Each decode pool holds every stream twice over (the router's room
+    # accounting holds a replay's lease beside its predecessor's), and a
+    # Decode call waits for its handoff as long as the one prefill worker
+    # takes to work through every prompt.
+    flags=(--decode-flag "--kv_positions=$((2 * streams * (history + output) + 4096))" --router-flag --rebalance=false
+           --decode-flag --handoff_wait_s=600)
     # Replay: the worker does not move its sequences and hands them back at
     # once, so the router replays each on the other worker.
     [[ $mode == replay ]] && flags+=(--decode-flag --kv_moves=false --decode-flag --drain_grace_s=0.1)

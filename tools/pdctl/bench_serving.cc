@@ -451,9 +451,9 @@ BenchRow Drive(Target& target, const std::vector<WorkloadRequest>& work, const s
   return Summarize(results, wall, targets);
 }
 
-// The drain of a row (--drain-at): waits until the decode pool runs
-// `streams` sequences, then drain_at seconds more, then SIGTERMs the
-// worker. Stops early once `row_done`.
+// The drain of a row (--drain-at): waits until the decode pool runs all
+// but one of `streams` sequences, then drain_at seconds more, then
+// SIGTERMs the worker. Stops early once Stop is called.
 class Drainer {
  public:
   Drainer(RouterTarget* router, const ServingBenchOptions& o, int streams)
@@ -479,7 +479,9 @@ class Drainer {
           step = std::max(step, d.step_seconds());
         }
       }
-      if (running >= streams) {
+      // All but one: the first stream may end, or its worker's report lag,
+      // just as the last starts.
+      if (running >= std::max(1, streams - 1)) {
         step_seconds_ = step;
         break;
       }
@@ -528,6 +530,13 @@ nlohmann::ordered_json DrainReport(const BenchRow& row, const std::vector<std::v
     return gaps.empty() ? 0.0 : gaps[std::min(gaps.size() - 1, static_cast<size_t>(p * (gaps.size() - 1) + 0.5))];
   };
   const double per_move = moves > 0 ? move_seconds / static_cast<double>(moves) : 0;
+  // The steps a moved stream sees are the target's, with the moved
+  // sequences in its batch: the slowest serving worker's at the row's end.
+  double step_after = 0;
+  for (const v1::WorkerStatus& w : after.decode()) {
+    if (w.healthy()) step_after = std::max(step_after, w.step_seconds());
+  }
+  const double step = std::max(d.step_seconds(), step_after);
   return {{"drained_at_seconds", d.drained_at()},
           {"streams", gaps.size()},
           {"largest_gap_seconds", {{"p50", at(0.5)}, {"p75", at(0.75)}, {"max", at(1.0)}}},
@@ -538,8 +547,9 @@ nlohmann::ordered_json DrainReport(const BenchRow& row, const std::vector<std::v
           {"move_bytes_per_second", move_seconds > 0 ? static_cast<double>(move_bytes) / move_seconds : 0.0},
           {"context_positions_prefilled_again", context - row.prompt_tokens},
           {"positions_computed_again", (context - cached) - (row.prompt_tokens - row.cached_prompt_tokens)},
-          {"decode_step_seconds", d.step_seconds()},
-          {"stall_bound_seconds", 3 * d.step_seconds() + per_move}};
+          {"decode_step_seconds_before", d.step_seconds()},
+          {"decode_step_seconds_after", step_after},
+          {"stall_bound_seconds", 3 * step + per_move}};
 }
 
 void PrintDrain(const BenchRow& row) {
@@ -556,9 +566,11 @@ void PrintDrain(const BenchRow& row) {
       r["drained_at_seconds"].get<double>(), r["streams"].get<int>(), 1e3 * g["p50"].get<double>(),
       1e3 * g["p75"].get<double>(), 1e3 * g["max"].get<double>());
   if (r["moves"].get<int64_t>() > 0) {
-    std::printf("; bound for a move (3 decode steps of %.1f ms + its KV at the moves' %.2f GB/s) %.1f ms",
-                1e3 * r["decode_step_seconds"].get<double>(), r["move_bytes_per_second"].get<double>() / 1e9,
-                1e3 * r["stall_bound_seconds"].get<double>());
+    std::printf(
+        "; bound for a move (3 decode steps, the slower of %.1f ms before and %.1f ms after, + its KV at the "
+        "moves' %.2f GB/s) %.1f ms",
+        1e3 * r["decode_step_seconds_before"].get<double>(), 1e3 * r["decode_step_seconds_after"].get<double>(),
+        r["move_bytes_per_second"].get<double>() / 1e9, 1e3 * r["stall_bound_seconds"].get<double>());
   }
   std::printf("\n");
   std::printf(

@@ -115,8 +115,8 @@ ABSL_FLAG(std::string, corpus, "tests/fixtures/tokenizers/corpus.jsonl",
 ABSL_FLAG(std::string, reference_dir, "tests/fixtures/tokenizers",
           "bench-tokenizer: where the npm reference is installed");
 ABSL_FLAG(double, drain_at, -1,
-          "bench: S seconds after the decode pool runs every stream of the run, SIGTERM --drain-pid (a decode worker) "
-          "and report each stream's stall and what was recomputed");
+          "bench: S seconds after the decode pool runs all but one stream of the run, SIGTERM --drain-pid (a decode "
+          "worker) and report each stream's stall and what was recomputed");
 ABSL_FLAG(int, drain_pid, 0, "bench --drain-at: the decode worker's process id");
 ABSL_FLAG(std::string, multi_turn, "",
           "bench: TURNS:SYSTEM_TOKENS multi-turn chat, each turn resending its conversation's history over one of "

@@ -372,6 +372,7 @@ class ByteLevelDecoder final : public Decoder {
     for (const std::string& t : tokens) bytes += a.Decode(t);
     return {Utf8Lossy(bytes)};
   }
+  bool IsByteLevel() const override { return true; }
 };
 
 class ReplaceDecoder final : public Decoder {
@@ -475,6 +476,9 @@ class SequenceDecoder final : public Decoder {
   }
   bool HasByteFallback() const override {
     return std::any_of(parts_.begin(), parts_.end(), [](const auto& d) { return d->HasByteFallback(); });
+  }
+  bool IsByteLevel() const override {
+    return std::any_of(parts_.begin(), parts_.end(), [](const auto& d) { return d->IsByteLevel(); });
   }
 
  private:

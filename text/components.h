@@ -64,6 +64,9 @@ class Decoder {
   virtual std::vector<std::string> Apply(std::vector<std::string> tokens) const = 0;
   // Whether `<0xXX>` tokens decode to raw bytes (a ByteFallback step).
   virtual bool HasByteFallback() const { return false; }
+  // Whether token strings are GPT-2 byte-level text (a ByteLevel step):
+  // a token's raw bytes are then its string decoded from that alphabet.
+  virtual bool IsByteLevel() const { return false; }
 };
 
 // The byte a ByteFallback token string `<0xXX>` stands for, if it is one.

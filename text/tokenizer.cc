@@ -4,6 +4,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
 #include "model/model_config.h"
 #include "text/unicode_util.h"
@@ -361,6 +362,37 @@ std::optional<uint8_t> Tokenizer::FallbackByte(int32_t id) const {
   const std::string* t = IdToToken(id);
   if (t == nullptr) return std::nullopt;
   return ParseByteToken(*t);
+}
+
+std::vector<std::optional<std::string>> Tokenizer::AllTokenBytes() const {
+  const int32_t n = vocab_size();
+  std::vector<std::optional<std::string>> out(n);
+  const bool byte_level = decoder_ != nullptr && decoder_->IsByteLevel();
+  // Other decoders (Metaspace, Replace, Strip) may treat a stream's first
+  // token apart: a token's bytes are what it adds after an anchor token.
+  std::optional<std::string> anchor;
+  for (int32_t id = 0; id < n && !anchor.has_value() && !byte_level; ++id) {
+    const std::string* t = IdToToken(id);
+    if (t != nullptr && !added_by_id_.contains(id) && !FallbackByte(id).has_value()) anchor = *t;
+  }
+  const std::string anchor_text = anchor.has_value() ? DecodeTokenStrings({*anchor}) : "";
+  for (int32_t id = 0; id < n; ++id) {
+    const std::string* t = IdToToken(id);
+    if (t == nullptr || IsSpecial(id)) continue;
+    if (auto it = added_by_id_.find(id); it != added_by_id_.end()) {
+      out[id] = added_[it->second].content;
+    } else if (std::optional<uint8_t> b = FallbackByte(id); b.has_value()) {
+      out[id] = std::string(1, static_cast<char>(*b));
+    } else if (byte_level) {
+      out[id] = ByteLevelAlphabet::Get().Decode(*t);
+    } else if (anchor.has_value()) {
+      std::string both = DecodeTokenStrings({*anchor, *t});
+      if (absl::StartsWith(both, anchor_text)) out[id] = both.substr(anchor_text.size());
+    } else {
+      out[id] = *t;
+    }
+  }
+  return out;
 }
 
 }  // namespace pdserve::tok

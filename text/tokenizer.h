@@ -81,6 +81,12 @@ class Tokenizer {
   std::optional<uint8_t> FallbackByte(int32_t id) const;
   bool HasByteFallback() const { return decoder_ != nullptr && decoder_->HasByteFallback(); }
 
+  // The raw bytes token `id` writes after other text (the bytes a stream
+  // gains when the token is generated), for grammars that match bytes;
+  // nullopt for special tokens and unknown ids. A byte-level token's bytes
+  // may be part of a UTF-8 character; a `<0xXX>` token is its one byte.
+  std::vector<std::optional<std::string>> AllTokenBytes() const;
+
   // The token string of `id` (added tokens included); nullptr if unknown.
   const std::string* IdToToken(int32_t id) const;
   std::optional<int32_t> TokenToId(const std::string& token) const;

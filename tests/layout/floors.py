@@ -27,6 +27,7 @@ FLOORS = [
     ["kv"],  # block hashes, the KV cache layout, the KV manager, prefix cache
     ["model"],  # configuration, checkpoints, the forward, TP ranks
     ["text"],  # tokenizer, chat templates, detokenizer, stop strings
+    ["grammar"],  # JSON Schema grammars, their matcher and token masks
     ["engine"],  # sampling, generation, requests, scheduler, the engine
     ["kv_transfer"],  # the handoff protocol and its transports
     ["proto"],  # wire contracts and their conversions

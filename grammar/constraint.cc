@@ -1,0 +1,98 @@
+#include "grammar/constraint.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "nlohmann/json.hpp"
+#include "xxhash.h"
+
+namespace pdserve::grammar {
+
+uint64_t SpecHash(ConstraintKind kind, absl::string_view canonical_schema) {
+  const std::string keyed = absl::StrCat(static_cast<int32_t>(kind), ":", canonical_schema);
+  return XXH3_64bits(keyed.data(), keyed.size());
+}
+
+GrammarCache::GrammarCache(GrammarOptions options, std::shared_ptr<const Vocabulary> vocab)
+    : options_(std::move(options)), vocab_(std::move(vocab)) {}
+
+absl::StatusOr<std::shared_ptr<const Constraint>> GrammarCache::Find(ConstraintKind kind, absl::string_view canonical,
+                                                                     absl::string_view raw) {
+  const uint64_t hash = SpecHash(kind, canonical);
+  {
+    absl::MutexLock lock(&mu_);
+    if (auto it = by_hash_.find(hash); it != by_hash_.end() && it->second->spec.schema == canonical) {
+      ++stats_.hits;
+      return it->second;
+    }
+  }
+  const absl::Time start = absl::Now();
+  auto c = std::make_shared<Constraint>();
+  c->spec.kind = kind;
+  c->spec.hash = hash;
+  if (kind == ConstraintKind::kJsonObject) {
+    absl::StatusOr<std::shared_ptr<const Grammar>> g = CompileAnyJsonObject(options_.schema);
+    if (!g.ok()) return g.status();
+    c->grammar = *std::move(g);
+  } else {
+    absl::StatusOr<CompiledSchema> s = CompileJsonSchema(raw, options_.schema);
+    if (!s.ok()) {
+      absl::MutexLock lock(&mu_);
+      ++stats_.refused;
+      return s.status();
+    }
+    c->grammar = std::move(s->grammar);
+    c->spec.schema = std::move(s->canonical);
+  }
+  c->masker = std::make_shared<TokenMasker>(c->grammar, vocab_, options_.max_mask_states);
+  absl::MutexLock lock(&mu_);
+  ++stats_.compiled;
+  stats_.compile_seconds += absl::ToDoubleSeconds(absl::Now() - start);
+  if (by_hash_.emplace(hash, c).second) {
+    order_.push_back(hash);
+    while (static_cast<int32_t>(order_.size()) > options_.max_grammars) {
+      by_hash_.erase(order_.front());
+      order_.pop_front();
+    }
+  }
+  return std::shared_ptr<const Constraint>(std::move(c));
+}
+
+absl::StatusOr<std::shared_ptr<const Constraint>> GrammarCache::FromSchema(absl::string_view schema) {
+  if (static_cast<int64_t>(schema.size()) > options_.schema.max_schema_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("schema: ", schema.size(), " bytes, more than the ",
+                                                   options_.schema.max_schema_bytes,
+                                                   " allowed (--grammar_max_schema_bytes)"));
+  }
+  if (absl::Status s = CheckJsonDepth(schema, options_.schema.max_schema_depth); !s.ok()) return s;
+  // The canonical text names the cache entry; compiling checks the rest
+  // (depth included) on a miss, and a hit was checked when it compiled.
+  const nlohmann::ordered_json j = nlohmann::ordered_json::parse(schema, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return absl::InvalidArgumentError("schema: not valid JSON");
+  const std::string canonical = j.dump();
+  return Find(ConstraintKind::kJsonSchema, canonical, schema);
+}
+
+absl::StatusOr<std::shared_ptr<const Constraint>> GrammarCache::JsonObject() {
+  return Find(ConstraintKind::kJsonObject, "", "");
+}
+
+absl::StatusOr<std::shared_ptr<const Constraint>> GrammarCache::FromSpec(const ConstraintSpec& spec) {
+  if (spec.kind != ConstraintKind::kJsonObject && spec.kind != ConstraintKind::kJsonSchema) {
+    return absl::InvalidArgumentError(absl::StrCat("grammar: unknown kind ", static_cast<int32_t>(spec.kind)));
+  }
+  if (SpecHash(spec.kind, spec.schema) != spec.hash) {
+    return absl::InvalidArgumentError("grammar: the spec's hash is not its schema's");
+  }
+  if (spec.kind == ConstraintKind::kJsonObject) return JsonObject();
+  return Find(ConstraintKind::kJsonSchema, spec.schema, spec.schema);
+}
+
+GrammarCacheStats GrammarCache::stats() const {
+  absl::MutexLock lock(&mu_);
+  return stats_;
+}
+
+}  // namespace pdserve::grammar

@@ -419,6 +419,10 @@ DecodeService::DecodeService(Model* model, KvManager* kv, const tok::Tokenizer* 
     : model_(model),
       kv_(kv),
       tokenizer_(tokenizer),
+      grammars_(tokenizer == nullptr ? nullptr
+                                     : std::make_unique<grammar::GrammarCache>(options.grammar, [tokenizer] {
+                                         return grammar::Vocabulary::FromTokenizer(*tokenizer);
+                                       })),
       options_(std::move(options)),
       engine_(*model, *kv, options_.engine),
       handoffs_(&timer_, HandoffTableOptions{.wait = absl::Seconds(options_.handoff_wait_seconds)}) {
@@ -510,6 +514,15 @@ void DecodeService::StartHandedOff(const std::shared_ptr<DecodeCall>& call, Hand
   // KV goes back with `seq`.
   if (r == nullptr || r->lifecycle.state() != engine::RequestState::kWaitingForKv || call->aborted()) return;
   absl::StatusOr<TokenEvent> first = r->gen->Replay(seq.first);
+  // The response format's state is part of the sampling state: the sender
+  // says where its matcher stands, and the replay here must stand there too.
+  const GenerationRequest& q = r->gen->request();
+  const uint64_t hash = q.constraint != nullptr ? q.constraint->spec.hash : 0;
+  if (first.ok() && (seq.grammar_hash != hash || seq.grammar_digest != r->gen->grammar_digest())) {
+    first = absl::InternalError(absl::StrCat("response format: the handoff's state (format ", seq.grammar_hash,
+                                             ", state ", seq.grammar_digest, ") is not this worker's (format ", hash,
+                                             ", state ", r->gen->grammar_digest(), ")"));
+  }
   if (!first.ok()) {
     (void)r->lifecycle.Transition(engine::RequestState::kFinished, engine::EndReason::kError);
     call->Abort(ToGrpcStatus(first.status()), false);
@@ -585,7 +598,7 @@ grpc::ServerWriteReactor<DecodeEvent>* DecodeService::Decode(grpc::CallbackServe
       rpc::AcceptWork(w, {.eos_ids = model_->config().eos_token_ids,
                           .vocab_size = model_->config().vocab_size,
                           .max_positions = model_->config().max_position_embeddings,
-                          .tokenizer = tokenizer_});
+                          .tokenizer = tokenizer_, .grammars = grammars_.get()});
   if (!made.ok()) {
     call->Reject(ToGrpcStatus(made.status()));
     return call.get();

@@ -49,6 +49,7 @@
 #include "kv/kv_manager.h"
 #include "kv_transfer/sender.h"
 #include "model/model.h"
+#include "grammar/constraint.h"
 #include "text/tokenizer.h"
 #include "decode_worker/handoff_table.h"
 #include "pdserve/v1/worker.grpc.pb.h"
@@ -57,6 +58,8 @@
 namespace pdserve::decode {
 
 struct DecodeServiceOptions {
+  // Bounds on response formats (JSON Schema compiles and their masks).
+  grammar::GrammarOptions grammar;
   engine::EngineOptions engine;
   bool allow_prefill = true;  // Colocated requests (prefill_here) accepted.
   // How long a Decode call waits for its handoff to be committed, and a
@@ -195,6 +198,8 @@ class DecodeService final : public worker::v1::DecodeWorker::CallbackService {
   Model* model_;
   KvManager* kv_;
   const tok::Tokenizer* tokenizer_;
+  // Response formats this worker has compiled (its vocabulary made on first use).
+  std::unique_ptr<grammar::GrammarCache> grammars_;
   const DecodeServiceOptions options_;
   rpc::UnparseableFault fault_unparseable_{options_.fault_unparseable_streams};
   rpc::UnparseableFault fault_lose_call_{options_.fault_lose_decode_calls};  // Counts the same way.

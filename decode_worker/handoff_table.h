@@ -50,6 +50,10 @@ namespace pdserve::decode {
 struct HandedOff {
   SequenceKv kv;
   TokenEvent first;  // Sampled by the prefill worker.
+  // The response format's hash and its state after `first` on the sender
+  // (kv::Commit); 0 without one.
+  uint64_t grammar_hash = 0;
+  uint64_t grammar_digest = 0;
   absl::Time arrived;
   engine::KvCheck check;  // What the KV must hash to (empty: not checked).
 };

@@ -88,6 +88,7 @@ int Run() {
   ModelStack* engine = &w->engine;
   decode::DecodeServiceOptions so;
   so.engine.max_batch = absl::GetFlag(FLAGS_max_batch);
+  so.grammar = GrammarOptionsFromFlags();
   so.engine.chunk_tokens = absl::GetFlag(FLAGS_prefill_chunk);
   so.engine.itl_target_seconds = absl::GetFlag(FLAGS_itl_target_ms) / 1e3;
   so.engine.prefix_cache = absl::GetFlag(FLAGS_prefix_cache);
@@ -143,6 +144,8 @@ int Run() {
         h.first.token = c.state.first_token;
         h.first.logprob = c.state.first_logprob;
         h.first.top_logprobs = c.state.top_logprobs;
+        h.grammar_hash = c.state.grammar_hash;
+        h.grammar_digest = c.state.grammar_digest;
         if (c.verify) {
           h.check = {.layer_checksums = std::move(c.state.layer_checksums),
                      .first_block = c.first_block,

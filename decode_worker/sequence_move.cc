@@ -48,6 +48,8 @@ absl::StatusOr<SentSequence> SendSequence(kv::ReceiverConnections& connections, 
   c.seed = gen.seed();
   c.generated = generated;
   c.cache_salt = q.cache_salt;
+  c.grammar_hash = q.constraint != nullptr ? q.constraint->spec.hash : 0;
+  c.grammar_digest = gen.grammar_digest();
   const int32_t held = handoff->held_positions();
   if (absl::Status s = handoff->Commit(std::move(c)); !s.ok()) return s;
   SentSequence out;

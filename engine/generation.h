@@ -21,6 +21,8 @@
 #include "absl/types/span.h"
 #include "kv/block_hash.h"
 #include "engine/sampling.h"
+#include "grammar/constraint.h"
+#include "grammar/grammar.h"
 #include "text/detokenizer.h"
 #include "text/stop_strings.h"
 #include "text/tokenizer.h"
@@ -35,6 +37,11 @@ struct GenerationRequest {
   // Seeds the prefix cache's hash chain for this request (block_hash.h):
   // requests share cached blocks only under the same salt. Zero: shared.
   CacheSalt cache_salt;
+  // A response format (JSON mode, a JSON Schema): every sampled token
+  // keeps the output a prefix of a document it allows, the end tokens
+  // (EOS, stop ids) only where a document may end, and generation stops as
+  // soon as the document is complete. Null: unconstrained.
+  std::shared_ptr<const grammar::Constraint> constraint;
 };
 
 // One streamed token.
@@ -64,7 +71,14 @@ class Generation {
 
   // Replays a token sampled elsewhere (e.g. the first token, sampled by the
   // prefill worker) so the state continues exactly as if sampled here.
+  // Under a response format, a token the format refuses is an error
+  // (FAILED_PRECONDITION): the two processes disagree.
   absl::StatusOr<TokenEvent> Replay(const TokenEvent& sampled);
+
+  // The response format's state after the tokens so far, as a digest that
+  // any process holding the same tokens computes alike (the handoff sends
+  // it and the receiver checks it); 0 when unconstrained.
+  uint64_t grammar_digest() const { return matcher_.has_value() ? matcher_->Digest() : 0; }
 
   const GenerationRequest& request() const { return request_; }
   const std::vector<int32_t>& generated() const { return generated_; }
@@ -81,6 +95,7 @@ class Generation {
 
  private:
   absl::StatusOr<TokenEvent> Record(SampledToken t);
+  bool IsEndToken(int32_t token) const;
 
   GenerationRequest request_;
   PenaltyState penalties_;
@@ -88,6 +103,8 @@ class Generation {
   FinishReason finish_ = FinishReason::kNone;
   std::optional<tok::IncrementalDetokenizer> detok_;
   std::optional<tok::StopStringMatcher> stops_;
+  std::optional<grammar::Matcher> matcher_;
+  std::vector<int32_t> end_tokens_;  // EOS (unless ignored) and stop ids: allowed where the format may end.
 };
 
 }  // namespace pdserve

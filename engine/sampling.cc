@@ -64,7 +64,8 @@ void PenaltyState::AddGenerated(int32_t token) {
 }
 
 SampledToken SampleToken(absl::Span<const float> logits, const SamplingParams& p,
-                         const PenaltyState& penalties, uint64_t seed, int64_t position) {
+                         const PenaltyState& penalties, uint64_t seed, int64_t position,
+                         const TokenFilter* filter) {
   const int32_t vocab = static_cast<int32_t>(logits.size());
   SampledToken out;
 
@@ -76,6 +77,19 @@ SampledToken SampleToken(absl::Span<const float> logits, const SamplingParams& p
   const float log_z = raw_max + static_cast<float>(std::log(raw_sum));
 
   std::vector<float> l(logits.begin(), logits.end());
+  if (filter != nullptr) {
+    for (int32_t w = 0; w * 64 < vocab; ++w) {
+      const uint64_t bits = w < static_cast<int32_t>(filter->bits.size()) ? filter->bits[w] : 0;
+      if (bits == ~uint64_t{0}) continue;
+      const int32_t end = std::min(vocab, (w + 1) * 64);
+      for (int32_t i = w * 64; i < end; ++i) {
+        if (((bits >> (i & 63)) & 1) == 0) l[i] = -INFINITY;
+      }
+    }
+    for (int32_t t : filter->extra) {
+      if (t >= 0 && t < vocab) l[t] = logits[t];
+    }
+  }
   if (p.repetition_penalty != 1.0f) {
     for (const auto& [t, n] : penalties.seen()) {
       l[t] = l[t] > 0 ? l[t] / p.repetition_penalty : l[t] * p.repetition_penalty;
@@ -90,7 +104,7 @@ SampledToken SampleToken(absl::Span<const float> logits, const SamplingParams& p
   if (p.temperature == 0.0f) {
     int32_t best = 0;
     for (int32_t i = 1; i < vocab; ++i) {
-      if (l[i] > l[best]) best = i;
+      if (l[i] > l[best]) best = i;  // -inf (filtered) never wins over an allowed token.
     }
     out.token = best;
   } else {

@@ -76,11 +76,25 @@ struct SampledToken {
   std::vector<std::pair<int32_t, float>> top_logprobs;  // Best first, ties to the lower id.
 };
 
+// The tokens a response format allows at one step (grammar/token_mask.h):
+// those whose bit is set in `bits` (bit id % 64 of word id / 64), and the
+// `extra` ids (the end tokens, when the format may end there). Every other
+// token's logit is -inf before anything else of the pipeline runs, so
+// penalties, top-k, top-p and the draw see only allowed tokens, and a
+// constrained stream stays reproducible by (seed, position).
+struct TokenFilter {
+  absl::Span<const uint64_t> bits;
+  absl::Span<const int32_t> extra;
+};
+
 // Samples the token for sequence position `position` (the index the token
-// will have in the sequence) of a request with `seed`.
-// REQUIRES: params validated; logits.size() == vocab.
+// will have in the sequence) of a request with `seed`; only tokens the
+// filter allows, when there is one.
+// REQUIRES: params validated; logits.size() == vocab; a filter allows at
+// least one token.
 SampledToken SampleToken(absl::Span<const float> logits, const SamplingParams& params,
-                         const PenaltyState& penalties, uint64_t seed, int64_t position);
+                         const PenaltyState& penalties, uint64_t seed, int64_t position,
+                         const TokenFilter* filter = nullptr);
 
 // Why generation stops after `token`, if it does: a stop id (or EOS unless
 // ignore_eos) or max_tokens reached with `generated` tokens so far.

@@ -18,6 +18,15 @@ uint64_t SpecHash(ConstraintKind kind, absl::string_view canonical_schema) {
 GrammarCache::GrammarCache(GrammarOptions options, std::shared_ptr<const Vocabulary> vocab)
     : options_(std::move(options)), vocab_(std::move(vocab)) {}
 
+GrammarCache::GrammarCache(GrammarOptions options, std::function<std::shared_ptr<const Vocabulary>()> make_vocab)
+    : options_(std::move(options)), make_vocab_(std::move(make_vocab)) {}
+
+std::shared_ptr<const Vocabulary> GrammarCache::Vocab() {
+  absl::MutexLock lock(&mu_);
+  if (vocab_ == nullptr) vocab_ = make_vocab_();
+  return vocab_;
+}
+
 absl::StatusOr<std::shared_ptr<const Constraint>> GrammarCache::Find(ConstraintKind kind, absl::string_view canonical,
                                                                      absl::string_view raw) {
   const uint64_t hash = SpecHash(kind, canonical);
@@ -46,7 +55,7 @@ absl::StatusOr<std::shared_ptr<const Constraint>> GrammarCache::Find(ConstraintK
     c->grammar = std::move(s->grammar);
     c->spec.schema = std::move(s->canonical);
   }
-  c->masker = std::make_shared<TokenMasker>(c->grammar, vocab_, options_.max_mask_states);
+  c->masker = std::make_shared<TokenMasker>(c->grammar, Vocab(), options_.max_mask_states);
   absl::MutexLock lock(&mu_);
   ++stats_.compiled;
   stats_.compile_seconds += absl::ToDoubleSeconds(absl::Now() - start);

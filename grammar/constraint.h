@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -66,6 +67,10 @@ struct GrammarCacheStats {
 class GrammarCache {
  public:
   GrammarCache(GrammarOptions options, std::shared_ptr<const Vocabulary> vocab);
+  // The vocabulary is made on the first compile (a large tokenizer's takes
+  // a fraction of a second), so a process that never sees a response
+  // format never pays for it.
+  GrammarCache(GrammarOptions options, std::function<std::shared_ptr<const Vocabulary>()> make_vocab);
 
   // A client's JSON Schema, validated and compiled, or found by its hash.
   // Errors: json_schema.h's, for the caller to put the field's name in front of.
@@ -75,16 +80,18 @@ class GrammarCache {
   // content's, or it does not compile.
   absl::StatusOr<std::shared_ptr<const Constraint>> FromSpec(const ConstraintSpec& spec);
 
-  const Vocabulary& vocab() const { return *vocab_; }
   GrammarCacheStats stats() const;
 
  private:
   absl::StatusOr<std::shared_ptr<const Constraint>> Find(ConstraintKind kind, absl::string_view canonical,
                                                          absl::string_view raw);
 
+  std::shared_ptr<const Vocabulary> Vocab();
+
   const GrammarOptions options_;
-  const std::shared_ptr<const Vocabulary> vocab_;
+  std::function<std::shared_ptr<const Vocabulary>()> make_vocab_;
   mutable absl::Mutex mu_;
+  std::shared_ptr<const Vocabulary> vocab_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, std::shared_ptr<const Constraint>> by_hash_ ABSL_GUARDED_BY(mu_);
   std::deque<uint64_t> order_ ABSL_GUARDED_BY(mu_);
   GrammarCacheStats stats_ ABSL_GUARDED_BY(mu_);

@@ -107,45 +107,41 @@ class Compiler {
 
   // ---- Shared rules: the JSON primitives and "any value". ----
 
-  uint32_t StringRule() {
-    if (string_ != kNone) return string_;
-    string_ = b_.NewRule();
-    // One node for the body, so that inside a string a matcher holds one
-    // stack: every character's first byte is an edge of `body`.
-    const uint32_t in = b_.NewNode(), body = b_.NewNode(), out = b_.NewNode();
+  // Edges for one JSON string character from `from` to `to`: a plain
+  // byte, a UTF-8 sequence as RFC 3629 defines it (no overlongs, no
+  // surrogates), or an escape, where \u surrogates come only as a high one
+  // then a low one (strict parsers refuse a lone surrogate, and a pair is
+  // one character). The first byte of every character is an edge of
+  // `from`, so inside a string a matcher holds one stack.
+  void Character(uint32_t from, uint32_t to) {
     const uint32_t c1 = b_.NewNode(), c2 = b_.NewNode(), c3 = b_.NewNode();
     const uint32_t e0 = b_.NewNode(), ed = b_.NewNode(), f0 = b_.NewNode(), f4 = b_.NewNode();
     const uint32_t esc = b_.NewNode(), u1 = b_.NewNode(), u2 = b_.NewNode(), u3 = b_.NewNode(), u4 = b_.NewNode();
-    b_.AddRange(in, '"', '"', body);
-    b_.AddRange(body, '"', '"', out);
-    b_.AddRange(body, 0x20, 0x21, body);
-    b_.AddRange(body, 0x23, 0x5B, body);
-    b_.AddRange(body, 0x5D, 0x7F, body);
-    b_.AddRange(body, '\\', '\\', esc);
-    // UTF-8 as RFC 3629 defines it: no overlongs, no surrogates.
-    b_.AddRange(body, 0xC2, 0xDF, c1);
-    b_.AddRange(body, 0xE0, 0xE0, e0);
-    b_.AddRange(body, 0xE1, 0xEC, c2);
-    b_.AddRange(body, 0xED, 0xED, ed);
-    b_.AddRange(body, 0xEE, 0xEF, c2);
-    b_.AddRange(body, 0xF0, 0xF0, f0);
-    b_.AddRange(body, 0xF1, 0xF3, c3);
-    b_.AddRange(body, 0xF4, 0xF4, f4);
-    b_.AddRange(c1, 0x80, 0xBF, body);
+    b_.AddRange(from, 0x20, 0x21, to);
+    b_.AddRange(from, 0x23, 0x5B, to);
+    b_.AddRange(from, 0x5D, 0x7F, to);
+    b_.AddRange(from, '\\', '\\', esc);
+    b_.AddRange(from, 0xC2, 0xDF, c1);
+    b_.AddRange(from, 0xE0, 0xE0, e0);
+    b_.AddRange(from, 0xE1, 0xEC, c2);
+    b_.AddRange(from, 0xED, 0xED, ed);
+    b_.AddRange(from, 0xEE, 0xEF, c2);
+    b_.AddRange(from, 0xF0, 0xF0, f0);
+    b_.AddRange(from, 0xF1, 0xF3, c3);
+    b_.AddRange(from, 0xF4, 0xF4, f4);
+    b_.AddRange(c1, 0x80, 0xBF, to);
     b_.AddRange(c2, 0x80, 0xBF, c1);
     b_.AddRange(c3, 0x80, 0xBF, c2);
     b_.AddRange(e0, 0xA0, 0xBF, c1);
     b_.AddRange(ed, 0x80, 0x9F, c1);
     b_.AddRange(f0, 0x90, 0xBF, c2);
     b_.AddRange(f4, 0x80, 0x8F, c2);
-    for (char c : std::string("\"\\/bfnrt")) b_.AddRange(esc, c, c, body);
+    for (char c : std::string("\"\\/bfnrt")) b_.AddRange(esc, c, c, to);
     b_.AddRange(esc, 'u', 'u', u1);
-    // \uXXXX, where a surrogate comes only as a high one then a low one
-    // (strict parsers refuse a lone surrogate).
-    auto hex_to = [&](uint32_t from, uint32_t to) {
-      b_.AddRange(from, '0', '9', to);
-      b_.AddRange(from, 'a', 'f', to);
-      b_.AddRange(from, 'A', 'F', to);
+    auto hex_to = [&](uint32_t a, uint32_t z) {
+      b_.AddRange(a, '0', '9', z);
+      b_.AddRange(a, 'a', 'f', z);
+      b_.AddRange(a, 'A', 'F', z);
     };
     const uint32_t ud = b_.NewNode(), h3 = b_.NewNode(), h4 = b_.NewNode(), h5 = b_.NewNode(), h6 = b_.NewNode();
     const uint32_t h7 = b_.NewNode(), h8 = b_.NewNode(), h9 = b_.NewNode(), h10 = b_.NewNode();
@@ -159,7 +155,7 @@ class Compiler {
     hex_to(u2, u3);
     b_.AddRange(ud, '0', '7', u3);
     hex_to(u3, u4);
-    hex_to(u4, body);
+    hex_to(u4, to);
     b_.AddRange(ud, '8', '9', h3);
     b_.AddRange(ud, 'a', 'b', h3);
     b_.AddRange(ud, 'A', 'B', h3);
@@ -172,9 +168,42 @@ class Compiler {
     b_.AddRange(h8, 'c', 'f', h9);
     b_.AddRange(h8, 'C', 'F', h9);
     hex_to(h9, h10);
-    hex_to(h10, body);
+    hex_to(h10, to);
+  }
+
+  // A string of any length (shared by every unbounded string).
+  uint32_t StringRule() {
+    if (string_ != kNone) return string_;
+    string_ = b_.NewRule();
+    const uint32_t in = b_.NewNode(), body = b_.NewNode(), out = b_.NewNode();
+    b_.AddRange(in, '"', '"', body);
+    b_.AddRange(body, '"', '"', out);
+    Character(body, body);
     b_.Define(string_, Frag{in, out});
     return string_;
+  }
+
+  // A string of min..max characters (max < 0: no bound), one rule per pair.
+  uint32_t StringRule(int64_t min, int64_t max) {
+    if (min == 0 && max < 0) return StringRule();
+    const std::pair<int64_t, int64_t> key{min, max};
+    if (auto it = bounded_strings_.find(key); it != bounded_strings_.end()) return it->second;
+    const uint32_t r = b_.NewRule();
+    bounded_strings_[key] = r;
+    const uint32_t in = b_.NewNode(), out = b_.NewNode();
+    uint32_t at = b_.NewNode();  // `i` characters written.
+    b_.AddRange(in, '"', '"', at);
+    const int64_t chain = max < 0 ? min : max;
+    for (int64_t i = 0; i < chain && !b_.over_budget(); ++i) {
+      if (i >= min) b_.AddRange(at, '"', '"', out);
+      const uint32_t next = b_.NewNode();
+      Character(at, next);
+      at = next;
+    }
+    b_.AddRange(at, '"', '"', out);
+    if (max < 0) Character(at, at);
+    b_.Define(r, Frag{in, out});
+    return r;
   }
 
   // `min`..`max` decimal digits.
@@ -217,9 +246,23 @@ class Compiler {
     return b_.Seq({b_.Literal("{"), b_.Opt(b_.Seq({member(), more})), b_.Literal("}")});
   }
 
-  Frag Array(uint32_t item_rule) {
-    Frag more = b_.Star(b_.Seq({b_.Literal(","), Space(), b_.Call(item_rule)}));
-    return b_.Seq({b_.Literal("["), b_.Opt(b_.Seq({b_.Call(item_rule), more})), b_.Literal("]")});
+  // '[' items ']' with min..max items (max < 0: no bound).
+  Frag Array(uint32_t item_rule, int64_t min = 0, int64_t max = -1) {
+    if (max == 0) return b_.Literal("[]");
+    auto next = [&] { return b_.Seq({b_.Literal(","), Space(), b_.Call(item_rule)}); };
+    std::vector<Frag> items{b_.Call(item_rule)};
+    for (int64_t i = 1; i < min && !b_.over_budget(); ++i) items.push_back(next());
+    if (max < 0) {
+      items.push_back(b_.Star(next()));
+    } else {
+      Frag rest = b_.Empty();
+      for (int64_t i = max - std::max<int64_t>(min, 1); i > 0 && !b_.over_budget(); --i) {
+        rest = b_.Opt(b_.Seq({next(), rest}));
+      }
+      items.push_back(rest);
+    }
+    Frag body = b_.Seq(items);
+    return b_.Seq({b_.Literal("["), min == 0 ? b_.Opt(body) : body, b_.Literal("]")});
   }
 
   uint32_t AnyValueRule() {
@@ -262,8 +305,10 @@ class Compiler {
     for (auto it = s.begin(); it != s.end(); ++it) {
       const std::string& k = it.key();
       if (Descriptive(k) || k == "$defs" || k == "definitions") continue;
-      static const char* kKnown[] = {"type",  "properties", "required", "additionalProperties", "items",
-                                     "enum",  "const",      "anyOf",    "$ref"};
+      static const char* kKnown[] = {"type",      "properties", "required",  "additionalProperties",
+                                     "items",     "enum",       "const",     "anyOf",
+                                     "$ref",      "minLength",  "maxLength", "minItems",
+                                     "maxItems"};
       if (std::find_if(std::begin(kKnown), std::end(kKnown), [&](const char* x) { return k == x; }) ==
           std::end(kKnown)) {
         return Bad(pointer, absl::StrCat("'", k, "' is not supported"));
@@ -344,13 +389,38 @@ class Compiler {
     return alts.size() == 1 ? alts[0] : b_.Alt(alts);
   }
 
+  // A length or count keyword: a non-negative integer, within what the
+  // grammar can unroll (every bound costs nodes; see max_nodes).
+  absl::Status Bound(const json& s, const char* key, const std::string& pointer, int64_t* out) {
+    if (!s.contains(key)) return absl::OkStatus();
+    const json& v = s[key];
+    if (!v.is_number_integer() || v.get<int64_t>() < 0) {
+      return Bad(absl::StrCat(pointer, "/", key), "must be a non-negative integer");
+    }
+    if (v.get<int64_t>() > kMaxBound) {
+      return Bad(absl::StrCat(pointer, "/", key), absl::StrCat("more than ", kMaxBound, " is not supported"));
+    }
+    *out = v.get<int64_t>();
+    return absl::OkStatus();
+  }
+
   absl::StatusOr<Frag> Typed(const json& s, const std::string& t, const std::string& pointer) {
-    if (t == "string") return b_.Call(StringRule());
+    if (t == "string") {
+      int64_t min = 0, max = -1;
+      if (absl::Status st = Bound(s, "minLength", pointer, &min); !st.ok()) return st;
+      if (absl::Status st = Bound(s, "maxLength", pointer, &max); !st.ok()) return st;
+      if (max >= 0 && min > max) return Bad(pointer, "'minLength' is more than 'maxLength'");
+      return b_.Call(StringRule(min, max));
+    }
     if (t == "integer") return b_.Call(IntegerRule());
     if (t == "number") return b_.Call(NumberRule());
     if (t == "boolean") return b_.Alt({b_.Literal("true"), b_.Literal("false")});
     if (t == "null") return b_.Literal("null");
     if (t == "array") {
+      int64_t min = 0, max = -1;
+      if (absl::Status st = Bound(s, "minItems", pointer, &min); !st.ok()) return st;
+      if (absl::Status st = Bound(s, "maxItems", pointer, &max); !st.ok()) return st;
+      if (max >= 0 && min > max) return Bad(pointer, "'minItems' is more than 'maxItems'");
       uint32_t item = kNone;
       if (s.contains("items")) {
         if (s["items"].is_array()) return Bad(pointer + "/items", "a list of schemas (tuple items) is not supported");
@@ -360,7 +430,7 @@ class Compiler {
       } else {
         item = AnyValueRule();
       }
-      return Array(item);
+      return Array(item, min, max);
     }
     return Object(s, pointer);
   }
@@ -468,6 +538,7 @@ class Compiler {
   }
 
   static constexpr uint32_t kNone = ~0u;
+  static constexpr int64_t kMaxBound = 4096;
   struct Pending {
     uint32_t rule;
     const json* schema;
@@ -477,6 +548,7 @@ class Compiler {
   const json& root_;
   const SchemaOptions& o_;
   Builder b_;
+  absl::flat_hash_map<std::pair<int64_t, int64_t>, uint32_t> bounded_strings_;
   uint32_t string_ = kNone, integer_ = kNone, number_ = kNone, any_value_ = kNone, any_object_ = kNone;
   absl::flat_hash_map<std::string, uint32_t> ref_rules_;
   std::vector<Pending> pending_;

@@ -4,8 +4,10 @@
 //
 // Supported: "type" (one or a list) of object, array, string, number,
 // integer, boolean, null; "properties", "required" and
-// "additionalProperties" (false, true or a schema); "items"; "enum";
-// "const"; "anyOf"; "$ref" to "#" or to anything under "#/$defs" or
+// "additionalProperties" (false, true or a schema); "items"; "minLength"
+// and "maxLength" (in characters, a surrogate pair escape being one);
+// "minItems" and "maxItems" (each at most 4096); "enum"; "const"; "anyOf";
+// "$ref" to "#" or to anything under "#/$defs" or
 // "#/definitions" (recursion included); and the keywords that describe
 // without constraining (title, description, default, examples, $comment,
 // $schema, $id, deprecated, readOnly, writeOnly). Every other keyword is

@@ -29,8 +29,9 @@ namespace pdserve::kv {
 // 2: frequency_penalty in the sampling state; 3: the tensor-parallel layout;
 // 4: the router's grant in a reservation (grant.h); 5: the prefix cache
 // salt in a commit; 6: RoomFreed (wire.h); 7: verification asked in a
-// reservation's answer, per-layer checksums in a commit.
-inline constexpr uint32_t kKvProtocolVersion = 7;
+// reservation's answer, per-layer checksums in a commit; 8: the response
+// format's hash and state digest in a commit.
+inline constexpr uint32_t kKvProtocolVersion = 8;
 
 // The in-block arrangement of kv/kv_cache.h: K [head][dim][slot], V
 // [head][slot][dim], then for int8 F32 scales [K|V][head][slot], per rank

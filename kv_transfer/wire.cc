@@ -173,6 +173,8 @@ struct EncodeVisitor {
     w.Pod(m.cache_salt.lo);
     w.Pod(m.cache_salt.hi);
     w.Vec(m.layer_checksums);
+    w.Pod(m.grammar_hash);
+    w.Pod(m.grammar_digest);
   }
   void operator()(const CommitReply& m) {
     w.Pod(m.id.value);
@@ -212,7 +214,8 @@ bool DecodeInto(Reader& r, Commit& m) {
     m.top_logprobs.push_back(p);
   }
   return Get(r, m.sampling) && r.Pod(m.seed) && r.Pod(m.generated) && r.Pod(m.finish_reason) &&
-         r.Pod(m.cache_salt.lo) && r.Pod(m.cache_salt.hi) && r.Vec(m.layer_checksums);
+         r.Pod(m.cache_salt.lo) && r.Pod(m.cache_salt.hi) && r.Vec(m.layer_checksums) && r.Pod(m.grammar_hash) &&
+         r.Pod(m.grammar_digest);
 }
 bool DecodeInto(Reader& r, CommitReply& m) { return r.Pod(m.id.value) && r.Pod(m.code) && r.Str(m.message); }
 bool DecodeInto(Reader& r, Abort& m) { return r.Pod(m.id.value) && r.Pod(m.code) && r.Str(m.message); }

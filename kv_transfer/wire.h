@@ -98,6 +98,12 @@ struct Commit {
   // the one holding position held_positions to the one holding the last
   // position, in the receiver's layout; empty otherwise.
   std::vector<uint64_t> layer_checksums;
+  // The response format (grammar/constraint.h) the sampling state is
+  // under, by its spec's hash, and its matcher's digest after the tokens
+  // so far: the receiver replays the first token and must reach the same
+  // state. Both 0 when the request has no response format.
+  uint64_t grammar_hash = 0;
+  uint64_t grammar_digest = 0;
 };
 
 struct CommitReply {

@@ -119,6 +119,7 @@ int Run() {
                          .fault_wrong_checksums = absl::GetFlag(FLAGS_fault_wrong_kv_checksums)});
     prefill::PrefillServiceOptions so;
     so.chunk_tokens = absl::GetFlag(FLAGS_prefill_chunk);
+    so.grammar = GrammarOptionsFromFlags();
     so.stream_layers = absl::GetFlag(FLAGS_kv_stream_layers);
     so.max_batch = absl::GetFlag(FLAGS_max_batch);
     so.fault_stall_before_commit_ms = absl::GetFlag(FLAGS_fault_stall_before_commit_ms);

@@ -213,6 +213,10 @@ PrefillService::PrefillService(Model* model, KvManager* kv, const tok::Tokenizer
     : model_(model),
       kv_(kv),
       tokenizer_(tokenizer),
+      grammars_(tokenizer == nullptr ? nullptr
+                                     : std::make_unique<grammar::GrammarCache>(options.grammar, [tokenizer] {
+                                         return grammar::Vocabulary::FromTokenizer(*tokenizer);
+                                       })),
       sender_(sender),
       options_(options),
       fault_unparseable_(options.fault_unparseable_streams),
@@ -571,6 +575,8 @@ void PrefillService::CommitLoop() {
     c.generated = static_cast<int32_t>(gen.generated().size());
     c.finish_reason = static_cast<uint8_t>(job->first.finish);
     c.cache_salt = r.cache_salt;
+    c.grammar_hash = r.constraint != nullptr ? r.constraint->spec.hash : 0;
+    c.grammar_digest = gen.grammar_digest();
     absl::Status st = absl::OkStatus();
     // Not streamed: every layer now, after the forward.
     for (int32_t l = 0; !options_.stream_layers && st.ok() && l < model_->config().num_layers; ++l) {
@@ -637,7 +643,7 @@ grpc::ServerWriteReactor<PrefillEvent>* PrefillService::Prefill(grpc::CallbackSe
     return call.get();
   };
   absl::StatusOr<std::unique_ptr<Generation>> made = rpc::AcceptWork(
-      w, {.eos_ids = model_->config().eos_token_ids, .vocab_size = model_->config().vocab_size, .tokenizer = tokenizer_});
+      w, {.eos_ids = model_->config().eos_token_ids, .vocab_size = model_->config().vocab_size, .tokenizer = tokenizer_, .grammars = grammars_.get()});
   if (!made.ok()) return reject(made.status());
   if (req->decode_kv_address().empty()) return reject(absl::InvalidArgumentError("decode_kv_address: empty"));
   auto job = std::make_shared<Job>();

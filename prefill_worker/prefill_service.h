@@ -41,6 +41,7 @@
 #include "kv/kv_manager.h"
 #include "kv/kv_events.h"
 #include "model/model.h"
+#include "grammar/constraint.h"
 #include "text/tokenizer.h"
 #include "kv_transfer/sender.h"
 #include "proto/received.h"
@@ -52,6 +53,8 @@ class PrefixPusher;  // prefix_pull.h
 struct PullCounters;
 
 struct PrefillServiceOptions {
+  // Bounds on response formats (JSON Schema compiles and their masks).
+  grammar::GrammarOptions grammar;
   int32_t chunk_tokens = 512;  // Prompt tokens per forward, across requests.
   // Each layer's KV is sent as the forward finishes it; false: every layer
   // after the forward (only to measure what streaming saves).
@@ -173,6 +176,8 @@ class PrefillService final : public worker::v1::PrefillWorker::CallbackService {
   Model* model_;
   KvManager* kv_;
   const tok::Tokenizer* tokenizer_;
+  // Response formats this worker has compiled (its vocabulary made on first use).
+  std::unique_ptr<grammar::GrammarCache> grammars_;
   kv::KvSender* sender_;
   const PrefillServiceOptions options_;
   rpc::UnparseableFault fault_unparseable_;

@@ -31,6 +31,13 @@ GenerationRequest FromWork(const worker::v1::WorkRequest& w, const std::vector<i
 absl::StatusOr<std::unique_ptr<Generation>> AcceptWork(const worker::v1::WorkRequest& w, const WorkLimits& limits) {
   GenerationRequest r = FromWork(w, limits.eos_ids);
   if (r.prompt.empty()) return absl::InvalidArgumentError("prompt_ids: empty");
+  if (w.has_grammar()) {
+    if (limits.grammars == nullptr) return absl::InvalidArgumentError("grammar: this worker takes no response format");
+    absl::StatusOr<std::shared_ptr<const grammar::Constraint>> c = limits.grammars->FromSpec(
+        {static_cast<grammar::ConstraintKind>(w.grammar().kind()), w.grammar().schema(), w.grammar().hash()});
+    if (!c.ok()) return c.status();
+    r.constraint = *std::move(c);
+  }
   for (int32_t id : r.prompt) {
     if (id < 0 || id >= limits.vocab_size) {
       return absl::InvalidArgumentError(absl::StrCat("prompt_ids: ", id, " is outside the vocabulary"));
@@ -77,6 +84,11 @@ void ToWork(const GenerationRequest& r, worker::v1::WorkRequest* w) {
   for (const std::string& s : r.stop_strings) w->add_stop(s);
   w->set_cache_salt_lo(r.cache_salt.lo);
   w->set_cache_salt_hi(r.cache_salt.hi);
+  if (r.constraint != nullptr) {
+    w->mutable_grammar()->set_kind(static_cast<int32_t>(r.constraint->spec.kind));
+    w->mutable_grammar()->set_schema(r.constraint->spec.schema);
+    w->mutable_grammar()->set_hash(r.constraint->spec.hash);
+  }
 }
 
 v1::FinishReason ToProto(FinishReason f) {

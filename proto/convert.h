@@ -12,6 +12,7 @@
 #include "engine/generation.h"
 #include "kv/kv_events.h"
 #include "engine/sampling.h"
+#include "grammar/constraint.h"
 #include "pdserve/v1/generation.pb.h"
 #include "pdserve/v1/worker.pb.h"
 
@@ -27,6 +28,9 @@ struct WorkLimits {
   int64_t vocab_size = 0;
   int64_t max_positions = 0;  // prompt + max_tokens must fit; 0: not checked
   const tok::Tokenizer* tokenizer = nullptr;
+  // Compiles the request's response format; a request with one is refused
+  // where this is null.
+  grammar::GrammarCache* grammars = nullptr;
 };
 
 // A worker's one conversion and validation of a WorkRequest: the request

@@ -26,6 +26,12 @@
 #include "router/openai/server.h"
 #include "router/router_service.h"
 
+ABSL_FLAG(int64_t, grammar_max_schema_bytes, 64 << 10,
+          "largest JSON Schema a response format may give, in bytes (refused past it)");
+ABSL_FLAG(int64_t, grammar_max_nodes, 100000,
+          "most grammar nodes a response format may compile to (about 60 bytes each; refused past it)");
+ABSL_FLAG(int32_t, grammar_max_depth, 128, "deepest nesting a constrained output may reach, in grammar frames");
+ABSL_FLAG(int32_t, grammar_cache_size, 64, "compiled response formats kept, by schema hash");
 ABSL_FLAG(std::string, model, "", "model directory (tokenizer, config, chat template)");
 ABSL_FLAG(std::string, model_name, "", "name clients may use (default: the directory's name)");
 ABSL_FLAG(std::string, listen, "127.0.0.1:0", "gRPC address (port 0: any free port)");
@@ -153,6 +159,10 @@ int Run() {
     return 2;
   }
   o.model_name = absl::GetFlag(FLAGS_model_name);
+  o.grammar.schema.max_schema_bytes = absl::GetFlag(FLAGS_grammar_max_schema_bytes);
+  o.grammar.schema.max_nodes = absl::GetFlag(FLAGS_grammar_max_nodes);
+  o.grammar.schema.max_depth = absl::GetFlag(FLAGS_grammar_max_depth);
+  o.grammar.max_grammars = absl::GetFlag(FLAGS_grammar_cache_size);
   if (o.model_name.empty()) {
     std::string dir = o.model_dir;
     while (!dir.empty() && dir.back() == '/') dir.pop_back();

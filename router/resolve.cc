@@ -9,7 +9,8 @@
 namespace pdserve::router {
 
 absl::StatusOr<std::unique_ptr<RequestResolver>> RequestResolver::Create(const std::string& model_dir,
-                                                                         std::string model_name) {
+                                                                         std::string model_name,
+                                                                         grammar::GrammarOptions grammar) {
   std::unique_ptr<RequestResolver> r(new RequestResolver());
   r->model_name_ = std::move(model_name);
   absl::StatusOr<ModelConfig> config = LoadModelConfig(model_dir);
@@ -18,6 +19,9 @@ absl::StatusOr<std::unique_ptr<RequestResolver>> RequestResolver::Create(const s
   absl::StatusOr<std::unique_ptr<tok::Tokenizer>> tokenizer = tok::Tokenizer::Load(model_dir);
   if (!tokenizer.ok()) return tokenizer.status();
   r->tokenizer_ = *std::move(tokenizer);
+  const tok::Tokenizer* t = r->tokenizer_.get();
+  r->grammars_ = std::make_unique<grammar::GrammarCache>(
+      std::move(grammar), [t] { return grammar::Vocabulary::FromTokenizer(*t); });
   if (!r->tokenizer_->chat_template().empty()) {
     absl::StatusOr<tok::ChatFormat> f = tok::DetectChatFormat(r->tokenizer_->chat_template());
     if (f.ok()) r->chat_format_ = *f;
@@ -138,6 +142,26 @@ absl::StatusOr<GenerationRequest> RequestResolver::Resolve(const v1::GenerateReq
   if (s.has_presence_penalty()) p.presence_penalty = s.presence_penalty();
   if (s.has_frequency_penalty()) p.frequency_penalty = s.frequency_penalty();
   if (s.has_seed()) p.seed = s.seed();
+  switch (req.response_format().format_case()) {
+    case v1::ResponseFormat::kJsonObject: {
+      absl::StatusOr<std::shared_ptr<const grammar::Constraint>> c = grammars_->JsonObject();
+      if (!c.ok()) return c.status();
+      r.constraint = *std::move(c);
+      break;
+    }
+    case v1::ResponseFormat::kJsonSchema: {
+      absl::StatusOr<std::shared_ptr<const grammar::Constraint>> c =
+          grammars_->FromSchema(req.response_format().json_schema().schema());
+      if (!c.ok()) {
+        return absl::Status(c.status().code(),
+                            absl::StrCat("response_format.json_schema.schema: ", c.status().message()));
+      }
+      r.constraint = *std::move(c);
+      break;
+    }
+    case v1::ResponseFormat::FORMAT_NOT_SET:
+      break;
+  }
   p.max_tokens = static_cast<int32_t>(max_tokens);
   p.ignore_eos = req.ignore_eos();
   p.logprobs = req.logprobs();

@@ -16,6 +16,7 @@
 
 #include "absl/status/statusor.h"
 #include "engine/generation.h"
+#include "grammar/constraint.h"
 #include "model/model_config.h"
 #include "text/chat_template.h"
 #include "text/tokenizer.h"
@@ -38,7 +39,8 @@ class RequestResolver {
  public:
   // Loads the tokenizer and config of `model_dir`; `model_name` is the
   // name requests may give.
-  static absl::StatusOr<std::unique_ptr<RequestResolver>> Create(const std::string& model_dir, std::string model_name);
+  static absl::StatusOr<std::unique_ptr<RequestResolver>> Create(const std::string& model_dir, std::string model_name,
+                                                                  grammar::GrammarOptions grammar = {});
 
   // What an unset (0) max_tokens means: an error (the gRPC API requires
   // it), or whatever room the context leaves after the prompt (OpenAI's
@@ -47,12 +49,15 @@ class RequestResolver {
 
   // The validated engine request, within `limits` (prompt tokens within the
   // model's context, logprobs at most 20, chat roles system, user or
-  // assistant). Errors: INVALID_ARGUMENT naming the field.
+  // assistant), its response format compiled (grammars(), cached by the
+  // schema's hash). Errors: INVALID_ARGUMENT naming the field
+  // ("response_format.json_schema.schema: schema at #/properties/a: ...").
   absl::StatusOr<GenerationRequest> Resolve(const v1::GenerateRequest& req,
                                             MaxTokens unset = MaxTokens::kRequired) const;
   const RequestLimits& limits() const { return limits_; }
 
   const tok::Tokenizer& tokenizer() const { return *tokenizer_; }
+  grammar::GrammarCache& grammars() const { return *grammars_; }
   const ModelConfig& config() const { return config_; }
   const std::string& model_name() const { return model_name_; }
 
@@ -63,6 +68,7 @@ class RequestResolver {
   RequestLimits limits_;
   ModelConfig config_;
   std::unique_ptr<tok::Tokenizer> tokenizer_;
+  std::unique_ptr<grammar::GrammarCache> grammars_;
   std::optional<tok::ChatFormat> chat_format_;
 };
 

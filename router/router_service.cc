@@ -285,7 +285,7 @@ absl::StatusOr<std::unique_ptr<RouterService>> RouterService::Create(RouterOptio
   }
   std::unique_ptr<RouterService> r(new RouterService(std::move(options)));
   const RouterOptions& o = r->options_;
-  absl::StatusOr<std::unique_ptr<RequestResolver>> resolver = RequestResolver::Create(o.model_dir, o.model_name);
+  absl::StatusOr<std::unique_ptr<RequestResolver>> resolver = RequestResolver::Create(o.model_dir, o.model_name, o.grammar);
   if (!resolver.ok()) return resolver.status();
   r->resolver_ = *std::move(resolver);
   if (!o.api_keys_file.empty()) {

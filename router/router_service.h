@@ -41,6 +41,7 @@
 #include "base/metrics.h"
 #include "base/tls.h"
 #include "pdserve/v1/generation.grpc.pb.h"
+#include "grammar/constraint.h"
 #include "router/admission.h"
 #include "router/api_keys.h"
 #include "router/client_cancel.h"
@@ -66,6 +67,8 @@ enum class PrefixCacheScope { kShared, kPerKey };
 struct RouterOptions {
   std::string model_dir;
   std::string model_name;  // Reported by ListModels; requests may name it.
+  // Bounds on response formats the router compiles (and refuses past).
+  grammar::GrammarOptions grammar;
   // Worker targets (see router/discovery.h): host:port, or a DNS name whose
   // addresses are the pool (dns:///name:port, dns://SERVER/name:port),
   // resolved again every resolve_interval.

@@ -15,6 +15,14 @@
 #include "base/health.h"
 #include "base/server_util.h"
 
+ABSL_FLAG(int64_t, grammar_max_schema_bytes, 64 << 10,
+          "largest JSON Schema a response format may give, in bytes (refused past it)");
+ABSL_FLAG(int64_t, grammar_max_nodes, 100000,
+          "most grammar nodes a response format may compile to (about 60 bytes each; refused past it)");
+ABSL_FLAG(int32_t, grammar_max_depth, 128, "deepest nesting a constrained output may reach, in grammar frames");
+ABSL_FLAG(int64_t, grammar_mask_states, 2048,
+          "token masks kept per response format (each vocab/8 bytes); past it the cache starts again");
+ABSL_FLAG(int32_t, grammar_cache_size, 64, "compiled response formats kept, by schema hash");
 ABSL_FLAG(std::string, model, "", "model directory (Hugging Face layout)");
 ABSL_FLAG(std::string, backend, "cpu",
           "compute backend: cpu, or cuda (NVIDIA GPU; needs a build with nvcc; see docs/architecture.md, the GPU backend); "
@@ -265,6 +273,16 @@ void CheckWorkerTransport(WorkerRuntime& rt, const std::string& host) {
   if (const std::string why = rt.transport_check->reason(); !why.empty()) {
     LogEvent("error", "kv_transport_unusable", {{"error", why}});
   }
+}
+
+grammar::GrammarOptions GrammarOptionsFromFlags() {
+  grammar::GrammarOptions g;
+  g.schema.max_schema_bytes = absl::GetFlag(FLAGS_grammar_max_schema_bytes);
+  g.schema.max_nodes = absl::GetFlag(FLAGS_grammar_max_nodes);
+  g.schema.max_depth = absl::GetFlag(FLAGS_grammar_max_depth);
+  g.max_mask_states = absl::GetFlag(FLAGS_grammar_mask_states);
+  g.max_grammars = absl::GetFlag(FLAGS_grammar_cache_size);
+  return g;
 }
 
 void ApplyRequestLifeFlags(engine::EngineOptions& options) {

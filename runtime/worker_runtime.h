@@ -15,6 +15,7 @@
 #include "base/metrics.h"
 #include "base/tls.h"
 #include "kv/kv_manager.h"
+#include "grammar/constraint.h"
 #include "text/tokenizer.h"
 #include "kv_transfer/receiver.h"
 #include "kv_transfer/self_check.h"
@@ -88,6 +89,10 @@ std::function<std::string()> WorkerHealthCheck(WorkerRuntime& rt,
 // The bound on a request's life from --request_life_base_s,
 // --request_life_step_factor and --request_life_min_token_ms.
 void ApplyRequestLifeFlags(engine::EngineOptions& options);
+
+// The response-format bounds (--grammar_max_schema_bytes, --grammar_max_nodes,
+// --grammar_max_depth, --grammar_mask_states, --grammar_cache_size).
+grammar::GrammarOptions GrammarOptionsFromFlags();
 
 // The pool's gauges pdserve_kv_blocks{state=used|free}, from the KV manager.
 void AddKvPoolMetrics(MetricsRegistry& metrics, const KvManager* kv);

@@ -13,7 +13,9 @@
 namespace pdserve::router::openai {
 namespace {
 
-using json = nlohmann::json;
+// Ordered: a response format's schema keeps its properties' order (the
+// order the output writes them).
+using json = nlohmann::ordered_json;
 
 constexpr char kParamPayload[] = "type.pdserve.dev/openai.param";
 
@@ -109,6 +111,57 @@ absl::Status DecodeStop(const json& v, const DecodeLimits& limits, v1::GenerateR
     }
     g.add_stop(stops[i]);
   }
+  return absl::OkStatus();
+}
+
+// {"type": "text"}, {"type": "json_object"} or {"type": "json_schema",
+// "json_schema": {"name", "schema", "strict", "description"}}. The schema
+// itself is checked where it compiles (router/resolve.h).
+absl::Status DecodeResponseFormat(const json& v, v1::GenerateRequest& g) {
+  const std::string key = "response_format";
+  if (!v.is_object() || !v.contains("type") || !v["type"].is_string()) {
+    return Bad(key, "must be an object with a \"type\": text, json_object or json_schema");
+  }
+  const std::string type = v["type"].get<std::string>();
+  for (auto it = v.begin(); it != v.end(); ++it) {
+    if (it.key() != "type" && !(type == "json_schema" && it.key() == "json_schema")) {
+      return Bad(key + "." + it.key(), absl::StrCat("unknown field for a response format of type ", type));
+    }
+  }
+  if (type == "text") return absl::OkStatus();
+  if (type == "json_object") {
+    g.mutable_response_format()->mutable_json_object();
+    return absl::OkStatus();
+  }
+  if (type != "json_schema") return Bad(key + ".type", "must be text, json_object or json_schema");
+  if (!v.contains("json_schema") || !v["json_schema"].is_object()) {
+    return Bad(key + ".json_schema", "required: an object with name and schema");
+  }
+  const json& js = v["json_schema"];
+  v1::JsonSchemaFormat* f = g.mutable_response_format()->mutable_json_schema();
+  for (auto it = js.begin(); it != js.end(); ++it) {
+    const std::string param = key + ".json_schema." + it.key();
+    if (it.key() == "name") {
+      std::string name;
+      PDSERVE_ASSIGN(name, String(param, it.value()));
+      f->set_name(name);
+    } else if (it.key() == "description") {
+      if (!it.value().is_string()) return Bad(param, "must be a string");
+    } else if (it.key() == "strict") {
+      if (!it.value().is_null()) {
+        bool strict = false;
+        PDSERVE_ASSIGN(strict, Bool(param, it.value()));
+        f->set_strict(strict);
+      }
+    } else if (it.key() == "schema") {
+      if (!it.value().is_object() && !it.value().is_boolean()) return Bad(param, "must be a JSON Schema object");
+      f->set_schema(it.value().dump());
+    } else {
+      return Bad(param, "unknown field");
+    }
+  }
+  if (f->name().empty()) return Bad(key + ".json_schema.name", "required");
+  if (f->schema().empty()) f->set_schema("{}");  // OpenAI: no schema means any JSON.
   return absl::OkStatus();
 }
 
@@ -341,9 +394,7 @@ absl::StatusOr<OpenAiRequest> DecodeRequest(Endpoint endpoint, absl::string_view
       PDSERVE_ASSIGN(sfx, String(key, v));
       if (!sfx.empty()) return Bad(key, "not supported");
     } else if (key == "response_format" && chat) {
-      if (!v.is_object() || !v.contains("type") || v["type"] != "text" || v.size() != 1) {
-        return Bad(key, "only {\"type\": \"text\"} is supported");
-      }
+      if (absl::Status st = DecodeResponseFormat(v, g); !st.ok()) return st;
     } else if (key == "tools" || key == "tool_choice" || key == "functions" || key == "function_call" ||
                key == "prediction" || key == "audio" || key == "modalities" || key == "web_search_options" ||
                key == "reasoning_effort") {

@@ -7,10 +7,13 @@
 #define PDSERVE_TESTS_CLUSTER_REFERENCE_STREAM_H_
 
 #include <cstdint>
+#include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "engine/generation.h"
+#include "grammar/constraint.h"
 #include "kv/kv_manager.h"
 #include "model/model.h"
 #include "text/chat_template.h"
@@ -50,6 +53,19 @@ inline Output ReferenceStream(Model& model, const tok::Tokenizer& tokenizer, con
   r.params.max_tokens = req.max_tokens();
   r.stop_strings.assign(req.stop().begin(), req.stop().end());
   r.eos_ids = model.config().eos_token_ids;
+  if (req.has_response_format()) {
+    // One cache per tokenizer, as a worker keeps one.
+    static auto* caches = new std::map<const tok::Tokenizer*, std::unique_ptr<grammar::GrammarCache>>();
+    std::unique_ptr<grammar::GrammarCache>& cache = (*caches)[&tokenizer];
+    if (cache == nullptr) {
+      cache = std::make_unique<grammar::GrammarCache>(grammar::GrammarOptions{},
+                                                      grammar::Vocabulary::FromTokenizer(tokenizer));
+    }
+    auto c = req.response_format().has_json_object() ? cache->JsonObject()
+                                                      : cache->FromSchema(req.response_format().json_schema().schema());
+    EXPECT_TRUE(c.ok()) << c.status();
+    if (c.ok()) r.constraint = *c;
+  }
   auto manager = *KvManager::Create(model.MakeKvSpec(model.weight_dtype(), 16, 64));
   Generation gen(r, &tokenizer);
   SequenceKv kv = manager->NewSequence();

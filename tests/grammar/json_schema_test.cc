@@ -85,6 +85,24 @@ TEST(JsonSchemaTest, NumbersEnumsConstsAndAnyOf) {
   EXPECT_FALSE(Complete(g, R"({"x": 3, "unit": "cm", "v": {"a":[1,true]}, "id": true})"));
 }
 
+TEST(JsonSchemaTest, StringLengthsAndArrayCountsAreBounded) {
+  auto g = Compile(R"({"type":"object","properties":{"code":{"type":"string","minLength":2,"maxLength":3},
+    "list":{"type":"array","items":{"type":"integer"},"minItems":1,"maxItems":2},
+    "long":{"type":"string","minLength":2}},"required":["code","list","long"]})");
+  EXPECT_TRUE(Complete(g, R"({"code": "ab", "list": [1], "long": "xy"})"));
+  EXPECT_TRUE(Complete(g, R"({"code": "\u00e9\n\ud83d\ude00", "list": [1, 2], "long": "xyzzy"})"));
+  EXPECT_TRUE(Complete(g, "{\"code\": \"\xc3\xa9t\xc3\xa9\", \"list\": [1], \"long\": \"xy\"}"));
+  EXPECT_FALSE(Complete(g, R"({"code": "a", "list": [1], "long": "xy"})"));
+  EXPECT_FALSE(Complete(g, R"({"code": "abcd", "list": [1], "long": "xy"})"));
+  EXPECT_FALSE(Complete(g, R"({"code": "ab", "list": [], "long": "xy"})"));
+  EXPECT_FALSE(Complete(g, R"({"code": "ab", "list": [1, 2, 3], "long": "xy"})"));
+  EXPECT_FALSE(Complete(g, R"({"code": "ab", "list": [1], "long": "x"})"));
+  EXPECT_TRUE(Complete(Compile(R"({"type":"array","maxItems":0})"), "[]"));
+  EXPECT_FALSE(CompileJsonSchema(R"({"type":"string","minLength":3,"maxLength":2})", {}).ok());
+  EXPECT_FALSE(CompileJsonSchema(R"({"type":"string","maxLength":-1})", {}).ok());
+  EXPECT_FALSE(CompileJsonSchema(R"({"type":"array","maxItems":100000})", {}).ok());
+}
+
 TEST(JsonSchemaTest, RecursiveDefinitionsThroughRef) {
   auto g = Compile(R"({"$defs":{"node":{"type":"object","properties":{"v":{"type":"integer"},
     "kids":{"type":"array","items":{"$ref":"#/$defs/node"}}},"required":["v","kids"]}},

@@ -91,7 +91,16 @@ TEST(OpenAiRequestTest, FieldsThatWouldChangeTheOutputAreRefusedByName) {
   const std::string msgs = R"("messages": [{"role": "user", "content": "x"}])";
   ExpectRefused(Chat("{" + msgs + R"(, "tools": [{"type": "function"}]})"), "tools", "not supported");
   ExpectRefused(Chat("{" + msgs + R"(, "tool_choice": "auto"})"), "tool_choice");
-  ExpectRefused(Chat("{" + msgs + R"(, "response_format": {"type": "json_object"}})"), "response_format");
+  ExpectRefused(Chat("{" + msgs + R"(, "response_format": {"type": "xml"}})"), "response_format.type");
+  ExpectRefused(Chat("{" + msgs + R"(, "response_format": {"type": "json_schema"}})"), "response_format.json_schema",
+                "required");
+  ExpectRefused(Chat("{" + msgs + R"(, "response_format": {"type": "json_schema", "json_schema": {"schema": {}}}})"),
+                "response_format.json_schema.name", "required");
+  ExpectRefused(Chat("{" + msgs + R"(, "response_format": {"type": "json_schema", "json_schema": {"name": "a",
+                "schema": "{}"}}})"),
+                "response_format.json_schema.schema", "must be a JSON Schema object");
+  ExpectRefused(Chat("{" + msgs + R"(, "response_format": {"type": "json_object", "schema": {}}})"),
+                "response_format.schema", "unknown field");
   ExpectRefused(Chat("{" + msgs + R"(, "n": 2})"), "n", "only 1");
   ExpectRefused(Chat("{" + msgs + R"(, "top_logprobs": 2})"), "top_logprobs", "requires logprobs");
   ExpectRefused(Chat("{" + msgs + R"(, "logit_bias": {"5": 100}})"), "logit_bias");
@@ -106,6 +115,25 @@ TEST(OpenAiRequestTest, FieldsThatWouldChangeTheOutputAreRefusedByName) {
   ExpectRefused(Completion(R"({"prompt": "x", "temprature": 1})"), "temprature", "unknown field");
   // A chat-only field on the completions endpoint is unknown there.
   ExpectRefused(Completion(R"({"prompt": "x", "max_completion_tokens": 4})"), "max_completion_tokens");
+}
+
+TEST(OpenAiRequestTest, ResponseFormatsMapToTheRequestWithTheSchemasKeyOrderKept) {
+  const std::string msgs = R"("messages": [{"role": "user", "content": "x"}])";
+  absl::StatusOr<OpenAiRequest> r = Chat("{" + msgs + R"(, "response_format": {"type": "json_object"}})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->generate.response_format().has_json_object());
+  r = Chat("{" + msgs + R"(, "response_format": {"type": "json_schema", "json_schema": {"name": "p",
+      "strict": true, "schema": {"type": "object", "properties": {"z": {"type": "string"},
+      "a": {"type": "integer"}}, "required": ["z", "a"]}}}})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  const v1::JsonSchemaFormat& f = r->generate.response_format().json_schema();
+  EXPECT_EQ(f.name(), "p");
+  EXPECT_TRUE(f.strict());
+  EXPECT_EQ(f.schema(),
+            R"({"type":"object","properties":{"z":{"type":"string"},"a":{"type":"integer"}},"required":["z","a"]})");
+  r = Chat("{" + msgs + R"(, "response_format": {"type": "text"}})");
+  ASSERT_TRUE(r.ok());
+  EXPECT_FALSE(r->generate.has_response_format());
 }
 
 TEST(OpenAiRequestTest, FieldsThatCannotChangeTheOutputAreAccepted) {

@@ -13,7 +13,8 @@ if ! command -v npm > /dev/null; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends nodejs npm
 fi
 # npm packages the tests use, each pinned by its lock file: the official
-# openai client (the HTTP API's test) and the Kubernetes schema validator.
+# openai client and ajv (the HTTP API's tests) and the Kubernetes schema
+# validator.
 for dir in tests/openai_client tests/k8s_schema; do
   if [[ ! -f $dir/node_modules/.package-lock.json || $dir/package-lock.json -nt $dir/node_modules/.package-lock.json ]]; then
     (cd "$dir" && npm ci --no-audit --no-fund --loglevel=error)

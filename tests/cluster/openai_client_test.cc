@@ -78,5 +78,34 @@ TEST(OpenAiClientTest, TheOfficialClientWorksUnchanged) {
   EXPECT_NE(output.find("# pass 12"), std::string::npos) << output;
 }
 
+// Structured outputs: 200 seeded requests for each of ten schemas of
+// growing complexity (tests/fixtures/structured/schemas.json) through the
+// official client, each reply validated by ajv (structured.mjs).
+TEST(OpenAiClientTest, EveryStructuredOutputValidatesAgainstItsSchema) {
+  ASSERT_TRUE(std::filesystem::exists(kClientDir + "/node_modules/ajv/package.json"))
+      << "ajv is not installed: deploy/test.sh installs it (or: npm ci --prefix " << kClientDir << ")";
+  const std::string dir = TempDir();
+  const std::string keys = dir + "/api_keys";
+  std::filesystem::create_directories(dir);
+  std::ofstream(keys) << "npm-test:" << router::Sha256Hex("sk-pdserve-npm") << "\n";
+  Cluster c;
+  c.extra_router_flags = {"--api_keys_file", keys};
+  absl::Status s = c.Start(dir + "/cluster", /*colocated=*/false);
+  ASSERT_TRUE(s.ok()) << s;
+  const std::string command =
+      absl::StrCat("cd ", kClientDir, " && NODE_EXTRA_CA_CERTS=", TestTls("router").ca,
+                   " PDSERVE_URL=https://127.0.0.1:", c.http_port(),
+                   "/v1 PDSERVE_KEY=sk-pdserve-npm PDSERVE_STRUCTURED_N=200 node structured.mjs 2>&1");
+  FILE* p = popen(command.c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  std::string output;
+  std::array<char, 4096> buf;
+  while (fgets(buf.data(), buf.size(), p) != nullptr) output += buf.data();
+  const int status = pclose(p);
+  std::cout << output;
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << output << "\n" << c.Logs();
+  EXPECT_NE(output.find("family: 200/200 valid"), std::string::npos) << output;
+}
+
 }  // namespace
 }  // namespace pdserve

@@ -134,8 +134,17 @@ def main():
                        capture_output=True, timeout=300)
         small = ["--threads", "1", "--prefill", "32", "--decode_history", "16", "--prefix_hit", "64:8",
                  "--shared_prefix", "2:64:8", "--steps", "2", "--json"]
-        probe = run_json([pdctl, "bench-engine", "--model", model, "--decode_batch", "1"] + small)
+        kjv = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "deploy", "models", "kjv-tiny")
+        probe = run_json([pdctl, "bench-engine", "--model", model, "--decode_batch", "1", "--mask_tokenizers", kjv]
+                         + small)
         peaks = probe["matrix_peaks"]
+        # The response format's cost per token, beside the batch-1 step.
+        masks = probe.get("response_format_masks", [])
+        if len(masks) != 1 or masks[0].get("vocab") != 4096 or masks[0].get("tokens", 0) <= 0 \
+                or masks[0].get("step_seconds", 0) <= 0 or "mean_fraction_of_step" not in masks[0]:
+            failures.append(f"bench-engine --mask_tokenizers: want one row at vocab 4096 beside the step: {masks}")
+        else:
+            print(f"bench-engine masks: {masks[0]['mean_token_seconds'] * 1e3:.3f} ms/token at vocab 4096")
         paths = ["f32"] + [p for p, key in (("fp16", "fp16_fma"), ("bf16", "bf16_dot"), ("amx", "amx_bf16")) if peaks.get(key, 0) > 0]
         # Prefill alone: no decode batch, so no history is prepared for one
         # (a history prepared for no batch would run the pool dry).

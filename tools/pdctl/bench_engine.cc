@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <random>
 #include <string>
 
@@ -12,6 +13,7 @@
 #include "kv/block_hash.h"
 #include "kv/prefix_cache.h"
 #include "nlohmann/json.hpp"
+#include "tools/pdctl/bench_grammar.h"
 #include "tools/pdctl/bench_stats.h"
 
 namespace pdserve::pdctl {
@@ -382,6 +384,23 @@ absl::Status RunBenchEngine(const BenchEngineOptions& o) {
                                    {"runs", shared}};
   }
   {
+    // Response formats: the mask's cost per token against the batch-1
+    // step (the smallest history measured).
+    BenchMaskOptions mo;
+    // A model without a tokenizer (a shape-only random model) has no
+    // vocabulary to measure unless one is named.
+    mo.tokenizer_dirs = o.mask_tokenizers;
+    if (mo.tokenizer_dirs.empty() && std::filesystem::exists(eo.model_dir + "/tokenizer.json")) {
+      mo.tokenizer_dirs.push_back(eo.model_dir);
+    }
+    for (const auto& d : decode) {
+      if (d["batch"].get<int>() == 1 && mo.step_seconds == 0) mo.step_seconds = d["step_seconds"].get<double>();
+    }
+    absl::StatusOr<nlohmann::ordered_json> masks = BenchMasks(mo);
+    if (!masks.ok()) return masks.status();
+    out["response_format_masks"] = *std::move(masks);
+  }
+  {
     // For reference: DRAM read bandwidth on a buffer far larger than any cache.
     Progress("measuring DRAM read bandwidth (1 GiB buffer)");
     kernels::cpu::CpuBackend::ReadProbe dram(&backend, size_t{1} << 30);
@@ -488,6 +507,21 @@ absl::Status RunBenchEngine(const BenchEngineOptions& o) {
                   r["cascade"].get<bool>() ? "on" : "off", 1e3 * r["step_seconds"].get<double>(),
                   r["kv_bytes_read_per_step"].get<double>() / 1e6, r["read_over_unique"].get<double>());
     }
+  }
+  std::printf("\nresponse format (a JSON Schema; random logits, %d outputs each): cost per token beyond "
+              "unconstrained sampling\n",
+              BenchMaskOptions{}.generations);
+  if (out["response_format_masks"].empty()) std::printf("  none: the model has no tokenizer (--mask_tokenizers)\n");
+  for (const auto& m : out["response_format_masks"]) {
+    std::printf("  vocab %6d: warm %.3f ms (median), cold mask %.2f ms (%lld states), mean %.3f ms/token",
+                m["vocab"].get<int>(), 1e3 * m["warm_token_seconds"].get<double>(),
+                1e3 * m["cold_mask_seconds"].get<double>(), static_cast<long long>(m["cold_masks"].get<int64_t>()),
+                1e3 * m["mean_token_seconds"].get<double>());
+    if (m.contains("mean_fraction_of_step")) {
+      std::printf(" = %.1f%% of the batch-1 step (%.2f ms; warm %.1f%%)", 100 * m["mean_fraction_of_step"].get<double>(),
+                  1e3 * m["step_seconds"].get<double>(), 100 * m["warm_fraction_of_step"].get<double>());
+    }
+    std::printf("  [%s]\n", m["tokenizer"].get<std::string>().c_str());
   }
   std::printf("\nDRAM read bandwidth (1 GiB buffer, same threads): %.1f GB/s\n",
               out["dram_read_bandwidth"].get<double>() / 1e9);

@@ -15,6 +15,7 @@
 #ifndef PDSERVE_TOOLS_PDCTL_BENCH_ENGINE_H_
 #define PDSERVE_TOOLS_PDCTL_BENCH_ENGINE_H_
 
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -39,6 +40,10 @@ struct BenchEngineOptions {
   int shared_requests = 8;
   int shared_prefix = 2048;
   int shared_private = 64;
+  // Response formats (bench_grammar.h): the mask's cost per token at the
+  // vocabulary of each of these tokenizer directories, beside the batch-1
+  // step. Empty: the model's own tokenizer.
+  std::vector<std::string> mask_tokenizers;
   bool json = false;
 };
 

@@ -145,6 +145,9 @@ ABSL_FLAG(bool, in_order_blocks, false,
 ABSL_FLAG(int, stream_mib, 512,
           "bench-attention: MiB of KV copies the streamed rate cycles through (well above the last-level cache)");
 ABSL_FLAG(int, steps, 16, "bench-engine: timed decode steps per scenario");
+ABSL_FLAG(std::vector<std::string>, mask_tokenizers, {},
+          "bench-engine: tokenizer directories whose vocabularies the response-format mask cost is measured at "
+          "(default: the model's)");
 ABSL_FLAG(bool, json, false, "print JSON instead of a table");
 ABSL_FLAG(std::string, config, "", "plan: the deployment config (.json, .yaml or .yml)");
 
@@ -361,6 +364,7 @@ absl::Status RunBenchEngineCommand() {
   o.decode_steps = absl::GetFlag(FLAGS_steps);
   if (o.decode_steps < 1) return absl::InvalidArgumentError("--steps must be at least 1");
   o.json = absl::GetFlag(FLAGS_json);
+  o.mask_tokenizers = absl::GetFlag(FLAGS_mask_tokenizers);
   const std::string hit = absl::GetFlag(FLAGS_prefix_hit);
   o.prefix_hit_cached = 0;
   if (!hit.empty()) {
@@ -584,7 +588,7 @@ const std::map<std::string, std::vector<std::string>>& UntaggedFlags() {
       {"chat-template", {"model"}},
       {"bench-tokenizer", {"model"}},
       {"make-model", {}},
-      {"bench-engine", {PDCTL_ENGINE_FLAGS, "json"}},
+      {"bench-engine", {PDCTL_ENGINE_FLAGS, "json", "mask_tokenizers"}},
       {"bench-attention", {"threads", "isa", "kv", "block_size", "json"}},
       {"bench-kv", {"model", "kv", "block_size", "threads", "json"}},
       {"bench-tier2", {"json"}},

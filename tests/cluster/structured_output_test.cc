@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -18,6 +19,7 @@
 #include "tests/cluster/cluster_harness.h"
 #include "tests/cluster/reference_stream.h"
 #include "tests/support/default_model.h"
+#include "tests/support/http_get.h"
 
 namespace pdserve {
 namespace {
@@ -141,6 +143,45 @@ TEST_F(StructuredOutputTest, BadSchemasAreRefusedNamingThePath) {
     EXPECT_EQ(got.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << b.schema;
     EXPECT_TRUE(absl::StrContains(got.status.error_message(), b.message)) << got.status.error_message();
   }
+}
+
+// Eight constrained streams on a colocated worker with room for two or
+// three: sequences are preempted, their KV dropped and recomputed, and the
+// grammar state (held by the request's Generation) carries on.
+TEST_F(StructuredOutputTest, PreemptedConstrainedStreamsRecomputeAndStayExact) {
+  Cluster small;
+  absl::Status s = small.Start(*dir_ + "/small", true, {"--kv_positions", "192", "--max_batch", "8"});
+  ASSERT_TRUE(s.ok()) << s;
+  const std::vector<Case> cases = Schemas();
+  std::vector<v1::GenerateRequest> reqs;
+  for (int i = 0; i < 8; ++i) reqs.push_back(Constrained(cases[3 + i % 6], 0.8f, 50 + i, 80));
+  std::vector<Output> got(reqs.size());
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < reqs.size(); ++i) threads.emplace_back([&, i] { got[i] = small.Generate(reqs[i]); });
+  for (auto& t : threads) t.join();
+  for (size_t i = 0; i < reqs.size(); ++i) ExpectSameStream(got[i], Reference(reqs[i]), absl::StrCat("stream ", i));
+  EXPECT_GT(small.Status().decode(0).preemptions(), 0) << small.Logs();
+}
+
+// A live move (decode worker to decode worker, with the KV) halfway through
+// a constrained output: the target's matcher replays the tokens so far and
+// must reach the digest the source sent; the stream is exact.
+TEST(StructuredOutputFaultTest, ALiveMoveMidOutputKeepsTheConstrainedStreamExact) {
+  const std::string dir = TempDir();
+  Case c{"six", "List the names:",
+         R"({"type":"array","items":{"type":"string","maxLength":24},"minItems":6,"maxItems":6})"};
+  const v1::GenerateRequest req = Constrained(c, 0.9f, 5, 200);
+  const Output want = Undisturbed(dir, false, req);
+  ASSERT_EQ(want.finish, v1::FINISH_REASON_STOP) << want.text;
+  ASSERT_GT(want.tokens.size(), 30u) << want.text;
+  Cluster cl;
+  ASSERT_TRUE(cl.Start(dir + "/move", false, {"--fault_move_at_token", "20"}, {}, 1, {}, 2).ok());
+  ExpectSameStream(cl.Generate(req), want, "constrained stream across a live move");
+  EXPECT_EQ(MetricValue(HttpGet(cl.router_metrics(), "/metrics"),
+                        "pdserve_decode_moves_total{reason=\"rebalance\",outcome=\"moved\"}"),
+            1)
+      << cl.Logs();
+  EXPECT_EQ(MetricValue(HttpGet(cl.router_metrics(), "/metrics"), "pdserve_migrations_total"), 0) << cl.Logs();
 }
 
 TEST(StructuredOutputFaultTest, ADecodeWorkerKilledMidStreamLeavesTheConstrainedStreamUnchanged) {

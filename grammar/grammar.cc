@@ -229,6 +229,27 @@ State Stepper::Initial() {
 void Stepper::Step(const State& in, uint8_t b, State* out) {
   out->words.clear();
   out->can_end = false;
+  // The common case inside strings and literals: one stack, one edge for
+  // the byte, to a node with byte edges only. Its closure is itself.
+  if (!in.words.empty() && in.words[0] + 1 == in.words.size()) {
+    const uint32_t len = in.words[0];
+    const Node& top = g_.nodes[in.words[len]];
+    const ByteEdge* hit = nullptr;
+    int hits = 0;
+    for (const ByteEdge& e : top.bytes) {
+      if (b >= e.lo && b <= e.hi) {
+        hit = &e;
+        ++hits;
+      }
+    }
+    if (hits == 0) return;
+    const Node& to = g_.nodes[hit->to];
+    if (hits == 1 && to.empty.empty() && to.calls.empty() && !to.end && !to.bytes.empty()) {
+      out->words.assign(in.words.begin(), in.words.end());
+      out->words.back() = hit->to;
+      return;
+    }
+  }
   out_ = out;
   seen_.clear();
   visits_ = 0;

@@ -10,7 +10,6 @@
 namespace pdserve::grammar {
 
 Vocabulary::Vocabulary(std::vector<std::optional<std::string>> bytes) : bytes_(std::move(bytes)) {
-  // Build with ordered children, then flatten breadth-agnostic into arrays.
   struct Build {
     std::map<uint8_t, uint32_t> children;
     std::vector<int32_t> tokens;
@@ -33,14 +32,28 @@ Vocabulary::Vocabulary(std::vector<std::optional<std::string>> bytes) : bytes_(s
     }
     nodes[n].tokens.push_back(id);
   }
+  // Flattened in depth-first order, children by byte: the mask's walk then
+  // reads the arrays front to back instead of jumping across them.
+  std::vector<uint32_t> order;  // Old index, in preorder.
+  order.reserve(nodes.size());
+  std::vector<uint32_t> todo{0};
+  while (!todo.empty()) {
+    const uint32_t n = todo.back();
+    todo.pop_back();
+    order.push_back(n);
+    for (auto it = nodes[n].children.rbegin(); it != nodes[n].children.rend(); ++it) todo.push_back(it->second);
+  }
+  std::vector<uint32_t> renamed(nodes.size());
+  for (size_t i = 0; i < order.size(); ++i) renamed[order[i]] = static_cast<uint32_t>(i);
   trie_.resize(nodes.size());
-  for (size_t i = 0; i < nodes.size(); ++i) {
+  for (size_t i = 0; i < order.size(); ++i) {
+    const Build& b = nodes[order[i]];
     trie_[i].first_child = static_cast<uint32_t>(edges_.size());
-    trie_[i].child_count = static_cast<uint32_t>(nodes[i].children.size());
-    for (const auto& [b, child] : nodes[i].children) edges_.push_back({b, child});
+    trie_[i].child_count = static_cast<uint32_t>(b.children.size());
+    for (const auto& [byte, child] : b.children) edges_.push_back({byte, renamed[child]});
     trie_[i].first_token = static_cast<uint32_t>(trie_tokens_.size());
-    trie_[i].token_count = static_cast<uint32_t>(nodes[i].tokens.size());
-    trie_tokens_.insert(trie_tokens_.end(), nodes[i].tokens.begin(), nodes[i].tokens.end());
+    trie_[i].token_count = static_cast<uint32_t>(b.tokens.size());
+    trie_tokens_.insert(trie_tokens_.end(), b.tokens.begin(), b.tokens.end());
   }
 }
 
@@ -57,33 +70,77 @@ std::shared_ptr<const TokenMask> TokenMasker::Compute(const State& s) const {
   const auto& trie = vocab_->trie();
   const auto& edges = vocab_->edges();
   const auto& tokens = vocab_->trie_tokens();
-  Stepper stepper(*grammar_);
-  // Depth-first over the trie: states[d] is the state after the first d
-  // bytes of the current path; next[d] is the index of the edge of the
-  // node at depth d to try next.
-  std::vector<State> states(1, s);
-  std::vector<uint32_t> node_at(1, 0), next(1, 0);
-  while (!node_at.empty()) {
-    const size_t d = node_at.size() - 1;
-    const Vocabulary::TrieNode& n = trie[node_at[d]];
-    if (next[d] == n.child_count) {
-      node_at.pop_back();
-      next.pop_back();
+  const Grammar& g = *grammar_;
+  Stepper stepper(g);
+  // Depth-first over the trie. Level d is the state after the first d bytes
+  // of the current path, kept light where it can be: a state of one stack
+  // that differs from the full state `full[base]` only in its top node
+  // (`top`). Inside strings and literals every byte is such a step (one
+  // edge, to a node with byte edges only), so most of the trie is walked
+  // without copying a stack.
+  struct Level {
+    uint32_t trie_node;
+    uint32_t next_edge;
+    uint32_t base;  // Index into `full`.
+    uint32_t top;   // kFull: the level is full[base] itself.
+  };
+  constexpr uint32_t kFull = ~0u;
+  std::vector<State> full(1, s);
+  std::vector<Level> path{{0, 0, 0, kFull}};
+  State scratch;
+  while (!path.empty()) {
+    Level& at = path.back();
+    const Vocabulary::TrieNode& n = trie[at.trie_node];
+    if (at.next_edge == n.child_count) {
+      if (at.top == kFull) full.pop_back();
+      path.pop_back();
       continue;
     }
-    const Vocabulary::TrieEdge& e = edges[n.first_child + next[d]++];
-    if (states.size() < d + 2) states.emplace_back();
-    if (states[d].words.empty()) continue;  // Nothing more can be read.
-    stepper.Step(states[d], e.byte, &states[d + 1]);
-    if (states[d + 1].dead()) continue;
-    const Vocabulary::TrieNode& child = trie[e.node];
-    for (uint32_t i = 0; i < child.token_count; ++i) {
-      const int32_t id = tokens[child.first_token + i];
+    const Vocabulary::TrieEdge& e = edges[n.first_child + at.next_edge++];
+    const State& base = full[at.base];
+    if (base.words.empty()) continue;  // Complete: nothing more can be read.
+    const bool single = base.words[0] + 1 == base.words.size();
+    Level child{e.node, 0, at.base, kFull};
+    bool light = false;
+    if (single) {
+      const uint32_t top = at.top == kFull ? base.words.back() : at.top;
+      const ByteEdge* hit = nullptr;
+      int hits = 0;
+      for (const ByteEdge& be : g.nodes[top].bytes) {
+        if (e.byte >= be.lo && e.byte <= be.hi) {
+          hit = &be;
+          ++hits;
+        }
+      }
+      if (hits == 0) continue;
+      const Node& to = g.nodes[hit->to];
+      if (hits == 1 && to.empty.empty() && to.calls.empty() && !to.end && !to.bytes.empty()) {
+        child.top = hit->to;
+        light = true;
+      }
+    }
+    if (!light) {
+      const State* from = &base;
+      if (at.top != kFull) {
+        scratch = base;
+        scratch.words.back() = at.top;
+        from = &scratch;
+      }
+      State next;
+      stepper.Step(*from, e.byte, &next);
+      if (next.dead()) continue;
+      full.push_back(std::move(next));
+      child.base = static_cast<uint32_t>(full.size() - 1);
+    }
+    const Vocabulary::TrieNode& c = trie[e.node];
+    for (uint32_t i = 0; i < c.token_count; ++i) {
+      const int32_t id = tokens[c.first_token + i];
       (*mask)[id >> 6] |= uint64_t{1} << (id & 63);
     }
-    if (child.child_count > 0) {
-      node_at.push_back(e.node);
-      next.push_back(0);
+    if (c.child_count > 0) {
+      path.push_back(child);
+    } else if (!light) {
+      full.pop_back();
     }
   }
   return mask;

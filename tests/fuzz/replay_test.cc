@@ -20,6 +20,7 @@
 #include "model/safetensors.h"
 #include "text/tokenizer.h"
 #include "gtest/gtest.h"
+#include "grammar/json_schema.h"
 #include "kv_transfer/grant.h"
 #include "kv_transfer/wire.h"
 #include "pdserve/v1/worker.pb.h"
@@ -38,6 +39,7 @@ extern "C" int FuzzGrant(const uint8_t* data, size_t size);
 extern "C" int FuzzBenchTrace(const uint8_t* data, size_t size);
 extern "C" int FuzzReceived(const uint8_t* data, size_t size);
 extern "C" int FuzzOpenAiRequest(const uint8_t* data, size_t size);
+extern "C" int FuzzJsonSchema(const uint8_t* data, size_t size);
 
 namespace pdserve {
 namespace {
@@ -166,6 +168,11 @@ TEST(FuzzCorpusReplayTest, OpenAiRequestBodies) {
                                               : router::openai::Endpoint::kChatCompletions;
     return router::openai::DecodeRequest(endpoint, absl::string_view(s.bytes).substr(1)).ok();
   });
+}
+
+TEST(FuzzCorpusReplayTest, JsonSchemas) {
+  Replay("json_schema", 10, FuzzJsonSchema,
+         [](const Seed& s) { return grammar::CompileJsonSchema(s.bytes, {}).ok(); });
 }
 
 TEST(FuzzCorpusReplayTest, Tokenize) {

@@ -108,6 +108,8 @@ class DecodeService final : public worker::v1::DecodeWorker::CallbackService {
  public:
   // REQUIRES: model, kv and tokenizer outlive the service.
   DecodeService(Model* model, KvManager* kv, const tok::Tokenizer* tokenizer, DecodeServiceOptions options);
+  // The response formats this worker compiled (for its metrics).
+  const grammar::GrammarCache& grammars() const { return *grammars_; }
   ~DecodeService() override;
 
   // A committed handoff for `request_id` (from the KV receiver's thread):

@@ -171,6 +171,7 @@ int Run() {
   MetricsRegistry metrics;
   {
     AddKvPoolMetrics(metrics, engine->kv.get());
+    service.grammars().RegisterMetrics(metrics);
     if (w->tier2 != nullptr) AddKvTier2Metrics(metrics, w->tier2.get());
     kv::KvReceiver* r = receiver->get();
     metrics.AddGauge("pdserve_kv_blocks", "KV blocks by state.",

@@ -55,7 +55,7 @@ absl::StatusOr<std::shared_ptr<const Constraint>> GrammarCache::Find(ConstraintK
     c->grammar = std::move(s->grammar);
     c->spec.schema = std::move(s->canonical);
   }
-  c->masker = std::make_shared<TokenMasker>(c->grammar, Vocab(), options_.max_mask_states);
+  c->masker = std::make_shared<TokenMasker>(c->grammar, Vocab(), options_.max_mask_states, masks_);
   absl::MutexLock lock(&mu_);
   ++stats_.compiled;
   stats_.compile_seconds += absl::ToDoubleSeconds(absl::Now() - start);
@@ -97,6 +97,29 @@ absl::StatusOr<std::shared_ptr<const Constraint>> GrammarCache::FromSpec(const C
   }
   if (spec.kind == ConstraintKind::kJsonObject) return JsonObject();
   return Find(ConstraintKind::kJsonSchema, spec.schema, spec.schema);
+}
+
+void GrammarCache::RegisterMetrics(MetricsRegistry& metrics) const {
+  auto stat = [this](int64_t GrammarCacheStats::*field) {
+    return [this, field] { return static_cast<double>(stats().*field); };
+  };
+  metrics.AddCounterFunc("pdserve_grammar_compiles_total", "Response formats compiled, or refused as bad schemas.",
+                         stat(&GrammarCacheStats::compiled), "outcome=\"compiled\"");
+  metrics.AddCounterFunc("pdserve_grammar_compiles_total", "Response formats compiled, or refused as bad schemas.",
+                         stat(&GrammarCacheStats::refused), "outcome=\"refused\"");
+  metrics.AddCounterFunc("pdserve_grammar_cache_hits_total", "Response formats found compiled, by schema hash.",
+                         stat(&GrammarCacheStats::hits));
+  metrics.AddCounterFunc("pdserve_grammar_compile_seconds_total", "Seconds spent compiling response formats.",
+                         [this] { return stats().compile_seconds; });
+  const MaskCounters* m = masks_.get();
+  metrics.AddCounterFunc("pdserve_grammar_masks_total", "Token masks looked up, from the cache or computed.",
+                         [m] { return static_cast<double>(m->hits.load(std::memory_order_relaxed)); },
+                         "outcome=\"cached\"");
+  metrics.AddCounterFunc("pdserve_grammar_masks_total", "Token masks looked up, from the cache or computed.",
+                         [m] { return static_cast<double>(m->misses.load(std::memory_order_relaxed)); },
+                         "outcome=\"computed\"");
+  metrics.AddCounterFunc("pdserve_grammar_mask_seconds_total", "Seconds spent computing token masks (cache misses).",
+                         [m] { return 1e-9 * static_cast<double>(m->miss_nanoseconds.load(std::memory_order_relaxed)); });
 }
 
 GrammarCacheStats GrammarCache::stats() const {

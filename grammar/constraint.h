@@ -28,6 +28,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "base/metrics.h"
 #include "grammar/grammar.h"
 #include "grammar/json_schema.h"
 #include "grammar/token_mask.h"
@@ -81,6 +82,12 @@ class GrammarCache {
   absl::StatusOr<std::shared_ptr<const Constraint>> FromSpec(const ConstraintSpec& spec);
 
   GrammarCacheStats stats() const;
+  // Every mask lookup of this cache's formats, kept or dropped.
+  const MaskCounters& masks() const { return *masks_; }
+
+  // Registers the pdserve_grammar_* series (compiles, cache hits, masks)
+  // on `metrics`. REQUIRES: this cache outlives `metrics`' scrapes.
+  void RegisterMetrics(MetricsRegistry& metrics) const;
 
  private:
   absl::StatusOr<std::shared_ptr<const Constraint>> Find(ConstraintKind kind, absl::string_view canonical,
@@ -90,6 +97,7 @@ class GrammarCache {
 
   const GrammarOptions options_;
   std::function<std::shared_ptr<const Vocabulary>()> make_vocab_;
+  const std::shared_ptr<MaskCounters> masks_ = std::make_shared<MaskCounters>();
   mutable absl::Mutex mu_;
   std::shared_ptr<const Vocabulary> vocab_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, std::shared_ptr<const Constraint>> by_hash_ ABSL_GUARDED_BY(mu_);

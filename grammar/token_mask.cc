@@ -62,8 +62,11 @@ std::shared_ptr<const Vocabulary> Vocabulary::FromTokenizer(const tok::Tokenizer
 }
 
 TokenMasker::TokenMasker(std::shared_ptr<const Grammar> grammar, std::shared_ptr<const Vocabulary> vocab,
-                         int64_t max_states)
-    : grammar_(std::move(grammar)), vocab_(std::move(vocab)), max_states_(max_states) {}
+                         int64_t max_states, std::shared_ptr<MaskCounters> counters)
+    : grammar_(std::move(grammar)),
+      vocab_(std::move(vocab)),
+      max_states_(max_states),
+      counters_(std::move(counters)) {}
 
 std::shared_ptr<const TokenMask> TokenMasker::Compute(const State& s) const {
   auto mask = std::make_shared<TokenMask>((vocab_->size() + 63) / 64, 0);
@@ -151,6 +154,7 @@ std::shared_ptr<const TokenMask> TokenMasker::MaskFor(const State& s) {
     absl::MutexLock lock(&mu_);
     if (auto it = cache_.find(s.words); it != cache_.end()) {
       ++stats_.hits;
+      if (counters_ != nullptr) counters_->hits.fetch_add(1, std::memory_order_relaxed);
       return it->second;
     }
   }
@@ -158,7 +162,12 @@ std::shared_ptr<const TokenMask> TokenMasker::MaskFor(const State& s) {
   // compute it, and the masks are equal.
   const absl::Time start = absl::Now();
   std::shared_ptr<const TokenMask> m = Compute(s);
-  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  const absl::Duration took = absl::Now() - start;
+  const double seconds = absl::ToDoubleSeconds(took);
+  if (counters_ != nullptr) {
+    counters_->misses.fetch_add(1, std::memory_order_relaxed);
+    counters_->miss_nanoseconds.fetch_add(absl::ToInt64Nanoseconds(took), std::memory_order_relaxed);
+  }
   absl::MutexLock lock(&mu_);
   ++stats_.misses;
   stats_.miss_seconds += seconds;

@@ -14,6 +14,7 @@
 #ifndef PDSERVE_GRAMMAR_TOKEN_MASK_H_
 #define PDSERVE_GRAMMAR_TOKEN_MASK_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -69,6 +70,14 @@ using TokenMask = std::vector<uint64_t>;
 
 inline bool Allowed(const TokenMask& m, int32_t id) { return (m[id >> 6] >> (id & 63)) & 1; }
 
+// Counts shared by every masker of one process (GrammarCache's), so they
+// outlive the grammars that are dropped from its cache.
+struct MaskCounters {
+  std::atomic<int64_t> hits{0};
+  std::atomic<int64_t> misses{0};
+  std::atomic<int64_t> miss_nanoseconds{0};
+};
+
 struct MaskerStats {
   int64_t hits = 0;
   int64_t misses = 0;
@@ -78,7 +87,9 @@ struct MaskerStats {
 
 class TokenMasker {
  public:
-  TokenMasker(std::shared_ptr<const Grammar> grammar, std::shared_ptr<const Vocabulary> vocab, int64_t max_states);
+  // `counters` (may be null) also counts this masker's hits and misses.
+  TokenMasker(std::shared_ptr<const Grammar> grammar, std::shared_ptr<const Vocabulary> vocab, int64_t max_states,
+              std::shared_ptr<MaskCounters> counters = nullptr);
 
   // The tokens whose bytes the grammar accepts from `s` (the end tokens,
   // EOS and the like, are the caller's: allowed when s.can_end).
@@ -95,6 +106,7 @@ class TokenMasker {
   std::shared_ptr<const Grammar> grammar_;
   std::shared_ptr<const Vocabulary> vocab_;
   const int64_t max_states_;
+  const std::shared_ptr<MaskCounters> counters_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::vector<uint32_t>, std::shared_ptr<const TokenMask>> cache_ ABSL_GUARDED_BY(mu_);
   MaskerStats stats_ ABSL_GUARDED_BY(mu_);

@@ -146,6 +146,7 @@ int Run() {
 
     MetricsRegistry metrics;
     AddKvPoolMetrics(metrics, engine->kv.get());
+    service.grammars().RegisterMetrics(metrics);
     if (w->tier2 != nullptr) AddKvTier2Metrics(metrics, w->tier2.get());
     const KvManager* kv = engine->kv.get();
     auto pool_gauge = [kv](auto read) {

@@ -97,6 +97,8 @@ class PrefillService final : public worker::v1::PrefillWorker::CallbackService {
   // REQUIRES: everything outlives the service.
   PrefillService(Model* model, KvManager* kv, const tok::Tokenizer* tokenizer,
                  kv::KvSender* sender, PrefillServiceOptions options);
+  // The response formats this worker compiled (for its metrics).
+  const grammar::GrammarCache& grammars() const { return *grammars_; }
   ~PrefillService() override;
 
   grpc::ServerWriteReactor<worker::v1::PrefillEvent>* Prefill(grpc::CallbackServerContext* ctx,

@@ -73,6 +73,9 @@ ABSL_FLAG(int64_t, prefix_pull_min_tokens, 64,
           "a prefill worker about to compute at least this many prompt positions that another prefill worker holds "
           "takes them from it instead, when the transfer is predicted faster than the compute (0: never)");
 ABSL_FLAG(double, prefix_pull_overhead_ms, 2, "the fixed cost of a prefix pull in its prediction (round trips)");
+ABSL_FLAG(bool, prefix_pull_always, false,
+          "pull whenever another prefill worker holds at least --prefix_pull_min_tokens more positions, without "
+          "predicting whether the transfer beats the compute");
 ABSL_FLAG(double, prefix_expect_s, 10, "a routed prompt's blocks count as cached on its worker this long before "
           "the worker's KV events confirm them");
 ABSL_FLAG(std::string, log_level, "info", "lowest level logged: debug (per-request routing cost terms), info, "
@@ -229,6 +232,7 @@ int Run() {
   o.local_prefill_max_tokens = absl::GetFlag(FLAGS_local_prefill_max_tokens);
   o.pull_min_tokens = absl::GetFlag(FLAGS_prefix_pull_min_tokens);
   o.pull_overhead = absl::Milliseconds(absl::GetFlag(FLAGS_prefix_pull_overhead_ms));
+  o.pull_always = absl::GetFlag(FLAGS_prefix_pull_always);
   o.prefix_expect = absl::Seconds(absl::GetFlag(FLAGS_prefix_expect_s));
   if (absl::Status st = SetMinLogLevel(absl::GetFlag(FLAGS_log_level)); !st.ok()) {
     LogEvent("error", "bad_flags", {{"error", std::string(st.message())}});

@@ -69,6 +69,7 @@ std::optional<PullPlan> Placement::PlanPull(const Worker& p, PromptChains& chain
     }
   }
   if (plan.from == nullptr || plan.gain < options_.pull_min_tokens) return std::nullopt;
+  if (options_.pull_always) return plan;
   const MeasuredValue bw = measured_->LinkBytesPerS(plan.from->address(), p.address());
   const MeasuredValue speed = measured_->PrefillTokensPerS(p.address(), plan.gain);
   if (!bw.has_data() || !speed.has_data() || *bw.value <= 0 || *speed.value <= 0) {

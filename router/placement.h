@@ -52,6 +52,10 @@ struct PlacementOptions {
   // than computing them at the chosen worker's measured speed. 0: none.
   int64_t pull_min_tokens = 0;
   absl::Duration pull_overhead = absl::Milliseconds(2);
+  // Pull whenever another worker holds at least pull_min_tokens more,
+  // without the prediction (links known to be faster than any prefill, and
+  // tests that need a pull whatever the machine measures under load).
+  bool pull_always = false;
   Clock clock = RealClock();
   // The router's ledger of decode KV (none: each worker's last report
   // alone says how much room it has). Must outlive the placement.

@@ -196,6 +196,7 @@ RouterService::RouterService(RouterOptions options) : options_(std::move(options
 
 void RouterService::RegisterMetrics() {
   relay_metrics_ = std::make_unique<RelayMetrics>(metrics_);
+  resolver_->grammars().RegisterMetrics(metrics_);
   // The measured capacity model, computed at each scrape (NaN: no data yet).
   for (const capacity::Stage stage : {capacity::Stage::kPrefill, capacity::Stage::kHandoff, capacity::Stage::kDecode}) {
     const std::string label = absl::StrCat("stage=\"", capacity::StageName(stage), "\"");
@@ -347,6 +348,7 @@ absl::StatusOr<std::unique_ptr<RouterService>> RouterService::Create(RouterOptio
   pl.local_prefill_max_tokens = o.local_prefill_max_tokens;
   pl.pull_min_tokens = o.pull_min_tokens;
   pl.pull_overhead = o.pull_overhead;
+  pl.pull_always = o.pull_always;
   pl.prefix_expect = o.prefix_expect;
   if (r->queue_ != nullptr) pl.room = &r->room_;
   r->placement_ = std::make_unique<Placement>(pl, r->pool_.get(), &r->prefix_index_, &r->measured_, *std::move(ps),

@@ -119,9 +119,10 @@ struct RouterOptions {
   // is prefilled there, with no prefill worker and no handoff. 0: off.
   int64_t local_prefill_max_tokens = 0;
   // Prefix pulls between prefill workers (PlacementOptions::
-  // pull_min_tokens, pull_overhead).
+  // pull_min_tokens, pull_overhead, pull_always).
   int64_t pull_min_tokens = 64;
   absl::Duration pull_overhead = absl::Milliseconds(2);
+  bool pull_always = false;
   // How long a routed prompt's blocks count as cached on the chosen worker
   // before its own KV events confirm them.
   absl::Duration prefix_expect = absl::Seconds(10);

@@ -188,11 +188,13 @@ TEST(HandoffChecksumClusterTest, KvThatFailsItsCheckIsComputedOnTheDecodeWorkerA
   EXPECT_TRUE(absl::StrContains(log, "\"producer\":\"127.0.0.1\"")) << log;
 }
 
-// Two prefill workers taken in turn (round robin), pulls predicted by the
-// measured speeds alone (no fixed cost), grants on (TLS): request 1 and 2
-// measure each worker's prefill speed and the KV links; LongRequest then
-// runs on worker 0 (computed) and again on worker 1, which lacks it and
-// pulls it from worker 0 first.
+// Two prefill workers taken in turn (round robin), grants on (TLS): request
+// 1 and 2 warm each worker; LongRequest then runs on worker 0 (computed)
+// and again on worker 1, which lacks it and pulls it from worker 0 first.
+// The pull is taken whatever the prediction would say
+// (--prefix_pull_always): under the suite's load the measured link and
+// prefill speeds can make a transfer look slower, and what is tested here
+// is the pull itself (the prediction is PlacementTest's).
 struct PullRun {
   Output computed;  // LongRequest on worker 0
   Output pulled;    // LongRequest on worker 1
@@ -200,7 +202,7 @@ struct PullRun {
 
 PullRun RunPull(Cluster& c, const std::string& dir, const std::vector<std::string>& prefill_flags) {
   c.extra_router_flags = {"--prefill_policy", "round_robin", "--prefix_pull_min_tokens", "16",
-                          "--prefix_pull_overhead_ms", "0"};
+                          "--prefix_pull_always"};
   absl::Status s = c.Start(dir, false, {"--kv_verify_handoffs", "off"}, {}, 2, prefill_flags);
   EXPECT_TRUE(s.ok()) << s;
   if (!s.ok()) return {};
@@ -261,7 +263,7 @@ TEST(PrefixPullClusterTest, APrefixHeldOnlyInTheHoldersSecondTierIsReadBackAndPu
   const std::string dir = TempDir();
   Cluster c;
   c.extra_router_flags = {"--prefill_policy", "round_robin", "--prefix_pull_min_tokens", "16",
-                          "--prefix_pull_overhead_ms", "0"};
+                          "--prefix_pull_always"};
   // Pools of 8 blocks, each worker's second tier a directory of its own.
   c.extra_prefill_flags = {{0, Tier2Flags(dir + "/tier2_0")}, {1, Tier2Flags(dir + "/tier2_1")}};
   ASSERT_TRUE(c.Start(dir, false, {"--kv_verify_handoffs", "off"}, {}, 2, {"--kv_positions", "128"}).ok())

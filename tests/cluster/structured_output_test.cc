@@ -143,6 +143,25 @@ TEST_F(StructuredOutputTest, BadSchemasAreRefusedNamingThePath) {
     EXPECT_EQ(got.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << b.schema;
     EXPECT_TRUE(absl::StrContains(got.status.error_message(), b.message)) << got.status.error_message();
   }
+  const std::string router = HttpGet(disagg_->router_metrics(), "/metrics");
+  EXPECT_GE(MetricValue(router, "pdserve_grammar_compiles_total{outcome=\"refused\"}"), 2) << router;
+}
+
+// The router compiles each format once; the workers compile it on first
+// sight and compute masks, and say so in their metrics.
+TEST_F(StructuredOutputTest, CompilesAndMasksAreCounted) {
+  const Case c = Schemas()[3];
+  for (uint64_t seed : {1, 2, 3}) ASSERT_TRUE(disagg_->Generate(Constrained(c, 0.8f, seed, 40)).status.ok());
+  const std::string router = HttpGet(disagg_->router_metrics(), "/metrics");
+  EXPECT_GE(MetricValue(router, "pdserve_grammar_compiles_total{outcome=\"compiled\"}"), 1) << router;
+  EXPECT_GE(MetricValue(router, "pdserve_grammar_cache_hits_total"), 2) << router;
+  const std::string decode = HttpGet(disagg_->decode_metrics(), "/metrics");
+  EXPECT_GE(MetricValue(decode, "pdserve_grammar_compiles_total{outcome=\"compiled\"}"), 1) << decode;
+  EXPECT_GT(MetricValue(decode, "pdserve_grammar_masks_total{outcome=\"computed\"}"), 0) << decode;
+  EXPECT_GT(MetricValue(decode, "pdserve_grammar_masks_total{outcome=\"cached\"}"), 0) << decode;
+  EXPECT_GT(MetricValue(decode, "pdserve_grammar_mask_seconds_total"), 0) << decode;
+  const std::string prefill = HttpGet(disagg_->prefill_metrics(), "/metrics");
+  EXPECT_GE(MetricValue(prefill, "pdserve_grammar_masks_total{outcome=\"computed\"}"), 1) << prefill;
 }
 
 // Eight constrained streams on a colocated worker with room for two or

@@ -35,6 +35,7 @@ struct RigOptions {
   int64_t local_prefill_max_tokens = 0;
   int64_t pull_min_tokens = 0;  // PlacementOptions'
   absl::Duration pull_overhead = absl::ZeroDuration();
+  bool pull_always = false;
   std::optional<AdmissionOptions> admission;  // its clock is set to the rig's
   // The queue for decode KV room (on the real clock: its waits are real).
   std::optional<RequestQueueOptions> queue;
@@ -60,6 +61,7 @@ class InProcessRouter {
     pl.local_prefill_max_tokens = o.local_prefill_max_tokens;
     pl.pull_min_tokens = o.pull_min_tokens;
     pl.pull_overhead = o.pull_overhead;
+    pl.pull_always = o.pull_always;
     pl.clock = clock.clock();
     if (o.queue.has_value()) {
       queue = std::make_unique<RequestQueue>(*o.queue);

@@ -112,8 +112,9 @@ TEST(PlacementTest, APrefillComputingWhatAnotherWorkerHoldsIsCounted) {
 // 40 positions, p2 16, p1 none.
 struct PullRig {
   // `no_pulls`: the workers without a pull receiver.
-  explicit PullRig(absl::Duration overhead = absl::ZeroDuration(), const std::vector<std::string>& no_pulls = {})
-      : rig(RigOptions{.pull_min_tokens = 16, .pull_overhead = overhead}) {
+  explicit PullRig(absl::Duration overhead = absl::ZeroDuration(), const std::vector<std::string>& no_pulls = {},
+                   bool always = false)
+      : rig(RigOptions{.pull_min_tokens = 16, .pull_overhead = overhead, .pull_always = always}) {
     for (const char* name : {"p0", "p1", "p2"}) {
       FakeWorker& w = rig.AddWorker(Role::kPrefill, name);
       w.prefix_hash = HashScheme{ModelIdentity{1, 2}, DType::kF32, w.kv_block_size};
@@ -155,6 +156,16 @@ TEST(PlacementTest, APrefixAnotherPrefillWorkerHoldsIsPulledFromTheOneHoldingMos
   // From p2 (16 held) to p0 nothing is worth pulling: p0 holds more.
   PromptChains chains(r.req.prompt);
   EXPECT_FALSE(r.rig.placement->PlanPull(*r.rig.Find(Role::kPrefill, "p0"), chains).has_value());
+}
+
+TEST(PlacementTest, PullAlwaysTakesThePrefixWithoutMeasuringOrPredicting) {
+  PullRig r(absl::Milliseconds(40), {}, /*always=*/true);  // Unmeasured, and predicted slower if it were.
+  std::optional<PullPlan> plan = r.Plan();
+  ASSERT_TRUE(plan.has_value());
+  EXPECT_EQ(plan->from->address(), "p0");
+  EXPECT_EQ(plan->gain, 32);
+  EXPECT_EQ(r.rig.placement->pull_stats().unmeasured.load(), 0);
+  EXPECT_EQ(r.rig.placement->pull_stats().slower.load(), 0);
 }
 
 TEST(PlacementTest, NoPullWhereComputingIsPredictedFasterOrAWorkerTakesNone) {

@@ -51,7 +51,7 @@ BINARIES = {
 SERVERS = ["pdserve-router", "pdserve-prefill-worker", "pdserve-decode-worker"]
 
 # Where metric registrations are looked for (non-test sources only).
-METRIC_DIRS = ["router", "base", "kv", "model", "text", "engine", "runtime", "prefill_worker", "decode_worker", "kv_transfer", "kernels"]
+METRIC_DIRS = ["router", "base", "kv", "model", "text", "grammar", "engine", "runtime", "prefill_worker", "decode_worker", "kv_transfer", "kernels"]
 # A source-only metric (not exported at start) is attributed to a process by
 # the directory of its registration.
 PROCESS_OF_DIR = {

@@ -16,10 +16,14 @@ uint64_t SpecHash(ConstraintKind kind, absl::string_view canonical_schema) {
 }
 
 GrammarCache::GrammarCache(GrammarOptions options, std::shared_ptr<const Vocabulary> vocab)
-    : options_(std::move(options)), vocab_(std::move(vocab)) {}
+    : options_(std::move(options)), vocab_(std::move(vocab)) {
+  masks_->budget_bytes = options_.max_mask_bytes;
+}
 
 GrammarCache::GrammarCache(GrammarOptions options, std::function<std::shared_ptr<const Vocabulary>()> make_vocab)
-    : options_(std::move(options)), make_vocab_(std::move(make_vocab)) {}
+    : options_(std::move(options)), make_vocab_(std::move(make_vocab)) {
+  masks_->budget_bytes = options_.max_mask_bytes;
+}
 
 std::shared_ptr<const Vocabulary> GrammarCache::Vocab() {
   absl::MutexLock lock(&mu_);
@@ -118,6 +122,8 @@ void GrammarCache::RegisterMetrics(MetricsRegistry& metrics) const {
   metrics.AddCounterFunc("pdserve_grammar_masks_total", "Token masks looked up, from the cache or computed.",
                          [m] { return static_cast<double>(m->misses.load(std::memory_order_relaxed)); },
                          "outcome=\"computed\"");
+  metrics.AddGauge("pdserve_grammar_mask_bytes", "Bytes of token masks cached now, every format together.",
+                   [m] { return static_cast<double>(m->bytes.load(std::memory_order_relaxed)); });
   metrics.AddCounterFunc("pdserve_grammar_mask_seconds_total", "Seconds spent computing token masks (cache misses).",
                          [m] { return 1e-9 * static_cast<double>(m->miss_nanoseconds.load(std::memory_order_relaxed)); });
 }

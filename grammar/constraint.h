@@ -54,7 +54,8 @@ struct Constraint {
 
 struct GrammarOptions {
   SchemaOptions schema;
-  int64_t max_mask_states = 2048;  // Per grammar (each vocab/8 bytes).
+  int64_t max_mask_states = 2048;     // Per grammar (each vocab/8 bytes).
+  int64_t max_mask_bytes = 256 << 20;  // Every grammar's masks together (0: no bound).
   int32_t max_grammars = 64;       // Compiled grammars kept, oldest dropped first.
 };
 
@@ -97,7 +98,7 @@ class GrammarCache {
 
   const GrammarOptions options_;
   std::function<std::shared_ptr<const Vocabulary>()> make_vocab_;
-  const std::shared_ptr<MaskCounters> masks_ = std::make_shared<MaskCounters>();
+  std::shared_ptr<MaskCounters> masks_ = std::make_shared<MaskCounters>();
   mutable absl::Mutex mu_;
   std::shared_ptr<const Vocabulary> vocab_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, std::shared_ptr<const Constraint>> by_hash_ ABSL_GUARDED_BY(mu_);

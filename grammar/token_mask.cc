@@ -68,6 +68,18 @@ TokenMasker::TokenMasker(std::shared_ptr<const Grammar> grammar, std::shared_ptr
       max_states_(max_states),
       counters_(std::move(counters)) {}
 
+TokenMasker::~TokenMasker() {
+  absl::MutexLock lock(&mu_);
+  ClearLocked();
+}
+
+void TokenMasker::ClearLocked() {
+  if (counters_ != nullptr) {
+    counters_->bytes.fetch_sub(static_cast<int64_t>(cache_.size()) * mask_bytes(), std::memory_order_relaxed);
+  }
+  cache_.clear();
+}
+
 std::shared_ptr<const TokenMask> TokenMasker::Compute(const State& s) const {
   auto mask = std::make_shared<TokenMask>((vocab_->size() + 63) / 64, 0);
   const auto& trie = vocab_->trie();
@@ -171,8 +183,18 @@ std::shared_ptr<const TokenMask> TokenMasker::MaskFor(const State& s) {
   absl::MutexLock lock(&mu_);
   ++stats_.misses;
   stats_.miss_seconds += seconds;
-  if (static_cast<int64_t>(cache_.size()) >= max_states_) cache_.clear();
-  cache_.emplace(s.words, m);
+  if (static_cast<int64_t>(cache_.size()) >= max_states_) ClearLocked();
+  if (counters_ != nullptr && counters_->budget_bytes > 0) {
+    const int64_t add = mask_bytes();
+    if (counters_->bytes.load(std::memory_order_relaxed) + add > counters_->budget_bytes) ClearLocked();
+    if (counters_->bytes.load(std::memory_order_relaxed) + add > counters_->budget_bytes) {
+      stats_.states = static_cast<int64_t>(cache_.size());
+      return m;  // The other formats hold the budget: computed, and dropped after use.
+    }
+  }
+  if (cache_.emplace(s.words, m).second && counters_ != nullptr) {
+    counters_->bytes.fetch_add(mask_bytes(), std::memory_order_relaxed);
+  }
   stats_.states = static_cast<int64_t>(cache_.size());
   return m;
 }

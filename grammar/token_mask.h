@@ -8,7 +8,7 @@
 // node (a few hundred thousand at a 128k vocabulary, far fewer in states
 // that allow little); a hit is a hash of the state. Masks are vocab/8 bytes
 // each, and a masker holds at most `max_states` of them (past that it
-// starts again empty).
+// starts again empty), and at most what MaskCounters::budget_bytes leaves.
 //
 // Thread safety: Vocabulary is immutable; TokenMasker is thread-safe.
 #ifndef PDSERVE_GRAMMAR_TOKEN_MASK_H_
@@ -76,6 +76,11 @@ struct MaskCounters {
   std::atomic<int64_t> hits{0};
   std::atomic<int64_t> misses{0};
   std::atomic<int64_t> miss_nanoseconds{0};
+  std::atomic<int64_t> bytes{0};  // Held by every masker's cache now.
+  // The most all caches together hold (0: no bound). A masker that would
+  // pass it starts its own cache again, and when the others hold the
+  // budget it keeps no mask at all until they free some.
+  int64_t budget_bytes = 0;
 };
 
 struct MaskerStats {
@@ -90,6 +95,9 @@ class TokenMasker {
   // `counters` (may be null) also counts this masker's hits and misses.
   TokenMasker(std::shared_ptr<const Grammar> grammar, std::shared_ptr<const Vocabulary> vocab, int64_t max_states,
               std::shared_ptr<MaskCounters> counters = nullptr);
+  ~TokenMasker();
+  TokenMasker(const TokenMasker&) = delete;
+  TokenMasker& operator=(const TokenMasker&) = delete;
 
   // The tokens whose bytes the grammar accepts from `s` (the end tokens,
   // EOS and the like, are the caller's: allowed when s.can_end).
@@ -102,6 +110,8 @@ class TokenMasker {
 
  private:
   std::shared_ptr<const TokenMask> Compute(const State& s) const;
+  void ClearLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int64_t mask_bytes() const { return static_cast<int64_t>((vocab_->size() + 63) / 64) * 8; }
 
   std::shared_ptr<const Grammar> grammar_;
   std::shared_ptr<const Vocabulary> vocab_;

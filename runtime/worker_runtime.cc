@@ -23,6 +23,9 @@ ABSL_FLAG(int32_t, grammar_max_depth, 128, "deepest nesting a constrained output
 ABSL_FLAG(int64_t, grammar_mask_states, 2048,
           "token masks kept per response format (each vocab/8 bytes); past it the cache starts again");
 ABSL_FLAG(int32_t, grammar_cache_size, 64, "compiled response formats kept, by schema hash");
+ABSL_FLAG(int64_t, grammar_mask_bytes, 256 << 20,
+          "token masks kept, every response format together, in bytes (0: no bound; past it a format's cache starts "
+          "again)");
 ABSL_FLAG(std::string, model, "", "model directory (Hugging Face layout)");
 ABSL_FLAG(std::string, backend, "cpu",
           "compute backend: cpu, or cuda (NVIDIA GPU; needs a build with nvcc; see docs/architecture.md, the GPU backend); "
@@ -282,6 +285,7 @@ grammar::GrammarOptions GrammarOptionsFromFlags() {
   g.schema.max_depth = absl::GetFlag(FLAGS_grammar_max_depth);
   g.max_mask_states = absl::GetFlag(FLAGS_grammar_mask_states);
   g.max_grammars = absl::GetFlag(FLAGS_grammar_cache_size);
+  g.max_mask_bytes = absl::GetFlag(FLAGS_grammar_mask_bytes);
   return g;
 }
 

@@ -91,7 +91,8 @@ std::function<std::string()> WorkerHealthCheck(WorkerRuntime& rt,
 void ApplyRequestLifeFlags(engine::EngineOptions& options);
 
 // The response-format bounds (--grammar_max_schema_bytes, --grammar_max_nodes,
-// --grammar_max_depth, --grammar_mask_states, --grammar_cache_size).
+// --grammar_max_depth, --grammar_mask_states, --grammar_mask_bytes,
+// --grammar_cache_size).
 grammar::GrammarOptions GrammarOptionsFromFlags();
 
 // The pool's gauges pdserve_kv_blocks{state=used|free}, from the KV manager.

@@ -65,6 +65,31 @@ TEST(TokenMaskTest, TheCacheIsBoundedAndStartsAgainWhenFull) {
   }
 }
 
+TEST(TokenMaskTest, EveryMaskerTogetherStaysWithinTheByteBudget) {
+  auto vocab = SmallVocab();  // 33 tokens: 8 bytes a mask.
+  absl::StatusOr<std::shared_ptr<const Grammar>> g = CompileAnyJsonObject({});
+  ASSERT_TRUE(g.ok());
+  auto counters = std::make_shared<MaskCounters>();
+  counters->budget_bytes = 24;  // Three masks.
+  auto a = std::make_unique<TokenMasker>(*g, vocab, 100, counters);
+  TokenMasker b(*g, vocab, 100, counters);
+  Matcher m(*g);
+  for (const char* s : {"{", "\"", "a"}) {
+    a->MaskFor(m.state());
+    ASSERT_TRUE(m.Advance(s));
+  }
+  EXPECT_EQ(counters->bytes.load(), 24);
+  ASSERT_TRUE(m.Advance("\":"));  // A state neither has seen.
+  b.MaskFor(m.state());  // Over the budget, which `a` holds: computed, then dropped.
+  EXPECT_EQ(b.stats().states, 0);
+  EXPECT_EQ(counters->bytes.load(), 24);
+  a->MaskFor(m.state());  // `a` starts its cache again, with this one.
+  EXPECT_EQ(a->stats().states, 1);
+  EXPECT_EQ(counters->bytes.load(), 8);
+  a.reset();  // A masker dropped gives its bytes back.
+  EXPECT_EQ(counters->bytes.load(), 0);
+}
+
 TEST(TokenMaskTest, RealTokenizersTokensWriteTheirBytes) {
   const std::string dir = std::string(PDSERVE_SOURCE_DIR) + "/tests/fixtures/tokenizers/";
   for (const char* name : {"llama2", "llama3", "qwen3"}) {

@@ -65,6 +65,28 @@ const PenaltyState kNoPenalty({});
 // Chi-square critical value for 5 degrees of freedom at p = 0.001.
 constexpr double kChi5 = 20.5;
 
+TEST(SamplingTest, AFilterLeavesOnlyItsTokensAndItsExtraIds) {
+  std::vector<float> logits = {5, 4, 3, 2, 1, 0, -1, -2};
+  const std::vector<uint64_t> bits = {(1u << 2) | (1u << 5)};
+  const std::vector<int32_t> extra = {7};
+  const TokenFilter filter{bits, extra};
+  SamplingParams greedy;
+  greedy.temperature = 0;
+  PenaltyState none({});
+  EXPECT_EQ(SampleToken(logits, greedy, none, 1, 0, &filter).token, 2);
+  SamplingParams p;
+  p.temperature = 1.5f;
+  std::map<int32_t, int> seen;
+  for (int64_t pos = 0; pos < 400; ++pos) ++seen[SampleToken(logits, p, none, 3, pos, &filter).token];
+  EXPECT_EQ(seen.size(), 3u);
+  for (const auto& [t, n] : seen) EXPECT_TRUE(t == 2 || t == 5 || t == 7) << t;
+  // The logprob is still the model's, over the whole vocabulary.
+  const SampledToken t = SampleToken(logits, greedy, none, 1, 0, &filter);
+  double z = 0;
+  for (float l : logits) z += std::exp(l - 5.0);
+  EXPECT_NEAR(t.logprob, 3 - 5 - std::log(z), 1e-5);
+}
+
 TEST(SamplingTest, TemperatureMatchesSoftmax) {
   SamplingParams p;
   p.temperature = 0.7f;

@@ -87,7 +87,6 @@ class Builder {
   // before reading a byte (left recursion, which no input could end).
   absl::StatusOr<std::shared_ptr<const Grammar>> Build(uint32_t root, int32_t max_depth);
 
-  int64_t nodes() const { return static_cast<int64_t>(g_.nodes.size()); }
   bool over_budget() const { return static_cast<int64_t>(g_.nodes.size()) > max_nodes_; }
 
  private:

@@ -188,20 +188,20 @@ std::shared_ptr<const TokenMask> TokenMasker::MaskFor(const State& s) {
     const int64_t add = mask_bytes();
     if (counters_->bytes.load(std::memory_order_relaxed) + add > counters_->budget_bytes) ClearLocked();
     if (counters_->bytes.load(std::memory_order_relaxed) + add > counters_->budget_bytes) {
-      stats_.states = static_cast<int64_t>(cache_.size());
       return m;  // The other formats hold the budget: computed, and dropped after use.
     }
   }
   if (cache_.emplace(s.words, m).second && counters_ != nullptr) {
     counters_->bytes.fetch_add(mask_bytes(), std::memory_order_relaxed);
   }
-  stats_.states = static_cast<int64_t>(cache_.size());
   return m;
 }
 
 MaskerStats TokenMasker::stats() const {
   absl::MutexLock lock(&mu_);
-  return stats_;
+  MaskerStats s = stats_;
+  s.states = static_cast<int64_t>(cache_.size());
+  return s;
 }
 
 }  // namespace pdserve::grammar

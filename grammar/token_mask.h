@@ -86,7 +86,7 @@ struct MaskCounters {
 struct MaskerStats {
   int64_t hits = 0;
   int64_t misses = 0;
-  int64_t states = 0;      // Cached now.
+  int64_t states = 0;       // Cached now.
   double miss_seconds = 0;  // Spent computing masks.
 };
 
@@ -103,8 +103,6 @@ class TokenMasker {
   // EOS and the like, are the caller's: allowed when s.can_end).
   std::shared_ptr<const TokenMask> MaskFor(const State& s);
 
-  const Grammar& grammar() const { return *grammar_; }
-  const std::shared_ptr<const Grammar>& shared_grammar() const { return grammar_; }
   const Vocabulary& vocab() const { return *vocab_; }
   MaskerStats stats() const;
 

@@ -8,6 +8,7 @@
 #include "absl/strings/cord.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "grammar/json_schema.h"
 #include "nlohmann/json.hpp"
 
 namespace pdserve::router::openai {
@@ -24,33 +25,6 @@ absl::Status Bad(std::string param, absl::string_view why) {
   absl::Status s = absl::InvalidArgumentError(absl::StrCat(param, ": ", why));
   s.SetPayload(kParamPayload, absl::Cord(param));
   return s;
-}
-
-// Refuses bodies nested deeper than `max_depth` before the parser (which
-// recurses) sees them.
-absl::Status CheckDepth(absl::string_view body, int32_t max_depth) {
-  int32_t depth = 0;
-  bool in_string = false, escaped = false;
-  for (const char c : body) {
-    if (in_string) {
-      if (escaped) {
-        escaped = false;
-      } else if (c == '\\') {
-        escaped = true;
-      } else if (c == '"') {
-        in_string = false;
-      }
-      continue;
-    }
-    if (c == '"') {
-      in_string = true;
-    } else if (c == '{' || c == '[') {
-      if (++depth > max_depth) return Bad("body", absl::StrCat("nested deeper than ", max_depth, " levels"));
-    } else if (c == '}' || c == ']') {
-      --depth;
-    }
-  }
-  return absl::OkStatus();
 }
 
 absl::StatusOr<double> Number(const std::string& param, const json& v) {
@@ -286,7 +260,10 @@ absl::StatusOr<OpenAiRequest> DecodeRequest(Endpoint endpoint, absl::string_view
   if (const size_t nul = body.find('\0'); nul != absl::string_view::npos) {
     return Bad("body", absl::StrCat("not valid JSON: a NUL byte at offset ", nul));
   }
-  if (absl::Status st = CheckDepth(body, limits.max_depth); !st.ok()) return st;
+  // Checked before the parser (which recurses) sees the body.
+  if (!grammar::CheckJsonDepth(body, limits.max_depth).ok()) {
+    return Bad("body", absl::StrCat("nested deeper than ", limits.max_depth, " levels"));
+  }
   json j;
   try {
     j = json::parse(body.begin(), body.end());

@@ -25,6 +25,18 @@ namespace {
 
 const std::string kClientDir = std::string(PDSERVE_SOURCE_DIR) + "/tests/openai_client";
 
+// Runs a node command, echoing and returning its output; true when it
+// exited with 0.
+bool RunNode(const std::string& command, std::string* output) {
+  FILE* p = popen(command.c_str(), "r");
+  if (p == nullptr) return false;
+  std::array<char, 4096> buf;
+  while (fgets(buf.data(), buf.size(), p) != nullptr) *output += buf.data();
+  const int status = pclose(p);
+  std::cout << *output;
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+
 TEST(OpenAiClientTest, TheOfficialClientWorksUnchanged) {
   ASSERT_TRUE(std::filesystem::exists(kClientDir + "/node_modules/openai/package.json"))
       << "the openai npm client is not installed: deploy/test.sh installs it (or: npm ci --prefix " << kClientDir
@@ -59,14 +71,8 @@ TEST(OpenAiClientTest, TheOfficialClientWorksUnchanged) {
       " PDSERVE_URL=https://127.0.0.1:", main.http_port(), "/v1 PDSERVE_KEY=sk-pdserve-npm ",
       "PDSERVE_ADMISSION_URL=https://127.0.0.1:", admission.http_port(), "/v1 ",
       "PDSERVE_GRPC_TEXT=\"$(cat ", dir, "/grpc_text)\" node --test-reporter=tap test.mjs 2>&1");
-  FILE* p = popen(command.c_str(), "r");
-  ASSERT_NE(p, nullptr);
   std::string output;
-  std::array<char, 4096> buf;
-  while (fgets(buf.data(), buf.size(), p) != nullptr) output += buf.data();
-  const int status = pclose(p);
-  std::cout << output;
-  const bool passed = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+  const bool passed = RunNode(command, &output);
   EXPECT_TRUE(passed) << output << "\n" << main.Logs() << admission.Logs();
   if (!passed) {
     // Where requests stand (a stuck stream shows as running somewhere), and
@@ -96,14 +102,8 @@ TEST(OpenAiClientTest, EveryStructuredOutputValidatesAgainstItsSchema) {
       absl::StrCat("cd ", kClientDir, " && NODE_EXTRA_CA_CERTS=", TestTls("router").ca,
                    " PDSERVE_URL=https://127.0.0.1:", c.http_port(),
                    "/v1 PDSERVE_KEY=sk-pdserve-npm PDSERVE_STRUCTURED_N=200 node structured.mjs 2>&1");
-  FILE* p = popen(command.c_str(), "r");
-  ASSERT_NE(p, nullptr);
   std::string output;
-  std::array<char, 4096> buf;
-  while (fgets(buf.data(), buf.size(), p) != nullptr) output += buf.data();
-  const int status = pclose(p);
-  std::cout << output;
-  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << output << "\n" << c.Logs();
+  EXPECT_TRUE(RunNode(command, &output)) << output << "\n" << c.Logs();
   EXPECT_NE(output.find("family: 200/200 valid"), std::string::npos) << output;
 }
 

@@ -99,9 +99,69 @@ absl::Status CheckRoles(absl::Span<const ChatMessage> m, bool tool) {
 }
 
 constexpr char kQwen25System[] = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.";
+constexpr char kToolsHead[] =
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>";
+constexpr char kToolsTail[] =
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\n</tool_call><|im_end|>\n";
 
-absl::StatusOr<RenderedChat> RenderChatML(const ChatFormat& f, absl::Span<const ChatMessage> m, bool gen) {
+void PyJson(const nlohmann::ordered_json& v, std::string& out) {
+  if (v.is_object()) {
+    out += '{';
+    bool first = true;
+    for (auto it = v.begin(); it != v.end(); ++it) {
+      if (!first) out += ", ";
+      first = false;
+      out += nlohmann::ordered_json(it.key()).dump();
+      out += ": ";
+      PyJson(it.value(), out);
+    }
+    out += '}';
+  } else if (v.is_array()) {
+    out += '[';
+    for (size_t i = 0; i < v.size(); ++i) {
+      if (i > 0) out += ", ";
+      PyJson(v[i], out);
+    }
+    out += ']';
+  } else {
+    out += v.dump();
+  }
+}
+
+absl::StatusOr<RenderedChat> RenderChatML(const ChatFormat& f, absl::Span<const ChatMessage> m, bool gen,
+                                          absl::Span<const std::string> tools) {
   ChatText out;
+  // An assistant's calls, after its content (a newline between them).
+  auto calls = [&](const ChatMessage& msg, bool had_content) {
+    for (size_t k = 0; k < msg.tool_calls.size(); ++k) {
+      if (k > 0 || had_content) out.Marker("\n");
+      out.Marker("<tool_call>\n{\"name\": \"");
+      out.Content(msg.tool_calls[k].name);
+      out.Marker("\", \"arguments\": ");
+      out.Content(msg.tool_calls[k].arguments);
+      out.Marker("}\n</tool_call>");
+    }
+  };
+  const bool first_system = !m.empty() && m[0].role == "system";
+  if (!tools.empty()) {
+    // The tools go into the system turn, after the client's system message.
+    out.Marker("<|im_start|>system\n");
+    if (first_system) {
+      out.Content(m[0].content);
+      out.Marker("\n\n");
+    } else if (f.family == ChatFamily::kQwen25) {
+      out.Marker(absl::StrCat(kQwen25System, "\n\n"));
+    }
+    out.Marker(kToolsHead);
+    for (const std::string& t : tools) {
+      out.Marker("\n");
+      out.Content(t);
+    }
+    out.Marker(kToolsTail);
+  }
   auto block = [&](absl::string_view role, absl::string_view content) {
     out.Marker(absl::StrCat("<|im_start|>", role, "\n"));
     out.Content(content);
@@ -116,12 +176,18 @@ absl::StatusOr<RenderedChat> RenderChatML(const ChatFormat& f, absl::Span<const 
   };
   if (absl::Status st = CheckRoles(m, /*tool=*/true); !st.ok()) return st;
   if (f.family != ChatFamily::kQwen3) {
-    if (f.family == ChatFamily::kQwen25 && (m.empty() || m[0].role != "system")) {
+    if (tools.empty() && f.family == ChatFamily::kQwen25 && !first_system) {
       out.Marker(absl::StrCat("<|im_start|>system\n", kQwen25System, "<|im_end|>\n"));
     }
     for (size_t i = 0; i < m.size(); ++i) {
+      if (i == 0 && first_system && !tools.empty()) continue;  // in the tools' system turn
       if (m[i].role == "tool") {
         tool_response(i);
+      } else if (m[i].role == "assistant" && !m[i].tool_calls.empty()) {
+        out.Marker("<|im_start|>assistant\n");
+        out.Content(m[i].content);
+        calls(m[i], !m[i].content.empty());
+        out.Marker("<|im_end|>\n");
       } else {
         block(m[i].role, m[i].content);
       }
@@ -130,7 +196,7 @@ absl::StatusOr<RenderedChat> RenderChatML(const ChatFormat& f, absl::Span<const 
     return out.Take();
   }
   // Qwen3: reasoning shown only for assistant turns after the last user query.
-  if (!m.empty() && m[0].role == "system") block("system", m[0].content);
+  if (first_system && tools.empty()) block("system", m[0].content);
   size_t last_query = m.empty() ? 0 : m.size() - 1;
   for (size_t k = m.size(); k-- > 0;) {
     const std::string& c = m[k].content;
@@ -164,6 +230,7 @@ absl::StatusOr<RenderedChat> RenderChatML(const ChatFormat& f, absl::Span<const 
         out.Marker("<|im_start|>assistant\n");
         out.Content(content);
       }
+      calls(msg, !content.empty());
       out.Marker("<|im_end|>\n");
     } else if (msg.role == "tool") {
       tool_response(i);
@@ -239,6 +306,37 @@ absl::StatusOr<RenderedChat> RenderZephyr(absl::Span<const ChatMessage> m, bool 
 
 }  // namespace
 
+bool FamilyHasTools(ChatFamily family) {
+  return family == ChatFamily::kChatML || family == ChatFamily::kQwen3 || family == ChatFamily::kQwen25;
+}
+
+const char* ChatFamilyName(ChatFamily family) {
+  switch (family) {
+    case ChatFamily::kChatML:
+      return "chatml";
+    case ChatFamily::kQwen3:
+      return "qwen3";
+    case ChatFamily::kQwen25:
+      return "qwen2.5";
+    case ChatFamily::kLlama3:
+      return "llama3";
+    case ChatFamily::kLlama2:
+      return "llama2";
+    case ChatFamily::kZephyr:
+      return "zephyr";
+  }
+  return "unknown";
+}
+
+absl::StatusOr<std::string> JinjaJson(absl::string_view json_text) {
+  const nlohmann::ordered_json v =
+      nlohmann::ordered_json::parse(json_text.begin(), json_text.end(), nullptr, /*allow_exceptions=*/false);
+  if (v.is_discarded()) return absl::InvalidArgumentError("not valid JSON");
+  std::string out;
+  PyJson(v, out);
+  return out;
+}
+
 absl::StatusOr<ChatFamily> ParseChatFamily(absl::string_view name) {
   if (name == "chatml") return ChatFamily::kChatML;
   if (name == "qwen3") return ChatFamily::kQwen3;
@@ -289,12 +387,27 @@ absl::StatusOr<ChatFormat> DetectChatFormat(absl::string_view t) {
 absl::StatusOr<RenderedChat> RenderChatWithContent(const ChatFormat& format,
                                                    absl::Span<const ChatMessage> messages,
                                                    bool add_generation_prompt, absl::string_view bos_token,
-                                                   absl::string_view eos_token) {
+                                                   absl::string_view eos_token, absl::Span<const std::string> tools) {
+  if (!FamilyHasTools(format.family)) {
+    const char* why = " has no tool syntax that pdserve renders (the ChatML and Qwen templates do)";
+    if (!tools.empty()) return absl::InvalidArgumentError(absl::StrCat("tools: the ", ChatFamilyName(format.family),
+                                                                        " chat template", why));
+    for (size_t i = 0; i < messages.size(); ++i) {
+      if (!messages[i].tool_calls.empty()) {
+        return BadMessage(i, absl::StrCat("tool_calls: the ", ChatFamilyName(format.family), " chat template", why));
+      }
+    }
+  }
+  for (size_t i = 0; i < messages.size(); ++i) {
+    if (!messages[i].tool_calls.empty() && messages[i].role != "assistant") {
+      return BadMessage(i, "tool_calls: only an assistant message holds tool calls");
+    }
+  }
   switch (format.family) {
     case ChatFamily::kChatML:
     case ChatFamily::kQwen3:
     case ChatFamily::kQwen25:
-      return RenderChatML(format, messages, add_generation_prompt);
+      return RenderChatML(format, messages, add_generation_prompt, tools);
     case ChatFamily::kLlama3:
       return RenderLlama3(format, messages, add_generation_prompt, bos_token);
     case ChatFamily::kLlama2:
@@ -308,9 +421,9 @@ absl::StatusOr<RenderedChat> RenderChatWithContent(const ChatFormat& format,
 absl::StatusOr<std::string> RenderChat(const ChatFormat& format,
                                        absl::Span<const ChatMessage> messages,
                                        bool add_generation_prompt, absl::string_view bos_token,
-                                       absl::string_view eos_token) {
+                                       absl::string_view eos_token, absl::Span<const std::string> tools) {
   absl::StatusOr<RenderedChat> r =
-      RenderChatWithContent(format, messages, add_generation_prompt, bos_token, eos_token);
+      RenderChatWithContent(format, messages, add_generation_prompt, bos_token, eos_token, tools);
   if (!r.ok()) return r.status();
   return std::move(r->text);
 }

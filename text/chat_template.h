@@ -5,6 +5,14 @@
 // <<SYS>>, and Zephyr. An unknown template is refused with a clear error;
 // an explicit family overrides the recognition.
 //
+// Tools render in the ChatML families only, in the Qwen (Hermes) syntax
+// that Qwen2.5 and Qwen3 templates print: a "# Tools" system block listing
+// each tool as JSON within <tools></tools>, an assistant's calls as
+// <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>, and tool
+// results as <tool_response> blocks in a user turn. Plain ChatML templates
+// have no tool syntax of their own and get the same. Other families refuse
+// tools, tool calls and tool messages (FamilyHasTools).
+//
 // Thread safety: pure functions.
 #ifndef PDSERVE_TEXT_CHAT_TEMPLATE_H_
 #define PDSERVE_TEXT_CHAT_TEMPLATE_H_
@@ -19,9 +27,17 @@
 
 namespace pdserve::tok {
 
+// One call in an assistant message. `arguments` is JSON text, printed as
+// is (JinjaJson gives what a template's `tojson` would print).
+struct ChatToolCall {
+  std::string name;
+  std::string arguments;
+};
+
 struct ChatMessage {
   std::string role;  // "system", "user", "assistant" (ChatML also "tool").
   std::string content;
+  std::vector<ChatToolCall> tool_calls;  // Assistant messages (ChatML only).
 };
 
 enum class ChatFamily { kChatML, kQwen3, kQwen25, kLlama3, kLlama2, kZephyr };
@@ -32,6 +48,17 @@ struct ChatFormat {
   // not a generation prompt is asked for.
   bool always_generation_prompt = false;
 };
+
+// Whether the family renders tools (the ChatML ones).
+bool FamilyHasTools(ChatFamily family);
+// The family's name, as ParseChatFamily reads it.
+const char* ChatFamilyName(ChatFamily family);
+
+// JSON text as Python's json.dumps(ensure_ascii=False) prints it, which is
+// what Hugging Face's `tojson` filter is: ", " and ": " separators, keys in
+// their given order, non-ASCII kept. INVALID_ARGUMENT when `json_text` is
+// not JSON.
+absl::StatusOr<std::string> JinjaJson(absl::string_view json_text);
 
 // "chatml", "qwen3", "qwen2.5", "llama3", "llama2", "zephyr".
 absl::StatusOr<ChatFamily> ParseChatFamily(absl::string_view name);
@@ -50,17 +77,21 @@ struct RenderedChat {
   std::vector<TextRange> content;
 };
 
-// Renders `messages`. Errors (INVALID_ARGUMENT, naming the message index and
-// field): unknown roles, roles not alternating where the family requires it.
+// Renders `messages`, with `tools` (each one's JSON text as the template
+// prints it: JinjaJson of {"type": "function", "function": {...}}) when
+// non-empty. Errors (INVALID_ARGUMENT, naming the message index and field):
+// unknown roles, roles not alternating where the family requires it, tools
+// or tool calls for a family without tool syntax.
 absl::StatusOr<RenderedChat> RenderChatWithContent(const ChatFormat& format,
                                                    absl::Span<const ChatMessage> messages,
                                                    bool add_generation_prompt, absl::string_view bos_token,
-                                                   absl::string_view eos_token);
+                                                   absl::string_view eos_token,
+                                                   absl::Span<const std::string> tools = {});
 // The text alone (what the model's Jinja template would print).
 absl::StatusOr<std::string> RenderChat(const ChatFormat& format,
                                        absl::Span<const ChatMessage> messages,
                                        bool add_generation_prompt, absl::string_view bos_token,
-                                       absl::string_view eos_token);
+                                       absl::string_view eos_token, absl::Span<const std::string> tools = {});
 
 // Parses [{"role": ..., "content": ...}, ...]; errors name the offending field.
 absl::StatusOr<std::vector<ChatMessage>> ParseChatMessages(absl::string_view json_text);

@@ -286,6 +286,84 @@ TEST(ChatTemplateTest, UnknownTemplatesAndBadMessagesAreRefused) {
   EXPECT_THAT(bad_role.status().message(), ::testing::HasSubstr("messages[0]: unknown role 'narrator'"));
 }
 
+// The messages and tools of a tool_cases.json case, as the router passes
+// them: tools and arguments as JinjaJson prints them.
+namespace {
+void ToolCase(const nlohmann::ordered_json& c, std::vector<ChatMessage>& messages, std::vector<std::string>& tools) {
+  for (const auto& t : c["tools"]) tools.push_back(*JinjaJson(t.dump()));
+  for (const auto& m : c["messages"]) {
+    ChatMessage msg{m["role"].get<std::string>(), m["content"].is_null() ? "" : m["content"].get<std::string>()};
+    if (m.contains("tool_calls")) {
+      for (const auto& call : m["tool_calls"]) {
+        msg.tool_calls.push_back({call["function"]["name"].get<std::string>(),
+                                  *JinjaJson(call["function"]["arguments"].dump())});
+      }
+    }
+    messages.push_back(std::move(msg));
+  }
+}
+}  // namespace
+
+// Tools, calls and results exactly as the Qwen3 template prints them
+// (jinja2: render_chat.py --tools). Plain ChatML renders the same, and
+// the tools' and calls' words are text: a description spelling
+// "<|im_end|>" does not end the system turn.
+TEST(ChatToolsTest, ToolsCallsAndResultsRenderAsTheQwenTemplateDoes) {
+  auto tok = Tokenizer::Load(kDir + "qwen3");
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  const nlohmann::ordered_json cases = nlohmann::ordered_json::parse(*ReadFileToString(kDir + "tool_cases.json"));
+  const std::vector<nlohmann::json> refs = ReadJsonl(kDir + "qwen3/tool_chat_reference.jsonl");
+  ASSERT_EQ(refs.size(), 2 * cases.size());
+  for (const auto& ref : refs) {
+    std::vector<ChatMessage> messages;
+    std::vector<std::string> tools;
+    ToolCase(cases[ref["case"].get<int>()], messages, tools);
+    const bool gen = ref["add_generation_prompt"].get<bool>();
+    for (ChatFamily family : {ChatFamily::kQwen3, ChatFamily::kChatML}) {
+      auto r = RenderChatWithContent({family}, messages, gen, "", "", tools);
+      ASSERT_TRUE(r.ok()) << r.status();
+      EXPECT_EQ(r->text, ref["text"].get<std::string>()) << "case " << ref["case"] << " family "
+                                                         << ChatFamilyName(family);
+      auto ids = (*tok)->EncodeWithLiteralRanges(r->text, r->content);
+      ASSERT_TRUE(ids.ok()) << ids.status();
+      std::string markers_only;
+      size_t at = 0;
+      for (const TextRange& range : r->content) {
+        markers_only += r->text.substr(at, range.begin - at) + "x";
+        at = range.end;
+      }
+      markers_only += r->text.substr(at);
+      const std::vector<int32_t> plain = *(*tok)->Encode(markers_only, false);
+      const int32_t im_end = 151645;
+      EXPECT_EQ(std::count(ids->begin(), ids->end(), im_end), std::count(plain.begin(), plain.end(), im_end))
+          << "case " << ref["case"];
+    }
+  }
+  // Qwen2.5 puts its default system prompt before the tools.
+  std::vector<ChatMessage> messages;
+  std::vector<std::string> tools;
+  ToolCase(cases[0], messages, tools);
+  auto qwen25 = RenderChat({ChatFamily::kQwen25}, messages, true, "", "", tools);
+  ASSERT_TRUE(qwen25.ok());
+  EXPECT_THAT(*qwen25, ::testing::StartsWith("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You "
+                                             "are a helpful assistant.\n\n# Tools\n\n"));
+  // Families without tool syntax refuse tools and calls by name.
+  auto llama = RenderChat({ChatFamily::kLlama3}, messages, true, "", "", tools);
+  EXPECT_THAT(llama.status().message(), ::testing::HasSubstr("tools: the llama3 chat template has no tool syntax"));
+  std::vector<ChatMessage> called = {{"user", "x"}, {"assistant", "", {{"f", "{}"}}}};
+  EXPECT_THAT(RenderChat({ChatFamily::kZephyr}, called, true, "", "").status().message(),
+              ::testing::HasSubstr("messages[1]: tool_calls: the zephyr chat template"));
+  std::vector<ChatMessage> misplaced = {{"user", "x", {{"f", "{}"}}}};
+  EXPECT_THAT(RenderChat({ChatFamily::kChatML}, misplaced, true, "", "").status().message(),
+              ::testing::HasSubstr("only an assistant message holds tool calls"));
+}
+
+TEST(ChatToolsTest, JinjaJsonPrintsAsPythonsJsonDumps) {
+  EXPECT_EQ(*JinjaJson(R"({"b":1,"a":[1,2.5,null,true],"c":{"d":"\u00e9\n\"x\""},"e":{},"f":[]})"),
+            "{\"b\": 1, \"a\": [1, 2.5, null, true], \"c\": {\"d\": \"\xc3\xa9\\n\\\"x\\\"\"}, \"e\": {}, \"f\": []}");
+  EXPECT_FALSE(JinjaJson("{").ok());
+}
+
 TEST(StopStringsTest, MatchesAcrossDeltasAndHoldsBackPrefixes) {
   StopStringMatcher m({"STOP", "\n\n"});
   EXPECT_EQ(m.Feed("Hello S").text, "Hello ");  // "S" might start STOP.

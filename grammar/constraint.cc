@@ -50,7 +50,8 @@ absl::StatusOr<std::shared_ptr<const Constraint>> GrammarCache::Find(ConstraintK
     if (!g.ok()) return g.status();
     c->grammar = *std::move(g);
   } else {
-    absl::StatusOr<CompiledSchema> s = CompileJsonSchema(raw, options_.schema);
+    absl::StatusOr<CompiledSchema> s = kind == ConstraintKind::kToolCalls ? CompileToolCalls(raw, options_.schema)
+                                                                           : CompileJsonSchema(raw, options_.schema);
     if (!s.ok()) {
       absl::MutexLock lock(&mu_);
       ++stats_.refused;
@@ -92,15 +93,32 @@ absl::StatusOr<std::shared_ptr<const Constraint>> GrammarCache::JsonObject() {
   return Find(ConstraintKind::kJsonObject, "", "");
 }
 
+absl::StatusOr<std::shared_ptr<const Constraint>> GrammarCache::ToolCalls(absl::string_view spec) {
+  // The bounds CompileToolCalls applies, before the parser here (which
+  // recurses) sees the text.
+  if (static_cast<int64_t>(spec.size()) > options_.schema.max_schema_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("tools: ", spec.size(), " bytes of parameter schemas, more than the ",
+                                                   options_.schema.max_schema_bytes,
+                                                   " allowed (--grammar_max_schema_bytes)"));
+  }
+  if (absl::Status s = CheckJsonDepth(spec, options_.schema.max_schema_depth + 3); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("tools: ", s.message()));
+  }
+  const nlohmann::ordered_json j = nlohmann::ordered_json::parse(spec, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return absl::InvalidArgumentError("tools: not valid JSON");
+  return Find(ConstraintKind::kToolCalls, j.dump(), spec);
+}
+
 absl::StatusOr<std::shared_ptr<const Constraint>> GrammarCache::FromSpec(const ConstraintSpec& spec) {
-  if (spec.kind != ConstraintKind::kJsonObject && spec.kind != ConstraintKind::kJsonSchema) {
+  if (spec.kind != ConstraintKind::kJsonObject && spec.kind != ConstraintKind::kJsonSchema &&
+      spec.kind != ConstraintKind::kToolCalls) {
     return absl::InvalidArgumentError(absl::StrCat("grammar: unknown kind ", static_cast<int32_t>(spec.kind)));
   }
   if (SpecHash(spec.kind, spec.schema) != spec.hash) {
     return absl::InvalidArgumentError("grammar: the spec's hash is not its schema's");
   }
   if (spec.kind == ConstraintKind::kJsonObject) return JsonObject();
-  return Find(ConstraintKind::kJsonSchema, spec.schema, spec.schema);
+  return Find(spec.kind, spec.schema, spec.schema);
 }
 
 void GrammarCache::RegisterMetrics(MetricsRegistry& metrics) const {

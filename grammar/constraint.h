@@ -35,11 +35,13 @@
 
 namespace pdserve::grammar {
 
-enum class ConstraintKind : int32_t { kNone = 0, kJsonObject = 1, kJsonSchema = 2 };
+enum class ConstraintKind : int32_t { kNone = 0, kJsonObject = 1, kJsonSchema = 2, kToolCalls = 3 };
 
 struct ConstraintSpec {
   ConstraintKind kind = ConstraintKind::kNone;
-  std::string schema;  // Canonical JSON (kJsonSchema); empty otherwise.
+  // Canonical JSON: the schema (kJsonSchema), the tools spec (kToolCalls,
+  // json_schema.h's CompileToolCalls); empty otherwise.
+  std::string schema;
   uint64_t hash = 0;   // SpecHash(kind, schema).
 };
 
@@ -78,6 +80,8 @@ class GrammarCache {
   // Errors: json_schema.h's, for the caller to put the field's name in front of.
   absl::StatusOr<std::shared_ptr<const Constraint>> FromSchema(absl::string_view schema);
   absl::StatusOr<std::shared_ptr<const Constraint>> JsonObject();
+  // Tool calls (CompileToolCalls's spec and errors).
+  absl::StatusOr<std::shared_ptr<const Constraint>> ToolCalls(absl::string_view spec);
   // A spec the router resolved. INVALID_ARGUMENT when its hash is not its
   // content's, or it does not compile.
   absl::StatusOr<std::shared_ptr<const Constraint>> FromSpec(const ConstraintSpec& spec);

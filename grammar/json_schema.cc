@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "nlohmann/json.hpp"
@@ -78,16 +79,25 @@ namespace {
 
 class Compiler {
  public:
-  Compiler(const json& root, const SchemaOptions& o) : root_(root), o_(o), b_(o.max_nodes) {}
+  // `b` may be shared with other compilers (one per schema root, each with
+  // its own references), so that several schemas make one grammar.
+  Compiler(const json& root, const SchemaOptions& o, Builder& b) : root_(root), o_(o), b_(b) {}
 
   absl::StatusOr<std::shared_ptr<const Grammar>> Schema() {
+    absl::StatusOr<uint32_t> top = RootRule();
+    if (!top.ok()) return top.status();
+    return b_.Build(*top, o_.max_depth);
+  }
+
+  // The root schema as a rule, with everything it refers to.
+  absl::StatusOr<uint32_t> RootRule() {
     const uint32_t top = b_.NewRule();
     ref_rules_["#"] = top;
     absl::StatusOr<Frag> body = Compile(root_, "");
     if (!body.ok()) return body.status();
     b_.Define(top, *body);
     if (absl::Status s = DefinePending(); !s.ok()) return s;
-    return b_.Build(top, o_.max_depth);
+    return top;
   }
 
   absl::StatusOr<std::shared_ptr<const Grammar>> AnyObject() {
@@ -95,6 +105,8 @@ class Compiler {
     b_.Define(top, b_.Call(AnyObjectRule()));
     return b_.Build(top, o_.max_depth);
   }
+
+  uint32_t AnyObjectRuleForTools() { return AnyObjectRule(); }
 
  private:
   absl::Status Budget() {
@@ -547,7 +559,7 @@ class Compiler {
 
   const json& root_;
   const SchemaOptions& o_;
-  Builder b_;
+  Builder& b_;
   absl::flat_hash_map<std::pair<int64_t, int64_t>, uint32_t> bounded_strings_;
   uint32_t string_ = kNone, integer_ = kNone, number_ = kNone, any_value_ = kNone, any_object_ = kNone;
   absl::flat_hash_map<std::string, uint32_t> ref_rules_;
@@ -564,7 +576,8 @@ absl::StatusOr<CompiledSchema> CompileJsonSchema(absl::string_view schema, const
   if (absl::Status s = CheckJsonDepth(schema, options.max_schema_depth); !s.ok()) return s;
   json root = json::parse(schema, nullptr, /*allow_exceptions=*/false);
   if (root.is_discarded()) return absl::InvalidArgumentError("schema: not valid JSON");
-  Compiler c(root, options);
+  Builder b(options.max_nodes);
+  Compiler c(root, options, b);
   absl::StatusOr<std::shared_ptr<const Grammar>> g = c.Schema();
   if (!g.ok()) return g.status();
   return CompiledSchema{*std::move(g), root.dump()};
@@ -572,8 +585,73 @@ absl::StatusOr<CompiledSchema> CompileJsonSchema(absl::string_view schema, const
 
 absl::StatusOr<std::shared_ptr<const Grammar>> CompileAnyJsonObject(const SchemaOptions& options) {
   const json root = json::object();
-  Compiler c(root, options);
+  Builder b(options.max_nodes);
+  Compiler c(root, options, b);
   return c.AnyObject();
+}
+
+bool IsToolName(absl::string_view name) {
+  if (name.empty() || name.size() > 64) return false;
+  for (char ch : name) {
+    if (!absl::ascii_isalnum(static_cast<unsigned char>(ch)) && ch != '_' && ch != '-') return false;
+  }
+  return true;
+}
+
+absl::StatusOr<CompiledSchema> CompileToolCalls(absl::string_view spec, const SchemaOptions& options) {
+  if (static_cast<int64_t>(spec.size()) > options.max_schema_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("tools: ", spec.size(), " bytes of parameter schemas, more than the ",
+                                                   options.max_schema_bytes, " allowed (--grammar_max_schema_bytes)"));
+  }
+  // The spec nests each schema two levels down.
+  if (absl::Status s = CheckJsonDepth(spec, options.max_schema_depth + 3); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("tools: ", s.message()));
+  }
+  const json root = json::parse(spec, nullptr, /*allow_exceptions=*/false);
+  if (root.is_discarded() || !root.is_object() || !root.contains("tools") || !root["tools"].is_array() ||
+      root["tools"].empty() || !root.contains("parallel") || !root["parallel"].is_boolean()) {
+    return absl::InvalidArgumentError("tools: the spec must be {\"parallel\": bool, \"tools\": [...]}");
+  }
+  Builder b(options.max_nodes);
+  std::vector<Frag> calls;
+  const json& tools = root["tools"];
+  for (size_t i = 0; i < tools.size(); ++i) {
+    const std::string at = absl::StrCat("tools[", i, "]");
+    const json& t = tools[i];
+    if (!t.is_object() || !t.contains("name") || !t["name"].is_string() || !IsToolName(t["name"].get<std::string>())) {
+      return absl::InvalidArgumentError(absl::StrCat(at, ".function.name: must be 1 to 64 of A-Z, a-z, 0-9, _ and -"));
+    }
+    const std::string name = t["name"].get<std::string>();
+    uint32_t args = 0;
+    if (!t.contains("parameters")) {
+      const json none = json::object();
+      Compiler c(none, options, b);
+      args = c.AnyObjectRuleForTools();
+    } else {
+      Compiler c(t["parameters"], options, b);
+      absl::StatusOr<uint32_t> r = c.RootRule();
+      if (!r.ok()) return absl::Status(r.status().code(), absl::StrCat(at, ".function.parameters: ", r.status().message()));
+      args = *r;
+    }
+    calls.push_back(b.Seq({b.Literal(absl::StrCat("<tool_call>\n{\"name\": \"", name, "\", \"arguments\": ")),
+                           b.Call(args), b.Literal("}\n</tool_call>")}));
+    if (b.over_budget()) break;
+  }
+  const uint32_t one = b.NewRule();
+  b.Define(one, b.Alt(calls));
+  const uint32_t top = b.NewRule();
+  if (root["parallel"].get<bool>()) {
+    b.Define(top, b.Seq({b.Call(one), b.Star(b.Seq({b.Literal("\n"), b.Call(one)}))}));
+  } else {
+    b.Define(top, b.Call(one));
+  }
+  if (b.over_budget()) {
+    return absl::ResourceExhaustedError(absl::StrCat("tools: their grammar needs more than ", options.max_nodes,
+                                                     " nodes (raise --grammar_max_nodes, or simplify the schemas)"));
+  }
+  absl::StatusOr<std::shared_ptr<const Grammar>> g = b.Build(top, options.max_depth);
+  if (!g.ok()) return g.status();
+  return CompiledSchema{*std::move(g), root.dump()};
 }
 
 }  // namespace pdserve::grammar

@@ -62,6 +62,21 @@ absl::Status CheckJsonDepth(absl::string_view text, int32_t max_depth);
 // Any JSON object (OpenAI's json_object response format).
 absl::StatusOr<std::shared_ptr<const Grammar>> CompileAnyJsonObject(const SchemaOptions& options);
 
+// A tool's name as OpenAI's API allows it: 1 to 64 of [A-Za-z0-9_-] (so it
+// needs no escaping inside a JSON string).
+bool IsToolName(absl::string_view name);
+
+// Tool calls in the Qwen (Hermes) syntax that the ChatML chat templates
+// show the model (text/chat_template.h):
+//   <tool_call>\n{"name": "NAME", "arguments": ARGS}\n</tool_call>
+// where NAME is one of the tools and ARGS is valid against that tool's
+// parameters schema (any object when it has none); with "parallel", one
+// or more calls separated by "\n". `spec` is JSON:
+//   {"parallel": bool, "tools": [{"name": ..., "parameters": {...}}, ...]}
+// Errors name the tool ("tools[1].function.parameters: schema at #/...").
+// The canonical text is `spec` compact, key order kept.
+absl::StatusOr<CompiledSchema> CompileToolCalls(absl::string_view spec, const SchemaOptions& options);
+
 }  // namespace pdserve::grammar
 
 #endif  // PDSERVE_GRAMMAR_JSON_SCHEMA_H_

@@ -3,6 +3,7 @@
 // is not supported is refused by name with the path of its subschema.
 #include "grammar/json_schema.h"
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <random>
@@ -205,6 +206,74 @@ TEST(JsonSchemaTest, TheCanonicalFormKeepsKeyOrderAndDropsSpace) {
      "properties": { "z": {"type":"string"}, "a": {"type":"string"} } })", {});
   ASSERT_TRUE(c.ok());
   EXPECT_EQ(c->canonical, R"({"type":"object","properties":{"z":{"type":"string"},"a":{"type":"string"}}})");
+}
+
+}  // namespace
+}  // namespace pdserve::grammar
+
+namespace pdserve::grammar {
+namespace {
+
+constexpr char kTools[] =
+    R"({"parallel": false, "tools": [)"
+    R"({"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"], "additionalProperties": false}},)"
+    R"({"name": "tree", "parameters": {"$ref": "#/$defs/node", "$defs": {"node": {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}}, "required": ["kids"], "additionalProperties": false}}}},)"
+    R"({"name": "any"}]})";
+
+// Tool calls in the Qwen syntax: only the tools named, each one's
+// arguments valid against its own parameters ($refs resolved against that
+// schema, not the spec), one call unless parallel.
+TEST(ToolCallGrammarTest, CallsNameAToolAndFollowItsParameters) {
+  absl::StatusOr<CompiledSchema> c = CompileToolCalls(kTools, {});
+  ASSERT_TRUE(c.ok()) << c.status();
+  const auto& g = c->grammar;
+  EXPECT_TRUE(Complete(g, "<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 1, \"b\": -2}}\n</tool_call>"));
+  EXPECT_TRUE(Complete(g, "<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\":1,\"b\":2}}\n</tool_call>"));
+  EXPECT_TRUE(Complete(g, "<tool_call>\n{\"name\": \"tree\", \"arguments\": {\"kids\": [{\"kids\": []}]}}\n</tool_call>"));
+  EXPECT_TRUE(Complete(g, "<tool_call>\n{\"name\": \"any\", \"arguments\": {\"x\": [1, \"y\"]}}\n</tool_call>"));
+  EXPECT_FALSE(Complete(g, "<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 1}}\n</tool_call>"));
+  EXPECT_FALSE(Complete(g, "<tool_call>\n{\"name\": \"sub\", \"arguments\": {}}\n</tool_call>"));
+  EXPECT_FALSE(Complete(g, "<tool_call>\n{\"name\": \"any\", \"arguments\": []}\n</tool_call>"));
+  EXPECT_FALSE(Complete(g, "Sure! <tool_call>"));
+  const std::string one = "<tool_call>\n{\"name\": \"any\", \"arguments\": {}}\n</tool_call>";
+  EXPECT_FALSE(Complete(g, one + "\n" + one));
+  // Complete after one call: nothing more is allowed (generation stops).
+  Matcher m(g);
+  ASSERT_TRUE(m.Advance(one));
+  EXPECT_TRUE(m.state().complete());
+
+  std::string parallel = kTools;
+  parallel.replace(parallel.find("false"), 5, "true");
+  absl::StatusOr<CompiledSchema> p = CompileToolCalls(parallel, {});
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_TRUE(Complete(p->grammar, one + "\n" + one + "\n" + one));
+  EXPECT_FALSE(Complete(p->grammar, one + one));
+  std::mt19937 rng(7);
+  for (int i = 0; i < 50; ++i) {
+    const std::string walk = RandomWalk(p->grammar, &rng);
+    ASSERT_TRUE(absl::StartsWith(walk, "<tool_call>\n{\"name\": \"")) << walk;
+    ASSERT_TRUE(absl::EndsWith(walk, "}\n</tool_call>")) << walk;
+  }
+}
+
+TEST(ToolCallGrammarTest, BadToolsAreRefusedNamingTheTool) {
+  EXPECT_THAT(CompileToolCalls(R"({"parallel": true, "tools": [{"name": "ok"}, {"name": "bad name"}]})", {})
+                  .status()
+                  .message(),
+              ::testing::HasSubstr("tools[1].function.name: must be 1 to 64"));
+  EXPECT_THAT(CompileToolCalls(
+                  R"({"parallel": true, "tools": [{"name": "f", "parameters": {"type": "string", "pattern": "x"}}]})", {})
+                  .status()
+                  .message(),
+              ::testing::HasSubstr("tools[0].function.parameters: schema at #: 'pattern' is not supported"));
+  EXPECT_FALSE(CompileToolCalls(R"({"parallel": true, "tools": []})", {}).ok());
+  EXPECT_FALSE(CompileToolCalls("[]", {}).ok());
+  SchemaOptions tight;
+  tight.max_nodes = 200;
+  EXPECT_EQ(CompileToolCalls(kTools, tight).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(IsToolName("get_weather-2"));
+  EXPECT_FALSE(IsToolName(std::string(65, 'a')));
+  EXPECT_FALSE(IsToolName("a\"b"));
 }
 
 }  // namespace

@@ -3,10 +3,63 @@
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "google/protobuf/unknown_field_set.h"
+#include "grammar/json_schema.h"
+#include "nlohmann/json.hpp"
 
 namespace pdserve::router {
+namespace {
+
+using ordered_json = nlohmann::ordered_json;
+
+// A request's tools as the template shows them, and the spec of the
+// grammar their calls follow (CompileToolCalls).
+struct ResolvedTools {
+  std::vector<std::string> shown;  // JinjaJson of {"type": "function", "function": {...}}
+  ordered_json specs = ordered_json::array();  // {"name", "parameters"} each
+};
+
+absl::StatusOr<ResolvedTools> ResolveTools(const v1::GenerateRequest& req, int32_t max_tools) {
+  ResolvedTools out;
+  if (req.tools_size() > max_tools) {
+    return absl::InvalidArgumentError(absl::StrCat("tools: ", req.tools_size(), " tools, more than ", max_tools));
+  }
+  absl::flat_hash_set<std::string> names;
+  for (int i = 0; i < req.tools_size(); ++i) {
+    const v1::Tool& t = req.tools(i);
+    const std::string at = absl::StrCat("tools[", i, "].function");
+    if (!grammar::IsToolName(t.name())) {
+      return absl::InvalidArgumentError(absl::StrCat(at, ".name: must be 1 to 64 of A-Z, a-z, 0-9, _ and -"));
+    }
+    if (!names.insert(t.name()).second) {
+      return absl::InvalidArgumentError(absl::StrCat(at, ".name: '", t.name(), "' is given twice"));
+    }
+    ordered_json fn = {{"name", t.name()}};
+    if (!t.description().empty()) fn["description"] = t.description();
+    ordered_json spec = {{"name", t.name()}};
+    if (!t.parameters().empty()) {
+      if (absl::Status st = grammar::CheckJsonDepth(t.parameters(), 32); !st.ok()) {
+        return absl::InvalidArgumentError(absl::StrCat(at, ".parameters: ", st.message()));
+      }
+      ordered_json params = ordered_json::parse(t.parameters(), nullptr, /*allow_exceptions=*/false);
+      if (params.is_discarded() || !params.is_object()) {
+        return absl::InvalidArgumentError(absl::StrCat(at, ".parameters: must be a JSON Schema object"));
+      }
+      fn["parameters"] = params;
+      spec["parameters"] = std::move(params);
+    }
+    absl::StatusOr<std::string> shown = tok::JinjaJson(ordered_json({{"type", "function"}, {"function", fn}}).dump());
+    if (!shown.ok()) return shown.status();
+    out.shown.push_back(*std::move(shown));
+    out.specs.push_back(std::move(spec));
+  }
+  return out;
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<RequestResolver>> RequestResolver::Create(const std::string& model_dir,
                                                                          std::string model_name,
@@ -64,6 +117,25 @@ absl::StatusOr<GenerationRequest> RequestResolver::Resolve(const v1::GenerateReq
     return absl::InvalidArgumentError(
         absl::StrCat("unknown field number ", unknown.field(0).number(), " (not part of pdserve.v1.GenerateRequest)"));
   }
+  absl::StatusOr<ResolvedTools> resolved_tools = ResolveTools(req, lim.max_tools);
+  if (!resolved_tools.ok()) return resolved_tools.status();
+  const ResolvedTools& tools = *resolved_tools;
+  int64_t chat_bytes_with_tools = chat_bytes;
+  for (const std::string& t : tools.shown) chat_bytes_with_tools += static_cast<int64_t>(t.size());
+  if (req.tools_size() > 0 && req.prompt_case() != v1::GenerateRequest::kChat) {
+    return absl::InvalidArgumentError("tools: only a chat prompt carries tools");
+  }
+  const bool named = req.tool_choice().choice_case() == v1::ToolChoice::kFunction;
+  const bool required = req.tool_choice().choice_case() == v1::ToolChoice::kMode &&
+                        req.tool_choice().mode() == v1::ToolChoice::MODE_REQUIRED;
+  if (req.has_tool_choice() && req.tools_size() == 0) {
+    return absl::InvalidArgumentError("tool_choice: given without tools");
+  }
+  if ((named || required) && req.has_response_format() &&
+      req.response_format().format_case() != v1::ResponseFormat::FORMAT_NOT_SET) {
+    return absl::InvalidArgumentError(
+        "tool_choice: a required or named tool call cannot be combined with a response_format");
+  }
   GenerationRequest r;
   switch (req.prompt_case()) {
     case v1::GenerateRequest::kText: {
@@ -81,17 +153,51 @@ absl::StatusOr<GenerationRequest> RequestResolver::Resolve(const v1::GenerateReq
       std::vector<tok::ChatMessage> messages;
       for (int i = 0; i < req.chat().messages_size(); ++i) {
         const v1::ChatMessage& m = req.chat().messages(i);
-        // The API's three roles (the HTTP API's "developer" arrives as
+        const std::string at = absl::StrCat("chat.messages[", i, "]");
+        // The API's four roles (the HTTP API's "developer" arrives as
         // "system"), whatever else a template could render.
-        if (m.role() != "system" && m.role() != "user" && m.role() != "assistant") {
-          return absl::InvalidArgumentError(
-              absl::StrCat("chat.messages[", i, "].role: must be system, user or assistant"));
+        if (m.role() != "system" && m.role() != "user" && m.role() != "assistant" && m.role() != "tool") {
+          return absl::InvalidArgumentError(absl::StrCat(at, ".role: must be system, user, assistant or tool"));
         }
-        messages.push_back({m.role(), m.content()});
+        if (m.role() == "tool" && !tok::FamilyHasTools(chat_format_->family)) {
+          return absl::InvalidArgumentError(absl::StrCat(at, ".role: the ", tok::ChatFamilyName(chat_format_->family),
+                                                         " chat template has no tool messages"));
+        }
+        tok::ChatMessage msg{m.role(), m.content()};
+        for (int k = 0; k < m.tool_calls_size(); ++k) {
+          const v1::ToolCall& call = m.tool_calls(k);
+          const std::string cat = absl::StrCat(at, ".tool_calls[", k, "]");
+          if (m.role() != "assistant") {
+            return absl::InvalidArgumentError(absl::StrCat(cat, ": only an assistant message holds tool calls"));
+          }
+          if (!grammar::IsToolName(call.name())) {
+            return absl::InvalidArgumentError(absl::StrCat(cat, ".function.name: must be 1 to 64 of A-Z, a-z, 0-9, _ and -"));
+          }
+          // Shown as the template's tojson prints an object, as the model
+          // writes calls (and as vLLM passes arguments to templates).
+          absl::Status depth = grammar::CheckJsonDepth(call.arguments(), 32);
+          absl::StatusOr<std::string> args =
+              depth.ok() ? tok::JinjaJson(call.arguments()) : absl::StatusOr<std::string>(depth);
+          if (!args.ok() || args->empty() || (*args)[0] != '{') {
+            return absl::InvalidArgumentError(absl::StrCat(cat, ".function.arguments: must be the JSON text of an object"));
+          }
+          chat_bytes_with_tools += static_cast<int64_t>(call.arguments().size());
+          msg.tool_calls.push_back({call.name(), *std::move(args)});
+        }
+        messages.push_back(std::move(msg));
       }
-      absl::StatusOr<tok::RenderedChat> rendered = tok::RenderChatWithContent(
-          *chat_format_, messages, /*add_generation_prompt=*/true, tokenizer_->bos_token(), tokenizer_->eos_token());
-      if (!rendered.ok()) return absl::InvalidArgumentError(absl::StrCat("chat.", rendered.status().message()));
+      if (chat_bytes_with_tools > lim.max_text_bytes) {
+        return absl::InvalidArgumentError(absl::StrCat("chat.messages: ", chat_bytes_with_tools,
+                                                       " bytes of content, tool calls and tools, more than ",
+                                                       lim.max_text_bytes));
+      }
+      absl::StatusOr<tok::RenderedChat> rendered =
+          tok::RenderChatWithContent(*chat_format_, messages, /*add_generation_prompt=*/true, tokenizer_->bos_token(),
+                                     tokenizer_->eos_token(), tools.shown);
+      if (!rendered.ok()) {
+        const bool about_tools = absl::StartsWith(rendered.status().message(), "tools");
+        return absl::InvalidArgumentError(absl::StrCat(about_tools ? "" : "chat.", rendered.status().message()));
+      }
       // The template's markers are special tokens; the messages' words are
       // text even where they spell a marker, so no message can end its turn
       // or open another.
@@ -161,6 +267,29 @@ absl::StatusOr<GenerationRequest> RequestResolver::Resolve(const v1::GenerateReq
     }
     case v1::ResponseFormat::FORMAT_NOT_SET:
       break;
+  }
+  if (req.tools_size() > 0) {
+    // Every tool's schema is checked, whatever the choice; a required or
+    // named call is generated under the grammar of the tools it may call.
+    ordered_json spec = {{"parallel", req.has_parallel_tool_calls() ? req.parallel_tool_calls() : true},
+                         {"tools", tools.specs}};
+    absl::StatusOr<std::shared_ptr<const grammar::Constraint>> all = grammars_->ToolCalls(spec.dump());
+    if (!all.ok()) return all.status();
+    if (required) r.constraint = *std::move(all);
+    if (named) {
+      const std::string& want = req.tool_choice().function();
+      ordered_json one = ordered_json::array();
+      for (const auto& t : tools.specs) {
+        if (t["name"] == want) one.push_back(t);
+      }
+      if (one.empty()) {
+        return absl::InvalidArgumentError(absl::StrCat("tool_choice.function.name: '", want, "' is not one of the tools"));
+      }
+      absl::StatusOr<std::shared_ptr<const grammar::Constraint>> c =
+          grammars_->ToolCalls(ordered_json({{"parallel", false}, {"tools", one}}).dump());
+      if (!c.ok()) return c.status();
+      r.constraint = *std::move(c);
+    }
   }
   p.max_tokens = static_cast<int32_t>(max_tokens);
   p.ignore_eos = req.ignore_eos();

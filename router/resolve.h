@@ -33,6 +33,7 @@ struct RequestLimits {
   int32_t max_stop_bytes = 256;
   int32_t max_stop_token_ids = 64;
   int32_t max_request_id_bytes = 128;
+  int32_t max_tools = 128;
 };
 
 class RequestResolver {

@@ -157,6 +157,120 @@ absl::Status DecodePrompt(const json& v, v1::GenerateRequest& g) {
   return absl::OkStatus();
 }
 
+// [{"id", "type": "function", "function": {"name", "arguments"}}, ...], the
+// arguments being JSON text (router/resolve.h checks it is an object's).
+absl::Status DecodeToolCalls(const std::string& param, const json& v, v1::ChatMessage& out) {
+  if (!v.is_array()) return Bad(param, "must be an array of tool calls");
+  for (size_t k = 0; k < v.size(); ++k) {
+    const std::string at = absl::StrCat(param, "[", k, "]");
+    const json& c = v[k];
+    if (!c.is_object()) return Bad(at, "must be an object");
+    v1::ToolCall* call = out.add_tool_calls();
+    bool has_function = false;
+    for (auto it = c.begin(); it != c.end(); ++it) {
+      const std::string field = at + "." + it.key();
+      if (it.key() == "id") {
+        std::string id;
+        PDSERVE_ASSIGN(id, String(field, it.value()));
+        call->set_id(id);
+      } else if (it.key() == "type") {
+        if (it.value() != "function") return Bad(field, "must be \"function\"");
+      } else if (it.key() == "function") {
+        const json& f = it.value();
+        if (!f.is_object()) return Bad(field, "must be an object with name and arguments");
+        for (auto ft = f.begin(); ft != f.end(); ++ft) {
+          const std::string ff = field + "." + ft.key();
+          std::string text;
+          if (ft.key() == "name") {
+            PDSERVE_ASSIGN(text, String(ff, ft.value()));
+            call->set_name(text);
+          } else if (ft.key() == "arguments") {
+            PDSERVE_ASSIGN(text, String(ff, ft.value()));
+            call->set_arguments(text);
+          } else {
+            return Bad(ff, "unknown field");
+          }
+        }
+        has_function = true;
+      } else {
+        return Bad(field, "unknown field");
+      }
+    }
+    if (!has_function || call->name().empty()) return Bad(at + ".function.name", "required");
+    if (call->arguments().empty()) call->set_arguments("{}");
+  }
+  return absl::OkStatus();
+}
+
+// [{"type": "function", "function": {"name", "description", "parameters",
+// "strict"}}, ...]; the schemas are checked where they compile
+// (router/resolve.h).
+absl::Status DecodeTools(const json& v, v1::GenerateRequest& g) {
+  if (!v.is_array()) return Bad("tools", "must be an array of tools");
+  for (size_t i = 0; i < v.size(); ++i) {
+    const std::string at = absl::StrCat("tools[", i, "]");
+    const json& t = v[i];
+    if (!t.is_object()) return Bad(at, "must be an object");
+    if (!t.contains("type") || t["type"] != "function") return Bad(at + ".type", "must be \"function\"");
+    v1::Tool* tool = g.add_tools();
+    for (auto it = t.begin(); it != t.end(); ++it) {
+      if (it.key() == "type") continue;
+      if (it.key() != "function") return Bad(at + "." + it.key(), "unknown field");
+      const json& f = it.value();
+      if (!f.is_object()) return Bad(at + ".function", "must be an object");
+      for (auto ft = f.begin(); ft != f.end(); ++ft) {
+        const std::string ff = at + ".function." + ft.key();
+        std::string text;
+        if (ft.key() == "name") {
+          PDSERVE_ASSIGN(text, String(ff, ft.value()));
+          tool->set_name(text);
+        } else if (ft.key() == "description") {
+          PDSERVE_ASSIGN(text, String(ff, ft.value()));
+          tool->set_description(text);
+        } else if (ft.key() == "parameters") {
+          if (!ft.value().is_object()) return Bad(ff, "must be a JSON Schema object");
+          tool->set_parameters(ft.value().dump());
+        } else if (ft.key() == "strict") {
+          // Accepted: every call of a required or named tool follows its
+          // schema exactly whatever its value.
+          if (!ft.value().is_null() && !ft.value().is_boolean()) return Bad(ff, "must be true or false");
+        } else {
+          return Bad(ff, "unknown field");
+        }
+      }
+    }
+    if (tool->name().empty()) return Bad(at + ".function.name", "required");
+  }
+  return absl::OkStatus();
+}
+
+// "none", "auto", "required" or {"type": "function", "function": {"name"}}.
+absl::Status DecodeToolChoice(const json& v, v1::GenerateRequest& g) {
+  v1::ToolChoice* c = g.mutable_tool_choice();
+  if (v.is_string()) {
+    const std::string mode = v.get<std::string>();
+    if (mode == "none") {
+      c->set_mode(v1::ToolChoice::MODE_NONE);
+    } else if (mode == "auto") {
+      c->set_mode(v1::ToolChoice::MODE_AUTO);
+    } else if (mode == "required") {
+      c->set_mode(v1::ToolChoice::MODE_REQUIRED);
+    } else {
+      return Bad("tool_choice", "must be none, auto, required or {\"type\": \"function\", \"function\": {\"name\"}}");
+    }
+    return absl::OkStatus();
+  }
+  if (!v.is_object() || !v.contains("type") || v["type"] != "function" || !v.contains("function") ||
+      !v["function"].is_object() || !v["function"].contains("name") || !v["function"]["name"].is_string()) {
+    return Bad("tool_choice", "must be none, auto, required or {\"type\": \"function\", \"function\": {\"name\"}}");
+  }
+  for (auto it = v.begin(); it != v.end(); ++it) {
+    if (it.key() != "type" && it.key() != "function") return Bad("tool_choice." + it.key(), "unknown field");
+  }
+  c->set_function(v["function"]["name"].get<std::string>());
+  return absl::OkStatus();
+}
+
 absl::Status DecodeMessages(const json& v, const DecodeLimits& limits, v1::GenerateRequest& g) {
   if (!v.is_array()) return Bad("messages", "must be an array of messages");
   if (v.empty()) return Bad("messages", "empty");
@@ -175,8 +289,9 @@ absl::Status DecodeMessages(const json& v, const DecodeLimits& limits, v1::Gener
         std::string role;
         PDSERVE_ASSIGN(role, String(param, value));
         if (role == "developer") role = "system";  // the newer name for the same thing
-        if (role != "system" && role != "user" && role != "assistant") {
-          return Bad(param, absl::StrCat("'", role, "' is not supported (system, developer, user or assistant)"));
+        if (role != "system" && role != "user" && role != "assistant" && role != "tool") {
+          return Bad(param,
+                     absl::StrCat("'", role, "' is not supported (system, developer, user, assistant or tool)"));
         }
         out->set_role(role);
         has_role = true;
@@ -204,13 +319,22 @@ absl::Status DecodeMessages(const json& v, const DecodeLimits& limits, v1::Gener
         out->set_content(std::move(text));
       } else if (value.is_null()) {
         continue;
+      } else if (key == "tool_calls") {
+        if (absl::Status st = DecodeToolCalls(param, value, *out); !st.ok()) return st;
+      } else if (key == "tool_call_id") {
+        std::string id;
+        PDSERVE_ASSIGN(id, String(param, value));
+        out->set_tool_call_id(id);
       } else {
-        // name, tool_calls, tool_call_id, audio...: each would change what
-        // the model sees.
+        // name, audio, refusal...: each would change what the model sees.
         return Bad(param, "not supported");
       }
     }
     if (!has_role) return Bad(at + ".role", "required");
+    if (out->tool_calls_size() > 0 && out->role() != "assistant") {
+      return Bad(at + ".tool_calls", "only an assistant message holds tool calls");
+    }
+    if (out->role() == "tool" && out->tool_call_id().empty()) return Bad(at + ".tool_call_id", "required");
   }
   return absl::OkStatus();
 }
@@ -372,6 +496,13 @@ absl::StatusOr<OpenAiRequest> DecodeRequest(Endpoint endpoint, absl::string_view
       if (!sfx.empty()) return Bad(key, "not supported");
     } else if (key == "response_format" && chat) {
       if (absl::Status st = DecodeResponseFormat(v, g); !st.ok()) return st;
+    } else if (key == "tools" && chat) {
+      if (absl::Status st = DecodeTools(v, g); !st.ok()) return st;
+    } else if (key == "tool_choice" && chat) {
+      if (absl::Status st = DecodeToolChoice(v, g); !st.ok()) return st;
+    } else if (key == "parallel_tool_calls" && chat) {
+      PDSERVE_ASSIGN(b, Bool(key, v));
+      g.set_parallel_tool_calls(b);
     } else if (key == "tools" || key == "tool_choice" || key == "functions" || key == "function_call" ||
                key == "prediction" || key == "audio" || key == "modalities" || key == "web_search_options" ||
                key == "reasoning_effort") {

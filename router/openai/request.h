@@ -68,7 +68,7 @@ struct OpenAiRequest {
 };
 
 // Fields accepted because they cannot change the output.
-inline constexpr const char* kIgnoredFields[] = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"};
+inline constexpr const char* kIgnoredFields[] = {"user", "metadata", "store", "service_tier"};
 
 // Errors: INVALID_ARGUMENT with the field in ParamOf and in the message
 // ("temperature: must be a number"), for malformed JSON ("body: ..."), too

@@ -25,6 +25,7 @@ const char* FinishName(v1::FinishReason f) {
   switch (f) {
     case v1::FINISH_REASON_STOP: return "stop";
     case v1::FINISH_REASON_LENGTH: return "length";
+    case v1::FINISH_REASON_TOOL_CALLS: return "tool_calls";
     default: return nullptr;
   }
 }
@@ -99,6 +100,11 @@ ResponseWriter::ResponseWriter(const OpenAiRequest& request, std::string id, int
       created_(created),
       model_(std::move(model)),
       tokenizer_(tokenizer) {
+  if (endpoint_ == Endpoint::kChatCompletions && ParsesToolCalls(request.generate)) {
+    // Call ids follow the response's: "chatcmpl-X" makes "call_X_0", ...
+    const size_t dash = id_.find('-');
+    tools_.emplace(absl::StrCat("call_", dash == std::string::npos ? id_ : id_.substr(dash + 1)));
+  }
   json head = {{"id", id_},
                {"object", endpoint_ == Endpoint::kChatCompletions ? "chat.completion.chunk" : "text_completion"},
                {"created", created_},
@@ -158,6 +164,34 @@ json LogprobsJson(Endpoint endpoint, const auto& entries) {
 
 }  // namespace
 
+namespace {
+
+// A stream delta's tool_calls: a call begun carries its id, type and name.
+json CallPiecesJson(const std::vector<ToolCallParser::CallPiece>& pieces) {
+  json out = json::array();
+  for (const ToolCallParser::CallPiece& p : pieces) {
+    if (p.begins) {
+      out.push_back({{"index", p.index},
+                     {"id", p.id},
+                     {"type", "function"},
+                     {"function", {{"name", p.name}, {"arguments", p.arguments}}}});
+    } else {
+      out.push_back({{"index", p.index}, {"function", {{"arguments", p.arguments}}}});
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+const char* ResponseWriter::Finish(const v1::GenerateFinal& final) const {
+  // A stop after calls is the calls' end; a length cut is still a length.
+  if (tools_.has_value() && !tools_->calls().empty() && final.finish_reason() == v1::FINISH_REASON_STOP) {
+    return "tool_calls";
+  }
+  return FinishName(final.finish_reason());
+}
+
 std::string ResponseWriter::Chunk(const std::string& choice_json) const {
   return absl::StrCat(chunk_head_, choice_json, "]}\n\n");
 }
@@ -173,7 +207,13 @@ std::string ResponseWriter::ChunkEvents(const v1::TokenChunk& chunk) {
   const std::vector<Entry> entries = Entries(chunk);
   json choice = {{"index", 0}, {"finish_reason", nullptr},
                  {"logprobs", logprobs_ ? LogprobsJson(endpoint_, entries) : json(nullptr)}};
-  if (chat) {
+  if (chat && tools_.has_value()) {
+    const ToolCallParser::Delta d = tools_->Feed(chunk.text());
+    if (d.empty() && entries.empty()) return out;  // all held back, nothing to say yet
+    choice["delta"] = json::object();
+    if (!d.content.empty() || d.calls.empty()) choice["delta"]["content"] = d.content;
+    if (!d.calls.empty()) choice["delta"]["tool_calls"] = CallPiecesJson(d.calls);
+  } else if (chat) {
     choice["delta"] = {{"content", chunk.text()}};
   } else {
     choice["text"] = chunk.text();
@@ -184,7 +224,18 @@ std::string ResponseWriter::ChunkEvents(const v1::TokenChunk& chunk) {
 std::string ResponseWriter::FinalEvents(const v1::GenerateFinal& final) {
   std::string out;
   const bool chat = endpoint_ == Endpoint::kChatCompletions;
-  const char* finish = FinishName(final.finish_reason());
+  if (tools_.has_value() && final.finish_reason() != v1::FINISH_REASON_ERROR &&
+      final.finish_reason() != v1::FINISH_REASON_CANCELLED) {
+    if (chat && !role_sent_) out += ChunkEvents(v1::TokenChunk());
+    const ToolCallParser::Delta d = tools_->Finish();
+    if (!d.empty()) {
+      json delta = json::object();
+      if (!d.content.empty()) delta["content"] = d.content;
+      if (!d.calls.empty()) delta["tool_calls"] = CallPiecesJson(d.calls);
+      out += Chunk(Dump({{"index", 0}, {"delta", delta}, {"logprobs", nullptr}, {"finish_reason", nullptr}}));
+    }
+  }
+  const char* finish = Finish(final);
   if (finish == nullptr) {
     // The request failed or was cancelled after the stream began: OpenAI's
     // streams carry an error object in a data event.
@@ -214,18 +265,29 @@ std::string ResponseWriter::FinalEvents(const v1::GenerateFinal& final) {
 }
 
 void ResponseWriter::Add(const v1::TokenChunk& chunk) {
-  text_ += chunk.text();
+  text_ += tools_.has_value() ? tools_->Feed(chunk.text()).content : chunk.text();
   std::vector<Entry> e = Entries(chunk);
   entries_.insert(entries_.end(), std::make_move_iterator(e.begin()), std::make_move_iterator(e.end()));
 }
 
-std::string ResponseWriter::Body(const v1::GenerateFinal& final) const {
+std::string ResponseWriter::Body(const v1::GenerateFinal& final) {
   const bool chat = endpoint_ == Endpoint::kChatCompletions;
-  const char* finish = FinishName(final.finish_reason());
+  if (tools_.has_value()) text_ += tools_->Finish().content;
+  const char* finish = Finish(final);
   json choice = {{"index", 0}, {"finish_reason", finish == nullptr ? json(nullptr) : json(finish)},
                  {"logprobs", logprobs_ ? LogprobsJson(endpoint_, entries_) : json(nullptr)}};
   if (chat) {
     choice["message"] = {{"role", "assistant"}, {"content", text_}};
+    if (tools_.has_value() && !tools_->calls().empty()) {
+      json calls = json::array();
+      for (const v1::ToolCall& c : tools_->calls()) {
+        calls.push_back({{"id", c.id()},
+                         {"type", "function"},
+                         {"function", {{"name", c.name()}, {"arguments", c.arguments()}}}});
+      }
+      choice["message"]["tool_calls"] = std::move(calls);
+      if (text_.empty()) choice["message"]["content"] = nullptr;
+    }
   } else {
     choice["text"] = text_;
   }

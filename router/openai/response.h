@@ -10,13 +10,17 @@
 // logprobs.content[] with token, logprob, bytes and top_logprobs). A
 // token's text shows invalid UTF-8 (a token that is part of a character) as
 // U+FFFD; its raw bytes are in "bytes". pdserve's seed and timings go in an
-// extra "pdserve" object that standard clients ignore.
+// extra "pdserve" object that standard clients ignore. A chat with tools
+// returns the calls its output makes as message.tool_calls (streamed as
+// delta.tool_calls: id, type and name first, then the arguments in
+// pieces) with finish_reason "tool_calls".
 //
 // Thread safety: a ResponseWriter belongs to one request.
 #ifndef PDSERVE_ROUTER_OPENAI_RESPONSE_H_
 #define PDSERVE_ROUTER_OPENAI_RESPONSE_H_
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -26,6 +30,7 @@
 #include "text/tokenizer.h"
 #include "pdserve/v1/generation.pb.h"
 #include "router/openai/request.h"
+#include "router/tool_calls.h"
 
 namespace pdserve::router::openai {
 
@@ -51,7 +56,7 @@ class ResponseWriter {
 
   // Not streaming: collects chunks, then the whole JSON body.
   void Add(const v1::TokenChunk& chunk);
-  std::string Body(const v1::GenerateFinal& final) const;
+  std::string Body(const v1::GenerateFinal& final);
 
  private:
   // One token's logprob entry, as both endpoints need it.
@@ -69,6 +74,9 @@ class ResponseWriter {
   // The chunk JSON around `choice` (usage null when the client asked for
   // usage: every chunk but the last carries the field).
   std::string Chunk(const std::string& choice_json) const;
+  // The OpenAI finish_reason ("tool_calls" when the output ended with
+  // calls), or nullptr for a failed or cancelled request.
+  const char* Finish(const v1::GenerateFinal& final) const;
 
   const Endpoint endpoint_;
   const bool logprobs_;
@@ -85,6 +93,9 @@ class ResponseWriter {
   int64_t text_bytes_ = 0;  // completions' text_offset runs over the whole text
   std::string text_;        // not streaming: everything so far
   std::vector<Entry> entries_;
+  // Chat with tools (and tool_choice not "none"): the output read for
+  // calls (router/tool_calls.h), streamed as OpenAI streams them.
+  std::optional<ToolCallParser> tools_;
 };
 
 // {"error": {"message", "type", "param", "code"}} for `status`, and the

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 
 namespace pdserve::router::openai {
@@ -89,8 +90,19 @@ TEST(OpenAiRequestTest, AChatJoinsTextPartsAndMapsDeveloperToSystem) {
 
 TEST(OpenAiRequestTest, FieldsThatWouldChangeTheOutputAreRefusedByName) {
   const std::string msgs = R"("messages": [{"role": "user", "content": "x"}])";
-  ExpectRefused(Chat("{" + msgs + R"(, "tools": [{"type": "function"}]})"), "tools", "not supported");
-  ExpectRefused(Chat("{" + msgs + R"(, "tool_choice": "auto"})"), "tool_choice");
+  ExpectRefused(Chat("{" + msgs + R"(, "tools": [{"type": "function"}]})"), "tools[0].function.name", "required");
+  ExpectRefused(Chat("{" + msgs + R"(, "tools": [{"type": "code_interpreter"}]})"), "tools[0].type");
+  ExpectRefused(Chat("{" + msgs + R"(, "tools": [{"type": "function", "function": {"name": "f", "parameters": 1}}]})"),
+                "tools[0].function.parameters");
+  ExpectRefused(Chat("{" + msgs + R"(, "tool_choice": "sometimes"})"), "tool_choice");
+  ExpectRefused(Chat("{" + msgs + R"(, "tool_choice": {"type": "function"}})"), "tool_choice");
+  ExpectRefused(Completion(R"({"prompt": "x", "tools": []})"), "tools", "not supported");
+  ExpectRefused(Chat(R"({"messages": [{"role": "user", "content": "x", "tool_calls": [{"type": "function",
+                "function": {"name": "f"}}]}]})"),
+                "messages[0].tool_calls", "only an assistant");
+  ExpectRefused(Chat(R"({"messages": [{"role": "assistant", "tool_calls": [{"type": "function",
+                "function": {"arguments": "{}"}}]}]})"),
+                "messages[0].tool_calls[0].function.name", "required");
   ExpectRefused(Chat("{" + msgs + R"(, "response_format": {"type": "xml"}})"), "response_format.type");
   ExpectRefused(Chat("{" + msgs + R"(, "response_format": {"type": "json_schema"}})"), "response_format.json_schema",
                 "required");
@@ -107,7 +119,8 @@ TEST(OpenAiRequestTest, FieldsThatWouldChangeTheOutputAreRefusedByName) {
   ExpectRefused(Chat(R"({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]})"),
                 "messages[0].content[0].type", "'image_url' parts are not supported");
   ExpectRefused(Chat(R"({"messages": [{"role": "user", "content": "x", "name": "bob"}]})"), "messages[0].name");
-  ExpectRefused(Chat(R"({"messages": [{"role": "tool", "content": "x"}]})"), "messages[0].role");
+  ExpectRefused(Chat(R"({"messages": [{"role": "tool", "content": "x"}]})"), "messages[0].tool_call_id", "required");
+  ExpectRefused(Chat(R"({"messages": [{"role": "robot", "content": "x"}]})"), "messages[0].role");
   ExpectRefused(Completion(R"({"prompt": "x", "best_of": 2})"), "best_of");
   ExpectRefused(Completion(R"({"prompt": "x", "echo": true})"), "echo");
   ExpectRefused(Completion(R"({"prompt": "x", "suffix": "end"})"), "suffix");
@@ -134,6 +147,36 @@ TEST(OpenAiRequestTest, ResponseFormatsMapToTheRequestWithTheSchemasKeyOrderKept
   r = Chat("{" + msgs + R"(, "response_format": {"type": "text"}})");
   ASSERT_TRUE(r.ok());
   EXPECT_FALSE(r->generate.has_response_format());
+}
+
+TEST(OpenAiRequestTest, ToolsToolChoiceAndToolMessagesMapToTheRequest) {
+  absl::StatusOr<OpenAiRequest> r = Chat(R"({"messages": [
+      {"role": "user", "content": "Add 1 and 2"},
+      {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+        "function": {"name": "add", "arguments": "{\"a\": 1, \"b\": 2}"}}]},
+      {"role": "tool", "tool_call_id": "call_1", "content": "3"}],
+    "tools": [{"type": "function", "function": {"name": "add", "description": "Adds.", "strict": true,
+      "parameters": {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "integer"}}}}}],
+    "tool_choice": {"type": "function", "function": {"name": "add"}}, "parallel_tool_calls": false})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  const v1::GenerateRequest& g = r->generate;
+  ASSERT_EQ(g.tools_size(), 1);
+  EXPECT_EQ(g.tools(0).name(), "add");
+  EXPECT_EQ(g.tools(0).description(), "Adds.");
+  EXPECT_EQ(g.tools(0).parameters(), R"({"type":"object","properties":{"b":{"type":"integer"},"a":{"type":"integer"}}})");
+  EXPECT_EQ(g.tool_choice().function(), "add");
+  EXPECT_FALSE(g.parallel_tool_calls());
+  ASSERT_EQ(g.chat().messages_size(), 3);
+  ASSERT_EQ(g.chat().messages(1).tool_calls_size(), 1);
+  EXPECT_EQ(g.chat().messages(1).tool_calls(0).id(), "call_1");
+  EXPECT_EQ(g.chat().messages(1).tool_calls(0).arguments(), R"({"a": 1, "b": 2})");
+  EXPECT_EQ(g.chat().messages(2).role(), "tool");
+  EXPECT_EQ(g.chat().messages(2).tool_call_id(), "call_1");
+  for (const char* choice : {"\"none\"", "\"auto\"", "\"required\""}) {
+    r = Chat(absl::StrCat(R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": )", choice, "}"));
+    ASSERT_TRUE(r.ok()) << choice;
+    EXPECT_TRUE(r->generate.has_tool_choice());
+  }
 }
 
 TEST(OpenAiRequestTest, FieldsThatCannotChangeTheOutputAreAccepted) {

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -205,6 +206,71 @@ TEST(OpenAiErrorTest, StatusesMapToOpenAiErrorsAndHttpCodes) {
   EXPECT_EQ(ErrorFor(absl::UnavailableError("no healthy decode worker")).status, 503);
   EXPECT_EQ(ErrorFor(absl::InternalError("x")).status, 500);
   EXPECT_TRUE(json::parse(ErrorFor(absl::InternalError("x")).body)["error"]["param"].is_null());
+}
+
+// A chat with tools: calls come back as tool_calls (streamed: id, type and
+// name first, then the arguments in pieces) with finish_reason
+// "tool_calls"; text around them is content.
+TEST_F(OpenAiResponseTest, ToolCallsStreamAsDeltasAndReturnWhole) {
+  OpenAiRequest req = Request(Endpoint::kChatCompletions);
+  req.generate.add_tools()->set_name("add");
+  const std::vector<std::string> pieces = {"<tool_", "call>\n{\"name\": \"add\", \"argu", "ments\": {\"a\": ",
+                                           "1}}\n</tool_call>"};
+  ResponseWriter stream(req, "chatcmpl-7", 1, "m", tokenizer_.get());
+  std::string events;
+  for (const std::string& p : pieces) events += stream.ChunkEvents(Chunk(p, {1}));
+  events += stream.FinalEvents(Final(v1::FINISH_REASON_STOP));
+  std::string arguments;
+  int headers = 0;
+  std::string finish;
+  for (const json& e : Events(events)) {
+    if (!e.is_object() || e["choices"].empty()) continue;
+    const json& choice = e["choices"][0];
+    if (!choice["finish_reason"].is_null()) finish = choice["finish_reason"];
+    const json& delta = choice["delta"];
+    if (delta.contains("content") && delta["content"].is_string()) {
+      EXPECT_EQ(delta["content"], "");
+    }
+    if (!delta.contains("tool_calls")) continue;
+    for (const json& c : delta["tool_calls"]) {
+      EXPECT_EQ(c["index"], 0);
+      if (c.contains("id")) {
+        ++headers;
+        EXPECT_EQ(c["id"], "call_7_0");
+        EXPECT_EQ(c["type"], "function");
+        EXPECT_EQ(c["function"]["name"], "add");
+      }
+      arguments += c["function"]["arguments"].get<std::string>();
+    }
+  }
+  EXPECT_EQ(headers, 1);
+  EXPECT_EQ(arguments, "{\"a\": 1}");
+  EXPECT_EQ(finish, "tool_calls");
+
+  ResponseWriter whole(req, "chatcmpl-7", 1, "m", tokenizer_.get());
+  whole.Add(Chunk("Sure. ", {1}));
+  for (const std::string& p : pieces) whole.Add(Chunk(p, {1}));
+  const json body = json::parse(whole.Body(Final(v1::FINISH_REASON_STOP)));
+  const json& message = body["choices"][0]["message"];
+  EXPECT_EQ(body["choices"][0]["finish_reason"], "tool_calls");
+  EXPECT_EQ(message["content"], "Sure. ");
+  ASSERT_EQ(message["tool_calls"].size(), 1u);
+  EXPECT_EQ(message["tool_calls"][0]["function"]["arguments"], "{\"a\": 1}");
+
+  // Cut short by max_tokens: still a length, the call as far as it got.
+  ResponseWriter cut(req, "chatcmpl-8", 1, "m", tokenizer_.get());
+  for (size_t i = 0; i + 1 < pieces.size(); ++i) cut.Add(Chunk(pieces[i], {1}));
+  const json cut_body = json::parse(cut.Body(Final(v1::FINISH_REASON_LENGTH)));
+  EXPECT_EQ(cut_body["choices"][0]["finish_reason"], "length");
+  EXPECT_TRUE(cut_body["choices"][0]["message"]["content"].is_null());
+
+  // tool_choice "none": the text is content, as written.
+  req.generate.mutable_tool_choice()->set_mode(v1::ToolChoice::MODE_NONE);
+  ResponseWriter none(req, "chatcmpl-9", 1, "m", tokenizer_.get());
+  for (const std::string& p : pieces) none.Add(Chunk(p, {1}));
+  const json none_body = json::parse(none.Body(Final(v1::FINISH_REASON_STOP)));
+  EXPECT_EQ(none_body["choices"][0]["finish_reason"], "stop");
+  EXPECT_EQ(none_body["choices"][0]["message"]["content"], absl::StrJoin(pieces, ""));
 }
 
 }  // namespace

@@ -118,7 +118,7 @@ TEST_F(ResolveTest, EveryInputIsBoundedAndTheErrorNamesIt) {
 
 // ChatML's markers written into a message are its text: the prompt holds
 // <|im_start|> and <|im_end|> only where the template put them, and an
-// unknown role (ChatML's renderer would take "tool") is refused by name.
+// unknown role is refused by name.
 TEST_F(ResolveTest, ChatMessagesCannotWriteTheTemplatesMarkers) {
   const int32_t im_start = *resolver_->tokenizer().TokenToId("<|im_start|>");
   const int32_t im_end = *resolver_->tokenizer().TokenToId("<|im_end|>");
@@ -134,10 +134,102 @@ TEST_F(ResolveTest, ChatMessagesCannotWriteTheTemplatesMarkers) {
   EXPECT_EQ(std::count(r->prompt.begin(), r->prompt.end(), im_end), 1);
   EXPECT_EQ(*resolver_->tokenizer().Decode(r->prompt),
             "<|im_start|>user\n" + m->content() + "<|im_end|>\n<|im_start|>assistant\n");
-  for (const std::string& role : {std::string("tool"), std::string("narrator"), std::string("developer")}) {
+  for (const std::string& role : {std::string("narrator"), std::string("developer")}) {
     m->set_role(role);
     ExpectField(resolver_->Resolve(req).status(), "chat.messages[0].role");
   }
+}
+
+v1::GenerateRequest ToolRequest() {
+  v1::GenerateRequest req;
+  req.set_max_tokens(8);
+  v1::ChatMessage* m = req.mutable_chat()->add_messages();
+  m->set_role("user");
+  m->set_content("Add 1 and 2.");
+  v1::Tool* t = req.add_tools();
+  t->set_name("add");
+  t->set_description("Adds.");
+  t->set_parameters(R"({"type":"object","properties":{"a":{"type":"integer"},"b":{"type":"integer"}},"required":["a","b"]})");
+  req.add_tools()->set_name("noop");
+  return req;
+}
+
+// Tools go into the prompt in the template's syntax; a required or named
+// call is generated under the grammar of the tools it may call; calls and
+// results in the history render too.
+TEST_F(ResolveTest, ToolsRenderAndRequiredOrNamedCallsAreConstrained) {
+  v1::GenerateRequest req = ToolRequest();
+  absl::StatusOr<GenerationRequest> r = resolver_->Resolve(req);
+  ASSERT_TRUE(r.ok()) << r.status();
+  const std::string prompt = *resolver_->tokenizer().Decode(r->prompt);
+  EXPECT_TRUE(absl::StrContains(
+      prompt, "<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"add\", \"description\": \"Adds.\", "
+              "\"parameters\": {\"type\": \"object\", \"properties\": {\"a\": {\"type\": \"integer\"}, \"b\": "
+              "{\"type\": \"integer\"}}, \"required\": [\"a\", \"b\"]}}}\n{\"type\": \"function\", \"function\": "
+              "{\"name\": \"noop\"}}\n</tools>"))
+      << prompt;
+  EXPECT_EQ(r->constraint, nullptr);  // auto: the output is read, not constrained
+
+  req.mutable_tool_choice()->set_mode(v1::ToolChoice::MODE_REQUIRED);
+  r = resolver_->Resolve(req);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_NE(r->constraint, nullptr);
+  EXPECT_EQ(r->constraint->spec.kind, grammar::ConstraintKind::kToolCalls);
+  EXPECT_TRUE(absl::StrContains(r->constraint->spec.schema, "\"parallel\":true"));
+  EXPECT_TRUE(absl::StrContains(r->constraint->spec.schema, "\"noop\""));
+
+  req.mutable_tool_choice()->set_function("add");
+  r = resolver_->Resolve(req);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_NE(r->constraint, nullptr);
+  EXPECT_TRUE(absl::StrContains(r->constraint->spec.schema, "\"parallel\":false"));
+  EXPECT_FALSE(absl::StrContains(r->constraint->spec.schema, "noop"));
+  req.mutable_tool_choice()->set_function("sub");
+  ExpectField(resolver_->Resolve(req).status(), "tool_choice.function.name");
+
+  // The history: a call, its result.
+  req = ToolRequest();
+  v1::ChatMessage* a = req.mutable_chat()->add_messages();
+  a->set_role("assistant");
+  v1::ToolCall* call = a->add_tool_calls();
+  call->set_name("add");
+  call->set_arguments(R"({"a":1,"b":2})");
+  v1::ChatMessage* t = req.mutable_chat()->add_messages();
+  t->set_role("tool");
+  t->set_content("3");
+  r = resolver_->Resolve(req);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(absl::EndsWith(*resolver_->tokenizer().Decode(r->prompt),
+                             "<|im_start|>assistant\n<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 1, \"b\": "
+                             "2}}\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n3\n</tool_response><|im_end|>\n"
+                             "<|im_start|>assistant\n"));
+  call->set_arguments("[1, 2]");
+  ExpectField(resolver_->Resolve(req).status(), "chat.messages[1].tool_calls[0].function.arguments");
+}
+
+TEST_F(ResolveTest, BadToolsAreRefusedByName) {
+  v1::GenerateRequest req = ToolRequest();
+  req.mutable_tools(0)->set_parameters(R"({"type":"object","properties":{"a":{"type":"string","pattern":"x"}}})");
+  ExpectField(resolver_->Resolve(req).status(), "tools[0].function.parameters");
+  EXPECT_TRUE(absl::StrContains(resolver_->Resolve(req).status().message(), "'pattern' is not supported"));
+  req = ToolRequest();
+  req.mutable_tools(1)->set_name("add");
+  ExpectField(resolver_->Resolve(req).status(), "tools[1].function.name");
+  req.mutable_tools(1)->set_name("bad name");
+  ExpectField(resolver_->Resolve(req).status(), "tools[1].function.name");
+  req = ToolRequest();
+  req.mutable_tools(0)->set_parameters("[]");
+  ExpectField(resolver_->Resolve(req).status(), "tools[0].function.parameters");
+  req = ToolRequest();
+  req.mutable_tool_choice()->set_mode(v1::ToolChoice::MODE_REQUIRED);
+  req.mutable_response_format()->mutable_json_object();
+  ExpectField(resolver_->Resolve(req).status(), "tool_choice");
+  req = ToolRequest();
+  req.set_text("plain");
+  ExpectField(resolver_->Resolve(req).status(), "tools");
+  req.clear_tools();
+  req.mutable_tool_choice()->set_mode(v1::ToolChoice::MODE_AUTO);
+  ExpectField(resolver_->Resolve(req).status(), "tool_choice");
 }
 
 }  // namespace

@@ -19,6 +19,7 @@
 #include "base/grpc_status.h"
 #include "base/server_util.h"
 #include "router/grpc_transport.h"
+#include "router/tool_calls.h"
 
 namespace pdserve::router {
 namespace {
@@ -559,7 +560,29 @@ grpc::Status RouterService::Run(grpc::ServerContextBase* ctx, const v1::Generate
   Relay relay(relay_context_, *std::move(resolved), req.request_id(), DeadlineOf(*ctx), received);
   relay.set_queue_key(lease->id());
   cancel->Attach(&relay);
-  const absl::Status st = relay.Run(emit);
+  absl::Status st;
+  if (ParsesToolCalls(req)) {
+    // The chunks' text is the model's, calls included; the final carries
+    // the calls read from it (router/tool_calls.h).
+    ToolCallParser calls(absl::StrCat("call_", absl::Hex(absl::ToUnixNanos(received))));
+    st = relay.Run([&](const v1::GenerateResponse& m) {
+      if (m.has_chunk()) {
+        calls.Feed(m.chunk().text());
+        return emit(m);
+      }
+      if (!m.has_final()) return emit(m);
+      v1::GenerateResponse out = m;
+      calls.Finish();
+      v1::GenerateFinal* f = out.mutable_final();
+      for (const v1::ToolCall& c : calls.calls()) *f->add_tool_calls() = c;
+      if (!calls.calls().empty() && f->finish_reason() == v1::FINISH_REASON_STOP) {
+        f->set_finish_reason(v1::FINISH_REASON_TOOL_CALLS);
+      }
+      return emit(out);
+    });
+  } else {
+    st = relay.Run(emit);
+  }
   cancel->Detach();
   if (auto retry = st.GetPayload(kRetryAfterPayload); retry.has_value()) {
     ctx->AddTrailingMetadata("retry-after", std::string(*retry));

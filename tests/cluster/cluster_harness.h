@@ -43,6 +43,24 @@ inline std::string TempDir() {
   return mkdtemp(tmpl);
 }
 
+// The default model in `dir` with its context raised to `context`
+// positions (its other files linked): for tests whose prompts pass its 512,
+// such as a chat with tools, whose system turn takes about 400 of its
+// tokens. RoPE positions past those it was trained on make its words
+// worse; its mechanics, which these tests check, are the same.
+inline std::string LongContextModel(const std::string& dir, int context) {
+  std::filesystem::create_directories(dir);
+  for (const auto& entry : std::filesystem::directory_iterator(kModel)) {
+    const std::string name = entry.path().filename().string();
+    if (name == "config.json" || !entry.is_regular_file()) continue;
+    std::filesystem::create_symlink(entry.path(), dir + "/" + name);
+  }
+  nlohmann::json config = nlohmann::json::parse(std::ifstream(kModel + "/config.json"));
+  config["max_position_embeddings"] = context;
+  std::ofstream(dir + "/config.json") << config.dump(2);
+  return dir;
+}
+
 // A development CA and a certificate per role (deploy/make_certs.sh), made
 // once per test process.
 inline const std::string& TestCertsDir() {

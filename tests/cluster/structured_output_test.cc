@@ -147,6 +147,83 @@ TEST_F(StructuredOutputTest, BadSchemasAreRefusedNamingThePath) {
   EXPECT_GE(MetricValue(router, "pdserve_grammar_compiles_total{outcome=\"refused\"}"), 2) << router;
 }
 
+v1::GenerateRequest ToolCallRequest(uint64_t seed) {
+  v1::GenerateRequest r;
+  v1::ChatMessage* m = r.mutable_chat()->add_messages();
+  m->set_role("user");
+  m->set_content("Add 2 and 3.");
+  v1::Tool* add = r.add_tools();
+  add->set_name("add");
+  add->set_parameters(R"({"type":"object","properties":{"a":{"type":"integer"},"b":{"type":"integer"}},
+      "required":["a","b"],"additionalProperties":false})");
+  v1::Tool* find = r.add_tools();
+  find->set_name("find");
+  find->set_parameters(R"({"type":"object","properties":{"w":{"type":"string","maxLength":8}}})");
+  r.set_max_tokens(120);
+  r.mutable_sampling()->set_temperature(0.9f);
+  r.mutable_sampling()->set_seed(seed);
+  return r;
+}
+
+// A required or named call is generated under the tools' grammar, alike on
+// both clusters (the handoff carries the call's grammar state like any
+// format's), and the final carries the calls read from the text, each one's
+// arguments valid against its tool's schema.
+TEST_F(StructuredOutputTest, RequiredAndNamedToolCallsAreTheSameOnBothClustersAndParse) {
+  const std::string model = LongContextModel(*dir_ + "/long-model", 2048);
+  Cluster disagg, colocated;
+  disagg.model = colocated.model = model;
+  absl::Status s = disagg.Start(*dir_ + "/tools-disagg", false);
+  ASSERT_TRUE(s.ok()) << s;
+  s = colocated.Start(*dir_ + "/tools-colocated", true);
+  ASSERT_TRUE(s.ok()) << s;
+  int complete = 0;
+  for (const bool named : {false, true}) {
+    for (uint64_t seed = 1; seed <= 4; ++seed) {
+      v1::GenerateRequest req = ToolCallRequest(seed);
+      if (named) {
+        req.mutable_tool_choice()->set_function("find");
+      } else {
+        req.mutable_tool_choice()->set_mode(v1::ToolChoice::MODE_REQUIRED);
+      }
+      const std::string what = absl::StrCat(named ? "named" : "required", " seed ", seed);
+      const Output got = disagg.Generate(req);
+      ASSERT_TRUE(got.status.ok()) << what << ": " << got.status.error_message();
+      ExpectSameStream(colocated.Generate(req), got, what + " (colocated against disaggregated)");
+      std::fprintf(stderr, "%s: %s\n", what.c_str(), got.text.c_str());
+      EXPECT_TRUE(absl::StartsWith(got.text, "<tool_call>\n{\"name\": \"")) << what << ": " << got.text;
+      if (got.finish == v1::FINISH_REASON_LENGTH) continue;
+      ++complete;
+      EXPECT_EQ(got.finish, v1::FINISH_REASON_TOOL_CALLS) << what;
+      ASSERT_GE(got.final.tool_calls_size(), 1) << what << ": " << got.text;
+      if (named) EXPECT_EQ(got.final.tool_calls_size(), 1) << what;
+      for (const v1::ToolCall& call : got.final.tool_calls()) {
+        const nlohmann::json args = nlohmann::json::parse(call.arguments(), nullptr, false);
+        ASSERT_TRUE(args.is_object()) << what << ": " << call.arguments();
+        EXPECT_FALSE(call.id().empty());
+        if (named) EXPECT_EQ(call.name(), "find");
+        if (call.name() == "add") {
+          EXPECT_EQ(args.size(), 2u) << call.arguments();
+          EXPECT_TRUE(args["a"].is_number_integer() && args["b"].is_number_integer()) << call.arguments();
+        } else {
+          ASSERT_EQ(call.name(), "find");
+          EXPECT_EQ(args.size(), 1u) << call.arguments();
+          EXPECT_TRUE(args["w"].is_string()) << call.arguments();
+        }
+      }
+    }
+  }
+  EXPECT_GE(complete, 4);
+  // auto: the model answers in words; nothing is read as a call that is not one.
+  v1::GenerateRequest req = ToolCallRequest(9);
+  const Output got = disagg.Generate(req);
+  ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+  if (!absl::StrContains(got.text, "<tool_call>")) {
+    EXPECT_EQ(got.final.tool_calls_size(), 0);
+    EXPECT_NE(got.finish, v1::FINISH_REASON_TOOL_CALLS);
+  }
+}
+
 // The router compiles each format once; the workers compile it on first
 // sight and compute masks, and say so in their metrics.
 TEST_F(StructuredOutputTest, CompilesAndMasksAreCounted) {

@@ -43,12 +43,14 @@ inline std::string TempDir() {
   return mkdtemp(tmpl);
 }
 
-// The default model in `dir` with its context raised to `context`
-// positions (its other files linked): for tests whose prompts pass its 512,
+// The default model in `parent`/kjv-tiny (the served name is the
+// directory's) with its context raised to `context` positions (its other
+// files linked): for tests whose prompts pass its 512,
 // such as a chat with tools, whose system turn takes about 400 of its
 // tokens. RoPE positions past those it was trained on make its words
 // worse; its mechanics, which these tests check, are the same.
-inline std::string LongContextModel(const std::string& dir, int context) {
+inline std::string LongContextModel(const std::string& parent, int context) {
+  const std::string dir = parent + "/kjv-tiny";
   std::filesystem::create_directories(dir);
   for (const auto& entry : std::filesystem::directory_iterator(kModel)) {
     const std::string name = entry.path().filename().string();

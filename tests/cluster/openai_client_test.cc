@@ -107,5 +107,29 @@ TEST(OpenAiClientTest, EveryStructuredOutputValidatesAgainstItsSchema) {
   EXPECT_NE(output.find("family: 200/200 valid"), std::string::npos) << output;
 }
 
+// A tool-call round trip (call, tool result, answer) through the official
+// client, streamed and not, every call's arguments validated by ajv
+// (tools.mjs). The tools' system turn passes the default model's 512
+// positions, so the cluster serves it with a longer context.
+TEST(OpenAiClientTest, AToolCallRoundTripWorks) {
+  ASSERT_TRUE(std::filesystem::exists(kClientDir + "/node_modules/ajv/package.json"))
+      << "ajv is not installed: deploy/test.sh installs it (or: npm ci --prefix " << kClientDir << ")";
+  const std::string dir = TempDir();
+  const std::string keys = dir + "/api_keys";
+  std::filesystem::create_directories(dir);
+  std::ofstream(keys) << "npm-test:" << router::Sha256Hex("sk-pdserve-npm") << "\n";
+  Cluster c;
+  c.model = LongContextModel(dir + "/model", 2048);
+  c.extra_router_flags = {"--api_keys_file", keys};
+  absl::Status s = c.Start(dir + "/cluster", /*colocated=*/false);
+  ASSERT_TRUE(s.ok()) << s;
+  const std::string command =
+      absl::StrCat("cd ", kClientDir, " && NODE_EXTRA_CA_CERTS=", TestTls("router").ca,
+                   " PDSERVE_URL=https://127.0.0.1:", c.http_port(), "/v1 PDSERVE_KEY=sk-pdserve-npm node tools.mjs 2>&1");
+  std::string output;
+  EXPECT_TRUE(RunNode(command, &output)) << output << "\n" << c.Logs();
+  EXPECT_NE(output.find("tools: round trips passed"), std::string::npos) << output;
+}
+
 }  // namespace
 }  // namespace pdserve

@@ -20,6 +20,7 @@
 #include "model/safetensors.h"
 #include "text/tokenizer.h"
 #include "gtest/gtest.h"
+#include "router/tool_calls.h"
 #include "grammar/json_schema.h"
 #include "kv_transfer/grant.h"
 #include "kv_transfer/wire.h"
@@ -40,6 +41,7 @@ extern "C" int FuzzBenchTrace(const uint8_t* data, size_t size);
 extern "C" int FuzzReceived(const uint8_t* data, size_t size);
 extern "C" int FuzzOpenAiRequest(const uint8_t* data, size_t size);
 extern "C" int FuzzJsonSchema(const uint8_t* data, size_t size);
+extern "C" int FuzzToolCalls(const uint8_t* data, size_t size);
 
 namespace pdserve {
 namespace {
@@ -173,6 +175,16 @@ TEST(FuzzCorpusReplayTest, OpenAiRequestBodies) {
 TEST(FuzzCorpusReplayTest, JsonSchemas) {
   Replay("json_schema", 10, FuzzJsonSchema,
          [](const Seed& s) { return grammar::CompileJsonSchema(s.bytes, {}).ok(); });
+}
+
+// valid_: text with at least one call; bad_: text with none.
+TEST(FuzzCorpusReplayTest, ToolCalls) {
+  Replay("tool_calls", 8, FuzzToolCalls, [](const Seed& s) {
+    router::ToolCallParser p("call");
+    p.Feed(absl::string_view(s.bytes).substr(s.bytes.empty() ? 0 : 1));
+    p.Finish();
+    return !p.calls().empty();
+  });
 }
 
 TEST(FuzzCorpusReplayTest, Tokenize) {

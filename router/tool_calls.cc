@@ -88,7 +88,7 @@ ToolCallParser::Delta ToolCallParser::Feed(absl::string_view text) {
 }
 
 void ToolCallParser::Content(Delta& d, absl::string_view text) {
-  if (calls_.empty()) {
+  if (!after_call_) {
     d.content.append(text.data(), text.size());
     return;
   }
@@ -96,6 +96,7 @@ void ToolCallParser::Content(Delta& d, absl::string_view text) {
   if (!AllSpace(held_ws_)) {
     d.content += held_ws_;
     held_ws_.clear();
+    after_call_ = false;
   }
 }
 
@@ -110,6 +111,7 @@ void ToolCallParser::Begin(Delta& d, std::string name) {
   piece.name = std::move(name);
   d.calls.push_back(std::move(piece));
   held_ws_.clear();
+  after_call_ = true;
 }
 
 void ToolCallParser::Arguments(Delta& d, absl::string_view text) {

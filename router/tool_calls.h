@@ -74,6 +74,7 @@ class ToolCallParser {
   std::string pending_;    // Text not yet handled.
   std::string call_text_;  // The current call since <tool_call>.
   std::string held_ws_;    // Whitespace after a call, shown only if text follows.
+  bool after_call_ = false;  // Since the last call, only whitespace came.
   // The arguments value: nesting and string state.
   int depth_ = 0;
   bool in_string_ = false;

@@ -89,8 +89,10 @@ TEST(ToolCallParserTest, CutShortCallsKeepWhatTheyHave) {
   // Whitespace between or after calls is not content; words are.
   s = Parse("<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>\n\n", 1);
   EXPECT_EQ(s.content, "");
-  s = Parse("<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>\nDone.", 1);
-  EXPECT_EQ(s.content, "\nDone.");
+  for (size_t step : {1, 2, 1000}) {
+    s = Parse("<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>\nDone.\n <tool\n", step);
+    EXPECT_EQ(s.content, "\nDone.\n <tool\n") << step;
+  }
 }
 
 TEST(ToolCallParserTest, WhichRequestsAreRead) {

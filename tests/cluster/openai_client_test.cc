@@ -84,26 +84,33 @@ TEST(OpenAiClientTest, TheOfficialClientWorksUnchanged) {
   EXPECT_NE(output.find("# pass 12"), std::string::npos) << output;
 }
 
-// Structured outputs: 200 seeded requests for each of ten schemas of
-// growing complexity (tests/fixtures/structured/schemas.json) through the
-// official client, each reply validated by ajv (structured.mjs).
-TEST(OpenAiClientTest, EveryStructuredOutputValidatesAgainstItsSchema) {
+// Runs `script` (with `env`, "NAME=value ...") from tests/openai_client
+// against a disaggregated cluster of `model` with one API key, and returns
+// whether it passed; its output goes to `output`.
+void RunScript(const std::string& script, const std::string& env, const std::string& model, std::string* output) {
   ASSERT_TRUE(std::filesystem::exists(kClientDir + "/node_modules/ajv/package.json"))
       << "ajv is not installed: deploy/test.sh installs it (or: npm ci --prefix " << kClientDir << ")";
   const std::string dir = TempDir();
   const std::string keys = dir + "/api_keys";
-  std::filesystem::create_directories(dir);
   std::ofstream(keys) << "npm-test:" << router::Sha256Hex("sk-pdserve-npm") << "\n";
   Cluster c;
+  c.model = model.empty() ? kModel : model;
   c.extra_router_flags = {"--api_keys_file", keys};
   absl::Status s = c.Start(dir + "/cluster", /*colocated=*/false);
   ASSERT_TRUE(s.ok()) << s;
   const std::string command =
       absl::StrCat("cd ", kClientDir, " && NODE_EXTRA_CA_CERTS=", TestTls("router").ca,
-                   " PDSERVE_URL=https://127.0.0.1:", c.http_port(),
-                   "/v1 PDSERVE_KEY=sk-pdserve-npm PDSERVE_STRUCTURED_N=200 node structured.mjs 2>&1");
+                   " PDSERVE_URL=https://127.0.0.1:", c.http_port(), "/v1 PDSERVE_KEY=sk-pdserve-npm ", env, " node ",
+                   script, " 2>&1");
+  EXPECT_TRUE(RunNode(command, output)) << *output << "\n" << c.Logs();
+}
+
+// Structured outputs: 200 seeded requests for each of ten schemas of
+// growing complexity (tests/fixtures/structured/schemas.json) through the
+// official client, each reply validated by ajv (structured.mjs).
+TEST(OpenAiClientTest, EveryStructuredOutputValidatesAgainstItsSchema) {
   std::string output;
-  EXPECT_TRUE(RunNode(command, &output)) << output << "\n" << c.Logs();
+  RunScript("structured.mjs", "PDSERVE_STRUCTURED_N=200", "", &output);
   EXPECT_NE(output.find("family: 200/200 valid"), std::string::npos) << output;
 }
 
@@ -112,22 +119,8 @@ TEST(OpenAiClientTest, EveryStructuredOutputValidatesAgainstItsSchema) {
 // (tools.mjs). The tools' system turn passes the default model's 512
 // positions, so the cluster serves it with a longer context.
 TEST(OpenAiClientTest, AToolCallRoundTripWorks) {
-  ASSERT_TRUE(std::filesystem::exists(kClientDir + "/node_modules/ajv/package.json"))
-      << "ajv is not installed: deploy/test.sh installs it (or: npm ci --prefix " << kClientDir << ")";
-  const std::string dir = TempDir();
-  const std::string keys = dir + "/api_keys";
-  std::filesystem::create_directories(dir);
-  std::ofstream(keys) << "npm-test:" << router::Sha256Hex("sk-pdserve-npm") << "\n";
-  Cluster c;
-  c.model = LongContextModel(dir + "/model", 2048);
-  c.extra_router_flags = {"--api_keys_file", keys};
-  absl::Status s = c.Start(dir + "/cluster", /*colocated=*/false);
-  ASSERT_TRUE(s.ok()) << s;
-  const std::string command =
-      absl::StrCat("cd ", kClientDir, " && NODE_EXTRA_CA_CERTS=", TestTls("router").ca,
-                   " PDSERVE_URL=https://127.0.0.1:", c.http_port(), "/v1 PDSERVE_KEY=sk-pdserve-npm node tools.mjs 2>&1");
   std::string output;
-  EXPECT_TRUE(RunNode(command, &output)) << output << "\n" << c.Logs();
+  RunScript("tools.mjs", "", LongContextModel(TempDir(), 2048), &output);
   EXPECT_NE(output.find("tools: round trips passed"), std::string::npos) << output;
 }
 

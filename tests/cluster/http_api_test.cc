@@ -161,8 +161,8 @@ TEST_F(HttpApiTest, MalformedHugeAndInvalidBodiesGetClearErrorsAndTheRouterServe
   expect_error(Post(port, "/v1/completions", "[1,2]"), 400, "body", "not an object");
   expect_error(Post(port, "/v1/completions", "{\"prompt\": \"In the \xff\xfe beginning\"}"), 400, "body",
                "invalid UTF-8");
-  expect_error(Post(port, "/v1/chat/completions", R"({"messages":[{"role":"user","content":"hi"}],"tools":[]})"), 400,
-               "tools", "unsupported field");
+  expect_error(Post(port, "/v1/chat/completions", R"({"messages":[{"role":"user","content":"hi"}],"functions":[]})"),
+               400, "functions", "unsupported field");
   expect_error(Post(port, "/v1/completions", R"({"prompt":"a","temperature":"hot"})"), 400, "temperature",
                "bad value");
   expect_error(Post(port, "/v1/completions", R"({"prompt":"a","max_tokens":100000})"), 400, "max_tokens",

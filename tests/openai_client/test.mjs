@@ -152,11 +152,14 @@ test('models list', async () => {
 
 test('400 naming the field; 404 for an unknown model', async () => {
   await assert.rejects(
-    client.chat.completions.create({ model: MODEL, messages: CHAT, tools: [{ type: 'function', function: { name: 'f' } }] }),
+    client.chat.completions.create({
+      model: MODEL, messages: CHAT,
+      tools: [{ type: 'function', function: { name: 'f', parameters: { type: 'object', properties: { x: { type: 'string', pattern: 'a' } } } } }],
+    }),
     (e) => {
       assert.ok(e instanceof OpenAI.BadRequestError, String(e));
-      assert.equal(e.param, 'tools');
-      assert.match(e.message, /tools/);
+      assert.equal(e.param, 'tools[0].function.parameters');
+      assert.match(e.message, /'pattern' is not supported/);
       return true;
     });
   await assert.rejects(client.completions.create({ model: MODEL, prompt: 'x', temperature: -1 }), (e) => {

@@ -612,6 +612,18 @@ absl::StatusOr<CompiledSchema> CompileToolCalls(absl::string_view spec, const Sc
       root["tools"].empty() || !root.contains("parallel") || !root["parallel"].is_boolean()) {
     return absl::InvalidArgumentError("tools: the spec must be {\"parallel\": bool, \"tools\": [...]}");
   }
+  std::string syntax = "qwen";
+  if (root.contains("syntax")) {
+    if (!root["syntax"].is_string()) return absl::InvalidArgumentError("tools: the spec's syntax must be a string");
+    syntax = root["syntax"].get<std::string>();
+  }
+  if (syntax != "qwen" && syntax != "llama3.1") {
+    return absl::InvalidArgumentError(absl::StrCat("tools: unknown call syntax '", syntax, "' (qwen, llama3.1)"));
+  }
+  const bool llama = syntax == "llama3.1";
+  if (llama && root["parallel"].get<bool>()) {
+    return absl::InvalidArgumentError("tools: the llama3.1 syntax makes one call per message, never parallel ones");
+  }
   Builder b(options.max_nodes);
   std::vector<Frag> calls;
   const json& tools = root["tools"];
@@ -633,8 +645,13 @@ absl::StatusOr<CompiledSchema> CompileToolCalls(absl::string_view spec, const Sc
       if (!r.ok()) return absl::Status(r.status().code(), absl::StrCat(at, ".function.parameters: ", r.status().message()));
       args = *r;
     }
-    calls.push_back(b.Seq({b.Literal(absl::StrCat("<tool_call>\n{\"name\": \"", name, "\", \"arguments\": ")),
-                           b.Call(args), b.Literal("}\n</tool_call>")}));
+    if (llama) {
+      calls.push_back(b.Seq({b.Literal(absl::StrCat("{\"name\": \"", name, "\", \"parameters\": ")), b.Call(args),
+                             b.Literal("}")}));
+    } else {
+      calls.push_back(b.Seq({b.Literal(absl::StrCat("<tool_call>\n{\"name\": \"", name, "\", \"arguments\": ")),
+                             b.Call(args), b.Literal("}\n</tool_call>")}));
+    }
     if (b.over_budget()) break;
   }
   const uint32_t one = b.NewRule();

@@ -66,13 +66,15 @@ absl::StatusOr<std::shared_ptr<const Grammar>> CompileAnyJsonObject(const Schema
 // needs no escaping inside a JSON string).
 bool IsToolName(absl::string_view name);
 
-// Tool calls in the Qwen (Hermes) syntax that the ChatML chat templates
-// show the model (text/chat_template.h):
+// Tool calls in the syntax the chat template shows the model
+// (text/chat_template.h): "qwen" (the ChatML families, the default),
 //   <tool_call>\n{"name": "NAME", "arguments": ARGS}\n</tool_call>
+// or "llama3.1",
+//   {"name": "NAME", "parameters": ARGS}
 // where NAME is one of the tools and ARGS is valid against that tool's
-// parameters schema (any object when it has none); with "parallel", one
-// or more calls separated by "\n". `spec` is JSON:
-//   {"parallel": bool, "tools": [{"name": ..., "parameters": {...}}, ...]}
+// parameters schema (any object when it has none); with "parallel" (qwen
+// only), one or more calls separated by "\n". `spec` is JSON:
+//   {"syntax": ..., "parallel": bool, "tools": [{"name": ..., "parameters": {...}}, ...]}
 // Errors name the tool ("tools[1].function.parameters: schema at #/...").
 // The canonical text is `spec` compact, key order kept.
 absl::StatusOr<CompiledSchema> CompileToolCalls(absl::string_view spec, const SchemaOptions& options);

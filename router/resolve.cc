@@ -271,7 +271,11 @@ absl::StatusOr<GenerationRequest> RequestResolver::Resolve(const v1::GenerateReq
   if (req.tools_size() > 0) {
     // Every tool's schema is checked, whatever the choice; a required or
     // named call is generated under the grammar of the tools it may call.
-    ordered_json spec = {{"parallel", req.has_parallel_tool_calls() ? req.parallel_tool_calls() : true},
+    // Llama 3.1 makes one call per message.
+    const bool llama = tool_syntax() == ToolSyntax::kLlama31;
+    const char* syntax = llama ? "llama3.1" : "qwen";
+    ordered_json spec = {{"syntax", syntax},
+                         {"parallel", !llama && (req.has_parallel_tool_calls() ? req.parallel_tool_calls() : true)},
                          {"tools", tools.specs}};
     absl::StatusOr<std::shared_ptr<const grammar::Constraint>> all = grammars_->ToolCalls(spec.dump());
     if (!all.ok()) return all.status();
@@ -286,7 +290,7 @@ absl::StatusOr<GenerationRequest> RequestResolver::Resolve(const v1::GenerateReq
         return absl::InvalidArgumentError(absl::StrCat("tool_choice.function.name: '", want, "' is not one of the tools"));
       }
       absl::StatusOr<std::shared_ptr<const grammar::Constraint>> c =
-          grammars_->ToolCalls(ordered_json({{"parallel", false}, {"tools", one}}).dump());
+          grammars_->ToolCalls(ordered_json({{"syntax", syntax}, {"parallel", false}, {"tools", one}}).dump());
       if (!c.ok()) return c.status();
       r.constraint = *std::move(c);
     }

@@ -18,6 +18,7 @@
 #include "engine/generation.h"
 #include "grammar/constraint.h"
 #include "model/model_config.h"
+#include "router/tool_calls.h"
 #include "text/chat_template.h"
 #include "text/tokenizer.h"
 #include "pdserve/v1/generation.pb.h"
@@ -61,6 +62,11 @@ class RequestResolver {
   grammar::GrammarCache& grammars() const { return *grammars_; }
   const ModelConfig& config() const { return config_; }
   const std::string& model_name() const { return model_name_; }
+  // The syntax of tool calls in the model's chat template.
+  ToolSyntax tool_syntax() const {
+    return chat_format_.has_value() && chat_format_->family == tok::ChatFamily::kLlama31 ? ToolSyntax::kLlama31
+                                                                                         : ToolSyntax::kQwen;
+  }
 
  private:
   RequestResolver() = default;

@@ -564,7 +564,7 @@ grpc::Status RouterService::Run(grpc::ServerContextBase* ctx, const v1::Generate
   if (ParsesToolCalls(req)) {
     // The chunks' text is the model's, calls included; the final carries
     // the calls read from it (router/tool_calls.h).
-    ToolCallParser calls(absl::StrCat("call_", absl::Hex(absl::ToUnixNanos(received))));
+    ToolCallParser calls(absl::StrCat("call_", absl::Hex(absl::ToUnixNanos(received))), resolver_->tool_syntax());
     st = relay.Run([&](const v1::GenerateResponse& m) {
       if (m.has_chunk()) {
         calls.Feed(m.chunk().text());

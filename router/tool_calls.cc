@@ -60,10 +60,17 @@ Header MatchHeader(absl::string_view s, std::string* name, size_t* end) {
   if (s[p] != '"' || p == name_begin || p - name_begin > 64) return Header::kNo;
   *name = std::string(s.substr(name_begin, p - name_begin));
   ++p;
-  for (absl::string_view part : {",", "\"arguments\"", ":"}) {
-    ws();
-    if (Header h = lit(part); h != Header::kYes) return h;
+  ws();
+  if (Header h = lit(","); h != Header::kYes) return h;
+  ws();
+  const size_t key = p;
+  if (Header h = lit("\"arguments\""); h != Header::kYes) {
+    p = key;
+    const Header h2 = lit("\"parameters\"");
+    if (h2 != Header::kYes) return h == Header::kMore || h2 == Header::kMore ? Header::kMore : Header::kNo;
   }
+  ws();
+  if (Header h = lit(":"); h != Header::kYes) return h;
   ws();
   if (p >= s.size()) return Header::kMore;
   *end = p;
@@ -78,7 +85,35 @@ bool ParsesToolCalls(const v1::GenerateRequest& request) {
            request.tool_choice().mode() == v1::ToolChoice::MODE_NONE);
 }
 
-ToolCallParser::ToolCallParser(std::string id_base) : id_base_(std::move(id_base)) {}
+ToolCallParser::ToolCallParser(std::string id_base, ToolSyntax syntax)
+    : id_base_(std::move(id_base)), syntax_(syntax), mode_(syntax == ToolSyntax::kLlama31 ? Mode::kStart : Mode::kText) {}
+
+bool ToolCallParser::WholeCall(Delta& d, const std::string& body) {
+  const nlohmann::ordered_json j = nlohmann::ordered_json::parse(body, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object() || j.size() != 2 || !j.contains("name") || !j["name"].is_string()) return false;
+  const char* key = j.contains("arguments") ? "arguments" : "parameters";
+  if (!j.contains(key)) return false;
+  const std::string name = j["name"].get<std::string>();
+  if (name.empty() || name.size() > 64) return false;
+  for (char c : name) {
+    if (!IsNameChar(c)) return false;
+  }
+  std::string args;
+  if (j[key].is_object()) {
+    args = j[key].dump();
+  } else if (j[key].is_string()) {
+    // Some models write the arguments as a JSON string holding them.
+    const nlohmann::ordered_json inner =
+        nlohmann::ordered_json::parse(j[key].get<std::string>(), nullptr, /*allow_exceptions=*/false);
+    if (!inner.is_object()) return false;
+    args = inner.dump();
+  } else {
+    return false;
+  }
+  Begin(d, name);
+  Arguments(d, args);
+  return true;
+}
 
 ToolCallParser::Delta ToolCallParser::Feed(absl::string_view text) {
   Delta d;
@@ -129,9 +164,29 @@ void ToolCallParser::Arguments(Delta& d, absl::string_view text) {
 }
 
 void ToolCallParser::Run(Delta& d) {
+  const bool llama = syntax_ == ToolSyntax::kLlama31;
   while (true) {
     switch (mode_) {
+      case Mode::kStart: {
+        // Llama 3.1: a call is the whole message, so its first byte tells.
+        size_t first = 0;
+        while (first < pending_.size() && IsSpace(pending_[first])) ++first;
+        if (first == pending_.size()) return;
+        if (pending_[first] == '{') {
+          pending_.erase(0, first);
+          call_text_.clear();
+          mode_ = Mode::kHeader;
+        } else {
+          mode_ = Mode::kText;
+        }
+        break;
+      }
       case Mode::kText: {
+        if (llama) {
+          Content(d, pending_);
+          pending_.clear();
+          return;
+        }
         const size_t at = pending_.find(kOpen);
         if (at == std::string::npos) {
           const size_t hold = HeldBack(pending_, kOpen);
@@ -160,7 +215,7 @@ void ToolCallParser::Run(Delta& d) {
           mode_ = Mode::kArguments;
           break;
         }
-        if (h == Header::kMore && call_text_.find(kClose) == std::string::npos) return;
+        if (h == Header::kMore && (llama || call_text_.find(kClose) == std::string::npos)) return;
         mode_ = Mode::kWhole;
         break;
       }
@@ -204,9 +259,10 @@ void ToolCallParser::Run(Delta& d) {
       case Mode::kAfterArguments: {
         call_text_ += pending_;
         pending_.clear();
-        const size_t at = call_text_.find(kClose);
+        // The call's own closing brace (Llama), or its closing tag.
+        const size_t at = llama ? call_text_.find('}') : call_text_.find(kClose);
         if (at == std::string::npos) return;
-        pending_ = call_text_.substr(at + kCloseSize);
+        pending_ = call_text_.substr(at + (llama ? 1 : kCloseSize));
         call_text_.clear();
         mode_ = Mode::kText;
         break;
@@ -214,39 +270,14 @@ void ToolCallParser::Run(Delta& d) {
       case Mode::kWhole: {
         call_text_ += pending_;
         pending_.clear();
+        if (llama) return;  // read at the end (Finish)
         const size_t at = call_text_.find(kClose);
         if (at == std::string::npos) return;
         const std::string body = call_text_.substr(0, at);
         pending_ = call_text_.substr(at + kCloseSize);
         call_text_.clear();
         mode_ = Mode::kText;
-        const nlohmann::ordered_json j = nlohmann::ordered_json::parse(body, nullptr, /*allow_exceptions=*/false);
-        bool ok = j.is_object() && j.size() == 2 && j.contains("name") && j["name"].is_string() &&
-                  j.contains("arguments");
-        std::string name;
-        if (ok) {
-          name = j["name"].get<std::string>();
-          ok = !name.empty() && name.size() <= 64;
-          for (char c : name) ok = ok && IsNameChar(c);
-        }
-        std::string args;
-        if (ok && j["arguments"].is_object()) {
-          args = j["arguments"].dump();
-        } else if (ok && j["arguments"].is_string()) {
-          // Some models write the arguments as a JSON string holding them.
-          const nlohmann::ordered_json inner =
-              nlohmann::ordered_json::parse(j["arguments"].get<std::string>(), nullptr, /*allow_exceptions=*/false);
-          ok = inner.is_object();
-          if (ok) args = inner.dump();
-        } else {
-          ok = false;
-        }
-        if (!ok) {
-          Content(d, absl::StrCat(kOpen, body, kClose));
-          break;
-        }
-        Begin(d, std::move(name));
-        Arguments(d, args);
+        if (!WholeCall(d, body)) Content(d, absl::StrCat(kOpen, body, kClose));
         break;
       }
     }
@@ -256,14 +287,22 @@ void ToolCallParser::Run(Delta& d) {
 ToolCallParser::Delta ToolCallParser::Finish() {
   Delta d;
   Run(d);
+  const bool llama = syntax_ == ToolSyntax::kLlama31;
   switch (mode_) {
+    case Mode::kStart:
     case Mode::kText:
       Content(d, pending_);
       break;
     case Mode::kHeader:
-    case Mode::kWhole:
-      Content(d, absl::StrCat(kOpen, call_text_, pending_));
+    case Mode::kWhole: {
+      const std::string body = call_text_ + pending_;
+      if (llama) {
+        if (!WholeCall(d, body)) Content(d, body);
+      } else {
+        Content(d, absl::StrCat(kOpen, body));
+      }
       break;
+    }
     case Mode::kArguments:
     case Mode::kAfterArguments:
       break;
@@ -271,7 +310,7 @@ ToolCallParser::Delta ToolCallParser::Finish() {
   pending_.clear();
   call_text_.clear();
   held_ws_.clear();
-  mode_ = Mode::kText;
+  mode_ = llama ? Mode::kStart : Mode::kText;
   return d;
 }
 

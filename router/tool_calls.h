@@ -1,8 +1,16 @@
-// Tool calls read out of a generation's text as it streams, in the Qwen
-// (Hermes) syntax that the ChatML chat templates teach the model
-// (text/chat_template.h):
+// Tool calls read out of a generation's text as it streams, in the syntax
+// its chat template teaches the model (text/chat_template.h): the Qwen
+// (Hermes) syntax of the ChatML families,
 //
 //   <tool_call>\n{"name": "NAME", "arguments": {...}}\n</tool_call>
+//
+// or Llama 3.1's, where a call is the whole message:
+//
+//   {"name": "NAME", "parameters": {...}}
+//
+// (a Llama 3.1 output that does not begin with "{" is content; what follows
+// a call's closing brace is content too). Either key, "arguments" or
+// "parameters", is read in both syntaxes.
 //
 // Text outside calls is content. A call's name is known as soon as its
 // header ({"name": "NAME", "arguments": ) has arrived, and its arguments
@@ -28,6 +36,8 @@
 
 namespace pdserve::router {
 
+enum class ToolSyntax { kQwen, kLlama31 };
+
 // Whether a request's output is read for tool calls: it has tools and its
 // tool_choice is not "none".
 bool ParsesToolCalls(const v1::GenerateRequest& request);
@@ -50,7 +60,7 @@ class ToolCallParser {
   };
 
   // Calls are named `id_base` + "_" + their index.
-  explicit ToolCallParser(std::string id_base);
+  explicit ToolCallParser(std::string id_base, ToolSyntax syntax = ToolSyntax::kQwen);
 
   Delta Feed(absl::string_view text);
   // The output ended: text held back is content, and so is a call that
@@ -61,16 +71,18 @@ class ToolCallParser {
   const std::vector<v1::ToolCall>& calls() const { return calls_; }
 
  private:
-  enum class Mode { kText, kHeader, kArguments, kAfterArguments, kWhole };
+  enum class Mode { kStart, kText, kHeader, kArguments, kAfterArguments, kWhole };
   void Run(Delta& d);
   // Content text, except whitespace alone once a call was seen.
   void Content(Delta& d, absl::string_view text);
   void Begin(Delta& d, std::string name);
   void Arguments(Delta& d, absl::string_view text);
-  void EndCall(Delta& d);
+  // A call read whole: true when `body` is one.
+  bool WholeCall(Delta& d, const std::string& body);
 
   const std::string id_base_;
-  Mode mode_ = Mode::kText;
+  const ToolSyntax syntax_;
+  Mode mode_;
   std::string pending_;    // Text not yet handled.
   std::string call_text_;  // The current call since <tool_call>.
   std::string held_ws_;    // Whitespace after a call, shown only if text follows.

@@ -6,6 +6,8 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "text/unicode_util.h"
 #include "nlohmann/json.hpp"
 
@@ -107,28 +109,31 @@ constexpr char kToolsTail[] =
     "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
     "<args-json-object>}\n</tool_call><|im_end|>\n";
 
-void PyJson(const nlohmann::ordered_json& v, std::string& out) {
-  if (v.is_object()) {
-    out += '{';
-    bool first = true;
-    for (auto it = v.begin(); it != v.end(); ++it) {
-      if (!first) out += ", ";
-      first = false;
+// Python's json.dumps(v, ensure_ascii=False, indent=indent): indent < 0 is
+// one line with ", " between items, else an item a line with ",".
+void PyJson(const nlohmann::ordered_json& v, int indent, int level, std::string& out) {
+  const bool container = v.is_object() || v.is_array();
+  if (!container || v.empty()) {
+    out += container ? (v.is_object() ? "{}" : "[]") : v.dump();
+    return;
+  }
+  const std::string inner = indent < 0 ? "" : "\n" + std::string(static_cast<size_t>(indent) * (level + 1), ' ');
+  const std::string outer = indent < 0 ? "" : "\n" + std::string(static_cast<size_t>(indent) * level, ' ');
+  const char* between = indent < 0 ? ", " : ",";
+  out += v.is_object() ? '{' : '[';
+  bool first = true;
+  for (auto it = v.begin(); it != v.end(); ++it) {
+    if (!first) out += between;
+    first = false;
+    out += inner;
+    if (v.is_object()) {
       out += nlohmann::ordered_json(it.key()).dump();
       out += ": ";
-      PyJson(it.value(), out);
     }
-    out += '}';
-  } else if (v.is_array()) {
-    out += '[';
-    for (size_t i = 0; i < v.size(); ++i) {
-      if (i > 0) out += ", ";
-      PyJson(v[i], out);
-    }
-    out += ']';
-  } else {
-    out += v.dump();
+    PyJson(it.value(), indent, level + 1, out);
   }
+  out += outer;
+  out += v.is_object() ? '}' : ']';
 }
 
 absl::StatusOr<RenderedChat> RenderChatML(const ChatFormat& f, absl::Span<const ChatMessage> m, bool gen,
@@ -256,6 +261,71 @@ absl::StatusOr<RenderedChat> RenderLlama3(const ChatFormat& f, absl::Span<const 
   return out.Take();
 }
 
+constexpr char kLlamaToolsHead[] =
+    "Given the following functions, please respond with a JSON for a function call with its proper arguments "
+    "that best answers the given prompt.\n\nRespond in the format {\"name\": function name, \"parameters\": "
+    "dictionary of argument name and its value}.Do not use variables.\n\n";
+
+absl::StatusOr<RenderedChat> RenderLlama31(const ChatFormat& f, absl::Span<const ChatMessage> m, bool gen,
+                                           absl::string_view bos, absl::Span<const std::string> tools) {
+  if (absl::Status st = CheckRoles(m, /*tool=*/true); !st.ok()) return st;
+  ChatText out;
+  out.Marker(bos);
+  size_t next = 0;
+  std::string system;
+  if (!m.empty() && m[0].role == "system") {
+    system = Trim(m[0].content);
+    next = 1;
+  }
+  out.Marker("<|start_header_id|>system<|end_header_id|>\n\n");
+  if (!tools.empty()) out.Marker("Environment: ipython\n");
+  const std::string date = f.date_from_clock ? absl::FormatTime("%d %b %Y", absl::Now(), absl::UTCTimeZone())
+                                             : std::string("26 Jul 2024");
+  out.Marker(absl::StrCat("Cutting Knowledge Date: December 2023\nToday Date: ", date, "\n\n"));
+  out.Content(system);
+  out.Marker("<|eot_id|>");
+  if (!tools.empty()) {
+    // The tools go into the first message after the system one, whatever
+    // its role, as the template puts them.
+    if (next >= m.size()) return BadMessage(next, "the llama3.1 chat template puts the tools in a first user message");
+    out.Marker(absl::StrCat("<|start_header_id|>user<|end_header_id|>\n\n", kLlamaToolsHead));
+    for (const std::string& t : tools) {
+      absl::StatusOr<std::string> pretty = JinjaJson(t, 4);
+      if (!pretty.ok()) return absl::InvalidArgumentError(absl::StrCat("tools: ", pretty.status().message()));
+      out.Content(*pretty);
+      out.Marker("\n\n");
+    }
+    out.Content(Trim(m[next].content));
+    out.Marker("<|eot_id|>");
+    ++next;
+  }
+  for (size_t i = next; i < m.size(); ++i) {
+    const ChatMessage& msg = m[i];
+    if (msg.role == "tool") {
+      // The template prints a result with tojson (a string is iterable to
+      // Jinja), so it arrives quoted.
+      out.Marker("<|start_header_id|>ipython<|end_header_id|>\n\n");
+      out.Content(nlohmann::ordered_json(msg.content).dump());
+      out.Marker("<|eot_id|>");
+    } else if (!msg.tool_calls.empty()) {
+      if (msg.tool_calls.size() != 1) {
+        return BadMessage(i, "tool_calls: the llama3.1 chat template takes one call per message");
+      }
+      out.Marker("<|start_header_id|>assistant<|end_header_id|>\n\n{\"name\": \"");
+      out.Content(msg.tool_calls[0].name);
+      out.Marker("\", \"parameters\": ");
+      out.Content(msg.tool_calls[0].arguments);
+      out.Marker("}<|eot_id|>");
+    } else {
+      out.Marker(absl::StrCat("<|start_header_id|>", msg.role, "<|end_header_id|>\n\n"));
+      out.Content(Trim(msg.content));
+      out.Marker("<|eot_id|>");
+    }
+  }
+  if (gen) out.Marker("<|start_header_id|>assistant<|end_header_id|>\n\n");
+  return out.Take();
+}
+
 absl::StatusOr<RenderedChat> RenderLlama2(absl::Span<const ChatMessage> m, absl::string_view bos,
                                           absl::string_view eos) {
   if (absl::Status st = CheckRoles(m, /*tool=*/false); !st.ok()) return st;
@@ -307,7 +377,8 @@ absl::StatusOr<RenderedChat> RenderZephyr(absl::Span<const ChatMessage> m, bool 
 }  // namespace
 
 bool FamilyHasTools(ChatFamily family) {
-  return family == ChatFamily::kChatML || family == ChatFamily::kQwen3 || family == ChatFamily::kQwen25;
+  return family == ChatFamily::kChatML || family == ChatFamily::kQwen3 || family == ChatFamily::kQwen25 ||
+         family == ChatFamily::kLlama31;
 }
 
 const char* ChatFamilyName(ChatFamily family) {
@@ -320,6 +391,8 @@ const char* ChatFamilyName(ChatFamily family) {
       return "qwen2.5";
     case ChatFamily::kLlama3:
       return "llama3";
+    case ChatFamily::kLlama31:
+      return "llama3.1";
     case ChatFamily::kLlama2:
       return "llama2";
     case ChatFamily::kZephyr:
@@ -328,12 +401,12 @@ const char* ChatFamilyName(ChatFamily family) {
   return "unknown";
 }
 
-absl::StatusOr<std::string> JinjaJson(absl::string_view json_text) {
+absl::StatusOr<std::string> JinjaJson(absl::string_view json_text, int indent) {
   const nlohmann::ordered_json v =
       nlohmann::ordered_json::parse(json_text.begin(), json_text.end(), nullptr, /*allow_exceptions=*/false);
   if (v.is_discarded()) return absl::InvalidArgumentError("not valid JSON");
   std::string out;
-  PyJson(v, out);
+  PyJson(v, indent, 0, out);
   return out;
 }
 
@@ -342,15 +415,16 @@ absl::StatusOr<ChatFamily> ParseChatFamily(absl::string_view name) {
   if (name == "qwen3") return ChatFamily::kQwen3;
   if (name == "qwen2.5") return ChatFamily::kQwen25;
   if (name == "llama3") return ChatFamily::kLlama3;
+  if (name == "llama3.1") return ChatFamily::kLlama31;
   if (name == "llama2") return ChatFamily::kLlama2;
   if (name == "zephyr") return ChatFamily::kZephyr;
   return absl::InvalidArgumentError(absl::StrCat(
-      "unknown chat template family '", name, "' (chatml, qwen3, qwen2.5, llama3, llama2, zephyr)"));
+      "unknown chat template family '", name, "' (chatml, qwen3, qwen2.5, llama3, llama3.1, llama2, zephyr)"));
 }
 
 absl::StatusOr<ChatFormat> DetectChatFormat(absl::string_view t) {
   ChatFormat f;
-  const char* override_hint = "; pass an explicit family (chatml, qwen3, qwen2.5, llama3, llama2, zephyr)";
+  const char* override_hint = "; pass an explicit family (chatml, qwen3, qwen2.5, llama3, llama3.1, llama2, zephyr)";
   if (t.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("the tokenizer has no chat_template", override_hint));
   }
@@ -365,6 +439,12 @@ absl::StatusOr<ChatFormat> DetectChatFormat(absl::string_view t) {
     return f;
   }
   if (absl::StrContains(t, "<|start_header_id|>")) {
+    if (absl::StrContains(t, "Cutting Knowledge Date") && absl::StrContains(t, "tools_in_user_message") &&
+        absl::StrContains(t, "\"parameters\": ")) {
+      f.family = ChatFamily::kLlama31;
+      f.date_from_clock = absl::StrContains(t, "strftime_now");
+      return f;
+    }
     if (absl::StrContains(t, "Cutting Knowledge Date") || absl::StrContains(t, "tools")) {
       return absl::InvalidArgumentError(absl::StrCat(
           "unrecognised Llama 3 chat template variant (dates/tools)", override_hint));
@@ -389,7 +469,7 @@ absl::StatusOr<RenderedChat> RenderChatWithContent(const ChatFormat& format,
                                                    bool add_generation_prompt, absl::string_view bos_token,
                                                    absl::string_view eos_token, absl::Span<const std::string> tools) {
   if (!FamilyHasTools(format.family)) {
-    const char* why = " has no tool syntax that pdserve renders (the ChatML and Qwen templates do)";
+    const char* why = " has no tool syntax that pdserve renders (the ChatML, Qwen and Llama 3.1 templates do)";
     if (!tools.empty()) return absl::InvalidArgumentError(absl::StrCat("tools: the ", ChatFamilyName(format.family),
                                                                         " chat template", why));
     for (size_t i = 0; i < messages.size(); ++i) {
@@ -410,6 +490,8 @@ absl::StatusOr<RenderedChat> RenderChatWithContent(const ChatFormat& format,
       return RenderChatML(format, messages, add_generation_prompt, tools);
     case ChatFamily::kLlama3:
       return RenderLlama3(format, messages, add_generation_prompt, bos_token);
+    case ChatFamily::kLlama31:
+      return RenderLlama31(format, messages, add_generation_prompt, bos_token, tools);
     case ChatFamily::kLlama2:
       return RenderLlama2(messages, bos_token, eos_token);
     case ChatFamily::kZephyr:

@@ -1,17 +1,26 @@
 // Chat messages rendered exactly as a model's Jinja chat_template would,
 // for the template families we recognise by their text (no general Jinja
 // engine): ChatML (Qwen; with Qwen3's <think> handling and Qwen2.5's default
-// system prompt when the template has them), Llama 3, Llama 2 [INST] with
-// <<SYS>>, and Zephyr. An unknown template is refused with a clear error;
+// system prompt when the template has them), Llama 3, Llama 3.1, Llama 2
+// [INST] with <<SYS>>, and Zephyr. An unknown template is refused with a clear error;
 // an explicit family overrides the recognition.
 //
-// Tools render in the ChatML families only, in the Qwen (Hermes) syntax
-// that Qwen2.5 and Qwen3 templates print: a "# Tools" system block listing
-// each tool as JSON within <tools></tools>, an assistant's calls as
-// <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>, and tool
-// results as <tool_response> blocks in a user turn. Plain ChatML templates
-// have no tool syntax of their own and get the same. Other families refuse
-// tools, tool calls and tool messages (FamilyHasTools).
+// Llama 3.1 (and the later Llama 3 templates that share its layout: a
+// system block with the knowledge cutoff and today's date) is a family of
+// its own.
+//
+// Tools render in two syntaxes, each as its templates print it:
+// - ChatML families, the Qwen (Hermes) syntax of Qwen2.5 and Qwen3: a
+//   "# Tools" system block listing each tool as JSON within <tools></tools>,
+//   an assistant's calls as <tool_call>\n{"name": ..., "arguments": ...}\n
+//   </tool_call>, and tool results as <tool_response> blocks in a user turn.
+//   Plain ChatML templates have no tool syntax of their own and get the same.
+// - Llama 3.1: "Environment: ipython" in the system block, the tools as
+//   indented JSON in the first user message, a call as the assistant's
+//   whole message {"name": ..., "parameters": ...} (one per message), and
+//   results in "ipython" turns.
+// Other families refuse tools, tool calls and tool messages
+// (FamilyHasTools).
 //
 // Thread safety: pure functions.
 #ifndef PDSERVE_TEXT_CHAT_TEMPLATE_H_
@@ -40,27 +49,31 @@ struct ChatMessage {
   std::vector<ChatToolCall> tool_calls;  // Assistant messages (ChatML only).
 };
 
-enum class ChatFamily { kChatML, kQwen3, kQwen25, kLlama3, kLlama2, kZephyr };
+enum class ChatFamily { kChatML, kQwen3, kQwen25, kLlama3, kLlama31, kLlama2, kZephyr };
 
 struct ChatFormat {
   ChatFamily family = ChatFamily::kChatML;
   // Llama 3 files exist whose template adds the assistant header whether or
   // not a generation prompt is asked for.
   bool always_generation_prompt = false;
+  // Llama 3.1's "Today Date": the template's fixed "26 Jul 2024", or (for
+  // templates that call strftime_now) the day the prompt is rendered, UTC.
+  bool date_from_clock = false;
 };
 
-// Whether the family renders tools (the ChatML ones).
+// Whether the family renders tools (the ChatML ones and Llama 3.1).
 bool FamilyHasTools(ChatFamily family);
 // The family's name, as ParseChatFamily reads it.
 const char* ChatFamilyName(ChatFamily family);
 
 // JSON text as Python's json.dumps(ensure_ascii=False) prints it, which is
 // what Hugging Face's `tojson` filter is: ", " and ": " separators, keys in
-// their given order, non-ASCII kept. INVALID_ARGUMENT when `json_text` is
-// not JSON.
-absl::StatusOr<std::string> JinjaJson(absl::string_view json_text);
+// their given order, non-ASCII kept; with `indent` >= 0, `tojson(indent=N)`:
+// one item a line, "," and ": " separators. INVALID_ARGUMENT when
+// `json_text` is not JSON.
+absl::StatusOr<std::string> JinjaJson(absl::string_view json_text, int indent = -1);
 
-// "chatml", "qwen3", "qwen2.5", "llama3", "llama2", "zephyr".
+// "chatml", "qwen3", "qwen2.5", "llama3", "llama3.1", "llama2", "zephyr".
 absl::StatusOr<ChatFamily> ParseChatFamily(absl::string_view name);
 
 // Recognises the family from a chat_template's text. INVALID_ARGUMENT for an

@@ -77,7 +77,7 @@ void Generations::Run(const CallPtr& call, Endpoint endpoint, const std::string&
   const uint64_t n = next_id_.fetch_add(1);
   const std::string id = absl::StrCat(chat ? "chatcmpl-" : "cmpl-", absl::Hex(id_base_ + n, absl::kZeroPad16));
   ResponseWriter writer(*request, id, absl::ToUnixSeconds(absl::Now()), backend_.resolver->model_name(),
-                        &backend_.resolver->tokenizer());
+                        &backend_.resolver->tokenizer(), backend_.resolver->tool_syntax());
   Relay relay(rc, *std::move(resolved), client_id.empty() ? id : client_id, std::nullopt, received);
   relay.set_queue_key(lease.id());
   call->gone.Attach(&relay);

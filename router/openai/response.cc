@@ -91,7 +91,7 @@ std::string TokenBytes(const tok::Tokenizer& tokenizer, int32_t id) {
 }
 
 ResponseWriter::ResponseWriter(const OpenAiRequest& request, std::string id, int64_t created, std::string model,
-                               const tok::Tokenizer* tokenizer)
+                               const tok::Tokenizer* tokenizer, ToolSyntax tool_syntax)
     : endpoint_(request.endpoint),
       logprobs_(request.logprobs),
       top_logprobs_(request.top_logprobs),
@@ -103,7 +103,7 @@ ResponseWriter::ResponseWriter(const OpenAiRequest& request, std::string id, int
   if (endpoint_ == Endpoint::kChatCompletions && ParsesToolCalls(request.generate)) {
     // Call ids follow the response's: "chatcmpl-X" makes "call_X_0", ...
     const size_t dash = id_.find('-');
-    tools_.emplace(absl::StrCat("call_", dash == std::string::npos ? id_ : id_.substr(dash + 1)));
+    tools_.emplace(absl::StrCat("call_", dash == std::string::npos ? id_ : id_.substr(dash + 1)), tool_syntax);
   }
   json head = {{"id", id_},
                {"object", endpoint_ == Endpoint::kChatCompletions ? "chat.completion.chunk" : "text_completion"},

@@ -44,8 +44,9 @@ class ResponseWriter {
  public:
   // `id`: the response id ("cmpl-..." / "chatcmpl-..."); `created`: Unix
   // seconds; `model`: the served model's name. `tokenizer` outlives it.
+  // `tool_syntax`: how the model's template writes tool calls.
   ResponseWriter(const OpenAiRequest& request, std::string id, int64_t created, std::string model,
-                 const tok::Tokenizer* tokenizer);
+                 const tok::Tokenizer* tokenizer, ToolSyntax tool_syntax = ToolSyntax::kQwen);
 
   // Streaming: the events for one chunk ("data: {...}\n\n"; the first chat
   // chunk is preceded by one announcing the assistant role).

@@ -262,6 +262,8 @@ INSTANTIATE_TEST_SUITE_P(
     Families, ChatTemplateTest,
     ::testing::Values(ChatFixture{"qwen3", "", "qwen3/chat_reference.jsonl", ChatFamily::kQwen3},
                       ChatFixture{"llama3", "", "llama3/chat_reference.jsonl", ChatFamily::kLlama3},
+                      ChatFixture{"llama3", "llama3.1/chat_template.jinja", "llama3.1/chat_reference.jsonl",
+                                  ChatFamily::kLlama31},
                       ChatFixture{"llama2", "llama2/chat_template.jinja", "llama2/chat_reference.jsonl",
                                   ChatFamily::kLlama2},
                       ChatFixture{"llama2", "zephyr_template.jinja", "zephyr_chat_reference.jsonl",
@@ -349,6 +351,7 @@ TEST(ChatToolsTest, ToolsCallsAndResultsRenderAsTheQwenTemplateDoes) {
                                              "are a helpful assistant.\n\n# Tools\n\n"));
   // Families without tool syntax refuse tools and calls by name.
   auto llama = RenderChat({ChatFamily::kLlama3}, messages, true, "", "", tools);
+  EXPECT_TRUE(FamilyHasTools(ChatFamily::kLlama31));
   EXPECT_THAT(llama.status().message(), ::testing::HasSubstr("tools: the llama3 chat template has no tool syntax"));
   std::vector<ChatMessage> called = {{"user", "x"}, {"assistant", "", {{"f", "{}"}}}};
   EXPECT_THAT(RenderChat({ChatFamily::kZephyr}, called, true, "", "").status().message(),
@@ -358,7 +361,44 @@ TEST(ChatToolsTest, ToolsCallsAndResultsRenderAsTheQwenTemplateDoes) {
               ::testing::HasSubstr("only an assistant message holds tool calls"));
 }
 
+// Llama 3.1's tool syntax as its template prints it (jinja2:
+// render_chat.py --tools llama3.1): tools as indented JSON in the first
+// user message, a call as the assistant's whole message, results quoted in
+// ipython turns; two calls in one message are refused, as the template
+// refuses them.
+TEST(ChatToolsTest, Llama31ToolsRenderAsItsTemplateDoes) {
+  auto tok = Tokenizer::Load(kDir + "llama3");
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  const auto format = DetectChatFormat(*ReadFileToString(kDir + "llama3.1/chat_template.jinja"));
+  ASSERT_TRUE(format.ok()) << format.status();
+  EXPECT_EQ(format->family, ChatFamily::kLlama31);
+  EXPECT_FALSE(format->date_from_clock);
+  const nlohmann::ordered_json cases = nlohmann::ordered_json::parse(*ReadFileToString(kDir + "tool_cases.json"));
+  int rendered = 0, refused = 0;
+  for (const auto& ref : ReadJsonl(kDir + "llama3.1/tool_chat_reference.jsonl")) {
+    std::vector<ChatMessage> messages;
+    std::vector<std::string> tools;
+    ToolCase(cases[ref["case"].get<int>()], messages, tools);
+    auto r = RenderChatWithContent(*format, messages, ref["add_generation_prompt"].get<bool>(), (*tok)->bos_token(),
+                                   (*tok)->eos_token(), tools);
+    if (ref.contains("error")) {
+      EXPECT_THAT(r.status().message(), ::testing::HasSubstr("one call per message")) << "case " << ref["case"];
+      ++refused;
+      continue;
+    }
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->text, ref["text"].get<std::string>()) << "case " << ref["case"];
+    auto ids = (*tok)->EncodeWithLiteralRanges(r->text, r->content);
+    ASSERT_TRUE(ids.ok()) << ids.status();
+    ++rendered;
+  }
+  EXPECT_EQ(rendered, 8);
+  EXPECT_EQ(refused, 2);
+}
+
 TEST(ChatToolsTest, JinjaJsonPrintsAsPythonsJsonDumps) {
+  EXPECT_EQ(*JinjaJson(R"({"a":[1,{}],"b":{"c":[]}})", 2),
+            "{\n  \"a\": [\n    1,\n    {}\n  ],\n  \"b\": {\n    \"c\": []\n  }\n}");
   EXPECT_EQ(*JinjaJson(R"({"b":1,"a":[1,2.5,null,true],"c":{"d":"\u00e9\n\"x\""},"e":{},"f":[]})"),
             "{\"b\": 1, \"a\": [1, 2.5, null, true], \"c\": {\"d\": \"\xc3\xa9\\n\\\"x\\\"\"}, \"e\": {}, \"f\": []}");
   EXPECT_FALSE(JinjaJson("{").ok());

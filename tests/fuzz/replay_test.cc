@@ -180,7 +180,8 @@ TEST(FuzzCorpusReplayTest, JsonSchemas) {
 // valid_: text with at least one call; bad_: text with none.
 TEST(FuzzCorpusReplayTest, ToolCalls) {
   Replay("tool_calls", 8, FuzzToolCalls, [](const Seed& s) {
-    router::ToolCallParser p("call");
+    router::ToolCallParser p("call", !s.bytes.empty() && (s.bytes[0] & 16) != 0 ? router::ToolSyntax::kLlama31
+                                                                                 : router::ToolSyntax::kQwen);
     p.Feed(absl::string_view(s.bytes).substr(s.bytes.empty() ? 0 : 1));
     p.Finish();
     return !p.calls().empty();

@@ -2,7 +2,7 @@
 // (router/tool_calls.h), text a model writes (and a client can steer).
 //
 // The first byte picks the size of the pieces the rest is fed in (1 to
-// 16), as tokens arrive. Promises: no crash; the same content and calls
+// 16), as tokens arrive, and the syntax (bit 4: Llama 3.1's, else Qwen's). Promises: no crash; the same content and calls
 // whatever the pieces (one piece against many); every call's name is a
 // tool name; a stream's argument pieces join to the call's arguments.
 //
@@ -34,8 +34,8 @@ struct Read {
   std::vector<std::string> names, arguments;
 };
 
-Read Parse(absl::string_view text, size_t step) {
-  pdserve::router::ToolCallParser p("call");
+Read Parse(absl::string_view text, size_t step, pdserve::router::ToolSyntax syntax) {
+  pdserve::router::ToolCallParser p("call", syntax);
   Read r;
   auto take = [&](const pdserve::router::ToolCallParser::Delta& d) {
     r.content += d.content;
@@ -70,9 +70,10 @@ Read Parse(absl::string_view text, size_t step) {
 extern "C" int PDSERVE_FUZZ_ENTRY(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
   const size_t step = 1 + data[0] % 16;
+  const auto syntax = (data[0] & 16) != 0 ? pdserve::router::ToolSyntax::kLlama31 : pdserve::router::ToolSyntax::kQwen;
   const absl::string_view text(reinterpret_cast<const char*>(data) + 1, size - 1);
-  const Read whole = Parse(text, text.size() + 1);
-  const Read pieces = Parse(text, step);
+  const Read whole = Parse(text, text.size() + 1, syntax);
+  const Read pieces = Parse(text, step, syntax);
   if (whole.content != pieces.content) Fail("the content depends on how the text was split");
   if (whole.names != pieces.names || whole.arguments != pieces.arguments) {
     Fail("the calls depend on how the text was split");

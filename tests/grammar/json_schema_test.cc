@@ -256,6 +256,23 @@ TEST(ToolCallGrammarTest, CallsNameAToolAndFollowItsParameters) {
   }
 }
 
+TEST(ToolCallGrammarTest, Llama31CallsAreTheWholeMessage) {
+  std::string spec = kTools;
+  spec.replace(0, 1, R"({"syntax": "llama3.1", )");
+  absl::StatusOr<CompiledSchema> c = CompileToolCalls(spec, {});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(Complete(c->grammar, "{\"name\": \"add\", \"parameters\": {\"a\": 1, \"b\": 2}}"));
+  EXPECT_FALSE(Complete(c->grammar, "{\"name\": \"add\", \"arguments\": {\"a\": 1, \"b\": 2}}"));
+  EXPECT_FALSE(Complete(c->grammar, "<tool_call>\n{\"name\": \"any\", \"arguments\": {}}\n</tool_call>"));
+  std::string parallel = spec;
+  parallel.replace(parallel.find("false"), 5, "true");
+  EXPECT_THAT(CompileToolCalls(parallel, {}).status().message(), ::testing::HasSubstr("never parallel"));
+  EXPECT_THAT(CompileToolCalls(R"({"syntax": "mistral", "parallel": false, "tools": [{"name": "f"}]})", {})
+                  .status()
+                  .message(),
+              ::testing::HasSubstr("unknown call syntax"));
+}
+
 TEST(ToolCallGrammarTest, BadToolsAreRefusedNamingTheTool) {
   EXPECT_THAT(CompileToolCalls(R"({"parallel": true, "tools": [{"name": "ok"}, {"name": "bad name"}]})", {})
                   .status()

@@ -273,5 +273,24 @@ TEST_F(OpenAiResponseTest, ToolCallsStreamAsDeltasAndReturnWhole) {
   EXPECT_EQ(none_body["choices"][0]["message"]["content"], absl::StrJoin(pieces, ""));
 }
 
+// Llama 3.1's calls are the whole message.
+TEST_F(OpenAiResponseTest, Llama31CallsAreReadFromTheWholeMessage) {
+  OpenAiRequest req = Request(Endpoint::kChatCompletions);
+  req.generate.add_tools()->set_name("add");
+  ResponseWriter whole(req, "chatcmpl-5", 1, "m", tokenizer_.get(), ToolSyntax::kLlama31);
+  for (const char* p : {"{\"name\": \"a", "dd\", \"parameters\": {\"a\"", ": 2}}"}) whole.Add(Chunk(p, {1}));
+  const json body = json::parse(whole.Body(Final(v1::FINISH_REASON_STOP)));
+  EXPECT_EQ(body["choices"][0]["finish_reason"], "tool_calls");
+  EXPECT_TRUE(body["choices"][0]["message"]["content"].is_null());
+  ASSERT_EQ(body["choices"][0]["message"]["tool_calls"].size(), 1u);
+  EXPECT_EQ(body["choices"][0]["message"]["tool_calls"][0]["function"]["name"], "add");
+  EXPECT_EQ(body["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"], "{\"a\": 2}");
+  ResponseWriter words(req, "chatcmpl-6", 1, "m", tokenizer_.get(), ToolSyntax::kLlama31);
+  words.Add(Chunk("It is 4.", {1}));
+  const json text = json::parse(words.Body(Final(v1::FINISH_REASON_STOP)));
+  EXPECT_EQ(text["choices"][0]["finish_reason"], "stop");
+  EXPECT_EQ(text["choices"][0]["message"]["content"], "It is 4.");
+}
+
 }  // namespace
 }  // namespace pdserve::router::openai

@@ -3,11 +3,16 @@
 #include "router/resolve.h"
 
 #include <algorithm>
+#include <filesystem>
+#include <fstream>
 #include <memory>
+#include <sstream>
 #include <string>
 
 #include "absl/strings/match.h"
+#include "grammar/grammar.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 
 namespace pdserve::router {
 namespace {
@@ -205,6 +210,41 @@ TEST_F(ResolveTest, ToolsRenderAndRequiredOrNamedCallsAreConstrained) {
                              "<|im_start|>assistant\n"));
   call->set_arguments("[1, 2]");
   ExpectField(resolver_->Resolve(req).status(), "chat.messages[1].tool_calls[0].function.arguments");
+}
+
+// A Llama 3.1 template: the tools go into the first user message, and a
+// required call is generated in its JSON syntax, one call at most.
+TEST(ResolveLlamaTest, Llama31ToolsRenderInItsSyntaxAndCallsFollowIt) {
+  const std::string src = std::string(PDSERVE_SOURCE_DIR);
+  const std::string dir = ::testing::TempDir() + "/resolve_llama31";
+  std::filesystem::create_directories(dir);
+  nlohmann::json config = nlohmann::json::parse(std::ifstream(src + "/deploy/models/kjv-tiny/config.json"));
+  config["max_position_embeddings"] = 4096;  // only the resolver reads it: the tools' turn is long
+  std::ofstream(dir + "/config.json") << config.dump();
+  std::filesystem::copy_file(src + "/tests/fixtures/tokenizers/llama3/tokenizer.json", dir + "/tokenizer.json",
+                             std::filesystem::copy_options::overwrite_existing);
+  nlohmann::json tc = nlohmann::json::parse(std::ifstream(src + "/tests/fixtures/tokenizers/llama3/tokenizer_config.json"));
+  std::stringstream tmpl;
+  tmpl << std::ifstream(src + "/tests/fixtures/tokenizers/llama3.1/chat_template.jinja").rdbuf();
+  tc["chat_template"] = tmpl.str();
+  std::ofstream(dir + "/tokenizer_config.json") << tc.dump();
+  absl::StatusOr<std::unique_ptr<RequestResolver>> resolver = RequestResolver::Create(dir, "llama");
+  ASSERT_TRUE(resolver.ok()) << resolver.status();
+  EXPECT_EQ((*resolver)->tool_syntax(), ToolSyntax::kLlama31);
+  v1::GenerateRequest req = ToolRequest();
+  req.mutable_tool_choice()->set_mode(v1::ToolChoice::MODE_REQUIRED);
+  absl::StatusOr<GenerationRequest> r = (*resolver)->Resolve(req);
+  ASSERT_TRUE(r.ok()) << r.status();
+  const std::string prompt = *(*resolver)->tokenizer().Decode(r->prompt);
+  EXPECT_TRUE(absl::StrContains(prompt, "Environment: ipython\nCutting Knowledge Date: December 2023")) << prompt;
+  EXPECT_TRUE(absl::StrContains(prompt, "{\n    \"type\": \"function\",\n    \"function\": {\n        \"name\": \"add\""))
+      << prompt;
+  ASSERT_NE(r->constraint, nullptr);
+  EXPECT_TRUE(absl::StrContains(r->constraint->spec.schema, "\"syntax\":\"llama3.1\",\"parallel\":false"))
+      << r->constraint->spec.schema;
+  grammar::Matcher m(r->constraint->grammar);
+  EXPECT_TRUE(m.Advance("{\"name\": \"add\", \"parameters\": {\"a\": 1, \"b\": 2}}"));
+  EXPECT_TRUE(m.state().complete());
 }
 
 TEST_F(ResolveTest, BadToolsAreRefusedByName) {

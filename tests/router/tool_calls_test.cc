@@ -19,8 +19,8 @@ struct Seen {
 };
 
 // Feeds `text` in pieces of `step` bytes, then finishes.
-Seen Parse(const std::string& text, size_t step) {
-  ToolCallParser p("call_x");
+Seen Parse(const std::string& text, size_t step, ToolSyntax syntax = ToolSyntax::kQwen) {
+  ToolCallParser p("call_x", syntax);
   Seen s;
   auto take = [&](const ToolCallParser::Delta& d) {
     s.content += d.content;
@@ -92,6 +92,30 @@ TEST(ToolCallParserTest, CutShortCallsKeepWhatTheyHave) {
   for (size_t step : {1, 2, 1000}) {
     s = Parse("<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>\nDone.\n <tool\n", step);
     EXPECT_EQ(s.content, "\nDone.\n <tool\n") << step;
+  }
+}
+
+// Llama 3.1: a call is the whole message; anything else is content.
+TEST(ToolCallParserTest, Llama31CallsAreTheWholeMessage) {
+  for (size_t step : {1, 3, 1000}) {
+    Seen s = Parse(" {\"name\": \"add\", \"parameters\": {\"a\": {\"b\": \"}\"}}}", step, ToolSyntax::kLlama31);
+    ASSERT_EQ(s.names.size(), 1u) << step;
+    EXPECT_EQ(s.names[0], "add");
+    EXPECT_EQ(s.arguments[0], "{\"a\": {\"b\": \"}\"}}");
+    EXPECT_EQ(s.content, "");
+    if (step == 1) EXPECT_GT(s.argument_pieces, 5);
+    s = Parse("{\"parameters\": {\"a\": 1}, \"name\": \"f\"}", step, ToolSyntax::kLlama31);
+    ASSERT_EQ(s.names.size(), 1u) << step;  // other key order: read whole
+    EXPECT_EQ(s.arguments[0], "{\"a\":1}");
+    s = Parse("The answer is {\"name\": \"f\", \"parameters\": {}}", step, ToolSyntax::kLlama31);
+    EXPECT_TRUE(s.names.empty());
+    EXPECT_EQ(s.content, "The answer is {\"name\": \"f\", \"parameters\": {}}");
+    s = Parse("{not a call}", step, ToolSyntax::kLlama31);
+    EXPECT_TRUE(s.names.empty());
+    EXPECT_EQ(s.content, "{not a call}");
+    // Tags mean nothing here.
+    s = Parse("<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>", step, ToolSyntax::kLlama31);
+    EXPECT_TRUE(s.names.empty());
   }
 }
 

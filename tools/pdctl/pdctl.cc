@@ -78,7 +78,7 @@ ABSL_FLAG(bool, skip_special_tokens, false, "detokenize: drop special tokens");
 ABSL_FLAG(std::string, messages_file, "", "chat-template: JSON list of {role, content}");
 ABSL_FLAG(bool, add_generation_prompt, false, "chat-template: end with the assistant prompt");
 ABSL_FLAG(std::string, chat_template_family, "",
-          "chat-template / generate: override the recognised family (chatml, qwen3, qwen2.5, llama3, llama2, zephyr)");
+          "chat-template / generate: override the recognised family (chatml, qwen3, qwen2.5, llama3, llama3.1, llama2, zephyr)");
 ABSL_FLAG(std::string, prompt, "", "generate: prompt text (encoded with the tokenizer's special tokens)");
 ABSL_FLAG(std::string, chat_json, "", "generate: chat messages file, rendered with the chat template");
 ABSL_FLAG(std::string, router, "", "generate / status / bench: a router's address (host:port) instead of in-process");

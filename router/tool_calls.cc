@@ -4,6 +4,7 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "grammar/json_schema.h"
 #include "nlohmann/json.hpp"
 
 namespace pdserve::router {
@@ -94,10 +95,7 @@ bool ToolCallParser::WholeCall(Delta& d, const std::string& body) {
   const char* key = j.contains("arguments") ? "arguments" : "parameters";
   if (!j.contains(key)) return false;
   const std::string name = j["name"].get<std::string>();
-  if (name.empty() || name.size() > 64) return false;
-  for (char c : name) {
-    if (!IsNameChar(c)) return false;
-  }
+  if (!grammar::IsToolName(name)) return false;
   std::string args;
   if (j[key].is_object()) {
     args = j[key].dump();
@@ -127,8 +125,9 @@ void ToolCallParser::Content(Delta& d, absl::string_view text) {
     d.content.append(text.data(), text.size());
     return;
   }
+  // held_ws_ is whitespace alone until this text: only the new text is looked at.
   held_ws_.append(text.data(), text.size());
-  if (!AllSpace(held_ws_)) {
+  if (!AllSpace(text)) {
     d.content += held_ws_;
     held_ws_.clear();
     after_call_ = false;

@@ -46,8 +46,8 @@ inline std::string TempDir() {
 // The default model in `parent`/kjv-tiny (the served name is the
 // directory's) with its context raised to `context` positions (its other
 // files linked): for tests whose prompts pass its 512,
-// such as a chat with tools, whose system turn takes about 400 of its
-// tokens. RoPE positions past those it was trained on make its words
+// such as a chat with tools (a one-line question with two small tools is
+// a 480-token prompt). RoPE positions past those it was trained on make its words
 // worse; its mechanics, which these tests check, are the same.
 inline std::string LongContextModel(const std::string& parent, int context) {
   const std::string dir = parent + "/kjv-tiny";
